@@ -1,0 +1,18 @@
+//! `kvshare._core`: a thin PyO3 binding of kvshare-core. No logic lives here: every class is a
+//! `#[pyclass(frozen)]` wrapper around a core type behind a Mutex, every core error maps to a
+//! typed Python exception, and the GIL is released around hashing of long prompts and disk I/O.
+
+use pyo3::prelude::*;
+
+mod disk;
+mod errors;
+mod pool;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
+    pool::register(m)?;
+    disk::register(m)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
