@@ -1,0 +1,100 @@
+"""The engine's public surface: what the server submits and what it gets back.
+
+The server talks only to the engine (never to the model or the core); these plain data classes
+are the whole contract between them. The engine runs model steps on its own thread; a
+`RequestHandle` is consumed from asyncio and is safe to cancel from any thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """OpenAI / llama-server sampling knobs. temperature == 0 means greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # llama.cpp repeat_penalty; 1.0 = off
+    penalty_last_n: int = 64
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class GenerationRequest:
+    prompt_tokens: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)  # stop strings (not included in the output)
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to the model's EOS/EOT
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    cache_salt: bytes | None = None  # tenant isolation: part of every cache key
+    # Token position of the first user message's start in a chat prompt (hybrid checkpoints).
+    first_user_boundary: int | None = None
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token. `text` is the newly complete text it adds (may be empty while a
+    multi-byte character or a possible stop string is pending)."""
+
+    token_id: int
+    text: str
+    logprob: TokenLogprob | None = None
+    top_logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Timings:
+    """llama-server's `timings` object."""
+
+    prompt_n: int  # prompt tokens computed
+    cache_n: int  # prompt tokens reused from the cache
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_n": self.prompt_n,
+            "cache_n": self.cache_n,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n else 0.0,
+            "prompt_per_second": 1e3 * self.prompt_n / self.prompt_ms if self.prompt_ms > 0 else 0.0,
+            "predicted_n": self.predicted_n,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": self.predicted_ms / self.predicted_n if self.predicted_n else 0.0,
+            "predicted_per_second": 1e3 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0,
+        }
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    timings: Timings
+    time_to_first_token_s: float
+    error: str | None = None
