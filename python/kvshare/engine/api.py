@@ -58,7 +58,8 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class TokenEvent:
     """One generated token. `text` is the newly complete text it adds (may be empty while a
-    multi-byte character or a possible stop string is pending)."""
+    multi-byte character or a possible stop string is pending). A final event with
+    `token_id == -1` may carry held-back text released at the end; it is not a token."""
 
     token_id: int
     text: str
