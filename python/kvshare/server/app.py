@@ -1,0 +1,682 @@
+"""The Starlette application: OpenAI-compatible completions over a kvshare `Engine`.
+
+`create_app(engine, settings)` builds the app; its lifespan starts the engine and shuts it down.
+The app only talks to the engine through the contract in `kvshare.engine.api` plus the engine's
+tokenizer/template methods, so it can be tested against a fake engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvshare.engine.api import FinishEvent, GenerationRequest, TokenEvent
+
+from . import protocol as P
+from .errors import HTTP_CODES, APIError, bad_request, error_body
+from .metrics import ServerMetrics
+from .settings import ServerSettings
+
+log = logging.getLogger("kvshare.server")
+request_log = logging.getLogger("kvshare.server.requests")
+
+OPEN_PATHS = frozenset({"/health", "/v1/health"})
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# --------------------------------------------------------------------------- middleware
+
+def route_path(scope: Scope) -> str:
+    """The path the router sees: `path` minus `root_path` when the proxy left the prefix on."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):] or "/"
+    return path
+
+
+class RootPathMiddleware:
+    """Sets `scope["root_path"]` when the server did not (e.g. a test client)."""
+
+    def __init__(self, app: ASGIApp, root_path: str):
+        self.app, self.root_path = app, root_path.rstrip("/")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket") and not scope.get("root_path"):
+            scope = dict(scope, root_path=self.root_path)
+        await self.app(scope, receive, send)
+
+
+class AuthMiddleware:
+    """Bearer-token auth on everything except /health."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app, self.key = app, api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        given = None
+        auth = headers.get(b"authorization")
+        if auth is not None:
+            scheme, _, value = auth.partition(b" ")
+            if scheme.lower() == b"bearer":
+                given = value.strip()
+        if given is None:
+            given = headers.get(b"x-api-key")
+        if given is not None and hmac.compare_digest(given, self.key):
+            return await self.app(scope, receive, send)
+        msg = ("Missing API key: send 'Authorization: Bearer <key>'" if given is None
+               else "Invalid API key")
+        resp = JSONResponse(error_body(msg, code="invalid_api_key"), status_code=401,
+                            headers={"WWW-Authenticate": "Bearer"})
+        await resp(scope, receive, send)
+
+
+# --------------------------------------------------------------------------- request records
+
+@dataclass
+class RequestRecord:
+    """What one completion request did; logged as one JSON line and counted in metrics."""
+
+    id: str
+    endpoint: str
+    t0: float = field(default_factory=time.perf_counter)
+    stream: bool = False
+    status: int = 200
+    prompt_tokens: int | None = None
+    finish: FinishEvent | None = None
+    error: str | None = None
+    done: bool = False
+
+    def as_log(self) -> dict:
+        d: dict[str, Any] = {"id": self.id, "endpoint": self.endpoint, "status": self.status,
+                             "stream": self.stream, "prompt_tokens": self.prompt_tokens}
+        f = self.finish
+        if f is not None:
+            d.update(prompt_tokens=f.prompt_tokens, cache_n=f.timings.cache_n,
+                     prompt_n=f.timings.prompt_n, completion_tokens=f.completion_tokens,
+                     finish_reason=f.reason, ttft_ms=round(f.time_to_first_token_s * 1e3, 2),
+                     prompt_ms=round(f.timings.prompt_ms, 2),
+                     predicted_ms=round(f.timings.predicted_ms, 2))
+        d["duration_ms"] = round((time.perf_counter() - self.t0) * 1e3, 2)
+        if self.error:
+            d["error"] = self.error
+        return d
+
+
+# --------------------------------------------------------------------------- body reading
+
+def _is_json_type(content_type: str | None) -> bool:
+    if not content_type:
+        return True  # be lenient with clients that send no content type
+    mt = content_type.split(";", 1)[0].strip().lower()
+    return mt == "application/json" or (mt.startswith("application/") and mt.endswith("+json"))
+
+
+async def read_json(request: Request, settings: ServerSettings) -> dict:
+    """Read a JSON object body under the size limit: a declared Content-Length over the limit,
+    or a chunked body that grows past it, gets 413 without being held in memory."""
+    if not _is_json_type(request.headers.get("content-type")):
+        raise APIError(415, "Content-Type must be application/json", code="unsupported_media_type")
+    limit = settings.max_body_bytes
+    too_large = APIError(413, f"Request body is larger than the limit of {limit} bytes",
+                         code="request_too_large")
+    cl = request.headers.get("content-length")
+    if cl is not None:
+        try:
+            declared = int(cl)
+        except ValueError:
+            raise bad_request("invalid Content-Length header") from None
+        if declared > limit:
+            if declared <= settings.max_discard_bytes:
+                await _discard(request, settings.max_discard_bytes)
+            else:
+                too_large.headers = {"Connection": "close"}
+            raise too_large
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            del buf
+            await _discard(request, settings.max_discard_bytes)
+            raise too_large
+    if not buf:
+        raise bad_request("request body is empty; expected a JSON object")
+    try:
+        body = json.loads(bytes(buf))
+    except (ValueError, RecursionError) as e:
+        raise bad_request(f"malformed JSON in request body: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    return body
+
+
+async def _discard(request: Request, cap: int) -> None:
+    n = 0
+    try:
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > cap:
+                return
+    except (ClientDisconnect, RuntimeError):
+        return
+
+
+# --------------------------------------------------------------------------- formats
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _Format:
+    """Builds one endpoint's response objects and stream chunks."""
+
+    object_full = object_chunk = ""
+
+    def __init__(self, rid: str, model: str, opts: P.CommonOptions):
+        self.rid, self.model, self.opts = rid, model, opts
+        self.created = int(time.time())
+
+    def _base(self, obj: str) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+    def usage_chunk(self, fin: FinishEvent) -> dict:
+        c = self._base(self.object_chunk)
+        c.update(choices=[], usage=P.usage(fin), timings=fin.timings.as_dict())
+        return c
+
+
+class ChatFormat(_Format):
+    object_full, object_chunk = "chat.completion", "chat.completion.chunk"
+
+    def _chunk(self, delta: dict, finish: str | None = None, logprobs: Any = None) -> dict:
+        c = self._base(self.object_chunk)
+        c["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs,
+                         "finish_reason": finish}]
+        return c
+
+    def start_chunks(self) -> list[dict]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def token_chunk(self, ev: TokenEvent) -> dict | None:
+        entry = P.chat_logprob_entry(ev) if self.opts.logprobs else None
+        if not ev.text and entry is None:
+            return None
+        return self._chunk({"content": ev.text},
+                           logprobs={"content": [entry]} if entry is not None else None)
+
+    def final_chunk(self, fin: FinishEvent) -> dict:
+        c = self._chunk({}, P.finish_reason(fin))
+        c.update(usage=P.usage(fin), timings=fin.timings.as_dict())
+        return c
+
+    def response(self, text: str, events: list[TokenEvent], fin: FinishEvent) -> dict:
+        logprobs = None
+        if self.opts.logprobs:
+            logprobs = {"content": [e for e in map(P.chat_logprob_entry, events) if e]}
+        r = self._base(self.object_full)
+        r.update(choices=[{"index": 0,
+                           "message": {"role": "assistant", "content": text},
+                           "logprobs": logprobs, "finish_reason": P.finish_reason(fin)}],
+                 usage=P.usage(fin), timings=fin.timings.as_dict())
+        return r
+
+
+class CompletionFormat(_Format):
+    object_full = object_chunk = "text_completion"
+
+    def __init__(self, rid: str, model: str, opts: P.CommonOptions, echo_text: str):
+        super().__init__(rid, model, opts)
+        self.echo_text = echo_text
+        self.offset = len(echo_text)
+
+    def _chunk(self, text: str, finish: str | None = None, logprobs: Any = None) -> dict:
+        c = self._base(self.object_chunk)
+        c["choices"] = [{"index": 0, "text": text, "logprobs": logprobs,
+                         "finish_reason": finish}]
+        return c
+
+    def start_chunks(self) -> list[dict]:
+        return [self._chunk(self.echo_text)] if self.echo_text else []
+
+    def token_chunk(self, ev: TokenEvent) -> dict | None:
+        lp = None
+        if self.opts.logprobs:
+            lp = P.LegacyLogprobs(self.offset)
+            if lp.add(ev):
+                self.offset = lp.offset
+            else:
+                lp = None
+        if not ev.text and lp is None:
+            return None
+        return self._chunk(ev.text, logprobs=lp.as_dict() if lp else None)
+
+    def final_chunk(self, fin: FinishEvent) -> dict:
+        c = self._chunk("", P.finish_reason(fin))
+        c.update(usage=P.usage(fin), timings=fin.timings.as_dict())
+        return c
+
+    def response(self, text: str, events: list[TokenEvent], fin: FinishEvent) -> dict:
+        logprobs = None
+        if self.opts.logprobs:
+            lp = P.LegacyLogprobs(len(self.echo_text))
+            for e in events:
+                lp.add(e)
+            logprobs = lp.as_dict()
+        r = self._base(self.object_full)
+        r.update(choices=[{"index": 0, "text": self.echo_text + text, "logprobs": logprobs,
+                           "finish_reason": P.finish_reason(fin)}],
+                 usage=P.usage(fin), timings=fin.timings.as_dict())
+        return r
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however the response ends, even when the
+    client disconnects before the body iterator was ever started."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except (OSError, ClientDisconnect):
+            pass
+        finally:
+            self.on_close()
+
+
+# --------------------------------------------------------------------------- the server
+
+class KVShareServer:
+    def __init__(self, engine, settings: ServerSettings):
+        self.engine = engine
+        self.settings = settings
+        self.metrics = ServerMetrics(engine)
+        self.shutting_down = False
+        self.started = int(time.time())
+        self.active: dict[str, Any] = {}  # request id -> RequestHandle
+        self._bos: int | None | bool = False  # False: not probed yet
+
+    # ------------------------------------------------------------------ lifecycle
+    def begin_shutdown(self) -> None:
+        """Refuse new completions (503) and report unhealthy; in-flight ones go on."""
+        self.shutting_down = True
+
+    def cancel_all(self) -> None:
+        """Cancel every in-flight generation (their streams end with an error event)."""
+        for handle in list(self.active.values()):
+            handle.cancel()
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def vocab_size(self) -> int | None:
+        v = getattr(self.engine, "vocab_size", None)
+        return v if isinstance(v, int) else None
+
+    def _bos_id(self) -> int | None:
+        if self._bos is False:
+            try:
+                ids = self.engine.tokenize("", add_special=True, parse_special=True)
+                self._bos = ids[0] if len(ids) == 1 else None
+            except Exception:
+                self._bos = None
+        return self._bos  # type: ignore[return-value]
+
+    def _chat_tokens(self, chat: P.ChatInput) -> tuple[list[int], int | None]:
+        kwargs = dict(chat.template_kwargs)
+        agp = kwargs.pop("add_generation_prompt", True)
+        try:
+            text, boundary = self.engine.apply_chat_template(
+                chat.messages, tools=chat.tools, add_generation_prompt=bool(agp), **kwargs)
+        except APIError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise bad_request(f"chat template error: {e}", "messages", "invalid_messages") from None
+        except Exception as e:
+            if type(e).__module__.startswith("jinja2"):
+                raise bad_request(f"chat template error: {e}", "messages",
+                                  "invalid_messages") from None
+            raise
+        tokens = self.engine.tokenize(text, add_special=True, parse_special=True)
+        bos = self._bos_id()
+        # A template that renders the BOS text itself plus the tokenizer's BOS would give two.
+        if bos is not None and len(tokens) >= 2 and tokens[0] == bos and tokens[1] == bos:
+            tokens = tokens[1:]
+            if boundary:
+                boundary -= 1
+        return tokens, boundary
+
+    # ------------------------------------------------------------------ completions
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completions")
+
+    async def _generate(self, request: Request, endpoint: str) -> Response:
+        chat = endpoint == "chat"
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        rec = RequestRecord(id=rid, endpoint=endpoint)
+        self.metrics.in_flight.inc()
+        handed_off = False
+        try:
+            if self.shutting_down:
+                raise APIError(503, "The server is shutting down", code="service_unavailable")
+            body = await read_json(request, self.settings)
+            P.check_model(body, self.engine.model_name)
+            ctx = self.engine.ctx_size
+            opts = P.parse_common(body, ctx_size=ctx, chat=chat)
+            rec.stream = opts.stream
+            boundary = None
+            echo_text = ""
+            if chat:
+                chat_in = P.parse_chat(body)
+                tokens, boundary = await run_in_threadpool(self._chat_tokens, chat_in)
+                param = "messages"
+            else:
+                comp = P.parse_completion(body, self.vocab_size)
+                param = "prompt"
+                if comp.tokens is not None:
+                    tokens = list(comp.tokens)
+                    if comp.echo:
+                        echo_text = await run_in_threadpool(self.engine.detokenize, tokens)
+                else:
+                    tokens = await run_in_threadpool(self.engine.tokenize, comp.text, True, True)
+                    if comp.echo:
+                        echo_text = comp.text or ""
+            rec.prompt_tokens = n = len(tokens)
+            if n == 0:
+                raise bad_request("the prompt is empty", param)
+            if n >= ctx:
+                raise bad_request(
+                    f"This model's maximum context length is {ctx} tokens, but the prompt has "
+                    f"{n} tokens (at least one token must be left for the completion)", param,
+                    "context_length_exceeded")
+            max_tokens = min(opts.max_tokens or ctx, ctx - n)
+            greq = GenerationRequest(
+                prompt_tokens=tokens, max_tokens=max_tokens, sampling=opts.sampling,
+                stop=opts.stop, ignore_eos=opts.ignore_eos, logprobs=opts.logprobs,
+                top_logprobs=opts.top_logprobs, cache_salt=opts.cache_salt,
+                first_user_boundary=boundary, request_id=rid)
+            try:
+                handle = self.engine.submit(greq)
+            except ValueError as e:
+                code = "context_length_exceeded" if "context" in str(e).lower() else None
+                raise bad_request(str(e), param, code) from None
+            self.active[rid] = handle
+            fmt = (ChatFormat(rid, self.engine.model_name, opts) if chat
+                   else CompletionFormat(rid, self.engine.model_name, opts, echo_text))
+            if opts.stream:
+                handed_off = True
+
+                def on_close() -> None:
+                    self._close(rec, handle)
+                    self._finish_record(rec)
+
+                return SSEResponse(self._stream(handle, fmt, opts, rec), on_close)
+            try:
+                return await self._collect(request, handle, fmt, rec)
+            finally:
+                self._close(rec, handle)
+        except APIError as e:
+            rec.status, rec.error = e.status, e.message
+            return e.response()
+        except ClientDisconnect:
+            rec.status, rec.error = 499, "client disconnected"
+            return Response(status_code=400)
+        except Exception as e:  # noqa: BLE001
+            log.exception("request %s failed", rid)
+            rec.status, rec.error = 500, f"{type(e).__name__}: {e}"
+            return APIError(500, f"Internal server error ({type(e).__name__}); see the server "
+                                 f"log for request {rid}", code="internal_error").response()
+        finally:
+            if not handed_off:
+                self._finish_record(rec)
+
+    def _close(self, rec: RequestRecord, handle) -> None:
+        """Idempotent end of a submitted request: cancel it if it is still running."""
+        if self.active.pop(rec.id, None) is not None and rec.finish is None:
+            handle.cancel()
+            if rec.status == 200:
+                rec.status, rec.error = 499, "client disconnected"
+
+    def _finish_record(self, rec: RequestRecord) -> None:
+        if rec.done:
+            return
+        rec.done = True
+        m = self.metrics
+        m.in_flight.dec()
+        m.requests.labels(rec.endpoint, str(rec.status)).inc()
+        m.duration.observe(time.perf_counter() - rec.t0)
+        fin = rec.finish
+        if fin is not None:
+            m.finish.labels(fin.reason).inc()
+            if fin.completion_tokens > 0:
+                m.ttft.observe(fin.time_to_first_token_s)
+        request_log.info(json.dumps(rec.as_log(), separators=(",", ":")))
+
+    async def _collect(self, request: Request, handle, fmt: _Format,
+                       rec: RequestRecord) -> Response:
+        disconnected = asyncio.Event()
+
+        async def watch() -> None:
+            while True:
+                msg = await request.receive()
+                if msg["type"] == "http.disconnect":
+                    disconnected.set()
+                    handle.cancel()
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        texts: list[str] = []
+        events: list[TokenEvent] = []
+        fin = None
+        try:
+            async for ev in handle:
+                if isinstance(ev, FinishEvent):
+                    fin = ev
+                    break
+                texts.append(ev.text)
+                events.append(ev)
+        finally:
+            watcher.cancel()
+        rec.finish = fin
+        if fin is None:
+            raise RuntimeError("the engine ended the request without a FinishEvent")
+        if disconnected.is_set():
+            rec.status, rec.error = 499, "client disconnected"
+            return Response(status_code=499)
+        self._check_finish(fin)
+        return JSONResponse(fmt.response("".join(texts), events, fin))
+
+    @staticmethod
+    def _check_finish(fin: FinishEvent) -> None:
+        if fin.reason == "error":
+            raise APIError(500, f"generation failed: {fin.error or 'engine error'}",
+                           code="engine_error")
+        if fin.reason == "cancelled":
+            raise APIError(503, "the request was cancelled (the server is shutting down)",
+                           code="cancelled")
+
+    async def _stream(self, handle, fmt: _Format, opts: P.CommonOptions,
+                      rec: RequestRecord) -> AsyncIterator[bytes]:
+        try:
+            for c in fmt.start_chunks():
+                yield _sse(c)
+            fin = None
+            async for ev in handle:
+                if isinstance(ev, FinishEvent):
+                    fin = ev
+                    break
+                chunk = fmt.token_chunk(ev)
+                if chunk is not None:
+                    yield _sse(chunk)
+            rec.finish = fin
+            if fin is None:
+                raise RuntimeError("the engine ended the request without a FinishEvent")
+            try:
+                self._check_finish(fin)
+            except APIError as e:
+                rec.status, rec.error = e.status, e.message
+                yield _sse(e.body())
+            else:
+                yield _sse(fmt.final_chunk(fin))
+                if opts.include_usage:
+                    yield _sse(fmt.usage_chunk(fin))
+            yield b"data: [DONE]\n\n"
+        except Exception as e:  # noqa: BLE001 - report in-band, the status line is gone
+            log.exception("stream %s failed", rec.id)
+            rec.status, rec.error = 500, f"{type(e).__name__}: {e}"
+            yield _sse(error_body(f"Internal server error ({type(e).__name__})",
+                                  type="server_error", code="internal_error"))
+            yield b"data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ other endpoints
+    async def models(self, request: Request) -> Response:
+        e = self.engine
+        return JSONResponse({"object": "list", "data": [{
+            "id": e.model_name, "object": "model", "created": self.started,
+            "owned_by": "kvshare", "meta": {"n_ctx": e.ctx_size, "n_vocab": self.vocab_size},
+        }]})
+
+    async def health(self, request: Request) -> Response:
+        if self.shutting_down:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        data = await run_in_threadpool(self.metrics.render)
+        return Response(data, media_type=self.metrics.content_type)
+
+    async def slots(self, request: Request) -> Response:
+        snap = await run_in_threadpool(self.engine.snapshot)
+        return JSONResponse(snap.get("slots", []))
+
+    async def cache(self, request: Request) -> Response:
+        snap = await run_in_threadpool(self.engine.snapshot)
+        return JSONResponse({k: v for k, v in snap.items() if k != "slots"})
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await read_json(request, self.settings)
+        content = body.get("content")
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise bad_request("'content' must be a string", "content")
+        add_special = P.get_bool(body, "add_special", False)
+        parse_special = P.get_bool(body, "parse_special", True)
+        with_pieces = P.get_bool(body, "with_pieces", False)
+
+        def work() -> list:
+            ids = self.engine.tokenize(content, add_special=add_special,
+                                       parse_special=parse_special)
+            if with_pieces:
+                return [{"id": t, "piece": self.engine.token_piece(t)} for t in ids]
+            return list(ids)
+
+        return JSONResponse({"tokens": await run_in_threadpool(work)})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await read_json(request, self.settings)
+        tokens = body.get("tokens")
+        if tokens is None:
+            tokens = []
+        P.check_token_ids(tokens, self.vocab_size, "tokens")
+        try:
+            text = await run_in_threadpool(self.engine.detokenize, tokens)
+        except (IndexError, KeyError, ValueError) as e:
+            raise bad_request(f"cannot detokenize: {e}", "tokens", "invalid_token_id") from None
+        return JSONResponse({"content": text})
+
+
+# --------------------------------------------------------------------------- factory
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    status = exc.status_code
+    msg = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    if status == 404:
+        msg = f"Not found: {request.method} {request.url.path}"
+    elif status == 405:
+        msg = f"Method {request.method} not allowed on {request.url.path}"
+    return JSONResponse(error_body(msg, type="invalid_request_error" if status < 500
+                                   else "server_error", code=HTTP_CODES.get(status)),
+                        status_code=status, headers=exc.headers)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.error("unhandled error on %s %s", request.method, request.url.path,
+              exc_info=(type(exc), exc, exc.__traceback__))
+    return JSONResponse(error_body(f"Internal server error ({type(exc).__name__})",
+                                   type="server_error", code="internal_error"), status_code=500)
+
+
+def create_app(engine, settings: ServerSettings | None = None, *,
+               on_startup: Callable[[], None] | None = None) -> Starlette:
+    """The ASGI app. Its lifespan calls `engine.start()` and, at shutdown, `engine.shutdown()`.
+    `app.state.server` is the `KVShareServer` (for `begin_shutdown` / `cancel_all`)."""
+    settings = settings or ServerSettings()
+    srv = KVShareServer(engine, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        await run_in_threadpool(engine.start)
+        if on_startup is not None:
+            on_startup()
+        try:
+            yield
+        finally:
+            srv.begin_shutdown()
+            await run_in_threadpool(engine.shutdown)
+
+    def both(path: str, ep, methods: list[str]) -> list[Route]:
+        return [Route("/v1" + path, ep, methods=methods), Route(path, ep, methods=methods)]
+
+    routes = [
+        *both("/chat/completions", srv.chat, ["POST"]),
+        *both("/completions", srv.completions, ["POST"]),
+        *both("/models", srv.models, ["GET"]),
+        *both("/health", srv.health, ["GET"]),
+        Route("/metrics", srv.metrics_endpoint, methods=["GET"]),
+        Route("/slots", srv.slots, methods=["GET"]),
+        Route("/cache", srv.cache, methods=["GET"]),
+        Route("/tokenize", srv.tokenize, methods=["POST"]),
+        Route("/detokenize", srv.detokenize, methods=["POST"]),
+    ]
+    middleware = []
+    if settings.root_path:
+        middleware.append(Middleware(RootPathMiddleware, root_path=settings.root_path))
+    if settings.api_key:
+        middleware.append(Middleware(AuthMiddleware, api_key=settings.api_key))
+    app = Starlette(
+        routes=routes, middleware=middleware, lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error, APIError: _api_error,
+                            Exception: _server_error},
+    )
+    app.state.server = srv
+    return app

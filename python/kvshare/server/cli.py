@@ -1,0 +1,204 @@
+"""`kvshare serve`: load a model, start the engine, serve the OpenAI-compatible API.
+
+Every flag can also come from an environment variable `KVSHARE_<FLAG>` (dashes as
+underscores, e.g. `KVSHARE_PORT=9000`, `KVSHARE_API_KEY=...`, `KVSHARE_NO_SLOT_ATTACH=1`);
+a flag on the command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+ENV_PREFIX = "KVSHARE_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _env_name(flag: str) -> str:
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise ValueError(s)
+    return v
+
+
+def _port(s: str) -> int:
+    v = int(s)
+    if not 0 <= v <= 65535:
+        raise ValueError(s)
+    return v
+
+
+_positive_int.__name__ = "positive integer"
+_port.__name__ = "port"
+
+# flag, type (None: boolean switch), default, help
+OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
+    ("--model", str, None, "GGUF model file (default: the packaged Gemma 3 270M Q4_K_M)"),
+    ("--host", str, "127.0.0.1", "address to listen on"),
+    ("--port", _port, 8080, "port to listen on (0: any free port)"),
+    ("--parallel", _positive_int, 4, "sequences decoded together"),
+    ("--ctx-size", _positive_int, None, "context size per sequence in tokens (default: 8192)"),
+    ("--kv-mem", _positive_int, None, "KV pool size in MiB"),
+    ("--kv-blocks", _positive_int, None, "KV pool size in blocks (instead of --kv-mem)"),
+    ("--block-size", _positive_int, None, "tokens per KV block (default: 16)"),
+    ("--prefill-chunk", _positive_int, None, "prompt tokens computed per step (default: 256)"),
+    ("--no-slot-attach", None, False, "turn cross-session prefix sharing off"),
+    ("--api-key", str, None, "require 'Authorization: Bearer <key>' (all but /health)"),
+    ("--device", str, "cpu", "cpu or cuda"),
+    ("--threads", _positive_int, None, "CPU threads for the model runtime"),
+    ("--root-path", str, "", "mount prefix behind a reverse proxy, e.g. /kvshare"),
+    ("--max-body-mib", _positive_int, 16, "largest request body in MiB (larger: 413)"),
+    ("--graceful-timeout", float, 10.0, "seconds in-flight requests get at shutdown"),
+    ("--log-level", str, "info", "debug, info, warning or error"),
+]
+
+
+class _EnvError(Exception):
+    pass
+
+
+def _env_default(flag: str, typ: Callable[[str], Any] | None, default: Any,
+                 environ: dict[str, str]) -> Any:
+    name = _env_name(flag)
+    raw = environ.get(name)
+    if raw is None:
+        return default
+    if typ is None:
+        low = raw.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise _EnvError(f"{name}={raw!r} is not a boolean (use 1/0, true/false)")
+    try:
+        return typ(raw)
+    except ValueError:
+        raise _EnvError(f"{name}={raw!r} is not a valid {getattr(typ, '__name__', 'value')}")
+
+
+def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    environ = dict(os.environ if environ is None else environ)
+    parser = argparse.ArgumentParser(
+        prog="kvshare", description="OpenAI-compatible LLM server that shares prompt prefixes")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser(
+        "serve", help="serve a model over HTTP",
+        epilog="Every flag can also be set with KVSHARE_<FLAG>, e.g. KVSHARE_PORT=9000.")
+    for flag, typ, default, help_ in OPTIONS:
+        try:
+            d = _env_default(flag, typ, default, environ)
+        except _EnvError as e:
+            parser.error(str(e))
+        h = f"{help_} [env {_env_name(flag)}]"
+        if typ is None:
+            serve.add_argument(flag, action="store_true", default=d, help=h)
+        else:
+            serve.add_argument(flag, type=typ, default=d, help=h)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None,
+               environ: dict[str, str] | None = None) -> argparse.Namespace:
+    parser = build_parser(environ)
+    args = parser.parse_args(argv)
+    if args.kv_mem is not None and args.kv_blocks is not None:
+        parser.error("use either --kv-mem or --kv-blocks, not both")
+    if args.device not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda, not {args.device!r}")
+    if args.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        parser.error(f"unknown --log-level {args.log_level!r}")
+    if args.root_path and not args.root_path.startswith("/"):
+        parser.error("--root-path must start with '/'")
+    return args
+
+
+def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kw: dict[str, Any] = {"parallel": args.parallel, "slot_attach": not args.no_slot_attach,
+                          "device": args.device}
+    for name, value in (("ctx_size", args.ctx_size), ("kv_blocks", args.kv_blocks),
+                        ("kv_mem_mib", args.kv_mem), ("block_size", args.block_size),
+                        ("prefill_chunk", args.prefill_chunk), ("threads", args.threads)):
+        if value is not None:
+            kw[name] = value
+    return kw
+
+
+def _model_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [OSError]
+    try:
+        from kvshare.model.gguf_file import GGUFError
+
+        errors.append(GGUFError)
+    except ImportError:
+        pass
+    try:
+        from kvshare.model.loader import UnsupportedModelError
+
+        errors.append(UnsupportedModelError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _fail(msg: str, code: int) -> int:
+    print(f"kvshare: error: {msg}", file=sys.stderr, flush=True)
+    return code
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.model is not None and not os.path.isfile(args.model):
+        return _fail(f"model file not found: {args.model}", 2)
+
+    from .app import create_app
+    from .launcher import bind_socket, run, socket_url
+    from .settings import ServerSettings
+
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}", 2)
+
+    from kvshare.engine.engine import Engine, EngineConfig
+
+    try:
+        engine = Engine.from_model_path(args.model, EngineConfig(**engine_config_kwargs(args)))
+    except _model_errors() as e:
+        sock.close()
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return _fail(f"cannot load model {args.model or '(default)'}: {msg}", 2)
+
+    url = socket_url(sock, args.root_path)
+    settings = ServerSettings(api_key=args.api_key or None, root_path=args.root_path,
+                              max_body_bytes=args.max_body_mib * 1024 * 1024)
+
+    def ready() -> None:
+        print(f"kvshare: serving {engine.model_name} at {url} "
+              f"(parallel {args.parallel}, ctx {engine.ctx_size}, "
+              f"slot attach {'off' if args.no_slot_attach else 'on'})", flush=True)
+
+    app = create_app(engine, settings, on_startup=ready)
+    run(app, sock, root_path=args.root_path, graceful_timeout=args.graceful_timeout,
+        log_level=args.log_level)
+    print("kvshare: stopped", flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

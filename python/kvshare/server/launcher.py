@@ -1,0 +1,113 @@
+"""Serve the app with Hypercorn: bind first (clear errors, port 0 works), then run until
+SIGTERM/SIGINT, then shut down gracefully.
+
+Graceful shutdown: on the first signal the app stops admitting completions (503, /health 503),
+Hypercorn stops accepting connections and waits up to `graceful_timeout` seconds for in-flight
+requests; shortly before that deadline the remaining generations are cancelled, so their streams
+end with an error event and `data: [DONE]` rather than a cut connection. A second signal cancels
+them at once. Then the lifespan shuts the engine down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from typing import Any
+
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config
+
+log = logging.getLogger("kvshare.server")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound (not yet listening) TCP socket; raises OSError (e.g. address in use)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, type_, proto, _, addr = infos[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(addr)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def socket_url(sock: socket.socket, root_path: str = "") -> str:
+    host, port = sock.getsockname()[:2]
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}{root_path.rstrip('/')}"
+
+
+def make_config(sock: socket.socket, *, root_path: str = "", graceful_timeout: float = 10.0,
+                log_level: str = "INFO") -> Config:
+    config = Config()
+    config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns the file descriptor from here
+    config.root_path = root_path
+    config.graceful_timeout = graceful_timeout
+    config.accesslog = None  # the app logs one structured line per completion request
+    config.loglevel = log_level.upper()
+    config.keep_alive_timeout = 30.0
+    config.h11_max_incomplete_size = 64 * 1024
+    return config
+
+
+async def serve_app(app: Any, sock: socket.socket, *, root_path: str = "",
+                    graceful_timeout: float = 10.0, log_level: str = "INFO",
+                    stop: asyncio.Event | None = None,
+                    install_signal_handlers: bool = True) -> None:
+    """Serve until `stop` is set (or, with `install_signal_handlers`, SIGTERM/SIGINT)."""
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    config = make_config(sock, root_path=root_path, graceful_timeout=graceful_timeout,
+                         log_level=log_level)
+    server = getattr(getattr(app, "state", None), "server", None)
+    signals = 0
+
+    def on_signal(signame: str) -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            log.info("%s received: shutting down (in-flight requests get up to %.0f s)",
+                     signame, graceful_timeout)
+            stop.set()
+        elif server is not None:
+            log.info("%s received again: cancelling in-flight requests", signame)
+            server.cancel_all()
+
+    installed = []
+    if install_signal_handlers:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, on_signal, sig.name)
+                installed.append(sig)
+            except (NotImplementedError, RuntimeError):  # not the main thread / platform
+                pass
+
+    async def shutdown_trigger() -> None:
+        await stop.wait()
+        if server is not None:
+            server.begin_shutdown()
+
+            def cancel_late() -> None:
+                if server.active:
+                    log.info("graceful timeout near: cancelling %d in-flight request(s)",
+                             len(server.active))
+                server.cancel_all()
+
+            loop.call_later(max(graceful_timeout - 1.0, graceful_timeout * 0.8), cancel_late)
+
+    try:
+        await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger)
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+def run(app: Any, sock: socket.socket, **kwargs: Any) -> None:
+    asyncio.run(serve_app(app, sock, **kwargs))

@@ -1,0 +1,22 @@
+"""Server settings that are not engine settings (those are `EngineConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+@dataclass
+class ServerSettings:
+    # `Authorization: Bearer <key>` (or `X-Api-Key: <key>`) required on every path but /health.
+    api_key: str | None = None
+    # Mount prefix when served behind a reverse proxy (e.g. "/kvshare"). Requests may arrive with
+    # the prefix (it is stripped for routing) or without it (the proxy stripped it).
+    root_path: str = ""
+    # Request bodies larger than this get 413 without being read into memory.
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # A body over the limit is read and discarded up to this many bytes before the 413 is sent,
+    # so that HTTP/1.1 clients that write the whole body before reading see the 413 instead of a
+    # connection reset; beyond it the connection is closed. Memory use stays constant.
+    max_discard_bytes: int = 256 * 1024 * 1024
