@@ -133,8 +133,11 @@ def _is_json_type(content_type: str | None) -> bool:
 async def read_json(request: Request, settings: ServerSettings) -> dict:
     """Read a JSON object body under the size limit: a declared Content-Length over the limit,
     or a chunked body that grows past it, gets 413 without being held in memory."""
-    if not _is_json_type(request.headers.get("content-type")):
-        raise APIError(415, "Content-Type must be application/json", code="unsupported_media_type")
+    content_type = request.headers.get("content-type")
+    if not _is_json_type(content_type):
+        raise APIError(415, f"Content-Type must be application/json, not {content_type!r} "
+                            "(with curl, add -H 'Content-Type: application/json')",
+                       code="unsupported_media_type")
     limit = settings.max_body_bytes
     too_large = APIError(413, f"Request body is larger than the limit of {limit} bytes",
                          code="request_too_large")

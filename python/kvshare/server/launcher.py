@@ -51,6 +51,7 @@ def make_config(sock: socket.socket, *, root_path: str = "", graceful_timeout: f
     config.root_path = root_path
     config.graceful_timeout = graceful_timeout
     config.accesslog = None  # the app logs one structured line per completion request
+    config.errorlog = logging.getLogger("hypercorn.error")  # through the root logger's format
     config.loglevel = log_level.upper()
     config.keep_alive_timeout = 30.0
     config.h11_max_incomplete_size = 64 * 1024
