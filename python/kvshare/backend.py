@@ -1,0 +1,109 @@
+"""The array backend: NumPy on the CPU, CuPy on a CUDA device.
+
+This is the only module that imports CuPy, and it does so lazily (only when a CUDA backend is
+asked for), so the CPU path never needs CuPy installed. Everything else takes a `Backend` and
+uses `backend.xp` for array code that is the same on both, or branches on `backend.is_gpu` at an
+op's dispatch point (see `kvshare.ops`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+
+class BackendError(RuntimeError):
+    """The requested device cannot be used (no CuPy, no CUDA device, bad device string)."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str  # "cpu" or "cuda"
+    xp: Any = field(repr=False)  # numpy or cupy
+    device_id: int = 0
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.name == "cuda"
+
+    def asarray(self, a: Any, dtype: Any = None) -> Any:
+        """`a` as an array of this backend (copied to the device when needed)."""
+        if self.is_gpu:
+            with self.xp.cuda.Device(self.device_id):
+                return self.xp.asarray(a, dtype=dtype)
+        return np.asarray(a, dtype=dtype)
+
+    def to_host(self, a: Any) -> np.ndarray:
+        """`a` as a NumPy array (copied from the device when it lives there)."""
+        if self.is_gpu and not isinstance(a, np.ndarray):
+            return self.xp.asnumpy(a)
+        return np.asarray(a)
+
+    def synchronize(self) -> None:
+        if self.is_gpu:
+            self.xp.cuda.Device(self.device_id).synchronize()
+
+
+CPU = Backend("cpu", np)
+
+
+def get_backend(device: str | Backend | None = "cpu") -> Backend:
+    """A backend for `device`: "cpu", "cuda", "cuda:N", or "auto" (CUDA when usable, else CPU)."""
+    if isinstance(device, Backend):
+        return device
+    device = (device or "cpu").strip().lower()
+    if device == "cpu":
+        return CPU
+    if device == "auto":
+        try:
+            return get_backend("cuda")
+        except BackendError:
+            return CPU
+    if device == "cuda" or device.startswith("cuda:") or device == "gpu":
+        dev_id = 0
+        if device.startswith("cuda:"):
+            try:
+                dev_id = int(device.split(":", 1)[1])
+            except ValueError as exc:
+                raise BackendError(f"bad device string {device!r}") from exc
+        try:
+            import cupy  # noqa: PLC0415 - the one lazy CuPy import of the package
+        except Exception as exc:  # ImportError, or a broken CUDA install
+            raise BackendError(
+                f"device {device!r} needs CuPy: pip install \"kvshare[gpu]\" ({exc})"
+            ) from exc
+        try:
+            n = cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:
+            raise BackendError(f"no usable CUDA device ({exc})") from exc
+        if dev_id >= n:
+            raise BackendError(f"CUDA device {dev_id} requested, {n} present")
+        return Backend("cuda", cupy, dev_id)
+    raise BackendError(f"unknown device {device!r} (expected cpu, cuda, cuda:N or auto)")
+
+
+@contextlib.contextmanager
+def blas_threads(n: int | None) -> Iterator[None]:
+    """Limit the BLAS thread pool to `n` threads inside the block (no-op when `n` is None or
+    `threadpoolctl` is not installed; set OPENBLAS_NUM_THREADS before start-up instead)."""
+    if n is None:
+        yield
+        return
+    try:
+        from threadpoolctl import threadpool_limits  # noqa: PLC0415
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(limits=n, user_api="blas"):
+        yield
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1

@@ -1,0 +1,356 @@
+"""The `Model` interface the engine runs, and `DecoderModel`, the batched forward pass shared
+by the decoder-only architectures (Gemma 3, llama / qwen2 / qwen3).
+
+One `forward` call runs a batch that mixes prefill chunks and decode tokens of several
+sequences (`SeqChunk`s). Token-wise work (embedding, norms, projections, MLP) runs once over
+the concatenation of all chunks' tokens: one GEMM per weight per call. Attention runs per
+sequence over its paged KV: the chunk's new K/V are written into its blocks first, then each
+query attends over the blocks of its own sequence. Only rows whose logits are requested go
+through the last layer's MLP and the output head.
+
+A layer is either an `AttentionLayer` (KV in the paged cache, slot `attn_index` of
+`ModelCache.kv`) or a `RecurrentLayer` (state in the sequence's `state_slot` of
+`ModelCache.states`). The recurrent kind is the hook for hybrid architectures: subclasses
+implement `RecurrentLayer.forward`; this module only defines its contract.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvshare.backend import CPU, Backend
+from kvshare.model.batch import SeqChunk
+from kvshare.model.cache import ModelCache
+from kvshare.model.config import ATTENTION, RECURRENT, ModelConfig
+from kvshare.ops.activation import geglu_tanh, swiglu
+from kvshare.ops.attention import kv_slots, pad_block_tables, paged_attention, write_kv
+from kvshare.ops.embedding import embedding
+from kvshare.ops.linear import linear
+from kvshare.ops.norm import rms_norm
+from kvshare.ops.rope import apply_rope, rope_cos_sin
+
+
+class Model(ABC):
+    """A loaded model on one backend.
+
+    `forward(chunks, cache)` runs one step and returns, per chunk, host float32 logits:
+    `[1, vocab]` for `logits="last"`, `[n, vocab]` for `"all"`, None for `"none"`.
+    """
+
+    config: ModelConfig
+    backend: Backend
+    path: Path | None = None
+    _fingerprint: str | None = None
+
+    @property
+    def arch(self) -> str:
+        return self.config.arch
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of the weights file (cached on disk by path, size and mtime)."""
+        if self._fingerprint is None:
+            if self.path is None:
+                raise ValueError("model has no file to fingerprint")
+            from kvshare.model.fingerprint import file_fingerprint  # noqa: PLC0415
+
+            self._fingerprint = file_fingerprint(self.path)
+        return self._fingerprint
+
+    def state_shapes(self) -> list[tuple[int, ...]]:
+        """Per-slot shapes of the recurrent-state arrays (none for attention-only models)."""
+        return []
+
+    def new_cache(self, n_blocks: int, block_size: int = 16, n_state_slots: int = 0,
+                  kv_dtype: Any = None) -> ModelCache:
+        """A KV pool of `n_blocks` blocks of `block_size` tokens (f32 by default on the CPU,
+        f16 on a GPU) plus `n_state_slots` recurrent-state slots (hybrid models only)."""
+        if kv_dtype is None:
+            kv_dtype = np.float16 if self.backend.is_gpu else np.float32
+        return ModelCache(self.config, n_blocks, block_size, n_state_slots=n_state_slots,
+                          kv_dtype=kv_dtype, backend=self.backend,
+                          state_shapes=self.state_shapes())
+
+    @abstractmethod
+    def forward(self, chunks: Sequence[SeqChunk], cache: ModelCache) -> list[np.ndarray | None]:
+        ...
+
+
+@dataclass
+class BatchPlan:
+    """Everything about one forward call that does not depend on the layer."""
+
+    chunks: Sequence[SeqChunk]
+    tokens: np.ndarray  # int32 [N]
+    positions: np.ndarray  # int64 [N]
+    q_starts: np.ndarray  # int64 [n_seq + 1]
+    start_positions: np.ndarray  # int64 [n_seq]
+    block_tables: np.ndarray  # int32 [n_seq, max_blocks], -1 padded
+    slots: np.ndarray  # int64 [N]: flat KV row of each token
+    logit_rows: np.ndarray  # int64 [R]: rows of the batch whose logits are returned
+    state_slots: list[int | None]
+    rope: dict[tuple[float, float], tuple[Any, Any]] = field(default_factory=dict)
+    masks: dict = field(default_factory=dict)
+
+
+def make_plan(chunks: Sequence[SeqChunk], block_size: int, config: ModelConfig) -> BatchPlan:
+    if not chunks:
+        raise ValueError("forward needs at least one chunk")
+    lens = np.array([c.n for c in chunks], np.int64)
+    q_starts = np.zeros(len(chunks) + 1, np.int64)
+    np.cumsum(lens, out=q_starts[1:])
+    tokens = np.concatenate([c.tokens for c in chunks])
+    if tokens.min() < 0 or tokens.max() >= config.vocab_size:
+        raise IndexError(f"token id out of range [0, {config.vocab_size})")
+    start = np.array([c.start_pos for c in chunks], np.int64)
+    seq = np.repeat(np.arange(len(chunks)), lens)
+    positions = start[seq] + np.arange(q_starts[-1]) - q_starts[:-1][seq]
+    for c in chunks:
+        need = -(-c.end_pos // block_size)
+        if len(c.block_table) < need:
+            raise IndexError(f"block table of {len(c.block_table)} blocks cannot hold "
+                             f"{c.end_pos} positions at block size {block_size}")
+    tables = pad_block_tables([c.block_table for c in chunks])
+    slots = kv_slots(tables, q_starts, start, block_size)
+    rows = []
+    for c, r0 in zip(chunks, q_starts[:-1]):
+        if c.logits == "last":
+            rows.append(np.array([r0 + c.n - 1]))
+        elif c.logits == "all":
+            rows.append(np.arange(r0, r0 + c.n))
+    logit_rows = np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64)
+    return BatchPlan(chunks, tokens, positions, q_starts, start, tables, slots, logit_rows,
+                     [c.state_slot for c in chunks])
+
+
+@dataclass
+class AttentionLayer:
+    """Weights of one attention + MLP decoder layer (2-D weights `[out, in]`)."""
+
+    index: int
+    attn_index: int
+    window: int
+    rope_base: float
+    rope_scale: float
+    attn_norm: Any
+    wqkv: Any  # [(n_head + 2 n_kv) * head_dim, n_embd]: Q, K, V stacked
+    wo: Any  # [n_embd, n_head * head_dim]
+    ffn_norm: Any
+    w_gate_up: Any  # [2 n_ff, n_embd]: gate then up
+    w_down: Any  # [n_embd, n_ff]
+    bqkv: Any = None
+    q_norm: Any = None  # [head_dim], per-head RMSNorm of q (qwen3, gemma3)
+    k_norm: Any = None
+    post_attn_norm: Any = None  # gemma: norm of the attention output before the residual
+    post_ffn_norm: Any = None
+    kind: str = ATTENTION
+
+
+class RecurrentLayer:
+    """A layer whose state lives in the sequence's state slot (hybrid models).
+
+    Contract for implementations (the hybrid-model work): `forward(x, plan, cache)` gets the
+    batch's hidden states x float32 `[N, n_embd]` (rows of chunk s at
+    `plan.q_starts[s]:plan.q_starts[s+1]`), reads and updates each chunk's state in
+    `cache.states[...][plan.state_slots[s]]` in place, and returns the layer's output
+    `[N, n_embd]` (the residual stream after the layer, including its MLP).
+    """
+
+    kind = RECURRENT
+
+    def __init__(self, index: int, name: str = "recurrent"):
+        self.index = index
+        self.name = name
+
+    def forward(self, x: Any, plan: BatchPlan, cache: ModelCache) -> Any:
+        raise NotImplementedError(
+            f"layer {self.index} is a {self.name} (recurrent) layer; recurrent layers are not "
+            "implemented yet (hybrid-model support)")
+
+
+class DecoderModel(Model):
+    """A decoder-only transformer; subclasses load the weights into `self.layers` etc."""
+
+    tok_embd: Any  # [vocab, n_embd]
+    output: Any  # [vocab, n_embd] (the same array as tok_embd when tied)
+    output_norm: Any
+    layers: list[Any]
+    rope_freq_factors: Any = None
+
+    def __init__(self, config: ModelConfig, backend: Backend = CPU):
+        self.config = config
+        self.backend = backend
+        self._act = geglu_tanh if config.activation == "gelu_tanh" else swiglu
+
+    # ------------------------------------------------------------------------------------
+    def forward(self, chunks: Sequence[SeqChunk], cache: ModelCache) -> list[np.ndarray | None]:
+        cfg, be = self.config, self.backend
+        plan = make_plan(chunks, cache.block_size, cfg)
+        if any(c.state_slot is None for c in chunks) and cfg.n_recurrent_layers:
+            raise ValueError("this model has recurrent layers: every chunk needs a state_slot")
+        x = embedding(self.tok_embd, be.asarray(plan.tokens) if be.is_gpu else plan.tokens,
+                      cfg.embed_scale, backend=be)
+        n_layers = len(self.layers)
+        for il, layer in enumerate(self.layers):
+            last = il == n_layers - 1
+            if layer.kind == ATTENTION:
+                x = self._attention_layer(layer, x, plan, cache, last)
+            else:
+                x = layer.forward(x, plan, cache)
+                if last:
+                    x = x[plan.logit_rows]
+            if x is None:  # nothing more to compute: no logits requested
+                break
+        return self._logits(x, plan)
+
+    def _rope(self, plan: BatchPlan, base: float, scale: float) -> tuple[Any, Any]:
+        key = (base, scale)
+        if key not in plan.rope:
+            plan.rope[key] = rope_cos_sin(plan.positions, self.config.n_rot, base, scale,
+                                          self.rope_freq_factors, backend=self.backend)
+        return plan.rope[key]
+
+    def _attention_layer(self, L: AttentionLayer, x: Any, plan: BatchPlan, cache: ModelCache,
+                         last: bool) -> Any:
+        cfg, be = self.config, self.backend
+        eps = cfg.norm_eps
+        H, K, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        n = x.shape[0]
+        h = rms_norm(x, L.attn_norm, eps, backend=be)
+        qkv = linear(h, L.wqkv, L.bqkv, backend=be)
+        q = qkv[:, : H * D].reshape(n, H, D)
+        k = qkv[:, H * D : (H + K) * D].reshape(n, K, D)
+        v = qkv[:, (H + K) * D :].reshape(n, K, D)
+        if L.q_norm is not None:
+            rms_norm(q, L.q_norm, eps, backend=be, out=q)
+        if L.k_norm is not None:
+            rms_norm(k, L.k_norm, eps, backend=be, out=k)
+        cos, sin = self._rope(plan, L.rope_base, L.rope_scale)
+        apply_rope(q, cos, sin, cfg.rope_style, backend=be)
+        apply_rope(k, cos, sin, cfg.rope_style, backend=be)
+        kc, vc = cache.layer_kv(L.attn_index)
+        write_kv(kc, vc, plan.slots, k, v, backend=be)
+        rows = None
+        if last:
+            if plan.logit_rows.size == 0:
+                return None
+            if plan.logit_rows.size < n:
+                rows = plan.logit_rows
+        if rows is None:
+            attn = paged_attention(q, kc, vc, plan.block_tables, plan.q_starts,
+                                   plan.start_positions, scale=cfg.q_scale, window=L.window,
+                                   backend=be, mask_cache=plan.masks)
+        else:
+            # only the requested rows: attend per chunk with its selected queries
+            attn = self._attention_rows(q, kc, vc, plan, L.window, rows)
+            x = x[rows]
+        o = linear(attn.reshape(attn.shape[0], H * D), L.wo, backend=be)
+        if L.post_attn_norm is not None:
+            rms_norm(o, L.post_attn_norm, eps, backend=be, out=o)
+        x += o  # x is this call's own array (or the copy x[rows])
+        h = rms_norm(x, L.ffn_norm, eps, backend=be)
+        gu = linear(h, L.w_gate_up, backend=be)
+        ff = gu.shape[1] // 2
+        a = self._act(gu[:, :ff], gu[:, ff:], backend=be, out=gu[:, :ff])
+        y = linear(a, L.w_down, backend=be)
+        if L.post_ffn_norm is not None:
+            rms_norm(y, L.post_ffn_norm, eps, backend=be, out=y)
+        x += y
+        return x
+
+    def _attention_rows(self, q: Any, kc: Any, vc: Any, plan: BatchPlan, window: int,
+                        rows: np.ndarray) -> Any:
+        """Attention output of the query rows `rows` only (the last layer, when only some
+        positions' logits are wanted): each row keeps its own position and sequence."""
+        seq_of_row = np.searchsorted(plan.q_starts, rows, side="right") - 1
+        pos = plan.positions[rows]
+        # every selected row becomes a one-token "sequence" at its own position
+        qs = np.arange(len(rows) + 1, dtype=np.int64)
+        sel = q[self.backend.asarray(rows) if self.backend.is_gpu else rows]
+        return paged_attention(sel, kc, vc, plan.block_tables[seq_of_row], qs, pos,
+                               scale=self.config.q_scale, window=window, backend=self.backend)
+
+    def _logits(self, x: Any, plan: BatchPlan) -> list[np.ndarray | None]:
+        be = self.backend
+        out: list[np.ndarray | None] = []
+        if x is None or plan.logit_rows.size == 0:
+            return [None] * len(plan.chunks)
+        h = rms_norm(x, self.output_norm, self.config.norm_eps, backend=be)
+        logits = be.to_host(linear(h, self.output, backend=be))
+        i = 0
+        for c in plan.chunks:
+            k = c.n_logits
+            out.append(logits[i : i + k] if k else None)
+            i += k
+        return out
+
+
+def load_attention_layer(ld: Any, cfg: ModelConfig, il: int, attn_index: int) -> AttentionLayer:
+    """Read layer `il` of a llama-style GGUF (`blk.{il}.*`) through a `WeightLoader`, fusing
+    Q/K/V into one `[out, in]` matrix and gate/up into another (one GEMM each per step).
+    Optional tensors: q/k/v biases, attn_q_norm/attn_k_norm, post_attention_norm and
+    post_ffw_norm (Gemma)."""
+    p = f"blk.{il}."
+    H, K, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    if ld.has(p + "attn_qkv.weight"):
+        wqkv = ld.host(p + "attn_qkv.weight")
+    else:
+        wqkv = np.concatenate([ld.host(p + "attn_q.weight"), ld.host(p + "attn_k.weight"),
+                               ld.host(p + "attn_v.weight")], axis=0)
+    if wqkv.shape != ((H + 2 * K) * D, cfg.n_embd):
+        raise ValueError(f"layer {il}: fused QKV weight has shape {wqkv.shape}, expected "
+                         f"{((H + 2 * K) * D, cfg.n_embd)}")
+    bqkv = None
+    names = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
+    if ld.has(p + "attn_qkv.bias"):
+        bqkv = ld.host(p + "attn_qkv.bias")
+    elif any(ld.has(n) for n in names):
+        sizes = [H * D, K * D, K * D]
+        bqkv = np.concatenate([ld.host(n) if ld.has(n) else np.zeros(s, np.float32)
+                               for n, s in zip(names, sizes)])
+
+    def opt(name: str) -> Any:
+        return ld.get(p + name) if ld.has(p + name) else None
+
+    gate_up = np.concatenate([ld.host(p + "ffn_gate.weight"), ld.host(p + "ffn_up.weight")],
+                             axis=0)
+    window = cfg.layer_windows[il]
+    return AttentionLayer(
+        index=il, attn_index=attn_index, window=window,
+        rope_base=cfg.layer_rope_base(il), rope_scale=cfg.layer_rope_scale(il),
+        attn_norm=ld.get(p + "attn_norm.weight"),
+        wqkv=ld.put(wqkv), bqkv=None if bqkv is None else ld.put(bqkv, keep_f32=True),
+        wo=ld.get(p + "attn_output.weight"),
+        q_norm=opt("attn_q_norm.weight"), k_norm=opt("attn_k_norm.weight"),
+        post_attn_norm=opt("post_attention_norm.weight"),
+        ffn_norm=ld.get(p + "ffn_norm.weight"),
+        w_gate_up=ld.put(gate_up), w_down=ld.get(p + "ffn_down.weight"),
+        post_ffn_norm=opt("post_ffw_norm.weight"),
+    )
+
+
+def load_decoder(model: DecoderModel, ld: Any) -> None:
+    """Fill a `DecoderModel` from a llama-style GGUF: embeddings, layers, final norm and the
+    output head (tied to the embeddings when the file has no `output.weight`)."""
+    cfg = model.config
+    model.tok_embd = ld.get("token_embd.weight")
+    if model.tok_embd.shape != (cfg.vocab_size, cfg.n_embd):
+        raise ValueError(f"token_embd has shape {model.tok_embd.shape}, expected "
+                         f"{(cfg.vocab_size, cfg.n_embd)}")
+    if ld.has("rope_freqs.weight"):
+        model.rope_freq_factors = ld.host("rope_freqs.weight")
+    layers: list[Any] = []
+    attn_idx = cfg.attn_layer_index
+    for il in range(cfg.n_layers):
+        if cfg.layer_kinds[il] != ATTENTION:
+            layers.append(RecurrentLayer(il))
+        else:
+            layers.append(load_attention_layer(ld, cfg, il, attn_idx[il]))
+    model.layers = layers
+    model.output_norm = ld.get("output_norm.weight")
+    model.output = ld.get("output.weight") if ld.has("output.weight") else model.tok_embd

@@ -1,0 +1,115 @@
+"""`ModelCache`: the paged KV pool of a model (and, for hybrid models, its recurrent-state
+slots) on one backend.
+
+KV layout: one array `kv[n_attn_layers, 2, n_blocks, block_size, n_kv_heads, head_dim]`
+(index 0 of the second axis is K, 1 is V; V uses `head_dim_v`, which must equal `head_dim` for
+the single-array layout). Python owns the memory; the Rust block pool owns which block ids are
+free, shared or cached. A block holds `block_size` consecutive positions of one sequence in
+every attention layer, so `read_block` / `write_block` move one block's bytes between tiers.
+
+Recurrent state (filled in by the hybrid-model work): `states` is a list with one array per
+recurrent-state tensor kind, each shaped `[n_state_slots, ...]`; attention-only models have
+`n_state_slots == 0` and no state arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from kvshare.backend import CPU, Backend
+from kvshare.model.config import ModelConfig
+
+
+class ModelCache:
+    def __init__(self, config: ModelConfig, n_blocks: int, block_size: int = 16, *,
+                 n_state_slots: int = 0, kv_dtype: Any = np.float32,
+                 backend: Backend = CPU, state_shapes: list[tuple[int, ...]] | None = None):
+        if n_blocks < 1 or block_size < 1:
+            raise ValueError("n_blocks and block_size must be >= 1")
+        if config.head_dim_v != config.head_dim:
+            raise ValueError("K and V head sizes differ: not supported by the KV layout")
+        self.config = config
+        self.backend = backend
+        self.n_blocks = int(n_blocks)
+        self.block_size = int(block_size)
+        self.kv_dtype = np.dtype(kv_dtype)
+        self.n_attn_layers = config.n_attn_layers
+        xp = backend.xp
+        self.kv = xp.zeros((self.n_attn_layers, 2, self.n_blocks, self.block_size,
+                            max(config.n_head_kv, 1), config.head_dim), dtype=self.kv_dtype)
+        self.n_state_slots = int(n_state_slots)
+        self.states: list[Any] = [
+            xp.zeros((self.n_state_slots, *shape), dtype=np.float32)
+            for shape in (state_shapes or [])
+        ] if self.n_state_slots else []
+
+    # --- sizes -------------------------------------------------------------------------
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block as `read_block` returns it."""
+        s = self.kv.shape
+        return (s[0], s[1], s[3], s[4], s[5])
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block (all attention layers, K and V)."""
+        return int(np.prod(self.block_shape)) * self.kv_dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_blocks * self.block_nbytes + sum(int(s.nbytes) for s in self.states)
+
+    def capacity_tokens(self) -> int:
+        return self.n_blocks * self.block_size
+
+    # --- per-layer views -----------------------------------------------------------------
+    def layer_kv(self, attn_index: int) -> tuple[Any, Any]:
+        """(K, V) of one attention layer, each `[n_blocks, block_size, n_kv_heads, head_dim]`
+        (views, not copies)."""
+        return self.kv[attn_index, 0], self.kv[attn_index, 1]
+
+    # --- block moves ---------------------------------------------------------------------
+    def _check(self, block: int) -> int:
+        block = int(block)
+        if not 0 <= block < self.n_blocks:
+            raise IndexError(f"block {block} out of range [0, {self.n_blocks})")
+        return block
+
+    def copy_block(self, src: int, dst: int, n_tokens: int | None = None) -> None:
+        """Copy the first `n_tokens` positions (all, by default) of block `src` into `dst` in
+        every attention layer: the copy of copy-on-write."""
+        src, dst = self._check(src), self._check(dst)
+        n = self.block_size if n_tokens is None else int(n_tokens)
+        if not 0 <= n <= self.block_size:
+            raise ValueError(f"n_tokens {n} not in [0, {self.block_size}]")
+        if n and src != dst:
+            self.kv[:, :, dst, :n] = self.kv[:, :, src, :n]
+
+    def read_block(self, block: int) -> np.ndarray:
+        """A host copy of one block: `[n_attn_layers, 2, block_size, n_kv_heads, head_dim]`."""
+        block = self._check(block)
+        return np.ascontiguousarray(self.backend.to_host(self.kv[:, :, block]))
+
+    def write_block(self, block: int, data: np.ndarray) -> None:
+        """Overwrite one block with `data` shaped like `read_block`'s result."""
+        block = self._check(block)
+        data = np.asarray(data)
+        if tuple(data.shape) != self.block_shape:
+            raise ValueError(f"block data shape {data.shape} != {self.block_shape}")
+        self.kv[:, :, block] = self.backend.asarray(data, dtype=self.kv_dtype)
+
+    # --- recurrent state (hybrid models) ---------------------------------------------------
+    def copy_state(self, src_slot: int, dst_slot: int) -> None:
+        for s in self.states:
+            s[dst_slot] = s[src_slot]
+
+    def read_state(self, slot: int) -> list[np.ndarray]:
+        return [np.ascontiguousarray(self.backend.to_host(s[slot])) for s in self.states]
+
+    def write_state(self, slot: int, data: list[np.ndarray]) -> None:
+        if len(data) != len(self.states):
+            raise ValueError(f"{len(data)} state arrays given, cache has {len(self.states)}")
+        for s, d in zip(self.states, data):
+            s[slot] = self.backend.asarray(d, dtype=s.dtype)

@@ -1,0 +1,160 @@
+"""`ModelConfig`: the hyper-parameters of a model, read from GGUF metadata the way llama.cpp's
+`llama_model::load_hparams` reads them for the architectures kvshare supports."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvshare.model.gguf_file import GGUFError
+
+ATTENTION = "attention"
+RECURRENT = "recurrent"
+
+# llama.cpp's llama_model_rope_type(): NEOX rotates pairs (i, i + n_rot/2), NORM rotates
+# adjacent pairs (2i, 2i + 1) (the converter permutes llama's Q/K weights to match).
+ROPE_NEOX = "neox"
+ROPE_NORM = "norm"
+_ROPE_STYLE = {"gemma3": ROPE_NEOX, "qwen2": ROPE_NEOX, "qwen3": ROPE_NEOX, "llama": ROPE_NORM}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    n_layers: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int  # key length per head
+    head_dim_v: int  # value length per head
+    n_ff: int
+    vocab_size: int
+    norm_eps: float
+    context_length: int
+    rope_base: float  # global (full-attention) layers
+    rope_base_swa: float  # sliding-window layers
+    rope_scale: float = 1.0  # ggml freq_scale: position multiplier (1 / linear scaling factor)
+    rope_scale_swa: float = 1.0  # the same for sliding-window layers
+    rope_dim: int = 0  # rotated dimensions per head (n_rot); 0 -> head_dim
+    rope_style: str = ROPE_NEOX
+    sliding_window: int = 0  # tokens a sliding-window query sees, itself included (0: none)
+    layer_kinds: tuple[str, ...] = ()  # ATTENTION or RECURRENT, per layer
+    layer_windows: tuple[int, ...] = ()  # per layer: 0 = full causal, else the window size
+    attn_scale: float = 0.0  # multiplier of q.k; 0 -> 1/sqrt(head_dim)
+    embed_scale: float = 1.0  # multiplier of token embeddings (Gemma: sqrt(n_embd))
+    activation: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    tied_embeddings: bool = False
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def n_attn_layers(self) -> int:
+        return sum(k == ATTENTION for k in self.layer_kinds)
+
+    @property
+    def n_recurrent_layers(self) -> int:
+        return sum(k == RECURRENT for k in self.layer_kinds)
+
+    @property
+    def attn_layer_index(self) -> tuple[int, ...]:
+        """Per layer: its index among attention layers (its slot in the KV array), or -1."""
+        out, i = [], 0
+        for k in self.layer_kinds:
+            out.append(i if k == ATTENTION else -1)
+            i += k == ATTENTION
+        return tuple(out)
+
+    @property
+    def n_rot(self) -> int:
+        return self.rope_dim or self.head_dim
+
+    @property
+    def q_scale(self) -> float:
+        return self.attn_scale or 1.0 / math.sqrt(self.head_dim)
+
+    def layer_rope_base(self, il: int) -> float:
+        return self.rope_base_swa if self.layer_windows[il] else self.rope_base
+
+    def layer_rope_scale(self, il: int) -> float:
+        return self.rope_scale_swa if self.layer_windows[il] else self.rope_scale
+
+
+def _get(md: dict[str, Any], key: str, default: Any = ...) -> Any:
+    if key in md:
+        return md[key]
+    if default is ...:
+        raise GGUFError(f"model metadata lacks {key!r}")
+    return default
+
+
+def _per_layer(value: Any, n_layers: int) -> list[int]:
+    if isinstance(value, list):
+        if len(value) != n_layers:
+            raise GGUFError(f"per-layer metadata has {len(value)} entries for {n_layers} layers")
+        return [int(v) for v in value]
+    return [int(value)] * n_layers
+
+
+def config_from_metadata(md: dict[str, Any]) -> ModelConfig:
+    arch = str(_get(md, "general.architecture"))
+    p = arch + "."
+    n_layers = int(_get(md, p + "block_count"))
+    n_embd = int(_get(md, p + "embedding_length"))
+    heads = _per_layer(_get(md, p + "attention.head_count"), n_layers)
+    heads_kv = _per_layer(_get(md, p + "attention.head_count_kv", heads), n_layers)
+    n_head = max(heads)
+    attn_kv = [h for h in heads_kv if h > 0]
+    n_head_kv = max(attn_kv) if attn_kv else 0
+    head_dim = int(_get(md, p + "attention.key_length", n_embd // max(n_head, 1)))
+    head_dim_v = int(_get(md, p + "attention.value_length", head_dim))
+    n_ff = _get(md, p + "feed_forward_length", 0)
+    n_ff = max(n_ff) if isinstance(n_ff, list) else int(n_ff)
+    tokens = md.get("tokenizer.ggml.tokens")
+    vocab = int(md.get(p + "vocab_size", len(tokens) if tokens else 0))
+    eps = float(_get(md, p + "attention.layer_norm_rms_epsilon", 1e-6))
+    ctx = int(_get(md, p + "context_length", 4096))
+    rope_base = float(_get(md, p + "rope.freq_base", 10000.0))
+    rope_dim = int(_get(md, p + "rope.dimension_count", head_dim))
+    rope_scale = 1.0
+    scaling_type = md.get(p + "rope.scaling.type", "none")
+    factor = float(md.get(p + "rope.scaling.factor", 0.0) or 0.0)
+    if scaling_type == "linear" and factor > 0:
+        rope_scale = 1.0 / factor
+    elif scaling_type not in ("none", "linear") and factor not in (0.0, 1.0):
+        raise GGUFError(f"rope scaling type {scaling_type!r} is not supported")
+
+    kinds = [ATTENTION if h > 0 else RECURRENT for h in heads_kv]
+    windows = [0] * n_layers
+    sliding = int(md.get(p + "attention.sliding_window", 0) or 0)
+    kw: dict[str, Any] = {}
+    if arch == "gemma3":
+        # llama.cpp: swa_type STANDARD, set_swa_pattern(6): layer il is sliding-window unless
+        # il % 6 == 5; sliding-window layers use rope base 10000 and scale 1.
+        pattern = md.get(p + "attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):
+            is_swa = [bool(v) for v in pattern]
+        else:
+            n = int(pattern)
+            is_swa = [n == 0 or il % n < n - 1 for il in range(n_layers)]
+        windows = [sliding if s else 0 for s in is_swa]
+        kw.update(
+            rope_base_swa=float(md.get(p + "rope.freq_base_swa", 10000.0)),
+            attn_scale=1.0 / math.sqrt(head_dim),  # query_pre_attn_scalar (27B differs)
+            embed_scale=math.sqrt(n_embd),
+            activation="gelu_tanh",
+        )
+        if n_layers == 62:  # Gemma 3 27B: 1/sqrt(n_embd / n_head)
+            kw["attn_scale"] = 1.0 / math.sqrt(n_embd / n_head)
+    elif arch in ("llama", "qwen2", "qwen3"):
+        kw.update(rope_base_swa=rope_base, rope_scale_swa=rope_scale, activation="silu")
+        if sliding and arch == "qwen2" and md.get(p + "attention.use_sliding_window"):
+            raise GGUFError("qwen2 sliding-window attention is not supported")
+    else:
+        kw.update(rope_base_swa=rope_base, rope_scale_swa=rope_scale)
+    return ModelConfig(
+        arch=arch, n_layers=n_layers, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+        head_dim=head_dim, head_dim_v=head_dim_v, n_ff=n_ff, vocab_size=vocab, norm_eps=eps,
+        context_length=ctx, rope_base=rope_base, rope_scale=rope_scale, rope_dim=rope_dim,
+        rope_style=_ROPE_STYLE.get(arch, ROPE_NEOX), sliding_window=sliding,
+        layer_kinds=tuple(kinds), layer_windows=tuple(windows), **kw,
+    )

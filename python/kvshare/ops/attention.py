@@ -1,0 +1,185 @@
+"""Paged attention over a block-table KV cache, for prefill chunks and decode tokens of several
+sequences in one call, with causal and sliding-window masks and grouped-query heads.
+
+Cache layout of one layer (views of `ModelCache.kv`): `k_cache`, `v_cache`:
+`[n_blocks, block_size, n_kv_heads, head_dim]`. Position p of a sequence lives in block
+`block_table[p // block_size]`, row `p % block_size`.
+
+Masks (llama.cpp's, `llama_hparams::is_masked_swa` with LLAMA_SWA_TYPE_STANDARD): a query at
+position `qp` sees a key at position `kp` iff `kp <= qp` and, with a window `W > 0`,
+`qp - kp < W` (the window counts the query's own token: it sees itself and W-1 earlier ones).
+Query head h reads KV head `h // (n_head // n_kv_heads)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvshare.backend import CPU, Backend
+from kvshare.ops._dispatch import gpu_op
+
+# Largest score tile (query rows x heads x keys) held at once, in elements (16 MB of f32).
+_TILE_ELEMS = 1 << 22
+
+
+def pad_block_tables(tables: Sequence[np.ndarray]) -> np.ndarray:
+    """A list of block tables as one int32 `[n_seq, max_blocks]` array padded with -1."""
+    width = max((len(t) for t in tables), default=0)
+    out = np.full((len(tables), max(width, 1)), -1, np.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t
+    return out
+
+
+def kv_slots(block_tables: np.ndarray, q_starts: np.ndarray, start_positions: np.ndarray,
+             block_size: int) -> np.ndarray:
+    """Flat cache row (`block * block_size + offset`) of every query token, int64 `[N]`:
+    where `write_kv` puts each token's K and V."""
+    q_starts = np.asarray(q_starts, dtype=np.int64)
+    lens = np.diff(q_starts)
+    seq = np.repeat(np.arange(len(lens)), lens)
+    pos = np.asarray(start_positions, dtype=np.int64)[seq] + (
+        np.arange(q_starts[-1], dtype=np.int64) - q_starts[:-1][seq])
+    blocks = np.asarray(block_tables)[seq, pos // block_size].astype(np.int64)
+    if (blocks < 0).any():
+        raise IndexError("block table does not cover every position of the batch")
+    return blocks * block_size + pos % block_size
+
+
+def write_kv(k_cache: Any, v_cache: Any, slots: Any, k: Any, v: Any, *,
+             backend: Backend = CPU) -> None:
+    """Store K and V of N tokens: `k_cache.reshape(-1, n_kv, hd)[slots] = k` (same for v).
+    k, v: float32 `[N, n_kv_heads, head_dim]` (views allowed); slots: int `[N]` from
+    `kv_slots`; converts to the cache dtype (f32 or f16)."""
+    if backend.is_gpu:
+        return gpu_op("write_kv")(k_cache, v_cache, slots, k, v)
+    nb, bs = k_cache.shape[:2]
+    k_cache.reshape(nb * bs, *k_cache.shape[2:])[slots] = k
+    v_cache.reshape(nb * bs, *v_cache.shape[2:])[slots] = v
+    return None
+
+
+def _gather(cache: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """Rows of `blocks` as `[len(blocks) * block_size, n_kv, hd]`: a view when the block ids
+    are one ascending run, a gathered copy otherwise."""
+    nb, bs = cache.shape[:2]
+    if len(blocks) and blocks[-1] - blocks[0] == len(blocks) - 1 and (
+            len(blocks) < 3 or bool(np.all(np.diff(blocks) == 1))):
+        sub = cache[blocks[0] : blocks[-1] + 1]
+    else:
+        sub = cache[blocks]
+    return sub.reshape(len(blocks) * bs, *cache.shape[2:])
+
+
+def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_starts: Any,
+                    start_positions: Any, *, scale: float, window: int = 0,
+                    backend: Backend = CPU, out: Any | None = None,
+                    mask_cache: dict | None = None) -> Any:
+    """Attention of every query token over its own sequence's cached keys and values.
+
+    q: float32 `[N, n_head, head_dim]`, the concatenated queries of n_seq sequences;
+    sequence s owns rows `q_starts[s] : q_starts[s+1]` (`q_starts` int `[n_seq + 1]`) at
+    positions `start_positions[s] + 0, 1, ...`. The cache must already hold K/V of every
+    position up to each query's own (call `write_kv` first). block_tables: int32
+    `[n_seq, max_blocks]` (-1 padded; `pad_block_tables`). scale: multiplier of q.k (applied
+    before the softmax, which is in float32). window: 0 for full causal attention, else the
+    sliding-window size W (see the module docstring). Returns float32 `[N, n_head, head_dim]`
+    (into `out` when given). `mask_cache`: an optional dict reused across the layers of one
+    forward call to keep the masks (CPU only; the GPU twin may ignore it).
+    """
+    if backend.is_gpu:
+        return gpu_op("paged_attention")(q, k_cache, v_cache, block_tables, q_starts,
+                                         start_positions, scale=scale, window=window, out=out)
+    n_tok, n_head, hd = q.shape
+    bs = k_cache.shape[1]
+    n_kv = k_cache.shape[2]
+    g = n_head // n_kv
+    if out is None:
+        out = np.empty((n_tok, n_head, v_cache.shape[3]), np.float32)
+    q_starts = np.asarray(q_starts)
+    start_positions = np.asarray(start_positions)
+    if mask_cache is None:
+        mask_cache = {}
+    for s in range(len(q_starts) - 1):
+        r0, r1 = int(q_starts[s]), int(q_starts[s + 1])
+        n = r1 - r0
+        if n == 0:
+            continue
+        p0 = int(start_positions[s])
+        qp_hi = p0 + n  # one past the last query position
+        k_lo_all = max(0, p0 - window + 1) if window else 0
+        b0, b1 = k_lo_all // bs, -(-qp_hi // bs)
+        blocks = np.asarray(block_tables[s, b0:b1])
+        if len(blocks) < b1 - b0 or (blocks < 0).any():
+            raise IndexError(f"sequence {s}: block table does not cover positions < {qp_hi}")
+        K = _gather(k_cache, blocks)  # keys at positions b0*bs + [0, len)
+        V = _gather(v_cache, blocks)
+        base = b0 * bs
+        # query tiles small enough that a tile's score matrix stays ~16 MB
+        span = qp_hi - k_lo_all
+        tile = max(1, min(n, _TILE_ELEMS // max(1, n_head * span)))
+        for t0 in range(0, n, tile):
+            t1 = min(n, t0 + tile)
+            qa, qb = p0 + t0, p0 + t1  # query positions [qa, qb)
+            k_lo = max(0, qa - window + 1) if window else 0
+            k_hi = qb
+            key = (s, t0, t1, window, p0)
+            mask = mask_cache.get(key)
+            if mask is None:
+                qpos = np.arange(qa, qb)[:, None]
+                kpos = np.arange(k_lo, k_hi)[None, :]
+                bad = kpos > qpos
+                if window:
+                    bad |= (qpos - kpos) >= window
+                mask = np.where(bad, np.float32(-np.inf), np.float32(0.0)) if bad.any() else None
+                mask_cache[key] = mask
+            Kt = K[k_lo - base : k_hi - base]  # [T, n_kv, hd]
+            Vt = V[k_lo - base : k_hi - base]
+            qt = q[r0 + t0 : r0 + t1]  # [m, n_head, hd]
+            m = t1 - t0
+            T = k_hi - k_lo
+            if n_kv == 1:
+                qg = (qt * np.float32(scale)).reshape(1, m * n_head, hd)
+            else:
+                qg = (qt * np.float32(scale)).reshape(m, n_kv, g, hd).transpose(1, 0, 2, 3)
+                qg = qg.reshape(n_kv, m * g, hd)
+            sc = np.matmul(qg, Kt.transpose(1, 2, 0))  # [n_kv, m*g, T]
+            if mask is not None:
+                sc4 = sc.reshape(n_kv, m, g, T)
+                sc4 += mask[None, :, None, :]
+            mx = sc.max(axis=-1, keepdims=True)
+            sc -= mx
+            np.exp(sc, out=sc)
+            den = sc.sum(axis=-1, keepdims=True)
+            o = np.matmul(sc, Vt.transpose(1, 0, 2))  # [n_kv, m*g, hd]
+            o /= den
+            if n_kv == 1:
+                out[r0 + t0 : r0 + t1] = o.reshape(m, n_head, -1)
+            else:
+                out[r0 + t0 : r0 + t1] = o.reshape(n_kv, m, g, -1).transpose(1, 0, 2, 3).reshape(
+                    m, n_head, -1)
+    return out
+
+
+def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
+                        k_pos: np.ndarray, *, scale: float, window: int = 0) -> np.ndarray:
+    """Naive dense attention (float64) for tests: q `[n, H, d]`, k/v `[T, n_kv, d]` with
+    positions q_pos `[n]`, k_pos `[T]`."""
+    n, H, d = q.shape
+    n_kv = k.shape[1]
+    g = H // n_kv
+    out = np.zeros((n, H, v.shape[2]))
+    for i in range(n):
+        for h in range(H):
+            kv = h // g
+            s = (k[:, kv].astype(np.float64) @ q[i, h].astype(np.float64)) * scale
+            ok = k_pos <= q_pos[i]
+            if window:
+                ok &= (q_pos[i] - k_pos) < window
+            s = np.where(ok, s, -np.inf)
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            out[i, h] = p @ v[:, kv].astype(np.float64)
+    return out

@@ -1,0 +1,89 @@
+"""Paged attention (NumPy) against a naive dense float64 reference: causal and sliding-window
+masks, GQA, several sequences in one call, shuffled block tables, chunked queries."""
+
+import numpy as np
+import pytest
+
+from kvshare.ops.attention import (attention_reference, kv_slots, pad_block_tables,
+                                   paged_attention, write_kv)
+
+
+def _setup(rng, lens, starts, n_head, n_kv, hd, bs, n_blocks, shuffle):
+    """Fill a paged cache with random K/V for every sequence's positions [0, start + len)."""
+    kc = np.zeros((n_blocks, bs, n_kv, hd), np.float32)
+    vc = np.zeros_like(kc)
+    free = rng.permutation(n_blocks) if shuffle else np.arange(n_blocks)
+    tables, keys, vals, used = [], [], [], 0
+    for n, s in zip(lens, starts):
+        total = s + n
+        nb = -(-total // bs)
+        t = free[used : used + nb].astype(np.int32)
+        used += nb
+        tables.append(t)
+        k = rng.standard_normal((total, n_kv, hd)).astype(np.float32)
+        v = rng.standard_normal((total, n_kv, hd)).astype(np.float32)
+        keys.append(k)
+        vals.append(v)
+    bt = pad_block_tables(tables)
+    # write through write_kv with the slots of "all positions as one chunk" per sequence
+    q_starts = np.concatenate([[0], np.cumsum([s + n for n, s in zip(lens, starts)])])
+    slots = kv_slots(bt, q_starts, np.zeros(len(lens), np.int64), bs)
+    write_kv(kc, vc, slots, np.concatenate(keys), np.concatenate(vals))
+    return kc, vc, bt, keys, vals
+
+
+@pytest.mark.parametrize("n_head,n_kv", [(4, 1), (8, 2), (4, 4)])
+@pytest.mark.parametrize("window", [0, 5, 16])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_paged_attention_matches_dense(n_head, n_kv, window, shuffle):
+    rng = np.random.default_rng(n_head * 100 + n_kv * 10 + window + shuffle)
+    hd, bs = 16, 4
+    lens, starts = [7, 1, 12], [0, 9, 3]  # a prefill, a decode token, a later chunk
+    kc, vc, bt, keys, vals = _setup(rng, lens, starts, n_head, n_kv, hd, bs, 32, shuffle)
+    q = rng.standard_normal((sum(lens), n_head, hd)).astype(np.float32)
+    q_starts = np.concatenate([[0], np.cumsum(lens)])
+    out = paged_attention(q, kc, vc, bt, q_starts, np.array(starts), scale=0.3, window=window)
+    for s, (n, p0) in enumerate(zip(lens, starts)):
+        ref = attention_reference(q[q_starts[s] : q_starts[s + 1]], keys[s], vals[s],
+                                  np.arange(p0, p0 + n), np.arange(p0 + n), scale=0.3,
+                                  window=window)
+        np.testing.assert_allclose(out[q_starts[s] : q_starts[s + 1]], ref, rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_query_tiling_matches_untiled(monkeypatch):
+    import kvshare.ops.attention as A
+
+    rng = np.random.default_rng(1)
+    kc, vc, bt, keys, vals = _setup(rng, [40], [10], 4, 1, 8, 4, 16, True)
+    q = rng.standard_normal((40, 4, 8)).astype(np.float32)
+    args = (q, kc, vc, bt, np.array([0, 40]), np.array([10]))
+    full = paged_attention(*args, scale=0.5, window=7)
+    monkeypatch.setattr(A, "_TILE_ELEMS", 100)  # forces tiles of one or two query rows
+    tiled = paged_attention(*args, scale=0.5, window=7)
+    np.testing.assert_allclose(tiled, full, rtol=1e-6, atol=1e-6)
+
+
+def test_window_counts_the_query_itself():
+    """llama.cpp: key kp is visible from query qp iff qp - kp < window."""
+    hd, bs = 4, 2
+    kc = np.zeros((8, bs, 1, hd), np.float32)
+    vc = np.zeros_like(kc)
+    k = np.zeros((6, 1, hd), np.float32)
+    v = np.arange(6, dtype=np.float32)[:, None, None] * np.ones((6, 1, hd), np.float32)
+    bt = pad_block_tables([np.arange(3)])
+    write_kv(kc, vc, kv_slots(bt, np.array([0, 6]), np.array([0]), bs), k, v)
+    q = np.zeros((1, 1, hd), np.float32)
+    # query at position 5 with window 2 sees positions 4 and 5 only: mean value 4.5
+    out = paged_attention(q, kc, vc, bt, np.array([0, 1]), np.array([5]), scale=1.0, window=2)
+    np.testing.assert_allclose(out[0, 0], 4.5)
+    out = paged_attention(q, kc, vc, bt, np.array([0, 1]), np.array([5]), scale=1.0, window=0)
+    np.testing.assert_allclose(out[0, 0], 2.5)
+
+
+def test_uncovered_block_table_raises():
+    kc = np.zeros((4, 2, 1, 4), np.float32)
+    bt = pad_block_tables([np.array([0])])
+    with pytest.raises(IndexError):
+        paged_attention(np.zeros((1, 1, 4), np.float32), kc, kc, bt, np.array([0, 1]),
+                        np.array([5]), scale=1.0)
