@@ -1,0 +1,315 @@
+"""The serving engine: owns the model, the tokenizer and the cache, runs model steps on its own
+thread with continuous batching, and streams events back to request handles.
+
+The server talks only to this class. Everything mutable (sequences, the scheduler, the pool's
+block tables) is touched only on the engine thread; other threads hand it work through an inbox
+and read `snapshot()`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvshare import _core
+from kvshare.engine.api import FinishEvent, GenerationRequest, Timings, TokenEvent, TokenLogprob
+from kvshare.engine.cache_manager import CacheManager
+from kvshare.engine.handle import RequestHandle
+from kvshare.engine.output import TextAssembler
+from kvshare.engine.sampling import Sampler, top_logprobs
+from kvshare.engine.scheduler import Planned, Scheduler
+from kvshare.engine.sequence import Sequence, SeqState
+
+log = logging.getLogger("kvshare.engine")
+
+
+@dataclass
+class EngineConfig:
+    parallel: int = 4
+    ctx_size: int = 8192  # longest sequence (prompt + generation) in tokens
+    block_size: int = 16
+    kv_blocks: int | None = None  # pool size in blocks; overrides kv_mem_mib
+    kv_mem_mib: int | None = None  # pool size in MiB of KV (default: parallel * ctx_size tokens, capped)
+    slot_attach: bool = True
+    prefill_chunk: int = 256  # per-step token budget for prefill
+    device: str = "cpu"
+    threads: int | None = None
+    kv_dtype: str = "f32"
+
+
+class Engine:
+    def __init__(self, model, tokenizer, chat_template, fingerprint: bytes, config: EngineConfig,
+                 model_name: str = "model"):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.config = config
+        self.model_name = model_name
+        self.ctx_size = config.ctx_size
+        n_blocks = self._pool_blocks(config)
+        self.kv = model.new_cache(n_blocks, config.block_size, kv_dtype=config.kv_dtype)
+        self.pool = _core.BlockPool(n_blocks, config.block_size)
+        self.cache = CacheManager(self.pool, self.kv, config.block_size, fingerprint, config.kv_dtype,
+                                  config.slot_attach)
+        self.scheduler = Scheduler(self.cache, config.parallel, config.prefill_chunk)
+        self.stop_ids = set(getattr(tokenizer, "stop_ids", ()) or ())
+        eos = getattr(tokenizer, "eos_id", None)
+        if eos is not None:
+            self.stop_ids.add(eos)
+        self._ids = itertools.count(1)
+        self._inbox: deque = deque()
+        self._cancels: deque[str] = deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._handles: dict[str, RequestHandle] = {}
+        self._seqs: dict[str, Sequence] = {}
+        self._assemblers: dict[int, TextAssembler] = {}
+        self.counters = {"prompt_tokens_total": 0, "prompt_tokens_cached_total": 0,
+                         "generated_tokens_total": 0, "steps": 0, "preemptions": 0}
+        self.peak_tokens_used = 0
+        self.wants_user_boundary = bool(getattr(model, "state_shapes", lambda: [])())
+
+    # ---- construction ------------------------------------------------------------------
+    @classmethod
+    def from_model_path(cls, path: str | None, config: EngineConfig) -> "Engine":
+        from kvshare.model.chat_template import ChatTemplate
+        from kvshare.model.loader import default_model_path, load_model
+        from kvshare.model.tokenizer import Tokenizer
+
+        path = str(path) if path else str(default_model_path())
+        model = load_model(path, device=config.device)
+        tokenizer = Tokenizer.from_gguf(path)
+        template = ChatTemplate.from_gguf(path, tokenizer)
+        fingerprint = bytes.fromhex(model.fingerprint)
+        return cls(model, tokenizer, template, fingerprint, config, model_name=Path(path).stem)
+
+    def _pool_blocks(self, config: EngineConfig) -> int:
+        if config.kv_blocks:
+            return int(config.kv_blocks)
+        per_block = self.model.kv_bytes_per_token(config.kv_dtype) * config.block_size
+        if config.kv_mem_mib:
+            return max(4, int(config.kv_mem_mib) * 2**20 // per_block)
+        want = config.parallel * -(-config.ctx_size // config.block_size)
+        cap = 1536 * 2**20 // per_block  # default: at most 1.5 GiB of KV
+        return max(4, min(want, cap))
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvshare-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Let in-flight requests finish for up to `timeout` seconds, then cancel the rest."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and (self._handles or self._inbox):
+            time.sleep(0.02)
+        for rid in list(self._handles):
+            self._cancel(rid)
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+
+    # ---- text -------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special))
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def token_piece(self, token_id: int) -> str:
+        return self.tokenizer.token_to_piece(int(token_id))
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True, **kwargs) -> tuple[str, int | None]:
+        text = self.chat_template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
+        boundary = None
+        if self.wants_user_boundary:  # only hybrid models checkpoint there; it costs a re-render
+            boundary = self.chat_template.first_user_boundary_tokens(messages, self.tokenizer, tools=tools)
+        return text, boundary
+
+    # ---- requests ---------------------------------------------------------------------
+    def submit(self, req: GenerationRequest) -> RequestHandle:
+        n = len(req.prompt_tokens)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.ctx_size:
+            raise ValueError(f"the prompt has {n} tokens; the context holds {self.ctx_size}")
+        if req.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        vocab = self.model.config.vocab_size
+        if any((t < 0 or t >= vocab) for t in req.prompt_tokens):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        rid = req.request_id or f"req-{next(self._ids)}"
+        req.request_id = rid
+        handle = RequestHandle(rid, self)
+        seq = Sequence(seq_id=next(self._ids), request=req, sampler=Sampler(req.sampling, req.prompt_tokens))
+        seq.tokens = list(req.prompt_tokens)
+        seq.n_prompt = n
+        self._handles[rid] = handle
+        self._seqs[rid] = seq
+        self._inbox.append(seq)
+        self._wake.set()
+        return handle
+
+    def _cancel(self, request_id: str) -> None:
+        self._cancels.append(request_id)
+        self._wake.set()
+
+    # ---- the engine thread ------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_inbox()
+            if not self.scheduler.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception as exc:  # a bug or a device error: fail what is running, keep serving
+                log.exception("engine step failed")
+                for seq in list(self.scheduler.running):
+                    self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            self.scheduler.add(self._inbox.popleft())
+        while self._cancels:
+            rid = self._cancels.popleft()
+            seq = self._seqs.get(rid)
+            if seq is not None and seq.state != SeqState.FINISHED:
+                self._finish(seq, "cancelled")
+
+    def run_until_idle(self) -> None:
+        """Run steps on the calling thread until nothing is left (tests, benchmarks)."""
+        while True:
+            self._drain_inbox()
+            if not self.scheduler.has_work():
+                return
+            self.step()
+
+    def step(self) -> None:
+        """One model step: schedule, allocate, forward, record, sample, emit."""
+        from kvshare.model.batch import SeqChunk
+
+        plan, unrunnable = self.scheduler.schedule()
+        for seq in unrunnable:
+            self._finish(seq, "error", error="the request does not fit in the KV pool")
+        if not plan:
+            return
+        now = time.perf_counter()
+        chunks = []
+        for item in plan:
+            if item.seq.prefill_started is None:
+                item.seq.prefill_started = now
+            chunks.append(SeqChunk(
+                tokens=np.asarray(item.seq.tokens[item.start:item.end], dtype=np.int32),
+                start_pos=item.start,
+                block_table=np.asarray(item.seq.block_table, dtype=np.int32),
+                logits="last" if item.wants_logits else "none",
+            ))
+        logits = self.model.forward(chunks, self.kv)
+        self.counters["steps"] += 1
+        for item, out in zip(plan, logits):
+            self.cache.record(item.seq, item.start, item.end)
+            if item.wants_logits:
+                self._on_logits(item, np.asarray(out)[-1])
+        used = self.pool.stats()["tokens_held"]
+        self.peak_tokens_used = max(self.peak_tokens_used, used)
+
+    def _on_logits(self, item: Planned, row: np.ndarray) -> None:
+        seq = item.seq
+        if seq.state == SeqState.PREFILL:
+            seq.state = SeqState.DECODE
+        if seq.cancelled or seq.state == SeqState.FINISHED:
+            return
+        req = seq.request
+        token = seq.sampler.sample(row)
+        now = time.perf_counter()
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        seq.generated.append(token)
+        self.counters["generated_tokens_total"] += 1
+        handle = self._handles.get(req.request_id)
+        if token in self.stop_ids and not req.ignore_eos or token in req.stop_token_ids:
+            self._finish(seq, "stop")
+            return
+        asm = self._assemblers.get(seq.seq_id)
+        if asm is None:
+            asm = self._assemblers[seq.seq_id] = TextAssembler(self.detokenize, req.stop)
+        text, hit_stop = asm.push(token)
+        event = TokenEvent(token_id=token, text=text)
+        if req.logprobs:
+            lp, top = top_logprobs(row, token, req.top_logprobs)
+            event = TokenEvent(
+                token_id=token, text=text,
+                logprob=TokenLogprob(token, self.token_piece(token), lp),
+                top_logprobs=tuple(TokenLogprob(t, self.token_piece(t), v) for t, v in top),
+            )
+        if handle is not None:
+            handle._put(event)
+        if hit_stop:
+            self._finish(seq, "stop", flush=False)
+        elif seq.n_generated >= req.max_tokens or len(seq.tokens) + 1 >= self.ctx_size:
+            seq.tokens.append(token)
+            self._finish(seq, "length")
+        else:
+            seq.tokens.append(token)
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, flush: bool = True) -> None:
+        req = seq.request
+        handle = self._handles.pop(req.request_id, None)
+        asm = self._assemblers.pop(seq.seq_id, None)
+        if flush and asm is not None and handle is not None and reason in ("stop", "length"):
+            tail = asm.flush()
+            if tail:
+                handle._put(TokenEvent(token_id=-1, text=tail))
+        self.scheduler.finish(seq)
+        seq.finished_at = time.perf_counter()
+        seq.cancelled = reason == "cancelled"
+        self._seqs.pop(req.request_id, None)
+        prompt_end = seq.first_token_at or seq.finished_at
+        start = seq.prefill_started or seq.arrival
+        timings = Timings(
+            prompt_n=seq.n_prompt - seq.n_cached,
+            cache_n=seq.n_cached,
+            prompt_ms=1e3 * (prompt_end - start),
+            predicted_n=seq.n_generated,
+            predicted_ms=1e3 * (seq.finished_at - seq.first_token_at) if seq.first_token_at else 0.0,
+        )
+        self.counters["prompt_tokens_total"] += seq.n_prompt
+        self.counters["prompt_tokens_cached_total"] += seq.n_cached
+        ttft = (seq.first_token_at - seq.arrival) if seq.first_token_at else 0.0
+        if handle is not None:
+            handle._put(FinishEvent(reason=reason, prompt_tokens=seq.n_prompt,
+                                    completion_tokens=seq.n_generated, timings=timings,
+                                    time_to_first_token_s=ttft, error=error))
+
+    # ---- introspection ----------------------------------------------------------------
+    def snapshot(self) -> dict:
+        stats = dict(self.pool.stats())
+        slots = []
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            table = list(seq.block_table)
+            slots.append({
+                "id": seq.seq_id, "request_id": seq.request.request_id, "state": seq.state.value,
+                "n_prompt": seq.n_prompt, "n_cached": seq.n_cached, "n_computed": seq.n_computed,
+                "n_generated": seq.n_generated, "blocks": len(table),
+                "shared_blocks": sum(1 for b in table if self.pool.ref_count(b) > 1),
+            })
+        pool = {
+            "total": stats["total"], "used": stats["used"], "free": stats["free"],
+            "cached": stats["cached"], "shared": stats["shared"], "tokens_used": stats["tokens_held"],
+            "block_size": self.config.block_size, "peak_tokens_used": self.peak_tokens_used,
+        }
+        return {"slots": slots, "pool": pool, "counters": dict(self.counters)}

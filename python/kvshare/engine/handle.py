@@ -1,0 +1,75 @@
+"""RequestHandle: the server's end of one request — an event stream fed by the engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from typing import TYPE_CHECKING, AsyncIterator, Iterator, Union
+
+from kvshare.engine.api import FinishEvent, TokenEvent
+
+if TYPE_CHECKING:
+    from kvshare.engine.engine import Engine
+
+Event = Union[TokenEvent, FinishEvent]
+
+
+class RequestHandle:
+    """Created by `Engine.submit`. Iterate it (async inside an event loop, or `events()` from a
+    plain thread) to get TokenEvents followed by exactly one FinishEvent."""
+
+    def __init__(self, request_id: str, engine: "Engine"):
+        self.request_id = request_id
+        self._engine = engine
+        self._sync: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            self._async: asyncio.Queue[Event] | None = asyncio.Queue()
+        except RuntimeError:
+            self._loop = None
+            self._async = None
+        self.finished = False
+
+    def _put(self, event: Event) -> None:
+        """Called on the engine thread."""
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._async.put_nowait, event)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+        else:
+            self._sync.put(event)
+
+    def cancel(self) -> None:
+        """Stop generating; a FinishEvent(reason="cancelled") follows. Safe from any thread."""
+        self._engine._cancel(self.request_id)
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        if self._loop is not None:
+            raise RuntimeError("this handle was created inside an event loop: iterate it with `async for`")
+        while not self.finished:
+            event = self._sync.get(timeout=timeout)
+            if isinstance(event, FinishEvent):
+                self.finished = True
+            yield event
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[Event]:
+        if self._async is None:
+            raise RuntimeError("this handle was created outside an event loop: use events()")
+        while not self.finished:
+            event = await self._async.get()
+            if isinstance(event, FinishEvent):
+                self.finished = True
+            yield event
+
+    def result(self, timeout: float | None = None) -> tuple[list[TokenEvent], FinishEvent]:
+        """Collect the whole stream (sync handles only)."""
+        tokens: list[TokenEvent] = []
+        for event in self.events(timeout):
+            if isinstance(event, FinishEvent):
+                return tokens, event
+            tokens.append(event)
+        raise RuntimeError("stream ended without a FinishEvent")

@@ -1,0 +1,52 @@
+"""Generated ids -> streamed text, with stop strings.
+
+The whole generation is re-decoded at each token (cheap next to a model step) so multi-byte
+characters split across tokens come out whole; text that could still become a stop string is
+held back until it can't, and a stop string itself is never emitted.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+class TextAssembler:
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]):
+        self._decode = decode
+        self._stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """Add a token; return (new text to emit, whether a stop string was hit)."""
+        self.ids.append(token_id)
+        text = self._decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return "", False
+        # A stop string may straddle earlier output only within its own length.
+        search_from = max(0, len(self.emitted) - max((len(s) for s in self._stop), default=0))
+        cut = min((i for i in (text.find(s, search_from) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            return self._take(text[:cut]), True
+        hold = 0
+        for s in self._stop:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        return self._take(text[: len(text) - hold]), False
+
+    def flush(self) -> str:
+        """At the end of generation, release any held-back text."""
+        text = self._decode(self.ids)
+        return self._take(text.rstrip("\ufffd") if text.endswith("\ufffd") else text)
+
+    def _take(self, upto: str) -> str:
+        if len(upto) <= len(self.emitted) or not upto.startswith(self.emitted):
+            # Re-decoding can in rare cases change earlier characters (e.g. a space merged by
+            # the detokenizer); never take back what was sent, just send what follows.
+            if len(upto) <= len(self.emitted):
+                return ""
+        delta = upto[len(self.emitted):]
+        self.emitted = upto
+        return delta

@@ -1,0 +1,101 @@
+"""Turning one position's logits into the next token: penalties, greedy or sampled decoding
+(temperature, top-k, top-p, min-p, per-request seed) and logprobs.
+
+Follows llama.cpp's sampler chain order: penalties -> top-k -> top-p -> min-p -> temperature
+-> draw. Logprobs are reported from the model's raw distribution (OpenAI semantics), not the
+filtered one.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from kvshare.engine.api import SamplingParams
+
+
+class Sampler:
+    """Per-sequence sampling state (its RNG and the token history penalties look at)."""
+
+    def __init__(self, params: SamplingParams, prompt_tokens: list[int]):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+        self.history: list[int] = list(prompt_tokens)
+        self.generated = Counter()
+
+    def _apply_penalties(self, logits: np.ndarray) -> np.ndarray:
+        p = self.params
+        needs_repeat = p.repetition_penalty != 1.0 and p.penalty_last_n != 0
+        needs_freq = p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        if not (needs_repeat or needs_freq):
+            return logits
+        logits = logits.copy()
+        if needs_repeat:
+            window = self.history if p.penalty_last_n < 0 else self.history[-p.penalty_last_n :]
+            ids = np.fromiter(set(window), dtype=np.int64)
+            if ids.size:
+                vals = logits[ids]
+                logits[ids] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if needs_freq and self.generated:
+            ids = np.fromiter(self.generated.keys(), dtype=np.int64)
+            counts = np.fromiter(self.generated.values(), dtype=np.float32)
+            logits[ids] -= counts * p.frequency_penalty + p.presence_penalty
+        return logits
+
+    def sample(self, logits: np.ndarray) -> int:
+        """Pick the next token from a [vocab] float32 row and record it in the history."""
+        p = self.params
+        scores = self._apply_penalties(np.asarray(logits, dtype=np.float32))
+        if p.greedy:
+            token = int(np.argmax(scores))
+        else:
+            token = self._draw(scores)
+        self.history.append(token)
+        self.generated[token] += 1
+        return token
+
+    def _draw(self, scores: np.ndarray) -> int:
+        p = self.params
+        k = p.top_k if 0 < p.top_k < scores.size else min(scores.size, 1024)
+        # Candidates: the top-k (or the top 1024, which holds all the mass that top-p/min-p
+        # keep in practice) sorted by score, so the full 262K vocabulary is never sorted.
+        cand = np.argpartition(scores, -k)[-k:]
+        cand = cand[np.argsort(scores[cand])[::-1]]
+        if p.top_k <= 0 and k < scores.size:
+            # Without an explicit top-k the tail still matters when temperature is high:
+            # fall back to the full distribution if the candidates miss real mass.
+            full = _softmax(scores / max(p.temperature, 1e-6))
+            if full[cand].sum() < 0.999:
+                cand = np.argsort(scores)[::-1]
+        probs = _softmax(scores[cand])
+        keep = len(cand)
+        if p.top_p < 1.0:
+            keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p) + 1))
+        if p.min_p > 0.0:
+            keep = min(keep, max(1, int(np.sum(probs >= p.min_p * probs[0]))))
+        cand = cand[:keep]
+        final = _softmax(scores[cand] / max(p.temperature, 1e-6))
+        return int(cand[self.rng.choice(len(cand), p=final)])
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - np.max(x))
+    return e / e.sum()
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float32)
+    m = np.max(x)
+    return x - (m + np.log(np.sum(np.exp(x - m))))
+
+
+def top_logprobs(logits: np.ndarray, chosen: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """The chosen token's logprob and the n most likely (token, logprob) pairs."""
+    lp = log_softmax(logits)
+    top: list[tuple[int, float]] = []
+    if n > 0:
+        ids = np.argpartition(lp, -n)[-n:]
+        ids = ids[np.argsort(lp[ids])[::-1]]
+        top = [(int(i), float(lp[i])) for i in ids]
+    return float(lp[chosen]), top

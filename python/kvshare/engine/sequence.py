@@ -1,0 +1,53 @@
+"""A sequence: one request's tokens, its block table and its progress through prefill and
+decode. Owned by the engine thread; the server only sees its events."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvshare.engine.api import GenerationRequest
+from kvshare.engine.sampling import Sampler
+
+
+class SeqState(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request: GenerationRequest
+    sampler: Sampler
+    arrival: float = field(default_factory=time.perf_counter)
+    state: SeqState = SeqState.WAITING
+    # Prompt + generated tokens. tokens[:n_computed] have KV in the pool.
+    tokens: list[int] = field(default_factory=list)
+    n_prompt: int = 0
+    n_computed: int = 0
+    n_cached: int = 0  # prompt tokens reused from the cache at admission (llama-server cache_n)
+    block_table: list[int] = field(default_factory=list)
+    # Chain keys of this sequence's full blocks, in order (block i covers tokens[i*bs:(i+1)*bs]).
+    block_keys: list[bytes] = field(default_factory=list)
+    # How many leading tokens of each block are already recorded in the pool.
+    n_recorded: int = 0
+    generated: list[int] = field(default_factory=list)
+    emitted_text: str = ""
+    cancelled: bool = False
+    preemptions: int = 0
+    # Timing marks (perf_counter seconds).
+    prefill_started: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def n_generated(self) -> int:
+        return len(self.generated)
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.n_computed >= len(self.tokens) - 1 and self.state == SeqState.DECODE
