@@ -178,8 +178,12 @@ def test_prefix_token_count(gemma):
     ids = gemma.encode(text)
     assert ids[:n] == gemma.encode(text[:b])
     assert gemma.decode(ids[n:], skip_special=False).startswith("Hello")
+    assert gemma.is_split_point(text, b)  # right after the "\n" token: no full encode needed
+    assert gemma.prefix_length(text[:b]) == n == prefix_token_count(gemma, text, b, ids)
+    assert not gemma.is_split_point(text, 3)  # inside "<start_of_turn>"
     # a boundary inside a word: the tokenizations diverge, the common prefix is returned
     mid = text.index("there") + 2
+    assert not gemma.is_split_point(text, mid)
     k = prefix_token_count(gemma, text, mid)
     assert ids[:k] == gemma.encode(text[:mid])[:k] and k < len(gemma.encode(text[:mid]))
 

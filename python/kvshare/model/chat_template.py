@@ -467,9 +467,15 @@ class ChatTemplate:
                                    *, tools: Sequence[Any] | None = None,
                                    add_generation_prompt: bool = True, **kwargs: Any) -> int | None:
         """The first-user-message boundary as a token position in
-        `tokenizer.encode(render(...))` (see `apply`), or None."""
-        return self.apply(tokenizer, messages, tools=tools,
-                          add_generation_prompt=add_generation_prompt, **kwargs).first_user_token
+        `tokenizer.encode(render(...))` (see `apply`), or None. Cheap when the boundary is a
+        special-token split point (Gemma): only the prefix is tokenized, and that is memoised."""
+        msgs = normalize_messages(messages)
+        u = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
+        if u is None:
+            return None
+        text = self._render(msgs, tools, add_generation_prompt, None, kwargs)
+        char = self._boundary(msgs, u, text, tools, add_generation_prompt, None, kwargs)
+        return None if char is None else prefix_token_count(tokenizer, text, char)
 
     def apply(self, tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *,
               tools: Sequence[Any] | None = None, add_generation_prompt: bool = True,

@@ -31,7 +31,8 @@ import codecs
 import functools
 import logging
 import re
-from collections import defaultdict
+import threading
+from collections import OrderedDict, defaultdict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -542,6 +543,8 @@ class Tokenizer:
             self._hf = self._build_bpe(meta, pre)
         self._encode_batch = getattr(self._hf, "encode_batch_fast", self._hf.encode_batch)
         del self._token_to_id  # the HF model holds the same text -> id map
+        self._prefix_cache: OrderedDict[tuple[str, bool, bool], int] = OrderedDict()
+        self._prefix_lock = threading.Lock()
         _release_freed_memory()
 
     # ---- construction helpers ---------------------------------------------------------------
@@ -714,6 +717,38 @@ class Tokenizer:
         if not text:
             return []
         return (self._split_special if parse_special else self._split_plain).split(text)
+
+    def is_split_point(self, text: str, pos: int, parse_special: bool = True) -> bool:
+        """True if `pos` falls between two parts of `text`'s special-token partition (or at an
+        end). Tokens then never span `pos`: `encode(text[:pos])` is a prefix of `encode(text)`
+        (apart from an EOS the model appends)."""
+        if pos <= 0 or pos >= len(text):
+            return True
+        at = 0
+        texts = self._texts
+        for part in self.split_special(text, parse_special):
+            at += len(texts[part]) if part.__class__ is int else len(part)  # type: ignore[index, arg-type]
+            if at >= pos:
+                return at == pos
+        return False
+
+    def prefix_length(self, prefix: str, add_special: bool = True, parse_special: bool = True) -> int:
+        """`len(encode(prefix))` without a trailing EOS the model appends, memoised for the
+        last 64 prefixes (agent sessions render the same system prompt + tools again and
+        again)."""
+        key = (prefix, add_special, parse_special)
+        with self._prefix_lock:
+            n = self._prefix_cache.get(key)
+            if n is not None:
+                self._prefix_cache.move_to_end(key)
+                return n
+        ids = self.encode(prefix, add_special, parse_special)
+        n = len(ids) - (1 if add_special and self.add_eos and ids and ids[-1] == self.eos_id else 0)
+        with self._prefix_lock:
+            self._prefix_cache[key] = n
+            while len(self._prefix_cache) > 64:
+                self._prefix_cache.popitem(last=False)
+        return n
 
     def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of `text`, as llama.cpp's `llama_tokenize(text, add_special, parse_special)`.
@@ -922,12 +957,15 @@ def prefix_token_count(tokenizer: Tokenizer, text: str, char_offset: int,
                        parse_special: bool = True) -> int:
     """Token position in `encode(text)` that corresponds to the character offset `char_offset`.
 
-    Tokenizes `text[:char_offset]` and returns its token count when those tokens are a prefix of
-    the tokens of the whole `text` (pass `ids` if you have them). If tokenization is not
-    prefix-stable there (a token spans the offset), returns the length of the longest common
-    prefix: the largest position at which the two tokenizations still agree. A trailing EOS
-    the model appends is not counted.
+    When no token can span the offset (it is a special-token split point, e.g. right after
+    Gemma's "\n" token), this is the token count of `text[:char_offset]` (memoised; the whole
+    text is not tokenized). Otherwise the prefix's tokens are compared with the whole text's
+    (pass `ids` if you have them): their count if they are a prefix, else the length of the
+    longest common prefix, the largest position at which the two tokenizations still agree.
+    A trailing EOS the model appends is not counted.
     """
+    if tokenizer.is_split_point(text, char_offset, parse_special):
+        return tokenizer.prefix_length(text[:char_offset], add_special, parse_special)
     if ids is None:
         ids = tokenizer.encode(text, add_special, parse_special)
     pre = tokenizer.encode(text[:char_offset], add_special, parse_special)
