@@ -90,6 +90,22 @@ class CacheManager:
         seq.n_computed += len(ids) * bs
         return len(ids) * bs
 
+    def next_key(self, seq: Sequence) -> bytes | None:
+        """Key of the block the sequence would compute next, if it starts a block."""
+        bs = self.block_size
+        if not self.attach_enabled or seq.n_computed % bs:
+            return None
+        j = seq.n_computed // bs
+        self.ensure_keys(seq, len(seq.tokens) - 1)
+        return seq.block_keys[j] if j < len(seq.block_keys) else None
+
+    def uncomputed_keys(self, seq: Sequence) -> list[bytes]:
+        """Keys of full prompt blocks this sequence has yet to compute."""
+        if not self.attach_enabled:
+            return []
+        self.ensure_keys(seq, len(seq.tokens) - 1)
+        return seq.block_keys[seq.n_computed // self.block_size:]
+
     # ---- compute -----------------------------------------------------------------------
     def ensure_keys(self, seq: Sequence, upto: int) -> None:
         """Compute chain keys of every full block within tokens[:upto]."""

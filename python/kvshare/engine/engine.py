@@ -203,6 +203,7 @@ class Engine:
         from kvshare.model.batch import SeqChunk
 
         plan, unrunnable = self.scheduler.schedule()
+        self.counters["preemptions"] = self.scheduler.n_preemptions
         for seq in unrunnable:
             self._finish(seq, "error", error="the request does not fit in the KV pool")
         if not plan:

@@ -35,6 +35,7 @@ class Scheduler:
         self.prefill_budget = prefill_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.n_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -55,6 +56,7 @@ class Scheduler:
         self.cache.release(seq)
         seq.n_computed = 0
         seq.preemptions += 1
+        self.n_preemptions += 1
         seq.state = SeqState.WAITING
         self.running.remove(seq)
         self.waiting.appendleft(seq)
@@ -76,13 +78,20 @@ class Scheduler:
         for seq in self.running:
             if seq.state == SeqState.DECODE:
                 plan.append(Planned(seq, seq.n_computed, len(seq.tokens)))
+        pending: set[bytes] = set()  # keys of prompt blocks that earlier sequences will compute
         for seq in self.running:
-            if seq.state != SeqState.PREFILL or budget <= 0:
+            if seq.state != SeqState.PREFILL:
                 continue
-            self.cache.reattach(seq)
-            n = min(len(seq.tokens) - seq.n_computed, budget)
-            budget -= n
-            plan.append(Planned(seq, seq.n_computed, seq.n_computed + n))
+            gained = self.cache.reattach(seq)
+            if seq.preemptions == 0:
+                seq.n_cached += gained
+            nxt = self.cache.next_key(seq)
+            if budget > 0 and not (nxt is not None and nxt in pending):
+                n = min(len(seq.tokens) - seq.n_computed, budget)
+                budget -= n
+                plan.append(Planned(seq, seq.n_computed, seq.n_computed + n))
+            # else: an earlier session is computing this very block; wait and attach to it.
+            pending.update(self.cache.uncomputed_keys(seq))
         return self._allocate(plan)
 
     def _allocate(self, plan: list[Planned]) -> tuple[list[Planned], list[Sequence]]:
