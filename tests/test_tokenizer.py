@@ -498,3 +498,19 @@ def test_gpt2_decode(gpt2):
 def test_gpt2_unknown_pre(tmp_path):
     with pytest.raises(TokenizerError, match="pre-tokenizer"):
         Tokenizer.from_gguf(_write_gpt2_gguf(tmp_path / "x.gguf", "no-such-pre"), cached=False)
+
+
+def test_characters_inside_tokens_that_are_not_tokens():
+    # "é" is not a token, but "é!" is: llama.cpp keeps "é" as a symbol that can still merge,
+    # and falls back to its UTF-8 bytes only if it stays alone
+    tokens = ["<unk>", "<s>", "</s>", *_byte_vocab(), "!", "a", "é!", "aé!"]
+    types = [2, 3, 3, *[6] * 256, 1, 1, 1, 1]
+    tok = Tokenizer.from_metadata(_spm_meta(tokens, types))
+    ref = RefSPM(tok)
+    e1, e2 = tokens.index("<0xC3>"), tokens.index("<0xA9>")
+    assert tok.encode("é!", add_special=False) == [tokens.index("é!")]
+    assert tok.encode("aé!", add_special=False) == [tokens.index("aé!")]
+    assert tok.encode("éa", add_special=False) == [e1, e2, tokens.index("a")]
+    for text in ["é!", "éé!!", "aéaé!", "!é", "é", "aaé!é"]:
+        assert tok.encode(text) == ref.encode(text)
+        assert tok.decode(tok.encode(text, add_special=False)) == text

@@ -603,12 +603,27 @@ class Tokenizer:
     def _build_spm(self) -> _HFTokenizer:
         texts, attrs, n = self._texts, self._attrs, self.vocab_size
         vocab = dict(self._token_to_id)
-        ii, aa, bb = _splits(texts, vocab)
+        byte_ids = self._byte_ids()
+        # Characters that occur inside tokens but are not tokens themselves: llama.cpp keeps
+        # them as symbols that can still merge (e.g. "é" + "!" -> "é!" with no "é" token). They
+        # get stand-in ids past the vocabulary, take part in merges like tokens, and are
+        # replaced by their UTF-8 byte tokens after encoding if they survive unmerged.
         # byte tokens never take part in SPM merges (llama.cpp applies byte fallback only after
         # merging, to single leftover characters); user-defined tokens are always split out
         # before merging, so their text never reaches the merge loop
-        skip = np.fromiter(((a & ATTR_BYTE) != 0 or (a & (ATTR_USER_DEFINED | ATTR_CONTROL | ATTR_UNKNOWN))
-                            == ATTR_USER_DEFINED for a in attrs), bool, n)
+        skip_tok = np.fromiter(((a & ATTR_BYTE) != 0 or (a & (ATTR_USER_DEFINED | ATTR_CONTROL | ATTR_UNKNOWN))
+                                == ATTR_USER_DEFINED for a in attrs), bool, n)
+        extra = sorted(set("".join(t for t, sk in zip(texts, skip_tok.tolist()) if not sk)) - vocab.keys())
+        if extra and byte_ids is None:
+            raise TokenizerError("vocabulary lacks the <0xXX> byte tokens needed for fallback")
+        for ch in extra:
+            fid = n + len(self._fake)
+            vocab[ch] = fid
+            self._fake[fid] = [byte_ids[b] for b in ch.encode("utf-8")]  # type: ignore[index]
+        all_texts = texts + extra
+        ii, aa, bb = _splits(all_texts, vocab)
+        skip = np.zeros(len(all_texts), bool)
+        skip[:n] = skip_tok
         keep = ~(skip[ii] | skip[aa] | skip[bb])
         ii, aa, bb = ii[keep], aa[keep], bb[keep]
         order = np.lexsort((aa, ii, -self._scores[ii]))
@@ -621,21 +636,7 @@ class Tokenizer:
                 "tokenizer: %d mergeable tokens share a score with another; llama.cpp breaks such "
                 "ties by position, which a ranked BPE cannot, so rare texts may tokenize differently",
                 n_tied)
-        # characters that occur inside tokens but are not tokens themselves: llama.cpp keeps them
-        # as symbols that can still merge; give them stand-in ids past the vocabulary and map
-        # them to byte tokens after encoding if they survive unmerged
-        byte_ids = self._byte_ids()
-        chars = set()
-        used = np.bincount(ii, minlength=n) + np.bincount(aa, minlength=n) + np.bincount(bb, minlength=n)
-        for i in np.flatnonzero(used).tolist():
-            chars.update(texts[i])
-        for ch in sorted(c for c in chars if c not in vocab):
-            fid = n + len(self._fake)
-            vocab[ch] = fid
-            if byte_ids is None:
-                raise TokenizerError("vocabulary lacks <0xXX> byte tokens needed for fallback")
-            self._fake[fid] = [byte_ids[b] for b in ch.encode("utf-8")]
-        merges = [(texts[a], texts[b]) for a, b in zip(aa.tolist(), bb.tolist())]
+        merges = [(all_texts[a], all_texts[b]) for a, b in zip(aa.tolist(), bb.tolist())]
         unk = self._texts[self.unk_id] if self.unk_id is not None else None
         bpe = _hf_models.BPE(vocab=vocab, merges=merges, byte_fallback=byte_ids is not None,
                              unk_token=unk, fuse_unk=False)
