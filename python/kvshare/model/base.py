@@ -66,12 +66,23 @@ class Model(ABC):
         """Per-slot shapes of the recurrent-state arrays (none for attention-only models)."""
         return []
 
+    def kv_bytes_per_token(self, kv_dtype: Any = None) -> int:
+        """Bytes of paged KV one token takes (all attention layers, K and V)."""
+        from kvshare.model.cache import kv_dtype_of  # noqa: PLC0415
+
+        dt = kv_dtype_of(kv_dtype if kv_dtype is not None else self._default_kv_dtype())
+        c = self.config
+        return c.n_attn_layers * max(c.n_head_kv, 1) * (c.head_dim + c.head_dim_v) * dt.itemsize
+
+    def _default_kv_dtype(self) -> Any:
+        return np.float16 if self.backend.is_gpu else np.float32
+
     def new_cache(self, n_blocks: int, block_size: int = 16, n_state_slots: int = 0,
                   kv_dtype: Any = None) -> ModelCache:
-        """A KV pool of `n_blocks` blocks of `block_size` tokens (f32 by default on the CPU,
-        f16 on a GPU) plus `n_state_slots` recurrent-state slots (hybrid models only)."""
+        """A KV pool of `n_blocks` blocks of `block_size` tokens (`kv_dtype`: a dtype or "f32" /
+        "f16"; default f32 on the CPU, f16 on a GPU) plus `n_state_slots` recurrent-state slots (hybrid models only)."""
         if kv_dtype is None:
-            kv_dtype = np.float16 if self.backend.is_gpu else np.float32
+            kv_dtype = self._default_kv_dtype()
         return ModelCache(self.config, n_blocks, block_size, n_state_slots=n_state_slots,
                           kv_dtype=kv_dtype, backend=self.backend,
                           state_shapes=self.state_shapes())

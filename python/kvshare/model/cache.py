@@ -22,6 +22,20 @@ from kvshare.backend import CPU, Backend
 from kvshare.model.config import ModelConfig
 
 
+_DTYPE_NAMES = {"f32": np.float32, "float32": np.float32, "f16": np.float16,
+                "float16": np.float16, "half": np.float16}
+
+
+def kv_dtype_of(kv_dtype: Any) -> np.dtype:
+    """A KV dtype from a NumPy dtype or a name ("f32", "f16", "float32", "float16")."""
+    if isinstance(kv_dtype, str) and kv_dtype.lower() in _DTYPE_NAMES:
+        return np.dtype(_DTYPE_NAMES[kv_dtype.lower()])
+    dt = np.dtype(kv_dtype)
+    if dt not in (np.dtype(np.float32), np.dtype(np.float16)):
+        raise ValueError(f"KV dtype {kv_dtype!r} not supported (f32 or f16)")
+    return dt
+
+
 class ModelCache:
     def __init__(self, config: ModelConfig, n_blocks: int, block_size: int = 16, *,
                  n_state_slots: int = 0, kv_dtype: Any = np.float32,
@@ -34,7 +48,7 @@ class ModelCache:
         self.backend = backend
         self.n_blocks = int(n_blocks)
         self.block_size = int(block_size)
-        self.kv_dtype = np.dtype(kv_dtype)
+        self.kv_dtype = kv_dtype_of(kv_dtype)
         self.n_attn_layers = config.n_attn_layers
         xp = backend.xp
         self.kv = xp.zeros((self.n_attn_layers, 2, self.n_blocks, self.block_size,

@@ -69,6 +69,11 @@ def file_fingerprint(path: str | Path, *, use_cache: bool = True) -> str:
     return digest
 
 
+def model_fingerprint(path: str | Path) -> bytes:
+    """The 32-byte SHA-256 digest of the model file (what cache root keys mix in)."""
+    return bytes.fromhex(file_fingerprint(path))
+
+
 def _read(store: Path) -> dict:
     try:
         with open(store, encoding="utf-8") as f:

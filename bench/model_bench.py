@@ -1,0 +1,149 @@
+"""Model runtime throughput: prefill tokens/s at 1K/4K/8K-token prompts, decode tokens/s at
+batch 1/4/8 (short context) and batch 1 at ~6K context, and peak RSS.
+
+    python bench/model_bench.py [--model PATH] [--device cpu] [--chunk 512] [--quick]
+
+Prints a table and writes bench/out/model_bench.json. Prompts are random token ids (the
+forward pass cost does not depend on which tokens). Prefill runs in chunks of `--chunk`
+tokens (the engine's prefill budget), asking for the last logits only, like a server does.
+Each number is the best of `--repeat` runs (other processes share this machine's cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "python"))
+
+from kvshare.model.batch import SeqChunk  # noqa: E402
+from kvshare.model.loader import default_model_path, load_model  # noqa: E402
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def rss_mib() -> float:
+    try:
+        import psutil  # noqa: PLC0415
+
+        return psutil.Process().memory_info().rss / 2**20
+    except ImportError:  # pragma: no cover
+        return float("nan")
+
+
+def prefill(model, cache, tokens, table, chunk):
+    n = len(tokens)
+    t0 = time.perf_counter()
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        model.forward([SeqChunk(tokens[s:e], s, table, logits="last" if e == n else "none")],
+                      cache)
+    return time.perf_counter() - t0
+
+
+def bench_prefill(model, n, chunk, repeat, block_size=16):
+    rng = np.random.default_rng(n)
+    tokens = rng.integers(1000, model.config.vocab_size - 1, n).astype(np.int32)
+    nb = -(-n // block_size) + 1
+    cache = model.new_cache(nb, block_size)
+    table = np.arange(nb, dtype=np.int32)
+    best = min(prefill(model, cache, tokens, table, chunk) for _ in range(repeat))
+    del cache
+    return n / best, best
+
+
+def bench_decode(model, batch, context, steps, repeat, chunk, block_size=16):
+    """`batch` sequences, each with `context` tokens already prefilled; time `steps` decode
+    steps (one token per sequence per step, logits 'last' for all)."""
+    rng = np.random.default_rng(batch * 7919 + context)
+    per_seq = -(-(context + steps * repeat + 1) // block_size)
+    cache = model.new_cache(per_seq * batch, block_size)
+    tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(batch)]
+    prompts = [rng.integers(1000, 200000, context).astype(np.int32) for _ in range(batch)]
+    for p, t in zip(prompts, tables):
+        prefill(model, cache, p, t, chunk)
+    pos = context
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            toks = rng.integers(1000, 200000, batch)
+            model.forward([SeqChunk([toks[i]], pos, tables[i], logits="last")
+                           for i in range(batch)], cache)
+            pos += 1
+        best = min(best, time.perf_counter() - t0)
+    del cache
+    return batch * steps / best, best / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="1K prefill and batch 1/4 only")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "model_bench.json"))
+    args = ap.parse_args()
+
+    path = args.model or default_model_path()
+    t0 = time.perf_counter()
+    model = load_model(path, device=args.device)
+    load_s = time.perf_counter() - t0
+    rss_loaded = rss_mib()
+    model.forward([SeqChunk(np.arange(2, 10), 0, np.arange(1))], model.new_cache(1, 16))
+
+    rows = []
+    prefill_sizes = [1024] if args.quick else [1024, 4096, 8192]
+    for n in prefill_sizes:
+        tps, secs = bench_prefill(model, n, args.chunk, args.repeat)
+        rows.append({"test": f"prefill {n}", "tokens_per_s": tps, "seconds": secs})
+        print(f"prefill {n:>5}: {tps:8.1f} tok/s ({secs:.2f} s)", flush=True)
+    decode_cases = [(1, 64), (4, 64)] if args.quick else [(1, 64), (4, 64), (8, 64), (1, 6144)]
+    for batch, ctx in decode_cases:
+        tps, step_s = bench_decode(model, batch, ctx, steps=16, repeat=args.repeat,
+                                   chunk=args.chunk)
+        rows.append({"test": f"decode batch {batch} @ctx {ctx}", "tokens_per_s": tps,
+                     "step_ms": step_s * 1e3})
+        print(f"decode batch {batch} ctx {ctx:>5}: {tps:8.1f} tok/s ({step_s * 1e3:.1f} ms/step)",
+              flush=True)
+    d1 = next(r["tokens_per_s"] for r in rows if r["test"] == "decode batch 1 @ctx 64")
+    d4 = next(r["tokens_per_s"] for r in rows if r["test"] == "decode batch 4 @ctx 64")
+    result = {
+        "model": str(path), "device": args.device, "chunk": args.chunk,
+        "load_seconds": load_s, "rss_after_load_mib": rss_loaded,
+        "peak_rss_mib": peak_rss_mib(), "batch4_over_batch1": d4 / d1, "rows": rows,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "load_avg": os.getloadavg(),
+                    "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS")},
+        "targets": {"prefill_tok_s": 0.7 * 713, "decode_b1_tok_s": 0.4 * 75,
+                    "batch4_over_batch1": 2.0, "peak_rss_mib": 1.5 * 1024},
+    }
+    print()
+    print(f"{'test':<28}{'tokens/s':>12}")
+    for r in rows:
+        print(f"{r['test']:<28}{r['tokens_per_s']:>12.1f}")
+    print(f"{'batch-4 / batch-1':<28}{result['batch4_over_batch1']:>12.2f}")
+    print(f"{'load (s)':<28}{load_s:>12.2f}")
+    print(f"{'RSS after load (MiB)':<28}{rss_loaded:>12.0f}")
+    print(f"{'peak RSS (MiB)':<28}{result['peak_rss_mib']:>12.0f}")
+    print(f"load average during run: {os.getloadavg()}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
