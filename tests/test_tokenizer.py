@@ -514,3 +514,19 @@ def test_characters_inside_tokens_that_are_not_tokens():
     for text in ["é!", "éé!!", "aéaé!", "!é", "é", "aaé!é"]:
         assert tok.encode(text) == ref.encode(text)
         assert tok.decode(tok.encode(text, add_special=False)) == text
+
+
+def test_fragment_cache_is_transparent(gemma, monkeypatch):
+    import kvshare.model.tokenizer as T
+
+    text = TEXTS["gemma"]["tools_long"]
+    gemma.clear_cache()
+    first = gemma.encode(text)
+    assert gemma._frag_cache  # distinct fragments remembered
+    assert gemma.encode(text) == first  # all hits
+    assert first == TOKENS["gemma"]["tools_long/tokens"].tolist()
+    # a tiny budget evicts old fragments but never changes results
+    monkeypatch.setattr(T, "_FRAGMENT_CACHE_CHARS", 200)
+    gemma.clear_cache()
+    assert gemma.encode(text) == first and gemma._frag_chars <= 200
+    gemma.clear_cache()

@@ -28,6 +28,7 @@ the known theoretical differences.
 from __future__ import annotations
 
 import codecs
+from array import array
 import functools
 import logging
 import re
@@ -86,6 +87,7 @@ _TYPE_TO_ATTR = {
 }
 
 SPM_SPACE = "\u2581"  # "▁", SentencePiece's escaped space
+_FRAGMENT_CACHE_CHARS = 4_000_000  # raw-text fragments remembered by Tokenizer.encode
 
 # Token texts llama.cpp recognises (llama-vocab.cpp, `load`): end-of-turn candidates, FIM
 # tokens that also end generation, and the end-of-generation list. Tokens found here that are
@@ -544,6 +546,9 @@ class Tokenizer:
         self._encode_batch = getattr(self._hf, "encode_batch_fast", self._hf.encode_batch)
         del self._token_to_id  # the HF model holds the same text -> id map
         self._prefix_cache: OrderedDict[tuple[str, bool, bool], int] = OrderedDict()
+        self._frag_cache: dict[str, array] = {}
+        self._frag_chars = 0
+        self._frag_lock = threading.Lock()
         self._prefix_lock = threading.Lock()
         _release_freed_memory()
 
@@ -767,12 +772,7 @@ class Tokenizer:
             if self._prefix_space:
                 raw = [" " + p for p in raw]
             if raw:
-                try:
-                    encs = self._encode_raw(raw)
-                except (UnicodeEncodeError, TypeError):  # lone surrogates
-                    raw = [p.encode("utf-8", "surrogatepass").decode("utf-8", "replace") for p in raw]
-                    encs = self._encode_raw(raw)
-                it = iter(encs)
+                it = iter(self._encode_fragments(raw))
                 for p in parts:
                     if p.__class__ is int:
                         out.append(p)  # type: ignore[arg-type]
@@ -788,6 +788,46 @@ class Tokenizer:
         if add_special and self.add_eos:
             out.append(self.eos_id)  # type: ignore[arg-type]
         return out
+
+    def clear_cache(self) -> None:
+        """Forget remembered fragment encodings and prefix lengths (benchmarks use this)."""
+        with self._frag_lock:
+            self._frag_cache.clear()
+            self._frag_chars = 0
+        with self._prefix_lock:
+            self._prefix_cache.clear()
+
+    def _encode_fragments(self, raw: list[str]) -> list[Sequence[int]]:
+        """Token ids of each raw fragment. Fragments repeat a lot in agent prompts (JSON lines
+        of tool schemas, the same system prompt in every request), so each distinct fragment
+        is encoded once per call and remembered across calls (FIFO, bounded by characters)."""
+        cache = self._frag_cache
+        local: dict[str, Sequence[int]] = {}
+        missing: list[str] = []
+        for r in dict.fromkeys(raw):
+            hit = cache.get(r)
+            if hit is None:
+                missing.append(r)
+            else:
+                local[r] = hit
+        if missing:
+            try:
+                encs = self._encode_raw(missing)
+            except (UnicodeEncodeError, TypeError):  # lone surrogates
+                encs = self._encode_raw(
+                    [m.encode("utf-8", "surrogatepass").decode("utf-8", "replace") for m in missing])
+            new = {m: array("i", e) for m, e in zip(missing, encs)}
+            local.update(new)
+            with self._frag_lock:
+                for m, ids in new.items():
+                    if len(m) <= _FRAGMENT_CACHE_CHARS // 4 and m not in cache:
+                        cache[m] = ids
+                        self._frag_chars += len(m)
+                while self._frag_chars > _FRAGMENT_CACHE_CHARS and cache:
+                    oldest = next(iter(cache))
+                    del cache[oldest]
+                    self._frag_chars -= len(oldest)
+        return [local[r] for r in raw]
 
     def _encode_raw(self, raw: list[str]) -> list[list[int]]:
         if len(raw) == 1:
