@@ -264,17 +264,19 @@ def test_prompt_cache_semantics(server):
 
 # --------------------------------------------------------------------------- sharing on/off
 
-def _greedy_scenario(server: ServerProcess, tag: str) -> dict:
+def _greedy_scenario(server: ServerProcess, tag: str) -> tuple[dict, dict]:
     """Sequential and concurrent greedy requests with shared prefixes, including a donor that
-    is mid-generation when another session attaches to its prefix."""
+    is mid-generation when another session attaches to its prefix. Returns the outputs and
+    each request's cache_n."""
     prefix = (f"Agent {tag}. You are a careful assistant. Tools: read_file, write_file, "
               "search, run_tests. Always answer briefly. ")
-    out = {}
+    out, cache_n = {}, {}
     for i, q in enumerate(("What is 2+2?", "Name a prime number.")):
         r = post(server, "/v1/completions", {"prompt": prefix + q, "max_tokens": 4,
                                              "temperature": 0, "logprobs": 0})
         body = r.json()
         out[f"seq{i}"] = (body["choices"][0]["text"], body["choices"][0]["logprobs"]["tokens"])
+        cache_n[f"seq{i}"] = body["timings"]["cache_n"]
 
     results: dict[str, str] = {}
     started = threading.Event()
@@ -301,16 +303,19 @@ def _greedy_scenario(server: ServerProcess, tag: str) -> dict:
                                                             "Make it funny.",
                                          "max_tokens": 4, "temperature": 0, "ignore_eos": True})
     results["attacher"] = r.json()["choices"][0]["text"]
+    cache_n["attacher"] = r.json()["timings"]["cache_n"]
     t.join(REQUEST_TIMEOUT)
     out.update(results)
-    return out
+    return out, cache_n
 
 
 def test_sharing_does_not_change_greedy_tokens(servers):
     tag = nonce()
-    with_sharing = _greedy_scenario(servers.get("attach"), tag)
-    without = _greedy_scenario(servers.get("no_attach"), tag)
+    with_sharing, cached = _greedy_scenario(servers.get("attach"), tag)
+    without, not_cached = _greedy_scenario(servers.get("no_attach"), tag)
     assert with_sharing == without
+    assert cached["seq1"] > 16 and cached["attacher"] > 16  # sharing did happen
+    assert set(not_cached.values()) == {0}  # and did not without it
 
 
 # --------------------------------------------------------------------------- bad input
