@@ -464,6 +464,19 @@ def test_metrics_and_introspection(server):
     assert isinstance(httpx.get(server.url + "/slots").json(), list)
 
 
+# --------------------------------------------------------------------------- startup errors
+
+def test_bad_model_file_exits_2(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF\x03\x00")  # truncated header
+    for model in (str(bad), str(tmp_path / "missing.gguf")):
+        p = subprocess.run([sys.executable, "-m", "kvshare.server.cli", "serve", "--model", model,
+                            "--port", "0"], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2, p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kvshare: error:"), p.stderr
+
+
 # --------------------------------------------------------------------------- shutdown
 
 def test_sigterm_shuts_down_cleanly(servers):

@@ -421,14 +421,14 @@ class KVShareServer:
                 stop=opts.stop, ignore_eos=opts.ignore_eos, logprobs=opts.logprobs,
                 top_logprobs=opts.top_logprobs, cache_salt=opts.cache_salt,
                 first_user_boundary=boundary, request_id=rid)
+            fmt = (ChatFormat(rid, self.engine.model_name, opts) if chat
+                   else CompletionFormat(rid, self.engine.model_name, opts, echo_text))
             try:
                 handle = self.engine.submit(greq)
             except ValueError as e:
                 code = "context_length_exceeded" if "context" in str(e).lower() else None
                 raise bad_request(str(e), param, code) from None
             self.active[rid] = handle
-            fmt = (ChatFormat(rid, self.engine.model_name, opts) if chat
-                   else CompletionFormat(rid, self.engine.model_name, opts, echo_text))
             if opts.stream:
                 handed_off = True
 
