@@ -127,6 +127,10 @@ class Engine:
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
+    def _generated_text(self, ids: list[int]) -> str:
+        # Control tokens (<start_of_turn>, ...) are not part of a reply's text, as in llama-server.
+        return self.tokenizer.decode(list(ids), skip_special=True)
+
     def token_piece(self, token_id: int) -> str:
         return self.tokenizer.token_to_piece(int(token_id))
 
@@ -247,7 +251,7 @@ class Engine:
             return
         asm = self._assemblers.get(seq.seq_id)
         if asm is None:
-            asm = self._assemblers[seq.seq_id] = TextAssembler(self.detokenize, req.stop)
+            asm = self._assemblers[seq.seq_id] = TextAssembler(self._generated_text, req.stop)
         text, hit_stop = asm.push(token)
         event = TokenEvent(token_id=token, text=text)
         if req.logprobs:
