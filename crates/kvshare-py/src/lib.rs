@@ -4,9 +4,12 @@
 
 use pyo3::prelude::*;
 
+mod ckpt;
+mod convert;
 mod disk;
 mod errors;
 mod pool;
+mod ram;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
