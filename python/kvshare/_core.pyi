@@ -182,3 +182,77 @@ class RamTier:
     def stats(self) -> _RamStats: ...
     def lru_order(self) -> list[tuple[Literal["block", "checkpoint"], bytes]]: ...
     def check_invariants(self) -> None: ...
+
+# --- disk store ---
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+from typing_extensions import Buffer
+
+_Checkpoint = tuple[int, bytes, str, Buffer]  # (position, key, layout, data)
+_CheckpointInfo = tuple[int, bytes, str, int]  # (position, key, layout, n_bytes)
+
+class DiskStore:
+    """Crash-safe on-disk store of KV blocks and checkpoints with a background writer.
+
+    Keys are 32-byte block/checkpoint keys. Entries of another model fingerprint are never
+    returned. One store per directory (a second raises CacheIoError)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        model_fingerprint: bytes,
+        budget_bytes: int,
+        ttl_seconds: float | None,
+        min_tokens: int,
+        queue_depth: int = 16,
+    ) -> None: ...
+    @property
+    def path(self) -> Path: ...
+    def submit(
+        self,
+        block_keys: Sequence[bytes],
+        payload: Buffer,
+        block_bytes: int | Sequence[int],
+        tokens: int,
+        checkpoints: Sequence[_Checkpoint] | None = None,
+        payload_from: int = 0,
+    ) -> bool:
+        """Queues an entry; False if the queue is full (the write is dropped and counted).
+        `payload` holds blocks `block_keys[payload_from:]` back to back; earlier blocks must
+        already be stored (see `stored_prefix`)."""
+    def write(
+        self,
+        block_keys: Sequence[bytes],
+        payload: Buffer,
+        block_bytes: int | Sequence[int],
+        tokens: int,
+        checkpoints: Sequence[_Checkpoint] | None = None,
+        payload_from: int = 0,
+    ) -> bytes | None:
+        """Writes now; the entry key, or None if nothing was written."""
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> DiskStore: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool: ...
+    def lookup(self, keys: Sequence[bytes]) -> tuple[int, int, _CheckpointInfo | None]:
+        """(n_blocks, n_bytes, deepest checkpoint on a matched key); evicts first."""
+    def stored_prefix(self, keys: Sequence[bytes]) -> int: ...
+    def read_blocks(self, keys: Sequence[bytes], out: Buffer) -> int:
+        """Fills writable contiguous `out` with the stored prefix's blocks (whole blocks that
+        fit); returns the count. Raises CorruptEntry (entry removed, `out` zeroed)."""
+    def lookup_checkpoint(
+        self, candidates: Sequence[tuple[int, bytes]], max_position: int
+    ) -> _CheckpointInfo | None: ...
+    def read_checkpoint(self, key: bytes) -> tuple[int, str, bytes] | None:
+        """(position, layout, data), verified; None if not stored."""
+    def evict(self) -> int: ...
+    def stats(self) -> dict[str, int]: ...
+    def entries(self) -> list[dict[str, object]]: ...
