@@ -36,9 +36,10 @@ class FakeHandle:
         self.cancelled = False
         self.finished = False
 
-    def cancel(self) -> None:
+    def cancel(self) -> None:  # like the engine: the sequence is freed whoever still listens
         self.cancelled = True
         self._cancel.set()
+        self.engine.running.discard(self)
 
     def __aiter__(self):
         return self._events()
@@ -756,13 +757,15 @@ def test_real_server_disconnect_cancels(live):
     # non-streaming: give up before the reply is complete
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(s.url + "/v1/chat/completions", json=CHAT, timeout=0.5)
+    want = 'kvshare_requests_total{endpoint="chat",status="499"} 2.0'
     deadline = time.time() + 5
-    while time.time() < deadline and not all(h.cancelled for h in engine.handles):
+    while time.time() < deadline and not (len(engine.handles) == 2 and not engine.running
+                                          and want in httpx.get(s.url + "/metrics").text):
         time.sleep(0.05)
     assert len(engine.handles) == 2
     assert all(h.cancelled for h in engine.handles)
-    metrics = httpx.get(s.url + "/metrics").text
-    assert 'kvshare_requests_total{endpoint="chat",status="499"} 2.0' in metrics
+    assert want in httpx.get(s.url + "/metrics").text
+    assert engine.running == set()
 
 
 def test_real_server_graceful_shutdown_finishes_streams(live):
