@@ -349,7 +349,7 @@ def load_decoder(model: DecoderModel, ld: Any) -> None:
     """Fill a `DecoderModel` from a llama-style GGUF: embeddings, layers, final norm and the
     output head (tied to the embeddings when the file has no `output.weight`)."""
     cfg = model.config
-    model.tok_embd = ld.get("token_embd.weight")
+    model.tok_embd = ld.q8("token_embd.weight") or ld.get("token_embd.weight")
     if model.tok_embd.shape != (cfg.vocab_size, cfg.n_embd):
         raise ValueError(f"token_embd has shape {model.tok_embd.shape}, expected "
                          f"{(cfg.vocab_size, cfg.n_embd)}")
@@ -364,4 +364,7 @@ def load_decoder(model: DecoderModel, ld: Any) -> None:
             layers.append(load_attention_layer(ld, cfg, il, attn_idx[il]))
     model.layers = layers
     model.output_norm = ld.get("output_norm.weight")
-    model.output = ld.get("output.weight") if ld.has("output.weight") else model.tok_embd
+    if ld.has("output.weight"):
+        model.output = ld.q8("output.weight") or ld.get("output.weight")
+    else:
+        model.output = model.tok_embd

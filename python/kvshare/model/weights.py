@@ -229,6 +229,22 @@ class WeightLoader:
         arr = self.host(name, transform)
         return self.put(arr, keep_f32=keep_f32)
 
+    def q8(self, name: str):
+        """Tensor `name` as a `Q8Weight` (kept quantized) when that path applies: CPU backend,
+        Numba installed, a 2-D Q8_0 tensor, and $KVSHARE_CPU_Q8 not "0". Otherwise None."""
+        import os  # noqa: PLC0415
+
+        from kvshare.ops.linear import HAVE_NUMBA, Q8Weight  # noqa: PLC0415
+
+        info = self.gf.tensors.get(name)
+        if (info is None or self.backend.is_gpu or not HAVE_NUMBA or info.qtype != Q.Q8_0
+                or len(info.shape) != 2 or os.environ.get("KVSHARE_CPU_Q8", "1") == "0"):
+            return None
+        w = Q8Weight.from_q8_0_bytes(self.gf.raw(name), info.numpy_shape)
+        if self._bar is not None:
+            self._bar.update(info.n_bytes)
+        return w
+
     def put(self, arr: np.ndarray, *, keep_f32: bool = False):
         if not self.backend.is_gpu:
             return np.ascontiguousarray(arr, dtype=np.float32)

@@ -11,14 +11,18 @@ from kvshare.ops._dispatch import gpu_op
 
 
 def embedding(table: Any, tokens: Any, scale: float = 1.0, *, backend: Backend = CPU) -> Any:
-    """Rows `table[tokens] * scale` as float32 `[N, d]`. table: `[vocab, d]` (f32 on the CPU;
-    f16/bf16/f32 on the GPU), tokens: int32 `[N]` (every id in `[0, vocab)`)."""
+    """Rows `table[tokens] * scale` as float32 `[N, d]`. table: `[vocab, d]` (f32 ndarray or
+    `Q8Weight` on the CPU; f16/bf16/f32 on the GPU), tokens: int32 `[N]` (every id in
+    `[0, vocab)`)."""
     if backend.is_gpu:
         return gpu_op("embedding")(table, tokens, scale)
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= table.shape[0]):
         raise IndexError(f"token id out of range [0, {table.shape[0]})")
-    x = np.take(table, tokens, axis=0).astype(np.float32, copy=False)
+    if hasattr(table, "rows"):  # a quantized table (Q8Weight)
+        x = table.rows(tokens)
+    else:
+        x = np.take(table, tokens, axis=0).astype(np.float32, copy=False)
     if scale != 1.0:
         x *= np.float32(scale)
     return x
