@@ -127,6 +127,10 @@ class Engine:
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
     def _generated_text(self, ids: list[int]) -> str:
         # Control tokens (<start_of_turn>, ...) are not part of a reply's text, as in llama-server.
         return self.tokenizer.decode(list(ids), skip_special=True)
@@ -136,11 +140,12 @@ class Engine:
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True, **kwargs) -> tuple[str, int | None]:
-        text = self.chat_template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
-        boundary = None
-        if self.wants_user_boundary:  # only hybrid models checkpoint there; it costs a re-render
-            boundary = self.chat_template.first_user_boundary_tokens(messages, self.tokenizer, tools=tools)
-        return text, boundary
+        if not self.wants_user_boundary:  # only hybrid models checkpoint there; it costs a re-render
+            return self.chat_template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                             **kwargs), None
+        chat = self.chat_template.apply(self.tokenizer, messages, tools=tools,
+                                        add_generation_prompt=add_generation_prompt, **kwargs)
+        return chat.text, chat.first_user_token
 
     # ---- requests ---------------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> RequestHandle:
