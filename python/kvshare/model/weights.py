@@ -26,34 +26,33 @@ def _f16(col: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(col).view(np.float16).astype(np.float32)
 
 
-def _deq_q8_0(b: np.ndarray, out: np.ndarray) -> None:  # block 32: d f16, qs i8[32]
-    d = _f16(b[:, 0:2])
-    np.multiply(b[:, 2:34].view(np.int8), d, out=out.reshape(-1, 32))
+# Each splitter turns a [nb, type_size] array of blocks into integer values q (int8,
+# [nb, block]), per-group scales (f32 [nb, block // group]) and per-group mins (or None):
+# value = q * scale - min, computed in f32 exactly as ggml's dequantize_row_* does.
+
+def _split_q8_0(b):  # block 32: d f16, qs i8[32]
+    return b[:, 2:34].view(np.int8), _f16(b[:, 0:2]), None
 
 
-def _deq_q4_0(b: np.ndarray, out: np.ndarray) -> None:  # block 32: d f16, qs u8[16]
-    d = _f16(b[:, 0:2])
-    qs = b[:, 2:18]
-    o = out.reshape(-1, 2, 16)
-    q = np.empty((b.shape[0], 2, 16), np.int8)
-    np.bitwise_and(qs, 0x0F, out=q[:, 0].view(np.uint8))
-    np.right_shift(qs, 4, out=q[:, 1].view(np.uint8))
-    q -= 8
-    np.multiply(q, d[:, :, None], out=o)
-
-
-def _deq_q5_0(b: np.ndarray, out: np.ndarray) -> None:  # block 32: d f16, qh u32, qs u8[16]
-    d = _f16(b[:, 0:2])
-    hb = np.unpackbits(b[:, 2:6], axis=1, bitorder="little")  # [nb, 32]: bit i -> element i
-    qs = b[:, 6:22]
+def _split_q4_0(b):  # block 32: d f16, qs u8[16]; low nibbles are elements 0..15
     q = np.empty((b.shape[0], 2, 16), np.uint8)
-    np.bitwise_and(qs, 0x0F, out=q[:, 0])
-    np.right_shift(qs, 4, out=q[:, 1])
+    np.bitwise_and(b[:, 2:18], 0x0F, out=q[:, 0])
+    np.right_shift(b[:, 2:18], 4, out=q[:, 1])
+    qi = q.reshape(-1, 32).view(np.int8)
+    qi -= 8
+    return qi, _f16(b[:, 0:2]), None
+
+
+def _split_q5_0(b):  # block 32: d f16, qh u32 (bit i: 5th bit of element i), qs u8[16]
+    hb = np.unpackbits(b[:, 2:6], axis=1, bitorder="little")
+    q = np.empty((b.shape[0], 2, 16), np.uint8)
+    np.bitwise_and(b[:, 6:22], 0x0F, out=q[:, 0])
+    np.right_shift(b[:, 6:22], 4, out=q[:, 1])
     q = q.reshape(-1, 32)
     q |= hb << 4
     qi = q.view(np.int8)
     qi -= 16
-    np.multiply(qi, d, out=out.reshape(-1, 32))
+    return qi, _f16(b[:, 0:2]), None
 
 
 def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -68,73 +67,98 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def _deq_q4_k(b: np.ndarray, out: np.ndarray) -> None:
-    # super-block 256: d f16, dmin f16, scales u8[12], qs u8[128]; 8 sub-blocks of 32
+def _split_q4_k(b):
+    # super-block 256: d f16, dmin f16, scales u8[12], qs u8[128]; 8 sub-blocks of 32:
+    # sub-block 2j = low nibbles of qs[32j:32j+32], 2j+1 = their high nibbles
     nb = b.shape[0]
-    d = _f16(b[:, 0:2])
-    dmin = _f16(b[:, 2:4])
     sc, mn = _k_scales(b[:, 4:16])
-    d1 = d * sc.astype(np.float32)  # [nb, 8]
-    m1 = dmin * mn.astype(np.float32)
+    d1 = _f16(b[:, 0:2]) * sc.astype(np.float32)
+    m1 = _f16(b[:, 2:4]) * mn.astype(np.float32)
     qs = b[:, 16:144].reshape(nb, 4, 32)
-    q = np.empty((nb, 4, 2, 32), np.uint8)  # sub-block 2j: low nibbles, 2j+1: high nibbles
+    q = np.empty((nb, 4, 2, 32), np.uint8)
     np.bitwise_and(qs, 0x0F, out=q[:, :, 0])
     np.right_shift(qs, 4, out=q[:, :, 1])
-    o = out.reshape(nb, 8, 32)
-    np.multiply(q.reshape(nb, 8, 32), d1[:, :, None], out=o)
-    o -= m1[:, :, None]
+    return q.reshape(nb, 256).view(np.int8), d1, m1
 
 
-def _deq_q5_k(b: np.ndarray, out: np.ndarray) -> None:
-    # super-block 256: d, dmin, scales[12], qh u8[32], qs u8[128]
+def _split_q5_k(b):
+    # super-block 256: d, dmin, scales[12], qh u8[32], qs u8[128]; sub-block s takes bit s
+    # of qh[l] as the 5th bit of its element l
     nb = b.shape[0]
-    d = _f16(b[:, 0:2])
-    dmin = _f16(b[:, 2:4])
     sc, mn = _k_scales(b[:, 4:16])
-    d1 = d * sc.astype(np.float32)
-    m1 = dmin * mn.astype(np.float32)
-    qh = b[:, 16:48]
+    d1 = _f16(b[:, 0:2]) * sc.astype(np.float32)
+    m1 = _f16(b[:, 2:4]) * mn.astype(np.float32)
     qs = b[:, 48:176].reshape(nb, 4, 32)
     q = np.empty((nb, 4, 2, 32), np.uint8)
     np.bitwise_and(qs, 0x0F, out=q[:, :, 0])
     np.right_shift(qs, 4, out=q[:, :, 1])
     q = q.reshape(nb, 8, 32)
-    # sub-block s takes bit s of qh[l] as its fifth bit
-    hb = np.unpackbits(qh[:, :, None], axis=2, bitorder="little")  # [nb, 32(l), 8(s)]
+    hb = np.unpackbits(b[:, 16:48, None], axis=2, bitorder="little")  # [nb, 32(l), 8(s)]
     q |= hb.transpose(0, 2, 1) << 4
-    o = out.reshape(nb, 8, 32)
-    np.multiply(q, d1[:, :, None], out=o)
-    o -= m1[:, :, None]
+    return q.reshape(nb, 256).view(np.int8), d1, m1
 
 
-def _deq_q6_k(b: np.ndarray, out: np.ndarray) -> None:
-    # super-block 256: ql u8[128], qh u8[64], scales i8[16], d f16; two halves of 128
+def _split_q6_k(b):
+    # super-block 256: ql u8[128], qh u8[64], scales i8[16], d f16; two halves of 128, each
+    # 64 low nibbles then 64 high nibbles of ql, 2 high bits from qh; one scale per 16
     nb = b.shape[0]
     ql = b[:, 0:128].reshape(nb, 2, 64)
     qh = b[:, 128:192].reshape(nb, 2, 1, 32)
-    sc = b[:, 192:208].view(np.int8).astype(np.float32)  # one scale per 16 outputs
-    d = _f16(b[:, 208:210])
-    q = np.empty((nb, 2, 2, 64), np.uint8)  # per half: 64 low nibbles then 64 high nibbles
+    sc = b[:, 192:208].view(np.int8).astype(np.float32)
+    q = np.empty((nb, 2, 2, 64), np.uint8)
     np.bitwise_and(ql, 0x0F, out=q[:, :, 0])
     np.right_shift(ql, 4, out=q[:, :, 1])
     shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
-    hb = (qh >> shifts) & 3  # [nb, 2, 4, 32]: two high bits of q1..q4
+    hb = (qh >> shifts) & 3  # [nb, 2, 4, 32]
     q = q.reshape(nb, 2, 128)
     q |= hb.reshape(nb, 2, 128) << 4
-    qi = q.view(np.int8)
+    qi = q.reshape(nb, 256).view(np.int8)
     qi -= 32
-    ds = (d * sc).reshape(nb, 16, 1)
-    np.multiply(qi.reshape(nb, 16, 16), ds, out=out.reshape(nb, 16, 16))
+    return qi, _f16(b[:, 208:210]) * sc, None
 
 
-_FAST: dict[Q, Callable[[np.ndarray, np.ndarray], None]] = {
-    Q.Q8_0: _deq_q8_0,
-    Q.Q4_0: _deq_q4_0,
-    Q.Q5_0: _deq_q5_0,
-    Q.Q4_K: _deq_q4_k,
-    Q.Q5_K: _deq_q5_k,
-    Q.Q6_K: _deq_q6_k,
+_SPLIT: dict[Q, tuple[Callable, int]] = {  # splitter, group size
+    Q.Q8_0: (_split_q8_0, 32),
+    Q.Q4_0: (_split_q4_0, 32),
+    Q.Q5_0: (_split_q5_0, 32),
+    Q.Q4_K: (_split_q4_k, 32),
+    Q.Q5_K: (_split_q5_k, 32),
+    Q.Q6_K: (_split_q6_k, 16),
 }
+
+
+def _dequant_blocks(qtype: Q):
+    split, group = _SPLIT[qtype]
+
+    def fn(b: np.ndarray, out: np.ndarray) -> None:
+        q, scale, mins = split(b)
+        nb, ng = scale.shape
+        o = out.reshape(nb, ng, group)
+        np.multiply(q.reshape(nb, ng, group), scale[:, :, None], out=o)
+        if mins is not None:
+            o -= mins[:, :, None]
+
+    return fn
+
+
+def split_quantized(raw: np.ndarray, qtype: Q, shape: tuple[int, int]):
+    """A 2-D `[rows, cols]` tensor of a block-quantized type as `(q, scale, mins, group)`:
+    q int8 `[rows, cols]`, scale f32 `[rows, cols // group]`, mins the same or None, with
+    value = q * scale - mins. None for types without an integer split (F32, F16, BF16, ...)."""
+    if qtype not in _SPLIT:
+        return None
+    split, group = _SPLIT[qtype]
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    q, scale, mins = split(np.asarray(raw, np.uint8).reshape(-1, type_size))
+    q = np.ascontiguousarray(q).reshape(rows, cols)
+    scale = np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, cols // group)
+    if mins is not None:
+        mins = np.ascontiguousarray(mins, dtype=np.float32).reshape(rows, cols // group)
+    return q, scale, mins, group
+
+
+_FAST: dict[Q, Callable[[np.ndarray, np.ndarray], None]] = {t: _dequant_blocks(t) for t in _SPLIT}
 FAST_TYPES = frozenset(_FAST) | {Q.F32, Q.F16, Q.BF16}
 
 
@@ -244,6 +268,27 @@ class WeightLoader:
         if self._bar is not None:
             self._bar.update(info.n_bytes)
         return w
+
+    def qweight(self, names: list[str], dense: np.ndarray):
+        """The row-wise concatenation of tensors `names` as a `QWeight` (int8 + group scales,
+        with `dense` as its f32 copy for large batches) when that path applies: CPU, Numba,
+        $KVSHARE_CPU_Q8 not "0", and every tensor of a block-quantized type. Else None."""
+        import os  # noqa: PLC0415
+
+        from kvshare.ops.linear import HAVE_NUMBA, QWeight  # noqa: PLC0415
+
+        if self.backend.is_gpu or not HAVE_NUMBA or os.environ.get("KVSHARE_CPU_Q8") == "0":
+            return None
+        parts = []
+        for name in names:
+            info = self.gf.tensors[name]
+            if len(info.shape) != 2:
+                return None
+            sp = split_quantized(self.gf.raw(name), info.qtype, info.numpy_shape)
+            if sp is None:
+                return None
+            parts.append(QWeight(*sp))
+        return QWeight.concat(parts, dense=np.ascontiguousarray(dense, dtype=np.float32))
 
     def put(self, arr: np.ndarray, *, keep_f32: bool = False):
         if not self.backend.is_gpu:

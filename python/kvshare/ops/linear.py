@@ -6,12 +6,13 @@ CPU paths of `linear(x, w)`:
   Numba kernel reads each weight row once for all N inputs (OpenBLAS's small-M sgemm packs
   the weights on every call and runs at a fraction of memory bandwidth; this is what makes a
   decode step of 4 sequences cost about as much as one).
-- `w` a `Q8Weight` (a Q8_0 tensor kept quantized: int8 values + one f32 scale per 32): a
-  Numba kernel for N <= 16 (reads 1.06 bytes per weight instead of 4: the 262K x 640 output
-  head of Gemma is 178 MB instead of 671 MB), tiles dequantized to f32 + OpenBLAS otherwise.
-  The values are exactly the f32 dequantization, so both paths agree to float rounding.
-Numba is optional: without it f32 weights use OpenBLAS for every N and the loader keeps no
-`Q8Weight`s.
+- `w` a `QWeight` (a block-quantized tensor kept as int8 values + f32 group scales/mins):
+  a Numba kernel for N <= 16 (reads ~1.1 bytes per weight instead of 4: the 262K x 640
+  output head of Gemma is 178 MB instead of 671 MB, its layers 110 MB instead of 400 MB);
+  for larger N its `dense` f32 copy (layers) or dequantized tiles (output head) + OpenBLAS.
+  The integer form is exact (value = q * scale - min, as ggml dequantizes), so the decode
+  and the prefill paths agree to float rounding.
+Numba is optional: without it every weight is f32 and OpenBLAS runs every product.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ except ImportError:  # pragma: no cover
 # threads; kernels are serialised (the cores are shared anyway).
 _LOCK = threading.Lock()
 SMALL_M_MAX = 8  # f32 weights: Numba kernel for 2 <= N <= SMALL_M_MAX
-Q8_KERNEL_MAX = 16  # Q8Weight: Numba kernel for N <= Q8_KERNEL_MAX
+Q_KERNEL_MAX = 16  # QWeight: Numba kernel for N <= Q_KERNEL_MAX
 _TILE = 64
 
 if HAVE_NUMBA:  # pragma: no cover - compiled code is not traced by coverage
@@ -54,14 +55,16 @@ if HAVE_NUMBA:  # pragma: no cover - compiled code is not traced by coverage
                         acc += x[m, k] * w[n, k]
                     out[m, n] = acc
 
+    # out[m, n] = sum_k x[m, k] * qs[n, k] * sc[n, k // G]. 32 (or 16) partial sums, one
+    # per lane of a group, with the group scale applied on the x side: this keeps the
+    # int8 -> f32 conversion and the FMAs vectorised (a per-group scalar reduction costs a
+    # horizontal add per group and runs ~3x slower). One copy per group size, so that G is a
+    # compile-time constant.
     @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
-    def _mm_q8(x, qs, d, out):  # out[m, n] = sum_k x[m, k] qs[n, k] d[n, k // 32]
-        # 32 partial sums, one per lane of a block, scaled per block on the x side: this
-        # keeps the int8 -> f32 conversion and the FMAs vectorised (a per-block scalar
-        # reduction costs a horizontal add per 32 weights and runs ~3x slower)
+    def _mm_q_g32(x, qs, sc, out):
         M, K = x.shape
         N = qs.shape[0]
-        nb = K // 32
+        ng = K // 32
         ntile = (N + _TILE - 1) // _TILE
         for t in prange(ntile):
             part = np.empty(32, np.float32)
@@ -69,36 +72,90 @@ if HAVE_NUMBA:  # pragma: no cover - compiled code is not traced by coverage
                 for m in range(M):
                     for j in range(32):
                         part[j] = 0.0
-                    for b in range(nb):
-                        db = d[n, b]
+                    for g in range(ng):
+                        s = sc[n, g]
                         for j in range(32):
-                            part[j] += np.float32(qs[n, b * 32 + j]) * (x[m, b * 32 + j] * db)
+                            part[j] += np.float32(qs[n, g * 32 + j]) * (x[m, g * 32 + j] * s)
                     acc = np.float32(0.0)
                     for j in range(32):
                         acc += part[j]
                     out[m, n] = acc
 
+    @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
+    def _mm_q_g16(x, qs, sc, out):
+        M, K = x.shape
+        N = qs.shape[0]
+        ng = K // 16
+        ntile = (N + _TILE - 1) // _TILE
+        for t in prange(ntile):
+            part = np.empty(16, np.float32)
+            for n in range(t * _TILE, min(N, (t + 1) * _TILE)):
+                for m in range(M):
+                    for j in range(16):
+                        part[j] = 0.0
+                    for g in range(ng):
+                        s = sc[n, g]
+                        for j in range(16):
+                            part[j] += np.float32(qs[n, g * 16 + j]) * (x[m, g * 16 + j] * s)
+                    acc = np.float32(0.0)
+                    for j in range(16):
+                        acc += part[j]
+                    out[m, n] = acc
 
-class Q8Weight:
-    """A `[out, in]` weight held as Q8_0: `qs` int8 `[out, in]` and `d` f32 `[out, in // 32]`
-    (value = qs * d of its 32-block). Used on the CPU for the output head / tied embeddings."""
+
+class QWeight:
+    """A `[out, in]` weight kept as integers: `qs` int8 `[out, in]`, `scale` f32
+    `[out, in // group]` and optional `mins` (value = qs * scale - mins per group of `group`
+    consecutive inputs, group 32 or 16). Q8_0, Q4_0, Q5_0 (group 32), Q4_K, Q5_K (group 32
+    with mins) and Q6_K (group 16) all split exactly into this form (`split_quantized`).
+    `dense`: an optional f32 copy for large-batch GEMMs (None: tiles are dequantized)."""
 
     ndim = 2
     dtype = np.dtype(np.float32)  # what it computes in
 
-    def __init__(self, qs: np.ndarray, d: np.ndarray):
-        if qs.dtype != np.int8 or qs.ndim != 2 or qs.shape[1] % 32:
-            raise ValueError("Q8Weight needs int8 [out, in] with in % 32 == 0")
+    def __init__(self, qs: np.ndarray, scale: np.ndarray, mins: np.ndarray | None = None,
+                 group: int = 32, dense: np.ndarray | None = None):
+        if qs.dtype != np.int8 or qs.ndim != 2 or group not in (16, 32) or qs.shape[1] % group:
+            raise ValueError("QWeight needs int8 [out, in], group 16 or 32 dividing in")
+        n, k = qs.shape
         self.qs = np.ascontiguousarray(qs)
-        self.d = np.ascontiguousarray(d, dtype=np.float32).reshape(qs.shape[0], qs.shape[1] // 32)
+        self.scale = np.ascontiguousarray(scale, dtype=np.float32).reshape(n, k // group)
+        self.mins = None if mins is None else np.ascontiguousarray(
+            mins, dtype=np.float32).reshape(n, k // group)
+        self.group = group
+        self.dense = dense
 
     @classmethod
-    def from_q8_0_bytes(cls, raw: np.ndarray, shape: tuple[int, int]) -> "Q8Weight":
-        """From GGUF Q8_0 blocks (34 bytes: f16 scale, 32 int8) of a `[out, in]` tensor."""
+    def from_q8_0_bytes(cls, raw: np.ndarray, shape: tuple[int, int]) -> "QWeight":
+        """From GGUF Q8_0 blocks (34 bytes: f16 scale, 32 int8) of a `[out, in]` tensor, in
+        slices so that no full-size temporary is made (the 262K-row embedding)."""
         blocks = np.asarray(raw, np.uint8).reshape(-1, 34)
-        qs = np.ascontiguousarray(blocks[:, 2:]).view(np.int8).reshape(shape)
-        d = np.ascontiguousarray(blocks[:, :2]).view(np.float16).astype(np.float32)
-        return cls(qs, d.reshape(shape[0], shape[1] // 32))
+        qs = np.empty(shape, np.int8)
+        d = np.empty((shape[0], shape[1] // 32), np.float32)
+        qf, df = qs.reshape(-1, 32), d.reshape(-1)
+        step = 1 << 18
+        for s in range(0, len(blocks), step):
+            b = blocks[s : s + step]
+            qf[s : s + len(b)] = b[:, 2:].view(np.int8)
+            df[s : s + len(b)] = np.ascontiguousarray(b[:, :2]).view(np.float16)[:, 0]
+        return cls(qs, d, None, 32)
+
+    @classmethod
+    def concat(cls, parts: list["QWeight"], dense: np.ndarray | None = None) -> "QWeight":
+        """Stack weights along the output axis (fused Q/K/V or gate/up), converting to a
+        common group size (a group-32 scale becomes two equal group-16 scales: exact) and
+        giving mins of zero to parts without mins."""
+        group = min(p.group for p in parts)
+        any_min = any(p.mins is not None for p in parts)
+        scales, mins = [], []
+        for p in parts:
+            r = p.group // group
+            scales.append(np.repeat(p.scale, r, axis=1) if r > 1 else p.scale)
+            if any_min:
+                m = p.mins if p.mins is not None else np.zeros_like(p.scale)
+                mins.append(np.repeat(m, r, axis=1) if r > 1 else m)
+        return cls(np.concatenate([p.qs for p in parts]), np.concatenate(scales),
+                   np.concatenate(mins) if any_min else None, group, dense)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -106,34 +163,50 @@ class Q8Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.qs.nbytes + self.d.nbytes
+        n = self.qs.nbytes + self.scale.nbytes + (0 if self.mins is None else self.mins.nbytes)
+        return n + (0 if self.dense is None else self.dense.nbytes)
+
+    def dequantize(self, start: int = 0, stop: int | None = None, ids=None) -> np.ndarray:
+        """Rows `[start, stop)` (or rows `ids`) as f32, exactly as ggml dequantizes them."""
+        sel = ids if ids is not None else slice(start, self.shape[0] if stop is None else stop)
+        q = self.qs[sel]
+        n, g = q.shape[0], self.group
+        out = (q.reshape(n, -1, g) * self.scale[sel][:, :, None])
+        if self.mins is not None:
+            out -= self.mins[sel][:, :, None]
+        return out.reshape(n, -1)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Dequantized rows `[len(ids), in]` f32 (the embedding lookup)."""
-        q = self.qs[ids].reshape(len(ids), -1, 32)
-        return (q * self.d[ids][:, :, None]).reshape(len(ids), -1)
-
-    def dequantize(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        stop = self.shape[0] if stop is None else stop
-        q = self.qs[start:stop].reshape(stop - start, -1, 32)
-        return (q * self.d[start:stop][:, :, None]).reshape(stop - start, -1)
+        return self.dequantize(ids=np.asarray(ids))
 
     def matmul_t(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """`x @ self.T` for x f32 `[M, in]` -> `[M, out]`."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
         M = x.shape[0]
         N = self.shape[0]
+        if HAVE_NUMBA and M <= Q_KERNEL_MAX:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            if out is None:
+                out = np.empty((M, N), np.float32)
+            kern = _mm_q_g32 if self.group == 32 else _mm_q_g16
+            with _LOCK:
+                kern(x, self.qs, self.scale, out)
+            if self.mins is not None:
+                xsum = x.reshape(M, -1, self.group).sum(-1)
+                out -= xsum @ self.mins.T
+            return out
+        if self.dense is not None:
+            return np.matmul(x, self.dense.T, out=out)
         if out is None:
             out = np.empty((M, N), np.float32)
-        if HAVE_NUMBA and M <= Q8_KERNEL_MAX:
-            with _LOCK:
-                _mm_q8(x, self.qs, self.d, out)
-            return out
         tile = 8192
         for s in range(0, N, tile):
             e = min(N, s + tile)
             np.matmul(x, self.dequantize(s, e).T, out=out[:, s:e])
         return out
+
+
+Q8Weight = QWeight  # the Q8_0-only name used first
 
 
 def linear(x: Any, w: Any, bias: Any | None = None, *, backend: Backend = CPU,
@@ -143,7 +216,7 @@ def linear(x: Any, w: Any, bias: Any | None = None, *, backend: Backend = CPU,
     float32 `[out]` or None. Returns float32 `[N, out]` (into `out` when given)."""
     if backend.is_gpu:
         return gpu_op("linear")(x, w, bias, out=out)
-    if isinstance(w, Q8Weight):
+    if isinstance(w, QWeight):
         y = w.matmul_t(x, out=out)
     elif HAVE_NUMBA and 2 <= x.shape[0] <= SMALL_M_MAX and w.dtype == np.float32:
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -163,4 +236,5 @@ def warm_up() -> None:
         return
     x = np.zeros((2, 32), np.float32)
     linear(x, np.zeros((3, 32), np.float32))
-    Q8Weight(np.zeros((3, 32), np.int8), np.zeros((3, 1), np.float32)).matmul_t(x)
+    QWeight(np.zeros((3, 32), np.int8), np.zeros((3, 1), np.float32)).matmul_t(x)
+    QWeight(np.zeros((3, 32), np.int8), np.zeros((3, 2), np.float32), group=16).matmul_t(x)
