@@ -86,6 +86,18 @@ def get_backend(device: str | Backend | None = "cpu") -> Backend:
     raise BackendError(f"unknown device {device!r} (expected cpu, cuda, cuda:N or auto)")
 
 
+def cupy_module() -> Any:
+    """The CuPy module, imported on first use. Needs no CUDA device (NVRTC, CuPy's compiler
+    wrapper, works without one); raises `BackendError` when CuPy cannot be imported. For code
+    that must reach CuPy itself (kernel loading, cuBLAS calls) without going through a
+    `Backend`."""
+    try:
+        import cupy  # noqa: PLC0415 - lazy, like get_backend's
+    except Exception as exc:
+        raise BackendError(f"CuPy is not usable: pip install \"kvshare[gpu]\" ({exc})") from exc
+    return cupy
+
+
 @contextlib.contextmanager
 def blas_threads(n: int | None) -> Iterator[None]:
     """Limit the BLAS thread pool to `n` threads inside the block (no-op when `n` is None or

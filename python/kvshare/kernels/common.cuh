@@ -1,0 +1,49 @@
+// Shared prelude of every kvshare kernel source. `kvshare.kernels.source(name)` prepends this
+// text to `<name>.cu` (NVRTC gets one self-contained string: no include paths, no CUDA
+// headers), so nothing here may depend on cuda_fp16.h or the C++ standard library.
+//
+// Half precision: values are carried as raw IEEE binary16 bits in `unsigned short` and
+// converted with the PTX `cvt` instructions (round-to-nearest-even on the way down), which is
+// what cuda_fp16.h's __half2float / __float2half_rn do.
+
+typedef unsigned short f16_t;
+typedef long long i64;
+
+#define KVS_WARP 32
+#define KVS_FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float kvs_h2f(f16_t h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ f16_t kvs_f2h(float f) {
+    f16_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Load/store of a storage type as float32.
+__device__ __forceinline__ float kvs_load(const float* p) { return *p; }
+__device__ __forceinline__ float kvs_load(const f16_t* p) { return kvs_h2f(*p); }
+__device__ __forceinline__ float kvs_to_f32(float v) { return v; }
+__device__ __forceinline__ float kvs_to_f32(f16_t v) { return kvs_h2f(v); }
+__device__ __forceinline__ void kvs_store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void kvs_store(f16_t* p, float v) { *p = kvs_f2h(v); }
+
+__device__ __forceinline__ float kvs_warp_max(float v) {
+#pragma unroll
+    for (int o = KVS_WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(KVS_FULL_MASK, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float kvs_warp_sum(float v) {
+#pragma unroll
+    for (int o = KVS_WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(KVS_FULL_MASK, v, o);
+    return v;
+}
+
+// -inf and NaN without <cmath>/<limits>.
+__device__ __forceinline__ float kvs_neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float kvs_nan() { return __int_as_float(0x7fc00000); }

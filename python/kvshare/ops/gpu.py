@@ -1,0 +1,669 @@
+"""CuPy twins of the model ops: one function per `gpu_op(name)` used in `kvshare.ops.*`, with
+the same signature (less `backend`) and the same contract as the NumPy op's docstring.
+
+Kernels are the CUDA sources of `kvshare.kernels` (NVRTC through CuPy); GEMMs are cuBLAS
+(`cublasGemmEx`: f16 weights and f16 activations in, float32 accumulation and output). This
+module imports nothing GPU-related at import time (CuPy comes from `kvshare.backend` on first
+use), so it can be imported, and its kernel table checked, on a machine without CUDA.
+
+Host-side index arrays (block tables, query starts, KV slots, token ids) usually arrive as
+NumPy arrays: they are validated on the host exactly as the NumPy ops do (same exceptions) and
+uploaded once per distinct content (a small cache keyed by their bytes, so the layers of one
+forward call share one upload). Arrays already on the device are used as they are; the kernels
+then guard every index (never an out-of-bounds access) instead of raising.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from kvshare import kernels
+from kvshare.backend import cupy_module
+
+# Every kernel this module launches, by kernel module (tests/test_kernels_compile.py checks
+# that each one is an entry point of the compiled module).
+ENTRY_POINTS: dict[str, tuple[str, ...]] = {
+    "paged_attention": tuple(f"paged_attn_{dt}_{hd}" for dt in ("f16", "f32")
+                             for hd in ("hd64", "hd128", "hd256", "hdx")) + ("paged_attn_combine",),
+    "kv_write": ("kv_write_f16", "kv_write_f32"),
+    "rope": ("rope_f32",),
+    "rms_norm": ("rms_norm_f32",),
+    "activation": ("geglu_tanh_f32", "swiglu_f32"),
+    "embedding": ("embedding_f16", "embedding_f32"),
+    "linear": ("f32_to_f16_rowscaled", "rowscale_bias_f32"),
+}
+
+# Launch constants that must match the CUDA sources.
+PA_THREADS = 128  # paged_attention.cu: PA_NW * 32
+PA_ROWS = 16  # PA_NW * PA_RPW: (token, head) rows per CTA
+PA_BN = 32  # keys per tile
+PA_MAXD = 512  # largest head_dim of the generic kernels
+PA_SPECIALISED_HD = (64, 128, 256)
+ROWS_PER_BLOCK = 4  # rms_norm / row-scaled conversion: 128 threads, one warp per row
+ELEMWISE_THREADS = 256
+_MAX_GRID = 65535 * 4  # grid-stride kernels: enough CTAs to fill any current GPU
+_DEFAULT_SMEM = 48 * 1024
+_LOG2E = 1.4426950408889634
+
+_lock = threading.Lock()
+_kernel_cache: dict[tuple[str, str, int], Any] = {}
+_upload_cache: OrderedDict = OrderedDict()
+_UPLOAD_CACHE_SIZE = 64
+_device_attrs: dict[tuple[int, str], int] = {}
+_smem_opt_in: dict[tuple[str, int], int] = {}
+# cudaDeviceAttr codes, for CuPy versions whose Device.attributes lacks a name
+_ATTR_CODES = {"MultiProcessorCount": 16, "MaxSharedMemoryPerBlockOptin": 97}
+
+
+# --- plumbing ------------------------------------------------------------------------------------
+
+def _cp() -> Any:
+    return cupy_module()
+
+
+def _device_id() -> int:
+    return int(_cp().cuda.runtime.getDevice())
+
+
+def _kernel(module: str, entry: str) -> Any:
+    if entry not in ENTRY_POINTS.get(module, ()):
+        raise KeyError(f"{entry!r} is not a listed entry point of kernel module {module!r}")
+    key = (module, entry, _device_id())
+    fn = _kernel_cache.get(key)
+    if fn is None:
+        with _lock:
+            fn = _kernel_cache.get(key)
+            if fn is None:
+                fn = kernels.get_function(module, entry)
+                _kernel_cache[key] = fn
+    return fn
+
+
+def _attr(name: str) -> int:
+    """A device attribute of the current device (cached): MultiProcessorCount,
+    MaxSharedMemoryPerBlockOptin."""
+    dev = _device_id()
+    key = (dev, name)
+    v = _device_attrs.get(key)
+    if v is None:
+        cp = _cp()
+        try:
+            v = int(cp.cuda.Device(dev).attributes[name])
+        except (KeyError, AttributeError):
+            v = int(cp.cuda.runtime.deviceGetAttribute(_ATTR_CODES[name], dev))
+        _device_attrs[key] = v
+    return v
+
+
+def _grid(total: int, threads: int = ELEMWISE_THREADS) -> tuple[int, int, int]:
+    return (max(1, min(_MAX_GRID, -(-int(total) // threads))), 1, 1)
+
+
+def _is_device(a: Any) -> bool:
+    return isinstance(a, _cp().ndarray)
+
+
+def _upload(a: Any, dtype: Any) -> Any:
+    """`a` as a C-contiguous device array of `dtype`. Host arrays are cached by content (the
+    same block tables / slots / tiles are uploaded once for all layers of a forward call)."""
+    cp = _cp()
+    if isinstance(a, cp.ndarray):
+        return cp.ascontiguousarray(a, dtype=dtype)
+    h = np.ascontiguousarray(a, dtype=dtype)
+    key = (_device_id(), h.dtype.str, h.shape, h.tobytes())
+    with _lock:
+        d = _upload_cache.get(key)
+        if d is not None:
+            _upload_cache.move_to_end(key)
+            return d
+    d = cp.asarray(h)
+    with _lock:
+        _upload_cache[key] = d
+        while len(_upload_cache) > _UPLOAD_CACHE_SIZE:
+            _upload_cache.popitem(last=False)
+    return d
+
+
+def _host(a: Any, dtype: Any = None) -> np.ndarray:
+    if _is_device(a):
+        a = _cp().asnumpy(a)
+    return np.asarray(a, dtype=dtype)
+
+
+def _estrides(a: Any) -> tuple[int, ...]:
+    """Strides in elements (every array here has element-aligned strides)."""
+    it = a.dtype.itemsize
+    return tuple(int(s) // it for s in a.strides)
+
+
+def _f32_lastdim_view(a: Any, ndim: int) -> Any:
+    """`a` unchanged when it is a float32 device array of `ndim` dims with unit stride along the
+    last axis (any other strides), else a C-contiguous float32 copy."""
+    cp = _cp()
+    if (isinstance(a, cp.ndarray) and a.dtype == np.float32 and a.ndim == ndim
+            and (a.shape[-1] <= 1 or a.strides[-1] == 4)
+            and all(s % 4 == 0 for s in a.strides)):
+        return a
+    return cp.ascontiguousarray(cp.asarray(a), dtype=np.float32)
+
+
+def _kv_tag(dtype: Any) -> str:
+    dt = np.dtype(dtype)
+    if dt == np.float16:
+        return "f16"
+    if dt == np.float32:
+        return "f32"
+    raise TypeError(f"KV cache dtype {dt} is not supported on the GPU (f16 or f32)")
+
+
+def _check_cache(k_cache: Any, v_cache: Any) -> None:
+    cp = _cp()
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, cp.ndarray) or c.ndim != 4:
+            raise TypeError(f"{name} must be a 4-D CuPy array [n_blocks, block_size, n_kv, hd]")
+        if not c.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous (a ModelCache.layer_kv view is)")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.shape} {k_cache.dtype} and v_cache "
+                         f"{v_cache.shape} {v_cache.dtype} differ")
+
+
+# --- KV write ------------------------------------------------------------------------------------
+
+def write_kv(k_cache: Any, v_cache: Any, slots: Any, k: Any, v: Any) -> None:
+    """GPU twin of `kvshare.ops.attention.write_kv`."""
+    _check_cache(k_cache, v_cache)
+    nb, bs, n_kv, hd = (int(s) for s in k_cache.shape)
+    n_slots = nb * bs
+    k = _f32_lastdim_view(k, 3)
+    v = _f32_lastdim_view(v, 3)
+    n = int(k.shape[0])
+    if tuple(k.shape) != (n, n_kv, hd) or tuple(v.shape) != (n, n_kv, hd):
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match the cache's "
+                         f"[N, {n_kv}, {hd}]")
+    if not _is_device(slots):
+        hs = np.asarray(slots).reshape(-1)
+        if hs.size != n:
+            raise ValueError(f"{hs.size} slots for {n} tokens")
+        if hs.size and (hs.min() < 0 or hs.max() >= n_slots):
+            raise IndexError(f"KV slot out of range [0, {n_slots})")
+    elif int(slots.size) != n:
+        raise ValueError(f"{int(slots.size)} slots for {n} tokens")
+    if n == 0:
+        return None
+    d_slots = _upload(slots, np.int64).reshape(-1)
+    ks, vs = _estrides(k), _estrides(v)
+    fn = _kernel("kv_write", f"kv_write_{_kv_tag(k_cache.dtype)}")
+    fn(_grid(n * n_kv * hd), (ELEMWISE_THREADS, 1, 1),
+       (k_cache, v_cache, d_slots, k, np.int64(ks[0]), np.int64(ks[1]), v, np.int64(vs[0]),
+        np.int64(vs[1]), np.int32(n), np.int32(n_kv), np.int32(hd), np.int64(n_slots)))
+    return None
+
+
+# --- paged attention -----------------------------------------------------------------------------
+
+def _pa_smem_bytes(hd: int, itemsize: int) -> int:
+    """Dynamic shared memory of one paged-attention CTA (paged_attention.cu's layout)."""
+    def a16(b: int) -> int:
+        return (b + 15) & ~15
+
+    pad = 2 if itemsize == 2 else 1
+    return (a16(PA_ROWS * hd * 4) + a16(PA_ROWS * PA_BN * 4) + a16(PA_BN * 8)
+            + a16(hd * (PA_BN + pad) * itemsize) + a16(PA_BN * hd * itemsize))
+
+
+def _check_tables(tables: np.ndarray, q_starts: np.ndarray, start: np.ndarray, bs: int,
+                  n_blocks: int, window: int) -> None:
+    """The NumPy op's coverage check, vectorised: every block a sequence's queries can read
+    (from its first in-window key to its last query) must be a valid block id."""
+    lens = np.diff(q_starts)
+    act = lens > 0
+    if not act.any():
+        return
+    p0 = start.astype(np.int64)
+    hi = p0 + lens
+    lo = np.maximum(0, p0 - window + 1) if window else np.zeros_like(p0)
+    b0, b1 = lo // bs, -(-hi // bs)
+    width = tables.shape[1]
+    cols = np.arange(width)[None, :]
+    need = (cols >= b0[:, None]) & (cols < b1[:, None]) & act[:, None]
+    bad = need & ((tables < 0) | (tables >= n_blocks))
+    short = act & (b1 > width)
+    if bad.any() or short.any():
+        s = int(np.flatnonzero(bad.any(axis=1) | short)[0])
+        raise IndexError(f"sequence {s}: block table does not cover positions < {int(hi[s])}")
+
+
+def pa_tiles(q_starts: np.ndarray, start_positions: np.ndarray, group_chunk: int) -> np.ndarray:
+    """Work tiles of one paged-attention launch, int32 `[n_tiles, 4]`: (sequence, first query
+    row, rows in the tile, position of the first row). Each sequence's rows are cut into
+    runs of at most `PA_ROWS // group_chunk` tokens (a CTA holds PA_ROWS (token, head) rows);
+    sequences without rows get no tile."""
+    qs = np.asarray(q_starts, np.int64)
+    sp = np.asarray(start_positions, np.int64)
+    bm = max(1, PA_ROWS // group_chunk)
+    lens = np.diff(qs)
+    n_t = -(-lens // bm)
+    seq = np.repeat(np.arange(len(lens), dtype=np.int64), n_t)
+    first = np.repeat(np.cumsum(n_t) - n_t, n_t)
+    t0 = (np.arange(int(n_t.sum()), dtype=np.int64) - first) * bm
+    nr = np.minimum(bm, lens[seq] - t0)
+    return np.stack([seq, qs[:-1][seq] + t0, nr, sp[seq] + t0], axis=1).astype(np.int32)
+
+
+def pa_splits(tiles: np.ndarray, window: int, n_kv: int, n_gchunks: int, n_tok: int,
+              n_head: int, hd: int, n_sm: int) -> int:
+    """Split-KV factor: 1 unless the grid (tiles x KV heads x head chunks) cannot fill the
+    GPU's `n_sm` multiprocessors and some tile's key range exceeds 512 keys; then enough
+    splits for about two CTAs per multiprocessor, each split at least 256 keys long, at most
+    64, with the partial results under 256 MB."""
+    if len(tiles) == 0:
+        return 1
+    pos0 = tiles[:, 3].astype(np.int64)
+    ke = pos0 + tiles[:, 2]
+    kb = np.maximum(0, pos0 - window + 1) if window else np.zeros_like(pos0)
+    max_span = int((ke - kb).max())
+    n_ctas = len(tiles) * n_kv * n_gchunks
+    if n_ctas >= n_sm or max_span <= 2 * 256:
+        return 1
+    n_splits = min(-(-2 * n_sm // n_ctas), -(-max_span // 256), 64)
+    while n_splits > 1 and n_splits * n_tok * n_head * hd * 4 > (256 << 20):
+        n_splits //= 2
+    return max(1, n_splits)
+
+
+class _PaPlan:
+    __slots__ = ("tiles", "tables", "n_tiles", "n_splits", "gc", "n_gchunks", "width")
+
+
+_plan_cache: OrderedDict = OrderedDict()
+
+
+def _pa_plan(block_tables: Any, q_starts: Any, start_positions: Any, n_head: int, n_kv: int,
+             bs: int, n_blocks: int, window: int, hd: int, n_tok: int) -> _PaPlan:
+    """Tiles, uploaded block table and split count of one call (cached by content: the layers
+    of a forward call with the same window share it)."""
+    qs = _host(q_starts, np.int64).reshape(-1)
+    sp = _host(start_positions, np.int64).reshape(-1)
+    bt = _host(block_tables, np.int32)
+    if bt.ndim == 1:
+        bt = bt.reshape(1, -1)
+    key = (_device_id(), qs.tobytes(), sp.tobytes(), bt.shape, bt.tobytes(), n_head, n_kv, bs,
+           n_blocks, window, hd)
+    with _lock:
+        plan = _plan_cache.get(key)
+        if plan is not None:
+            _plan_cache.move_to_end(key)
+            return plan
+    n_seq = len(qs) - 1
+    if n_seq < 0 or len(sp) < n_seq or bt.shape[0] < n_seq:
+        raise ValueError("q_starts, start_positions and block_tables disagree on the number "
+                         "of sequences")
+    if int(qs[-1]) != n_tok or int(qs[0]) != 0 or (np.diff(qs) < 0).any():
+        raise ValueError(f"q_starts {qs.tolist()} do not partition {n_tok} query rows")
+    if (sp[:n_seq] < 0).any():
+        raise ValueError("start_positions must be >= 0")
+    _check_tables(bt[:n_seq], qs, sp[:n_seq], bs, n_blocks, window)
+    G = n_head // n_kv
+    gc = min(G, PA_ROWS)
+    n_gchunks = -(-G // gc)
+    tiles = pa_tiles(qs, sp[:n_seq], gc)
+    plan = _PaPlan()
+    plan.n_tiles = int(tiles.shape[0])
+    plan.n_splits = pa_splits(tiles, window, n_kv, n_gchunks, n_tok, n_head, hd,
+                              _attr("MultiProcessorCount"))
+    plan.tiles = _upload(tiles.reshape(-1), np.int32)
+    plan.tables = _upload(bt, np.int32)
+    plan.gc = gc
+    plan.n_gchunks = n_gchunks
+    plan.width = int(bt.shape[1])
+    with _lock:
+        _plan_cache[key] = plan
+        while len(_plan_cache) > _UPLOAD_CACHE_SIZE:
+            _plan_cache.popitem(last=False)
+    return plan
+
+
+def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_starts: Any,
+                    start_positions: Any, *, scale: float, window: int = 0,
+                    out: Any | None = None) -> Any:
+    """GPU twin of `kvshare.ops.attention.paged_attention` (returns float32
+    `[N, n_head, head_dim]`, into `out` when given)."""
+    cp = _cp()
+    _check_cache(k_cache, v_cache)
+    nb, bs, n_kv, hd = (int(s) for s in k_cache.shape)
+    q = _f32_lastdim_view(q, 3)
+    n_tok, n_head, qhd = (int(s) for s in q.shape)
+    if qhd != hd:
+        raise ValueError(f"q head size {qhd} != cache head size {hd}")
+    if n_kv < 1 or n_head % n_kv:
+        raise ValueError(f"{n_head} query heads cannot share {n_kv} KV heads")
+    window = int(window or 0)
+    if window < 0:
+        raise ValueError("window must be >= 0")
+    tag = _kv_tag(k_cache.dtype)
+    if hd in PA_SPECIALISED_HD and k_cache.data.ptr % 16 == 0 and v_cache.data.ptr % 16 == 0:
+        entry = f"paged_attn_{tag}_hd{hd}"
+    elif hd <= PA_MAXD:
+        entry = f"paged_attn_{tag}_hdx"
+    else:
+        raise NotImplementedError(f"paged attention with head_dim {hd} > {PA_MAXD} on the GPU")
+    plan = _pa_plan(block_tables, q_starts, start_positions, n_head, n_kv, bs, nb, window, hd,
+                    n_tok)
+    direct = (out is not None and isinstance(out, cp.ndarray) and out.dtype == np.float32
+              and tuple(out.shape) == (n_tok, n_head, hd) and out.flags.c_contiguous)
+    if out is not None and tuple(out.shape) != (n_tok, n_head, hd):
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {(n_tok, n_head, hd)}")
+    res = out if direct else cp.empty((n_tok, n_head, hd), np.float32)
+    if n_tok == 0 or plan.n_tiles == 0:
+        return out if out is not None else res
+    smem = _pa_smem_bytes(hd, k_cache.dtype.itemsize)
+    fn = _kernel("paged_attention", entry)
+    if smem > _DEFAULT_SMEM:
+        limit = _attr("MaxSharedMemoryPerBlockOptin")
+        if smem > limit:
+            raise NotImplementedError(f"paged attention needs {smem} bytes of shared memory "
+                                      f"per block; this device allows {limit}")
+        key = (entry, _device_id())
+        if _smem_opt_in.get(key, 0) < smem:
+            fn.max_dynamic_shared_size_bytes = smem
+            _smem_opt_in[key] = smem
+    qs = _estrides(q)
+    n_splits = plan.n_splits
+    if n_splits > 1:
+        part_o = cp.empty((n_splits, n_tok, n_head, hd), np.float32)
+        part_ml = cp.empty((n_splits, n_tok, n_head, 2), np.float32)
+    else:
+        part_o = part_ml = res  # unused by the kernel
+    grid = (plan.n_tiles, n_kv * plan.n_gchunks, n_splits)
+    fn(grid, (PA_THREADS, 1, 1),
+       (q, np.int64(qs[0]), np.int64(qs[1]), k_cache, v_cache, plan.tables,
+        np.int32(plan.width), plan.tiles, res, part_o, part_ml, np.int32(n_tok),
+        np.int32(n_head), np.int32(n_kv), np.int32(hd), np.int32(bs), np.int32(nb),
+        np.int32(plan.gc), np.float32(float(scale) * _LOG2E), np.int32(window),
+        np.int32(n_splits)),
+       shared_mem=smem)
+    if n_splits > 1:
+        comb = _kernel("paged_attention", "paged_attn_combine")
+        comb((n_tok * n_head, 1, 1), (128, 1, 1),
+             (part_o, part_ml, res, np.int32(n_tok * n_head), np.int32(hd),
+              np.int32(n_splits)))
+    if out is not None and res is not out:
+        out[...] = res
+        return out
+    return res
+
+
+# --- rope ----------------------------------------------------------------------------------------
+
+_ROPE_STYLES = {"neox": 0, "norm": 1}
+
+
+def apply_rope(x: Any, cos: Any, sin: Any, style: str = "neox") -> Any:
+    """GPU twin of `kvshare.ops.rope.apply_rope`: rotates `x` in place and returns it."""
+    cp = _cp()
+    if style not in _ROPE_STYLES:
+        raise ValueError(f"unknown rope style {style!r}")
+    cos = _upload(cos, np.float32)
+    sin = _upload(sin, np.float32)
+    half = int(cos.shape[-1])
+    if x.ndim != 3 or cos.ndim != 2 or tuple(sin.shape) != tuple(cos.shape):
+        raise ValueError(f"x {tuple(x.shape)} must be [N, heads, head_dim] and cos/sin "
+                         f"{tuple(cos.shape)} [N, n_rot/2]")
+    n, heads, hd = (int(s) for s in x.shape)
+    if int(cos.shape[0]) != n or 2 * half > hd:
+        raise ValueError(f"cos/sin {tuple(cos.shape)} do not fit x {tuple(x.shape)}")
+    if n == 0 or half == 0 or heads == 0:
+        return x
+    ok = (isinstance(x, cp.ndarray) and x.dtype == np.float32
+          and (hd <= 1 or x.strides[-1] == 4) and all(s % 4 == 0 for s in x.strides))
+    if not ok:
+        raise TypeError("apply_rope on the GPU needs a float32 CuPy array with unit stride "
+                        "along head_dim (it rotates in place)")
+    xs = _estrides(x)
+    _kernel("rope", "rope_f32")(
+        _grid(n * heads * half), (ELEMWISE_THREADS, 1, 1),
+        (x, np.int64(xs[0]), np.int64(xs[1]), cos, sin, np.int32(n), np.int32(heads),
+         np.int32(half), np.int32(_ROPE_STYLES[style])))
+    return x
+
+
+# --- RMSNorm -------------------------------------------------------------------------------------
+
+def _row_layout(a: Any) -> tuple[int, int, int, int] | None:
+    """(n_rows, inner, stride0, stride1) addressing the rows of a float32 array whose last
+    axis has unit stride: 1-D, 2-D, 3-D with any strides, more dims when C-contiguous."""
+    if a.dtype != np.float32 or any(s % 4 for s in a.strides):
+        return None
+    if a.ndim >= 1 and a.shape[-1] > 1 and a.strides[-1] != 4:
+        return None
+    st = _estrides(a)
+    if a.ndim == 1:
+        return 1, 1, 0, 0
+    if a.ndim == 2:
+        return int(a.shape[0]), 1, st[0], 0
+    if a.ndim == 3:
+        return int(a.shape[0] * a.shape[1]), int(a.shape[1]), st[0], st[1]
+    if a.flags.c_contiguous:
+        d = int(a.shape[-1])
+        return int(a.size // max(d, 1)), 1, d, 0
+    return None
+
+
+def rms_norm(x: Any, weight: Any | None, eps: float, *, out: Any | None = None) -> Any:
+    """GPU twin of `kvshare.ops.norm.rms_norm`."""
+    cp = _cp()
+    if not isinstance(x, cp.ndarray):
+        x = cp.asarray(x)
+    if x.ndim == 0:
+        raise ValueError("rms_norm needs at least one axis")
+    lay = _row_layout(x)
+    if lay is None:
+        x = cp.ascontiguousarray(x, dtype=np.float32)
+        lay = _row_layout(x)
+    d = int(x.shape[-1])
+    if out is not None and tuple(out.shape) != tuple(x.shape):
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(x.shape)}")
+    olay = _row_layout(out) if isinstance(out, cp.ndarray) else None
+    if olay is not None and olay[:2] != lay[:2]:
+        olay = None
+    dst = out if olay is not None else cp.empty(x.shape, np.float32)
+    if olay is None:
+        olay = _row_layout(dst)
+    if weight is not None:
+        w = _upload(weight, np.float32).reshape(-1)
+        if int(w.size) != d:
+            raise ValueError(f"weight has {int(w.size)} elements, rows have {d}")
+    else:
+        w = x  # unused (has_weight = 0)
+    n_rows, inner, s0, s1 = lay
+    if n_rows and d:
+        _kernel("rms_norm", "rms_norm_f32")(
+            _grid(n_rows, ROWS_PER_BLOCK), (32 * ROWS_PER_BLOCK, 1, 1),
+            (x, np.int64(s0), np.int64(s1), dst, np.int64(olay[2]), np.int64(olay[3]), w,
+             np.int32(weight is not None), np.int64(n_rows), np.int32(inner), np.int32(d),
+             np.float32(eps)))
+    if out is not None and dst is not out:
+        out[...] = dst
+        return out
+    return dst
+
+
+# --- activations ---------------------------------------------------------------------------------
+
+def _as_rows(a: Any) -> Any:
+    """A 2-D float32 view with unit column stride (a copy only when needed)."""
+    cp = _cp()
+    if not isinstance(a, cp.ndarray):
+        a = cp.asarray(a)
+    if a.ndim != 2:
+        a = cp.ascontiguousarray(a, dtype=np.float32).reshape(-1, a.shape[-1] if a.ndim else 1)
+    return _f32_lastdim_view(a, 2)
+
+
+def _gated(entry: str, gate: Any, up: Any | None, out: Any | None) -> Any:
+    cp = _cp()
+    shape = tuple(gate.shape)
+    g = _as_rows(gate)
+    u = _as_rows(up) if up is not None else None
+    if u is not None and tuple(u.shape) != tuple(g.shape):
+        raise ValueError(f"gate {shape} and up {tuple(up.shape)} differ")
+    n_rows, n_cols = (int(s) for s in g.shape)
+    if out is not None and tuple(out.shape) != shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {shape}")
+    direct = (out is not None and isinstance(out, cp.ndarray) and out.ndim == 2
+              and out.dtype == np.float32 and (n_cols <= 1 or out.strides[-1] == 4)
+              and out.strides[0] % 4 == 0)
+    dst = out if direct else cp.empty((n_rows, n_cols), np.float32)
+    if n_rows * n_cols:
+        gs, ds = _estrides(g)[0], _estrides(dst)[0]
+        if entry == "geglu_tanh_f32":
+            args = (g, np.int64(gs), u if u is not None else g,
+                    np.int64(_estrides(u)[0] if u is not None else 0), np.int32(u is not None),
+                    dst, np.int64(ds), np.int64(n_rows), np.int64(n_cols))
+        else:
+            args = (g, np.int64(gs), u, np.int64(_estrides(u)[0]), dst, np.int64(ds),
+                    np.int64(n_rows), np.int64(n_cols))
+        _kernel("activation", entry)(_grid(n_rows * n_cols), (ELEMWISE_THREADS, 1, 1), args)
+    if out is not None and dst is not out:
+        out[...] = dst.reshape(shape)
+        return out
+    return dst.reshape(shape)
+
+
+def geglu_tanh(gate: Any, up: Any | None, *, out: Any | None = None) -> Any:
+    """GPU twin of `kvshare.ops.activation.geglu_tanh` (`up=None`: plain GELU)."""
+    return _gated("geglu_tanh_f32", gate, up, out)
+
+
+def gelu_tanh(x: Any) -> Any:
+    """GPU twin of `kvshare.ops.activation.gelu_tanh` (a new float32 array)."""
+    return _gated("geglu_tanh_f32", x, None, None)
+
+
+def swiglu(gate: Any, up: Any, *, out: Any | None = None) -> Any:
+    """GPU twin of `kvshare.ops.activation.swiglu`."""
+    if up is None:
+        raise ValueError("swiglu needs `up`")
+    return _gated("swiglu_f32", gate, up, out)
+
+
+# --- embedding -----------------------------------------------------------------------------------
+
+def embedding(table: Any, tokens: Any, scale: float = 1.0) -> Any:
+    """GPU twin of `kvshare.ops.embedding.embedding`: float32 `[N, d]`. Host token ids are
+    range-checked (IndexError, as on the CPU); an out-of-range id already on the device gives
+    a NaN row."""
+    cp = _cp()
+    if not isinstance(table, cp.ndarray) or table.ndim != 2:
+        raise TypeError("the embedding table must be a 2-D CuPy array")
+    vocab, d = (int(s) for s in table.shape)
+    if not _is_device(tokens):
+        ht = np.asarray(tokens).reshape(-1)
+        if ht.size and (ht.min() < 0 or ht.max() >= vocab):
+            raise IndexError(f"token id out of range [0, {vocab})")
+    tok = _upload(tokens, np.int32).reshape(-1)
+    n = int(tok.size)
+    tag = _kv_tag(table.dtype)
+    if not table.flags.c_contiguous:
+        table = cp.ascontiguousarray(table)
+    out = cp.empty((n, d), np.float32)
+    if n and d:
+        _kernel("embedding", f"embedding_{tag}")(
+            _grid(n * d), (ELEMWISE_THREADS, 1, 1),
+            (table, tok, out, np.int32(n), np.int32(d), np.int32(vocab), np.float32(scale)))
+    return out
+
+
+# --- linear --------------------------------------------------------------------------------------
+
+_CUDA_R_32F = 0  # cudaDataType_t values (library_types.h)
+_CUDA_R_16F = 2
+_CUBLAS_COMPUTE_32F = 68  # cublasComputeType_t
+_CUBLAS_GEMM_DEFAULT = -1
+_CUBLAS_OP_N = 0
+_CUBLAS_OP_T = 1
+
+
+def _gemm_f16(x16: Any, w: Any, y: Any) -> None:
+    """y[N, out] (float32, C-contiguous) = x16[N, in] @ w[out, in].T, both f16 C-contiguous,
+    float32 accumulation (cublasGemmEx). Column-major view: y^T = w . x16^T, i.e. m = out,
+    n = N, k = in, A = w read transposed (lda = in), B = x16^T (ldb = in), C ldc = out."""
+    cp = _cp()
+    cublas = cp.cuda.cublas
+    n, k = (int(s) for s in x16.shape)
+    m = int(w.shape[0])
+    handle = cp.cuda.device.get_cublas_handle()
+    one = np.ones(1, np.float32)
+    zero = np.zeros(1, np.float32)
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, getattr(cublas, "CUBLAS_POINTER_MODE_HOST", 0))
+    try:
+        cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+        cublas.gemmEx(handle, getattr(cublas, "CUBLAS_OP_T", _CUBLAS_OP_T),
+                      getattr(cublas, "CUBLAS_OP_N", _CUBLAS_OP_N), m, n, k,
+                      one.ctypes.data, w.data.ptr, _CUDA_R_16F, k,
+                      x16.data.ptr, _CUDA_R_16F, k,
+                      zero.ctypes.data, y.data.ptr, _CUDA_R_32F, m,
+                      getattr(cublas, "CUBLAS_COMPUTE_32F", _CUBLAS_COMPUTE_32F),
+                      getattr(cublas, "CUBLAS_GEMM_DEFAULT", _CUBLAS_GEMM_DEFAULT))
+    finally:
+        cublas.setPointerMode(handle, mode)
+
+
+def linear(x: Any, w: Any, bias: Any | None = None, *, out: Any | None = None) -> Any:
+    """GPU twin of `kvshare.ops.linear.linear`: `x @ w.T (+ bias)` as float32 `[N, out]`.
+
+    f16 weights: x is converted to f16 with a power-of-two scale per row (no overflow, see
+    kernels/linear.cu), multiplied by cuBLAS (cublasGemmEx, f16 x f16 -> float32 with float32
+    accumulation), then scaled back and biased in one pass. f32 weights: CuPy's matmul
+    (float32 SGEMM)."""
+    cp = _cp()
+    if not isinstance(w, cp.ndarray) or w.ndim != 2:
+        raise TypeError("linear weights must be a 2-D CuPy array [out, in]")
+    n_out, n_in = (int(s) for s in w.shape)
+    x = _as_rows(x)
+    n = int(x.shape[0])
+    if int(x.shape[1]) != n_in:
+        raise ValueError(f"x has {int(x.shape[1])} features, w expects {n_in}")
+    if out is not None and tuple(out.shape) != (n, n_out):
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {(n, n_out)}")
+    direct = (out is not None and isinstance(out, cp.ndarray) and out.dtype == np.float32
+              and out.flags.c_contiguous)
+    y = out if direct else cp.empty((n, n_out), np.float32)
+    b = _upload(bias, np.float32).reshape(-1) if bias is not None else None
+    if b is not None and int(b.size) != n_out:
+        raise ValueError(f"bias has {int(b.size)} elements, expected {n_out}")
+    if n and n_out:
+        if w.dtype == np.float16:
+            if not w.flags.c_contiguous:
+                w = cp.ascontiguousarray(w)
+            x16 = cp.empty((n, n_in), np.float16)
+            inv = cp.empty(n, np.float32)
+            if n_in:
+                _kernel("linear", "f32_to_f16_rowscaled")(
+                    _grid(n, ROWS_PER_BLOCK), (32 * ROWS_PER_BLOCK, 1, 1),
+                    (x, np.int64(_estrides(x)[0]), x16, inv, np.int64(n), np.int32(n_in)))
+                _gemm_f16(x16, w, y)
+            else:
+                y.fill(0)
+                inv.fill(1)
+            _kernel("linear", "rowscale_bias_f32")(
+                _grid(n * n_out), (ELEMWISE_THREADS, 1, 1),
+                (y, inv, b if b is not None else inv, np.int32(b is not None), np.int64(n),
+                 np.int64(n_out)))
+        elif w.dtype == np.float32:
+            cp.matmul(x, w.T, out=y)
+            if b is not None:
+                y += b
+        else:
+            raise TypeError(f"linear weights of dtype {w.dtype} are not supported on the GPU "
+                            "(f16 or f32; CuPy has no bfloat16 dtype)")
+    if out is not None and y is not out:
+        out[...] = y
+        return out
+    return y

@@ -1,0 +1,136 @@
+// CPU emulation shim for kvshare's CUDA kernels: every CUDA thread of a block is a ucontext
+// fiber, run by a round-robin scheduler in one OS thread; __syncthreads / __syncwarp /
+// shuffles are barriers that yield to the scheduler. Deadlocks (a barrier some threads never
+// reach) abort. Blocks run one after another.
+#include <ucontext.h>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+#include <string>
+#include <map>
+#include <functional>
+#include <utility>
+#include <type_traits>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(x)
+
+struct uint3_ { unsigned x = 0, y = 0, z = 0; };
+struct dim3_ { unsigned x = 1, y = 1, z = 1; };
+static uint3_ threadIdx, blockIdx;
+static dim3_ blockDim, gridDim;
+static unsigned char* emu_smem_ptr = nullptr;
+
+struct float4 { float x, y, z, w; };
+static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+
+static inline int min(int a, int b) { return a < b ? a : b; }
+static inline int max(int a, int b) { return a > b ? a : b; }
+static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
+static inline float emu_h2f(unsigned short h) { _Float16 f; std::memcpy(&f, &h, 2); return (float)f; }
+static inline unsigned short emu_f2h(float x) { _Float16 f = (_Float16)x; unsigned short h; std::memcpy(&h, &f, 2); return h; }
+
+// ---- fibers ------------------------------------------------------------------------------
+struct EmuFiber {
+    ucontext_t ctx;
+    std::vector<char> stack;
+    int tid = 0;
+    bool done = false;
+    int wait_kind = 0;   // 0 running, 1 block barrier, 2 warp barrier
+    long wait_gen = 0;
+};
+static std::vector<EmuFiber> emu_fibers;
+static ucontext_t emu_sched;
+static int emu_cur = -1;
+static int emu_nthreads = 0;
+static int emu_block_count = 0; static long emu_block_gen = 0;
+static int emu_warp_count[32]; static long emu_warp_gen[32];
+static float emu_warp_slots[1024];
+static std::function<void()> emu_body;
+
+static void emu_yield_wait(int kind) {
+    EmuFiber& f = emu_fibers[emu_cur];
+    int w = f.tid >> 5;
+    if (kind == 1) {
+        f.wait_gen = emu_block_gen;
+        if (++emu_block_count == emu_nthreads) { emu_block_count = 0; ++emu_block_gen; }
+    } else {
+        f.wait_gen = emu_warp_gen[w];
+        int lanes = std::min(32, emu_nthreads - (w << 5));
+        if (++emu_warp_count[w] == lanes) { emu_warp_count[w] = 0; ++emu_warp_gen[w]; }
+    }
+    f.wait_kind = kind;
+    swapcontext(&f.ctx, &emu_sched);
+}
+static inline void __syncthreads() { emu_yield_wait(1); }
+static inline void __syncwarp(unsigned = 0xffffffffu) { emu_yield_wait(2); }
+static inline float __shfl_xor_sync(unsigned, float v, int o) {
+    int t = threadIdx.x;
+    emu_warp_slots[t] = v;
+    emu_yield_wait(2);
+    float r = emu_warp_slots[(t & ~31) | ((t & 31) ^ o)];
+    emu_yield_wait(2);
+    return r;
+}
+
+static void emu_fiber_entry() {
+    emu_body();
+    emu_fibers[emu_cur].done = true;
+    // returning resumes uc_link (the scheduler)
+}
+
+static void emu_run_block(int nthreads) {
+    emu_nthreads = nthreads;
+    emu_block_count = 0; emu_block_gen = 0;
+    for (int w = 0; w < 32; ++w) { emu_warp_count[w] = 0; emu_warp_gen[w] = 0; }
+    if ((int)emu_fibers.size() < nthreads) emu_fibers.resize(nthreads);
+    for (int t = 0; t < nthreads; ++t) {
+        EmuFiber& f = emu_fibers[t];
+        if (f.stack.empty()) f.stack.resize(256 * 1024);
+        f.tid = t; f.done = false; f.wait_kind = 0; f.wait_gen = 0;
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = f.stack.data();
+        f.ctx.uc_stack.ss_size = f.stack.size();
+        f.ctx.uc_link = &emu_sched;
+        makecontext(&f.ctx, emu_fiber_entry, 0);
+    }
+    int alive = nthreads;
+    while (alive > 0) {
+        bool progress = false;
+        for (int t = 0; t < nthreads; ++t) {
+            EmuFiber& f = emu_fibers[t];
+            if (f.done) continue;
+            if (f.wait_kind == 1 && !(emu_block_gen > f.wait_gen)) continue;
+            if (f.wait_kind == 2 && !(emu_warp_gen[t >> 5] > f.wait_gen)) continue;
+            f.wait_kind = 0;
+            emu_cur = t;
+            threadIdx.x = t; threadIdx.y = 0; threadIdx.z = 0;
+            swapcontext(&emu_sched, &f.ctx);
+            progress = true;
+            if (f.done) --alive;
+        }
+        if (!progress) {
+            std::fprintf(stderr, "EMU DEADLOCK: block (%u,%u,%u), %d threads alive\n",
+                         blockIdx.x, blockIdx.y, blockIdx.z, alive);
+            std::abort();
+        }
+    }
+}
+
+template <typename... A, std::size_t... I>
+static void emu_call_impl(void (*f)(A...), void** argv, std::index_sequence<I...>) {
+    f(*reinterpret_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(argv[I])...);
+}
+template <typename... A>
+static void emu_call(void (*f)(A...), void** argv) {
+    emu_call_impl(f, argv, std::index_sequence_for<A...>{});
+}
