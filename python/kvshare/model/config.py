@@ -149,6 +149,22 @@ def config_from_metadata(md: dict[str, Any]) -> ModelConfig:
         kw.update(rope_base_swa=rope_base, rope_scale_swa=rope_scale, activation="silu")
         if sliding and arch == "qwen2" and md.get(p + "attention.use_sliding_window"):
             raise GGUFError("qwen2 sliding-window attention is not supported")
+    elif arch in ("qwen35", "lfm2"):
+        # hybrid models (kvshare.model.qwen35 / lfm2): recurrent-layer hyper-parameters go to
+        # `extra`. qwen35's recurrent layers are the ones llama.cpp marks: an explicit
+        # `attention.recurrent_layers` array, else every layer but each
+        # `full_attention_interval`-th one (default 4). Its multi-section rope ("imrope")
+        # gives every section the same position for text, which is plain NEOX rope.
+        kw.update(rope_base_swa=rope_base, rope_scale_swa=rope_scale, activation="silu",
+                  extra=_hybrid_extra(md, p))
+        if arch == "qwen35":
+            rec = md.get(p + "attention.recurrent_layers")
+            if isinstance(rec, list) and len(rec) == n_layers:
+                is_rec = [bool(v) for v in rec]
+            else:
+                interval = int(md.get(p + "full_attention_interval", 4) or 4)
+                is_rec = [(il + 1) % interval != 0 for il in range(n_layers)]
+            kinds = [RECURRENT if r else ATTENTION for r in is_rec]
     else:
         kw.update(rope_base_swa=rope_base, rope_scale_swa=rope_scale)
     return ModelConfig(
@@ -158,3 +174,11 @@ def config_from_metadata(md: dict[str, Any]) -> ModelConfig:
         rope_style=_ROPE_STYLE.get(arch, ROPE_NEOX), sliding_window=sliding,
         layer_kinds=tuple(kinds), layer_windows=tuple(windows), **kw,
     )
+
+
+def _hybrid_extra(md: dict[str, Any], p: str) -> dict[str, Any]:
+    """Recurrent-layer metadata of the hybrid architectures (qwen35 `ssm.*`, lfm2
+    `shortconv.l_cache`), keyed without the architecture prefix."""
+    keys = ("ssm.conv_kernel", "ssm.state_size", "ssm.group_count", "ssm.time_step_rank",
+            "ssm.inner_size", "shortconv.l_cache", "full_attention_interval")
+    return {k: int(md[p + k]) for k in keys if p + k in md}

@@ -28,11 +28,25 @@ def _llama(cfg, ld, be):
     return LlamaModel(cfg, ld, be)
 
 
+def _qwen35(cfg, ld, be):
+    from kvshare.model.qwen35 import Qwen35Model  # noqa: PLC0415
+
+    return Qwen35Model(cfg, ld, be)
+
+
+def _lfm2(cfg, ld, be):
+    from kvshare.model.lfm2 import Lfm2Model  # noqa: PLC0415
+
+    return Lfm2Model(cfg, ld, be)
+
+
 _ARCHITECTURES: dict[str, Callable] = {
     "gemma3": _gemma3,
     "llama": _llama,
     "qwen2": _llama,
     "qwen3": _llama,
+    "qwen35": _qwen35,  # hybrid: gated delta net + gated attention
+    "lfm2": _lfm2,  # hybrid: short conv + attention
 }
 
 

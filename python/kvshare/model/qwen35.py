@@ -1,0 +1,271 @@
+"""Qwen3.5 (`qwen35`, llama.cpp's `llama_model_qwen35` graph over `llm_build_delta_net_base`):
+gated delta net layers with one gated full-attention layer every `full_attention_interval`.
+
+Every layer: `h = RMSNorm(x, attn_norm)` -> mixer -> `x += mixer` -> `h = RMSNorm(x,
+post_attention_norm)` -> SwiGLU FFN -> `x += ffn`. Norm weights are used as stored (the
+converter already added Qwen's +1 to the ones that need it). Final RMSNorm `output_norm`; the
+output head is tied to the embeddings when the file has no `output.weight`.
+
+Gated delta net mixer (Dk = Dv = `ssm.state_size`, H_k = `ssm.group_count` key heads,
+H_v = `ssm.time_step_rank` value heads, conv kernel K = `ssm.conv_kernel`):
+- `qkv = attn_qkv @ h` (channels: q [H_k*Dk], k [H_k*Dk], v [H_v*Dv]), `z = attn_gate @ h`,
+  `beta = sigmoid(ssm_beta @ h)`, `g = ssm_a * softplus(ssm_alpha @ h + ssm_dt.bias)` (ssm_a
+  is stored as -exp(A_log): g <= 0 is the log-decay), all four in one fused GEMM here;
+- `qkv = silu(causal_conv1d(qkv))` with the K-1 previous inputs as conv state;
+- q, k L2-normalised per head (eps = rms eps), q scaled by 1/sqrt(Dk);
+- gated delta rule (`kvshare.ops.gated_delta`), value head h reading key head h % H_k;
+- `o = RMSNorm(o per head, ssm_norm) * silu(z)`; `ssm_out @ o`.
+
+Full-attention mixer: `attn_q` yields, per head, the query (head_dim) followed by an output
+gate (head_dim); per-head RMSNorm of q and k; rope on the first `rope.dimension_count` dims
+(llama.cpp uses interleaved multi-section rope, which with text positions gives every
+section the same position: plain NEOX rope); attention scaled by 1/sqrt(head_dim); output
+times sigmoid(gate); `attn_output`.
+
+State per slot (`state_shapes()`): `conv [n_rec, K-1, conv_dim]` (the last K-1 qkv
+projections, oldest first) and `ssm [n_rec, H_v, Dk, Dv]` (the delta-rule matrices).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvshare.backend import CPU, Backend
+from kvshare.model.base import BatchPlan
+from kvshare.model.cache import ModelCache
+from kvshare.model.config import ATTENTION, ModelConfig
+from kvshare.model.hybrid import (HybridModel, HybridRecurrentLayer, gather_states,
+                                  l2_norm_heads, scatter_states, sigmoid, silu, softplus,
+                                  split_batch)
+from kvshare.ops.attention import paged_attention, write_kv
+from kvshare.ops.embedding import embedding  # noqa: F401 - re-exported for symmetry
+from kvshare.ops.gated_delta import gated_delta_chunked, gated_delta_step
+from kvshare.ops.linear import linear
+from kvshare.ops.norm import rms_norm
+from kvshare.ops.rope import apply_rope
+from kvshare.ops.short_conv import causal_conv1d, causal_conv1d_step
+
+CONV, SSM = 0, 1  # indices of the state kinds in ModelCache.states
+
+
+@dataclass
+class GatedAttentionLayer:
+    """Qwen3.5's full-attention layer (weights `[out, in]`)."""
+
+    index: int
+    attn_index: int
+    attn_norm: Any
+    wqkv: Any  # [(2 n_head + 2 n_kv) * head_dim, n_embd]: q|gate interleaved per head, k, v
+    wo: Any
+    q_norm: Any
+    k_norm: Any
+    ffn_norm: Any  # post_attention_norm
+    w_gate_up: Any
+    w_down: Any
+    window: int = 0
+    kind: str = ATTENTION
+
+
+class GatedDeltaNetLayer(HybridRecurrentLayer):
+    def __init__(self, model: "Qwen35Model", index: int, rec_index: int, w: dict[str, Any]):
+        super().__init__(index, rec_index, "gated delta net")
+        self.model = model
+        self.__dict__.update(w)
+
+    def forward(self, x: Any, plan: BatchPlan, cache: ModelCache) -> Any:
+        m = self.model
+        cfg, be = m.config, m.backend
+        xp = be.xp
+        eps = cfg.norm_eps
+        Hk, Hv, Dk, Dv = m.n_k_heads, m.n_v_heads, m.d_k, m.d_v
+        n = x.shape[0]
+        kd, vd = Hk * Dk, Hv * Dv
+        conv_dim = 2 * kd + vd
+        h = rms_norm(x, self.attn_norm, eps, backend=be)
+        proj = linear(h, self.w_in, backend=be)  # [n, conv_dim + vd + 2 Hv]: qkv | z | b | a
+        z = proj[:, conv_dim : conv_dim + vd]
+        beta = sigmoid(proj[:, conv_dim + vd : conv_dim + vd + Hv], xp)
+        g = softplus(proj[:, conv_dim + vd + Hv :] + self.dt_bias, xp)
+        g *= self.ssm_a
+        qkv_in = proj[:, :conv_dim]
+        conv_states, ssm_states = cache.states[CONV], cache.states[SSM]
+        dec_rows, dec_slots, prefill = split_batch(plan)
+        qkv = xp.empty((n, conv_dim), np.float32)
+        for r0, r1, slot in prefill:
+            causal_conv1d(qkv_in[r0:r1], self.conv_w, conv_states[slot, self.rec_index],
+                          backend=be, out=qkv[r0:r1])
+        if len(dec_slots):
+            rows = be.asarray(dec_rows) if be.is_gpu else dec_rows
+            st, view = gather_states(conv_states, dec_slots, self.rec_index)
+            qkv[rows] = causal_conv1d_step(qkv_in[rows], self.conv_w, st, backend=be)
+            scatter_states(conv_states, dec_slots, self.rec_index, st, view)
+        qkv = silu(qkv, xp)
+        q = l2_norm_heads(qkv[:, :kd].reshape(n, Hk, Dk), eps, xp)
+        k = l2_norm_heads(qkv[:, kd : 2 * kd].reshape(n, Hk, Dk), eps, xp)
+        v = qkv[:, 2 * kd :].reshape(n, Hv, Dv)
+        scale = 1.0 / float(np.sqrt(Dk))
+        o = xp.empty((n, Hv, Dv), np.float32)
+        for r0, r1, slot in prefill:
+            o[r0:r1] = gated_delta_chunked(q[r0:r1], k[r0:r1], v[r0:r1], g[r0:r1],
+                                           beta[r0:r1], ssm_states[slot, self.rec_index],
+                                           scale=scale, backend=be)
+        if len(dec_slots):
+            st, view = gather_states(ssm_states, dec_slots, self.rec_index)
+            o[rows] = gated_delta_step(q[rows], k[rows], v[rows], g[rows], beta[rows], st,
+                                       scale=scale, backend=be)
+            scatter_states(ssm_states, dec_slots, self.rec_index, st, view)
+        rms_norm(o, self.ssm_norm, eps, backend=be, out=o)
+        o *= silu(z, xp).reshape(n, Hv, Dv)
+        x += linear(o.reshape(n, vd), self.ssm_out, backend=be)
+        return m._ffn(x, self.ffn_norm, self.w_gate_up, self.w_down)
+
+
+class Qwen35Model(HybridModel):
+    architectures = ("qwen35",)
+
+    def __init__(self, config: ModelConfig, loader, backend: Backend = CPU):
+        super().__init__(config, backend)
+        ex = config.extra
+        try:
+            self.d_conv = int(ex["ssm.conv_kernel"])
+            self.d_k = self.d_v = int(ex["ssm.state_size"])
+            self.n_k_heads = int(ex["ssm.group_count"])
+            self.n_v_heads = int(ex["ssm.time_step_rank"])
+            d_inner = int(ex["ssm.inner_size"])
+        except KeyError as exc:
+            raise ValueError(f"qwen35 metadata lacks {exc}") from exc
+        if d_inner != self.n_v_heads * self.d_v:
+            raise ValueError(f"ssm.inner_size {d_inner} != time_step_rank * state_size")
+        if self.n_v_heads % self.n_k_heads:
+            raise ValueError("value heads must be a multiple of key heads")
+        if config.head_dim != config.head_dim_v:
+            raise ValueError("qwen35: key and value head sizes differ")
+        self.conv_dim = 2 * self.n_k_heads * self.d_k + self.n_v_heads * self.d_v
+        _load(self, loader)
+
+    def state_shapes(self) -> list[tuple[int, ...]]:
+        """`[conv (n_rec, K-1, conv_dim), ssm (n_rec, H_v, Dk, Dv)]` per slot."""
+        r = self.config.n_recurrent_layers
+        return [(r, self.d_conv - 1, self.conv_dim), (r, self.n_v_heads, self.d_k, self.d_v)]
+
+    def _attention_layer(self, L: Any, x: Any, plan: BatchPlan, cache: ModelCache,
+                         last: bool) -> Any:
+        if not isinstance(L, GatedAttentionLayer):
+            return super()._attention_layer(L, x, plan, cache, last)
+        cfg, be = self.config, self.backend
+        xp = be.xp
+        eps = cfg.norm_eps
+        H, K, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        n = x.shape[0]
+        h = rms_norm(x, L.attn_norm, eps, backend=be)
+        qkv = linear(h, L.wqkv, backend=be)
+        qg = qkv[:, : 2 * H * D].reshape(n, H, 2 * D)
+        q = rms_norm(qg[:, :, :D], L.q_norm, eps, backend=be)
+        k = rms_norm(qkv[:, 2 * H * D : (2 * H + K) * D].reshape(n, K, D), L.k_norm, eps,
+                     backend=be)
+        v = qkv[:, (2 * H + K) * D :].reshape(n, K, D)
+        cos, sin = self._rope(plan, cfg.rope_base, cfg.rope_scale)
+        apply_rope(q, cos, sin, cfg.rope_style, backend=be)
+        apply_rope(k, cos, sin, cfg.rope_style, backend=be)
+        kc, vc = cache.layer_kv(L.attn_index)
+        write_kv(kc, vc, plan.slots, k, v, backend=be)
+        gate = qg[:, :, D:]
+        if last:
+            if plan.logit_rows.size == 0:
+                return None
+            if plan.logit_rows.size < n:
+                rows = plan.logit_rows
+                attn = self._attention_rows(q, kc, vc, plan, 0, rows)
+                rr = be.asarray(rows) if be.is_gpu else rows
+                x = x[rr]
+                gate = gate[rr]
+                n = len(rows)
+            else:
+                last = False
+        if not last:
+            attn = paged_attention(q, kc, vc, plan.block_tables, plan.q_starts,
+                                   plan.start_positions, scale=cfg.q_scale, backend=be,
+                                   mask_cache=plan.masks)
+        attn *= sigmoid(gate, xp)
+        x += linear(attn.reshape(n, H * D), L.wo, backend=be)
+        return self._ffn(x, L.ffn_norm, L.w_gate_up, L.w_down)
+
+
+def _fused(ld: Any, names: list[str], dense: np.ndarray) -> Any:
+    qw = ld.qweight(names, dense)
+    return qw if qw is not None else ld.put(dense)
+
+
+def load_ffn(ld: Any, p: str) -> tuple[Any, Any]:
+    names = [p + "ffn_gate.weight", p + "ffn_up.weight"]
+    gu = np.concatenate([ld.host(nm) for nm in names], axis=0)
+    down = p + "ffn_down.weight"
+    return _fused(ld, names, gu), _fused(ld, [down], ld.host(down))
+
+
+def load_embeddings(model: HybridModel, ld: Any, output_norm: str) -> None:
+    cfg = model.config
+    model.tok_embd = ld.q8("token_embd.weight") or ld.get("token_embd.weight")
+    if model.tok_embd.shape != (cfg.vocab_size, cfg.n_embd):
+        raise ValueError(f"token_embd has shape {model.tok_embd.shape}, expected "
+                         f"{(cfg.vocab_size, cfg.n_embd)}")
+    model.output_norm = ld.get(output_norm)
+    if ld.has("output.weight"):
+        model.output = ld.q8("output.weight") or ld.get("output.weight")
+    else:
+        model.output = model.tok_embd
+
+
+def _load(model: Qwen35Model, ld: Any) -> None:
+    cfg = model.config
+    load_embeddings(model, ld, "output_norm.weight")
+    H, K, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    layers: list[Any] = []
+    rec = 0
+    attn_idx = cfg.attn_layer_index
+    for il in range(cfg.n_layers):
+        p = f"blk.{il}."
+        gate_up, down = load_ffn(ld, p)
+        if cfg.layer_kinds[il] == ATTENTION:
+            names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
+            w = np.concatenate([ld.host(nm) for nm in names], axis=0)
+            if w.shape != ((2 * H + 2 * K) * D, cfg.n_embd):
+                raise ValueError(f"layer {il}: q+gate/k/v weights have {w.shape[0]} rows, "
+                                 f"expected {(2 * H + 2 * K) * D}")
+            layers.append(GatedAttentionLayer(
+                index=il, attn_index=attn_idx[il], attn_norm=ld.get(p + "attn_norm.weight"),
+                wqkv=_fused(ld, names, w),
+                wo=_fused(ld, [p + "attn_output.weight"], ld.host(p + "attn_output.weight")),
+                q_norm=ld.get(p + "attn_q_norm.weight"), k_norm=ld.get(p + "attn_k_norm.weight"),
+                ffn_norm=ld.get(p + "post_attention_norm.weight"), w_gate_up=gate_up,
+                w_down=down))
+            continue
+        names = [p + "attn_qkv.weight", p + "attn_gate.weight", p + "ssm_beta.weight",
+                 p + "ssm_alpha.weight"]
+        w_in = np.concatenate([ld.host(nm) for nm in names], axis=0)
+        want = model.conv_dim + model.n_v_heads * model.d_v + 2 * model.n_v_heads
+        if w_in.shape != (want, cfg.n_embd):
+            raise ValueError(f"layer {il}: delta-net input projections have shape "
+                             f"{w_in.shape}, expected {(want, cfg.n_embd)}")
+        conv_w = ld.host(p + "ssm_conv1d.weight")
+        if conv_w.shape != (model.conv_dim, model.d_conv):
+            raise ValueError(f"layer {il}: ssm_conv1d has shape {conv_w.shape}")
+        layers.append(GatedDeltaNetLayer(model, il, rec, dict(
+            attn_norm=ld.get(p + "attn_norm.weight"),
+            w_in=_fused(ld, names, w_in),
+            conv_w=ld.put(conv_w, keep_f32=True),
+            dt_bias=ld.get(p + "ssm_dt.bias"),
+            ssm_a=ld.get(p + "ssm_a"),
+            ssm_norm=ld.get(p + "ssm_norm.weight"),
+            ssm_out=_fused(ld, [p + "ssm_out.weight"], ld.host(p + "ssm_out.weight")),
+            ffn_norm=ld.get(p + "post_attention_norm.weight"),
+            w_gate_up=gate_up, w_down=down)))
+        rec += 1
+    model.layers = layers
+
+
+def build(cfg: ModelConfig, ld: Any, be: Backend) -> Qwen35Model:
+    return Qwen35Model(cfg, ld, be)
