@@ -19,13 +19,14 @@ from kvshare.engine.sequence import Sequence
 
 class CacheManager:
     def __init__(self, pool: "_core.BlockPool", kv_cache, block_size: int, fingerprint: bytes,
-                 kv_dtype: str, attach: bool):
+                 kv_dtype: str, attach: bool, tiers=None):
         self.pool = pool
         self.kv = kv_cache
         self.block_size = block_size
         self.fingerprint = fingerprint
         self.kv_dtype = kv_dtype
         self.attach_enabled = attach
+        self.tiers = tiers  # engine.tiers.TierManager or None: RAM and disk behind the pool
         self._roots: dict[bytes | None, bytes] = {}
 
     def root_key(self, salt: bytes | None) -> bytes:
@@ -52,6 +53,8 @@ class CacheManager:
         ids = list(ids)
         if ids:
             self.pool.acquire(ids)
+        if self.tiers is not None and self.tiers.enabled and len(ids) < len(keys):
+            ids += self.tiers.restore(seq.tokens, keys, len(ids), root)
         seq.block_table = ids
         seq.block_keys = list(keys[: len(ids)])
         matched = len(ids) * bs
@@ -156,6 +159,13 @@ class CacheManager:
                 self.pool.register(block, seq.block_keys[j])
             pos = stop
         seq.n_computed = end
+
+    def save_to_tiers(self, seq: Sequence) -> None:
+        """Copy a finishing sequence's computed full blocks out to the RAM and disk tiers."""
+        if self.tiers is None or not self.tiers.enabled or not self.attach_enabled:
+            return
+        self.ensure_keys(seq, seq.n_computed)
+        self.tiers.save(seq.tokens, seq.block_keys, seq.block_table, seq.n_computed)
 
     def release(self, seq: Sequence) -> None:
         """Hand the sequence's blocks back (last block first); cached ones stay findable."""

@@ -25,6 +25,7 @@ from kvshare.engine.handle import RequestHandle
 from kvshare.engine.output import TextAssembler
 from kvshare.engine.sampling import Sampler, top_logprobs
 from kvshare.engine.scheduler import Planned, Scheduler
+from kvshare.engine.tiers import TierManager
 from kvshare.engine.sequence import Sequence, SeqState
 
 log = logging.getLogger("kvshare.engine")
@@ -42,6 +43,11 @@ class EngineConfig:
     device: str = "cpu"
     threads: int | None = None
     kv_dtype: str = "f32"
+    cache_ram_mib: int = 8192  # RAM tier budget; 0 turns it off
+    cache_dir: str | None = None  # disk tier directory; None turns it off
+    cache_disk_max_mib: int = 10240
+    cache_ttl_s: float = 259200.0
+    cache_min_tokens: int = 256
 
 
 class Engine:
@@ -56,8 +62,9 @@ class Engine:
         n_blocks = self._pool_blocks(config)
         self.kv = model.new_cache(n_blocks, config.block_size, kv_dtype=config.kv_dtype)
         self.pool = _core.BlockPool(n_blocks, config.block_size)
+        self.tiers = self._make_tiers(config, fingerprint)
         self.cache = CacheManager(self.pool, self.kv, config.block_size, fingerprint, config.kv_dtype,
-                                  config.slot_attach)
+                                  config.slot_attach, self.tiers)
         self.scheduler = Scheduler(self.cache, config.parallel, config.prefill_chunk)
         self.stop_ids = set(getattr(tokenizer, "stop_ids", ()) or ())
         eos = getattr(tokenizer, "eos_id", None)
@@ -101,6 +108,18 @@ class Engine:
         cap = 1536 * 2**20 // per_block  # default: at most 1.5 GiB of KV
         return max(4, min(want, cap))
 
+    def _make_tiers(self, config: EngineConfig, fingerprint: bytes) -> TierManager:
+        ram = _core.RamTier(int(config.cache_ram_mib) * 2**20) if config.cache_ram_mib > 0 else None
+        disk = None
+        if config.cache_dir:
+            Path(config.cache_dir).mkdir(parents=True, exist_ok=True)
+            # The kv dtype and block size are part of what a stored block means.
+            disk_fp = _core.root_key(fingerprint, config.kv_dtype, config.block_size, None)
+            disk = _core.DiskStore(config.cache_dir, disk_fp, int(config.cache_disk_max_mib) * 2**20,
+                                   config.cache_ttl_s if config.cache_ttl_s > 0 else None,
+                                   int(config.cache_min_tokens))
+        return TierManager(self.pool, self.kv, config.block_size, ram, disk)
+
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
@@ -119,6 +138,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
             self._thread = None
+        self.tiers.close()  # drains the disk writer's queue
 
     # ---- text -------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
@@ -284,6 +304,8 @@ class Engine:
             tail = asm.flush()
             if tail:
                 handle._put(TokenEvent(token_id=-1, text=tail))
+        if reason != "error":
+            self.cache.save_to_tiers(seq)
         self.scheduler.finish(seq)
         seq.finished_at = time.perf_counter()
         seq.cancelled = reason == "cancelled"
@@ -322,4 +344,4 @@ class Engine:
             "cached": stats["cached"], "shared": stats["shared"], "tokens_used": stats["tokens_held"],
             "block_size": self.config.block_size, "peak_tokens_used": self.peak_tokens_used,
         }
-        return {"slots": slots, "pool": pool, "counters": dict(self.counters)}
+        return {"slots": slots, "pool": pool, "counters": dict(self.counters), "tiers": self.tiers.snapshot()}
