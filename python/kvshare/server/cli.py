@@ -36,7 +36,15 @@ def _port(s: str) -> int:
     return v
 
 
+def _non_negative_int(s: str) -> int:
+    v = int(s)
+    if v < 0:
+        raise ValueError(s)
+    return v
+
+
 _positive_int.__name__ = "positive integer"
+_non_negative_int.__name__ = "non-negative integer"
 _port.__name__ = "port"
 
 # flag, type (None: boolean switch), default, help
@@ -51,6 +59,11 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--block-size", _positive_int, None, "tokens per KV block (default: 16)"),
     ("--prefill-chunk", _positive_int, None, "prompt tokens computed per step (default: 256)"),
     ("--no-slot-attach", None, False, "turn cross-session prefix sharing off"),
+    ("--cache-ram", _non_negative_int, None, "RAM tier budget in MiB (default 8192; 0: off)"),
+    ("--cache-dir", str, None, "directory of the crash-safe disk tier (default: off)"),
+    ("--cache-disk-max", _positive_int, None, "disk tier budget in MiB (default 10240)"),
+    ("--cache-ttl", float, None, "seconds a disk entry lives unused (default 259200 = 3 days)"),
+    ("--cache-min-tokens", _non_negative_int, None, "shortest prompt written to disk (default 256)"),
     ("--api-key", str, None, "require 'Authorization: Bearer <key>' (all but /health)"),
     ("--device", str, "cpu", "cpu or cuda"),
     ("--threads", _positive_int, None, "CPU threads for the model runtime"),
@@ -125,7 +138,10 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                           "device": args.device}
     for name, value in (("ctx_size", args.ctx_size), ("kv_blocks", args.kv_blocks),
                         ("kv_mem_mib", args.kv_mem), ("block_size", args.block_size),
-                        ("prefill_chunk", args.prefill_chunk), ("threads", args.threads)):
+                        ("prefill_chunk", args.prefill_chunk), ("threads", args.threads),
+                        ("cache_ram_mib", args.cache_ram), ("cache_dir", args.cache_dir),
+                        ("cache_disk_max_mib", args.cache_disk_max), ("cache_ttl_s", args.cache_ttl),
+                        ("cache_min_tokens", args.cache_min_tokens)):
         if value is not None:
             kw[name] = value
     return kw
