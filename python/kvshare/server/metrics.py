@@ -4,6 +4,8 @@ and token counters are read from `engine.snapshot()` at scrape time by `EngineCo
 
 from __future__ import annotations
 
+from typing import Any
+
 import logging
 from collections import Counter as _Tally
 
@@ -70,6 +72,47 @@ class EngineCollector(Collector):
                                           if isinstance(s, dict)).items()):
                 seqs.add_metric([state], n)
             yield seqs
+
+        yield from _tier_metrics(snap.get("tiers") or {})
+
+
+# (snapshot key, metric suffix, kind, help) for each cache tier (RAM, disk).
+_TIER_FIELDS = [
+    ("entries", "entries", "gauge", "Entries held"),
+    ("bytes", "bytes", "gauge", "Bytes held"),
+    ("bytes_on_disk", "bytes", "gauge", "Bytes held"),
+    ("hits", "hits", "counter", "Lookups that found something"),
+    ("misses", "misses", "counter", "Lookups that found nothing"),
+    ("restores", "restores", "counter", "Admissions that restored blocks from the tier"),
+    ("tokens_served", "tokens_served", "counter", "Prompt tokens restored from the tier"),
+    ("bytes_read", "read_bytes", "counter", "Bytes read"),
+    ("bytes_written", "written_bytes", "counter", "Bytes written"),
+    ("dropped_writes", "dropped_writes", "counter", "Writes dropped because the queue was full"),
+]
+_EVICTIONS = {"evictions": "budget", "evictions_ttl": "ttl", "evictions_budget": "budget",
+              "evictions_corrupt": "corrupt"}
+
+
+def _tier_metrics(tiers: dict):
+    families: dict[str, Any] = {}
+    evictions = CounterMetricFamily("kvshare_cache_tier_evictions", "Tier evictions by reason",
+                                    labels=["tier", "reason"])
+    for tier, stats in sorted(tiers.items()):
+        for key, suffix, kind, doc in _TIER_FIELDS:
+            if key not in stats:
+                continue
+            name = f"kvshare_cache_tier_{suffix}"
+            fam = families.get(name)
+            if fam is None:
+                cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+                fam = families[name] = cls(name, doc, labels=["tier"])
+            fam.add_metric([tier], stats[key])
+        for key, reason in _EVICTIONS.items():
+            if key in stats:
+                evictions.add_metric([tier, reason], stats[key])
+    yield from families.values()
+    if tiers:
+        yield evictions
 
 
 class ServerMetrics:
