@@ -77,11 +77,11 @@ def agreement(got: np.ndarray, ref: dict, sl=slice(None)) -> tuple[float, float]
     return top1, rel
 
 
-def check(got, ref, sl=slice(None), what=""):
+def check(got, ref, sl=slice(None), what="", rel_max=REL_MAX):
     top1, rel = agreement(got, ref, sl)
     print(f"{what}: top-1 {100 * top1:.2f}%, max |dlogit| {100 * rel:.4f}% of range")
     assert top1 >= TOP1_MIN, what
-    assert rel <= REL_MAX, what
+    assert rel <= rel_max, what
 
 
 # --- loading, sizes, caches ------------------------------------------------------------------
@@ -275,3 +275,38 @@ def test_logits_last_and_none(name):
     last = m.forward([SeqChunk(toks[30:], 30, table, logits="last", state_slot=0)], cache)[0]
     assert last.shape == (1, m.config.vocab_size)
     check(last, ref, slice(n - 1, n), what=f"{name} logits=last")
+
+
+# --- GPU ------------------------------------------------------------------------------------------
+
+# The GPU path multiplies in f16 (weights and activations rounded to f16, f32 accumulation):
+# on these random-weight models that alone moves a few positions by up to ~1% of the logit
+# range (measured with the CPU emulation of CuPy, tests/gpu_emu; with f32 weights the same
+# code lands at 0.01%, like the CPU path), so the GPU check allows 2%.
+GPU_REL_MAX = 0.02
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", MODELS)
+def test_gpu_matches_llama_cpp(name):
+    """The CUDA backend (f16 weights and KV): chunked prefill, batched decode of two
+    sequences (states gathered from their slots), a snapshot restored into another slot."""
+    m = load_model(DATA / "models" / f"{name}.gguf", "cuda")
+    ref = reference(name, "chat")
+    toks = ref["tokens"]
+    n = len(toks)
+    cache = m.new_cache(2 * n_blocks(n) + 2, BS, n_state_slots=3)
+    t1, t2 = np.arange(n_blocks(n)), np.arange(n_blocks(n), 2 * n_blocks(n))
+    got = [m.forward([SeqChunk(toks[:50], 0, t1, logits="all", state_slot=1)], cache)[0]]
+    m.forward([SeqChunk(toks[:40], 0, t2, logits="none", state_slot=2)], cache)
+    for i in range(50, 60):
+        lg = m.forward([SeqChunk(toks[i : i + 1], i, t1, logits="all", state_slot=1),
+                        SeqChunk(toks[i - 10 : i - 9], i - 10, t2, logits="all", state_slot=2)],
+                       cache)
+        got.append(lg[0])
+        check(lg[1], ref, slice(i - 10, i - 9), what=f"{name} gpu seq 2 at {i - 10}",
+              rel_max=GPU_REL_MAX)
+    snap = cache.read_state(1)
+    cache.write_state(0, snap)
+    got.append(m.forward([SeqChunk(toks[60:], 60, t1, logits="all", state_slot=0)], cache)[0])
+    check(np.concatenate(got), ref, what=f"{name} gpu", rel_max=GPU_REL_MAX)

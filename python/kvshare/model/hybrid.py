@@ -105,20 +105,21 @@ def split_batch(plan: BatchPlan) -> tuple[np.ndarray, list[int], list[tuple[int,
     return np.asarray(rows, np.int64), slots, pre
 
 
-def gather_states(arr: Any, slots: list[int], rec_index: int) -> tuple[Any, bool]:
+def gather_states(arr: Any, slots: list[int], rec_index: int, xp: Any = np
+                  ) -> tuple[Any, bool]:
     """The states of `slots` in layer `rec_index` of one state kind: `[B, ...]`. A view (and
     True) for a single slot, else a gathered copy (False) to be written back with
     `scatter_states`."""
     if len(slots) == 1:
         s = slots[0]
         return arr[s : s + 1, rec_index], True
-    return arr[np.asarray(slots), rec_index], False
+    return arr[xp.asarray(slots), rec_index], False
 
 
-def scatter_states(arr: Any, slots: list[int], rec_index: int, states: Any, is_view: bool
-                   ) -> None:
+def scatter_states(arr: Any, slots: list[int], rec_index: int, states: Any, is_view: bool,
+                   xp: Any = np) -> None:
     if not is_view:
-        arr[np.asarray(slots), rec_index] = states
+        arr[xp.asarray(slots), rec_index] = states
 
 
 def sigmoid(x: Any, xp: Any = np) -> Any:

@@ -60,9 +60,9 @@ class ShortConvLayer(HybridRecurrentLayer):
                           out=y[r0:r1])
         if len(dec_slots):
             rows = be.asarray(dec_rows) if be.is_gpu else dec_rows
-            st, view = gather_states(states, dec_slots, self.rec_index)
+            st, view = gather_states(states, dec_slots, self.rec_index, xp)
             y[rows] = causal_conv1d_step(bx[rows], self.conv_w, st, backend=be)
-            scatter_states(states, dec_slots, self.rec_index, st, view)
+            scatter_states(states, dec_slots, self.rec_index, st, view, xp)
         y *= bcx[:, E : 2 * E]
         x += linear(y, self.out_proj, backend=be)
         return m._ffn(x, self.ffn_norm, self.w_gate_up, self.w_down)

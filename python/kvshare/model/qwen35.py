@@ -99,9 +99,9 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
                           backend=be, out=qkv[r0:r1])
         if len(dec_slots):
             rows = be.asarray(dec_rows) if be.is_gpu else dec_rows
-            st, view = gather_states(conv_states, dec_slots, self.rec_index)
+            st, view = gather_states(conv_states, dec_slots, self.rec_index, xp)
             qkv[rows] = causal_conv1d_step(qkv_in[rows], self.conv_w, st, backend=be)
-            scatter_states(conv_states, dec_slots, self.rec_index, st, view)
+            scatter_states(conv_states, dec_slots, self.rec_index, st, view, xp)
         qkv = silu(qkv, xp)
         q = l2_norm_heads(qkv[:, :kd].reshape(n, Hk, Dk), eps, xp)
         k = l2_norm_heads(qkv[:, kd : 2 * kd].reshape(n, Hk, Dk), eps, xp)
@@ -113,10 +113,10 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
                                            beta[r0:r1], ssm_states[slot, self.rec_index],
                                            scale=scale, backend=be)
         if len(dec_slots):
-            st, view = gather_states(ssm_states, dec_slots, self.rec_index)
+            st, view = gather_states(ssm_states, dec_slots, self.rec_index, xp)
             o[rows] = gated_delta_step(q[rows], k[rows], v[rows], g[rows], beta[rows], st,
                                        scale=scale, backend=be)
-            scatter_states(ssm_states, dec_slots, self.rec_index, st, view)
+            scatter_states(ssm_states, dec_slots, self.rec_index, st, view, xp)
         rms_norm(o, self.ssm_norm, eps, backend=be, out=o)
         o *= silu(z, xp).reshape(n, Hv, Dv)
         x += linear(o.reshape(n, vd), self.ssm_out, backend=be)

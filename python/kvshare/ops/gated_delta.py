@@ -42,23 +42,23 @@ CHUNK = 64
 _GROUP_ELEMS = 1 << 22
 
 
-def _heads(x: np.ndarray, n_v: int) -> np.ndarray:
+def _heads(x: Any, n_v: int, xp: Any = np) -> Any:
     """`[..., H_k, d]` key/query heads broadcast to `n_v` value heads (head h <- h % H_k)."""
     n_k = x.shape[-2]
     if n_k == n_v:
         return x
     if n_v % n_k:
         raise ValueError(f"{n_v} value heads are not a multiple of {n_k} key heads")
-    return x[..., np.arange(n_v) % n_k, :]
+    return x[..., xp.arange(n_v) % n_k, :]
 
 
-def _unit_lower_solve(A: np.ndarray, X: np.ndarray) -> None:
+def _unit_lower_solve(xp: Any, A: Any, X: Any) -> None:
     """`X <- (I + A)^-1 X` in place for strictly lower-triangular A `[..., C, C]` and X
     `[..., C, m]`: forward substitution, one row of every matrix of the batch at a time
     (faster than a batched LAPACK solve at C = 64, and no pivoting is involved)."""
     C = A.shape[-1]
     for i in range(1, C):
-        X[..., i, :] -= np.matmul(A[..., i : i + 1, :i], X[..., :i, :])[..., 0, :]
+        X[..., i, :] -= xp.matmul(A[..., i : i + 1, :i], X[..., :i, :])[..., 0, :]
 
 
 def gated_delta_chunked(q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, *,
@@ -72,6 +72,14 @@ def gated_delta_chunked(q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, *
     if backend.is_gpu:
         return gpu_op("gated_delta_chunked")(q, k, v, g, beta, state, scale=scale,
                                              chunk_size=chunk_size)
+    return chunked_impl(np, q, k, v, g, beta, state, scale=scale, chunk_size=chunk_size)
+
+
+def chunked_impl(xp: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, *,
+                 scale: float, chunk_size: int = CHUNK) -> Any:
+    """`gated_delta_chunked` written against an array module `xp` (NumPy, or CuPy for the GPU
+    twin in `kvshare.ops.gpu_hybrid`)."""
+    np = xp  # noqa: N806 - the same code runs on both array modules
     T, H, Dv = v.shape
     Dk = k.shape[-1]
     if state.shape != (H, Dk, Dv):
@@ -91,9 +99,9 @@ def gated_delta_chunked(q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, *
         out[:, :T] = x.transpose(1, 0, 2)
         return out.reshape(H, n_c, C, width)
 
-    Q = heads_first(_heads(np.asarray(q, f32), H), Dk)
+    Q = heads_first(_heads(np.asarray(q, f32), H, xp), Dk)
     Q *= f32(scale)
-    K = heads_first(_heads(np.asarray(k, f32), H), Dk)
+    K = heads_first(_heads(np.asarray(k, f32), H, xp), Dk)
     V = heads_first(np.asarray(v, f32), Dv)
     Gc = np.cumsum(heads_first(np.asarray(g, f32), None), axis=-1, dtype=f32)  # [H, n_c, C]
     B = heads_first(np.asarray(beta, f32), None)
@@ -102,7 +110,7 @@ def gated_delta_chunked(q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, *
 
     tril = np.tri(C, dtype=bool)  # j <= i
     strict_f = np.tri(C, k=-1, dtype=f32)  # j < i
-    S = np.array(state, dtype=f32, copy=True)
+    S = state.astype(f32, copy=True)
     group = max(1, _GROUP_ELEMS // (H * C * C))
     for c0 in range(0, n_c, group):
         c1 = min(n_c, c0 + group)
@@ -116,7 +124,7 @@ def gated_delta_chunked(q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, *
         A *= Bg[..., :, None]
         eG = np.exp(G)  # [H, n, C]
         X = np.concatenate([Vg * Bg[..., None], Kg * (Bg * eG)[..., None]], axis=-1)
-        _unit_lower_solve(A, X)  # X <- (I + A)^-1 X: [H, n, C, Dv + Dk]
+        _unit_lower_solve(xp, A, X)  # X <- (I + A)^-1 X: [H, n, C, Dv + Dk]
         U0, W = X[..., :Dv], X[..., Dv:]
         QK = np.matmul(Qg, Kg.swapaxes(-1, -2))
         QK *= D
@@ -142,16 +150,22 @@ def gated_delta_step(q: Any, k: Any, v: Any, g: Any, beta: Any, states: Any, *, 
     g, beta `[B, H_v]`, states `[B, H_v, Dk, Dv]` (updated in place). Returns `[B, H_v, Dv]`."""
     if backend.is_gpu:
         return gpu_op("gated_delta_step")(q, k, v, g, beta, states, scale=scale)
+    return step_impl(np, q, k, v, g, beta, states, scale=scale)
+
+
+def step_impl(xp: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, states: Any, *,
+              scale: float) -> Any:
+    """`gated_delta_step` against an array module `xp` (NumPy or CuPy)."""
     H = v.shape[1]
-    qh = _heads(q, H)
-    kh = _heads(k, H)
-    states *= np.exp(g)[..., None, None]
-    kv = np.matmul(kh[..., None, :], states)[..., 0, :]  # S^T k: [B, H, Dv]
+    qh = _heads(q, H, xp)
+    kh = _heads(k, H, xp)
+    states *= xp.exp(g)[..., None, None]
+    kv = xp.matmul(kh[..., None, :], states)[..., 0, :]  # S^T k: [B, H, Dv]
     delta = v - kv
     delta *= beta[..., None]
     states += kh[..., :, None] * delta[..., None, :]
-    o = np.matmul(qh[..., None, :], states)[..., 0, :]
-    o *= np.float32(scale)
+    o = xp.matmul(qh[..., None, :], states)[..., 0, :]
+    o *= xp.float32(scale)
     return o
 
 

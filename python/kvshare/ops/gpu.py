@@ -667,3 +667,8 @@ def linear(x: Any, w: Any, bias: Any | None = None, *, out: Any | None = None) -
         out[...] = y
         return out
     return y
+
+
+# --- hybrid-model ops (gated delta rule, causal conv with state): kvshare.ops.gpu_hybrid --------
+from kvshare.ops.gpu_hybrid import (causal_conv1d, causal_conv1d_step,  # noqa: E402,F401
+                                    gated_delta_chunked, gated_delta_step)

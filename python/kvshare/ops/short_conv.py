@@ -33,21 +33,27 @@ def causal_conv1d(x: Any, weight: Any, state: Any, *, backend: Backend = CPU,
     """
     if backend.is_gpu:
         return gpu_op("causal_conv1d")(x, weight, state, out=out)
+    return conv_impl(np, x, weight, state, out=out)
+
+
+def conv_impl(xp: Any, x: Any, weight: Any, state: Any, *, out: Any | None = None) -> Any:
+    """`causal_conv1d` against an array module `xp` (NumPy or CuPy)."""
+    np = xp  # noqa: N806 - the same code runs on both array modules
     T, C = x.shape
     K = weight.shape[1]
     km1 = K - 1
     if state.shape != (km1, C):
         raise ValueError(f"conv state has shape {state.shape}, expected {(km1, C)}")
-    xp = np.empty((km1 + T, C), np.float32)
-    xp[:km1] = state
-    xp[km1:] = x
+    xpad = np.empty((km1 + T, C), np.float32)
+    xpad[:km1] = state
+    xpad[km1:] = x
     wt = np.ascontiguousarray(weight.T)  # [K, C]
     if out is None:
         out = np.empty((T, C), np.float32)
-    np.multiply(xp[0:T], wt[0], out=out)
+    np.multiply(xpad[0:T], wt[0], out=out)
     for j in range(1, K):
-        out += xp[j : j + T] * wt[j]
-    state[...] = xp[T:]
+        out += xpad[j : j + T] * wt[j]
+    state[...] = xpad[T:]
     return out
 
 
@@ -59,8 +65,13 @@ def causal_conv1d_step(x: Any, weight: Any, states: Any, *, backend: Backend = C
     """
     if backend.is_gpu:
         return gpu_op("causal_conv1d_step")(x, weight, states)
+    return conv_step_impl(np, x, weight, states)
+
+
+def conv_step_impl(xp: Any, x: Any, weight: Any, states: Any) -> Any:
+    """`causal_conv1d_step` against an array module `xp` (NumPy or CuPy)."""
     K = weight.shape[1]
-    wt = np.ascontiguousarray(weight.T)  # [K, C]
+    wt = xp.ascontiguousarray(weight.T)  # [K, C]
     out = states[:, 0] * wt[0]
     for j in range(1, K - 1):
         out += states[:, j] * wt[j]
