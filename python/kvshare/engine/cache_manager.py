@@ -19,7 +19,7 @@ from kvshare.engine.sequence import Sequence
 
 class CacheManager:
     def __init__(self, pool: "_core.BlockPool", kv_cache, block_size: int, fingerprint: bytes,
-                 kv_dtype: str, attach: bool, tiers=None):
+                 kv_dtype: str, attach: bool, tiers=None, checkpoints=None):
         self.pool = pool
         self.kv = kv_cache
         self.block_size = block_size
@@ -27,6 +27,8 @@ class CacheManager:
         self.kv_dtype = kv_dtype
         self.attach_enabled = attach
         self.tiers = tiers  # engine.tiers.TierManager or None: RAM and disk behind the pool
+        # engine.checkpoints.CheckpointManager for hybrid models (None: attention only)
+        self.checkpoints = checkpoints
         self._roots: dict[bytes | None, bytes] = {}
 
     def root_key(self, salt: bytes | None) -> bytes:
@@ -45,6 +47,8 @@ class CacheManager:
         seq.block_table = []
         seq.block_keys = []
         seq.n_computed = 0
+        if self.checkpoints is not None:
+            return self._attach_hybrid(seq, root)
         if not self.attach_enabled or len(seq.tokens) < 2:
             return 0
         reusable = len(seq.tokens) - 1
@@ -72,11 +76,61 @@ class CacheManager:
         seq.n_computed = matched
         return matched
 
+    def _attach_hybrid(self, seq: Sequence, root: bytes) -> int:
+        """Hybrid models resume only where a checkpoint of the recurrent state exists: at the
+        deepest checkpoint at or before the longest cached match. Attention blocks are shared
+        up to it (the partial block copied), the state is copied into the sequence's slot.
+        Also plans where this sequence's prefill will pause to save checkpoints."""
+        bs = self.block_size
+        ck_mgr = self.checkpoints
+        seq.state_slot = ck_mgr.take_slot()
+        reusable = len(seq.tokens) - 1
+        boundary = seq.request.first_user_boundary
+        if not self.attach_enabled or reusable < 1:
+            seq.checkpoint_at = ck_mgr.plan(seq.n_prompt, 0, 0, boundary) if self.attach_enabled else []
+            return 0
+        keys = _core.hash_blocks(root, seq.tokens[: reusable - reusable % bs], bs)
+        ids = list(self.pool.match_prefix(keys)[0])
+        match_len = len(ids) * bs
+        ext = None
+        rest = min(reusable - match_len, bs)
+        if rest > 0:
+            ext = self.pool.extend_match(keys[len(ids) - 1] if ids else root,
+                                         seq.tokens[match_len: match_len + rest])
+            if ext is not None:
+                match_len += min(ext[1], rest)
+        ck = ck_mgr.deepest(root, list(keys[: len(ids)]), seq.tokens[:match_len], match_len)
+        resume = ck.position if ck is not None else 0
+        seq.checkpoint_at = ck_mgr.plan(seq.n_prompt, resume, match_len, boundary)
+        if resume == 0:
+            return 0
+        n_full = resume // bs
+        shared = ids[:n_full]
+        self.pool.acquire(shared)
+        seq.block_table = list(shared)
+        seq.block_keys = list(keys[:n_full])
+        if resume % bs:
+            src = ids[n_full] if n_full < len(ids) else ext[0]
+            dst = self.pool.cow(src, resume % bs)
+            self.kv.copy_block(src, dst, resume % bs)
+            seq.block_table.append(dst)
+        ck_mgr.restore(ck, seq.state_slot)
+        seq.held_checkpoints.append(ck)
+        seq.n_computed = resume
+        return resume
+
+    def save_checkpoint(self, seq: Sequence) -> None:
+        """Prefill reached one of the sequence's checkpoint positions: snapshot its state."""
+        ck = self.checkpoints.save(self.root_key(seq.request.cache_salt), seq.tokens,
+                                   seq.n_computed, seq.state_slot)
+        seq.held_checkpoints.append(ck)
+
     def reattach(self, seq: Sequence) -> int:
         """Mid-prefill: if blocks for the next positions appeared since admission (a donor
         finished computing them), take them instead of recomputing. Returns tokens gained."""
         bs = self.block_size
-        if not self.attach_enabled or seq.n_computed % bs or len(seq.block_table) * bs != seq.n_computed:
+        if (not self.attach_enabled or self.checkpoints is not None or seq.n_computed % bs
+                or len(seq.block_table) * bs != seq.n_computed):
             return 0
         reusable = len(seq.tokens) - 1
         self.ensure_keys(seq, reusable)
@@ -96,7 +150,7 @@ class CacheManager:
     def next_key(self, seq: Sequence) -> bytes | None:
         """Key of the block the sequence would compute next, if it starts a block."""
         bs = self.block_size
-        if not self.attach_enabled or seq.n_computed % bs:
+        if not self.attach_enabled or self.checkpoints is not None or seq.n_computed % bs:
             return None
         j = seq.n_computed // bs
         self.ensure_keys(seq, len(seq.tokens) - 1)
@@ -164,14 +218,21 @@ class CacheManager:
         """Copy a finishing sequence's computed full blocks out to the RAM and disk tiers."""
         if self.tiers is None or not self.tiers.enabled or not self.attach_enabled:
             return
+        if self.checkpoints is not None:  # hybrid state lives in checkpoints, not blocks
+            return
         self.ensure_keys(seq, seq.n_computed)
         self.tiers.save(seq.tokens, seq.block_keys, seq.block_table, seq.n_computed)
 
     def release(self, seq: Sequence) -> None:
-        """Hand the sequence's blocks back (last block first); cached ones stay findable."""
+        """Hand the sequence's blocks back (last block first); cached ones stay findable.
+        A hybrid sequence also gives back its state slot and its checkpoint references."""
         if seq.block_table:
             self.pool.release(seq.block_table)
         seq.block_table = []
+        if self.checkpoints is not None:
+            self.checkpoints.give_slot(seq.state_slot)
+            seq.state_slot = None
+            seq.held_checkpoints.clear()
 
     def shared_blocks(self, seq: Sequence) -> int:
         return sum(1 for b in seq.block_table if self.pool.ref_count(b) > 1)

@@ -21,6 +21,7 @@ import numpy as np
 from kvshare import _core
 from kvshare.engine.api import FinishEvent, GenerationRequest, Timings, TokenEvent, TokenLogprob
 from kvshare.engine.cache_manager import CacheManager
+from kvshare.engine.checkpoints import CheckpointManager
 from kvshare.engine.handle import RequestHandle
 from kvshare.engine.output import TextAssembler
 from kvshare.engine.sampling import Sampler, top_logprobs
@@ -48,6 +49,9 @@ class EngineConfig:
     cache_disk_max_mib: int = 10240
     cache_ttl_s: float = 259200.0
     cache_min_tokens: int = 256
+    checkpoint_min_step: int = 1024  # hybrids: a checkpoint every this many prompt tokens
+    ctx_checkpoints: int = 8  # hybrids: at most this many checkpoints per sequence
+    checkpoint_mem_mib: int = 1024  # hybrids: budget of unique checkpoint bytes
 
 
 class Engine:
@@ -60,11 +64,16 @@ class Engine:
         self.model_name = model_name
         self.ctx_size = config.ctx_size
         n_blocks = self._pool_blocks(config)
-        self.kv = model.new_cache(n_blocks, config.block_size, kv_dtype=config.kv_dtype)
+        self.hybrid = bool(model.state_shapes())
+        self.kv = model.new_cache(n_blocks, config.block_size, kv_dtype=config.kv_dtype,
+                                  n_state_slots=config.parallel if self.hybrid else 0)
+        self.checkpoints = CheckpointManager(
+            self.kv, config.block_size, config.parallel, config.checkpoint_min_step,
+            config.ctx_checkpoints, int(config.checkpoint_mem_mib) * 2**20) if self.hybrid else None
         self.pool = _core.BlockPool(n_blocks, config.block_size)
         self.tiers = self._make_tiers(config, fingerprint)
         self.cache = CacheManager(self.pool, self.kv, config.block_size, fingerprint, config.kv_dtype,
-                                  config.slot_attach, self.tiers)
+                                  config.slot_attach, self.tiers, self.checkpoints)
         self.scheduler = Scheduler(self.cache, config.parallel, config.prefill_chunk)
         self.stop_ids = set(getattr(tokenizer, "stop_ids", ()) or ())
         eos = getattr(tokenizer, "eos_id", None)
@@ -82,7 +91,7 @@ class Engine:
         self.counters = {"prompt_tokens_total": 0, "prompt_tokens_cached_total": 0,
                          "generated_tokens_total": 0, "steps": 0, "preemptions": 0}
         self.peak_tokens_used = 0
-        self.wants_user_boundary = bool(getattr(model, "state_shapes", lambda: [])())
+        self.wants_user_boundary = self.hybrid
 
     # ---- construction ------------------------------------------------------------------
     @classmethod
@@ -247,11 +256,14 @@ class Engine:
                 start_pos=item.start,
                 block_table=np.asarray(item.seq.block_table, dtype=np.int32),
                 logits="last" if item.wants_logits else "none",
+                state_slot=item.seq.state_slot,
             ))
         logits = self.model.forward(chunks, self.kv)
         self.counters["steps"] += 1
         for item, out in zip(plan, logits):
             self.cache.record(item.seq, item.start, item.end)
+            if item.end in item.seq.checkpoint_at and item.end <= item.seq.n_prompt:
+                self.cache.save_checkpoint(item.seq)
             if item.wants_logits:
                 self._on_logits(item, np.asarray(out)[-1])
         used = self.pool.stats()["tokens_held"]
@@ -344,4 +356,5 @@ class Engine:
             "cached": stats["cached"], "shared": stats["shared"], "tokens_used": stats["tokens_held"],
             "block_size": self.config.block_size, "peak_tokens_used": self.peak_tokens_used,
         }
-        return {"slots": slots, "pool": pool, "counters": dict(self.counters), "tiers": self.tiers.snapshot()}
+        return {"slots": slots, "pool": pool, "counters": dict(self.counters), "tiers": self.tiers.snapshot(),
+                "checkpoints": self.checkpoints.snapshot() if self.checkpoints else None}

@@ -88,6 +88,10 @@ class Scheduler:
             nxt = self.cache.next_key(seq)
             if budget > 0 and not (nxt is not None and nxt in pending):
                 n = min(len(seq.tokens) - seq.n_computed, budget)
+                # Hybrids: prefill pauses at each planned checkpoint position.
+                stops = [p for p in seq.checkpoint_at if seq.n_computed < p < seq.n_computed + n]
+                if stops:
+                    n = stops[0] - seq.n_computed
                 budget -= n
                 plan.append(Planned(seq, seq.n_computed, seq.n_computed + n))
             # else: an earlier session is computing this very block; wait and attach to it.

@@ -37,6 +37,11 @@ class Sequence:
     n_recorded: int = 0
     generated: list[int] = field(default_factory=list)
     emitted_text: str = ""
+    # Hybrid models: the sequence's own recurrent-state slot, the positions where prefill
+    # pauses to save a checkpoint, and the checkpoints it holds (shared, never copied).
+    state_slot: int | None = None
+    checkpoint_at: list[int] = field(default_factory=list)
+    held_checkpoints: list = field(default_factory=list)
     cancelled: bool = False
     preemptions: int = 0
     # Timing marks (perf_counter seconds).

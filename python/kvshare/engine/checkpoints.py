@@ -1,0 +1,124 @@
+"""Recurrent-state checkpoints of hybrid models (gated delta net, short conv).
+
+A recurrent layer's state cannot be cut back to an earlier token, so a hybrid sequence can only
+resume a prompt where a snapshot of that state was saved. Snapshots are the core's immutable,
+`Arc`-shared `Checkpoint`s keyed by the chain key of `tokens[:position]`: sequences, the store
+and the RAM tier hold the same object, never a copy, and the account counts each once.
+
+Where checkpoints are taken (all chosen at admission, prefill pauses exactly there):
+- the first-user-message boundary of chat prompts (what sessions with the same system prompt
+  and tools share);
+- the divergence point: when the longest cached match ends before the first user message, at
+  least 1,024 tokens in and more than 512 tokens past where the request resumes (the next
+  prompt that diverges at the same place resumes exactly there);
+- the end of the prompt (a returning conversation resumes there);
+- every `min_step` tokens of long prompts, at most `max_per_seq` per sequence.
+Restoring copies the snapshot into the sequence's own state slot; donors and checkpoints stay
+untouched, and a checkpoint just restored is kept (a byte-identical save returns it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+
+import numpy as np
+
+from kvshare import _core
+
+DIVERGENCE_MIN_POSITION = 1024
+DIVERGENCE_MIN_GAIN = 512
+
+
+class CheckpointManager:
+    def __init__(self, kv, block_size: int, n_slots: int, min_step: int = 1024,
+                 max_per_seq: int = 8, budget_bytes: int = 1 << 30):
+        self.kv = kv
+        self.block_size = block_size
+        self.min_step = min_step
+        self.max_per_seq = max_per_seq
+        self.budget_bytes = budget_bytes
+        self.account = _core.CheckpointAccount()
+        self.store = _core.CheckpointStore(self.account)
+        self._lru: OrderedDict[bytes, None] = OrderedDict()
+        self._free_slots = list(range(n_slots))[::-1]
+        self.saved = 0
+        self.restored = 0
+        self.evicted = 0
+
+    # ---- state slots -------------------------------------------------------------------
+    def take_slot(self) -> int:
+        return self._free_slots.pop()
+
+    def give_slot(self, slot: int | None) -> None:
+        if slot is not None:
+            self._free_slots.append(slot)
+
+    # ---- lookup and restore ------------------------------------------------------------
+    def deepest(self, root: bytes, keys: list[bytes], tokens: list[int], max_position: int):
+        if max_position <= 0:
+            return None
+        ck = self.store.deepest(root, keys, tokens, max_position)
+        if ck is not None and ck.key in self._lru:
+            self._lru.move_to_end(ck.key)
+        return ck
+
+    def restore(self, ckpt, slot: int) -> None:
+        """Copy a checkpoint's state into `slot` (the checkpoint's bytes are only read)."""
+        meta = json.loads(ckpt.layout)
+        view = np.asarray(ckpt)  # zero-copy read-only view of the shared bytes
+        arrays, off = [], 0
+        for shape, dtype in meta["arrays"]:
+            dt = np.dtype(dtype)
+            n = int(np.prod(shape)) * dt.itemsize
+            arrays.append(view[off:off + n].view(dt).reshape(shape))
+            off += n
+        self.kv.write_state(slot, arrays)
+        self.restored += 1
+
+    # ---- save --------------------------------------------------------------------------
+    def save(self, root: bytes, tokens: list[int], position: int, slot: int):
+        """Snapshot `slot` (the state after tokens[:position]) as a checkpoint; returns the
+        stored one (an existing identical-key checkpoint is kept, not replaced)."""
+        key = _core.prefix_key(root, tokens[:position], self.block_size)
+        existing = self.store.get(key)
+        if existing is not None:
+            self._lru.move_to_end(key)
+            return existing
+        arrays = self.kv.read_state(slot)
+        layout = json.dumps({"arrays": [[list(a.shape), a.dtype.str] for a in arrays]})
+        data = np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays])
+        ck = _core.Checkpoint.at(root, tokens[:position], self.block_size, data, layout,
+                                 None, self.account)
+        ck = self.store.insert(ck)
+        self._lru[ck.key] = None
+        self.saved += 1
+        self._enforce_budget()
+        return ck
+
+    def _enforce_budget(self) -> None:
+        while self.store.unique_bytes > self.budget_bytes and len(self._lru) > 1:
+            key, _ = self._lru.popitem(last=False)
+            if self.store.remove(key) is not None:
+                self.evicted += 1
+
+    # ---- where to checkpoint -----------------------------------------------------------
+    def plan(self, n_prompt: int, resume: int, match_len: int, boundary: int | None) -> list[int]:
+        """Positions (> resume, <= n_prompt) at which prefill pauses to save a checkpoint."""
+        points: set[int] = {n_prompt}
+        if boundary is not None and resume < boundary <= n_prompt:
+            points.add(boundary)
+        before_user = boundary is None or match_len < boundary
+        if (before_user and match_len >= DIVERGENCE_MIN_POSITION
+                and match_len - resume > DIVERGENCE_MIN_GAIN and match_len < n_prompt):
+            points.add(match_len)
+        periodic = [p for p in range(self.min_step, n_prompt, self.min_step) if p > resume]
+        room = max(0, self.max_per_seq - len(points))
+        points.update(periodic[-room:] if room else [])
+        return sorted(p for p in points if p > resume)
+
+    def snapshot(self) -> dict:
+        return {"count": len(self.store), "unique_bytes": self.store.unique_bytes,
+                "live_count": self.account.live_count, "live_bytes": self.account.live_bytes,
+                "saved": self.saved, "restored": self.restored, "evicted": self.evicted,
+                "budget_bytes": self.budget_bytes}
