@@ -64,6 +64,10 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--cache-disk-max", _positive_int, None, "disk tier budget in MiB (default 10240)"),
     ("--cache-ttl", float, None, "seconds a disk entry lives unused (default 259200 = 3 days)"),
     ("--cache-min-tokens", _non_negative_int, None, "shortest prompt written to disk (default 256)"),
+    ("--checkpoint-min-step", _positive_int, None,
+     "hybrid models: a state checkpoint every N prompt tokens (default 1024)"),
+    ("--ctx-checkpoints", _non_negative_int, None,
+     "hybrid models: at most N checkpoints per sequence (default 8)"),
     ("--api-key", str, None, "require 'Authorization: Bearer <key>' (all but /health)"),
     ("--device", str, "cpu", "cpu or cuda"),
     ("--threads", _positive_int, None, "CPU threads for the model runtime"),
@@ -141,7 +145,9 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                         ("prefill_chunk", args.prefill_chunk), ("threads", args.threads),
                         ("cache_ram_mib", args.cache_ram), ("cache_dir", args.cache_dir),
                         ("cache_disk_max_mib", args.cache_disk_max), ("cache_ttl_s", args.cache_ttl),
-                        ("cache_min_tokens", args.cache_min_tokens)):
+                        ("cache_min_tokens", args.cache_min_tokens),
+                        ("checkpoint_min_step", args.checkpoint_min_step),
+                        ("ctx_checkpoints", args.ctx_checkpoints)):
         if value is not None:
             kw[name] = value
     return kw

@@ -74,6 +74,14 @@ class EngineCollector(Collector):
             yield seqs
 
         yield from _tier_metrics(snap.get("tiers") or {})
+        ckpt = snap.get("checkpoints")
+        if ckpt:
+            yield GaugeMetricFamily("kvshare_checkpoints", "Recurrent-state checkpoints stored",
+                                    value=ckpt["count"])
+            yield GaugeMetricFamily("kvshare_checkpoint_bytes",
+                                    "Bytes of distinct live checkpoints (each counted once, "
+                                    "however many sequences and tiers hold it)",
+                                    value=ckpt["live_bytes"])
 
 
 # (snapshot key, metric suffix, kind, help) for each cache tier (RAM, disk).
