@@ -32,7 +32,7 @@ def _close(got, ref):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 3, 16, 40])
+@pytest.mark.parametrize("m", [1, 3, 7, 16, 40])
 def test_qweight_matches_dense(qtype, m):
     rng = np.random.default_rng(int(qtype) * 7 + m)
     rows, cols = 70, 512

@@ -80,7 +80,8 @@ class Model(ABC):
     def new_cache(self, n_blocks: int, block_size: int = 16, n_state_slots: int = 0,
                   kv_dtype: Any = None) -> ModelCache:
         """A KV pool of `n_blocks` blocks of `block_size` tokens (`kv_dtype`: a dtype or "f32" /
-        "f16"; default f32 on the CPU, f16 on a GPU) plus `n_state_slots` recurrent-state slots (hybrid models only)."""
+        "f16"; default f32 on the CPU, f16 on a GPU) plus `n_state_slots` recurrent-state
+        slots (hybrid models only)."""
         if kv_dtype is None:
             kv_dtype = self._default_kv_dtype()
         return ModelCache(self.config, n_blocks, block_size, n_state_slots=n_state_slots,

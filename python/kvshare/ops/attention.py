@@ -22,6 +22,10 @@ from kvshare.ops._dispatch import gpu_op
 
 # Largest score tile (query rows x heads x keys) held at once, in elements (16 MB of f32).
 _TILE_ELEMS = 1 << 22
+# Most query rows per tile: a tile computes the scores of the rectangle of keys its queries
+# can see, so smaller tiles waste less on masked entries (the upper triangle of causal
+# attention; with a window, keys only the tile's first queries see).
+_TILE_ROWS = 128
 
 
 def pad_block_tables(tables: Sequence[np.ndarray]) -> np.ndarray:
@@ -119,7 +123,7 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
         base = b0 * bs
         # query tiles small enough that a tile's score matrix stays ~16 MB
         span = qp_hi - k_lo_all
-        tile = max(1, min(n, _TILE_ELEMS // max(1, n_head * span)))
+        tile = max(1, min(n, _TILE_ROWS, _TILE_ELEMS // max(1, n_head * span)))
         for t0 in range(0, n, tile):
             t1 = min(n, t0 + tile)
             qa, qb = p0 + t0, p0 + t1  # query positions [qa, qb)

@@ -26,7 +26,6 @@ from kvshare.backend import CPU, Backend
 from kvshare.ops._dispatch import gpu_op
 
 try:  # pragma: no cover - exercised when numba is installed
-    import numba
     from numba import njit, prange
 
     HAVE_NUMBA = True
@@ -38,6 +37,7 @@ except ImportError:  # pragma: no cover
 _LOCK = threading.Lock()
 SMALL_M_MAX = 8  # f32 weights: Numba kernel for 2 <= N <= SMALL_M_MAX
 Q_KERNEL_MAX = 16  # QWeight: Numba kernel for N <= Q_KERNEL_MAX
+Q_KERNEL_DENSE_MIN = 6  # QWeight with an f32 copy: the f32 kernel from this many rows on
 _TILE = 64
 
 if HAVE_NUMBA:  # pragma: no cover - compiled code is not traced by coverage
@@ -184,6 +184,15 @@ class QWeight:
         """`x @ self.T` for x f32 `[M, in]` -> `[M, out]`."""
         M = x.shape[0]
         N = self.shape[0]
+        if HAVE_NUMBA and self.dense is not None and Q_KERNEL_DENSE_MIN <= M <= SMALL_M_MAX:
+            # the integer kernel's cost grows with M (it converts the weights once per input
+            # row); from a few rows on, one pass over the f32 copy is cheaper
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            if out is None:
+                out = np.empty((M, N), np.float32)
+            with _LOCK:
+                _mm_f32_small(x, self.dense, out)
+            return out
         if HAVE_NUMBA and M <= Q_KERNEL_MAX:
             x = np.ascontiguousarray(x, dtype=np.float32)
             if out is None:
