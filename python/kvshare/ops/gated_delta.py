@@ -111,7 +111,9 @@ def chunked_impl(xp: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any,
     tril = np.tri(C, dtype=bool)  # j <= i
     strict_f = np.tri(C, k=-1, dtype=f32)  # j < i
     S = state.astype(f32, copy=True)
-    group = max(1, _GROUP_ELEMS // (H * C * C))
+    # chunks per group: the largest per-chunk temporaries are C x C (decay mask, A, QK),
+    # C x (Dk + Dv) (the solved right-hand sides) and Dk x Dv (each chunk's initial state)
+    group = max(1, _GROUP_ELEMS // (H * max(C * C, C * (Dk + Dv), Dk * Dv)))
     for c0 in range(0, n_c, group):
         c1 = min(n_c, c0 + group)
         Qg, Kg, Vg = Q[:, c0:c1], K[:, c0:c1], V[:, c0:c1]
@@ -124,22 +126,31 @@ def chunked_impl(xp: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any,
         A *= Bg[..., :, None]
         eG = np.exp(G)  # [H, n, C]
         X = np.concatenate([Vg * Bg[..., None], Kg * (Bg * eG)[..., None]], axis=-1)
-        _unit_lower_solve(xp, A, X)  # X <- (I + A)^-1 X: [H, n, C, Dv + Dk]
+        if Dk + Dv > C:  # wide right-hand sides: substitute on I (C columns), then one GEMM
+            Tinv = np.broadcast_to(np.eye(C, dtype=f32), A.shape).copy()
+            _unit_lower_solve(xp, A, Tinv)
+            X = np.matmul(Tinv, X)
+        else:
+            _unit_lower_solve(xp, A, X)  # X <- (I + A)^-1 X: [H, n, C, Dv + Dk]
         U0, W = X[..., :Dv], X[..., Dv:]
-        QK = np.matmul(Qg, Kg.swapaxes(-1, -2))
-        QK *= D
-        Qe = Qg * eG[..., None]
         gl = G[..., -1]  # [H, n]
         Kd = Kg * np.exp(gl[..., None] - G)[..., None]  # [H, n, C, Dk]
         KdT = np.ascontiguousarray(Kd.swapaxes(-1, -2))  # [H, n, Dk, C]
         egl = np.exp(gl)
+        # the sequential part: each chunk's initial state S_c and new values U_c
+        Ss = np.empty((H, c1 - c0, Dk, Dv), f32)
         for i in range(c1 - c0):
-            U = U0[:, i] - np.matmul(W[:, i], S)  # [H, C, Dv]
-            o = np.matmul(Qe[:, i], S)
-            o += np.matmul(QK[:, i], U)
-            out4[:, c0 + i] = o
+            Ss[:, i] = S
+            U = U0[:, i]
+            U -= np.matmul(W[:, i], S)  # [H, C, Dv], in place in X
             S *= egl[:, i, None, None]
             S += np.matmul(KdT[:, i], U)
+        # outputs of the whole group at once: exp(G) Q S_c + (Q K^T o D) U_c
+        QK = np.matmul(Qg, Kg.swapaxes(-1, -2))
+        QK *= D
+        o = np.matmul(Qg * eG[..., None], Ss)
+        o += np.matmul(QK, U0)
+        out4[:, c0:c1] = o
     state[...] = S
     return np.ascontiguousarray(out[:, :T].transpose(1, 0, 2))
 
