@@ -119,3 +119,24 @@ def cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
         return os.cpu_count() or 1
+
+
+def set_cpu_threads(n: int | None) -> None:
+    """Use at most `n` threads for CPU compute from now on: Numba's kernels (when Numba is
+    installed) and the BLAS pool (when `threadpoolctl` is installed; otherwise set
+    OPENBLAS_NUM_THREADS before start-up). On a machine shared with other busy processes, 1
+    thread per free core avoids BLAS threads spinning while waiting for a descheduled peer."""
+    if not n:
+        return
+    try:
+        import numba  # noqa: PLC0415
+
+        numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
+    except ImportError:
+        pass
+    try:
+        from threadpoolctl import threadpool_limits  # noqa: PLC0415
+
+        threadpool_limits(limits=int(n), user_api="blas")
+    except ImportError:
+        pass
