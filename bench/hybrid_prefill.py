@@ -8,13 +8,16 @@ separately from the rest (embedding, attention layers, output head), plus decode
 (the engine's prefill budget) asking for the last logits only. Prints a table and writes
 bench/out/hybrid_prefill.json. `rows(...)` is the entry point for other benchmarks
 (bench/hybrid_sessions.py). Prompts are random token ids; each number is the best of
-`--repeat` runs (other processes share this machine's cores).
+`--repeat` runs (other processes share this machine's cores; on a loaded machine set
+OPENBLAS_NUM_THREADS=1, as OpenBLAS threads that must wait for a core make small GEMMs 10-20x
+slower). The JSON records the CPU count, load average and OPENBLAS_NUM_THREADS.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -147,8 +150,10 @@ def main() -> None:
     rs = rows(a.models, a.tokens, a.chunk, a.repeat, a.device)
     print(table(rs))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(dict(machine=platform.machine(), python=platform.python_version(),
-                                           rows=rs), indent=1))
+    meta = dict(machine=platform.machine(), python=platform.python_version(),
+                cpus=len(os.sched_getaffinity(0)), load_avg=os.getloadavg(),
+                openblas_threads=os.environ.get("OPENBLAS_NUM_THREADS"))
+    Path(a.out).write_text(json.dumps(dict(meta, rows=rs), indent=1))
     print(f"wrote {a.out}")
 
 
