@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover
 _LOCK = threading.Lock()
 SMALL_M_MAX = 8  # f32 weights: Numba kernel for 2 <= N <= SMALL_M_MAX
 Q_KERNEL_MAX = 16  # QWeight: Numba kernel for N <= Q_KERNEL_MAX
-Q_KERNEL_DENSE_MIN = 6  # QWeight with an f32 copy: the f32 kernel from this many rows on
+Q_KERNEL_DENSE_MIN = 3  # QWeight with an f32 copy: the f32 kernel from this many rows on
 _TILE = 64
 
 if HAVE_NUMBA:  # pragma: no cover - compiled code is not traced by coverage
