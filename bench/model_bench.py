@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="1K prefill and batch 1/4 only")
+    ap.add_argument("--only", choices=["prefill", "decode"], default=None)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "model_bench.json"))
     args = ap.parse_args()
 
@@ -114,6 +115,8 @@ def main() -> None:
 
     rows = []
     prefill_sizes = [1024] if args.quick else [1024, 4096, 8192]
+    if args.only == "decode":
+        prefill_sizes = []
     for n in prefill_sizes:
         tps, secs, tpc = bench_prefill(model, n, args.chunk, args.repeat)
         rows.append({"test": f"prefill {n}", "tokens_per_s": tps, "seconds": secs,
@@ -121,6 +124,8 @@ def main() -> None:
         print(f"prefill {n:>5}: {tps:8.1f} tok/s ({secs:.2f} s; {tpc:.1f} tok per CPU-s)",
               flush=True)
     decode_cases = [(1, 64), (4, 64)] if args.quick else [(1, 64), (4, 64), (8, 64), (1, 6144)]
+    if args.only == "prefill":
+        decode_cases = []
     for batch, ctx in decode_cases:
         tps, step_s, tpc = bench_decode(model, batch, ctx, steps=16, repeat=args.repeat,
                                         chunk=args.chunk)
@@ -128,8 +133,9 @@ def main() -> None:
                      "step_ms": step_s * 1e3, "tokens_per_cpu_s": tpc})
         print(f"decode batch {batch} ctx {ctx:>5}: {tps:8.1f} tok/s ({step_s * 1e3:.1f} ms/step;"
               f" {tpc:.1f} tok per CPU-s)", flush=True)
-    d1 = next(r["tokens_per_s"] for r in rows if r["test"] == "decode batch 1 @ctx 64")
-    d4 = next(r["tokens_per_s"] for r in rows if r["test"] == "decode batch 4 @ctx 64")
+    rates = {r["test"]: r["tokens_per_s"] for r in rows}
+    d1 = rates.get("decode batch 1 @ctx 64", float("nan"))
+    d4 = rates.get("decode batch 4 @ctx 64", float("nan"))
     result = {
         "model": str(path), "device": args.device, "chunk": args.chunk,
         "load_seconds": load_s, "rss_after_load_mib": rss_loaded,
