@@ -245,7 +245,11 @@ def test_concurrent_threads(tmp_path):
                     store.flush()
                 for probe in (keys, shared):
                     got, nbytes, _ = store.lookup(probe)
-                    out = np.empty((max(got, 1), BLOCK), np.uint8)
+                    if got == 0:
+                        continue
+                    # The writer thread may commit or evict between lookup and read, so the
+                    # read is bounded by the buffer (got blocks), not by the earlier lookup.
+                    out = np.empty((got, BLOCK), np.uint8)
                     k = store.read_blocks(probe, out)
                     assert k <= got
                     np.testing.assert_array_equal(out[:k], payload(probe[:k]))
