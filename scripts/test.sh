@@ -8,7 +8,7 @@ python3 -m pip install -q --upgrade pip
 python3 -m pip install -q -e ".[test]"
 cargo test --workspace --release
 set +e
-python3 -m pytest "$@"
+python3 -m pytest --durations=15 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
