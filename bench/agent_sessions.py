@@ -94,7 +94,7 @@ class Server:
 def run_session(url: str, prefix: str, session: int, question: str, record: dict,
                 first_token: threading.Event) -> None:
     body = {
-        "model": "default", "stream": True, "stream_options": {"include_usage": True},
+        "stream": True, "stream_options": {"include_usage": True},
         "max_tokens": GEN_TOKENS, "temperature": 0, "ignore_eos": True,
         "messages": [{"role": "system", "content": prefix + f"Session id: {session:08d}."},
                      {"role": "user", "content": question}],
