@@ -133,7 +133,7 @@ def _zygote_main() -> None:  # pragma: no cover - runs in the zygote process
     import kvshare.model.loader  # noqa: F401
     import kvshare.model.tokenizer  # noqa: F401
     import kvshare.server.app  # noqa: F401
-    import kvshare.server.launcher  # noqa: F401
+    import kvshare.server.launcher  # noqa: F401  (pre-import only)
     from kvshare.server import cli
 
     children: set[int] = set()
