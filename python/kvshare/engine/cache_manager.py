@@ -53,10 +53,7 @@ class CacheManager:
             return 0
         reusable = len(seq.tokens) - 1
         keys = _core.hash_blocks(root, seq.tokens[: reusable - reusable % bs], bs)
-        ids, matched = self.pool.match_prefix(keys)
-        ids = list(ids)
-        if ids:
-            self.pool.acquire(ids)
+        ids = list(self.pool.acquire_prefix(keys)[0])
         if self.tiers is not None and self.tiers.enabled and len(ids) < len(keys):
             ids += self.tiers.restore(seq.tokens, keys, len(ids), root)
         seq.block_table = ids
@@ -67,11 +64,8 @@ class CacheManager:
             parent = seq.block_keys[-1] if seq.block_keys else root
             hit = self.pool.extend_match(parent, seq.tokens[matched : matched + rest])
             if hit is not None:
-                src, n = hit
-                n = min(n, rest)
-                dst = self.pool.cow(src, n)
-                self.kv.copy_block(src, dst, n)
-                seq.block_table.append(dst)
+                n = min(hit[1], rest)
+                self._copy_partial(seq, hit[0], n)
                 matched += n
         seq.n_computed = matched
         return matched
@@ -110,14 +104,18 @@ class CacheManager:
         seq.block_table = list(shared)
         seq.block_keys = list(keys[:n_full])
         if resume % bs:
-            src = ids[n_full] if n_full < len(ids) else ext[0]
-            dst = self.pool.cow(src, resume % bs)
-            self.kv.copy_block(src, dst, resume % bs)
-            seq.block_table.append(dst)
+            self._copy_partial(seq, ids[n_full] if n_full < len(ids) else ext[0], resume % bs)
         ck_mgr.restore(ck, seq.state_slot)
         seq.held_checkpoints.append(ck)
         seq.n_computed = resume
         return resume
+
+    def _copy_partial(self, seq: Sequence, src: int, n: int) -> None:
+        """Copy-on-write: the first n tokens of a (possibly shared) block into a fresh block
+        that ends the sequence's table; `src` is never written."""
+        dst = self.pool.cow(src, n)
+        self.kv.copy_block(src, dst, n)
+        seq.block_table.append(dst)
 
     def save_checkpoint(self, seq: Sequence) -> None:
         """Prefill reached one of the sequence's checkpoint positions: snapshot its state."""
@@ -138,11 +136,9 @@ class CacheManager:
         want = seq.block_keys[start : reusable // bs]
         if not want:
             return 0
-        ids, _ = self.pool.match_prefix(want)
-        ids = list(ids)
+        ids = list(self.pool.acquire_prefix(want)[0])
         if not ids:
             return 0
-        self.pool.acquire(ids)
         seq.block_table.extend(ids)
         seq.n_computed += len(ids) * bs
         return len(ids) * bs
