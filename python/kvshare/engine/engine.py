@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from kvshare import _core
+from kvshare.backend import set_cpu_threads
 from kvshare.engine.api import FinishEvent, GenerationRequest, Timings, TokenEvent, TokenLogprob
 from kvshare.engine.cache_manager import CacheManager
 from kvshare.engine.checkpoints import CheckpointManager
@@ -63,6 +64,8 @@ class Engine:
         self.config = config
         self.model_name = model_name
         self.ctx_size = config.ctx_size
+        if not getattr(model.backend, "is_gpu", False):
+            set_cpu_threads(config.threads)
         n_blocks = self._pool_blocks(config)
         self.hybrid = bool(model.state_shapes())
         self.kv = model.new_cache(n_blocks, config.block_size, kv_dtype=config.kv_dtype,

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvshare.backend import CPU, Backend
+from kvshare.backend import CPU, CPU_THREADS, Backend
 from kvshare.model.batch import SeqChunk
 from kvshare.model.cache import ModelCache
 from kvshare.model.config import ATTENTION, RECURRENT, ModelConfig
@@ -203,6 +203,8 @@ class DecoderModel(Model):
     def forward(self, chunks: Sequence[SeqChunk], cache: ModelCache) -> list[np.ndarray | None]:
         cfg, be = self.config, self.backend
         plan = make_plan(chunks, cache.block_size, cfg)
+        if not be.is_gpu:
+            CPU_THREADS.for_tokens(len(plan.tokens))
         if any(c.state_slot is None for c in chunks) and cfg.n_recurrent_layers:
             raise ValueError("this model has recurrent layers: every chunk needs a state_slot")
         x = embedding(self.tok_embd, be.asarray(plan.tokens) if be.is_gpu else plan.tokens,
