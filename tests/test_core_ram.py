@@ -124,3 +124,33 @@ def test_held_bytes_equal_sum_of_entries_under_random_load():
         assert ram.held_bytes == held <= 5000
         ram.check_invariants()
     assert ram.stats()["evictions"] > 0
+
+
+def test_pinned_prefix_survives_a_flood_within_its_own_budget():
+    ram = _core.RamTier(1000, pin_budget_bytes=300)
+    assert ram.pin_budget == 300 and _core.RamTier(1000).pin_budget == 500
+    prefix = [k(i) for i in range(3)]
+    for key in prefix:
+        ram.put_block(key, np.full(100, 1, dtype=np.uint8))
+    assert ram.pin_blocks(prefix + [k(99)]) == 3, "pins the leading held blocks"
+    assert ram.pinned_bytes == 300 and all(ram.is_pinned(x) for x in prefix)
+    for i in range(10, 40):  # a flood of conversation tails
+        ram.put_block(k(i), np.full(100, i, dtype=np.uint8))
+    assert ram.match_prefix(prefix) == 3
+    st = ram.stats()
+    assert (st["pinned"], st["pinned_bytes"], st["evictions"]) == (3, 300, 23)
+    # A second prefix past the pin budget demotes the oldest pins, deepest block first.
+    other = [k(50), k(51)]
+    for key in other:
+        ram.put_block(key, np.zeros(100, dtype=np.uint8))
+    assert ram.pin_blocks(other) == 2
+    assert [ram.is_pinned(x) for x in prefix] == [True, False, False]
+    assert ram.stats()["demotions"] == 2
+    assert ram.unpin(k(0)) and not ram.unpin(k(0))
+    assert ram.touch_blocks(other) == 2
+    ram.set_pin_budget(5000)
+    assert ram.pin_budget == 1000, "capped at the budget"
+    assert ram.lru_order()[-2:] == [("block", k(51)), ("block", k(50))], "pins evicted last, head last"
+    ram.check_invariants()
+    with pytest.raises(_core.InvalidArgument):
+        ram.pin_blocks([b"short"])

@@ -5,13 +5,14 @@ use crate::convert::{
     detach_unless, key_of, key_to_py, keys_of, read_bytes, tokens_of, write_bytes,
 };
 use crate::errors::IntoPyResult;
-use kvshare_core::ram_tier::RamTier;
+use kvshare_core::ram_tier::{EntryKind, RamTier};
 use parking_lot::Mutex;
 use pyo3::exceptions::PyAssertionError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-/// Content-addressed block payloads and checkpoints in host memory under a byte budget (LRU).
+/// Content-addressed block payloads and checkpoints in host memory under a byte budget (LRU),
+/// with pinned prefix entries under a sub-budget (see `kvshare_core::ram_tier`).
 #[pyclass(frozen, name = "RamTier", module = "kvshare._core")]
 pub struct PyRamTier {
     inner: Mutex<RamTier>,
@@ -20,10 +21,18 @@ pub struct PyRamTier {
 #[pymethods]
 impl PyRamTier {
     #[new]
-    #[pyo3(signature = (budget_bytes, account = None))]
-    fn new(budget_bytes: u64, account: Option<&Bound<'_, PyCheckpointAccount>>) -> Self {
+    #[pyo3(signature = (budget_bytes, account = None, pin_budget_bytes = None))]
+    fn new(
+        budget_bytes: u64,
+        account: Option<&Bound<'_, PyCheckpointAccount>>,
+        pin_budget_bytes: Option<u64>,
+    ) -> Self {
+        let mut tier = RamTier::new(budget_bytes, account_of(account));
+        if let Some(p) = pin_budget_bytes {
+            tier.set_pin_budget(p);
+        }
         PyRamTier {
-            inner: Mutex::new(RamTier::new(budget_bytes, account_of(account))),
+            inner: Mutex::new(tier),
         }
     }
 
@@ -66,6 +75,39 @@ impl PyRamTier {
     fn match_prefix(&self, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
         let keys = keys_of(keys)?;
         Ok(self.inner.lock().match_prefix(&keys))
+    }
+
+    /// Refresh the leading held blocks of a chain, deepest first (keys[0] ends most recent).
+    /// Returns how many leading keys are held.
+    fn touch_blocks(&self, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let keys = keys_of(keys)?;
+        Ok(self.inner.lock().touch_blocks(&keys))
+    }
+
+    /// Pin the leading held blocks of a chain (a prefix entry); returns how many leading keys
+    /// are pinned afterwards (the pin budget may demote older pins, or this chain's tail).
+    fn pin_blocks(&self, keys: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let keys = keys_of(keys)?;
+        Ok(self.inner.lock().pin_blocks(&keys))
+    }
+
+    /// Pin a held checkpoint; returns whether it is pinned afterwards.
+    fn pin_checkpoint(&self, key: &[u8]) -> PyResult<bool> {
+        Ok(self.inner.lock().pin_checkpoint(&key_of(key)?))
+    }
+
+    /// Move a pinned block (or checkpoint) back to the normal LRU class; False if not pinned.
+    #[pyo3(signature = (key, checkpoint = false))]
+    fn unpin(&self, key: &[u8], checkpoint: bool) -> PyResult<bool> {
+        Ok(self.inner.lock().unpin(kind_of(checkpoint), &key_of(key)?))
+    }
+
+    #[pyo3(signature = (key, checkpoint = false))]
+    fn is_pinned(&self, key: &[u8], checkpoint: bool) -> PyResult<bool> {
+        Ok(self
+            .inner
+            .lock()
+            .is_pinned(kind_of(checkpoint), &key_of(key)?))
     }
 
     /// Hold a checkpoint (shares it; no byte copy). Returns False if its key was already held.
@@ -129,6 +171,21 @@ impl PyRamTier {
         self.inner.lock().budget()
     }
 
+    #[getter]
+    fn pinned_bytes(&self) -> u64 {
+        self.inner.lock().pinned_bytes()
+    }
+
+    #[getter]
+    fn pin_budget(&self) -> u64 {
+        self.inner.lock().pin_budget()
+    }
+
+    /// Change the pin budget (capped at the budget), demoting the least recent pins to fit.
+    fn set_pin_budget(&self, pin_budget_bytes: u64) {
+        self.inner.lock().set_pin_budget(pin_budget_bytes)
+    }
+
     /// Change the budget, evicting LRU entries until the held bytes fit.
     fn set_budget(&self, budget_bytes: u64) {
         self.inner.lock().set_budget(budget_bytes)
@@ -153,10 +210,16 @@ impl PyRamTier {
         d.set_item("hits", s.hits)?;
         d.set_item("misses", s.misses)?;
         d.set_item("evictions", s.evictions)?;
+        d.set_item("pinned", s.pinned)?;
+        d.set_item("pinned_bytes", s.pinned_bytes)?;
+        d.set_item("pin_budget", s.pin_budget)?;
+        d.set_item("demotions", s.demotions)?;
+        d.set_item("pinned_evictions", s.pinned_evictions)?;
         Ok(d)
     }
 
-    /// `[(kind, key), ...]` from least to most recently used; kind is "block" or "checkpoint".
+    /// `[(kind, key), ...]` in eviction order (normal entries least recently used first, then
+    /// pinned ones); kind is "block" or "checkpoint".
     fn lru_order<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let order = self.inner.lock().lru_order();
         PyList::new(
@@ -177,9 +240,17 @@ impl PyRamTier {
     fn __repr__(&self) -> String {
         let s = self.inner.lock().stats();
         format!(
-            "RamTier(entries={}, bytes={}, budget={})",
-            s.entries, s.bytes, s.budget
+            "RamTier(entries={}, bytes={}, budget={}, pinned_bytes={})",
+            s.entries, s.bytes, s.budget, s.pinned_bytes
         )
+    }
+}
+
+fn kind_of(checkpoint: bool) -> EntryKind {
+    if checkpoint {
+        EntryKind::Checkpoint
+    } else {
+        EntryKind::Block
     }
 }
 
