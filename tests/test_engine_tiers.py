@@ -3,6 +3,8 @@ served from a tier and its tokens equal a cold run's."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvshare import _core
@@ -97,3 +99,106 @@ def test_corrupt_disk_entry_is_recomputed_not_served(parts, tmp_path):  # noqa: 
     assert got == cold
     assert eng2.snapshot()["tiers"]["disk"]["evictions_corrupt"] >= 1
     eng2.shutdown(timeout=1)
+
+
+# ---- prefix entries pinned in RAM (tiny attention-only chat model: 8 KiB per block) ---------
+
+TINY_QWEN3 = Path(__file__).parent / "data" / "models" / "tiny-qwen3-chat.gguf"
+AGENT_SYSTEM = ("You are the build agent. Tools: search(q), open(path), run(cmd), diff(a, b). "
+                "Answer in one line and never guess file names.")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from kvshare.model.chat_template import ChatTemplate
+    from kvshare.model.loader import load_model
+    from kvshare.model.tokenizer import Tokenizer
+
+    model = load_model(TINY_QWEN3)
+    tok = Tokenizer.from_gguf(TINY_QWEN3)
+    return model, tok, ChatTemplate.from_gguf(TINY_QWEN3, tok), bytes.fromhex(model.fingerprint)
+
+
+def chat_request(eng: Engine, system: str, user: str, n=4) -> GenerationRequest:
+    text, boundary = eng.apply_chat_template([{"role": "system", "content": system},
+                                              {"role": "user", "content": user}])
+    return GenerationRequest(prompt_tokens=eng.tokenize(text), max_tokens=n, sampling=GREEDY,
+                             first_user_boundary=boundary, logprobs=True, top_logprobs=3)
+
+
+def serve(eng: Engine, req: GenerationRequest):
+    h = eng.submit(req)
+    eng.run_until_idle()
+    toks, fin = h.result(timeout=0)
+    return [(t.token_id, t.logprob and t.logprob.logprob) for t in toks if t.token_id >= 0], fin
+
+
+def flood(eng: Engine, n_sessions=6):
+    """Sessions of the same agent with long, distinct user messages (their tails flood the RAM
+    tier's unpinned part), then raw prompts without a chat boundary that push everything out
+    of the small device pool."""
+    for i in range(n_sessions):
+        serve(eng, chat_request(eng, AGENT_SYSTEM, f"Session {i}: " + f"check module {i} and report. " * 5))
+    for i in range(3):
+        text = f"Unrelated raw completion prompt {i}, no chat template at all. " * 5
+        serve(eng, GenerationRequest(prompt_tokens=eng.tokenize(text), max_tokens=2, sampling=GREEDY))
+
+
+@pytest.mark.parametrize("pin_mib", [None, 0])
+def test_prefix_entry_stays_pinned_in_ram_through_a_flood(tiny, pin_mib):
+    first_q, new_q = "Where is the linker script?", "Which test is flaky today?"
+    cold = engine(tiny, slot_attach=False, kv_blocks=64)
+    cold_new, _ = serve(cold, chat_request(cold, AGENT_SYSTEM, new_q))
+
+    # RAM: 32 blocks of 8 KiB, half of it pinnable (the default) or none of it (the control).
+    eng = engine(tiny, kv_blocks=48, cache_ram_mib=0.25, cache_ram_pin_mib=pin_mib)
+    req = chat_request(eng, AGENT_SYSTEM, first_q)
+    bs, boundary = 16, req.first_user_boundary
+    assert boundary is not None and boundary >= 6 * bs
+    n_prefix = boundary // bs
+    root = eng.cache.root_key(None)
+    keys = _core.hash_blocks(root, req.prompt_tokens, bs)
+    serve(eng, req)
+    ram = eng.tiers.ram
+    if pin_mib is None:
+        assert ram.pinned_bytes == n_prefix * eng.kv.block_nbytes, "pinned as soon as computed"
+    flood(eng)
+    assert eng.pool.match_prefix(keys)[0] == [], "the prefix should be out of the device pool"
+    assert ram.match_prefix(keys) < len(keys), "the first session's tail should be evicted"
+    snap = eng.snapshot()["tiers"]["ram"]
+    assert snap["evictions"] > 0
+
+    got, fin = serve(eng, chat_request(eng, AGENT_SYSTEM, new_q))
+    assert [t for t, _ in got] == [t for t, _ in cold_new]
+    assert [lp for _, lp in got] == pytest.approx([lp for _, lp in cold_new], abs=1e-4)
+    if pin_mib is None:
+        assert ram.match_prefix(keys) == n_prefix
+        assert all(ram.is_pinned(k) for k in keys[:n_prefix])
+        assert fin.timings.cache_n >= n_prefix * bs
+        snap = eng.snapshot()["tiers"]["ram"]
+        assert snap["pinned"] == n_prefix and snap["pinned_bytes"] == n_prefix * eng.kv.block_nbytes
+        assert snap["restores"] >= 1 and snap["restore_seconds"] > 0
+        assert snap["pinned_bytes"] <= snap["pin_budget"] == snap["budget"] // 2
+    else:  # the control: without pins the flood took the prefix too
+        assert fin.timings.cache_n < n_prefix * bs
+        assert eng.snapshot()["tiers"]["ram"]["pinned_bytes"] == 0
+    ram.check_invariants()
+    eng.pool.check_invariants()
+    assert eng.pool.stats()["used"] == 0
+
+
+def test_finish_event_reaches_the_client_before_the_tier_save(tiny, tmp_path):
+    eng = engine(tiny, cache_ram_mib=1, cache_dir=str(tmp_path))
+    seen = []
+    save = eng.tiers.save
+
+    def checking_save(*args, **kw):
+        seen.append(handle.result(timeout=0)[1])  # raises queue.Empty if the finish is not out yet
+        return save(*args, **kw)
+
+    eng.tiers.save = checking_save
+    handle = eng.submit(chat_request(eng, AGENT_SYSTEM, "Ping?"))
+    eng.run_until_idle()
+    assert len(seen) == 1 and seen[0].reason in ("stop", "length")
+    assert eng.tiers.ram.stats()["blocks"] > 0
+    eng.shutdown(timeout=1)

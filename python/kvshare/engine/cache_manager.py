@@ -13,6 +13,8 @@ Rules that keep sharing safe:
 
 from __future__ import annotations
 
+import time
+
 from kvshare import _core
 from kvshare.engine.sequence import Sequence
 
@@ -47,6 +49,8 @@ class CacheManager:
         seq.block_table = []
         seq.block_keys = []
         seq.n_computed = 0
+        if seq.prefill_started is None:  # prompt time includes the restore below
+            seq.prefill_started = time.perf_counter()
         if self.checkpoints is not None:
             return self._attach_hybrid(seq, root)
         if not self.attach_enabled or len(seq.tokens) < 2:
@@ -55,7 +59,9 @@ class CacheManager:
         keys = _core.hash_blocks(root, seq.tokens[: reusable - reusable % bs], bs)
         ids = list(self.pool.acquire_prefix(keys)[0])
         if self.tiers is not None and self.tiers.enabled and len(ids) < len(keys):
+            t0 = time.perf_counter()
             ids += self.tiers.restore(seq.tokens, keys, len(ids), root)
+            seq.restore_s += time.perf_counter() - t0
         seq.block_table = ids
         seq.block_keys = list(keys[: len(ids)])
         matched = len(ids) * bs
@@ -210,14 +216,42 @@ class CacheManager:
             pos = stop
         seq.n_computed = end
 
+    def _prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens of the prompt's prefix entry: the full blocks before its first user message
+        (0 when the request has no boundary or it is inside the first block)."""
+        b = seq.request.first_user_boundary
+        if not b or b > seq.n_prompt:
+            return 0
+        return b - b % self.block_size
+
+    def pin_prefix(self, seq: Sequence) -> None:
+        """Once a prompt's prefix entry is computed (or attached), copy it to the RAM tier and
+        pin it there, without waiting for the request to finish: concurrent and later sessions
+        with the same tools and system prompt find it even after a flood of other traffic."""
+        if seq.prefix_pinned:
+            return
+        tiers = self.tiers
+        if tiers is None or tiers.ram is None or not self.attach_enabled or self.checkpoints is not None:
+            seq.prefix_pinned = True  # nothing to do for this sequence
+            return
+        n = self._prefix_tokens(seq)
+        if seq.n_computed < n:
+            return
+        seq.prefix_pinned = True
+        if n:
+            self.ensure_keys(seq, n)
+            tiers.pin_prefix(seq.block_keys, seq.block_table, n // self.block_size)
+
     def save_to_tiers(self, seq: Sequence) -> None:
-        """Copy a finishing sequence's computed full blocks out to the RAM and disk tiers."""
+        """Copy a finishing sequence's computed full blocks out to the RAM and disk tiers (its
+        prefix entry pinned in RAM)."""
         if self.tiers is None or not self.tiers.enabled or not self.attach_enabled:
             return
         if self.checkpoints is not None:  # hybrid state lives in checkpoints, not blocks
             return
         self.ensure_keys(seq, seq.n_computed)
-        self.tiers.save(seq.tokens, seq.block_keys, seq.block_table, seq.n_computed)
+        self.tiers.save(seq.tokens, seq.block_keys, seq.block_table, seq.n_computed,
+                        self._prefix_tokens(seq))
 
     def release(self, seq: Sequence) -> None:
         """Hand the sequence's blocks back (last block first); cached ones stay findable.

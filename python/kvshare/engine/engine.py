@@ -45,7 +45,8 @@ class EngineConfig:
     device: str = "cpu"
     threads: int | None = None
     kv_dtype: str = "f32"
-    cache_ram_mib: int = 8192  # RAM tier budget; 0 turns it off
+    cache_ram_mib: float = 8192  # RAM tier budget; 0 turns it off
+    cache_ram_pin_mib: float | None = None  # of which prefix entries may pin (None: half)
     cache_dir: str | None = None  # disk tier directory; None turns it off
     cache_disk_max_mib: int = 10240
     cache_ttl_s: float = 259200.0
@@ -94,7 +95,8 @@ class Engine:
         self.counters = {"prompt_tokens_total": 0, "prompt_tokens_cached_total": 0,
                          "generated_tokens_total": 0, "steps": 0, "preemptions": 0}
         self.peak_tokens_used = 0
-        self.wants_user_boundary = self.hybrid
+        # Hybrids checkpoint at the first user message; the RAM tier pins the prefix up to it.
+        self.wants_user_boundary = self.hybrid or self.tiers.ram is not None
 
     # ---- construction ------------------------------------------------------------------
     @classmethod
@@ -121,7 +123,11 @@ class Engine:
         return max(4, min(want, cap))
 
     def _make_tiers(self, config: EngineConfig, fingerprint: bytes) -> TierManager:
-        ram = _core.RamTier(int(config.cache_ram_mib) * 2**20) if config.cache_ram_mib > 0 else None
+        ram = None
+        if config.cache_ram_mib > 0:
+            budget = int(config.cache_ram_mib * 2**20)
+            pin = None if config.cache_ram_pin_mib is None else int(config.cache_ram_pin_mib * 2**20)
+            ram = _core.RamTier(budget, None, pin)
         disk = None
         if config.cache_dir:
             Path(config.cache_dir).mkdir(parents=True, exist_ok=True)
@@ -172,7 +178,7 @@ class Engine:
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True, **kwargs) -> tuple[str, int | None]:
-        if not self.wants_user_boundary:  # only hybrid models checkpoint there; it costs a re-render
+        if not self.wants_user_boundary:  # locating the boundary costs a re-render
             return self.chat_template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                              **kwargs), None
         chat = self.chat_template.apply(self.tokenizer, messages, tools=tools,
@@ -265,12 +271,20 @@ class Engine:
         self.counters["steps"] += 1
         for item, out in zip(plan, logits):
             self.cache.record(item.seq, item.start, item.end)
+            self._pin_prefix(item.seq)
             if item.end in item.seq.checkpoint_at and item.end <= item.seq.n_prompt:
                 self.cache.save_checkpoint(item.seq)
             if item.wants_logits:
                 self._on_logits(item, np.asarray(out)[-1])
         used = self.pool.stats()["tokens_held"]
         self.peak_tokens_used = max(self.peak_tokens_used, used)
+
+    def _pin_prefix(self, seq: Sequence) -> None:
+        try:
+            self.cache.pin_prefix(seq)
+        except Exception:  # a failed pin costs a future cache hit, never this request
+            seq.prefix_pinned = True
+            log.exception("pinning the prefix of %s failed", seq.request.request_id)
 
     def _on_logits(self, item: Planned, row: np.ndarray) -> None:
         seq = item.seq
@@ -319,9 +333,6 @@ class Engine:
             tail = asm.flush()
             if tail:
                 handle._put(TokenEvent(token_id=-1, text=tail))
-        if reason != "error":
-            self.cache.save_to_tiers(seq)
-        self.scheduler.finish(seq)
         seq.finished_at = time.perf_counter()
         seq.cancelled = reason == "cancelled"
         self._seqs.pop(req.request_id, None)
@@ -337,10 +348,21 @@ class Engine:
         self.counters["prompt_tokens_total"] += seq.n_prompt
         self.counters["prompt_tokens_cached_total"] += seq.n_cached
         ttft = (seq.first_token_at - seq.arrival) if seq.first_token_at else 0.0
+        if seq.restore_s:
+            log.debug("%s: restored from tiers in %.1f ms (prompt %.1f ms)", req.request_id,
+                      1e3 * seq.restore_s, timings.prompt_ms)
+        # The client gets its finish before the tier save runs: the save (device reads, RAM
+        # copies, queueing the disk write) is no part of this response's latency.
         if handle is not None:
             handle._put(FinishEvent(reason=reason, prompt_tokens=seq.n_prompt,
                                     completion_tokens=seq.n_generated, timings=timings,
                                     time_to_first_token_s=ttft, error=error))
+        if reason != "error":
+            try:
+                self.cache.save_to_tiers(seq)
+            except Exception:  # a failed save costs a future cache hit, never this request
+                log.exception("saving %s to the cache tiers failed", req.request_id)
+        self.scheduler.finish(seq)
 
     # ---- introspection ----------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -352,6 +374,7 @@ class Engine:
                 "id": seq.seq_id, "request_id": seq.request.request_id, "state": seq.state.value,
                 "n_prompt": seq.n_prompt, "n_cached": seq.n_cached, "n_computed": seq.n_computed,
                 "n_generated": seq.n_generated, "blocks": len(table),
+                "restore_ms": 1e3 * seq.restore_s,
                 "shared_blocks": sum(1 for b in table if self.pool.ref_count(b) > 1),
             })
         pool = {

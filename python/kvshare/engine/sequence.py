@@ -42,10 +42,14 @@ class Sequence:
     state_slot: int | None = None
     checkpoint_at: list[int] = field(default_factory=list)
     held_checkpoints: list = field(default_factory=list)
+    # The prompt's prefix entry (full blocks before its first user message) was pinned in RAM.
+    prefix_pinned: bool = False
     cancelled: bool = False
     preemptions: int = 0
-    # Timing marks (perf_counter seconds).
+    # Timing marks (perf_counter seconds). prefill_started is set at admission, before any
+    # tier restore, so a restore counts in prompt_ms; restore_s is the restore's own share.
     prefill_started: float | None = None
+    restore_s: float = 0.0
     first_token_at: float | None = None
     finished_at: float | None = None
 

@@ -6,6 +6,14 @@ full blocks (prompt + reply, as the client's next turn will present them) are co
 RAM tier (same content stored once) and queued for the disk writer; the writer skips blocks
 already on disk, so a returning conversation only adds its new turn.
 
+Prefix entries: the full blocks of a chat prompt up to its first user message (tools + system
+prompt, what every session of an agent starts with) are pinned in the RAM tier as soon as they
+are computed: pins are evicted only when nothing unpinned is left, within a pin sub-budget (see
+`kvshare_core::ram_tier`), so a flood of one-off conversations cannot push them out.
+
+Recency: a chain is refreshed deepest block first (`touch_blocks`), so eviction takes a
+conversation's deep blocks before its head and what stays is always a usable prefix.
+
 Restored blocks are registered in the pool like computed ones, so concurrent sessions attach
 to them zero-copy; a conversation whose blocks are still in the pool costs no tier reads.
 """
@@ -13,6 +21,7 @@ to them zero-copy; a conversation whose blocks are still in the pool costs no ti
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +30,10 @@ from kvshare import _core
 
 log = logging.getLogger("kvshare.tiers")
 
+# Blocks per disk read: one reused staging buffer of this many blocks (bounded memory, and each
+# chunk's blocks go straight from it into the pool: one copy per block after the read).
+CHUNK_BLOCKS = 64
+
 
 @dataclass
 class TierCounters:
@@ -28,6 +41,7 @@ class TierCounters:
     blocks_served: int = 0
     tokens_served: int = 0
     errors: int = 0  # corrupt entries met (the entry is removed; we recompute)
+    restore_seconds: float = 0.0  # time spent restoring from this tier (reads + pool writes)
 
 
 class TierManager:
@@ -47,86 +61,105 @@ class TierManager:
         return self.ram is not None or self.disk is not None
 
     # ---- restore -----------------------------------------------------------------------
-    def restore(self, tokens: list[int], keys: list[bytes], start: int, parent: bytes) -> list[int]:
+    def restore(self, tokens: list[int], keys: list[bytes], start: int, root: bytes) -> list[int]:
         """Bring blocks `keys[start:]` (as many leading ones as a tier holds) into the pool.
         Returns the new pool block ids (each holding one reference for the caller)."""
         got: list[int] = []
         if self.ram is not None and start < len(keys):
             n = self.ram.match_prefix(keys[start:])
-            ids = self._restore_from(self._read_ram, tokens, keys, start, n, parent)
-            self._count(self.ram_counters, len(ids))
-            got += ids
+            if n:
+                t0 = time.perf_counter()
+                ids = self._restore_chunks(self._read_ram, tokens, keys, start, n, root,
+                                           self.ram_counters)
+                self.ram.touch_blocks(keys[start:start + len(ids)])
+                self._count(self.ram_counters, len(ids), time.perf_counter() - t0)
+                got += ids
+                if len(ids) < n:
+                    return got  # the pool is full: no point reading the disk
         pos = start + len(got)
         if self.disk is not None and pos < len(keys):
             n, _, _ = self.disk.lookup(keys[pos:])
             if n:
-                prev = keys[pos - 1] if pos > 0 else parent
-                try:
-                    reader = self._read_disk(keys[pos:pos + n])
-                except _core.CorruptEntry as exc:  # the store removed the entry: recompute
-                    log.warning("disk entry corrupt, recomputing: %s", exc)
-                    self.disk_counters.errors += 1
-                    return got
-                ids = self._restore_from(reader, tokens, keys, pos, n, prev)
-                self._count(self.disk_counters, len(ids))
+                t0 = time.perf_counter()
+                ids = self._restore_chunks(self._read_disk, tokens, keys, pos, n, root,
+                                           self.disk_counters)
+                self._count(self.disk_counters, len(ids), time.perf_counter() - t0)
                 got += ids
         return got
 
-    def _count(self, c: TierCounters, n_blocks: int) -> None:
+    def _count(self, c: TierCounters, n_blocks: int, seconds: float) -> None:
+        c.restore_seconds += seconds
         if n_blocks:
             c.restores += 1
             c.blocks_served += n_blocks
             c.tokens_served += n_blocks * self.block_size
 
-    def _restore_from(self, read, tokens, keys, start, n, parent) -> list[int]:
+    def _staging_blocks(self, n: int) -> np.ndarray:
+        """`n` blocks of the reused staging buffer, shaped `[n, *block_shape]`."""
+        nbytes = n * self.kv.block_nbytes
+        if self._staging is None or self._staging.size < nbytes:
+            self._staging = np.empty(CHUNK_BLOCKS * self.kv.block_nbytes, dtype=np.uint8)
+        return self._staging[:nbytes].view(self.kv.kv_dtype).reshape(n, *self.kv.block_shape)
+
+    def _restore_chunks(self, read, tokens, keys, start, n, root, counters) -> list[int]:
+        """Restore keys[start:start+n] chunk by chunk: `read(chunk_keys, staging)` fills the
+        staging buffer and returns how many leading blocks it holds; each is then written into
+        a fresh pool block and registered. Stops at the first short read or a full pool."""
+        ids: list[int] = []
+        end = start + n
+        for c0 in range(start, end, CHUNK_BLOCKS):
+            chunk = keys[c0:min(c0 + CHUNK_BLOCKS, end)]
+            staging = self._staging_blocks(len(chunk))
+            try:
+                n_read = read(chunk, staging)
+            except _core.CorruptEntry as exc:  # the store removed the entry: recompute
+                log.warning("tier entry corrupt, recomputing: %s", exc)
+                counters.errors += 1
+                break
+            added = self._install(tokens, keys, c0, staging[:n_read], root)
+            ids += added
+            if len(added) < len(chunk):
+                break
+        return ids
+
+    def _install(self, tokens, keys, j0: int, blocks: np.ndarray, root: bytes) -> list[int]:
         bs = self.block_size
         ids: list[int] = []
-        shape = self.kv.block_shape
-        buf = np.empty(shape, dtype=self.kv.kv_dtype)
-        for j in range(start, start + n):
+        for i, data in enumerate(blocks):
+            j = j0 + i
             try:
-                block = self.pool.allocate(keys[j - 1] if j > 0 else parent)
+                block = self.pool.allocate(keys[j - 1] if j > 0 else root)
             except _core.OutOfBlocks:
                 break
-            if not read(j - start, keys[j], buf):
-                self.pool.release([block])
-                break
-            self.kv.write_block(block, buf)
+            self.kv.write_block(block, data)
             self.pool.append_tokens(block, tokens[j * bs:(j + 1) * bs])
             self.pool.register(block, keys[j])
             ids.append(block)
         return ids
 
-    def _read_ram(self, _i: int, key: bytes, out: np.ndarray) -> bool:
-        return bool(self.ram.get_block_into(key, out))
+    def _read_ram(self, keys: list[bytes], staging: np.ndarray) -> int:
+        for i, key in enumerate(keys):
+            if not self.ram.get_block_into(key, staging[i]):
+                return i
+        return len(keys)
 
-    def _read_disk(self, keys: list[bytes]):
-        """A reader over one verified bulk read of `keys`' blocks from disk."""
-        nbytes = self.kv.block_nbytes
-        staging = np.empty(len(keys) * nbytes, dtype=np.uint8)
-        n_read = self.disk.read_blocks(keys, staging)
-
-        def read(i: int, _key: bytes, out: np.ndarray) -> bool:
-            if i >= n_read:
-                return False
-            out.reshape(-1).view(np.uint8)[:] = staging[i * nbytes:(i + 1) * nbytes]
-            return True
-
-        return read
+    def _read_disk(self, keys: list[bytes], staging: np.ndarray) -> int:
+        """One verified bulk read (adjacent regions coalesced) straight into the staging."""
+        return int(self.disk.read_blocks(keys, staging.reshape(-1).view(np.uint8)))
 
     # ---- save --------------------------------------------------------------------------
-    def save(self, tokens: list[int], keys: list[bytes], block_table: list[int], n_tokens: int) -> None:
-        """Copy the full blocks of tokens[:n_tokens] out to the tiers (RAM now, disk queued)."""
+    def save(self, tokens: list[int], keys: list[bytes], block_table: list[int], n_tokens: int,
+             prefix_tokens: int = 0) -> None:
+        """Copy the full blocks of tokens[:n_tokens] out to the tiers (RAM now, disk queued);
+        the full blocks of tokens[:prefix_tokens] (a prefix entry) are pinned in RAM."""
         n_full = min(n_tokens // self.block_size, len(keys), len(block_table))
         if n_full == 0:
             return
         if self.ram is not None:
-            for j in range(n_full):
-                if not self.ram.contains_block(keys[j]):
-                    try:
-                        self.ram.put_block(keys[j], self.kv.read_block(block_table[j]))
-                    except _core.OverBudget:
-                        break
+            self._save_ram(keys, block_table, n_full)
+            n_prefix = min(prefix_tokens // self.block_size, n_full)
+            if n_prefix:
+                self.ram.pin_blocks(keys[:n_prefix])
         if self.disk is not None:
             stored = self.disk.stored_prefix(keys[:n_full])
             if stored < n_full:
@@ -134,6 +167,27 @@ class TierManager:
                                           for b in block_table[stored:n_full]])
                 self.disk.submit(keys[:n_full], payload, self.kv.block_nbytes,
                                  n_full * self.block_size, None, stored)
+
+    def pin_prefix(self, keys: list[bytes], block_table: list[int], n_blocks: int) -> int:
+        """Copy the first `n_blocks` blocks to RAM (what is missing) and pin them as a prefix
+        entry. Returns how many leading blocks are pinned."""
+        n = min(n_blocks, len(keys), len(block_table))
+        if self.ram is None or n == 0:
+            return 0
+        self._save_ram(keys, block_table, n)
+        return int(self.ram.pin_blocks(keys[:n]))
+
+    def _save_ram(self, keys: list[bytes], block_table: list[int], n: int) -> None:
+        # Refresh what is held first, so the puts below evict other conversations before
+        # this chain's head; put deepest first; then leave the chain head-most-recent.
+        self.ram.touch_blocks(keys[:n])
+        for j in range(n - 1, -1, -1):
+            if not self.ram.contains_block(keys[j]):
+                try:
+                    self.ram.put_block(keys[j], self.kv.read_block(block_table[j]))
+                except _core.OverBudget:
+                    return
+        self.ram.touch_blocks(keys[:n])
 
     # ---- introspection -----------------------------------------------------------------
     def snapshot(self) -> dict:
