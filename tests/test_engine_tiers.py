@@ -202,3 +202,96 @@ def test_finish_event_reaches_the_client_before_the_tier_save(tiny, tmp_path):
     assert len(seen) == 1 and seen[0].reason in ("stop", "length")
     assert eng.tiers.ram.stats()["blocks"] > 0
     eng.shutdown(timeout=1)
+
+
+# ---- hybrid models (attention + recurrent layers): blocks plus checkpoints in the tiers -------
+
+@pytest.fixture(scope="module", params=["tiny-qwen35.gguf", "tiny-lfm2.gguf"])
+def hybrid(request):
+    from kvshare.model.chat_template import ChatTemplate
+    from kvshare.model.loader import load_model
+    from kvshare.model.tokenizer import Tokenizer
+
+    path = Path(__file__).parent / "data" / "models" / request.param
+    model = load_model(path)
+    tok = Tokenizer.from_gguf(path)
+    return model, tok, ChatTemplate.from_gguf(path, tok), bytes.fromhex(model.fingerprint)
+
+
+def hybrid_turns(eng: Engine, cold: Engine, system: str, user: str):
+    """Turn 1 (served by `eng`) and turn 2 = turn 1 + its reply + a new user message."""
+    first = chat_request(eng, system, user, n=7)
+    reply, _ = serve(eng, first)
+    nxt = eng.tokenize("<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n",
+                       add_special=False)
+    second = GenerationRequest(prompt_tokens=first.prompt_tokens + [t for t, _ in reply] + nxt,
+                               max_tokens=6, sampling=GREEDY, first_user_boundary=first.first_user_boundary,
+                               logprobs=True, top_logprobs=3)
+    cold_reply, _ = serve(cold, first)
+    assert [t for t, _ in cold_reply] == [t for t, _ in reply]
+    return first, second, serve(cold, second)[0]
+
+
+def same_output(got, ref):
+    assert [t for t, _ in got] == [t for t, _ in ref]
+    assert [lp for _, lp in got] == pytest.approx([lp for _, lp in ref], abs=1e-4)
+
+
+def flush_device(eng: Engine):
+    """Forget everything the device holds: cached pool blocks and stored checkpoints."""
+    eng.pool.evict_all_cached()
+    store = eng.checkpoints.store
+    for key in list(store.keys()):
+        store.remove(key)
+
+
+def test_hybrid_conversation_and_prefix_come_back_from_ram(hybrid):
+    system = "You are the release agent. Tools: tag(v), build(t), publish(a). " * 3
+    cold = engine(hybrid, slot_attach=False, kv_blocks=256)
+    eng = engine(hybrid, kv_blocks=256, cache_ram_mib=4)
+    first, second, ref = hybrid_turns(eng, cold, system, "Ship version two.")
+    flush_device(eng)
+    got, fin = serve(eng, second)
+    same_output(got, ref)
+    n1 = len(first.prompt_tokens)
+    assert fin.timings.cache_n >= n1 - n1 % 16 and fin.timings.cache_n % 16 == 0
+    ram = eng.snapshot()["tiers"]["ram"]
+    assert ram["checkpoints_served"] == 1 and ram["restores"] == 1 and ram["checkpoints"] >= 2
+    # The prefix entry (blocks + checkpoint before the first user message) is pinned.
+    boundary = first.first_user_boundary - first.first_user_boundary % 16
+    assert ram["pinned"] == boundary // 16 + 1
+    flush_device(eng)
+    other = chat_request(eng, system, "Roll back the last tag.", n=4)
+    got, fin = serve(eng, other)
+    same_output(got, serve(cold, other)[0])
+    assert fin.timings.cache_n == boundary
+    eng.tiers.ram.check_invariants()
+    eng.pool.check_invariants()
+    assert eng.pool.stats()["used"] == 0
+
+
+def test_hybrid_conversation_survives_a_restart_on_disk(hybrid, tmp_path):
+    system = "You are the audit agent. Tools: grep(p), blame(f), log(n). " * 3
+    cold = engine(hybrid, slot_attach=False, kv_blocks=256)
+    eng = engine(hybrid, kv_blocks=256, cache_dir=str(tmp_path))
+    first, second, ref = hybrid_turns(eng, cold, system, "Who changed the config?")
+    eng.shutdown(timeout=1)
+    eng2 = engine(hybrid, kv_blocks=256, cache_dir=str(tmp_path))
+    got, fin = serve(eng2, second)
+    same_output(got, ref)
+    n1 = len(first.prompt_tokens)
+    assert fin.timings.cache_n >= n1 - n1 % 16
+    disk = eng2.snapshot()["tiers"]["disk"]
+    assert disk["checkpoints_served"] == 1 and disk["restores"] == 1 and disk["bytes_read"] > 0
+    eng2.shutdown(timeout=1)
+    # A damaged checkpoint file is a miss: recomputed, same output.
+    for f in tmp_path.glob("*.ckpt"):
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    eng3 = engine(hybrid, kv_blocks=256, cache_dir=str(tmp_path))
+    got, fin = serve(eng3, second)
+    same_output(got, ref)
+    disk = eng3.snapshot()["tiers"]["disk"]
+    assert disk["errors"] >= 1 and disk["checkpoints_served"] == 0 and disk["restores"] == 0
+    eng3.shutdown(timeout=1)

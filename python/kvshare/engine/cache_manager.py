@@ -13,10 +13,13 @@ Rules that keep sharing safe:
 
 from __future__ import annotations
 
+import logging
 import time
 
 from kvshare import _core
 from kvshare.engine.sequence import Sequence
+
+log = logging.getLogger("kvshare.cache")
 
 
 class CacheManager:
@@ -78,30 +81,32 @@ class CacheManager:
 
     def _attach_hybrid(self, seq: Sequence, root: bytes) -> int:
         """Hybrid models resume only where a checkpoint of the recurrent state exists: at the
-        deepest checkpoint at or before the longest cached match. Attention blocks are shared
-        up to it (the partial block copied), the state is copied into the sequence's slot.
-        Also plans where this sequence's prefill will pause to save checkpoints."""
+        deepest checkpoint at or before the longest cached match (device pool, or a RAM/disk
+        tier: see `_resume_from_tiers`). Attention blocks are shared up to it (the partial
+        block copied), the state is copied into the sequence's slot. Also plans where this
+        sequence's prefill will pause to save checkpoints."""
         bs = self.block_size
         ck_mgr = self.checkpoints
         seq.state_slot = ck_mgr.take_slot()
         reusable = len(seq.tokens) - 1
         boundary = seq.request.first_user_boundary
+        aligned = self._tiers_on()
         if not self.attach_enabled or reusable < 1:
-            seq.checkpoint_at = ck_mgr.plan(seq.n_prompt, 0, 0, boundary) if self.attach_enabled else []
+            seq.checkpoint_at = (ck_mgr.plan(seq.n_prompt, 0, 0, boundary, aligned)
+                                 if self.attach_enabled else [])
             return 0
-        keys = _core.hash_blocks(root, seq.tokens[: reusable - reusable % bs], bs)
-        ids = list(self.pool.match_prefix(keys)[0])
-        match_len = len(ids) * bs
-        ext = None
-        rest = min(reusable - match_len, bs)
-        if rest > 0:
-            ext = self.pool.extend_match(keys[len(ids) - 1] if ids else root,
-                                         seq.tokens[match_len: match_len + rest])
-            if ext is not None:
-                match_len += min(ext[1], rest)
-        ck = ck_mgr.deepest(root, list(keys[: len(ids)]), seq.tokens[:match_len], match_len)
+        keys = list(_core.hash_blocks(root, seq.tokens[: reusable - reusable % bs], bs))
+        ids, ext, match_len, ck = self._pool_match(root, keys, seq.tokens, reusable)
         resume = ck.position if ck is not None else 0
-        seq.checkpoint_at = ck_mgr.plan(seq.n_prompt, resume, match_len, boundary)
+        if aligned:
+            got = self._resume_from_tiers(seq, root, keys, reusable, resume)
+            if got:
+                seq.checkpoint_at = ck_mgr.plan(seq.n_prompt, got, max(match_len, got), boundary, True)
+                return got
+            if got is not None:  # a failed tier restore allocated blocks: match the pool again
+                ids, ext, match_len, ck = self._pool_match(root, keys, seq.tokens, reusable)
+                resume = ck.position if ck is not None else 0
+        seq.checkpoint_at = ck_mgr.plan(seq.n_prompt, resume, match_len, boundary, aligned)
         if resume == 0:
             return 0
         n_full = resume // bs
@@ -116,6 +121,62 @@ class CacheManager:
         seq.n_computed = resume
         return resume
 
+    def _pool_match(self, root, keys, tokens, reusable):
+        """(block ids, partial extension, match length, deepest device checkpoint) of the
+        longest match in the device pool (a peek: nothing acquired)."""
+        bs = self.block_size
+        ids = list(self.pool.match_prefix(keys)[0])
+        match_len = len(ids) * bs
+        ext = None
+        rest = min(reusable - match_len, bs)
+        if rest > 0:
+            ext = self.pool.extend_match(keys[len(ids) - 1] if ids else root,
+                                         tokens[match_len: match_len + rest])
+            if ext is not None:
+                match_len += min(ext[1], rest)
+        ck = self.checkpoints.deepest(root, list(keys[: len(ids)]), tokens[:match_len], match_len)
+        return ids, ext, match_len, ck
+
+    def _resume_from_tiers(self, seq: Sequence, root: bytes, keys, reusable: int, resume: int):
+        """Resume a hybrid sequence at a RAM or disk checkpoint deeper than `resume`: blocks
+        up to it from the pool and the tiers, its state loaded into the sequence's slot.
+        Returns the position; None if no tier has a deeper checkpoint (nothing touched); 0 if
+        one was found but could not be used (blocks missing, pool full, corrupt or foreign
+        state): whatever was acquired is released and the caller falls back to the pool."""
+        ck_mgr = self.checkpoints
+        found = self.tiers.find_checkpoint(root, keys, seq.tokens, reusable, resume, ck_mgr.account)
+        if found is None:
+            return None
+        pos, tier, load = found
+        n = pos // self.block_size
+        t0 = time.perf_counter()
+        ck = load()  # first: a corrupt or foreign checkpoint costs no block reads
+        if ck is not None:
+            try:
+                ck_mgr.restore(ck, seq.state_slot)
+            except ValueError as exc:
+                log.warning("tier checkpoint unusable, recomputing: %s", exc)
+                ck = None
+        ids: list[int] = []
+        if ck is not None:
+            ids = list(self.pool.acquire_prefix(keys[:n])[0])
+            if len(ids) < n:
+                ids += self.tiers.restore(seq.tokens, keys[:n], len(ids), root)
+        seq.restore_s += time.perf_counter() - t0
+        if ck is None or len(ids) < n:
+            if ids:
+                self.pool.release(ids)
+            return 0  # the slot may hold the loaded state: prefill from 0 zeroes it
+        self.tiers.checkpoint_served(tier)
+        seq.held_checkpoints.append(ck_mgr.adopt(ck))
+        seq.block_table = ids
+        seq.block_keys = list(keys[:n])
+        seq.n_computed = pos
+        return pos
+
+    def _tiers_on(self) -> bool:
+        return self.tiers is not None and self.tiers.enabled and self.attach_enabled
+
     def _copy_partial(self, seq: Sequence, src: int, n: int) -> None:
         """Copy-on-write: the first n tokens of a (possibly shared) block into a fresh block
         that ends the sequence's table; `src` is never written."""
@@ -124,10 +185,32 @@ class CacheManager:
         seq.block_table.append(dst)
 
     def save_checkpoint(self, seq: Sequence) -> None:
-        """Prefill reached one of the sequence's checkpoint positions: snapshot its state."""
+        """Prefill reached one of the sequence's checkpoint positions: snapshot its state.
+        At the prefix entry's position (block aligned, before the first user message) the
+        blocks and the checkpoint also go to the RAM tier, pinned."""
         ck = self.checkpoints.save(self.root_key(seq.request.cache_salt), seq.tokens,
                                    seq.n_computed, seq.state_slot)
         seq.held_checkpoints.append(ck)
+        n = self._prefix_tokens(seq)
+        if n and ck.position == n and self._tiers_on() and self.tiers.ram is not None:
+            self.ensure_keys(seq, n)
+            self.tiers.pin_prefix(seq.block_keys, seq.block_table, n // self.block_size)
+            self.tiers.pin_checkpoint(seq.block_keys, ck)
+
+    def checkpoint_reply(self, seq: Sequence) -> None:
+        """Hybrids with tiers: keep a checkpoint at the reply's latest block boundary (the
+        previous one is dropped from the store), so the finished conversation goes to the
+        tiers resumable at most a block before its end (the tiers hold full blocks only), and
+        a returning conversation still in the pool resumes there too."""
+        n = seq.n_computed
+        if (self.checkpoints is None or n <= seq.n_prompt or n % self.block_size
+                or not self._tiers_on()):
+            return
+        old = seq.tail_checkpoint
+        seq.tail_checkpoint = self.checkpoints.save(self.root_key(seq.request.cache_salt),
+                                                    seq.tokens, n, seq.state_slot)
+        if old is not None and old.key != seq.tail_checkpoint.key:
+            self.checkpoints.discard(old.key)
 
     def reattach(self, seq: Sequence) -> int:
         """Mid-prefill: if blocks for the next positions appeared since admission (a donor
@@ -245,11 +328,13 @@ class CacheManager:
     def save_to_tiers(self, seq: Sequence) -> None:
         """Copy a finishing sequence's computed full blocks out to the RAM and disk tiers (its
         prefix entry pinned in RAM)."""
-        if self.tiers is None or not self.tiers.enabled or not self.attach_enabled:
-            return
-        if self.checkpoints is not None:  # hybrid state lives in checkpoints, not blocks
+        if not self._tiers_on():
             return
         self.ensure_keys(seq, seq.n_computed)
+        if self.checkpoints is not None:  # hybrids resume only at a checkpoint
+            cks = [*seq.held_checkpoints, seq.tail_checkpoint]
+            self.tiers.save_hybrid(seq.block_keys, seq.block_table, cks, self._prefix_tokens(seq))
+            return
         self.tiers.save(seq.tokens, seq.block_keys, seq.block_table, seq.n_computed,
                         self._prefix_tokens(seq))
 
@@ -263,6 +348,7 @@ class CacheManager:
             self.checkpoints.give_slot(seq.state_slot)
             seq.state_slot = None
             seq.held_checkpoints.clear()
+            seq.tail_checkpoint = None
 
     def shared_blocks(self, seq: Sequence) -> int:
         return sum(1 for b in seq.block_table if self.pool.ref_count(b) > 1)

@@ -12,7 +12,11 @@ Where checkpoints are taken (all chosen at admission, prefill pauses exactly the
   least 1,024 tokens in and more than 512 tokens past where the request resumes (the next
   prompt that diverges at the same place resumes exactly there);
 - the end of the prompt (a returning conversation resumes there);
-- every `min_step` tokens of long prompts, at most `max_per_seq` per sequence.
+- every `min_step` tokens of long prompts, at most `max_per_seq` per sequence;
+- with the RAM or disk tier on, also at the block boundary at or before the first user message
+  and at or before the end of the prompt, and at the reply's latest block boundary (the
+  previous one is discarded): the tiers hold full blocks only, so they keep only block-aligned
+  checkpoints (see engine/tiers.py).
 Restoring copies the snapshot into the sequence's own state slot; donors and checkpoints stay
 untouched, and a checkpoint just restored is kept (a byte-identical save returns it).
 """
@@ -64,17 +68,39 @@ class CheckpointManager:
         return ck
 
     def restore(self, ckpt, slot: int) -> None:
-        """Copy a checkpoint's state into `slot` (the checkpoint's bytes are only read)."""
-        meta = json.loads(ckpt.layout)
+        """Copy a checkpoint's state into `slot` (the checkpoint's bytes are only read).
+        ValueError (and the slot untouched) if its layout does not fit this model's state,
+        e.g. a damaged or foreign tier entry."""
+        self.kv.write_state(slot, self._arrays(ckpt))
+        self.restored += 1
+
+    def _arrays(self, ckpt) -> list[np.ndarray]:
+        try:
+            specs = [(tuple(int(d) for d in shape), np.dtype(dtype))
+                     for shape, dtype in json.loads(ckpt.layout)["arrays"]]
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"bad checkpoint layout: {exc}") from None
+        want = [(tuple(s.shape[1:]), np.dtype(s.dtype)) for s in self.kv.states]
+        if specs != want:
+            raise ValueError(f"checkpoint layout {specs} does not match the model's state {want}")
         view = np.asarray(ckpt)  # zero-copy read-only view of the shared bytes
+        if sum(int(np.prod(sh)) * dt.itemsize for sh, dt in specs) != view.size:
+            raise ValueError("checkpoint size does not match its layout")
         arrays, off = [], 0
-        for shape, dtype in meta["arrays"]:
-            dt = np.dtype(dtype)
+        for shape, dt in specs:
             n = int(np.prod(shape)) * dt.itemsize
             arrays.append(view[off:off + n].view(dt).reshape(shape))
             off += n
-        self.kv.write_state(slot, arrays)
-        self.restored += 1
+        return arrays
+
+    def adopt(self, ckpt):
+        """Hold a checkpoint restored from a tier in the store (later sessions share it);
+        returns the stored one."""
+        ck = self.store.insert(ckpt)
+        self._lru[ck.key] = None
+        self._lru.move_to_end(ck.key)
+        self._enforce_budget()
+        return ck
 
     # ---- save --------------------------------------------------------------------------
     def save(self, root: bytes, tokens: list[int], position: int, slot: int):
@@ -85,16 +111,24 @@ class CheckpointManager:
         if existing is not None:
             self._lru.move_to_end(key)
             return existing
-        arrays = self.kv.read_state(slot)
-        layout = json.dumps({"arrays": [[list(a.shape), a.dtype.str] for a in arrays]})
-        data = np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays])
-        ck = _core.Checkpoint.at(root, tokens[:position], self.block_size, data, layout,
-                                 None, self.account)
-        ck = self.store.insert(ck)
+        ck = self.store.insert(self.capture(root, tokens, position, slot))
         self._lru[ck.key] = None
         self.saved += 1
         self._enforce_budget()
         return ck
+
+    def capture(self, root: bytes, tokens: list[int], position: int, slot: int):
+        """A checkpoint of `slot` (the state after tokens[:position]), not put in the store."""
+        arrays = self.kv.read_state(slot)
+        layout = json.dumps({"arrays": [[list(a.shape), a.dtype.str] for a in arrays]})
+        data = np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays])
+        return _core.Checkpoint.at(root, tokens[:position], self.block_size, data, layout,
+                                   None, self.account)
+
+    def discard(self, key: bytes) -> None:
+        """Drop the store's reference (holders keep theirs)."""
+        self._lru.pop(key, None)
+        self.store.remove(key)
 
     def _enforce_budget(self) -> None:
         while self.store.unique_bytes > self.budget_bytes and len(self._lru) > 1:
@@ -103,11 +137,19 @@ class CheckpointManager:
                 self.evicted += 1
 
     # ---- where to checkpoint -----------------------------------------------------------
-    def plan(self, n_prompt: int, resume: int, match_len: int, boundary: int | None) -> list[int]:
-        """Positions (> resume, <= n_prompt) at which prefill pauses to save a checkpoint."""
+    def plan(self, n_prompt: int, resume: int, match_len: int, boundary: int | None,
+             aligned: bool = False) -> list[int]:
+        """Positions (> resume, <= n_prompt) at which prefill pauses to save a checkpoint.
+        `aligned` (tiers on): also the block boundaries at or before the first user message
+        and the end of the prompt."""
         points: set[int] = {n_prompt}
         if boundary is not None and resume < boundary <= n_prompt:
             points.add(boundary)
+        if aligned:
+            bs = self.block_size
+            points.add(n_prompt - n_prompt % bs)
+            if boundary is not None and boundary <= n_prompt:
+                points.add(boundary - boundary % bs)
         before_user = boundary is None or match_len < boundary
         if (before_user and match_len >= DIVERGENCE_MIN_POSITION
                 and match_len - resume > DIVERGENCE_MIN_GAIN and match_len < n_prompt):
@@ -115,7 +157,7 @@ class CheckpointManager:
         periodic = [p for p in range(self.min_step, n_prompt, self.min_step) if p > resume]
         room = max(0, self.max_per_seq - len(points))
         points.update(periodic[-room:] if room else [])
-        return sorted(p for p in points if p > resume)
+        return sorted(p for p in points if p > resume and p > 0)
 
     def snapshot(self) -> dict:
         return {"count": len(self.store), "unique_bytes": self.store.unique_bytes,

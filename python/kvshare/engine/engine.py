@@ -271,7 +271,7 @@ class Engine:
         self.counters["steps"] += 1
         for item, out in zip(plan, logits):
             self.cache.record(item.seq, item.start, item.end)
-            self._pin_prefix(item.seq)
+            self._after_record(item.seq)
             if item.end in item.seq.checkpoint_at and item.end <= item.seq.n_prompt:
                 self.cache.save_checkpoint(item.seq)
             if item.wants_logits:
@@ -279,12 +279,16 @@ class Engine:
         used = self.pool.stats()["tokens_held"]
         self.peak_tokens_used = max(self.peak_tokens_used, used)
 
-    def _pin_prefix(self, seq: Sequence) -> None:
+    def _after_record(self, seq: Sequence) -> None:
+        """Tier bookkeeping once new tokens are computed: pin the prompt's prefix entry in
+        RAM; hybrids keep a checkpoint at the reply's latest block boundary."""
         try:
             self.cache.pin_prefix(seq)
-        except Exception:  # a failed pin costs a future cache hit, never this request
+            if self.hybrid:
+                self.cache.checkpoint_reply(seq)
+        except Exception:  # a failed pin or snapshot costs a future cache hit, never this request
             seq.prefix_pinned = True
-            log.exception("pinning the prefix of %s failed", seq.request.request_id)
+            log.exception("tier bookkeeping for %s failed", seq.request.request_id)
 
     def _on_logits(self, item: Planned, row: np.ndarray) -> None:
         seq = item.seq

@@ -42,6 +42,8 @@ class Sequence:
     state_slot: int | None = None
     checkpoint_at: list[int] = field(default_factory=list)
     held_checkpoints: list = field(default_factory=list)
+    # With tiers: a checkpoint at the reply's latest block boundary (not in the store).
+    tail_checkpoint: object = None
     # The prompt's prefix entry (full blocks before its first user message) was pinned in RAM.
     prefix_pinned: bool = False
     cancelled: bool = False

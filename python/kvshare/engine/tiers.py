@@ -41,6 +41,7 @@ class TierCounters:
     blocks_served: int = 0
     tokens_served: int = 0
     errors: int = 0  # corrupt entries met (the entry is removed; we recompute)
+    checkpoints_served: int = 0  # hybrids: recurrent-state checkpoints restored from this tier
     restore_seconds: float = 0.0  # time spent restoring from this tier (reads + pool writes)
 
 
@@ -188,6 +189,93 @@ class TierManager:
                 except _core.OverBudget:
                     return
         self.ram.touch_blocks(keys[:n])
+
+    # ---- hybrid models: blocks plus recurrent-state checkpoints ---------------------------
+    # A hybrid sequence can resume only where a checkpoint of its recurrent state exists, and
+    # the tiers hold full blocks only, so only block-aligned checkpoints go to the tiers (the
+    # engine plans aligned ones at the first user message, the end of the prompt, and every
+    # block boundary of the reply). Blocks past the deepest such checkpoint would be useless.
+    def save_hybrid(self, keys: list[bytes], block_table: list[int], checkpoints,
+                    prefix_tokens: int = 0) -> None:
+        """Save the blocks up to the deepest block-aligned checkpoint among `checkpoints`, and
+        those checkpoints (RAM: the shared object; disk: inside the entry). The prefix entry
+        (blocks and checkpoint at `prefix_tokens`, block aligned) is pinned in RAM."""
+        bs = self.block_size
+        limit = min(len(keys), len(block_table))
+        by_key = {c.key: c for c in checkpoints
+                  if c is not None and c.position % bs == 0 and 0 < c.position // bs <= limit}
+        cks = sorted(by_key.values(), key=lambda c: c.position)
+        if not cks:
+            return
+        n = cks[-1].position // bs
+        if self.ram is not None:
+            self._save_ram(keys, block_table, n)
+            for c in cks:
+                try:
+                    self.ram.put_checkpoint(c)
+                except _core.OverBudget:
+                    pass
+            prefix = next((c for c in cks if prefix_tokens and c.position == prefix_tokens), None)
+            if prefix is not None:
+                self.pin_checkpoint(keys, prefix)
+        if self.disk is not None:
+            stored = self.disk.stored_prefix(keys[:n])
+            payload = np.concatenate([self.kv.read_block(b).reshape(-1).view(np.uint8)
+                                      for b in block_table[stored:n]] or [np.empty(0, np.uint8)])
+            # Checkpoints already stored are referenced, not rewritten (the writer skips an
+            # entry with nothing new).
+            self.disk.submit(keys[:n], payload, self.kv.block_nbytes, n * bs,
+                             [(c.position, c.key, c.layout, np.asarray(c)) for c in cks], stored)
+
+    def pin_checkpoint(self, keys: list[bytes], ckpt) -> None:
+        """Pin a hybrid prefix entry: the blocks up to `ckpt` (held in RAM) and `ckpt` itself."""
+        if self.ram is None:
+            return
+        n = ckpt.position // self.block_size
+        if self.ram.pin_blocks(keys[:n]) == n:
+            try:
+                self.ram.put_checkpoint(ckpt)
+            except _core.OverBudget:
+                return
+            self.ram.pin_checkpoint(ckpt.key)
+
+    def find_checkpoint(self, root: bytes, keys: list[bytes], tokens: list[int], max_position: int,
+                        deeper_than: int, account):
+        """The deepest block-aligned checkpoint in RAM or on disk at a position in
+        (deeper_than, max_position], as `(position, tier, load)`; `load()` returns the
+        checkpoint (the shared RAM object, or one built from verified disk bytes) or None if
+        it turned out unreadable. None if no tier has one."""
+        bs = self.block_size
+        best = None
+        if self.ram is not None:
+            ck = self.ram.deepest_checkpoint(root, keys, tokens[:max_position], max_position)
+            if ck is not None and ck.position > deeper_than and ck.position % bs == 0:
+                best = (ck.position, "ram", lambda: ck)
+        if self.disk is not None:
+            floor = best[0] if best else deeper_than
+            top = min(len(keys), max_position // bs)
+            cands = [(j * bs, keys[j - 1]) for j in range(floor // bs + 1, top + 1)]
+            info = self.disk.lookup_checkpoint(cands, max_position) if cands else None
+            if info is not None and info[0] > floor:
+                pos, key = int(info[0]), bytes(info[1])
+                best = (pos, "disk", lambda: self._load_disk_checkpoint(root, tokens[:pos], key, account))
+        return best
+
+    def checkpoint_served(self, tier: str) -> None:
+        (self.ram_counters if tier == "ram" else self.disk_counters).checkpoints_served += 1
+
+    def _load_disk_checkpoint(self, root, tokens, key, account):
+        try:
+            got = self.disk.read_checkpoint(key)
+        except _core.CorruptEntry as exc:
+            log.warning("disk checkpoint corrupt, recomputing: %s", exc)
+            self.disk_counters.errors += 1
+            return None
+        if got is None or int(got[0]) != len(tokens):
+            return None
+        _, layout, data = got
+        ck = _core.Checkpoint.at(root, tokens, self.block_size, data, layout, None, account)
+        return ck if ck.key == key else None
 
     # ---- introspection -----------------------------------------------------------------
     def snapshot(self) -> dict:
