@@ -303,7 +303,7 @@ class CacheManager:
         """Tokens of the prompt's prefix entry: the full blocks before its first user message
         (0 when the request has no boundary or it is inside the first block)."""
         b = seq.request.first_user_boundary
-        if not b or b > seq.n_prompt:
+        if not isinstance(b, int) or b <= 0 or b > seq.n_prompt:
             return 0
         return b - b % self.block_size
 
