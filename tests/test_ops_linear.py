@@ -32,7 +32,7 @@ def _close(got, ref):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 3, 7, 16, 40])
+@pytest.mark.parametrize("m", [1, 3, 7, 16, 32, 33, 40])
 def test_qweight_matches_dense(qtype, m):
     rng = np.random.default_rng(int(qtype) * 7 + m)
     rows, cols = 70, 512
@@ -87,3 +87,50 @@ def test_without_numba(monkeypatch):
     qw = QWeight(*split_quantized(raw, Q.Q8_0, (40, 64)))
     x = rng.standard_normal((3, 64)).astype(np.float32)
     _close(linear(x, qw), x @ qw.dequantize().T)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+@pytest.mark.parametrize("m", [1, 2, 4, 6, 13])
+def test_rust_kernel_every_thread_count(threads, m):
+    """`_core.qmatmul_t` directly: group 16 with mins and group 32 without, 1-5 threads."""
+    from kvshare import _core
+
+    rng = np.random.default_rng(100 * threads + m)
+    for qtype, rows, cols in [(Q.Q6_K, 130, 256), (Q.Q4_K, 97, 512), (Q.Q8_0, 300, 64)]:
+        raw = _blocks(rng, qtype, rows, cols)
+        qw = QWeight(*split_quantized(raw, qtype, (rows, cols)))
+        x = rng.standard_normal((m, cols)).astype(np.float32)
+        out = np.full((m, rows), np.nan, np.float32)
+        _core.qmatmul_t(x, qw.qs, qw.scale, qw.mins, out, qw.group, threads)
+        _close(out, x.astype(np.float64) @ qw.dequantize().T.astype(np.float64))
+
+
+def test_rust_kernel_rejects_bad_arguments():
+    from kvshare import _core
+
+    rng = np.random.default_rng(9)
+    qw = QWeight(*split_quantized(_blocks(rng, Q.Q8_0, 8, 64), Q.Q8_0, (8, 64)))
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    out = np.zeros((2, 8), np.float32)
+    with pytest.raises(_core.InvalidArgument, match="dtype"):
+        _core.qmatmul_t(x.astype(np.float64), qw.qs, qw.scale, None, out, 32)
+    with pytest.raises(_core.InvalidArgument, match="shape"):
+        _core.qmatmul_t(x, qw.qs, qw.scale, None, np.zeros((2, 9), np.float32), 32)
+    with pytest.raises(_core.InvalidArgument, match="columns"):
+        _core.qmatmul_t(x[:, :32].copy(), qw.qs, qw.scale, None, out, 32)
+    with pytest.raises(_core.InvalidArgument, match="group"):
+        _core.qmatmul_t(x, qw.qs, qw.scale, None, out, 8)
+    with pytest.raises(_core.InvalidArgument, match="scale"):
+        _core.qmatmul_t(x, qw.qs, qw.scale[:4], None, out, 32)
+    with pytest.raises(_core.InvalidArgument, match="C-contiguous"):
+        _core.qmatmul_t(np.zeros((2, 128), np.float32)[:, ::2], qw.qs, qw.scale, None, out, 32)
+    ro = np.zeros((2, 8), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(_core.InvalidArgument, match="read-only"):
+        _core.qmatmul_t(x, qw.qs, qw.scale, None, ro, 32)
+    buf = np.zeros(2 * 64 + 8, np.float32)
+    with pytest.raises(_core.InvalidArgument, match="overlap"):
+        _core.qmatmul_t(buf[:128].reshape(2, 64), qw.qs, qw.scale, None,
+                        buf[120:].reshape(2, 8), 32)
+    with pytest.raises(TypeError):
+        _core.qmatmul_t([[1.0] * 64] * 2, qw.qs, qw.scale, None, out, 32)

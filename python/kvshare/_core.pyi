@@ -276,3 +276,21 @@ class DiskStore:
     def evict(self) -> int: ...
     def stats(self) -> dict[str, int]: ...
     def entries(self) -> list[dict[str, object]]: ...
+
+# --- compute kernels (crates/kvshare-kernels) ---
+
+def qmatmul_t(
+    x: npt.NDArray[np.float32],
+    qs: npt.NDArray[np.int8],
+    scale: npt.NDArray[np.float32],
+    mins: npt.NDArray[np.float32] | None,
+    out: npt.NDArray[np.float32],
+    group: int,
+    threads: int = 1,
+) -> None:
+    """`out[m, n] = sum_k x[m, k] * (qs[n, k] * scale[n, k // group] - mins[n, k // group])`.
+
+    x f32 `[M, K]`, qs int8 `[N, K]`, scale/mins f32 `[N, K // group]` (group 16 or 32), out
+    f32 `[M, N]` (written; must not overlap an input); all C-contiguous, read in place. Runs on
+    up to `threads` threads with the GIL released. Raises InvalidArgument on wrong dtypes,
+    shapes or overlap, TypeError for non-arrays."""

@@ -98,20 +98,21 @@ def cupy_module() -> Any:
 
 
 # Steps of at least this many tokens run their GEMMs on the multi-threaded BLAS pool and the
-# Numba kernels on one thread; smaller steps (decode) the other way round. The two pools must
-# never be busy at once: OpenBLAS's workers spin for ~0.1 s after each call, and a Numba
-# kernel launched meanwhile shares its cores with them (on 2 cores, a decode step at 6K
+# kernels (Rust's `_core.qmatmul_t`, Numba's f32 small-batch one) on one thread; smaller steps
+# (decode) the other way round. The pools must never be busy at once: OpenBLAS's workers spin
+# for ~0.1 s after each call, and a kernel launched meanwhile shares its cores with them (on 2 cores, a decode step at 6K
 # context went from 54 ms to 288 ms).
-BLAS_PARALLEL_MIN_TOKENS = 64
+BLAS_PARALLEL_MIN_TOKENS = 33  # one more than ops.linear.Q_KERNEL_MAX
 
 
 class _CpuThreads:
-    """The CPU thread budget and the switch between the BLAS and the Numba pools."""
+    """The CPU thread budget and the switch between the BLAS pool and the kernels' threads."""
 
     def __init__(self) -> None:
         self.max_threads = cpu_count()
         self._blas: list[Any] | None = None  # threadpoolctl controllers of the BLAS libraries
         self._blas_now: int | None = None
+        self.kernel_threads = self.max_threads  # threads of the Rust kernels (kvshare._core)
 
     def _blas_controllers(self) -> list[Any]:
         if self._blas is None:
@@ -131,10 +132,11 @@ class _CpuThreads:
             self._blas_now = n
 
     def for_tokens(self, n_tokens: int) -> None:
-        """Give the cores to BLAS (big steps) or to the Numba kernels (small steps)."""
+        """Give the cores to BLAS (big steps) or to the kernels (small steps)."""
         big = n_tokens >= BLAS_PARALLEL_MIN_TOKENS
         self.set_blas(self.max_threads if big else 1)
-        _set_numba_threads(1 if big else self.max_threads)
+        self.kernel_threads = 1 if big else self.max_threads
+        _set_numba_threads(self.kernel_threads)
 
 
 def _set_numba_threads(n: int) -> None:
@@ -154,11 +156,12 @@ def cpu_count() -> int:
 
 def set_cpu_threads(n: int | None) -> None:
     """Use at most `n` threads for CPU compute from now on (None: one per usable core). Each
-    forward step then runs its GEMMs on up to `n` BLAS threads or its Numba kernels on up to
-    `n` Numba threads, never both (`CPU_THREADS.for_tokens`)."""
+    forward step then runs its GEMMs on up to `n` BLAS threads or its kernels on up to `n`
+    threads, never both (`CPU_THREADS.for_tokens`)."""
     CPU_THREADS.max_threads = max(1, int(n)) if n else cpu_count()
     CPU_THREADS._blas_now = None
     CPU_THREADS.set_blas(CPU_THREADS.max_threads)
+    CPU_THREADS.kernel_threads = CPU_THREADS.max_threads
     _set_numba_threads(CPU_THREADS.max_threads)
 
 

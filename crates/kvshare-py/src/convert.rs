@@ -75,6 +75,7 @@ struct ArrayInfo {
     kind: u8,
     itemsize: usize,
     n_items: usize,
+    shape: Vec<usize>,
     c_contiguous: bool,
 }
 
@@ -137,6 +138,7 @@ fn array_info(obj: &Bound<'_, PyAny>) -> PyResult<Option<ArrayInfo>> {
         kind: t[1],
         itemsize,
         n_items,
+        shape,
         c_contiguous,
     }))
 }
@@ -313,4 +315,71 @@ pub(crate) fn tokens_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         .extract()
         .map_err(|_| invalid("token ids must be a sequence of ints"))?;
     v.into_iter().map(token_of).collect()
+}
+
+/// A C-contiguous NumPy array of one element type, borrowed in place (see the module docs).
+pub(crate) struct TypedArray<'py> {
+    ptr: usize,
+    pub(crate) shape: Vec<usize>,
+    n_items: usize,
+    _owner: Bound<'py, PyAny>,
+}
+
+impl TypedArray<'_> {
+    /// `[start, end)` addresses of the data, to refuse overlapping input and output.
+    pub(crate) fn span(&self, itemsize: usize) -> (usize, usize) {
+        (self.ptr, self.ptr + self.n_items * itemsize)
+    }
+
+    /// SAFETY of use: `T` must be the element type checked by `typed_array`.
+    pub(crate) unsafe fn as_slice<T>(&self) -> &[T] {
+        if self.n_items == 0 {
+            return &[];
+        }
+        // SAFETY: ptr/n_items describe the live, aligned, C-contiguous data of `_owner`.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const T, self.n_items) }
+    }
+
+    /// SAFETY of use: as `as_slice`, the array was checked writable, and no other slice of
+    /// the same array is alive.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn as_mut_slice<T>(&self) -> &mut [T] {
+        if self.n_items == 0 {
+            return &mut [];
+        }
+        // SAFETY: see above.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut T, self.n_items) }
+    }
+}
+
+/// Borrow `obj` as a C-contiguous, aligned array of `kind`/`itemsize` (e.g. b'f', 4 for
+/// float32); `writable` also requires a writable array. `what` names it in errors.
+pub(crate) fn typed_array<'py>(
+    obj: &Bound<'py, PyAny>,
+    kind: u8,
+    itemsize: usize,
+    writable: bool,
+    what: &str,
+) -> PyResult<TypedArray<'py>> {
+    let dtype = format!("{}{}", kind as char, itemsize);
+    let info = array_info(obj)?
+        .ok_or_else(|| PyTypeError::new_err(format!("{what} must be a NumPy array of {dtype}")))?;
+    if info.kind != kind || info.itemsize != itemsize {
+        return Err(invalid(format!("{what} must have dtype {dtype}")));
+    }
+    if !info.c_contiguous {
+        return Err(invalid(format!("{what} must be C-contiguous")));
+    }
+    if writable && info.readonly {
+        return Err(invalid(format!("{what} is read-only")));
+    }
+    if info.n_items > 0 && info.ptr % itemsize != 0 {
+        return Err(invalid(format!("{what} is not aligned to its element size")));
+    }
+    Ok(TypedArray {
+        ptr: info.ptr,
+        shape: info.shape,
+        n_items: info.n_items,
+        _owner: obj.clone(),
+    })
 }

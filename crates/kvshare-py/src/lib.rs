@@ -1,6 +1,7 @@
 //! `kvshare._core`: a thin PyO3 binding of kvshare-core. No logic lives here: every class is a
 //! `#[pyclass(frozen)]` wrapper around a core type behind a Mutex, every core error maps to a
-//! typed Python exception, and the GIL is released around hashing of long prompts and disk I/O.
+//! typed Python exception, and the GIL is released around hashing of long prompts, disk I/O and
+//! the compute kernels.
 
 use pyo3::prelude::*;
 
@@ -8,6 +9,7 @@ mod ckpt;
 mod convert;
 mod disk;
 mod errors;
+mod kernels;
 mod pool;
 mod ram;
 
@@ -16,6 +18,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     pool::register(m)?;
     disk::register(m)?;
+    kernels::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -255,13 +255,13 @@ class WeightLoader:
 
     def q8(self, name: str):
         """Tensor `name` as a `Q8Weight` (kept quantized) when that path applies: CPU backend,
-        Numba installed, a 2-D Q8_0 tensor, and $KVSHARE_CPU_Q8 not "0". Otherwise None."""
+        a 2-D Q8_0 tensor, and $KVSHARE_CPU_Q8 not "0". Otherwise None."""
         import os  # noqa: PLC0415
 
-        from kvshare.ops.linear import HAVE_NUMBA, Q8Weight  # noqa: PLC0415
+        from kvshare.ops.linear import Q8Weight  # noqa: PLC0415
 
         info = self.gf.tensors.get(name)
-        if (info is None or self.backend.is_gpu or not HAVE_NUMBA or info.qtype != Q.Q8_0
+        if (info is None or self.backend.is_gpu or info.qtype != Q.Q8_0
                 or len(info.shape) != 2 or os.environ.get("KVSHARE_CPU_Q8", "1") == "0"):
             return None
         w = Q8Weight.from_q8_0_bytes(self.gf.raw(name), info.numpy_shape)
@@ -271,13 +271,13 @@ class WeightLoader:
 
     def qweight(self, names: list[str], dense: np.ndarray):
         """The row-wise concatenation of tensors `names` as a `QWeight` (int8 + group scales,
-        with `dense` as its f32 copy for large batches) when that path applies: CPU, Numba,
+        with `dense` as its f32 copy for large batches) when that path applies: CPU,
         $KVSHARE_CPU_Q8 not "0", and every tensor of a block-quantized type. Else None."""
         import os  # noqa: PLC0415
 
-        from kvshare.ops.linear import HAVE_NUMBA, QWeight  # noqa: PLC0415
+        from kvshare.ops.linear import QWeight  # noqa: PLC0415
 
-        if self.backend.is_gpu or not HAVE_NUMBA or os.environ.get("KVSHARE_CPU_Q8") == "0":
+        if self.backend.is_gpu or os.environ.get("KVSHARE_CPU_Q8") == "0":
             return None
         parts = []
         for name in names:

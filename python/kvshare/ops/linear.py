@@ -2,19 +2,19 @@
 small-batch and quantized paths.
 
 CPU paths of `linear(x, w)`:
-- `w` an f32 ndarray, N = x.shape[0] rows: OpenBLAS `x @ w.T`, except 2 <= N <= 8 where a
-  Numba kernel reads each weight row once for all N inputs (OpenBLAS's small-M sgemm packs
-  the weights on every call and runs at a fraction of memory bandwidth; this is what makes a
-  decode step of 4 sequences cost about as much as one).
-- `w` a `QWeight` (a block-quantized tensor kept as int8 values + f32 group scales/mins):
-  a Numba kernel for N <= 16 (reads ~1.1 bytes per weight instead of 4: the 262K x 640
-  output head of Gemma is 178 MB instead of 671 MB, its layers 110 MB instead of 400 MB);
-  for larger N its `dense` f32 copy (layers) or dequantized tiles (output head) + OpenBLAS.
-  The integer form is exact (value = q * scale - min, as ggml dequantizes), so the decode
-  and the prefill paths agree to float rounding.
-Numba is optional: without it every weight is f32 and OpenBLAS runs every product.
+- `w` a `QWeight` (a block-quantized tensor kept as int8 values + f32 group scales/mins), the
+  form of every quantized layer and of the output head: for N = x.shape[0] <= Q_KERNEL_MAX
+  rows, `kvshare._core.qmatmul_t` (Rust, explicit AVX2/FMA: reads ~1.1 bytes per weight
+  instead of 4, converts each weight once for up to 4 input rows, GIL released); the 262K x
+  640 output head of Gemma is 178 MB instead of 671 MB, its layers 110 MB instead of 400 MB.
+  Decode is bound by reading those bytes. For larger N its `dense` f32 copy (layers) or
+  dequantized tiles (output head) + OpenBLAS. The integer form is exact (value = q * scale -
+  min, as ggml dequantizes), so the decode and the prefill paths agree to float rounding.
+- `w` an f32 ndarray: OpenBLAS `x @ w.T`, except 2 <= N <= 8 where a Numba kernel reads each
+  weight row once for all N inputs (OpenBLAS's small-M sgemm packs the weights on every call
+  and runs at a fraction of memory bandwidth).
+Thread counts follow `backend.CPU_THREADS` (the BLAS pool and the kernels never run at once).
 """
-
 from __future__ import annotations
 
 import threading
@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from kvshare.backend import CPU, Backend
+from kvshare import _core
+from kvshare.backend import CPU, CPU_THREADS, Backend
 from kvshare.ops._dispatch import gpu_op
 
 try:  # pragma: no cover - exercised when numba is installed
@@ -36,8 +37,9 @@ except ImportError:  # pragma: no cover
 # threads; kernels are serialised (the cores are shared anyway).
 _LOCK = threading.Lock()
 SMALL_M_MAX = 8  # f32 weights: Numba kernel for 2 <= N <= SMALL_M_MAX
-Q_KERNEL_MAX = 16  # QWeight: Numba kernel for N <= Q_KERNEL_MAX
-Q_KERNEL_DENSE_MIN = 3  # QWeight with an f32 copy: the f32 kernel from this many rows on
+# QWeight: the Rust kernel for N <= Q_KERNEL_MAX rows (up to here it beats OpenBLAS on the f32
+# copy, which reads 4x the bytes); keep in step with backend.BLAS_PARALLEL_MIN_TOKENS
+Q_KERNEL_MAX = 32
 _TILE = 64
 
 if HAVE_NUMBA:  # pragma: no cover - compiled code is not traced by coverage
@@ -53,53 +55,6 @@ if HAVE_NUMBA:  # pragma: no cover - compiled code is not traced by coverage
                     acc = np.float32(0.0)
                     for k in range(K):
                         acc += x[m, k] * w[n, k]
-                    out[m, n] = acc
-
-    # out[m, n] = sum_k x[m, k] * qs[n, k] * sc[n, k // G]. 32 (or 16) partial sums, one
-    # per lane of a group, with the group scale applied on the x side: this keeps the
-    # int8 -> f32 conversion and the FMAs vectorised (a per-group scalar reduction costs a
-    # horizontal add per group and runs ~3x slower). One copy per group size, so that G is a
-    # compile-time constant.
-    @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
-    def _mm_q_g32(x, qs, sc, out):
-        M, K = x.shape
-        N = qs.shape[0]
-        ng = K // 32
-        ntile = (N + _TILE - 1) // _TILE
-        for t in prange(ntile):
-            part = np.empty(32, np.float32)
-            for n in range(t * _TILE, min(N, (t + 1) * _TILE)):
-                for m in range(M):
-                    for j in range(32):
-                        part[j] = 0.0
-                    for g in range(ng):
-                        s = sc[n, g]
-                        for j in range(32):
-                            part[j] += np.float32(qs[n, g * 32 + j]) * (x[m, g * 32 + j] * s)
-                    acc = np.float32(0.0)
-                    for j in range(32):
-                        acc += part[j]
-                    out[m, n] = acc
-
-    @njit(parallel=True, fastmath=True, cache=True, boundscheck=False, nogil=True)
-    def _mm_q_g16(x, qs, sc, out):
-        M, K = x.shape
-        N = qs.shape[0]
-        ng = K // 16
-        ntile = (N + _TILE - 1) // _TILE
-        for t in prange(ntile):
-            part = np.empty(16, np.float32)
-            for n in range(t * _TILE, min(N, (t + 1) * _TILE)):
-                for m in range(M):
-                    for j in range(16):
-                        part[j] = 0.0
-                    for g in range(ng):
-                        s = sc[n, g]
-                        for j in range(16):
-                            part[j] += np.float32(qs[n, g * 16 + j]) * (x[m, g * 16 + j] * s)
-                    acc = np.float32(0.0)
-                    for j in range(16):
-                        acc += part[j]
                     out[m, n] = acc
 
 
@@ -184,30 +139,19 @@ class QWeight:
         """`x @ self.T` for x f32 `[M, in]` -> `[M, out]`."""
         M = x.shape[0]
         N = self.shape[0]
-        if HAVE_NUMBA and self.dense is not None and Q_KERNEL_DENSE_MIN <= M <= SMALL_M_MAX:
-            # the integer kernel's cost grows with M (it converts the weights once per input
-            # row); from a few rows on, one pass over the f32 copy is cheaper
+        if out is None:
+            out = np.empty((M, N), np.float32)
+        if M <= Q_KERNEL_MAX:
             x = np.ascontiguousarray(x, dtype=np.float32)
-            if out is None:
-                out = np.empty((M, N), np.float32)
-            with _LOCK:
-                _mm_f32_small(x, self.dense, out)
-            return out
-        if HAVE_NUMBA and M <= Q_KERNEL_MAX:
-            x = np.ascontiguousarray(x, dtype=np.float32)
-            if out is None:
-                out = np.empty((M, N), np.float32)
-            kern = _mm_q_g32 if self.group == 32 else _mm_q_g16
-            with _LOCK:
-                kern(x, self.qs, self.scale, out)
-            if self.mins is not None:
-                xsum = x.reshape(M, -1, self.group).sum(-1)
-                out -= xsum @ self.mins.T
+            if not out.flags.c_contiguous:
+                res = self.matmul_t(x)
+                out[...] = res
+                return out
+            _core.qmatmul_t(x, self.qs, self.scale, self.mins, out, self.group,
+                            CPU_THREADS.kernel_threads)
             return out
         if self.dense is not None:
             return np.matmul(x, self.dense.T, out=out)
-        if out is None:
-            out = np.empty((M, N), np.float32)
         tile = 8192
         for s in range(0, N, tile):
             e = min(N, s + tile)
@@ -245,5 +189,3 @@ def warm_up() -> None:
         return
     x = np.zeros((2, 32), np.float32)
     linear(x, np.zeros((3, 32), np.float32))
-    QWeight(np.zeros((3, 32), np.int8), np.zeros((3, 1), np.float32)).matmul_t(x)
-    QWeight(np.zeros((3, 32), np.int8), np.zeros((3, 2), np.float32), group=16).matmul_t(x)
