@@ -242,6 +242,27 @@ def test_chunked_prefill_matches_one_shot(tiny, sizes):
     assert _rel(got, one) < 1e-4
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_row_parallel_steps_match_the_reference(tiny, threads):
+    """Big steps run as row-parallel parts (ops.parallel) for any thread count; a chunk that
+    wants no logits still stores the last layer's K/V (the next chunk reads it)."""
+    from kvshare.backend import set_cpu_threads
+
+    model, data = tiny
+    tokens = np.random.default_rng(6).integers(0, VOCAB, 120).astype(np.int32)
+    ref = reference_logits(data, tokens)
+    try:
+        set_cpu_threads(threads)
+        nb = 40
+        cache = model.new_cache(nb, 4)
+        table = np.random.default_rng(threads).permutation(nb)[:31]
+        model.forward([SeqChunk(tokens[:50], 0, table, logits="none")], cache)
+        (tail,) = model.forward([SeqChunk(tokens[50:], 50, table, logits="all")], cache)
+        assert _rel(tail, ref[50:]) < 1e-4
+    finally:
+        set_cpu_threads(None)
+
+
 def test_decode_after_prefill_and_last_logits(tiny):
     model, _ = tiny
     one = _run_chunks(model, TOKENS, [len(TOKENS)])

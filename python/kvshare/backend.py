@@ -97,11 +97,12 @@ def cupy_module() -> Any:
     return cupy
 
 
-# Steps of at least this many tokens run their GEMMs on the multi-threaded BLAS pool and the
-# kernels (Rust's `_core.qmatmul_t`, Numba's f32 small-batch one) on one thread; smaller steps
-# (decode) the other way round. The pools must never be busy at once: OpenBLAS's workers spin
-# for ~0.1 s after each call, and a kernel launched meanwhile shares its cores with them (on 2 cores, a decode step at 6K
-# context went from 54 ms to 288 ms).
+# Steps of at least this many tokens are "big": their GEMMs run either on the multi-threaded
+# BLAS pool or as row-parallel parts (ops.parallel); smaller steps (decode) run the kernels
+# (Rust's `_core.qmatmul_t`, Numba's f32 small-batch one) on every core and BLAS on one thread.
+# Multi-threaded BLAS and other threaded work must never overlap: OpenBLAS's workers spin for
+# ~0.1 s after each call, and work launched meanwhile shares its cores with them (on 2 cores, a
+# decode step at 6K context went from 54 ms to 288 ms).
 BLAS_PARALLEL_MIN_TOKENS = 33  # one more than ops.linear.Q_KERNEL_MAX
 
 
@@ -131,12 +132,17 @@ class _CpuThreads:
                 lib.set_num_threads(n)
             self._blas_now = n
 
-    def for_tokens(self, n_tokens: int) -> None:
-        """Give the cores to BLAS (big steps) or to the kernels (small steps)."""
+    def for_tokens(self, n_tokens: int, row_parallel: bool = False) -> int:
+        """Set the pools for a step of `n_tokens` tokens; return the number of row-parallel
+        parts the step should use (1: none). Big steps of models that allow it
+        (`row_parallel`) run as parts on Python threads with a 1-thread BLAS (`ops.parallel`);
+        other big steps give the cores to BLAS; small steps (decode) give them to the kernels."""
         big = n_tokens >= BLAS_PARALLEL_MIN_TOKENS
-        self.set_blas(self.max_threads if big else 1)
-        self.kernel_threads = 1 if big else self.max_threads
+        parts = self.max_threads if big and row_parallel else 1
+        self.set_blas(self.max_threads if big and parts == 1 else 1)
+        self.kernel_threads = 1 if big and parts == 1 else self.max_threads
         _set_numba_threads(self.kernel_threads)
+        return parts
 
 
 def _set_numba_threads(n: int) -> None:

@@ -9,9 +9,10 @@
 use rayon::prelude::*;
 use thiserror::Error;
 
-/// Output rows per unit of parallel work: small enough to balance 2-16 threads on the
-/// smallest layers (640 rows), large enough that scheduling costs nothing.
+/// Output rows are split between threads in multiples of this.
 const TILE: usize = 32;
+/// Least work (weights x row blocks) worth handing to another thread.
+const WEIGHTS_PER_THREAD: usize = 2 << 20;
 /// Activation rows processed together against one converted weight vector.
 const ROW_BLOCK: usize = 4;
 
@@ -89,7 +90,9 @@ pub fn qmatmul_t(
     }
     let ptr = OutPtr(out.as_mut_ptr());
     let n_tiles = w.n.div_ceil(TILE);
-    let parts = threads.clamp(1, n_tiles);
+    // waking a pool thread costs about what converting ~2M weights does
+    let work = w.n * w.k * m.div_ceil(ROW_BLOCK);
+    let parts = threads.min(n_tiles).min(work / WEIGHTS_PER_THREAD).max(1);
     let run = |lo: usize, hi: usize| {
         // SAFETY: x/w were checked above; rows [lo, hi) of w and columns [lo, hi) of out
         // belong to this task alone.
@@ -98,15 +101,19 @@ pub fn qmatmul_t(
     if parts == 1 {
         run(0, w.n);
     } else {
-        // more tasks than threads so that a descheduled thread does not hold up the step
-        let tasks = (parts * 4).min(n_tiles);
-        let per = n_tiles.div_ceil(tasks) * TILE;
-        (0..tasks).into_par_iter().for_each(|t| {
-            let lo = t * per;
-            let hi = ((t + 1) * per).min(w.n);
-            if lo < hi {
-                run(lo, hi);
+        // The calling thread computes the first part itself and the pool the others: a
+        // decode step calls this ~70 times with NumPy work in between, long enough for the
+        // pool's threads to fall asleep, so every thread handed work costs a wake-up (tens of
+        // microseconds, comparable to a whole small layer).
+        let per = n_tiles.div_ceil(parts) * TILE;
+        rayon::in_place_scope(|scope| {
+            for t in 1..parts {
+                let (lo, hi) = (t * per, ((t + 1) * per).min(w.n));
+                if lo < hi {
+                    scope.spawn(move |_| run(lo, hi));
+                }
             }
+            run(0, per.min(w.n));
         });
     }
     Ok(())

@@ -32,6 +32,7 @@ from kvshare.ops.attention import kv_slots, pad_block_tables, paged_attention, w
 from kvshare.ops.embedding import embedding
 from kvshare.ops.linear import linear
 from kvshare.ops.norm import rms_norm
+from kvshare.ops.parallel import ROWS, split_rows
 from kvshare.ops.rope import apply_rope, rope_cos_sin
 
 
@@ -108,6 +109,7 @@ class BatchPlan:
     state_slots: list[int | None]
     rope: dict[tuple[float, float], tuple[Any, Any]] = field(default_factory=dict)
     masks: dict = field(default_factory=dict)
+    row_parts: int = 1  # CPU: >1 runs the token-wise work as row-parallel parts (ops.parallel)
 
 
 def make_plan(chunks: Sequence[SeqChunk], block_size: int, config: ModelConfig) -> BatchPlan:
@@ -204,7 +206,8 @@ class DecoderModel(Model):
         cfg, be = self.config, self.backend
         plan = make_plan(chunks, cache.block_size, cfg)
         if not be.is_gpu:
-            CPU_THREADS.for_tokens(len(plan.tokens))
+            plan.row_parts = CPU_THREADS.for_tokens(len(plan.tokens),
+                                                    row_parallel=not cfg.n_recurrent_layers)
         if any(c.state_slot is None for c in chunks) and cfg.n_recurrent_layers:
             raise ValueError("this model has recurrent layers: every chunk needs a state_slot")
         x = embedding(self.tok_embd, be.asarray(plan.tokens) if be.is_gpu else plan.tokens,
@@ -232,6 +235,45 @@ class DecoderModel(Model):
     def _attention_layer(self, L: AttentionLayer, x: Any, plan: BatchPlan, cache: ModelCache,
                          last: bool) -> Any:
         cfg, be = self.config, self.backend
+        n = x.shape[0]
+        cos, sin = self._rope(plan, L.rope_base, L.rope_scale)
+        kc, vc = cache.layer_kv(L.attn_index)
+        parts = split_rows(n, plan.row_parts) if plan.row_parts > 1 else None
+        # every layer stores its K/V, even the last one of a step that wants no logits
+        if parts is None:
+            q = self._project_qkv(L, x, cos, sin, plan.slots, kc, vc)
+        else:
+            q = np.concatenate(ROWS.run(
+                lambda sl: self._project_qkv(L, x[sl], cos[sl], sin[sl], plan.slots[sl], kc, vc),
+                parts))
+        rows = None
+        if last:
+            if plan.logit_rows.size == 0:
+                return None
+            if plan.logit_rows.size < n:
+                rows = plan.logit_rows
+                parts = None
+        if rows is None:
+            attn = paged_attention(q, kc, vc, plan.block_tables, plan.q_starts,
+                                   plan.start_positions, scale=cfg.q_scale, window=L.window,
+                                   backend=be, mask_cache=plan.masks,
+                                   parts=plan.row_parts if parts is not None else 1)
+        else:
+            # only the requested rows: attend per chunk with its selected queries
+            attn = self._attention_rows(q, kc, vc, plan, L.window, rows)
+            x = x[rows]
+        attn = attn.reshape(attn.shape[0], -1)
+        if parts is None:
+            self._output_and_mlp(L, x, attn)
+        else:
+            ROWS.run(lambda sl: self._output_and_mlp(L, x[sl], attn[sl]), parts)
+        return x
+
+    def _project_qkv(self, L: AttentionLayer, x: Any, cos: Any, sin: Any, slots: Any, kc: Any,
+                     vc: Any) -> Any:
+        """Norm, Q/K/V projection, q/k norms and rope of rows x; stores their K and V at
+        `slots` of the layer's cache; returns q `[n, n_head, head_dim]`."""
+        cfg, be = self.config, self.backend
         eps = cfg.norm_eps
         H, K, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         n = x.shape[0]
@@ -244,29 +286,20 @@ class DecoderModel(Model):
             rms_norm(q, L.q_norm, eps, backend=be, out=q)
         if L.k_norm is not None:
             rms_norm(k, L.k_norm, eps, backend=be, out=k)
-        cos, sin = self._rope(plan, L.rope_base, L.rope_scale)
         apply_rope(q, cos, sin, cfg.rope_style, backend=be)
         apply_rope(k, cos, sin, cfg.rope_style, backend=be)
-        kc, vc = cache.layer_kv(L.attn_index)
-        write_kv(kc, vc, plan.slots, k, v, backend=be)
-        rows = None
-        if last:
-            if plan.logit_rows.size == 0:
-                return None
-            if plan.logit_rows.size < n:
-                rows = plan.logit_rows
-        if rows is None:
-            attn = paged_attention(q, kc, vc, plan.block_tables, plan.q_starts,
-                                   plan.start_positions, scale=cfg.q_scale, window=L.window,
-                                   backend=be, mask_cache=plan.masks)
-        else:
-            # only the requested rows: attend per chunk with its selected queries
-            attn = self._attention_rows(q, kc, vc, plan, L.window, rows)
-            x = x[rows]
-        o = linear(attn.reshape(attn.shape[0], H * D), L.wo, backend=be)
+        write_kv(kc, vc, slots, k, v, backend=be)
+        return q
+
+    def _output_and_mlp(self, L: AttentionLayer, x: Any, attn: Any) -> None:
+        """Output projection and the MLP block, added into the rows x in place (x is this
+        call's own array, the copy x[rows], or a row slice of either)."""
+        be = self.backend
+        eps = self.config.norm_eps
+        o = linear(attn, L.wo, backend=be)
         if L.post_attn_norm is not None:
             rms_norm(o, L.post_attn_norm, eps, backend=be, out=o)
-        x += o  # x is this call's own array (or the copy x[rows])
+        x += o
         h = rms_norm(x, L.ffn_norm, eps, backend=be)
         gu = linear(h, L.w_gate_up, backend=be)
         ff = gu.shape[1] // 2
@@ -275,7 +308,6 @@ class DecoderModel(Model):
         if L.post_ffn_norm is not None:
             rms_norm(y, L.post_ffn_norm, eps, backend=be, out=y)
         x += y
-        return x
 
     def _attention_rows(self, q: Any, kc: Any, vc: Any, plan: BatchPlan, window: int,
                         rows: np.ndarray) -> Any:

@@ -80,7 +80,7 @@ def _gather(cache: np.ndarray, blocks: np.ndarray) -> np.ndarray:
 def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_starts: Any,
                     start_positions: Any, *, scale: float, window: int = 0,
                     backend: Backend = CPU, out: Any | None = None,
-                    mask_cache: dict | None = None) -> Any:
+                    mask_cache: dict | None = None, parts: int = 1) -> Any:
     """Attention of every query token over its own sequence's cached keys and values.
 
     q: float32 `[N, n_head, head_dim]`, the concatenated queries of n_seq sequences;
@@ -91,21 +91,22 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     before the softmax, which is in float32). window: 0 for full causal attention, else the
     sliding-window size W (see the module docstring). Returns float32 `[N, n_head, head_dim]`
     (into `out` when given). `mask_cache`: an optional dict reused across the layers of one
-    forward call to keep the masks (CPU only; the GPU twin may ignore it).
+    forward call to keep the masks (CPU only; the GPU twin may ignore it). `parts` > 1 (CPU):
+    spread the query tiles over that many threads (`ops.parallel`; BLAS should be on one
+    thread then).
     """
     if backend.is_gpu:
         return gpu_op("paged_attention")(q, k_cache, v_cache, block_tables, q_starts,
                                          start_positions, scale=scale, window=window, out=out)
     n_tok, n_head, hd = q.shape
     bs = k_cache.shape[1]
-    n_kv = k_cache.shape[2]
-    g = n_head // n_kv
     if out is None:
         out = np.empty((n_tok, n_head, v_cache.shape[3]), np.float32)
     q_starts = np.asarray(q_starts)
     start_positions = np.asarray(start_positions)
     if mask_cache is None:
         mask_cache = {}
+    jobs = []  # (sequence's keys/values, query rows, tile), one per query tile
     for s in range(len(q_starts) - 1):
         r0, r1 = int(q_starts[s]), int(q_starts[s + 1])
         n = r1 - r0
@@ -118,53 +119,74 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
         blocks = np.asarray(block_tables[s, b0:b1])
         if len(blocks) < b1 - b0 or (blocks < 0).any():
             raise IndexError(f"sequence {s}: block table does not cover positions < {qp_hi}")
-        K = _gather(k_cache, blocks)  # keys at positions b0*bs + [0, len)
-        V = _gather(v_cache, blocks)
-        base = b0 * bs
+        seq = (s, r0, p0, b0 * bs, _gather(k_cache, blocks), _gather(v_cache, blocks))
         # query tiles small enough that a tile's score matrix stays ~16 MB
         span = qp_hi - k_lo_all
         tile = max(1, min(n, _TILE_ROWS, _TILE_ELEMS // max(1, n_head * span)))
-        for t0 in range(0, n, tile):
-            t1 = min(n, t0 + tile)
-            qa, qb = p0 + t0, p0 + t1  # query positions [qa, qb)
-            k_lo = max(0, qa - window + 1) if window else 0
-            k_hi = qb
-            key = (s, t0, t1, window, p0)
-            mask = mask_cache.get(key)
-            if mask is None:
-                qpos = np.arange(qa, qb)[:, None]
-                kpos = np.arange(k_lo, k_hi)[None, :]
-                bad = kpos > qpos
-                if window:
-                    bad |= (qpos - kpos) >= window
-                mask = np.where(bad, np.float32(-np.inf), np.float32(0.0)) if bad.any() else None
-                mask_cache[key] = mask
-            Kt = K[k_lo - base : k_hi - base]  # [T, n_kv, hd]
-            Vt = V[k_lo - base : k_hi - base]
-            qt = q[r0 + t0 : r0 + t1]  # [m, n_head, hd]
-            m = t1 - t0
-            T = k_hi - k_lo
-            if n_kv == 1:
-                qg = (qt * np.float32(scale)).reshape(1, m * n_head, hd)
-            else:
-                qg = (qt * np.float32(scale)).reshape(m, n_kv, g, hd).transpose(1, 0, 2, 3)
-                qg = qg.reshape(n_kv, m * g, hd)
-            sc = np.matmul(qg, Kt.transpose(1, 2, 0))  # [n_kv, m*g, T]
-            if mask is not None:
-                sc4 = sc.reshape(n_kv, m, g, T)
-                sc4 += mask[None, :, None, :]
-            mx = sc.max(axis=-1, keepdims=True)
-            sc -= mx
-            np.exp(sc, out=sc)
-            den = sc.sum(axis=-1, keepdims=True)
-            o = np.matmul(sc, Vt.transpose(1, 0, 2))  # [n_kv, m*g, hd]
-            o /= den
-            if n_kv == 1:
-                out[r0 + t0 : r0 + t1] = o.reshape(m, n_head, -1)
-            else:
-                out[r0 + t0 : r0 + t1] = o.reshape(n_kv, m, g, -1).transpose(1, 0, 2, 3).reshape(
-                    m, n_head, -1)
+        jobs += [(seq, t0, min(n, t0 + tile)) for t0 in range(0, n, tile)]
+
+    def run(job) -> None:
+        (s, r0, p0, base, K, V), t0, t1 = job
+        _attention_tile(q, K, V, out, s, r0, p0, base, t0, t1, scale, window, mask_cache)
+
+    if parts > 1 and len(jobs) > 1:
+        from kvshare.ops.parallel import ROWS  # noqa: PLC0415
+
+        # round-robin: causal tiles grow along the sequence, neighbours cost about the same
+        buckets = [jobs[i::parts] for i in range(min(parts, len(jobs)))]
+        ROWS.run(lambda bucket: [run(j) for j in bucket], buckets)
+    else:
+        for job in jobs:
+            run(job)
     return out
+
+
+def _attention_tile(q: np.ndarray, K: np.ndarray, V: np.ndarray, out: np.ndarray, s: int,
+                    r0: int, p0: int, base: int, t0: int, t1: int, scale: float, window: int,
+                    mask_cache: dict) -> None:
+    """Query rows `r0 + [t0, t1)` of sequence s (positions `p0 + [t0, t1)`) over the
+    sequence's gathered keys/values K, V (position `base` at row 0)."""
+    n_head, hd = q.shape[1], q.shape[2]
+    n_kv = K.shape[1]
+    g = n_head // n_kv
+    qa, qb = p0 + t0, p0 + t1  # query positions [qa, qb)
+    k_lo = max(0, qa - window + 1) if window else 0
+    k_hi = qb
+    key = (s, t0, t1, window, p0)
+    mask = mask_cache.get(key)
+    if mask is None:
+        qpos = np.arange(qa, qb)[:, None]
+        kpos = np.arange(k_lo, k_hi)[None, :]
+        bad = kpos > qpos
+        if window:
+            bad |= (qpos - kpos) >= window
+        mask = np.where(bad, np.float32(-np.inf), np.float32(0.0)) if bad.any() else None
+        mask_cache[key] = mask  # a dict store is atomic; two threads at worst build it twice
+    Kt = K[k_lo - base : k_hi - base]  # [T, n_kv, hd]
+    Vt = V[k_lo - base : k_hi - base]
+    qt = q[r0 + t0 : r0 + t1]  # [m, n_head, hd]
+    m = t1 - t0
+    T = k_hi - k_lo
+    if n_kv == 1:
+        qg = (qt * np.float32(scale)).reshape(1, m * n_head, hd)
+    else:
+        qg = (qt * np.float32(scale)).reshape(m, n_kv, g, hd).transpose(1, 0, 2, 3)
+        qg = qg.reshape(n_kv, m * g, hd)
+    sc = np.matmul(qg, Kt.transpose(1, 2, 0))  # [n_kv, m*g, T]
+    if mask is not None:
+        sc4 = sc.reshape(n_kv, m, g, T)
+        sc4 += mask[None, :, None, :]
+    mx = sc.max(axis=-1, keepdims=True)
+    sc -= mx
+    np.exp(sc, out=sc)
+    den = sc.sum(axis=-1, keepdims=True)
+    o = np.matmul(sc, Vt.transpose(1, 0, 2))  # [n_kv, m*g, hd]
+    o /= den
+    if n_kv == 1:
+        out[r0 + t0 : r0 + t1] = o.reshape(m, n_head, -1)
+    else:
+        out[r0 + t0 : r0 + t1] = o.reshape(n_kv, m, g, -1).transpose(1, 0, 2, 3).reshape(
+            m, n_head, -1)
 
 
 def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,

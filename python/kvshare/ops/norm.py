@@ -9,6 +9,35 @@ import numpy as np
 from kvshare.backend import CPU, Backend
 from kvshare.ops._dispatch import gpu_op
 
+try:  # pragma: no cover - exercised when numba is installed
+    from numba import njit
+
+    @njit(cache=True, nogil=True, boundscheck=False)
+    def _rms_norm_rows(x, w, eps, out):  # x, out: [n, h, d]; w: [d] or empty (no weight)
+        n, h, d = x.shape
+        for i in range(n):
+            for j in range(h):
+                acc = 0.0  # float64
+                for k in range(d):
+                    v = np.float64(x[i, j, k])
+                    acc += v * v
+                r = np.float32(1.0 / np.sqrt(np.float32(acc / d) + eps))
+                if w.shape[0]:
+                    for k in range(d):
+                        out[i, j, k] = (x[i, j, k] * r) * w[k]
+                else:
+                    for k in range(d):
+                        out[i, j, k] = x[i, j, k] * r
+
+    HAVE_NUMBA = True
+except ImportError:  # pragma: no cover
+    HAVE_NUMBA = False
+
+# Up to this many rows (decode steps) one compiled loop replaces NumPy's seven calls: a decode
+# step of Gemma 3 normalises ~110 times, and NumPy's per-call overhead was ~4 ms of ~38.
+_SMALL_ROWS = 32
+_NO_WEIGHT = np.zeros(0, np.float32)
+
 
 def rms_norm(x: Any, weight: Any | None, eps: float, *, backend: Backend = CPU,
              out: Any | None = None) -> Any:
@@ -22,6 +51,13 @@ def rms_norm(x: Any, weight: Any | None, eps: float, *, backend: Backend = CPU,
     """
     if backend.is_gpu:
         return gpu_op("rms_norm")(x, weight, eps, out=out)
+    if HAVE_NUMBA and x.ndim in (2, 3) and x.shape[0] <= _SMALL_ROWS and x.dtype == np.float32 \
+            and (weight is None or weight.dtype == np.float32):
+        if out is None:
+            out = np.empty(x.shape, np.float32)
+        x3, o3 = (x, out) if x.ndim == 3 else (x[:, None, :], out[:, None, :])
+        _rms_norm_rows(x3, _NO_WEIGHT if weight is None else weight, np.float32(eps), o3)
+        return out
     d = x.shape[-1]
     ms = np.einsum("...i,...i->...", x, x)
     ms *= 1.0 / d
