@@ -830,6 +830,10 @@ def test_cli_env_vars_and_flags():
     kw = cli.engine_config_kwargs(a)
     assert kw == {"parallel": 2, "slot_attach": False, "device": "cpu", "ctx_size": 1024,
                   "kv_mem_mib": 512}
+    a = cli.parse_args(["serve", "--cache-ram", "64", "--cache-ram-pin", "16", "--threads", "1"],
+                       {})
+    kw = cli.engine_config_kwargs(a)
+    assert (kw["cache_ram_mib"], kw["cache_ram_pin_mib"], kw["threads"]) == (64, 16, 1)
 
 
 @pytest.mark.parametrize("argv,env", [
