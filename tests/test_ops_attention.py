@@ -105,3 +105,30 @@ def test_parallel_tiles_equal_serial(parts):
         b = paged_attention(q, kc, vc, tables, q_starts, starts, scale=0.2, window=window,
                             parts=parts)
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("max_runs", [1, 8, 100])
+def test_block_runs_read_in_place_or_gathered(monkeypatch, max_runs):
+    """A table of a few ascending runs (shared prefix + own tail) is read as views of each run;
+    beyond `_MAX_RUNS` runs it is gathered: same result, against the dense reference, with
+    query tiles whose key range starts and ends inside different runs."""
+    import kvshare.ops.attention as A
+
+    monkeypatch.setattr(A, "_MAX_RUNS", max_runs)
+    monkeypatch.setattr(A, "_TILE_ROWS", 8)
+    rng = np.random.default_rng(max_runs)
+    bs, n_kv, hd, H = 4, 2, 8, 4
+    table = np.concatenate([np.arange(10, 20), np.arange(3, 6), np.arange(30, 34)]).astype(np.int32)
+    total = len(table) * bs  # 68 positions
+    kc = rng.standard_normal((40, bs, n_kv, hd)).astype(np.float32)
+    vc = rng.standard_normal((40, bs, n_kv, hd)).astype(np.float32)
+    keys = kc[table].reshape(total, n_kv, hd)
+    vals = vc[table].reshape(total, n_kv, hd)
+    p0, n = 20, 45
+    q = rng.standard_normal((n, H, hd)).astype(np.float32)
+    for window in (0, 13):
+        out = paged_attention(q, kc, vc, table[None], np.array([0, n]), np.array([p0]),
+                              scale=0.4, window=window, parts=2 if max_runs == 8 else 1)
+        ref = attention_reference(q, keys[: p0 + n], vals[: p0 + n], np.arange(p0, p0 + n),
+                                  np.arange(p0 + n), scale=0.4, window=window)
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)

@@ -65,16 +65,28 @@ def write_kv(k_cache: Any, v_cache: Any, slots: Any, k: Any, v: Any, *,
     return None
 
 
-def _gather(cache: np.ndarray, blocks: np.ndarray) -> np.ndarray:
-    """Rows of `blocks` as `[len(blocks) * block_size, n_kv, hd]`: a view when the block ids
-    are one ascending run, a gathered copy otherwise."""
-    nb, bs = cache.shape[:2]
-    if len(blocks) and blocks[-1] - blocks[0] == len(blocks) - 1 and (
-            len(blocks) < 3 or bool(np.all(np.diff(blocks) == 1))):
-        sub = cache[blocks[0] : blocks[-1] + 1]
-    else:
-        sub = cache[blocks]
-    return sub.reshape(len(blocks) * bs, *cache.shape[2:])
+# A sequence's blocks are read in place as views of their ascending runs (a shared prefix
+# computed in one go is one run, a session's own tail another) up to this many runs; a more
+# fragmented table is gathered into one copy. A decode step at 6K context used to copy each
+# sequence's keys and values (12 MB per global layer) every step.
+_MAX_RUNS = 8
+
+
+def _runs(cache: np.ndarray, blocks: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """The rows of `blocks` as `(first row, rows [len, n_kv, hd])` pieces in order: views of
+    each ascending run of block ids, or one gathered copy when there are more than
+    `_MAX_RUNS` runs."""
+    bs = cache.shape[1]
+    tail = cache.shape[2:]
+    if len(blocks) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
+    if len(breaks) >= _MAX_RUNS:
+        return [(0, cache[blocks].reshape(len(blocks) * bs, *tail))]
+    starts = [0, *breaks.tolist()]
+    ends = [*breaks.tolist(), len(blocks)]
+    return [(a * bs, cache[blocks[a] : blocks[e - 1] + 1].reshape((e - a) * bs, *tail))
+            for a, e in zip(starts, ends)]
 
 
 def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_starts: Any,
@@ -119,7 +131,7 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
         blocks = np.asarray(block_tables[s, b0:b1])
         if len(blocks) < b1 - b0 or (blocks < 0).any():
             raise IndexError(f"sequence {s}: block table does not cover positions < {qp_hi}")
-        seq = (s, r0, p0, b0 * bs, _gather(k_cache, blocks), _gather(v_cache, blocks))
+        seq = (s, r0, p0, b0 * bs, _runs(k_cache, blocks), _runs(v_cache, blocks))
         # query tiles small enough that a tile's score matrix stays ~16 MB
         span = qp_hi - k_lo_all
         tile = max(1, min(n, _TILE_ROWS, _TILE_ELEMS // max(1, n_head * span)))
@@ -141,13 +153,13 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     return out
 
 
-def _attention_tile(q: np.ndarray, K: np.ndarray, V: np.ndarray, out: np.ndarray, s: int,
+def _attention_tile(q: np.ndarray, K: list, V: list, out: np.ndarray, s: int,
                     r0: int, p0: int, base: int, t0: int, t1: int, scale: float, window: int,
                     mask_cache: dict) -> None:
     """Query rows `r0 + [t0, t1)` of sequence s (positions `p0 + [t0, t1)`) over the
-    sequence's gathered keys/values K, V (position `base` at row 0)."""
+    sequence's keys/values K, V (`_runs` pieces; position `base` at row 0)."""
     n_head, hd = q.shape[1], q.shape[2]
-    n_kv = K.shape[1]
+    n_kv = K[0][1].shape[1]
     g = n_head // n_kv
     qa, qb = p0 + t0, p0 + t1  # query positions [qa, qb)
     k_lo = max(0, qa - window + 1) if window else 0
@@ -162,8 +174,6 @@ def _attention_tile(q: np.ndarray, K: np.ndarray, V: np.ndarray, out: np.ndarray
             bad |= (qpos - kpos) >= window
         mask = np.where(bad, np.float32(-np.inf), np.float32(0.0)) if bad.any() else None
         mask_cache[key] = mask  # a dict store is atomic; two threads at worst build it twice
-    Kt = K[k_lo - base : k_hi - base]  # [T, n_kv, hd]
-    Vt = V[k_lo - base : k_hi - base]
     qt = q[r0 + t0 : r0 + t1]  # [m, n_head, hd]
     m = t1 - t0
     T = k_hi - k_lo
@@ -172,7 +182,19 @@ def _attention_tile(q: np.ndarray, K: np.ndarray, V: np.ndarray, out: np.ndarray
     else:
         qg = (qt * np.float32(scale)).reshape(m, n_kv, g, hd).transpose(1, 0, 2, 3)
         qg = qg.reshape(n_kv, m * g, hd)
-    sc = np.matmul(qg, Kt.transpose(1, 2, 0))  # [n_kv, m*g, T]
+    lo, hi = k_lo - base, k_hi - base  # the tile's keys, in rows of the sequence's pieces
+    pieces = []  # (columns of the score matrix, V rows) per piece the tile reads
+    sc = np.empty((n_kv, m * g, T), np.float32)
+    for (first, Kp), (_, Vp) in zip(K, V):
+        a, b = max(lo, first), min(hi, first + len(Kp))
+        if a >= b:
+            continue
+        cols = slice(a - lo, b - lo)
+        if b - a == T:
+            sc = np.matmul(qg, Kp[a - first : b - first].transpose(1, 2, 0))
+        else:
+            sc[:, :, cols] = np.matmul(qg, Kp[a - first : b - first].transpose(1, 2, 0))
+        pieces.append((cols, Vp[a - first : b - first]))
     if mask is not None:
         sc4 = sc.reshape(n_kv, m, g, T)
         sc4 += mask[None, :, None, :]
@@ -180,7 +202,10 @@ def _attention_tile(q: np.ndarray, K: np.ndarray, V: np.ndarray, out: np.ndarray
     sc -= mx
     np.exp(sc, out=sc)
     den = sc.sum(axis=-1, keepdims=True)
-    o = np.matmul(sc, Vt.transpose(1, 0, 2))  # [n_kv, m*g, hd]
+    o = None
+    for cols, Vt in pieces:
+        part = np.matmul(sc[:, :, cols], Vt.transpose(1, 0, 2))  # [n_kv, m*g, hd]
+        o = part if o is None else o.__iadd__(part)
     o /= den
     if n_kv == 1:
         out[r0 + t0 : r0 + t1] = o.reshape(m, n_head, -1)
