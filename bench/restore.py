@@ -129,9 +129,10 @@ class Server:
         server = self.server_ttft()
         log = self.request_log()
         return {"ttft_s": first, "server_ttft_s": server[0] - server_before[0],
-                # admission to first token = queue + attach/restore + prefill of the tail
-                "prefill_s": log["prompt_ms"] / 1e3,
-                "restore_s": (log["ttft_ms"] - log["prompt_ms"]) / 1e3,
+                # prompt_ms: admission (or first scheduling) to first token, including the
+                # tier restore; restore_ms: the restore's own share
+                "prefill_s": (log["prompt_ms"] - log.get("restore_ms", 0.0)) / 1e3,
+                "restore_s": log.get("restore_ms", 0.0) / 1e3,
                 "first_token": text, "cache_n": timings["cache_n"],
                 "prompt_tokens": timings["cache_n"] + timings["prompt_n"]}
 

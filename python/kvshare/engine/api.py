@@ -76,6 +76,7 @@ class Timings:
     prompt_ms: float
     predicted_n: int
     predicted_ms: float
+    restore_ms: float = 0.0  # of prompt_ms: reading cached state from the RAM/disk tiers
 
     def as_dict(self) -> dict:
         return {
@@ -88,6 +89,7 @@ class Timings:
             "predicted_ms": self.predicted_ms,
             "predicted_per_token_ms": self.predicted_ms / self.predicted_n if self.predicted_n else 0.0,
             "predicted_per_second": 1e3 * self.predicted_n / self.predicted_ms if self.predicted_ms > 0 else 0.0,
+            "restore_ms": self.restore_ms,
         }
 
 

@@ -348,6 +348,7 @@ class Engine:
             prompt_ms=1e3 * (prompt_end - start),
             predicted_n=seq.n_generated,
             predicted_ms=1e3 * (seq.finished_at - seq.first_token_at) if seq.first_token_at else 0.0,
+            restore_ms=1e3 * seq.restore_s,
         )
         self.counters["prompt_tokens_total"] += seq.n_prompt
         self.counters["prompt_tokens_cached_total"] += seq.n_cached

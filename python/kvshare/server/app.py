@@ -114,6 +114,7 @@ class RequestRecord:
                      prompt_n=f.timings.prompt_n, completion_tokens=f.completion_tokens,
                      finish_reason=f.reason, ttft_ms=round(f.time_to_first_token_s * 1e3, 2),
                      prompt_ms=round(f.timings.prompt_ms, 2),
+                     restore_ms=round(f.timings.restore_ms, 2),
                      predicted_ms=round(f.timings.predicted_ms, 2))
         d["duration_ms"] = round((time.perf_counter() - self.t0) * 1e3, 2)
         if self.error:
