@@ -159,7 +159,13 @@ class Server:
         return self.client.get("/cache").json()["tiers"]
 
     def wait_writer(self, timeout: float = 1800.0) -> None:
-        """Until the disk writer has nothing queued and nothing new lands for a moment."""
+        """Until the engine has finished the previous request's tier save (a tiny request
+        queues behind it on the engine thread) and the disk writer has nothing queued and
+        nothing new lands for a moment."""
+        r = self.client.post("/v1/completions", json={"prompt": [2, 3, 4], "max_tokens": 1,
+                                                       "temperature": 0})
+        r.raise_for_status()
+        self.request_log()
         deadline = time.monotonic() + timeout
         last = None
         while time.monotonic() < deadline:
@@ -279,6 +285,7 @@ def run_size(target: int, args, work: Path, seed: int) -> dict:
     print(f"  from disk, first request after the restart: TTFT {first['ttft_s']:.3f} s, restore "
           f"{first['restore_s']:.3f} s (cache_n {first['cache_n']}, "
           f"{d0['bytes_read'] / 2**20:.0f} MiB read)", flush=True)
+    b.wait_writer()
     disk = b.ttft(ids2)  # the pool holds one conversation: this one comes from disk too
     d = b.tiers()["disk"]
     disk.update(tier_tokens=d["tokens_served"] - d0["tokens_served"],
