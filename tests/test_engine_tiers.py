@@ -60,7 +60,13 @@ def test_ram_tier_serves_an_evicted_conversation(parts):  # noqa: F811
     assert eng.pool.stats()["used"] == 0
 
 
-def test_disk_tier_survives_a_restart_and_resident_blocks_cost_no_reads(parts, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("chunk_blocks", [64, 2])
+def test_disk_tier_survives_a_restart_and_resident_blocks_cost_no_reads(parts, tmp_path,  # noqa: F811
+                                                                        monkeypatch, chunk_blocks):
+    # chunk_blocks 2: the restore runs as a pipeline of many chunk reads (tiers.DISK_DEPTH)
+    import kvshare.engine.tiers as T
+
+    monkeypatch.setattr(T, "CHUNK_BLOCKS", chunk_blocks)
     first = prompt(parts, SYSTEM, "What does the CI do?")
     cold_eng = engine(parts, slot_attach=False)
     reply, _ = run(cold_eng, first)
@@ -84,7 +90,13 @@ def test_disk_tier_survives_a_restart_and_resident_blocks_cost_no_reads(parts, t
     eng2.shutdown(timeout=1)
 
 
-def test_corrupt_disk_entry_is_recomputed_not_served(parts, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("chunk_blocks", [64, 2])
+def test_corrupt_disk_entry_is_recomputed_not_served(parts, tmp_path, monkeypatch,  # noqa: F811
+                                                     chunk_blocks):
+    # chunk_blocks 2: the bad byte sits in a middle chunk while later ones are being read
+    import kvshare.engine.tiers as T
+
+    monkeypatch.setattr(T, "CHUNK_BLOCKS", chunk_blocks)
     first = prompt(parts, SYSTEM, "Name one file.")
     cold, _ = run(engine(parts, slot_attach=False), first)
     eng = engine(parts, cache_dir=str(tmp_path))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,9 +31,15 @@ from kvshare import _core
 
 log = logging.getLogger("kvshare.tiers")
 
-# Blocks per disk read: one reused staging buffer of this many blocks (bounded memory, and each
+# Blocks per tier read: reused staging buffers of this many blocks (bounded memory, and each
 # chunk's blocks go straight from it into the pool: one copy per block after the read).
 CHUNK_BLOCKS = 64
+# Disk restores are pipelined: up to this many chunk reads are in flight (on DISK_READERS
+# threads; the store releases the GIL and its lock while reading and verifying) while the
+# engine thread installs the chunk before them, so the device's queue stays busy and the
+# pool writes hide behind the reads. Staging memory: DISK_DEPTH + 1 chunks.
+DISK_READERS = 2
+DISK_DEPTH = 2
 
 
 @dataclass
@@ -56,6 +63,8 @@ class TierManager:
         self.ram_counters = TierCounters()
         self.disk_counters = TierCounters()
         self._staging: np.ndarray | None = None
+        self._disk_ring: list[np.ndarray] = []
+        self._readers: ThreadPoolExecutor | None = None
 
     @property
     def enabled(self) -> bool:
@@ -82,8 +91,7 @@ class TierManager:
             n, _, _ = self.disk.lookup(keys[pos:])
             if n:
                 t0 = time.perf_counter()
-                ids = self._restore_chunks(self._read_disk, tokens, keys, pos, n, root,
-                                           self.disk_counters)
+                ids = self._restore_disk(tokens, keys, pos, n, root)
                 self._count(self.disk_counters, len(ids), time.perf_counter() - t0)
                 got += ids
         return got
@@ -121,6 +129,51 @@ class TierManager:
             ids += added
             if len(added) < len(chunk):
                 break
+        return ids
+
+    def _restore_disk(self, tokens, keys, start, n, root) -> list[int]:
+        """`_restore_chunks` for the disk, pipelined (see DISK_DEPTH): chunk i+1.. are read
+        while chunk i is installed. Stops at the first short or corrupt read or a full pool;
+        reads still in flight then are waited for and dropped."""
+        bs_bytes = self.kv.block_nbytes
+        if len(self._disk_ring) < DISK_DEPTH + 1:
+            self._disk_ring = [np.empty(CHUNK_BLOCKS * bs_bytes, np.uint8)
+                               for _ in range(DISK_DEPTH + 1)]
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(DISK_READERS, thread_name_prefix="kvshare-disk")
+        starts = list(range(start, start + n, CHUNK_BLOCKS))
+        chunks = [keys[c0:min(c0 + CHUNK_BLOCKS, start + n)] for c0 in starts]
+        in_flight: dict[int, tuple[np.ndarray, object]] = {}
+
+        def submit(i: int) -> None:
+            buf = self._disk_ring[i % (DISK_DEPTH + 1)][: len(chunks[i]) * bs_bytes]
+            staging = buf.view(self.kv.kv_dtype).reshape(len(chunks[i]), *self.kv.block_shape)
+            in_flight[i] = (staging, self._readers.submit(self._read_disk, chunks[i], staging))
+
+        ids: list[int] = []
+        try:
+            for i in range(min(DISK_DEPTH, len(chunks))):
+                submit(i)
+            for i, c0 in enumerate(starts):
+                if i + DISK_DEPTH < len(chunks):
+                    submit(i + DISK_DEPTH)  # the ring slot of chunk i-1, already installed
+                staging, fut = in_flight.pop(i)
+                try:
+                    n_read = fut.result()
+                except _core.CorruptEntry as exc:  # the store removed the entry: recompute
+                    log.warning("disk entry corrupt, recomputing: %s", exc)
+                    self.disk_counters.errors += 1
+                    break
+                added = self._install(tokens, keys, c0, staging[:n_read], root)
+                ids += added
+                if len(added) < len(chunks[i]):
+                    break
+        finally:
+            for _, fut in in_flight.values():  # no read may still write a reused buffer
+                try:
+                    fut.result()
+                except Exception:  # noqa: BLE001 - dropped reads; a corrupt one was logged
+                    pass
         return ids
 
     def _install(self, tokens, keys, j0: int, blocks: np.ndarray, root: bytes) -> list[int]:
@@ -287,5 +340,7 @@ class TierManager:
         return out
 
     def close(self) -> None:
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
         if self.disk is not None:
             self.disk.close()
