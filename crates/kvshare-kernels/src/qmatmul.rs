@@ -13,6 +13,8 @@ use thiserror::Error;
 const TILE: usize = 32;
 /// Least work (weights x row blocks) worth handing to another thread.
 const WEIGHTS_PER_THREAD: usize = 2 << 20;
+/// Bytes of int8 weight rows processed against every activation block before moving on.
+const WEIGHT_TILE_BYTES: usize = 16 << 10;
 /// Activation rows processed together against one converted weight vector.
 const ROW_BLOCK: usize = 4;
 
@@ -164,7 +166,7 @@ unsafe fn portable_rows_range(
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{OutPtr, QMatrix, ROW_BLOCK};
+    use super::{OutPtr, QMatrix, ROW_BLOCK, WEIGHT_TILE_BYTES};
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx2,fma")]
@@ -176,20 +178,30 @@ mod avx2 {
         lo: usize,
         hi: usize,
     ) {
-        for n in lo..hi {
+        // Loop order: a tile of weight rows (~16 KB, stays in L1/L2) against each block of
+        // activation rows in turn, so both stay cache-resident; sweeping all weight rows per
+        // activation block, or all activation blocks per weight row, streams one of them
+        // from L2 or beyond (2x slower at 26 activation rows).
+        let tile = (WEIGHT_TILE_BYTES / w.k).clamp(1, 64);
+        let mut t0 = lo;
+        while t0 < hi {
+            let t1 = (t0 + tile).min(hi);
             let mut r = 0;
             while r < m {
                 let rows = (m - r).min(ROW_BLOCK);
-                unsafe {
-                    match rows {
-                        4 => one_row::<4>(x, r, w, n, out),
-                        3 => one_row::<3>(x, r, w, n, out),
-                        2 => one_row::<2>(x, r, w, n, out),
-                        _ => one_row::<1>(x, r, w, n, out),
+                for n in t0..t1 {
+                    unsafe {
+                        match rows {
+                            4 => one_row::<4>(x, r, w, n, out),
+                            3 => one_row::<3>(x, r, w, n, out),
+                            2 => one_row::<2>(x, r, w, n, out),
+                            _ => one_row::<1>(x, r, w, n, out),
+                        }
                     }
                 }
                 r += rows;
             }
+            t0 = t1;
         }
     }
 
