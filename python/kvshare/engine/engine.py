@@ -71,6 +71,7 @@ class Engine:
         self.hybrid = bool(model.state_shapes())
         self.kv = model.new_cache(n_blocks, config.block_size, kv_dtype=config.kv_dtype,
                                   n_state_slots=config.parallel if self.hybrid else 0)
+        self.kv.prefault()  # host pool: map its pages in the background, not on first use
         self.checkpoints = CheckpointManager(
             self.kv, config.block_size, config.parallel, config.checkpoint_min_step,
             config.ctx_checkpoints, int(config.checkpoint_mem_mib) * 2**20) if self.hybrid else None

@@ -14,6 +14,8 @@ recurrent-state tensor kind, each shaped `[n_state_slots, ...]`; attention-only 
 
 from __future__ import annotations
 
+import mmap
+import threading
 from typing import Any
 
 import numpy as np
@@ -36,6 +38,9 @@ def kv_dtype_of(kv_dtype: Any) -> np.dtype:
     return dt
 
 
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+
+
 class ModelCache:
     def __init__(self, config: ModelConfig, n_blocks: int, block_size: int = 16, *,
                  n_state_slots: int = 0, kv_dtype: Any = np.float32,
@@ -51,13 +56,48 @@ class ModelCache:
         self.kv_dtype = kv_dtype_of(kv_dtype)
         self.n_attn_layers = config.n_attn_layers
         xp = backend.xp
-        self.kv = xp.zeros((self.n_attn_layers, 2, self.n_blocks, self.block_size,
-                            max(config.n_head_kv, 1), config.head_dim), dtype=self.kv_dtype)
+        shape = (self.n_attn_layers, 2, self.n_blocks, self.block_size,
+                 max(config.n_head_kv, 1), config.head_dim)
+        self._mapping: mmap.mmap | None = None
+        self.prefaulted: bool | None = None  # None: not tried; False: unsupported here
+        if backend.is_gpu:
+            self.kv = xp.zeros(shape, dtype=self.kv_dtype)
+        else:
+            # an anonymous mapping (zero-filled) rather than np.zeros: `prefault` can populate
+            # its pages ahead of use without touching their contents
+            count = int(np.prod(shape))
+            self._mapping = mmap.mmap(-1, max(1, count * self.kv_dtype.itemsize))
+            self.kv = np.frombuffer(self._mapping, dtype=self.kv_dtype, count=count).reshape(shape)
         self.n_state_slots = int(n_state_slots)
         self.states: list[Any] = [
             xp.zeros((self.n_state_slots, *shape), dtype=np.float32)
             for shape in (state_shapes or [])
         ] if self.n_state_slots else []
+
+    def prefault(self, wait: bool = False) -> threading.Thread | None:
+        """Populate the host KV pool's pages in the background (Linux MADV_POPULATE_WRITE:
+        contents are left as they are, so the engine may write KV meanwhile). Without it the
+        first long request after start-up pays the page faults of every block it touches
+        (~0.25 s per 300 MB). Sets `prefaulted` (False where the kernel lacks the call)."""
+        mapping = self._mapping
+        if mapping is None:
+            return None
+
+        def run() -> None:
+            step = 64 << 20  # a multiple of the page size; short holds of the mm lock
+            try:
+                for off in range(0, len(mapping), step):
+                    mapping.madvise(_MADV_POPULATE_WRITE, off, min(step, len(mapping) - off))
+            except (OSError, ValueError):
+                self.prefaulted = False
+                return
+            self.prefaulted = True
+
+        t = threading.Thread(target=run, name="kvshare-prefault", daemon=True)
+        t.start()
+        if wait:
+            t.join()
+        return t
 
     # --- sizes -------------------------------------------------------------------------
     @property
