@@ -243,6 +243,7 @@ class Engine:
         while True:
             self._drain_inbox()
             if not self.scheduler.has_work():
+                self.tiers.flush()  # callers look at the tiers next
                 return
             self.step()
 
