@@ -6,15 +6,12 @@
 //! is loaded and converted once per 4 activation rows (decode of a batch reads the weights
 //! once, not once per sequence).
 
-use rayon::prelude::*;
 use thiserror::Error;
 
 /// Output rows are split between threads in multiples of this.
 const TILE: usize = 32;
 /// Least work (weights x row blocks) worth handing to another thread.
 const WEIGHTS_PER_THREAD: usize = 2 << 20;
-/// Bytes of int8 weight rows processed against every activation block before moving on.
-const WEIGHT_TILE_BYTES: usize = 16 << 10;
 /// Activation rows processed together against one converted weight vector.
 const ROW_BLOCK: usize = 4;
 
@@ -60,6 +57,22 @@ impl QMatrix<'_> {
     }
 }
 
+/// The matrix itself and the sizes of `x` (`[m, w.k]`) and `out` (`[m, w.n]`).
+fn check_sizes(x: &[f32], m: usize, w: &QMatrix<'_>, out: &[f32]) -> Result<(), KernelError> {
+    w.check()?;
+    if x.len() != m * w.k {
+        return Err(KernelError::Shape(format!("x has {} values, expected {m} x {}", x.len(), w.k)));
+    }
+    if out.len() != m * w.n {
+        return Err(KernelError::Shape(format!(
+            "out has {} values, expected {m} x {}",
+            out.len(),
+            w.n
+        )));
+    }
+    Ok(())
+}
+
 /// Raw output pointer shared by the tasks; each writes a disjoint set of columns.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
@@ -76,17 +89,7 @@ pub fn qmatmul_t(
     out: &mut [f32],
     threads: usize,
 ) -> Result<(), KernelError> {
-    w.check()?;
-    if x.len() != m * w.k {
-        return Err(KernelError::Shape(format!("x has {} values, expected {m} x {}", x.len(), w.k)));
-    }
-    if out.len() != m * w.n {
-        return Err(KernelError::Shape(format!(
-            "out has {} values, expected {m} x {}",
-            out.len(),
-            w.n
-        )));
-    }
+    check_sizes(x, m, w, out)?;
     if m == 0 || w.n == 0 {
         return Ok(());
     }
@@ -166,7 +169,7 @@ unsafe fn portable_rows_range(
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{OutPtr, QMatrix, ROW_BLOCK, WEIGHT_TILE_BYTES};
+    use super::{OutPtr, QMatrix, ROW_BLOCK};
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx2,fma")]
@@ -178,30 +181,20 @@ mod avx2 {
         lo: usize,
         hi: usize,
     ) {
-        // Loop order: a tile of weight rows (~16 KB, stays in L1/L2) against each block of
-        // activation rows in turn, so both stay cache-resident; sweeping all weight rows per
-        // activation block, or all activation blocks per weight row, streams one of them
-        // from L2 or beyond (2x slower at 26 activation rows).
-        let tile = (WEIGHT_TILE_BYTES / w.k).clamp(1, 64);
-        let mut t0 = lo;
-        while t0 < hi {
-            let t1 = (t0 + tile).min(hi);
+        for n in lo..hi {
             let mut r = 0;
             while r < m {
                 let rows = (m - r).min(ROW_BLOCK);
-                for n in t0..t1 {
-                    unsafe {
-                        match rows {
-                            4 => one_row::<4>(x, r, w, n, out),
-                            3 => one_row::<3>(x, r, w, n, out),
-                            2 => one_row::<2>(x, r, w, n, out),
-                            _ => one_row::<1>(x, r, w, n, out),
-                        }
+                unsafe {
+                    match rows {
+                        4 => one_row::<4>(x, r, w, n, out),
+                        3 => one_row::<3>(x, r, w, n, out),
+                        2 => one_row::<2>(x, r, w, n, out),
+                        _ => one_row::<1>(x, r, w, n, out),
                     }
                 }
                 r += rows;
             }
-            t0 = t1;
         }
     }
 
@@ -260,10 +253,7 @@ mod avx2 {
 
 /// The portable path, for tests comparing it with the SIMD one.
 pub fn qmatmul_t_portable(x: &[f32], m: usize, w: &QMatrix<'_>, out: &mut [f32]) -> Result<(), KernelError> {
-    w.check()?;
-    if x.len() != m * w.k || out.len() != m * w.n {
-        return Err(KernelError::Shape("x or out has the wrong size".into()));
-    }
+    check_sizes(x, m, w, out)?;
     let ptr = OutPtr(out.as_mut_ptr());
     // SAFETY: sizes checked above; one task owns the whole output.
     unsafe { portable_rows_range(x, m, w, ptr, 0, w.n) };
