@@ -103,7 +103,7 @@ def cupy_module() -> Any:
 # Multi-threaded BLAS and other threaded work must never overlap: OpenBLAS's workers spin for
 # ~0.1 s after each call, and work launched meanwhile shares its cores with them (on 2 cores, a
 # decode step at 6K context went from 54 ms to 288 ms).
-BLAS_PARALLEL_MIN_TOKENS = 33  # one more than ops.linear.Q_KERNEL_MAX
+BLAS_PARALLEL_MIN_TOKENS = 33  # ops.linear.Q_KERNEL_MAX follows from it
 
 
 class _CpuThreads:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvshare import _core
-from kvshare.backend import CPU, CPU_THREADS, Backend
+from kvshare.backend import BLAS_PARALLEL_MIN_TOKENS, CPU, CPU_THREADS, Backend
 from kvshare.ops._dispatch import gpu_op
 
 try:  # pragma: no cover - exercised when numba is installed
@@ -38,8 +38,8 @@ except ImportError:  # pragma: no cover
 _LOCK = threading.Lock()
 SMALL_M_MAX = 8  # f32 weights: Numba kernel for 2 <= N <= SMALL_M_MAX
 # QWeight: the Rust kernel for N <= Q_KERNEL_MAX rows (up to here it beats OpenBLAS on the f32
-# copy, which reads 4x the bytes); keep in step with backend.BLAS_PARALLEL_MIN_TOKENS
-Q_KERNEL_MAX = 32
+# copy, which reads 4x the bytes): exactly the steps that give their cores to the kernels
+Q_KERNEL_MAX = BLAS_PARALLEL_MIN_TOKENS - 1
 _TILE = 64
 
 if HAVE_NUMBA:  # pragma: no cover - compiled code is not traced by coverage
