@@ -19,6 +19,7 @@ import numpy as np
 
 from kvshare.backend import CPU, Backend
 from kvshare.ops._dispatch import gpu_op
+from kvshare.ops.parallel import ROWS
 
 # Largest score tile (query rows x heads x keys) held at once, in elements (16 MB of f32).
 _TILE_ELEMS = 1 << 22
@@ -72,21 +73,27 @@ def write_kv(k_cache: Any, v_cache: Any, slots: Any, k: Any, v: Any, *,
 _MAX_RUNS = 8
 
 
-def _runs(cache: np.ndarray, blocks: np.ndarray) -> list[tuple[int, np.ndarray]]:
-    """The rows of `blocks` as `(first row, rows [len, n_kv, hd])` pieces in order: views of
-    each ascending run of block ids, or one gathered copy when there are more than
-    `_MAX_RUNS` runs."""
-    bs = cache.shape[1]
-    tail = cache.shape[2:]
+def _block_runs(blocks: np.ndarray) -> list[tuple[int, int]] | None:
+    """`[a, e)` index ranges of `blocks` whose ids ascend by one, in order; None when there
+    are more than `_MAX_RUNS` of them (the caller gathers a copy instead)."""
     if len(blocks) == 0:
         return []
-    breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
+    breaks = (np.flatnonzero(np.diff(blocks) != 1) + 1).tolist()
     if len(breaks) >= _MAX_RUNS:
+        return None
+    return list(zip([0, *breaks], [*breaks, len(blocks)]))
+
+
+def _pieces(cache: np.ndarray, blocks: np.ndarray, runs: list[tuple[int, int]] | None
+            ) -> list[tuple[int, np.ndarray]]:
+    """The rows of `blocks` as `(first row, rows [len, n_kv, hd])` pieces: a view per run, or
+    one gathered copy (`runs` None)."""
+    bs = cache.shape[1]
+    tail = cache.shape[2:]
+    if runs is None:
         return [(0, cache[blocks].reshape(len(blocks) * bs, *tail))]
-    starts = [0, *breaks.tolist()]
-    ends = [*breaks.tolist(), len(blocks)]
     return [(a * bs, cache[blocks[a] : blocks[e - 1] + 1].reshape((e - a) * bs, *tail))
-            for a, e in zip(starts, ends)]
+            for a, e in runs]
 
 
 def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_starts: Any,
@@ -131,7 +138,8 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
         blocks = np.asarray(block_tables[s, b0:b1])
         if len(blocks) < b1 - b0 or (blocks < 0).any():
             raise IndexError(f"sequence {s}: block table does not cover positions < {qp_hi}")
-        seq = (s, r0, p0, b0 * bs, _runs(k_cache, blocks), _runs(v_cache, blocks))
+        runs = _block_runs(blocks)
+        seq = (s, r0, p0, b0 * bs, _pieces(k_cache, blocks, runs), _pieces(v_cache, blocks, runs))
         # query tiles small enough that a tile's score matrix stays ~16 MB
         span = qp_hi - k_lo_all
         tile = max(1, min(n, _TILE_ROWS, _TILE_ELEMS // max(1, n_head * span)))
@@ -142,8 +150,6 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
         _attention_tile(q, K, V, out, s, r0, p0, base, t0, t1, scale, window, mask_cache)
 
     if parts > 1 and len(jobs) > 1:
-        from kvshare.ops.parallel import ROWS  # noqa: PLC0415
-
         # round-robin: causal tiles grow along the sequence, neighbours cost about the same
         buckets = [jobs[i::parts] for i in range(min(parts, len(jobs)))]
         ROWS.run(lambda bucket: [run(j) for j in bucket], buckets)
@@ -157,7 +163,7 @@ def _attention_tile(q: np.ndarray, K: list, V: list, out: np.ndarray, s: int,
                     r0: int, p0: int, base: int, t0: int, t1: int, scale: float, window: int,
                     mask_cache: dict) -> None:
     """Query rows `r0 + [t0, t1)` of sequence s (positions `p0 + [t0, t1)`) over the
-    sequence's keys/values K, V (`_runs` pieces; position `base` at row 0)."""
+    sequence's keys/values K, V (`_pieces`; position `base` at row 0)."""
     n_head, hd = q.shape[1], q.shape[2]
     n_kv = K[0][1].shape[1]
     g = n_head // n_kv
@@ -190,10 +196,7 @@ def _attention_tile(q: np.ndarray, K: list, V: list, out: np.ndarray, s: int,
         if a >= b:
             continue
         cols = slice(a - lo, b - lo)
-        if b - a == T:
-            sc = np.matmul(qg, Kp[a - first : b - first].transpose(1, 2, 0))
-        else:
-            sc[:, :, cols] = np.matmul(qg, Kp[a - first : b - first].transpose(1, 2, 0))
+        np.matmul(qg, Kp[a - first : b - first].transpose(1, 2, 0), out=sc[:, :, cols])
         pieces.append((cols, Vp[a - first : b - first]))
     if mask is not None:
         sc4 = sc.reshape(n_kv, m, g, T)
@@ -202,10 +205,10 @@ def _attention_tile(q: np.ndarray, K: list, V: list, out: np.ndarray, s: int,
     sc -= mx
     np.exp(sc, out=sc)
     den = sc.sum(axis=-1, keepdims=True)
-    o = None
-    for cols, Vt in pieces:
-        part = np.matmul(sc[:, :, cols], Vt.transpose(1, 0, 2))  # [n_kv, m*g, hd]
-        o = part if o is None else o.__iadd__(part)
+    (cols, Vt), rest = pieces[0], pieces[1:]
+    o = np.matmul(sc[:, :, cols], Vt.transpose(1, 0, 2))  # [n_kv, m*g, hd]
+    for cols, Vt in rest:
+        o += np.matmul(sc[:, :, cols], Vt.transpose(1, 0, 2))
     o /= den
     if n_kv == 1:
         out[r0 + t0 : r0 + t1] = o.reshape(m, n_head, -1)
