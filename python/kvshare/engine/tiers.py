@@ -38,7 +38,8 @@ CHUNK_BLOCKS = 64
 # Disk restores are pipelined: up to this many chunk reads are in flight (on DISK_READERS
 # threads; the store releases the GIL and its lock while reading and verifying) while the
 # engine thread installs the chunk before them, so the device's queue stays busy and the
-# pool writes hide behind the reads. Staging memory: DISK_DEPTH + 1 chunks.
+# pool writes hide behind the reads. Staging memory: DISK_DEPTH + 1 chunks (RAM restores use
+# the first).
 DISK_READERS = 2
 DISK_DEPTH = 2
 # Saves run on a background thread: the engine thread only copies the blocks out of the pool
@@ -69,8 +70,7 @@ class TierManager:
         self.disk = disk
         self.ram_counters = TierCounters()
         self.disk_counters = TierCounters()
-        self._staging: np.ndarray | None = None
-        self._disk_ring: list[np.ndarray] = []
+        self._staging: list[np.ndarray] = []  # reused chunk buffers (restore)
         self._readers: ThreadPoolExecutor | None = None
         self._saver: ThreadPoolExecutor | None = None
         self._saves: deque[tuple[Future, bool]] = deque()  # (job, writes to disk)
@@ -100,7 +100,8 @@ class TierManager:
             n, _, _ = self.disk.lookup(keys[pos:])
             if n:
                 t0 = time.perf_counter()
-                ids = self._restore_disk(tokens, keys, pos, n, root)
+                ids = self._restore_chunks(self._read_disk, tokens, keys, pos, n, root,
+                                           self.disk_counters, depth=DISK_DEPTH)
                 self._count(self.disk_counters, len(ids), time.perf_counter() - t0)
                 got += ids
         return got
@@ -112,73 +113,62 @@ class TierManager:
             c.blocks_served += n_blocks
             c.tokens_served += n_blocks * self.block_size
 
-    def _staging_blocks(self, n: int) -> np.ndarray:
-        """`n` blocks of the reused staging buffer, shaped `[n, *block_shape]`."""
-        nbytes = n * self.kv.block_nbytes
-        if self._staging is None or self._staging.size < nbytes:
-            self._staging = np.empty(CHUNK_BLOCKS * self.kv.block_nbytes, dtype=np.uint8)
-        return self._staging[:nbytes].view(self.kv.kv_dtype).reshape(n, *self.kv.block_shape)
+    def _staging_blocks(self, slot: int, n: int) -> np.ndarray:
+        """`n` blocks of reused staging buffer `slot`, shaped `[n, *block_shape]`."""
+        nbytes = self.kv.block_nbytes
+        while len(self._staging) <= slot:
+            self._staging.append(np.empty(CHUNK_BLOCKS * nbytes, dtype=np.uint8))
+        buf = self._staging[slot][: n * nbytes]
+        return buf.view(self.kv.kv_dtype).reshape(n, *self.kv.block_shape)
 
-    def _restore_chunks(self, read, tokens, keys, start, n, root, counters) -> list[int]:
-        """Restore keys[start:start+n] chunk by chunk: `read(chunk_keys, staging)` fills the
+    def _restore_chunks(self, read, tokens, keys, start, n, root, counters,
+                        depth: int = 0) -> list[int]:
+        """Restore keys[start:start+n] chunk by chunk: `read(chunk_keys, staging)` fills a
         staging buffer and returns how many leading blocks it holds; each is then written into
-        a fresh pool block and registered. Stops at the first short read or a full pool."""
-        ids: list[int] = []
-        end = start + n
-        for c0 in range(start, end, CHUNK_BLOCKS):
-            chunk = keys[c0:min(c0 + CHUNK_BLOCKS, end)]
-            staging = self._staging_blocks(len(chunk))
-            try:
-                n_read = read(chunk, staging)
-            except _core.CorruptEntry as exc:  # the store removed the entry: recompute
-                log.warning("tier entry corrupt, recomputing: %s", exc)
-                counters.errors += 1
-                break
-            added = self._install(tokens, keys, c0, staging[:n_read], root)
-            ids += added
-            if len(added) < len(chunk):
-                break
-        return ids
-
-    def _restore_disk(self, tokens, keys, start, n, root) -> list[int]:
-        """`_restore_chunks` for the disk, pipelined (see DISK_DEPTH): chunk i+1.. are read
-        while chunk i is installed. Stops at the first short or corrupt read or a full pool;
-        reads still in flight then are waited for and dropped."""
-        bs_bytes = self.kv.block_nbytes
-        if len(self._disk_ring) < DISK_DEPTH + 1:
-            self._disk_ring = [np.empty(CHUNK_BLOCKS * bs_bytes, np.uint8)
-                               for _ in range(DISK_DEPTH + 1)]
-        if self._readers is None:
-            self._readers = ThreadPoolExecutor(DISK_READERS, thread_name_prefix="kvshare-disk")
+        a fresh pool block and registered. `depth` > 0 (the disk): that many chunk reads run
+        ahead on reader threads while the engine installs the current chunk. Stops at the
+        first short or corrupt read or a full pool; reads still in flight then are waited for
+        and dropped."""
         starts = list(range(start, start + n, CHUNK_BLOCKS))
         chunks = [keys[c0:min(c0 + CHUNK_BLOCKS, start + n)] for c0 in starts]
-        in_flight: dict[int, tuple[np.ndarray, object]] = {}
+        ahead: dict[int, tuple[np.ndarray, Future]] = {}
 
-        def submit(i: int) -> None:
-            buf = self._disk_ring[i % (DISK_DEPTH + 1)][: len(chunks[i]) * bs_bytes]
-            staging = buf.view(self.kv.kv_dtype).reshape(len(chunks[i]), *self.kv.block_shape)
-            in_flight[i] = (staging, self._readers.submit(self._read_disk, chunks[i], staging))
+        def fetch(i: int) -> None:
+            # ring slot i % (depth + 1): that of chunk i - 1 - depth, already installed
+            staging = self._staging_blocks(i % (depth + 1), len(chunks[i]))
+            if depth:
+                if self._readers is None:
+                    self._readers = ThreadPoolExecutor(DISK_READERS,
+                                                       thread_name_prefix="kvshare-disk")
+                fut = self._readers.submit(read, chunks[i], staging)
+            else:
+                fut = Future()
+                try:
+                    fut.set_result(read(chunks[i], staging))
+                except Exception as exc:  # noqa: BLE001 - raised again by result() below
+                    fut.set_exception(exc)
+            ahead[i] = (staging, fut)
 
         ids: list[int] = []
+        fetched = 0
         try:
-            for i in range(min(DISK_DEPTH, len(chunks))):
-                submit(i)
             for i, c0 in enumerate(starts):
-                if i + DISK_DEPTH < len(chunks):
-                    submit(i + DISK_DEPTH)  # the ring slot of chunk i-1, already installed
-                staging, fut = in_flight.pop(i)
+                while fetched < min(i + depth + 1, len(chunks)):
+                    fetch(fetched)
+                    fetched += 1
+                staging, fut = ahead.pop(i)
                 try:
                     n_read = fut.result()
                 except _core.CorruptEntry as exc:  # the store removed the entry: recompute
-                    log.warning("disk entry corrupt, recomputing: %s", exc)
-                    self.disk_counters.errors += 1
+                    log.warning("tier entry corrupt, recomputing: %s", exc)
+                    counters.errors += 1
                     break
                 added = self._install(tokens, keys, c0, staging[:n_read], root)
                 ids += added
                 if len(added) < len(chunks[i]):
                     break
         finally:
-            for _, fut in in_flight.values():  # no read may still write a reused buffer
+            for _, fut in ahead.values():  # no read may still write a reused buffer
                 try:
                     fut.result()
                 except Exception:  # noqa: BLE001 - dropped reads; a corrupt one was logged
@@ -221,36 +211,20 @@ class TierManager:
         if n_full == 0:
             return
         keys = list(keys[:n_full])
-        ram_missing = ([j for j in range(n_full) if not self.ram.contains_block(keys[j])]
-                       if self.ram is not None else [])
+        ram_missing = self._ram_missing(keys) if self.ram is not None else []
         stored = self.disk.stored_prefix(keys) if self.disk is not None else n_full
         first = min(ram_missing[0] if ram_missing else n_full, stored)
-        host = self._read_blocks(block_table[first:n_full]) if first < n_full else None
+        host = self.kv.read_blocks(block_table[first:n_full]) if first < n_full else None
         n_prefix = min(prefix_tokens // self.block_size, n_full)
         to_disk = self.disk is not None and stored < n_full
         self._submit_save(lambda: self._save_job(keys, first, host, ram_missing, stored,
                                                  n_prefix), to_disk)
 
-    def _read_blocks(self, block_ids: list[int]) -> np.ndarray:
-        """Host copies of pool blocks as one contiguous `[n, *block_shape]` array."""
-        out = np.empty((len(block_ids), *self.kv.block_shape), dtype=self.kv.kv_dtype)
-        for i, b in enumerate(block_ids):
-            out[i] = self.kv.read_block(b) if self.kv.backend.is_gpu else self.kv.kv[:, :, b]
-        return out
-
     def _save_job(self, keys: list[bytes], first: int, host: np.ndarray | None,
                   ram_missing: list[int], stored: int, n_prefix: int) -> None:
         n_full = len(keys)
         if self.ram is not None:
-            # refresh what is held first, so the puts evict other conversations before this
-            # chain's head; put deepest first; then leave the chain head-most-recent
-            self.ram.touch_blocks(keys)
-            for j in reversed(ram_missing):
-                try:
-                    self.ram.put_block(keys[j], host[j - first])
-                except _core.OverBudget:
-                    break
-            self.ram.touch_blocks(keys)
+            self._put_ram(keys, ram_missing, lambda j: host[j - first])
             if n_prefix:
                 self.ram.pin_blocks(keys[:n_prefix])
         if self.disk is not None and stored < n_full:
@@ -291,16 +265,25 @@ class TierManager:
         return int(self.ram.pin_blocks(keys[:n]))
 
     def _save_ram(self, keys: list[bytes], block_table: list[int], n: int) -> None:
-        # Refresh what is held first, so the puts below evict other conversations before
-        # this chain's head; put deepest first; then leave the chain head-most-recent.
-        self.ram.touch_blocks(keys[:n])
-        for j in range(n - 1, -1, -1):
-            if not self.ram.contains_block(keys[j]):
-                try:
-                    self.ram.put_block(keys[j], self.kv.read_block(block_table[j]))
-                except _core.OverBudget:
-                    return
-        self.ram.touch_blocks(keys[:n])
+        """Copy the first `n` blocks to RAM (those it lacks)."""
+        keys = keys[:n]
+        self._put_ram(keys, self._ram_missing(keys),
+                      lambda j: self.kv.read_block(block_table[j]))
+
+    def _ram_missing(self, keys: list[bytes]) -> list[int]:
+        return [j for j, key in enumerate(keys) if not self.ram.contains_block(key)]
+
+    def _put_ram(self, keys: list[bytes], missing: list[int], block_of) -> None:
+        """Put blocks `missing` (indexes into `keys`; `block_of(j)` is block j's data) into
+        RAM. Refresh what is held first, so the puts evict other conversations before this
+        chain's head; put deepest first; then leave the chain head-most-recent."""
+        self.ram.touch_blocks(keys)
+        for j in reversed(missing):
+            try:
+                self.ram.put_block(keys[j], block_of(j))
+            except _core.OverBudget:
+                return
+        self.ram.touch_blocks(keys)
 
     # ---- hybrid models: blocks plus recurrent-state checkpoints ---------------------------
     # A hybrid sequence can resume only where a checkpoint of its recurrent state exists, and
@@ -332,8 +315,7 @@ class TierManager:
                 self.pin_checkpoint(keys, prefix)
         if self.disk is not None:
             stored = self.disk.stored_prefix(keys[:n])
-            payload = np.concatenate([self.kv.read_block(b).reshape(-1).view(np.uint8)
-                                      for b in block_table[stored:n]] or [np.empty(0, np.uint8)])
+            payload = self.kv.read_blocks(block_table[stored:n]).reshape(-1).view(np.uint8)
             # Checkpoints already stored are referenced, not rewritten (the writer skips an
             # entry with nothing new).
             self.disk.submit(keys[:n], payload, self.kv.block_nbytes, n * bs,

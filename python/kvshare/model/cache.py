@@ -146,6 +146,14 @@ class ModelCache:
         block = self._check(block)
         return np.ascontiguousarray(self.backend.to_host(self.kv[:, :, block]))
 
+    def read_blocks(self, blocks: list[int]) -> np.ndarray:
+        """Host copies of several blocks as one contiguous array `[len(blocks), *block_shape]`
+        (one copy per block; the tiers' save payload)."""
+        out = np.empty((len(blocks), *self.block_shape), dtype=self.kv_dtype)
+        for i, block in enumerate(blocks):
+            out[i] = self.backend.to_host(self.kv[:, :, self._check(block)])
+        return out
+
     def write_block(self, block: int, data: np.ndarray) -> None:
         """Overwrite one block with `data` shaped like `read_block`'s result."""
         block = self._check(block)
