@@ -126,6 +126,14 @@ class _CpuThreads:
                 self._blas = []
         return self._blas
 
+    def set_max(self, n: int | None) -> None:
+        """The thread budget (None: one per usable core), applied to both pools now."""
+        self.max_threads = max(1, int(n)) if n else cpu_count()
+        self._blas_now = None
+        self.set_blas(self.max_threads)
+        self.kernel_threads = self.max_threads
+        _set_numba_threads(self.max_threads)
+
     def set_blas(self, n: int) -> None:
         if n != self._blas_now:
             for lib in self._blas_controllers():
@@ -164,11 +172,7 @@ def set_cpu_threads(n: int | None) -> None:
     """Use at most `n` threads for CPU compute from now on (None: one per usable core). Each
     forward step then runs its GEMMs on up to `n` BLAS threads or its kernels on up to `n`
     threads, never both (`CPU_THREADS.for_tokens`)."""
-    CPU_THREADS.max_threads = max(1, int(n)) if n else cpu_count()
-    CPU_THREADS._blas_now = None
-    CPU_THREADS.set_blas(CPU_THREADS.max_threads)
-    CPU_THREADS.kernel_threads = CPU_THREADS.max_threads
-    _set_numba_threads(CPU_THREADS.max_threads)
+    CPU_THREADS.set_max(n)
 
 
 CPU_THREADS = _CpuThreads()

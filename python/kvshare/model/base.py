@@ -256,8 +256,7 @@ class DecoderModel(Model):
         if rows is None:
             attn = paged_attention(q, kc, vc, plan.block_tables, plan.q_starts,
                                    plan.start_positions, scale=cfg.q_scale, window=L.window,
-                                   backend=be, mask_cache=plan.masks,
-                                   parts=plan.row_parts if parts is not None else 1)
+                                   backend=be, mask_cache=plan.masks, parts=plan.row_parts)
         else:
             # only the requested rows: attend per chunk with its selected queries
             attn = self._attention_rows(q, kc, vc, plan, L.window, rows)
