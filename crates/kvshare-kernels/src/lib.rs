@@ -7,6 +7,8 @@
 //! portable fallback. Activations stay f32, so results equal the f32 product of the
 //! dequantized weights up to summation order.
 
+pub mod attention;
 pub mod qmatmul;
 
+pub use attention::{paged_attention, PagedKv, Queries};
 pub use qmatmul::{qmatmul_t, KernelError, QMatrix};

@@ -19,6 +19,9 @@ const ROW_BLOCK: usize = 4;
 pub enum KernelError {
     #[error("shape mismatch: {0}")]
     Shape(String),
+    /// A block table lacks a block that a query's keys live in.
+    #[error("{0}")]
+    Uncovered(String),
 }
 
 /// A borrowed `[n, k]` block-quantized matrix.

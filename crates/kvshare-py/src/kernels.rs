@@ -1,8 +1,13 @@
 //! Binding of kvshare-kernels: `qmatmul_t`, the quantized matrix product of the CPU decode
-//! path. Arrays are borrowed in place and the GIL is released while it runs.
+//! path, and `paged_attention` for decode rows. Arrays are borrowed in place and the GIL is
+//! released while they run.
 
 use crate::convert::{invalid, typed_array};
-use kvshare_kernels::{qmatmul_t as core_qmatmul_t, QMatrix};
+use kvshare_kernels::{
+    paged_attention as core_paged_attention, qmatmul_t as core_qmatmul_t, KernelError, PagedKv,
+    QMatrix, Queries,
+};
+use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 
 /// `out[m, n] = sum_k x[m, k] * (qs[n, k] * scale[n, k // group] - mins[n, k // group])`.
@@ -54,6 +59,78 @@ fn qmatmul_t(
         .map_err(|e| invalid(e.to_string()))
 }
 
+/// Attention of the query rows of sequences with at most `max_rows` rows over the paged
+/// cache (see `kvshare_kernels::attention`); other rows of `out` are left as they are.
+#[pyfunction]
+#[pyo3(signature = (q, k_cache, v_cache, block_tables, q_starts, start_positions, scale, window, out, max_rows, threads = 1))]
+#[allow(clippy::too_many_arguments)]
+fn paged_attention(
+    py: Python<'_>,
+    q: &Bound<'_, PyAny>,
+    k_cache: &Bound<'_, PyAny>,
+    v_cache: &Bound<'_, PyAny>,
+    block_tables: &Bound<'_, PyAny>,
+    q_starts: &Bound<'_, PyAny>,
+    start_positions: &Bound<'_, PyAny>,
+    scale: f32,
+    window: usize,
+    out: &Bound<'_, PyAny>,
+    max_rows: usize,
+    threads: usize,
+) -> PyResult<()> {
+    let qa = typed_array(q, b'f', 4, false, "q")?;
+    let ka = typed_array(k_cache, b'f', 4, false, "k_cache")?;
+    let va = typed_array(v_cache, b'f', 4, false, "v_cache")?;
+    let ta = typed_array(block_tables, b'i', 4, false, "block_tables")?;
+    let sa = typed_array(q_starts, b'i', 8, false, "q_starts")?;
+    let pa = typed_array(start_positions, b'i', 8, false, "start_positions")?;
+    let oa = typed_array(out, b'f', 4, true, "out")?;
+    let &[n_blocks, block_size, n_kv, head_dim] = ka.shape.as_slice() else {
+        return Err(invalid("k_cache must be [n_blocks, block_size, n_kv_heads, head_dim]"));
+    };
+    if va.shape != ka.shape {
+        return Err(invalid("v_cache must have k_cache's shape"));
+    }
+    let &[_, n_head, qd] = qa.shape.as_slice() else {
+        return Err(invalid("q must be [n_tok, n_head, head_dim]"));
+    };
+    if qd != head_dim || oa.shape != qa.shape {
+        return Err(invalid("q and out must be [n_tok, n_head, head_dim] of the cache's head_dim"));
+    }
+    let &[n_seq, width] = ta.shape.as_slice() else {
+        return Err(invalid("block_tables must be 2-D"));
+    };
+    if pa.shape != [n_seq] || sa.shape != [n_seq + 1] {
+        return Err(invalid("start_positions must be [n_seq] and q_starts [n_seq + 1]"));
+    }
+    let (o0, o1) = oa.span(4);
+    let inputs = [qa.span(4), ka.span(4), va.span(4), ta.span(4), sa.span(8), pa.span(8)];
+    if o1 > o0 && inputs.iter().any(|&(a, b)| a < o1 && o0 < b) {
+        return Err(invalid("out must not overlap an input"));
+    }
+    // SAFETY: dtypes checked by typed_array; `out` overlaps no input; all arrays stay
+    // referenced for this call.
+    let (qv, kv, vv, tv, sv, pv, ov) = unsafe {
+        (
+            qa.as_slice::<f32>(),
+            ka.as_slice::<f32>(),
+            va.as_slice::<f32>(),
+            ta.as_slice::<i32>(),
+            sa.as_slice::<i64>(),
+            pa.as_slice::<i64>(),
+            oa.as_mut_slice::<f32>(),
+        )
+    };
+    let cache = PagedKv { k: kv, v: vv, n_blocks, block_size, n_kv, head_dim };
+    let queries = Queries { q: qv, n_head, tables: tv, width, q_starts: sv, start_positions: pv };
+    py.detach(|| core_paged_attention(&cache, &queries, scale, window, max_rows, ov, threads.max(1)))
+        .map_err(|e| match e {
+            KernelError::Uncovered(m) => PyIndexError::new_err(m),
+            e => invalid(e.to_string()),
+        })
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(qmatmul_t, m)?)
+    m.add_function(wrap_pyfunction!(qmatmul_t, m)?)?;
+    m.add_function(wrap_pyfunction!(paged_attention, m)?)
 }

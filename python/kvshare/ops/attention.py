@@ -17,7 +17,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvshare.backend import CPU, Backend
+from kvshare import _core
+from kvshare.backend import CPU, CPU_THREADS, Backend
 from kvshare.ops._dispatch import gpu_op
 from kvshare.ops.parallel import ROWS
 
@@ -27,6 +28,10 @@ _TILE_ELEMS = 1 << 22
 # can see, so smaller tiles waste less on masked entries (the upper triangle of causal
 # attention; with a window, keys only the tile's first queries see).
 _TILE_ROWS = 128
+# Sequences with at most this many query rows in a call (decode tokens) go to the compiled
+# kernel (`_core.paged_attention`: one pass over K and V, split over threads at long
+# context); at 6K context NumPy's small products spent ~4 ms per global layer on them.
+KERNEL_MAX_ROWS = 1
 
 
 def pad_block_tables(tables: Sequence[np.ndarray]) -> np.ndarray:
@@ -125,11 +130,25 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     start_positions = np.asarray(start_positions)
     if mask_cache is None:
         mask_cache = {}
+    lens = np.diff(q_starts)
+    kernel_rows = 0
+    if k_cache.dtype == np.float32 and q.dtype == np.float32 and (lens <= KERNEL_MAX_ROWS).any():
+        kernel_rows = KERNEL_MAX_ROWS
+        qc = q if q.flags.c_contiguous else np.ascontiguousarray(q)
+        res = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
+        _core.paged_attention(qc, k_cache, v_cache,
+                              np.ascontiguousarray(block_tables, dtype=np.int32),
+                              np.ascontiguousarray(q_starts, dtype=np.int64),
+                              np.ascontiguousarray(start_positions, dtype=np.int64),
+                              float(scale), int(window), res, kernel_rows,
+                              CPU_THREADS.kernel_threads)
+        if res is not out:
+            out[...] = res  # only the kernel's rows matter; the rest is written below
     jobs = []  # (sequence's keys/values, query rows, tile), one per query tile
     for s in range(len(q_starts) - 1):
         r0, r1 = int(q_starts[s]), int(q_starts[s + 1])
         n = r1 - r0
-        if n == 0:
+        if n <= kernel_rows:
             continue
         p0 = int(start_positions[s])
         qp_hi = p0 + n  # one past the last query position

@@ -1,0 +1,469 @@
+//! Paged attention for the few query rows of decode steps, reading keys and values in place
+//! from the block pool.
+//!
+//! NumPy computes a decode token's attention as a `[heads, hd] x [hd, T]` product, a softmax
+//! and a `[heads, T] x [T, hd]` product: at 6K context each of those walks 6 MB of f32 keys or
+//! values on one thread through OpenBLAS's small-M path, ~4 ms per global layer. Here one
+//! pass over the keys scores all query heads of a KV head at once, and long contexts are
+//! split over threads (each part keeps its own max and sum, combined at the end like
+//! flash-decoding), so the cost is close to reading K and V once.
+//!
+//! Layout (as `ops/attention.py`): `k`, `v`: `[n_blocks, block_size, n_kv, hd]` f32; query
+//! rows `[n_tok, n_head, hd]`; sequence `s` owns rows `q_starts[s]..q_starts[s + 1]` at
+//! positions `start_positions[s] + i`; query head `h` reads KV head `h / (n_head / n_kv)`. A
+//! query at position `qp` sees keys `kp <= qp` with `qp - kp < window` when `window > 0`.
+
+use crate::qmatmul::KernelError;
+
+/// Least number of keys worth a task of its own on another thread.
+const KEYS_PER_TASK: usize = 1024;
+/// Least total work (keys x KV heads x head dim) worth waking another thread for.
+const WORK_PER_THREAD: usize = 1 << 20;
+
+/// A borrowed layer of the block pool.
+#[derive(Clone, Copy)]
+pub struct PagedKv<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub n_blocks: usize,
+    pub block_size: usize,
+    pub n_kv: usize,
+    pub head_dim: usize,
+}
+
+/// The query rows and where they sit.
+#[derive(Clone, Copy)]
+pub struct Queries<'a> {
+    /// `[n_tok, n_head, hd]`
+    pub q: &'a [f32],
+    pub n_head: usize,
+    /// `[n_seq, width]`, -1 where a sequence has no block
+    pub tables: &'a [i32],
+    pub width: usize,
+    /// `[n_seq + 1]`
+    pub q_starts: &'a [i64],
+    /// `[n_seq]`
+    pub start_positions: &'a [i64],
+}
+
+/// One (query row, KV head) over keys `[lo, hi)`.
+#[derive(Clone, Copy)]
+struct Task {
+    seq: usize,
+    row: usize,
+    kvh: usize,
+    lo: usize,
+    hi: usize,
+}
+
+/// A task's unnormalised result: per query head of the group, the score max, the sum of
+/// `exp(score - max)` and `sum exp(score - max) * v` (`[g, hd]`).
+struct Partial {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+fn shape_err<T>(m: String) -> Result<T, KernelError> {
+    Err(KernelError::Shape(m))
+}
+
+fn check(kv: &PagedKv<'_>, qs: &Queries<'_>, out: &[f32]) -> Result<usize, KernelError> {
+    let (nb, bs, n_kv, hd) = (kv.n_blocks, kv.block_size, kv.n_kv, kv.head_dim);
+    let size = nb * bs * n_kv * hd;
+    if kv.k.len() != size || kv.v.len() != size {
+        return shape_err(format!("k/v must have {nb} x {bs} x {n_kv} x {hd} values"));
+    }
+    if bs == 0 || n_kv == 0 || hd == 0 || qs.n_head == 0 || !qs.n_head.is_multiple_of(n_kv) {
+        return shape_err(format!("n_head {} must be a multiple of n_kv {n_kv} (all > 0)", qs.n_head));
+    }
+    let n_seq = qs.start_positions.len();
+    if qs.q_starts.len() != n_seq + 1 || qs.tables.len() != n_seq * qs.width {
+        return shape_err(format!("{n_seq} sequences need q_starts of {} and tables of {n_seq} x width", n_seq + 1));
+    }
+    let n_tok = qs.q.len() / (qs.n_head * hd);
+    if qs.q.len() != n_tok * qs.n_head * hd || out.len() != qs.q.len() {
+        return shape_err("q and out must be [n_tok, n_head, head_dim]".into());
+    }
+    let mut prev = 0i64;
+    if qs.q_starts.first() != Some(&0) {
+        return shape_err("q_starts must start at 0".into());
+    }
+    for &e in &qs.q_starts[1..] {
+        if e < prev || e as usize > n_tok {
+            return shape_err(format!("q_starts must ascend within 0..={n_tok}"));
+        }
+        prev = e;
+    }
+    Ok(n_tok)
+}
+
+/// The tasks of every sequence with at most `max_rows` query rows (others are left to the
+/// caller), checking that each one's block table covers its keys.
+fn tasks(kv: &PagedKv<'_>, qs: &Queries<'_>, window: usize, max_rows: usize)
+    -> Result<Vec<Task>, KernelError> {
+    let bs = kv.block_size;
+    let mut out = Vec::new();
+    for s in 0..qs.start_positions.len() {
+        let (r0, r1) = (qs.q_starts[s] as usize, qs.q_starts[s + 1] as usize);
+        if r1 == r0 || r1 - r0 > max_rows {
+            continue;
+        }
+        let p0 = qs.start_positions[s];
+        if p0 < 0 {
+            return shape_err(format!("sequence {s}: negative start position"));
+        }
+        let p0 = p0 as usize;
+        for row in r0..r1 {
+            let qp = p0 + (row - r0);
+            let lo = if window > 0 { (qp + 1).saturating_sub(window) } else { 0 };
+            let hi = qp + 1;
+            let table = &qs.tables[s * qs.width..(s + 1) * qs.width];
+            for b in lo / bs..hi.div_ceil(bs) {
+                match table.get(b) {
+                    Some(&id) if id >= 0 && (id as usize) < kv.n_blocks => {}
+                    _ => return Err(KernelError::Uncovered(format!(
+                        "sequence {s}: block table does not cover positions < {hi}"))),
+                }
+            }
+            for kvh in 0..kv.n_kv {
+                out.push(Task { seq: s, row, kvh, lo, hi });
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Split long key ranges into pieces for `parts` threads, then deal the pieces out in
+/// contiguous groups of about equal key counts. Each piece carries its item's index.
+fn plan(items: &[Task], parts: usize) -> Vec<Vec<(Task, usize)>> {
+    let mut pieces = Vec::new();
+    for (item, &t) in items.iter().enumerate() {
+        let len = t.hi - t.lo;
+        let n = parts.min(len / KEYS_PER_TASK).max(1);
+        let per = len.div_ceil(n);
+        let mut a = t.lo;
+        while a < t.hi {
+            let b = (a + per).min(t.hi);
+            pieces.push((Task { lo: a, hi: b, ..t }, item));
+            a = b;
+        }
+    }
+    let total: usize = pieces.iter().map(|(t, _)| t.hi - t.lo).sum();
+    let target = total.div_ceil(parts).max(1);
+    let mut groups = vec![Vec::new()];
+    let mut acc = 0;
+    for p in pieces {
+        if acc >= target && groups.len() < parts {
+            groups.push(Vec::new());
+            acc = 0;
+        }
+        acc += p.0.hi - p.0.lo;
+        groups.last_mut().unwrap().push(p);
+    }
+    groups
+}
+
+/// Attention of every query row of the sequences with at most `max_rows` rows, written into
+/// `out` (`[n_tok, n_head, hd]`; other sequences' rows are not touched). `scale` multiplies
+/// q.k before the softmax. Runs on up to `threads` threads of rayon's global pool.
+pub fn paged_attention(
+    kv: &PagedKv<'_>,
+    qs: &Queries<'_>,
+    scale: f32,
+    window: usize,
+    max_rows: usize,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), KernelError> {
+    check(kv, qs, out)?;
+    let items = tasks(kv, qs, window, max_rows)?;
+    if items.is_empty() {
+        return Ok(());
+    }
+    let g = qs.n_head / kv.n_kv;
+    let work: usize = items.iter().map(|t| (t.hi - t.lo) * kv.head_dim * g).sum();
+    let parts = threads.min(work / WORK_PER_THREAD).max(1);
+    let groups = plan(&items, parts);
+    let run = |group: &[(Task, usize)]| -> Vec<(usize, Partial)> {
+        group.iter().map(|&(t, item)| (item, partial(kv, qs, scale, t))).collect()
+    };
+    let mut results: Vec<Vec<(usize, Partial)>> = Vec::with_capacity(groups.len());
+    if groups.len() == 1 {
+        results.push(run(&groups[0]));
+    } else {
+        let mut slots: Vec<Option<Vec<(usize, Partial)>>> = (0..groups.len()).map(|_| None).collect();
+        let (first, rest) = slots.split_first_mut().unwrap();
+        rayon::in_place_scope(|scope| {
+            for (slot, group) in rest.iter_mut().zip(&groups[1..]) {
+                scope.spawn(move |_| *slot = Some(run(group)));
+            }
+            *first = Some(run(&groups[0]));
+        });
+        results.extend(slots.into_iter().map(|s| s.expect("every group ran")));
+    }
+    // combine the pieces of each item (in key order: groups and pieces are in order)
+    let hd = kv.head_dim;
+    let mut merged: Vec<Option<Partial>> = (0..items.len()).map(|_| None).collect();
+    for (item, p) in results.into_iter().flatten() {
+        match &mut merged[item] {
+            slot @ None => *slot = Some(p),
+            Some(m) => {
+                for h in 0..g {
+                    let mx = m.max[h].max(p.max[h]);
+                    let (a, b) = ((m.max[h] - mx).exp(), (p.max[h] - mx).exp());
+                    m.sum[h] = m.sum[h] * a + p.sum[h] * b;
+                    for (x, y) in m.acc[h * hd..(h + 1) * hd].iter_mut().zip(&p.acc[h * hd..(h + 1) * hd]) {
+                        *x = *x * a + *y * b;
+                    }
+                    m.max[h] = mx;
+                }
+            }
+        }
+    }
+    for (t, m) in items.iter().zip(merged) {
+        let m = m.expect("every item has a piece");
+        for h in 0..g {
+            let inv = 1.0 / m.sum[h];
+            let o = (t.row * qs.n_head + t.kvh * g + h) * hd;
+            for (d, x) in out[o..o + hd].iter_mut().zip(&m.acc[h * hd..(h + 1) * hd]) {
+                *d = x * inv;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One task: scores of its keys for the group's query heads, their softmax numerators and
+/// the weighted sum of values.
+fn partial(kv: &PagedKv<'_>, qs: &Queries<'_>, scale: f32, t: Task) -> Partial {
+    let (bs, n_kv, hd) = (kv.block_size, kv.n_kv, kv.head_dim);
+    let g = qs.n_head / n_kv;
+    let table = &qs.tables[t.seq * qs.width..(t.seq + 1) * qs.width];
+    // offset of each key's row (this KV head) in k / v
+    let rows: Vec<usize> = (t.lo..t.hi)
+        .map(|p| ((table[p / bs] as usize * bs + p % bs) * n_kv + t.kvh) * hd)
+        .collect();
+    let q0 = (t.row * qs.n_head + t.kvh * g) * hd;
+    let q: Vec<f32> = qs.q[q0..q0 + g * hd].iter().map(|x| x * scale).collect();
+    let n = rows.len();
+    let mut sc = vec![0f32; n * g]; // [key, head]
+    scores(kv.k, &rows, &q, g, hd, &mut sc);
+    let mut max = vec![f32::NEG_INFINITY; g];
+    for j in 0..n {
+        for h in 0..g {
+            max[h] = max[h].max(sc[j * g + h]);
+        }
+    }
+    let mut sum = vec![0f32; g];
+    for j in 0..n {
+        for h in 0..g {
+            let e = (sc[j * g + h] - max[h]).exp();
+            sc[j * g + h] = e;
+            sum[h] += e;
+        }
+    }
+    let mut acc = vec![0f32; g * hd];
+    weighted_values(kv.v, &rows, &sc, g, hd, &mut acc);
+    Partial { max, sum, acc }
+}
+
+/// `sc[j * g + h] = q[h] . k[rows[j]]`.
+fn scores(k: &[f32], rows: &[usize], q: &[f32], g: usize, hd: usize, sc: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if hd.is_multiple_of(16) && std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma") {
+            // SAFETY: features detected; rows index whole rows of k (built from a checked
+            // table), q holds g rows of hd, sc rows.len() x g.
+            return unsafe { avx2::scores(k, rows, q, g, hd, sc) };
+        }
+    }
+    portable_scores(k, rows, q, g, hd, sc)
+}
+
+/// `acc[h] = sum_j p[j * g + h] * v[rows[j]]`.
+fn weighted_values(v: &[f32], rows: &[usize], p: &[f32], g: usize, hd: usize, acc: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if hd.is_multiple_of(16) && std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma") {
+            // SAFETY: as in `scores`.
+            return unsafe { avx2::weighted_values(v, rows, p, g, hd, acc) };
+        }
+    }
+    portable_weighted_values(v, rows, p, g, hd, acc)
+}
+
+fn portable_scores(k: &[f32], rows: &[usize], q: &[f32], g: usize, hd: usize, sc: &mut [f32]) {
+    for (j, &r) in rows.iter().enumerate() {
+        let kr = &k[r..r + hd];
+        for h in 0..g {
+            sc[j * g + h] = q[h * hd..(h + 1) * hd].iter().zip(kr).map(|(a, b)| a * b).sum();
+        }
+    }
+}
+
+fn portable_weighted_values(v: &[f32], rows: &[usize], p: &[f32], g: usize, hd: usize, acc: &mut [f32]) {
+    for (j, &r) in rows.iter().enumerate() {
+        let vr = &v[r..r + hd];
+        for h in 0..g {
+            let w = p[j * g + h];
+            for (a, b) in acc[h * hd..(h + 1) * hd].iter_mut().zip(vr) {
+                *a += w * b;
+            }
+        }
+    }
+}
+
+/// The portable path of one task, for tests comparing it with the SIMD one.
+pub fn paged_attention_portable(
+    kv: &PagedKv<'_>,
+    qs: &Queries<'_>,
+    scale: f32,
+    window: usize,
+    max_rows: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    check(kv, qs, out)?;
+    let g = qs.n_head / kv.n_kv;
+    let hd = kv.head_dim;
+    for t in tasks(kv, qs, window, max_rows)? {
+        let table = &qs.tables[t.seq * qs.width..(t.seq + 1) * qs.width];
+        let rows: Vec<usize> = (t.lo..t.hi)
+            .map(|p| ((table[p / kv.block_size] as usize * kv.block_size + p % kv.block_size)
+                * kv.n_kv + t.kvh) * hd)
+            .collect();
+        let q0 = (t.row * qs.n_head + t.kvh * g) * hd;
+        let q: Vec<f32> = qs.q[q0..q0 + g * hd].iter().map(|x| x * scale).collect();
+        let mut sc = vec![0f32; rows.len() * g];
+        portable_scores(kv.k, &rows, &q, g, hd, &mut sc);
+        for h in 0..g {
+            let mx = (0..rows.len()).map(|j| sc[j * g + h]).fold(f32::NEG_INFINITY, f32::max);
+            let mut s = 0.0;
+            for j in 0..rows.len() {
+                sc[j * g + h] = (sc[j * g + h] - mx).exp();
+                s += sc[j * g + h];
+            }
+            for j in 0..rows.len() {
+                sc[j * g + h] /= s;
+            }
+        }
+        let mut acc = vec![0f32; g * hd];
+        portable_weighted_values(kv.v, &rows, &sc, g, hd, &mut acc);
+        let o = (t.row * qs.n_head + t.kvh * g) * hd;
+        out[o..o + g * hd].copy_from_slice(&acc);
+    }
+    Ok(())
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)))
+    }
+
+    /// Up to four heads at a time against each key row, two accumulators per head (FMA
+    /// latency), so each key row is read once per four heads.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn scores(k: &[f32], rows: &[usize], q: &[f32], g: usize, hd: usize, sc: &mut [f32]) {
+        let mut h0 = 0;
+        while h0 < g {
+            let hn = (g - h0).min(4);
+            unsafe {
+                match hn {
+                    4 => heads::<4>(k, rows, q, g, h0, hd, sc),
+                    3 => heads::<3>(k, rows, q, g, h0, hd, sc),
+                    2 => heads::<2>(k, rows, q, g, h0, hd, sc),
+                    _ => heads::<1>(k, rows, q, g, h0, hd, sc),
+                }
+            }
+            h0 += hn;
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn heads<const H: usize>(k: &[f32], rows: &[usize], q: &[f32], g: usize, h0: usize,
+                                    hd: usize, sc: &mut [f32]) {
+        let kp = k.as_ptr();
+        let qp = unsafe { q.as_ptr().add(h0 * hd) };
+        for (j, &r) in rows.iter().enumerate() {
+            let kr = unsafe { kp.add(r) };
+            let mut a0 = [_mm256_setzero_ps(); H];
+            let mut a1 = [_mm256_setzero_ps(); H];
+            let mut c = 0;
+            while c < hd {
+                unsafe {
+                    let k0 = _mm256_loadu_ps(kr.add(c));
+                    let k1 = _mm256_loadu_ps(kr.add(c + 8));
+                    for h in 0..H {
+                        a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(h * hd + c)), k0, a0[h]);
+                        a1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(h * hd + c + 8)), k1, a1[h]);
+                    }
+                }
+                c += 16;
+            }
+            for h in 0..H {
+                sc[j * g + h0 + h] = unsafe { hsum(_mm256_add_ps(a0[h], a1[h])) };
+            }
+        }
+    }
+
+    /// 16 output dims x up to four heads in registers while walking all keys, then the next
+    /// 16 dims (each pass reads one cache line of every value row).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn weighted_values(v: &[f32], rows: &[usize], p: &[f32], g: usize, hd: usize,
+                                         acc: &mut [f32]) {
+        let mut h0 = 0;
+        while h0 < g {
+            let hn = (g - h0).min(4);
+            unsafe {
+                match hn {
+                    4 => values::<4>(v, rows, p, g, h0, hd, acc),
+                    3 => values::<3>(v, rows, p, g, h0, hd, acc),
+                    2 => values::<2>(v, rows, p, g, h0, hd, acc),
+                    _ => values::<1>(v, rows, p, g, h0, hd, acc),
+                }
+            }
+            h0 += hn;
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn values<const H: usize>(v: &[f32], rows: &[usize], p: &[f32], g: usize, h0: usize,
+                                     hd: usize, acc: &mut [f32]) {
+        let vp = v.as_ptr();
+        let mut c = 0;
+        while c < hd {
+            let mut a0 = [_mm256_setzero_ps(); H];
+            let mut a1 = [_mm256_setzero_ps(); H];
+            for (j, &r) in rows.iter().enumerate() {
+                unsafe {
+                    let v0 = _mm256_loadu_ps(vp.add(r + c));
+                    let v1 = _mm256_loadu_ps(vp.add(r + c + 8));
+                    for h in 0..H {
+                        let w = _mm256_set1_ps(*p.get_unchecked(j * g + h0 + h));
+                        a0[h] = _mm256_fmadd_ps(w, v0, a0[h]);
+                        a1[h] = _mm256_fmadd_ps(w, v1, a1[h]);
+                    }
+                }
+            }
+            for h in 0..H {
+                unsafe {
+                    let o = acc.as_mut_ptr().add((h0 + h) * hd + c);
+                    _mm256_storeu_ps(o, a0[h]);
+                    _mm256_storeu_ps(o.add(8), a1[h]);
+                }
+            }
+            c += 16;
+        }
+    }
+}
