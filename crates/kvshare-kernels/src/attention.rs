@@ -16,9 +16,9 @@
 use crate::qmatmul::KernelError;
 
 /// Least number of keys worth a task of its own on another thread.
-const KEYS_PER_TASK: usize = 1024;
-/// Least total work (keys x KV heads x head dim) worth waking another thread for.
-const WORK_PER_THREAD: usize = 1 << 20;
+const KEYS_PER_TASK: usize = 256;
+/// Least total work (keys x query heads x head dim) worth another thread (~40 us).
+const WORK_PER_THREAD: usize = 1 << 18;
 
 /// A borrowed layer of the block pool.
 #[derive(Clone, Copy)]
@@ -166,7 +166,7 @@ fn plan(items: &[Task], parts: usize) -> Vec<Vec<(Task, usize)>> {
 
 /// Attention of every query row of the sequences with at most `max_rows` rows, written into
 /// `out` (`[n_tok, n_head, hd]`; other sequences' rows are not touched). `scale` multiplies
-/// q.k before the softmax. Runs on up to `threads` threads of rayon's global pool.
+/// q.k before the softmax. Runs on up to `threads` threads (`crate::pool`).
 pub fn paged_attention(
     kv: &PagedKv<'_>,
     qs: &Queries<'_>,
@@ -183,29 +183,20 @@ pub fn paged_attention(
     }
     let g = qs.n_head / kv.n_kv;
     let work: usize = items.iter().map(|t| (t.hi - t.lo) * kv.head_dim * g).sum();
-    let parts = threads.min(work / WORK_PER_THREAD).max(1);
+    let parts = threads.min(crate::pool::max_parts()).min(work / WORK_PER_THREAD).max(1);
     let groups = plan(&items, parts);
-    let run = |group: &[(Task, usize)]| -> Vec<(usize, Partial)> {
-        group.iter().map(|&(t, item)| (item, partial(kv, qs, scale, t))).collect()
-    };
-    let mut results: Vec<Vec<(usize, Partial)>> = Vec::with_capacity(groups.len());
-    if groups.len() == 1 {
-        results.push(run(&groups[0]));
-    } else {
-        let mut slots: Vec<Option<Vec<(usize, Partial)>>> = (0..groups.len()).map(|_| None).collect();
-        let (first, rest) = slots.split_first_mut().unwrap();
-        rayon::in_place_scope(|scope| {
-            for (slot, group) in rest.iter_mut().zip(&groups[1..]) {
-                scope.spawn(move |_| *slot = Some(run(group)));
-            }
-            *first = Some(run(&groups[0]));
-        });
-        results.extend(slots.into_iter().map(|s| s.expect("every group ran")));
-    }
+    let results: Vec<std::sync::Mutex<Vec<(usize, Partial)>>> =
+        groups.iter().map(|_| std::sync::Mutex::new(Vec::new())).collect();
+    crate::pool::run(groups.len(), &|i| {
+        let r: Vec<(usize, Partial)> =
+            groups[i].iter().map(|&(t, item)| (item, partial(kv, qs, scale, t))).collect();
+        *results[i].lock().unwrap_or_else(|e| e.into_inner()) = r;
+    });
+    let results = results.into_iter().map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()));
     // combine the pieces of each item (in key order: groups and pieces are in order)
     let hd = kv.head_dim;
     let mut merged: Vec<Option<Partial>> = (0..items.len()).map(|_| None).collect();
-    for (item, p) in results.into_iter().flatten() {
+    for (item, p) in results.flatten() {
         match &mut merged[item] {
             slot @ None => *slot = Some(p),
             Some(m) => {

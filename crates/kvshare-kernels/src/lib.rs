@@ -8,6 +8,7 @@
 //! dequantized weights up to summation order.
 
 pub mod attention;
+pub mod pool;
 pub mod qmatmul;
 
 pub use attention::{paged_attention, PagedKv, Queries};

@@ -1,7 +1,8 @@
 //! `out[m, n] = sum_k x[m, k] * w[n, k]` where `w` is block-quantized:
 //! `w[n, k] = qs[n, k] * scale[n, k / G] - mins[n, k / G]` (mins optional), G = 16 or 32.
 //!
-//! Work is split over output rows `n` (tiles of `TILE` rows) across `threads` rayon tasks.
+//! Work is split over output rows `n` (tiles of `TILE` rows) into up to `threads` parts run by
+//! `crate::pool` (workers that spin between the calls of a decode step).
 //! Within one weight row, activation rows are processed in blocks of up to 4, so each weight
 //! is loaded and converted once per 4 activation rows (decode of a batch reads the weights
 //! once, not once per sequence).
@@ -10,8 +11,9 @@ use thiserror::Error;
 
 /// Output rows are split between threads in multiples of this.
 const TILE: usize = 32;
-/// Least work (weights x row blocks) worth handing to another thread.
-const WEIGHTS_PER_THREAD: usize = 2 << 20;
+/// Least work (weights x row blocks) worth handing to another thread: a spinning worker
+/// takes a part in about a microsecond, a 256K-weight part runs ~25 us.
+const WEIGHTS_PER_THREAD: usize = 1 << 18;
 /// Activation rows processed together against one converted weight vector.
 const ROW_BLOCK: usize = 4;
 
@@ -84,7 +86,7 @@ unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 /// `out = x @ w.T` for `x` f32 `[m, w.k]` (row-major) into `out` f32 `[m, w.n]`, on up to
-/// `threads` threads of rayon's global pool (1: on the calling thread only).
+/// `threads` threads (1: on the calling thread only).
 pub fn qmatmul_t(
     x: &[f32],
     m: usize,
@@ -100,30 +102,16 @@ pub fn qmatmul_t(
     let n_tiles = w.n.div_ceil(TILE);
     // waking a pool thread costs about what converting ~2M weights does
     let work = w.n * w.k * m.div_ceil(ROW_BLOCK);
-    let parts = threads.min(n_tiles).min(work / WEIGHTS_PER_THREAD).max(1);
-    let run = |lo: usize, hi: usize| {
-        // SAFETY: x/w were checked above; rows [lo, hi) of w and columns [lo, hi) of out
-        // belong to this task alone.
-        unsafe { rows_range(x, m, w, ptr, lo, hi) }
-    };
-    if parts == 1 {
-        run(0, w.n);
-    } else {
-        // The calling thread computes the first part itself and the pool the others: a
-        // decode step calls this ~70 times with NumPy work in between, long enough for the
-        // pool's threads to fall asleep, so every thread handed work costs a wake-up (tens of
-        // microseconds, comparable to a whole small layer).
-        let per = n_tiles.div_ceil(parts) * TILE;
-        rayon::in_place_scope(|scope| {
-            for t in 1..parts {
-                let (lo, hi) = (t * per, ((t + 1) * per).min(w.n));
-                if lo < hi {
-                    scope.spawn(move |_| run(lo, hi));
-                }
-            }
-            run(0, per.min(w.n));
-        });
-    }
+    let parts = threads.min(crate::pool::max_parts()).min(n_tiles).min(work / WEIGHTS_PER_THREAD).max(1);
+    let per = n_tiles.div_ceil(parts) * TILE;
+    crate::pool::run(parts, &|t| {
+        let (lo, hi) = (t * per, ((t + 1) * per).min(w.n));
+        if lo < hi {
+            // SAFETY: x/w were checked above; rows [lo, hi) of w and columns [lo, hi) of
+            // out belong to this part alone.
+            unsafe { rows_range(x, m, w, ptr, lo, hi) }
+        }
+    });
     Ok(())
 }
 
