@@ -2,8 +2,13 @@
 batch 1/4/8 (short context) and batch 1 at ~6K context, and peak RSS.
 
     python bench/model_bench.py [--model PATH] [--device cpu] [--chunk 512] [--quick]
+                                [--llama-bench PATH/TO/llama-bench]
 
-Prints a table and writes bench/out/model_bench.json. Prompts are random token ids (the
+Prints a table and writes bench/out/model_bench.json. With `--llama-bench`, llama.cpp's
+benchmark binary (built by you; not part of this project) runs the same prompt sizes and
+decode depths on the same model with as many threads, right after ours, and the table gets
+its numbers and our ratio to them (the issue's targets are ratios to llama.cpp on the same
+machine, which is shared and whose speed drifts from day to day). Prompts are random token ids (the
 forward pass cost does not depend on which tokens). Prefill runs in chunks of `--chunk`
 tokens (the engine's prefill budget), asking for the last logits only, like a server does.
 Each number is the best of `--repeat` runs (other processes share this machine's cores).
@@ -20,6 +25,7 @@ import json
 import os
 import platform
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -95,6 +101,25 @@ def bench_decode(model, batch, context, steps, repeat, chunk, block_size=16):
     return batch * steps / best, best / steps, batch * steps / best_cpu
 
 
+def llama_bench(binary: str, model: str, threads: int, prefill_sizes: list[int],
+                decode_depths: list[int], repeat: int) -> dict[str, float]:
+    """llama.cpp's tokens/s keyed like our rows: 'prefill N' (pp N at depth 0) and
+    'decode batch 1 @ctx D' (tg 16 at depth D)."""
+    def run(args: list[str]) -> list[dict]:
+        cmd = [binary, "-m", model, "-t", str(threads), "-r", str(repeat), "-o", "json", *args]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        return json.loads(res.stdout)
+
+    out: dict[str, float] = {}
+    if prefill_sizes:
+        for r in run(["-p", ",".join(map(str, prefill_sizes)), "-n", "0"]):
+            out[f"prefill {r['n_prompt']}"] = r["avg_ts"]
+    if decode_depths:
+        for r in run(["-p", "0", "-n", "16", "-d", ",".join(map(str, decode_depths))]):
+            out[f"decode batch 1 @ctx {r['n_depth']}"] = r["avg_ts"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
@@ -104,6 +129,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1K prefill and batch 1/4 only")
     ap.add_argument("--only", choices=["prefill", "decode"], default=None)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "model_bench.json"))
+    ap.add_argument("--llama-bench", default=None,
+                    help="llama.cpp's llama-bench binary, to measure it side by side")
     args = ap.parse_args()
 
     path = args.model or default_model_path()
@@ -133,6 +160,17 @@ def main() -> None:
                      "step_ms": step_s * 1e3, "tokens_per_cpu_s": tpc})
         print(f"decode batch {batch} ctx {ctx:>5}: {tps:8.1f} tok/s ({step_s * 1e3:.1f} ms/step;"
               f" {tpc:.1f} tok per CPU-s)", flush=True)
+    peer: dict[str, float] = {}
+    if args.llama_bench:
+        from kvshare.backend import CPU_THREADS  # noqa: PLC0415
+
+        depths = [ctx for batch, ctx in decode_cases if batch == 1]
+        peer = llama_bench(args.llama_bench, str(path), CPU_THREADS.max_threads,
+                           prefill_sizes, depths, args.repeat)
+        for r in rows:
+            if r["test"] in peer:
+                r["llama_cpp_tokens_per_s"] = peer[r["test"]]
+                r["ratio_to_llama_cpp"] = r["tokens_per_s"] / peer[r["test"]]
     rates = {r["test"]: r["tokens_per_s"] for r in rows}
     d1 = rates.get("decode batch 1 @ctx 64", float("nan"))
     d4 = rates.get("decode batch 4 @ctx 64", float("nan"))
@@ -144,12 +182,17 @@ def main() -> None:
                     "load_avg": os.getloadavg(),
                     "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS")},
         "targets": {"prefill_tok_s": 0.7 * 713, "decode_b1_tok_s": 0.4 * 75,
+                    "prefill_ratio_to_llama_cpp": 0.7, "decode_b1_ratio_to_llama_cpp": 0.4,
                     "batch4_over_batch1": 2.0, "peak_rss_mib": 1.5 * 1024},
     }
     print()
-    print(f"{'test':<28}{'tokens/s':>12}{'tok/CPU-s':>12}")
+    head = f"{'test':<28}{'tokens/s':>12}{'tok/CPU-s':>12}"
+    print(head + (f"{'llama.cpp':>12}{'ratio':>8}" if peer else ""))
     for r in rows:
-        print(f"{r['test']:<28}{r['tokens_per_s']:>12.1f}{r['tokens_per_cpu_s']:>12.1f}")
+        line = f"{r['test']:<28}{r['tokens_per_s']:>12.1f}{r['tokens_per_cpu_s']:>12.1f}"
+        if "ratio_to_llama_cpp" in r:
+            line += f"{r['llama_cpp_tokens_per_s']:>12.1f}{r['ratio_to_llama_cpp']:>8.2f}"
+        print(line)
     print(f"{'batch-4 / batch-1':<28}{result['batch4_over_batch1']:>12.2f}")
     print(f"{'load (s)':<28}{load_s:>12.2f}")
     print(f"{'RSS after load (MiB)':<28}{rss_loaded:>12.0f}")
