@@ -1,11 +1,12 @@
 //! CPU compute kernels for kvshare's model runtime.
 //!
 //! NumPy and OpenBLAS run the large products (prefill), but a decode step multiplies a few
-//! activation rows by every weight once, and there the cost is reading the weights: kept as
-//! int8 with per-group scales they are ~4x smaller than f32. This crate holds the one kernel
-//! that makes that pay: `qmatmul_t`, with explicit AVX2 + FMA (runtime-detected) and a
-//! portable fallback. Activations stay f32, so results equal the f32 product of the
-//! dequantized weights up to summation order.
+//! activation rows by every weight once and reads every cached key and value once, and there
+//! the cost is reading memory. `qmatmul_t` multiplies by weights kept as int8 with per-group
+//! scales (~4x smaller than f32); `paged_attention` scores a decode row against its keys in
+//! one pass over the block pool. Both use explicit AVX2 + FMA (runtime-detected) with a
+//! portable fallback, and split their work over `pool`'s threads. Activations stay f32, so
+//! results equal the f32 computation up to summation order.
 
 pub mod attention;
 pub mod pool;

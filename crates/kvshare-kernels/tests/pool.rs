@@ -1,0 +1,66 @@
+//! The kernels' worker pool: every part runs exactly once, borrowed data is safe to use,
+//! concurrent callers each get all their parts done, and a panicking part reaches the caller.
+
+use kvshare_kernels::pool::{max_parts, run};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+#[test]
+fn every_part_runs_once() {
+    for parts in [1, 2, 3, 7] {
+        let hits: Vec<AtomicUsize> = (0..parts).map(|_| AtomicUsize::new(0)).collect();
+        run(parts, &|i| {
+            hits[i].fetch_add(1, Ordering::SeqCst);
+        });
+        assert!(hits.iter().all(|h| h.load(Ordering::SeqCst) == 1), "parts = {parts}");
+    }
+    assert!(max_parts() >= 1);
+}
+
+#[test]
+fn parts_after_the_workers_park_still_run() {
+    // the workers spin 2 ms, then park: a call after that has to wake them
+    let total = AtomicUsize::new(0);
+    for _ in 0..3 {
+        std::thread::sleep(Duration::from_millis(5));
+        run(2, &|i| {
+            total.fetch_add(i + 1, Ordering::SeqCst);
+        });
+    }
+    assert_eq!(total.load(Ordering::SeqCst), 9);
+}
+
+#[test]
+fn concurrent_callers_each_finish() {
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            s.spawn(move || {
+                for round in 0..200 {
+                    let sum = AtomicUsize::new(0);
+                    run(3, &|i| {
+                        sum.fetch_add(i + t + round, Ordering::SeqCst);
+                    });
+                    assert_eq!(sum.load(Ordering::SeqCst), 3 * (t + round) + 3);
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn a_panicking_part_reaches_the_caller() {
+    let r = std::panic::catch_unwind(|| {
+        run(2, &|i| {
+            if i == max_parts().min(2) - 1 {
+                panic!("part {i} fails");
+            }
+        })
+    });
+    assert!(r.is_err());
+    // and the pool still works afterwards
+    let n = AtomicUsize::new(0);
+    run(2, &|_| {
+        n.fetch_add(1, Ordering::SeqCst);
+    });
+    assert_eq!(n.load(Ordering::SeqCst), 2);
+}
