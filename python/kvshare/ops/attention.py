@@ -101,6 +101,20 @@ def _pieces(cache: np.ndarray, blocks: np.ndarray, runs: list[tuple[int, int]] |
             for a, e in runs]
 
 
+def _key_blocks(block_tables: Any, s: int, p0: int, n: int, window: int, bs: int
+                ) -> tuple[np.ndarray, int, int]:
+    """The block ids holding the keys that sequence s's rows (positions `p0 .. p0 + n - 1`)
+    see, the index of the first of them in its table and the first key position; IndexError
+    when the table does not cover them."""
+    qp_hi = p0 + n
+    k_lo = max(0, p0 - window + 1) if window else 0
+    b0, b1 = k_lo // bs, -(-qp_hi // bs)
+    blocks = np.asarray(block_tables[s, b0:b1])
+    if len(blocks) < b1 - b0 or (blocks < 0).any():
+        raise IndexError(f"sequence {s}: block table does not cover positions < {qp_hi}")
+    return blocks, b0, k_lo
+
+
 def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_starts: Any,
                     start_positions: Any, *, scale: float, window: int = 0,
                     backend: Backend = CPU, out: Any | None = None,
@@ -136,12 +150,19 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
         kernel_rows = KERNEL_MAX_ROWS
         qc = q if q.flags.c_contiguous else np.ascontiguousarray(q)
         res = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
-        _core.paged_attention(qc, k_cache, v_cache,
-                              np.ascontiguousarray(block_tables, dtype=np.int32),
-                              np.ascontiguousarray(q_starts, dtype=np.int64),
-                              np.ascontiguousarray(start_positions, dtype=np.int64),
-                              float(scale), int(window), res, kernel_rows,
-                              CPU_THREADS.kernel_threads)
+        try:
+            _core.paged_attention(qc, k_cache, v_cache,
+                                  np.ascontiguousarray(block_tables, dtype=np.int32),
+                                  np.ascontiguousarray(q_starts, dtype=np.int64),
+                                  np.ascontiguousarray(start_positions, dtype=np.int64),
+                                  float(scale), int(window), res, kernel_rows,
+                                  CPU_THREADS.kernel_threads)
+        except IndexError:
+            # name the first uncovered sequence of the whole batch, as the GPU op does
+            for s in range(len(q_starts) - 1):
+                _key_blocks(block_tables, s, int(start_positions[s]),
+                            int(q_starts[s + 1] - q_starts[s]), window, bs)
+            raise
         if res is not out:
             out[...] = res  # only the kernel's rows matter; the rest is written below
     jobs = []  # (sequence's keys/values, query rows, tile), one per query tile
@@ -152,11 +173,7 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
             continue
         p0 = int(start_positions[s])
         qp_hi = p0 + n  # one past the last query position
-        k_lo_all = max(0, p0 - window + 1) if window else 0
-        b0, b1 = k_lo_all // bs, -(-qp_hi // bs)
-        blocks = np.asarray(block_tables[s, b0:b1])
-        if len(blocks) < b1 - b0 or (blocks < 0).any():
-            raise IndexError(f"sequence {s}: block table does not cover positions < {qp_hi}")
+        blocks, b0, k_lo_all = _key_blocks(block_tables, s, p0, n, window, bs)
         runs = _block_runs(blocks)
         seq = (s, r0, p0, b0 * bs, _pieces(k_cache, blocks, runs), _pieces(v_cache, blocks, runs))
         # query tiles small enough that a tile's score matrix stays ~16 MB
