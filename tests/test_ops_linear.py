@@ -134,3 +134,31 @@ def test_rust_kernel_rejects_bad_arguments():
                         buf[120:].reshape(2, 8), 32)
     with pytest.raises(TypeError):
         _core.qmatmul_t([[1.0] * 64] * 2, qw.qs, qw.scale, None, out, 32)
+
+
+def test_kernels_work_in_a_forked_child():
+    """The kernels' worker threads do not survive fork(): a child runs every part itself
+    rather than waiting on workers that do not exist there."""
+    import multiprocessing as mp
+
+    from kvshare import _core
+
+    x = np.ones((1, 64), np.float32)
+    qs = np.ones((8192, 64), np.int8)
+    scale = np.ones((8192, 2), np.float32)
+    out = np.empty((1, 8192), np.float32)
+    _core.qmatmul_t(x, qs, scale, None, out, 32, 2)  # start the workers here first
+    ctx = mp.get_context("fork")
+    with ctx.Pool(1) as pool:
+        res = pool.apply_async(_forked_product, ())
+        assert res.get(timeout=60) == 64.0 * 8192
+
+
+def _forked_product() -> float:
+    from kvshare import _core
+
+    x = np.ones((1, 64), np.float32)
+    qs = np.ones((8192, 64), np.int8)
+    out = np.empty((1, 8192), np.float32)
+    _core.qmatmul_t(x, qs, np.ones((8192, 2), np.float32), None, out, 32, 2)
+    return float(out.sum())

@@ -10,7 +10,8 @@
 //!
 //! `run(parts, f)` calls `f(0)` on the calling thread and `f(1..parts)` on workers, and
 //! returns when all have finished (so `f` may borrow from the caller's stack). One caller at
-//! a time uses the workers; a second concurrent caller runs all its parts itself.
+//! a time uses the workers; a second concurrent caller (or a forked child, which has no
+//! workers) runs all its parts itself.
 
 use std::cell::UnsafeCell;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
@@ -45,6 +46,9 @@ unsafe impl Send for Slot {}
 struct Pool {
     slots: Vec<Arc<Slot>>,
     busy: AtomicBool,
+    /// The process that started the workers: a forked child has none of them and runs every
+    /// part itself instead of waiting for threads that do not exist there.
+    pid: u32,
 }
 
 fn pool() -> &'static Pool {
@@ -69,7 +73,7 @@ fn pool() -> &'static Pool {
                 slot
             })
             .collect();
-        Pool { slots, busy: AtomicBool::new(false) }
+        Pool { slots, busy: AtomicBool::new(false), pid: std::process::id() }
     })
 }
 
@@ -116,7 +120,7 @@ pub fn max_parts() -> usize {
 pub fn run(parts: usize, f: &(dyn Fn(usize) + Sync)) {
     let p = pool();
     let extra = parts.saturating_sub(1).min(p.slots.len());
-    if extra == 0 || p.busy.swap(true, Ordering::Acquire) {
+    if extra == 0 || p.pid != std::process::id() || p.busy.swap(true, Ordering::Acquire) {
         (0..parts).for_each(f);
         return;
     }
