@@ -20,8 +20,16 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread;
 use std::time::{Duration, Instant};
 
-/// How long an idle worker polls before parking.
+/// How long an idle worker polls before parking, unless `KVSHARE_KERNEL_SPIN_US` (read once)
+/// says otherwise (0: park at once, as a plain pool would).
 const SPIN: Duration = Duration::from_millis(2);
+
+fn spin_window() -> Duration {
+    std::env::var("KVSHARE_KERNEL_SPIN_US")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map_or(SPIN, Duration::from_micros)
+}
 
 type Job = *const (dyn Fn(usize) + Sync);
 
@@ -66,9 +74,10 @@ fn pool() -> &'static Pool {
                     wake: Condvar::new(),
                 });
                 let s = Arc::clone(&slot);
+                let spin = spin_window();
                 thread::Builder::new()
                     .name(format!("kvshare-kernel-{}", i + 1))
-                    .spawn(move || worker(&s))
+                    .spawn(move || worker(&s, spin))
                     .expect("spawn a kernel worker");
                 slot
             })
@@ -77,7 +86,7 @@ fn pool() -> &'static Pool {
     })
 }
 
-fn worker(slot: &Slot) {
+fn worker(slot: &Slot, spin: Duration) {
     let mut seen = 0u64;
     loop {
         // poll, then park
@@ -86,7 +95,7 @@ fn worker(slot: &Slot) {
         while slot.posted.load(Ordering::Acquire) == seen {
             std::hint::spin_loop();
             polls += 1;
-            if polls.is_multiple_of(256) && start.elapsed() > SPIN {
+            if polls.is_multiple_of(256) && start.elapsed() >= spin {
                 let mut sleeping = slot.sleeping.lock().unwrap_or_else(|e| e.into_inner());
                 *sleeping = true;
                 while slot.posted.load(Ordering::Acquire) == seen {
