@@ -136,7 +136,8 @@ def test_block_runs_read_in_place_or_gathered(monkeypatch, max_runs):
 
 @pytest.mark.parametrize("n_head,n_kv,hd", [(4, 1, 256), (8, 2, 64), (3, 3, 8)])
 @pytest.mark.parametrize("window", [0, 512])
-def test_decode_kernel_equals_numpy_path(monkeypatch, n_head, n_kv, hd, window):
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+def test_decode_kernel_equals_numpy_path(monkeypatch, n_head, n_kv, hd, window, kv_dtype):
     """Sequences with one query row go to the compiled kernel (`_core.paged_attention`, split
     over threads at long context); the NumPy tiles give the same result, and a sequence with
     several rows in the same call still takes the NumPy path."""
@@ -146,6 +147,9 @@ def test_decode_kernel_equals_numpy_path(monkeypatch, n_head, n_kv, hd, window):
     bs = 16
     lens, starts = [1, 1, 5, 1], [3000, 40, 700, 1200]  # decode rows and one prefill chunk
     kc, vc, bt, keys, vals = _setup(rng, lens, starts, n_head, n_kv, hd, bs, 400, True)
+    kc, vc = kc.astype(kv_dtype), vc.astype(kv_dtype)  # an f16 pool holds rounded values
+    keys = [k.astype(kv_dtype).astype(np.float32) for k in keys]
+    vals = [v.astype(kv_dtype).astype(np.float32) for v in vals]
     q = rng.standard_normal((sum(lens), n_head, hd)).astype(np.float32)
     q_starts = np.concatenate([[0], np.cumsum(lens)])
     args = (q, kc, vc, bt, q_starts, np.array(starts))

@@ -297,8 +297,8 @@ def qmatmul_t(
 
 def paged_attention(
     q: npt.NDArray[np.float32],
-    k_cache: npt.NDArray[np.float32],
-    v_cache: npt.NDArray[np.float32],
+    k_cache: npt.NDArray[np.float32] | npt.NDArray[np.float16],
+    v_cache: npt.NDArray[np.float32] | npt.NDArray[np.float16],
     block_tables: npt.NDArray[np.int32],
     q_starts: npt.NDArray[np.int64],
     start_positions: npt.NDArray[np.int64],
@@ -311,7 +311,8 @@ def paged_attention(
     """Attention of the query rows of every sequence with at most `max_rows` rows over the
     paged cache, into `out`; rows of longer sequences are not written.
 
-    q/out f32 `[N, n_head, hd]`; k_cache/v_cache f32 `[n_blocks, block_size, n_kv, hd]`;
+    q/out f32 `[N, n_head, hd]`; k_cache/v_cache f32 or f16 (both the same)
+    `[n_blocks, block_size, n_kv, hd]`;
     block_tables int32 `[n_seq, width]` (-1 padded); q_starts int64 `[n_seq + 1]`;
     start_positions int64 `[n_seq]`. Masks and head grouping as
     `kvshare.ops.attention.paged_attention`. All C-contiguous, read in place, GIL released.

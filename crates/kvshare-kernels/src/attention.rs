@@ -20,11 +20,47 @@ const KEYS_PER_TASK: usize = 256;
 /// Least total work (keys x query heads x head dim) worth another thread (~40 us).
 const WORK_PER_THREAD: usize = 1 << 18;
 
+/// An element type of the KV pool: f32, or IEEE half precision (`F16`, the pool's f16 mode).
+pub trait KvElem: Copy + Sync + 'static {
+    fn to_f32(self) -> f32;
+}
+
+impl KvElem for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+/// An IEEE 754 half-precision value, as NumPy's float16 stores it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct F16(pub u16);
+
+impl KvElem for F16 {
+    fn to_f32(self) -> f32 {
+        let h = self.0 as u32;
+        let sign = (h & 0x8000) << 16;
+        let exp = (h >> 10) & 0x1f;
+        let man = h & 0x3ff;
+        let bits = match (exp, man) {
+            (0, 0) => sign,
+            (0, _) => {
+                // subnormal: normalise
+                let shift = man.leading_zeros() - 21;
+                sign | ((113 - shift) << 23) | (((man << shift) & 0x3ff) << 13)
+            }
+            (31, _) => sign | 0x7f80_0000 | (man << 13),
+            _ => sign | ((exp + 112) << 23) | (man << 13),
+        };
+        f32::from_bits(bits)
+    }
+}
+
 /// A borrowed layer of the block pool.
 #[derive(Clone, Copy)]
-pub struct PagedKv<'a> {
-    pub k: &'a [f32],
-    pub v: &'a [f32],
+pub struct PagedKv<'a, T: KvElem = f32> {
+    pub k: &'a [T],
+    pub v: &'a [T],
     pub n_blocks: usize,
     pub block_size: usize,
     pub n_kv: usize,
@@ -68,7 +104,7 @@ fn shape_err<T>(m: String) -> Result<T, KernelError> {
     Err(KernelError::Shape(m))
 }
 
-fn check(kv: &PagedKv<'_>, qs: &Queries<'_>, out: &[f32]) -> Result<usize, KernelError> {
+fn check<T: KvElem>(kv: &PagedKv<'_, T>, qs: &Queries<'_>, out: &[f32]) -> Result<usize, KernelError> {
     let (nb, bs, n_kv, hd) = (kv.n_blocks, kv.block_size, kv.n_kv, kv.head_dim);
     let size = nb * bs * n_kv * hd;
     if kv.k.len() != size || kv.v.len() != size {
@@ -100,7 +136,7 @@ fn check(kv: &PagedKv<'_>, qs: &Queries<'_>, out: &[f32]) -> Result<usize, Kerne
 
 /// The tasks of every sequence with at most `max_rows` query rows (others are left to the
 /// caller), checking that each one's block table covers its keys.
-fn tasks(kv: &PagedKv<'_>, qs: &Queries<'_>, window: usize, max_rows: usize)
+fn tasks<T: KvElem>(kv: &PagedKv<'_, T>, qs: &Queries<'_>, window: usize, max_rows: usize)
     -> Result<Vec<Task>, KernelError> {
     let bs = kv.block_size;
     let mut out = Vec::new();
@@ -167,8 +203,8 @@ fn plan(items: &[Task], parts: usize) -> Vec<Vec<(Task, usize)>> {
 /// Attention of every query row of the sequences with at most `max_rows` rows, written into
 /// `out` (`[n_tok, n_head, hd]`; other sequences' rows are not touched). `scale` multiplies
 /// q.k before the softmax. Runs on up to `threads` threads (`crate::pool`).
-pub fn paged_attention(
-    kv: &PagedKv<'_>,
+pub fn paged_attention<T: KvElem>(
+    kv: &PagedKv<'_, T>,
     qs: &Queries<'_>,
     scale: f32,
     window: usize,
@@ -227,7 +263,7 @@ pub fn paged_attention(
 
 /// One task: scores of its keys for the group's query heads, their softmax numerators and
 /// the weighted sum of values.
-fn partial(kv: &PagedKv<'_>, qs: &Queries<'_>, scale: f32, t: Task) -> Partial {
+fn partial<T: KvElem>(kv: &PagedKv<'_, T>, qs: &Queries<'_>, scale: f32, t: Task) -> Partial {
     let (bs, n_kv, hd) = (kv.block_size, kv.n_kv, kv.head_dim);
     let g = qs.n_head / n_kv;
     let table = &qs.tables[t.seq * qs.width..(t.seq + 1) * qs.width];
@@ -260,11 +296,19 @@ fn partial(kv: &PagedKv<'_>, qs: &Queries<'_>, scale: f32, t: Task) -> Partial {
 }
 
 /// `sc[j * g + h] = q[h] . k[rows[j]]`.
-fn scores(k: &[f32], rows: &[usize], q: &[f32], g: usize, hd: usize, sc: &mut [f32]) {
+/// Whether the AVX2 path can run (every AVX2 CPU also has F16C, which f16 pools use).
+#[cfg(target_arch = "x86_64")]
+fn simd_ok(hd: usize) -> bool {
+    hd.is_multiple_of(16)
+        && std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma")
+        && std::is_x86_feature_detected!("f16c")
+}
+
+fn scores<T: KvElem>(k: &[T], rows: &[usize], q: &[f32], g: usize, hd: usize, sc: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
-        if hd.is_multiple_of(16) && std::is_x86_feature_detected!("avx2")
-            && std::is_x86_feature_detected!("fma") {
+        if simd_ok(hd) {
             // SAFETY: features detected; rows index whole rows of k (built from a checked
             // table), q holds g rows of hd, sc rows.len() x g.
             return unsafe { avx2::scores(k, rows, q, g, hd, sc) };
@@ -274,11 +318,10 @@ fn scores(k: &[f32], rows: &[usize], q: &[f32], g: usize, hd: usize, sc: &mut [f
 }
 
 /// `acc[h] = sum_j p[j * g + h] * v[rows[j]]`.
-fn weighted_values(v: &[f32], rows: &[usize], p: &[f32], g: usize, hd: usize, acc: &mut [f32]) {
+fn weighted_values<T: KvElem>(v: &[T], rows: &[usize], p: &[f32], g: usize, hd: usize, acc: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     {
-        if hd.is_multiple_of(16) && std::is_x86_feature_detected!("avx2")
-            && std::is_x86_feature_detected!("fma") {
+        if simd_ok(hd) {
             // SAFETY: as in `scores`.
             return unsafe { avx2::weighted_values(v, rows, p, g, hd, acc) };
         }
@@ -286,30 +329,30 @@ fn weighted_values(v: &[f32], rows: &[usize], p: &[f32], g: usize, hd: usize, ac
     portable_weighted_values(v, rows, p, g, hd, acc)
 }
 
-fn portable_scores(k: &[f32], rows: &[usize], q: &[f32], g: usize, hd: usize, sc: &mut [f32]) {
+fn portable_scores<T: KvElem>(k: &[T], rows: &[usize], q: &[f32], g: usize, hd: usize, sc: &mut [f32]) {
     for (j, &r) in rows.iter().enumerate() {
         let kr = &k[r..r + hd];
         for h in 0..g {
-            sc[j * g + h] = q[h * hd..(h + 1) * hd].iter().zip(kr).map(|(a, b)| a * b).sum();
+            sc[j * g + h] = q[h * hd..(h + 1) * hd].iter().zip(kr).map(|(a, b)| a * b.to_f32()).sum();
         }
     }
 }
 
-fn portable_weighted_values(v: &[f32], rows: &[usize], p: &[f32], g: usize, hd: usize, acc: &mut [f32]) {
+fn portable_weighted_values<T: KvElem>(v: &[T], rows: &[usize], p: &[f32], g: usize, hd: usize, acc: &mut [f32]) {
     for (j, &r) in rows.iter().enumerate() {
         let vr = &v[r..r + hd];
         for h in 0..g {
             let w = p[j * g + h];
             for (a, b) in acc[h * hd..(h + 1) * hd].iter_mut().zip(vr) {
-                *a += w * b;
+                *a += w * b.to_f32();
             }
         }
     }
 }
 
 /// The portable path of one task, for tests comparing it with the SIMD one.
-pub fn paged_attention_portable(
-    kv: &PagedKv<'_>,
+pub fn paged_attention_portable<T: KvElem>(
+    kv: &PagedKv<'_, T>,
     qs: &Queries<'_>,
     scale: f32,
     window: usize,
@@ -350,9 +393,24 @@ pub fn paged_attention_portable(
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
+    use super::{KvElem, F16};
+    use std::any::TypeId;
     use std::arch::x86_64::*;
 
-    #[target_feature(enable = "avx2,fma")]
+    /// 8 consecutive elements as f32 (f16 through F16C's `vcvtph2ps`).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load8<T: KvElem>(p: *const T) -> __m256 {
+        unsafe {
+            if TypeId::of::<T>() == TypeId::of::<F16>() {
+                _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+            } else {
+                _mm256_loadu_ps(p as *const f32)
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn hsum(v: __m256) -> f32 {
         let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -362,26 +420,26 @@ mod avx2 {
 
     /// Up to four heads at a time against each key row, two accumulators per head (FMA
     /// latency), so each key row is read once per four heads.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn scores(k: &[f32], rows: &[usize], q: &[f32], g: usize, hd: usize, sc: &mut [f32]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scores<T: KvElem>(k: &[T], rows: &[usize], q: &[f32], g: usize, hd: usize, sc: &mut [f32]) {
         let mut h0 = 0;
         while h0 < g {
             let hn = (g - h0).min(4);
             unsafe {
                 match hn {
-                    4 => heads::<4>(k, rows, q, g, h0, hd, sc),
-                    3 => heads::<3>(k, rows, q, g, h0, hd, sc),
-                    2 => heads::<2>(k, rows, q, g, h0, hd, sc),
-                    _ => heads::<1>(k, rows, q, g, h0, hd, sc),
+                    4 => heads::<T, 4>(k, rows, q, g, h0, hd, sc),
+                    3 => heads::<T, 3>(k, rows, q, g, h0, hd, sc),
+                    2 => heads::<T, 2>(k, rows, q, g, h0, hd, sc),
+                    _ => heads::<T, 1>(k, rows, q, g, h0, hd, sc),
                 }
             }
             h0 += hn;
         }
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn heads<const H: usize>(k: &[f32], rows: &[usize], q: &[f32], g: usize, h0: usize,
+    unsafe fn heads<T: KvElem, const H: usize>(k: &[T], rows: &[usize], q: &[f32], g: usize, h0: usize,
                                     hd: usize, sc: &mut [f32]) {
         let kp = k.as_ptr();
         let qp = unsafe { q.as_ptr().add(h0 * hd) };
@@ -392,8 +450,8 @@ mod avx2 {
             let mut c = 0;
             while c < hd {
                 unsafe {
-                    let k0 = _mm256_loadu_ps(kr.add(c));
-                    let k1 = _mm256_loadu_ps(kr.add(c + 8));
+                    let k0 = load8(kr.add(c));
+                    let k1 = load8(kr.add(c + 8));
                     for h in 0..H {
                         a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(h * hd + c)), k0, a0[h]);
                         a1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(h * hd + c + 8)), k1, a1[h]);
@@ -409,27 +467,27 @@ mod avx2 {
 
     /// 16 output dims x up to four heads in registers while walking all keys, then the next
     /// 16 dims (each pass reads one cache line of every value row).
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn weighted_values(v: &[f32], rows: &[usize], p: &[f32], g: usize, hd: usize,
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn weighted_values<T: KvElem>(v: &[T], rows: &[usize], p: &[f32], g: usize, hd: usize,
                                          acc: &mut [f32]) {
         let mut h0 = 0;
         while h0 < g {
             let hn = (g - h0).min(4);
             unsafe {
                 match hn {
-                    4 => values::<4>(v, rows, p, g, h0, hd, acc),
-                    3 => values::<3>(v, rows, p, g, h0, hd, acc),
-                    2 => values::<2>(v, rows, p, g, h0, hd, acc),
-                    _ => values::<1>(v, rows, p, g, h0, hd, acc),
+                    4 => values::<T, 4>(v, rows, p, g, h0, hd, acc),
+                    3 => values::<T, 3>(v, rows, p, g, h0, hd, acc),
+                    2 => values::<T, 2>(v, rows, p, g, h0, hd, acc),
+                    _ => values::<T, 1>(v, rows, p, g, h0, hd, acc),
                 }
             }
             h0 += hn;
         }
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn values<const H: usize>(v: &[f32], rows: &[usize], p: &[f32], g: usize, h0: usize,
+    unsafe fn values<T: KvElem, const H: usize>(v: &[T], rows: &[usize], p: &[f32], g: usize, h0: usize,
                                      hd: usize, acc: &mut [f32]) {
         let vp = v.as_ptr();
         let mut c = 0;
@@ -438,8 +496,8 @@ mod avx2 {
             let mut a1 = [_mm256_setzero_ps(); H];
             for (j, &r) in rows.iter().enumerate() {
                 unsafe {
-                    let v0 = _mm256_loadu_ps(vp.add(r + c));
-                    let v1 = _mm256_loadu_ps(vp.add(r + c + 8));
+                    let v0 = load8(vp.add(r + c));
+                    let v1 = load8(vp.add(r + c + 8));
                     for h in 0..H {
                         let w = _mm256_set1_ps(*p.get_unchecked(j * g + h0 + h));
                         a0[h] = _mm256_fmadd_ps(w, v0, a0[h]);

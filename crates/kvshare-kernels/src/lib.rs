@@ -12,5 +12,5 @@ pub mod attention;
 pub mod pool;
 pub mod qmatmul;
 
-pub use attention::{paged_attention, PagedKv, Queries};
+pub use attention::{paged_attention, KvElem, PagedKv, Queries, F16};
 pub use qmatmul::{qmatmul_t, KernelError, QMatrix};

@@ -3,7 +3,7 @@
 //! against the portable path; bad tables and shapes are typed errors.
 
 use kvshare_kernels::attention::paged_attention_portable;
-use kvshare_kernels::{paged_attention, KernelError, PagedKv, Queries};
+use kvshare_kernels::{paged_attention, KernelError, KvElem, PagedKv, Queries, F16};
 use proptest::prelude::*;
 
 struct Rng(u64);
@@ -182,4 +182,64 @@ fn bad_input_is_a_typed_error() {
     let c = case(5, &[(40, 1)], 4, 1, 2, 16);
     let mut short = vec![0f32; 3];
     assert!(paged_attention(&c.kv(), &c.queries(), 1.0, 0, 1, &mut short, 1).is_err());
+}
+
+/// Bits of an f32 that half precision holds exactly (normal or zero).
+fn f16_bits(x: f32) -> u16 {
+    if x == 0.0 {
+        return 0;
+    }
+    let b = x.to_bits();
+    let exp = ((b >> 23) & 0xff) as i32 - 127 + 15;
+    assert!((1..31).contains(&exp) && b & 0x1fff == 0, "{x} is not an exact f16");
+    (((b >> 16) & 0x8000) | ((exp as u32) << 10) | ((b >> 13) & 0x3ff)) as u16
+}
+
+#[test]
+fn f16_conversion_is_exact() {
+    for bits in 0..=u16::MAX {
+        let x = F16(bits).to_f32();
+        if x.is_nan() {
+            continue;
+        }
+        // every finite half round-trips through f32 (subnormals included)
+        let back = if x.is_infinite() || x == 0.0 || x.abs() < 6.1035156e-5 { None } else { Some(f16_bits(x)) };
+        if let Some(b) = back {
+            assert_eq!(b, bits, "{bits:#06x} -> {x}");
+        }
+    }
+    assert_eq!(F16(0x3c00).to_f32(), 1.0);
+    assert_eq!(F16(0xc000).to_f32(), -2.0);
+    assert_eq!(F16(0x0001).to_f32(), 5.960464477539063e-8); // smallest subnormal
+    assert_eq!(F16(0x7bff).to_f32(), 65504.0);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn f16_pool_matches_dense_reference(
+        seed in any::<u64>(),
+        lens in prop::collection::vec((0usize..600, 1usize..3), 1..4),
+        g in 1usize..5,
+        hd in prop::sample::select(vec![8usize, 16, 64]),
+        window in prop::sample::select(vec![0usize, 33]),
+        threads in 1usize..3,
+    ) {
+        let mut c = case(seed, &lens, 16, 1, g, hd);
+        // values a half holds exactly, so the reference sees what the pool holds
+        for x in c.k.iter_mut().chain(c.v.iter_mut()) {
+            *x = (*x * 1024.0).round() / 1024.0;
+        }
+        let want = c.reference(0.125, window);
+        let k16: Vec<F16> = c.k.iter().map(|&x| F16(f16_bits(x))).collect();
+        let v16: Vec<F16> = c.v.iter().map(|&x| F16(f16_bits(x))).collect();
+        let kv = PagedKv { k: &k16, v: &v16, n_blocks: c.n_blocks, block_size: c.bs, n_kv: c.n_kv, head_dim: c.hd };
+        let mut out = vec![0f32; c.q.len()];
+        paged_attention(&kv, &c.queries(), 0.125, window, usize::MAX, &mut out, threads).unwrap();
+        assert_close(&out, &want, "f16 simd");
+        let mut port = vec![0f32; c.q.len()];
+        paged_attention_portable(&kv, &c.queries(), 0.125, window, usize::MAX, &mut port).unwrap();
+        assert_close(&port, &want, "f16 portable");
+    }
 }

@@ -5,7 +5,7 @@
 use crate::convert::{invalid, typed_array};
 use kvshare_kernels::{
     paged_attention as core_paged_attention, qmatmul_t as core_qmatmul_t, KernelError, PagedKv,
-    QMatrix, Queries,
+    QMatrix, Queries, F16,
 };
 use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
@@ -79,8 +79,13 @@ fn paged_attention(
     threads: usize,
 ) -> PyResult<()> {
     let qa = typed_array(q, b'f', 4, false, "q")?;
-    let ka = typed_array(k_cache, b'f', 4, false, "k_cache")?;
-    let va = typed_array(v_cache, b'f', 4, false, "v_cache")?;
+    // the pool is f32 or f16 (NumPy float16: IEEE half)
+    let itemsize = match k_cache.getattr("dtype").and_then(|d| d.getattr("itemsize")) {
+        Ok(n) if n.extract::<usize>().ok() == Some(2) => 2,
+        _ => 4,
+    };
+    let ka = typed_array(k_cache, b'f', itemsize, false, "k_cache")?;
+    let va = typed_array(v_cache, b'f', itemsize, false, "v_cache")?;
     let ta = typed_array(block_tables, b'i', 4, false, "block_tables")?;
     let sa = typed_array(q_starts, b'i', 8, false, "q_starts")?;
     let pa = typed_array(start_positions, b'i', 8, false, "start_positions")?;
@@ -104,30 +109,38 @@ fn paged_attention(
         return Err(invalid("start_positions must be [n_seq] and q_starts [n_seq + 1]"));
     }
     let (o0, o1) = oa.span(4);
-    let inputs = [qa.span(4), ka.span(4), va.span(4), ta.span(4), sa.span(8), pa.span(8)];
+    let inputs = [qa.span(4), ka.span(itemsize), va.span(itemsize), ta.span(4), sa.span(8), pa.span(8)];
     if o1 > o0 && inputs.iter().any(|&(a, b)| a < o1 && o0 < b) {
         return Err(invalid("out must not overlap an input"));
     }
-    // SAFETY: dtypes checked by typed_array; `out` overlaps no input; all arrays stay
-    // referenced for this call.
-    let (qv, kv, vv, tv, sv, pv, ov) = unsafe {
+    // SAFETY: dtypes checked by typed_array (F16 is a transparent u16, the layout of NumPy's
+    // float16); `out` overlaps no input; all arrays stay referenced for this call.
+    let (qv, tv, sv, pv, ov) = unsafe {
         (
             qa.as_slice::<f32>(),
-            ka.as_slice::<f32>(),
-            va.as_slice::<f32>(),
             ta.as_slice::<i32>(),
             sa.as_slice::<i64>(),
             pa.as_slice::<i64>(),
             oa.as_mut_slice::<f32>(),
         )
     };
-    let cache = PagedKv { k: kv, v: vv, n_blocks, block_size, n_kv, head_dim };
     let queries = Queries { q: qv, n_head, tables: tv, width, q_starts: sv, start_positions: pv };
-    py.detach(|| core_paged_attention(&cache, &queries, scale, window, max_rows, ov, threads.max(1)))
-        .map_err(|e| match e {
-            KernelError::Uncovered(m) => PyIndexError::new_err(m),
-            e => invalid(e.to_string()),
-        })
+    let threads = threads.max(1);
+    let res = if itemsize == 2 {
+        // SAFETY: as above
+        let (kv, vv) = unsafe { (ka.as_slice::<F16>(), va.as_slice::<F16>()) };
+        let cache = PagedKv { k: kv, v: vv, n_blocks, block_size, n_kv, head_dim };
+        py.detach(|| core_paged_attention(&cache, &queries, scale, window, max_rows, ov, threads))
+    } else {
+        // SAFETY: as above
+        let (kv, vv) = unsafe { (ka.as_slice::<f32>(), va.as_slice::<f32>()) };
+        let cache = PagedKv { k: kv, v: vv, n_blocks, block_size, n_kv, head_dim };
+        py.detach(|| core_paged_attention(&cache, &queries, scale, window, max_rows, ov, threads))
+    };
+    res.map_err(|e| match e {
+        KernelError::Uncovered(m) => PyIndexError::new_err(m),
+        e => invalid(e.to_string()),
+    })
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

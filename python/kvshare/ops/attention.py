@@ -29,9 +29,10 @@ _TILE_ELEMS = 1 << 22
 # attention; with a window, keys only the tile's first queries see).
 _TILE_ROWS = 128
 # Sequences with at most this many query rows in a call (decode tokens) go to the compiled
-# kernel (`_core.paged_attention`: one pass over K and V, split over threads at long
+# kernel (f32 or f16 pools) (`_core.paged_attention`: one pass over K and V, split over threads at long
 # context); at 6K context NumPy's small products spent ~4 ms per global layer on them.
 KERNEL_MAX_ROWS = 1
+_KERNEL_KV_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 
 def pad_block_tables(tables: Sequence[np.ndarray]) -> np.ndarray:
@@ -146,7 +147,8 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
         mask_cache = {}
     lens = np.diff(q_starts)
     kernel_rows = 0
-    if k_cache.dtype == np.float32 and q.dtype == np.float32 and (lens <= KERNEL_MAX_ROWS).any():
+    if (k_cache.dtype in _KERNEL_KV_DTYPES and q.dtype == np.float32
+            and (lens <= KERNEL_MAX_ROWS).any()):
         kernel_rows = KERNEL_MAX_ROWS
         qc = q if q.flags.c_contiguous else np.ascontiguousarray(q)
         res = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
