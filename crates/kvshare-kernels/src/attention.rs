@@ -8,7 +8,7 @@
 //! split over threads (each part keeps its own max and sum, combined at the end like
 //! flash-decoding), so the cost is close to reading K and V once.
 //!
-//! Layout (as `ops/attention.py`): `k`, `v`: `[n_blocks, block_size, n_kv, hd]` f32; query
+//! Layout (as `ops/attention.py`): `k`, `v`: `[n_blocks, block_size, n_kv, hd]` f32 or f16; query
 //! rows `[n_tok, n_head, hd]`; sequence `s` owns rows `q_starts[s]..q_starts[s + 1]` at
 //! positions `start_positions[s] + i`; query head `h` reads KV head `h / (n_head / n_kv)`. A
 //! query at position `qp` sees keys `kp <= qp` with `qp - kp < window` when `window > 0`.
