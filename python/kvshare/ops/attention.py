@@ -29,8 +29,9 @@ _TILE_ELEMS = 1 << 22
 # attention; with a window, keys only the tile's first queries see).
 _TILE_ROWS = 128
 # Sequences with at most this many query rows in a call (decode tokens) go to the compiled
-# kernel (f32 or f16 pools) (`_core.paged_attention`: one pass over K and V, split over threads at long
-# context); at 6K context NumPy's small products spent ~4 ms per global layer on them.
+# kernel (`_core.paged_attention`, f32 or f16 pools: one pass over K and V, split over
+# threads at long context); at 6K context NumPy's small products spent ~4 ms per global
+# layer on them.
 KERNEL_MAX_ROWS = 1
 _KERNEL_KV_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
