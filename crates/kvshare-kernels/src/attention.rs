@@ -394,6 +394,7 @@ pub fn paged_attention_portable<T: KvElem>(
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{KvElem, F16};
+    use crate::x86::hsum;
     use std::any::TypeId;
     use std::arch::x86_64::*;
 
@@ -408,14 +409,6 @@ mod avx2 {
                 _mm256_loadu_ps(p as *const f32)
             }
         }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)))
     }
 
     /// Up to four heads at a time against each key row, two accumulators per head (FMA

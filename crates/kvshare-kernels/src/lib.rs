@@ -11,6 +11,8 @@
 pub mod attention;
 pub mod pool;
 pub mod qmatmul;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 pub use attention::{paged_attention, KvElem, PagedKv, Queries, F16};
 pub use qmatmul::{qmatmul_t, KernelError, QMatrix};

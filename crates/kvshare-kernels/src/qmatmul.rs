@@ -161,6 +161,7 @@ unsafe fn portable_rows_range(
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{OutPtr, QMatrix, ROW_BLOCK};
+    use crate::x86::hsum;
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx2,fma")]
@@ -219,13 +220,7 @@ mod avx2 {
             }
         }
         for i in 0..R {
-            let v = _mm256_add_ps(acc0[i], acc1[i]);
-            let lo = _mm256_castps256_ps128(v);
-            let hi = _mm256_extractf128_ps(v, 1);
-            let s4 = _mm_add_ps(lo, hi);
-            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-            let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-            unsafe { *out.0.add((r0 + i) * w.n + n) = _mm_cvtss_f32(s1) };
+            unsafe { *out.0.add((r0 + i) * w.n + n) = hsum(_mm256_add_ps(acc0[i], acc1[i])) };
         }
     }
 
