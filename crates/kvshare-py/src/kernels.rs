@@ -2,10 +2,10 @@
 //! path, and `paged_attention` for decode rows. Arrays are borrowed in place and the GIL is
 //! released while they run.
 
-use crate::convert::{invalid, typed_array};
+use crate::convert::{invalid, typed_array, TypedArray};
 use kvshare_kernels::{
-    paged_attention as core_paged_attention, qmatmul_t as core_qmatmul_t, KernelError, PagedKv,
-    QMatrix, Queries, F16,
+    paged_attention as core_paged_attention, qmatmul_t as core_qmatmul_t, KernelError, KvElem,
+    PagedKv, QMatrix, Queries, F16,
 };
 use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
@@ -38,11 +38,8 @@ fn qmatmul_t(
     if oa.shape != [m, n] {
         return Err(invalid(format!("out must have shape ({m}, {n})")));
     }
-    let (o0, o1) = oa.span(4);
     let inputs = [Some(xa.span(4)), Some(qa.span(1)), Some(sa.span(4)), ma.as_ref().map(|a| a.span(4))];
-    if o1 > o0 && inputs.iter().flatten().any(|&(a, b)| a < o1 && o0 < b) {
-        return Err(invalid("out must not overlap an input"));
-    }
+    refuse_overlap(oa.span(4), inputs.into_iter().flatten())?;
     // SAFETY: dtypes checked by typed_array; `out` overlaps no input (checked above); all
     // arrays stay referenced (and so cannot be resized) for this call.
     let (xs, qv, sv, mv, ov) = unsafe {
@@ -108,11 +105,8 @@ fn paged_attention(
     if pa.shape != [n_seq] || sa.shape != [n_seq + 1] {
         return Err(invalid("start_positions must be [n_seq] and q_starts [n_seq + 1]"));
     }
-    let (o0, o1) = oa.span(4);
     let inputs = [qa.span(4), ka.span(itemsize), va.span(itemsize), ta.span(4), sa.span(8), pa.span(8)];
-    if o1 > o0 && inputs.iter().any(|&(a, b)| a < o1 && o0 < b) {
-        return Err(invalid("out must not overlap an input"));
-    }
+    refuse_overlap(oa.span(4), inputs)?;
     // SAFETY: dtypes checked by typed_array (F16 is a transparent u16, the layout of NumPy's
     // float16); `out` overlaps no input; all arrays stay referenced for this call.
     let (qv, tv, sv, pv, ov) = unsafe {
@@ -128,19 +122,41 @@ fn paged_attention(
     let threads = threads.max(1);
     let res = if itemsize == 2 {
         // SAFETY: as above
-        let (kv, vv) = unsafe { (ka.as_slice::<F16>(), va.as_slice::<F16>()) };
-        let cache = PagedKv { k: kv, v: vv, n_blocks, block_size, n_kv, head_dim };
+        let cache = unsafe { paged_kv::<F16>(&ka, &va, n_blocks, block_size, n_kv, head_dim) };
         py.detach(|| core_paged_attention(&cache, &queries, scale, window, max_rows, ov, threads))
     } else {
         // SAFETY: as above
-        let (kv, vv) = unsafe { (ka.as_slice::<f32>(), va.as_slice::<f32>()) };
-        let cache = PagedKv { k: kv, v: vv, n_blocks, block_size, n_kv, head_dim };
+        let cache = unsafe { paged_kv::<f32>(&ka, &va, n_blocks, block_size, n_kv, head_dim) };
         py.detach(|| core_paged_attention(&cache, &queries, scale, window, max_rows, ov, threads))
     };
     res.map_err(|e| match e {
         KernelError::Uncovered(m) => PyIndexError::new_err(m),
         e => invalid(e.to_string()),
     })
+}
+
+/// The pool layer's K and V arrays as the kernel's view.
+/// SAFETY of use: `T` is the element type `typed_array` checked for both.
+unsafe fn paged_kv<'a, T: KvElem>(
+    ka: &'a TypedArray<'_>,
+    va: &'a TypedArray<'_>,
+    n_blocks: usize,
+    block_size: usize,
+    n_kv: usize,
+    head_dim: usize,
+) -> PagedKv<'a, T> {
+    // SAFETY: see above.
+    let (k, v) = unsafe { (ka.as_slice::<T>(), va.as_slice::<T>()) };
+    PagedKv { k, v, n_blocks, block_size, n_kv, head_dim }
+}
+
+/// InvalidArgument when the output's bytes `[start, end)` overlap any input's.
+fn refuse_overlap(out: (usize, usize), inputs: impl IntoIterator<Item = (usize, usize)>) -> PyResult<()> {
+    let (o0, o1) = out;
+    if o1 > o0 && inputs.into_iter().any(|(a, b)| a < o1 && o0 < b) {
+        return Err(invalid("out must not overlap an input"));
+    }
+    Ok(())
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
