@@ -43,6 +43,10 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     cache_salt: bytes | None = None  # tenant isolation: part of every cache key
+    # Leading prompt tokens that are public (an operator-marked prefix, `--public-prefix`):
+    # their full blocks are keyed without the salt, so every tenant shares them; the blocks
+    # after them are keyed with it. 0: the whole prompt is keyed with the salt.
+    public_prefix_tokens: int = 0
     # Token position of the first user message's start in a chat prompt (hybrid checkpoints).
     first_user_boundary: int | None = None
     request_id: str = ""
