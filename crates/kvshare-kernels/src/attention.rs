@@ -104,18 +104,28 @@ fn shape_err<T>(m: String) -> Result<T, KernelError> {
     Err(KernelError::Shape(m))
 }
 
-fn check<T: KvElem>(kv: &PagedKv<'_, T>, qs: &Queries<'_>, out: &[f32]) -> Result<usize, KernelError> {
+fn check<T: KvElem>(
+    kv: &PagedKv<'_, T>,
+    qs: &Queries<'_>,
+    out: &[f32],
+) -> Result<usize, KernelError> {
     let (nb, bs, n_kv, hd) = (kv.n_blocks, kv.block_size, kv.n_kv, kv.head_dim);
     let size = nb * bs * n_kv * hd;
     if kv.k.len() != size || kv.v.len() != size {
         return shape_err(format!("k/v must have {nb} x {bs} x {n_kv} x {hd} values"));
     }
     if bs == 0 || n_kv == 0 || hd == 0 || qs.n_head == 0 || !qs.n_head.is_multiple_of(n_kv) {
-        return shape_err(format!("n_head {} must be a multiple of n_kv {n_kv} (all > 0)", qs.n_head));
+        return shape_err(format!(
+            "n_head {} must be a multiple of n_kv {n_kv} (all > 0)",
+            qs.n_head
+        ));
     }
     let n_seq = qs.start_positions.len();
     if qs.q_starts.len() != n_seq + 1 || qs.tables.len() != n_seq * qs.width {
-        return shape_err(format!("{n_seq} sequences need q_starts of {} and tables of {n_seq} x width", n_seq + 1));
+        return shape_err(format!(
+            "{n_seq} sequences need q_starts of {} and tables of {n_seq} x width",
+            n_seq + 1
+        ));
     }
     let n_tok = qs.q.len() / (qs.n_head * hd);
     if qs.q.len() != n_tok * qs.n_head * hd || out.len() != qs.q.len() {
@@ -136,8 +146,12 @@ fn check<T: KvElem>(kv: &PagedKv<'_, T>, qs: &Queries<'_>, out: &[f32]) -> Resul
 
 /// The tasks of every sequence with at most `max_rows` query rows (others are left to the
 /// caller), checking that each one's block table covers its keys.
-fn tasks<T: KvElem>(kv: &PagedKv<'_, T>, qs: &Queries<'_>, window: usize, max_rows: usize)
-    -> Result<Vec<Task>, KernelError> {
+fn tasks<T: KvElem>(
+    kv: &PagedKv<'_, T>,
+    qs: &Queries<'_>,
+    window: usize,
+    max_rows: usize,
+) -> Result<Vec<Task>, KernelError> {
     let bs = kv.block_size;
     let mut out = Vec::new();
     for s in 0..qs.start_positions.len() {
@@ -152,18 +166,31 @@ fn tasks<T: KvElem>(kv: &PagedKv<'_, T>, qs: &Queries<'_>, window: usize, max_ro
         let p0 = p0 as usize;
         for row in r0..r1 {
             let qp = p0 + (row - r0);
-            let lo = if window > 0 { (qp + 1).saturating_sub(window) } else { 0 };
+            let lo = if window > 0 {
+                (qp + 1).saturating_sub(window)
+            } else {
+                0
+            };
             let hi = qp + 1;
             let table = &qs.tables[s * qs.width..(s + 1) * qs.width];
             for b in lo / bs..hi.div_ceil(bs) {
                 match table.get(b) {
                     Some(&id) if id >= 0 && (id as usize) < kv.n_blocks => {}
-                    _ => return Err(KernelError::Uncovered(format!(
-                        "sequence {s}: block table does not cover positions < {hi}"))),
+                    _ => {
+                        return Err(KernelError::Uncovered(format!(
+                            "sequence {s}: block table does not cover positions < {hi}"
+                        )))
+                    }
                 }
             }
             for kvh in 0..kv.n_kv {
-                out.push(Task { seq: s, row, kvh, lo, hi });
+                out.push(Task {
+                    seq: s,
+                    row,
+                    kvh,
+                    lo,
+                    hi,
+                });
             }
         }
     }
@@ -219,16 +246,25 @@ pub fn paged_attention<T: KvElem>(
     }
     let g = qs.n_head / kv.n_kv;
     let work: usize = items.iter().map(|t| (t.hi - t.lo) * kv.head_dim * g).sum();
-    let parts = threads.min(crate::pool::max_parts()).min(work / WORK_PER_THREAD).max(1);
+    let parts = threads
+        .min(crate::pool::max_parts())
+        .min(work / WORK_PER_THREAD)
+        .max(1);
     let groups = plan(&items, parts);
-    let results: Vec<std::sync::Mutex<Vec<(usize, Partial)>>> =
-        groups.iter().map(|_| std::sync::Mutex::new(Vec::new())).collect();
+    let results: Vec<std::sync::Mutex<Vec<(usize, Partial)>>> = groups
+        .iter()
+        .map(|_| std::sync::Mutex::new(Vec::new()))
+        .collect();
     crate::pool::run(groups.len(), &|i| {
-        let r: Vec<(usize, Partial)> =
-            groups[i].iter().map(|&(t, item)| (item, partial(kv, qs, scale, t))).collect();
+        let r: Vec<(usize, Partial)> = groups[i]
+            .iter()
+            .map(|&(t, item)| (item, partial(kv, qs, scale, t)))
+            .collect();
         *results[i].lock().unwrap_or_else(|e| e.into_inner()) = r;
     });
-    let results = results.into_iter().map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()));
+    let results = results
+        .into_iter()
+        .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()));
     // combine the pieces of each item (in key order: groups and pieces are in order)
     let hd = kv.head_dim;
     let mut merged: Vec<Option<Partial>> = (0..items.len()).map(|_| None).collect();
@@ -240,7 +276,10 @@ pub fn paged_attention<T: KvElem>(
                     let mx = m.max[h].max(p.max[h]);
                     let (a, b) = ((m.max[h] - mx).exp(), (p.max[h] - mx).exp());
                     m.sum[h] = m.sum[h] * a + p.sum[h] * b;
-                    for (x, y) in m.acc[h * hd..(h + 1) * hd].iter_mut().zip(&p.acc[h * hd..(h + 1) * hd]) {
+                    for (x, y) in m.acc[h * hd..(h + 1) * hd]
+                        .iter_mut()
+                        .zip(&p.acc[h * hd..(h + 1) * hd])
+                    {
                         *x = *x * a + *y * b;
                     }
                     m.max[h] = mx;
@@ -318,7 +357,14 @@ fn scores<T: KvElem>(k: &[T], rows: &[usize], q: &[f32], g: usize, hd: usize, sc
 }
 
 /// `acc[h] = sum_j p[j * g + h] * v[rows[j]]`.
-fn weighted_values<T: KvElem>(v: &[T], rows: &[usize], p: &[f32], g: usize, hd: usize, acc: &mut [f32]) {
+fn weighted_values<T: KvElem>(
+    v: &[T],
+    rows: &[usize],
+    p: &[f32],
+    g: usize,
+    hd: usize,
+    acc: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     {
         if simd_ok(hd) {
@@ -329,16 +375,34 @@ fn weighted_values<T: KvElem>(v: &[T], rows: &[usize], p: &[f32], g: usize, hd: 
     portable_weighted_values(v, rows, p, g, hd, acc)
 }
 
-fn portable_scores<T: KvElem>(k: &[T], rows: &[usize], q: &[f32], g: usize, hd: usize, sc: &mut [f32]) {
+fn portable_scores<T: KvElem>(
+    k: &[T],
+    rows: &[usize],
+    q: &[f32],
+    g: usize,
+    hd: usize,
+    sc: &mut [f32],
+) {
     for (j, &r) in rows.iter().enumerate() {
         let kr = &k[r..r + hd];
         for h in 0..g {
-            sc[j * g + h] = q[h * hd..(h + 1) * hd].iter().zip(kr).map(|(a, b)| a * b.to_f32()).sum();
+            sc[j * g + h] = q[h * hd..(h + 1) * hd]
+                .iter()
+                .zip(kr)
+                .map(|(a, b)| a * b.to_f32())
+                .sum();
         }
     }
 }
 
-fn portable_weighted_values<T: KvElem>(v: &[T], rows: &[usize], p: &[f32], g: usize, hd: usize, acc: &mut [f32]) {
+fn portable_weighted_values<T: KvElem>(
+    v: &[T],
+    rows: &[usize],
+    p: &[f32],
+    g: usize,
+    hd: usize,
+    acc: &mut [f32],
+) {
     for (j, &r) in rows.iter().enumerate() {
         let vr = &v[r..r + hd];
         for h in 0..g {
@@ -365,15 +429,20 @@ pub fn paged_attention_portable<T: KvElem>(
     for t in tasks(kv, qs, window, max_rows)? {
         let table = &qs.tables[t.seq * qs.width..(t.seq + 1) * qs.width];
         let rows: Vec<usize> = (t.lo..t.hi)
-            .map(|p| ((table[p / kv.block_size] as usize * kv.block_size + p % kv.block_size)
-                * kv.n_kv + t.kvh) * hd)
+            .map(|p| {
+                ((table[p / kv.block_size] as usize * kv.block_size + p % kv.block_size) * kv.n_kv
+                    + t.kvh)
+                    * hd
+            })
             .collect();
         let q0 = (t.row * qs.n_head + t.kvh * g) * hd;
         let q: Vec<f32> = qs.q[q0..q0 + g * hd].iter().map(|x| x * scale).collect();
         let mut sc = vec![0f32; rows.len() * g];
         portable_scores(kv.k, &rows, &q, g, hd, &mut sc);
         for h in 0..g {
-            let mx = (0..rows.len()).map(|j| sc[j * g + h]).fold(f32::NEG_INFINITY, f32::max);
+            let mx = (0..rows.len())
+                .map(|j| sc[j * g + h])
+                .fold(f32::NEG_INFINITY, f32::max);
             let mut s = 0.0;
             for j in 0..rows.len() {
                 sc[j * g + h] = (sc[j * g + h] - mx).exp();
@@ -414,7 +483,14 @@ mod avx2 {
     /// Up to four heads at a time against each key row, two accumulators per head (FMA
     /// latency), so each key row is read once per four heads.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn scores<T: KvElem>(k: &[T], rows: &[usize], q: &[f32], g: usize, hd: usize, sc: &mut [f32]) {
+    pub(super) unsafe fn scores<T: KvElem>(
+        k: &[T],
+        rows: &[usize],
+        q: &[f32],
+        g: usize,
+        hd: usize,
+        sc: &mut [f32],
+    ) {
         let mut h0 = 0;
         while h0 < g {
             let hn = (g - h0).min(4);
@@ -432,8 +508,15 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn heads<T: KvElem, const H: usize>(k: &[T], rows: &[usize], q: &[f32], g: usize, h0: usize,
-                                    hd: usize, sc: &mut [f32]) {
+    unsafe fn heads<T: KvElem, const H: usize>(
+        k: &[T],
+        rows: &[usize],
+        q: &[f32],
+        g: usize,
+        h0: usize,
+        hd: usize,
+        sc: &mut [f32],
+    ) {
         let kp = k.as_ptr();
         let qp = unsafe { q.as_ptr().add(h0 * hd) };
         for (j, &r) in rows.iter().enumerate() {
@@ -461,8 +544,14 @@ mod avx2 {
     /// 16 output dims x up to four heads in registers while walking all keys, then the next
     /// 16 dims (each pass reads one cache line of every value row).
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn weighted_values<T: KvElem>(v: &[T], rows: &[usize], p: &[f32], g: usize, hd: usize,
-                                         acc: &mut [f32]) {
+    pub(super) unsafe fn weighted_values<T: KvElem>(
+        v: &[T],
+        rows: &[usize],
+        p: &[f32],
+        g: usize,
+        hd: usize,
+        acc: &mut [f32],
+    ) {
         let mut h0 = 0;
         while h0 < g {
             let hn = (g - h0).min(4);
@@ -480,8 +569,15 @@ mod avx2 {
 
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn values<T: KvElem, const H: usize>(v: &[T], rows: &[usize], p: &[f32], g: usize, h0: usize,
-                                     hd: usize, acc: &mut [f32]) {
+    unsafe fn values<T: KvElem, const H: usize>(
+        v: &[T],
+        rows: &[usize],
+        p: &[f32],
+        g: usize,
+        h0: usize,
+        hd: usize,
+        acc: &mut [f32],
+    ) {
         let vp = v.as_ptr();
         let mut c = 0;
         while c < hd {

@@ -62,7 +62,9 @@ struct Pool {
 fn pool() -> &'static Pool {
     static POOL: OnceLock<Pool> = OnceLock::new();
     POOL.get_or_init(|| {
-        let n = thread::available_parallelism().map_or(1, |n| n.get()).saturating_sub(1);
+        let n = thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .saturating_sub(1);
         let slots = (0..n)
             .map(|i| {
                 let slot = Arc::new(Slot {
@@ -82,7 +84,11 @@ fn pool() -> &'static Pool {
                 slot
             })
             .collect();
-        Pool { slots, busy: AtomicBool::new(false), pid: std::process::id() }
+        Pool {
+            slots,
+            busy: AtomicBool::new(false),
+            pid: std::process::id(),
+        }
     })
 }
 

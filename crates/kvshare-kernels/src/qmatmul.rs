@@ -44,14 +44,25 @@ impl QMatrix<'_> {
             return bad(format!("group must be 16 or 32, got {}", self.group));
         }
         if self.k == 0 || !self.k.is_multiple_of(self.group) {
-            return bad(format!("k = {} is not a multiple of the group {}", self.k, self.group));
+            return bad(format!(
+                "k = {} is not a multiple of the group {}",
+                self.k, self.group
+            ));
         }
         if self.qs.len() != self.n * self.k {
-            return bad(format!("qs has {} values, expected {} x {}", self.qs.len(), self.n, self.k));
+            return bad(format!(
+                "qs has {} values, expected {} x {}",
+                self.qs.len(),
+                self.n,
+                self.k
+            ));
         }
         let ng = self.n * (self.k / self.group);
         if self.scale.len() != ng {
-            return bad(format!("scale has {} values, expected {ng}", self.scale.len()));
+            return bad(format!(
+                "scale has {} values, expected {ng}",
+                self.scale.len()
+            ));
         }
         if let Some(m) = self.mins {
             if m.len() != ng {
@@ -66,7 +77,11 @@ impl QMatrix<'_> {
 fn check_sizes(x: &[f32], m: usize, w: &QMatrix<'_>, out: &[f32]) -> Result<(), KernelError> {
     w.check()?;
     if x.len() != m * w.k {
-        return Err(KernelError::Shape(format!("x has {} values, expected {m} x {}", x.len(), w.k)));
+        return Err(KernelError::Shape(format!(
+            "x has {} values, expected {m} x {}",
+            x.len(),
+            w.k
+        )));
     }
     if out.len() != m * w.n {
         return Err(KernelError::Shape(format!(
@@ -102,7 +117,11 @@ pub fn qmatmul_t(
     let n_tiles = w.n.div_ceil(TILE);
     // waking a pool thread costs about what converting ~2M weights does
     let work = w.n * w.k * m.div_ceil(ROW_BLOCK);
-    let parts = threads.min(crate::pool::max_parts()).min(n_tiles).min(work / WEIGHTS_PER_THREAD).max(1);
+    let parts = threads
+        .min(crate::pool::max_parts())
+        .min(n_tiles)
+        .min(work / WEIGHTS_PER_THREAD)
+        .max(1);
     let per = n_tiles.div_ceil(parts) * TILE;
     crate::pool::run(parts, &|t| {
         let (lo, hi) = (t * per, ((t + 1) * per).min(w.n));
@@ -194,7 +213,13 @@ mod avx2 {
     /// row hide the FMA latency when R is small.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn one_row<const R: usize>(x: &[f32], r0: usize, w: &QMatrix<'_>, n: usize, out: OutPtr) {
+    unsafe fn one_row<const R: usize>(
+        x: &[f32],
+        r0: usize,
+        w: &QMatrix<'_>,
+        n: usize,
+        out: OutPtr,
+    ) {
         let (k, g) = (w.k, w.group);
         let ng = k / g;
         let q = unsafe { w.qs.as_ptr().add(n * k) };
@@ -238,7 +263,12 @@ mod avx2 {
 }
 
 /// The portable path, for tests comparing it with the SIMD one.
-pub fn qmatmul_t_portable(x: &[f32], m: usize, w: &QMatrix<'_>, out: &mut [f32]) -> Result<(), KernelError> {
+pub fn qmatmul_t_portable(
+    x: &[f32],
+    m: usize,
+    w: &QMatrix<'_>,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
     check_sizes(x, m, w, out)?;
     let ptr = OutPtr(out.as_mut_ptr());
     // SAFETY: sizes checked above; one task owns the whole output.

@@ -37,10 +37,24 @@ struct Case {
 
 impl Case {
     fn kv(&self) -> PagedKv<'_> {
-        PagedKv { k: &self.k, v: &self.v, n_blocks: self.n_blocks, block_size: self.bs, n_kv: self.n_kv, head_dim: self.hd }
+        PagedKv {
+            k: &self.k,
+            v: &self.v,
+            n_blocks: self.n_blocks,
+            block_size: self.bs,
+            n_kv: self.n_kv,
+            head_dim: self.hd,
+        }
     }
     fn queries(&self) -> Queries<'_> {
-        Queries { q: &self.q, n_head: self.n_head, tables: &self.tables, width: self.width, q_starts: &self.q_starts, start_positions: &self.starts }
+        Queries {
+            q: &self.q,
+            n_head: self.n_head,
+            tables: &self.tables,
+            width: self.width,
+            q_starts: &self.q_starts,
+            start_positions: &self.starts,
+        }
     }
 
     /// Dense f64 attention of every query row.
@@ -51,20 +65,34 @@ impl Case {
             let table = &self.tables[s * self.width..(s + 1) * self.width];
             for row in self.q_starts[s] as usize..self.q_starts[s + 1] as usize {
                 let qp = self.starts[s] as usize + row - self.q_starts[s] as usize;
-                let lo = if window > 0 { (qp + 1).saturating_sub(window) } else { 0 };
+                let lo = if window > 0 {
+                    (qp + 1).saturating_sub(window)
+                } else {
+                    0
+                };
                 for h in 0..self.n_head {
                     let kvh = h / g;
-                    let at = |p: usize| ((table[p / self.bs] as usize * self.bs + p % self.bs) * self.n_kv + kvh) * hd;
+                    let at = |p: usize| {
+                        ((table[p / self.bs] as usize * self.bs + p % self.bs) * self.n_kv + kvh)
+                            * hd
+                    };
                     let qv = &self.q[(row * self.n_head + h) * hd..][..hd];
                     let sc: Vec<f64> = (lo..=qp)
-                        .map(|p| qv.iter().zip(&self.k[at(p)..at(p) + hd]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale)
+                        .map(|p| {
+                            qv.iter()
+                                .zip(&self.k[at(p)..at(p) + hd])
+                                .map(|(a, b)| *a as f64 * *b as f64)
+                                .sum::<f64>()
+                                * scale
+                        })
                         .collect();
                     let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                     let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
                     let den: f64 = e.iter().sum();
                     for (i, p) in (lo..=qp).enumerate() {
                         for d in 0..hd {
-                            out[(row * self.n_head + h) * hd + d] += e[i] / den * self.v[at(p) + d] as f64;
+                            out[(row * self.n_head + h) * hd + d] +=
+                                e[i] / den * self.v[at(p) + d] as f64;
                         }
                     }
                 }
@@ -103,14 +131,24 @@ fn case(seed: u64, lens: &[(usize, usize)], bs: usize, n_kv: usize, g: usize, hd
         k: (0..size).map(|_| rng.unit()).collect(),
         v: (0..size).map(|_| rng.unit()).collect(),
         q: (0..n_tok * n_head * hd).map(|_| rng.unit() * 2.0).collect(),
-        n_blocks, bs, n_kv, hd, n_head, tables, width, q_starts,
+        n_blocks,
+        bs,
+        n_kv,
+        hd,
+        n_head,
+        tables,
+        width,
+        q_starts,
         starts: lens.iter().map(|l| l.0 as i64).collect(),
     }
 }
 
 fn assert_close(got: &[f32], want: &[f64], what: &str) {
     for (i, (a, b)) in got.iter().zip(want).enumerate() {
-        assert!((*a as f64 - b).abs() <= 2e-5 + 2e-5 * b.abs(), "{what}: element {i}: {a} vs {b}");
+        assert!(
+            (*a as f64 - b).abs() <= 2e-5 + 2e-5 * b.abs(),
+            "{what}: element {i}: {a} vs {b}"
+        );
     }
 }
 
@@ -160,7 +198,10 @@ fn rows_of_longer_sequences_are_left_alone() {
     paged_attention(&c.kv(), &c.queries(), 0.25, 0, 1, &mut out, 1).unwrap();
     let first = c.n_head * c.hd; // sequence 0's single row
     assert_close(&out[..first], &want[..first], "decode row");
-    assert!(out[first..].iter().all(|&x| x == 7.0), "prefill rows must not be written");
+    assert!(
+        out[first..].iter().all(|&x| x == 7.0),
+        "prefill rows must not be written"
+    );
 }
 
 #[test]
@@ -170,7 +211,10 @@ fn bad_input_is_a_typed_error() {
     // a block the table lacks
     c.tables[3] = -1;
     let e = paged_attention(&c.kv(), &c.queries(), 1.0, 0, 1, &mut out, 1).unwrap_err();
-    assert!(matches!(e, KernelError::Uncovered(ref m) if m.contains("block table")), "{e}");
+    assert!(
+        matches!(e, KernelError::Uncovered(ref m) if m.contains("block table")),
+        "{e}"
+    );
     // a block id past the pool
     c.tables[3] = c.n_blocks as i32;
     assert!(paged_attention(&c.kv(), &c.queries(), 1.0, 0, 1, &mut out, 1).is_err());
@@ -191,7 +235,10 @@ fn f16_bits(x: f32) -> u16 {
     }
     let b = x.to_bits();
     let exp = ((b >> 23) & 0xff) as i32 - 127 + 15;
-    assert!((1..31).contains(&exp) && b & 0x1fff == 0, "{x} is not an exact f16");
+    assert!(
+        (1..31).contains(&exp) && b & 0x1fff == 0,
+        "{x} is not an exact f16"
+    );
     (((b >> 16) & 0x8000) | ((exp as u32) << 10) | ((b >> 13) & 0x3ff)) as u16
 }
 
@@ -205,7 +252,11 @@ fn f16_conversion_is_exact() {
         let sign = if bits & 0x8000 != 0 { -1.0 } else { 1.0 };
         if bits & 0x7c00 == 0 {
             // zero and subnormals: mantissa x 2^-24
-            assert_eq!(x, sign * (bits & 0x3ff) as f32 * 2f32.powi(-24), "{bits:#06x} -> {x}");
+            assert_eq!(
+                x,
+                sign * (bits & 0x3ff) as f32 * 2f32.powi(-24),
+                "{bits:#06x} -> {x}"
+            );
         } else if !x.is_infinite() {
             // normal halves round-trip through f32
             assert_eq!(f16_bits(x), bits, "{bits:#06x} -> {x}");

@@ -12,7 +12,10 @@ fn every_part_runs_once() {
         run(parts, &|i| {
             hits[i].fetch_add(1, Ordering::SeqCst);
         });
-        assert!(hits.iter().all(|h| h.load(Ordering::SeqCst) == 1), "parts = {parts}");
+        assert!(
+            hits.iter().all(|h| h.load(Ordering::SeqCst) == 1),
+            "parts = {parts}"
+        );
     }
     assert!(max_parts() >= 1);
 }

@@ -18,7 +18,14 @@ struct Case {
 
 impl Case {
     fn w(&self) -> QMatrix<'_> {
-        QMatrix { qs: &self.qs, scale: &self.scale, mins: self.mins.as_deref(), n: self.n, k: self.k, group: self.group }
+        QMatrix {
+            qs: &self.qs,
+            scale: &self.scale,
+            mins: self.mins.as_deref(),
+            n: self.n,
+            k: self.k,
+            group: self.group,
+        }
     }
 
     fn reference(&self) -> Vec<f64> {

@@ -374,7 +374,9 @@ pub(crate) fn typed_array<'py>(
         return Err(invalid(format!("{what} is read-only")));
     }
     if info.n_items > 0 && info.ptr % itemsize != 0 {
-        return Err(invalid(format!("{what} is not aligned to its element size")));
+        return Err(invalid(format!(
+            "{what} is not aligned to its element size"
+        )));
     }
     Ok(TypedArray {
         ptr: info.ptr,

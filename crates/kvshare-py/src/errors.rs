@@ -5,14 +5,54 @@ use pyo3::create_exception;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
-create_exception!(_core, KvshareError, PyException, "Base class of every kvshare core error.");
-create_exception!(_core, OutOfBlocks, KvshareError, "No free or evictable KV block is left.");
-create_exception!(_core, InvalidArgument, KvshareError, "An argument breaks an API contract.");
-create_exception!(_core, CorruptEntry, KvshareError, "A cache entry failed its checksum; it was removed.");
-create_exception!(_core, FingerprintMismatch, KvshareError, "A cache entry belongs to another model.");
-create_exception!(_core, PathEscape, KvshareError, "A path would leave the cache directory.");
-create_exception!(_core, OverBudget, KvshareError, "Larger than the whole byte budget.");
-create_exception!(_core, CacheIoError, KvshareError, "An I/O error in the cache store.");
+create_exception!(
+    _core,
+    KvshareError,
+    PyException,
+    "Base class of every kvshare core error."
+);
+create_exception!(
+    _core,
+    OutOfBlocks,
+    KvshareError,
+    "No free or evictable KV block is left."
+);
+create_exception!(
+    _core,
+    InvalidArgument,
+    KvshareError,
+    "An argument breaks an API contract."
+);
+create_exception!(
+    _core,
+    CorruptEntry,
+    KvshareError,
+    "A cache entry failed its checksum; it was removed."
+);
+create_exception!(
+    _core,
+    FingerprintMismatch,
+    KvshareError,
+    "A cache entry belongs to another model."
+);
+create_exception!(
+    _core,
+    PathEscape,
+    KvshareError,
+    "A path would leave the cache directory."
+);
+create_exception!(
+    _core,
+    OverBudget,
+    KvshareError,
+    "Larger than the whole byte budget."
+);
+create_exception!(
+    _core,
+    CacheIoError,
+    KvshareError,
+    "An I/O error in the cache store."
+);
 
 pub fn to_py(err: CoreError) -> PyErr {
     let msg = err.to_string();

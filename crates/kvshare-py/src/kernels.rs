@@ -27,7 +27,9 @@ fn qmatmul_t(
     let xa = typed_array(x, b'f', 4, false, "x")?;
     let qa = typed_array(qs, b'i', 1, false, "qs")?;
     let sa = typed_array(scale, b'f', 4, false, "scale")?;
-    let ma = mins.map(|m| typed_array(m, b'f', 4, false, "mins")).transpose()?;
+    let ma = mins
+        .map(|m| typed_array(m, b'f', 4, false, "mins"))
+        .transpose()?;
     let oa = typed_array(out, b'f', 4, true, "out")?;
     let (&[m, k], &[n, kq]) = (xa.shape.as_slice(), qa.shape.as_slice()) else {
         return Err(invalid("x and qs must be 2-D"));
@@ -38,7 +40,12 @@ fn qmatmul_t(
     if oa.shape != [m, n] {
         return Err(invalid(format!("out must have shape ({m}, {n})")));
     }
-    let inputs = [Some(xa.span(4)), Some(qa.span(1)), Some(sa.span(4)), ma.as_ref().map(|a| a.span(4))];
+    let inputs = [
+        Some(xa.span(4)),
+        Some(qa.span(1)),
+        Some(sa.span(4)),
+        ma.as_ref().map(|a| a.span(4)),
+    ];
     refuse_overlap(oa.span(4), inputs.into_iter().flatten())?;
     // SAFETY: dtypes checked by typed_array; `out` overlaps no input (checked above); all
     // arrays stay referenced (and so cannot be resized) for this call.
@@ -51,7 +58,14 @@ fn qmatmul_t(
             oa.as_mut_slice::<f32>(),
         )
     };
-    let w = QMatrix { qs: qv, scale: sv, mins: mv, n, k, group };
+    let w = QMatrix {
+        qs: qv,
+        scale: sv,
+        mins: mv,
+        n,
+        k,
+        group,
+    };
     py.detach(|| core_qmatmul_t(xs, m, &w, ov, threads.max(1)))
         .map_err(|e| invalid(e.to_string()))
 }
@@ -88,7 +102,9 @@ fn paged_attention(
     let pa = typed_array(start_positions, b'i', 8, false, "start_positions")?;
     let oa = typed_array(out, b'f', 4, true, "out")?;
     let &[n_blocks, block_size, n_kv, head_dim] = ka.shape.as_slice() else {
-        return Err(invalid("k_cache must be [n_blocks, block_size, n_kv_heads, head_dim]"));
+        return Err(invalid(
+            "k_cache must be [n_blocks, block_size, n_kv_heads, head_dim]",
+        ));
     };
     if va.shape != ka.shape {
         return Err(invalid("v_cache must have k_cache's shape"));
@@ -97,15 +113,26 @@ fn paged_attention(
         return Err(invalid("q must be [n_tok, n_head, head_dim]"));
     };
     if qd != head_dim || oa.shape != qa.shape {
-        return Err(invalid("q and out must be [n_tok, n_head, head_dim] of the cache's head_dim"));
+        return Err(invalid(
+            "q and out must be [n_tok, n_head, head_dim] of the cache's head_dim",
+        ));
     }
     let &[n_seq, width] = ta.shape.as_slice() else {
         return Err(invalid("block_tables must be 2-D"));
     };
     if pa.shape != [n_seq] || sa.shape != [n_seq + 1] {
-        return Err(invalid("start_positions must be [n_seq] and q_starts [n_seq + 1]"));
+        return Err(invalid(
+            "start_positions must be [n_seq] and q_starts [n_seq + 1]",
+        ));
     }
-    let inputs = [qa.span(4), ka.span(itemsize), va.span(itemsize), ta.span(4), sa.span(8), pa.span(8)];
+    let inputs = [
+        qa.span(4),
+        ka.span(itemsize),
+        va.span(itemsize),
+        ta.span(4),
+        sa.span(8),
+        pa.span(8),
+    ];
     refuse_overlap(oa.span(4), inputs)?;
     // SAFETY: dtypes checked by typed_array (F16 is a transparent u16, the layout of NumPy's
     // float16); `out` overlaps no input; all arrays stay referenced for this call.
@@ -118,7 +145,14 @@ fn paged_attention(
             oa.as_mut_slice::<f32>(),
         )
     };
-    let queries = Queries { q: qv, n_head, tables: tv, width, q_starts: sv, start_positions: pv };
+    let queries = Queries {
+        q: qv,
+        n_head,
+        tables: tv,
+        width,
+        q_starts: sv,
+        start_positions: pv,
+    };
     let threads = threads.max(1);
     let res = if itemsize == 2 {
         // SAFETY: as above
@@ -147,11 +181,21 @@ unsafe fn paged_kv<'a, T: KvElem>(
 ) -> PagedKv<'a, T> {
     // SAFETY: see above.
     let (k, v) = unsafe { (ka.as_slice::<T>(), va.as_slice::<T>()) };
-    PagedKv { k, v, n_blocks, block_size, n_kv, head_dim }
+    PagedKv {
+        k,
+        v,
+        n_blocks,
+        block_size,
+        n_kv,
+        head_dim,
+    }
 }
 
 /// InvalidArgument when the output's bytes `[start, end)` overlap any input's.
-fn refuse_overlap(out: (usize, usize), inputs: impl IntoIterator<Item = (usize, usize)>) -> PyResult<()> {
+fn refuse_overlap(
+    out: (usize, usize),
+    inputs: impl IntoIterator<Item = (usize, usize)>,
+) -> PyResult<()> {
     let (o0, o1) = out;
     if o1 > o0 && inputs.into_iter().any(|(a, b)| a < o1 && o0 < b) {
         return Err(invalid("out must not overlap an input"));
