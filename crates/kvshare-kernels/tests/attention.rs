@@ -264,7 +264,7 @@ fn f16_conversion_is_exact() {
     }
     assert_eq!(F16(0x3c00).to_f32(), 1.0);
     assert_eq!(F16(0xc000).to_f32(), -2.0);
-    assert_eq!(F16(0x0001).to_f32(), 5.960464477539063e-8); // smallest subnormal
+    assert_eq!(F16(0x0001).to_f32(), 2f32.powi(-24)); // smallest subnormal (5.96e-8)
     assert_eq!(F16(0x7bff).to_f32(), 65504.0);
 }
 
