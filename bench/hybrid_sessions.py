@@ -104,7 +104,7 @@ def three_sessions(attach: bool, prefix_tokens: int, gen: int) -> dict:
         cold = Engine.from_model_path(str(MODEL), EngineConfig(slot_attach=False, kv_blocks=4096,
                                                                ctx_size=16384, prefill_chunk=16384))
         t0 = time.perf_counter()
-        h = cold.submit(GenerationRequest(prompt_tokens=ids, max_tokens=1))
+        cold.submit(GenerationRequest(prompt_tokens=ids, max_tokens=1))
         cold.run_until_idle()
         recompute_s = time.perf_counter() - t0
         result["restore_vs_recompute"] = {"position": deepest.position, "checkpoint_bytes": deepest.nbytes,

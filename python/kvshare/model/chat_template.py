@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
-import jinja2
 from jinja2 import nodes
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.ext import Extension
