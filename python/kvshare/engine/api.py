@@ -50,6 +50,9 @@ class GenerationRequest:
     # Token position of the first user message's start in a chat prompt (hybrid checkpoints).
     first_user_boundary: int | None = None
     request_id: str = ""
+    # Test hook (kvshare.engine.faults): an injection point that fails this sequence; set by
+    # the server only when fault injection is enabled.
+    fault: str | None = None
 
 
 @dataclass(frozen=True)
@@ -105,3 +108,9 @@ class FinishEvent:
     timings: Timings
     time_to_first_token_s: float
     error: str | None = None
+    # With reason "error": the HTTP status the request should end with, a short cause
+    # ("queue_timeout", "non_finite_logits", "internal", ...) and, for a 503, the seconds a
+    # client should wait before retrying.
+    error_status: int = 500
+    error_cause: str | None = None
+    retry_after_s: float | None = None

@@ -9,6 +9,13 @@ Rules that keep sharing safe:
 - At least one prompt token is always computed, so the last position's logits exist.
 - Tokens are recorded in the pool only after the forward pass wrote their KV, and a full block
   is registered (made findable) only then.
+- A request's public prefix (`public_prefix_tokens`, operator-marked) is keyed without its
+  salt, so every tenant shares it; the first block after it chains from a key that mixes in
+  the salt, so nothing private is ever found across tenants (see `chain`).
+
+Faults stay with their sequence: running out of blocks is reported by return value (the
+scheduler waits or preempts), a tier restore that fails is a miss (recompute), a failed
+copy-on-write recomputes the few tokens it would have copied.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import logging
 import time
 
 from kvshare import _core
+from kvshare.engine.faults import injected, maybe_inject
 from kvshare.engine.sequence import Sequence
 
 log = logging.getLogger("kvshare.cache")
@@ -35,6 +43,7 @@ class CacheManager:
         # engine.checkpoints.CheckpointManager for hybrid models (None: attention only)
         self.checkpoints = checkpoints
         self._roots: dict[bytes | None, bytes] = {}
+        self.counters = {"restore_failed": 0, "cow_no_room": 0}
 
     def root_key(self, salt: bytes | None) -> bytes:
         root = self._roots.get(salt)
@@ -43,41 +52,83 @@ class CacheManager:
             self._roots[salt] = root
         return root
 
+    def chain(self, seq: Sequence) -> tuple[bytes, int, bytes | None]:
+        """How the sequence's chain of block keys starts: (the root block 0 chains from, the
+        index p of its first private block, the parent key of block p). Without a public
+        prefix (or a salt) p is 0 and everything chains from the salted root. With one, the
+        p full public blocks chain from the unsalted root and block p from a key derived from
+        block p-1's key and the salt. Hybrids keep one root: their checkpoints are keyed from
+        it (public prefixes are not shared across tenants for them)."""
+        if seq.chain is None:
+            bs = self.block_size
+            salt = seq.request.cache_salt
+            p = 0
+            if salt is not None and self.checkpoints is None:
+                p = min(max(0, int(seq.request.public_prefix_tokens)), seq.n_prompt) // bs
+            if p == 0:
+                seq.chain = (self.root_key(salt), 0, None)
+            else:
+                public = self.root_key(None)
+                last = _core.hash_blocks(public, seq.tokens[: p * bs], bs)[-1]
+                seq.chain = (public, p, _core.root_key(last, self.kv_dtype, bs, salt))
+        return seq.chain
+
+    def parent_key(self, seq: Sequence, j: int) -> bytes:
+        """The key block j of the sequence chains from (its keys up to j-1 computed)."""
+        root, p, split = self.chain(seq)
+        if j == 0:
+            return root
+        if j == p:
+            return split
+        return seq.block_keys[j - 1]
+
     # ---- admission -------------------------------------------------------------------
     def attach(self, seq: Sequence) -> int:
         """Point a new sequence's block table at the longest cached prefix of its tokens
         (at most len - 1 of them). Returns the number of tokens reused."""
         bs = self.block_size
-        root = self.root_key(seq.request.cache_salt)
         seq.block_table = []
-        seq.block_keys = []
         seq.n_computed = 0
         if seq.prefill_started is None:  # prompt time includes the restore below
             seq.prefill_started = time.perf_counter()
         if self.checkpoints is not None:
-            return self._attach_hybrid(seq, root)
+            seq.block_keys = []
+            return self._attach_hybrid(seq, self.root_key(seq.request.cache_salt))
         if not self.attach_enabled or len(seq.tokens) < 2:
             return 0
         reusable = len(seq.tokens) - 1
-        keys = _core.hash_blocks(root, seq.tokens[: reusable - reusable % bs], bs)
+        self.ensure_keys(seq, reusable)
+        keys = seq.block_keys[: reusable // bs]
         ids = list(self.pool.acquire_prefix(keys)[0])
         if self.tiers is not None and self.tiers.enabled and len(ids) < len(keys):
-            t0 = time.perf_counter()
-            ids += self.tiers.restore(seq.tokens, keys, len(ids), root)
-            seq.restore_s += time.perf_counter() - t0
+            ids += self._restore(seq, keys, len(ids))
         seq.block_table = ids
-        seq.block_keys = list(keys[: len(ids)])
         matched = len(ids) * bs
         rest = min(reusable - matched, bs)
         if rest > 0:
-            parent = seq.block_keys[-1] if seq.block_keys else root
-            hit = self.pool.extend_match(parent, seq.tokens[matched : matched + rest])
+            hit = self.pool.extend_match(self.parent_key(seq, len(ids)),
+                                         seq.tokens[matched : matched + rest])
             if hit is not None:
                 n = min(hit[1], rest)
-                self._copy_partial(seq, hit[0], n)
-                matched += n
+                if self._copy_partial(seq, hit[0], n):
+                    matched += n
         seq.n_computed = matched
         return matched
+
+    def _restore(self, seq: Sequence, keys: list[bytes], start: int) -> list[int]:
+        """Blocks keys[start:] from the tiers; a restore that fails is a miss (logged,
+        counted, recomputed), never this request's error."""
+        t0 = time.perf_counter()
+        root, p, split = self.chain(seq)
+        try:
+            maybe_inject(seq.request, "restore")
+            return self.tiers.restore(seq.tokens, keys, start, root, (p, split) if p else None)
+        except Exception:  # noqa: BLE001 - the tiers hand back what they installed first
+            self.counters["restore_failed"] += 1
+            log.exception("tier restore for %s failed; recomputing", seq.request.request_id)
+            return []
+        finally:
+            seq.restore_s += time.perf_counter() - t0
 
     def _attach_hybrid(self, seq: Sequence, root: bytes) -> int:
         """Hybrid models resume only where a checkpoint of the recurrent state exists: at the
@@ -99,7 +150,13 @@ class CacheManager:
         ids, ext, match_len, ck = self._pool_match(root, keys, seq.tokens, reusable)
         resume = ck.position if ck is not None else 0
         if aligned:
-            got = self._resume_from_tiers(seq, root, keys, reusable, resume)
+            try:
+                got = self._resume_from_tiers(seq, root, keys, reusable, resume)
+            except Exception:  # noqa: BLE001 - a failed tier lookup or read is a miss
+                self.counters["restore_failed"] += 1
+                log.exception("tier checkpoint restore for %s failed; recomputing",
+                              seq.request.request_id)
+                got = None
             if got:
                 seq.checkpoint_at = ck_mgr.plan(seq.n_prompt, got, max(match_len, got), boundary, True)
                 return got
@@ -114,8 +171,11 @@ class CacheManager:
         self.pool.acquire(shared)
         seq.block_table = list(shared)
         seq.block_keys = list(keys[:n_full])
-        if resume % bs:
-            self._copy_partial(seq, ids[n_full] if n_full < len(ids) else ext[0], resume % bs)
+        if resume % bs and not self._copy_partial(
+                seq, ids[n_full] if n_full < len(ids) else ext[0], resume % bs):
+            self.pool.release(seq.block_table)  # the state is at `resume`: start over
+            seq.block_table, seq.block_keys = [], []
+            return 0
         ck_mgr.restore(ck, seq.state_slot)
         seq.held_checkpoints.append(ck)
         seq.n_computed = resume
@@ -161,7 +221,7 @@ class CacheManager:
         if ck is not None:
             ids = list(self.pool.acquire_prefix(keys[:n])[0])
             if len(ids) < n:
-                ids += self.tiers.restore(seq.tokens, keys[:n], len(ids), root)
+                ids += self._restore(seq, keys[:n], len(ids))
         seq.restore_s += time.perf_counter() - t0
         if ck is None or len(ids) < n:
             if ids:
@@ -177,12 +237,24 @@ class CacheManager:
     def _tiers_on(self) -> bool:
         return self.tiers is not None and self.tiers.enabled and self.attach_enabled
 
-    def _copy_partial(self, seq: Sequence, src: int, n: int) -> None:
+    def _copy_partial(self, seq: Sequence, src: int, n: int) -> bool:
         """Copy-on-write: the first n tokens of a (possibly shared) block into a fresh block
-        that ends the sequence's table; `src` is never written."""
-        dst = self.pool.cow(src, n)
-        self.kv.copy_block(src, dst, n)
+        that ends the sequence's table; `src` is never written. False (nothing changed) when
+        no block is free: the caller computes those tokens instead."""
+        try:
+            if injected(seq.request, "cow"):
+                raise _core.OutOfBlocks("injected: no block for the copy-on-write")
+            dst = self.pool.cow(src, n)
+        except _core.OutOfBlocks:
+            self.counters["cow_no_room"] += 1
+            return False
+        try:
+            self.kv.copy_block(src, dst, n)
+        except BaseException:
+            self.pool.release([dst])
+            raise
         seq.block_table.append(dst)
+        return True
 
     def save_checkpoint(self, seq: Sequence) -> None:
         """Prefill reached one of the sequence's checkpoint positions: snapshot its state.
@@ -254,34 +326,33 @@ class CacheManager:
         bs = self.block_size
         have = len(seq.block_keys)
         need = upto // bs
-        if need <= have:
-            return
-        parent = seq.block_keys[-1] if have else self.root_key(seq.request.cache_salt)
-        seq.block_keys.extend(_core.hash_blocks(parent, seq.tokens[have * bs : need * bs], bs))
+        _, p, _ = self.chain(seq)
+        while have < need:  # in two runs when the public prefix ends inside [have, need)
+            end = p if have < p < need else need
+            parent = self.parent_key(seq, have)
+            seq.block_keys.extend(_core.hash_blocks(parent, seq.tokens[have * bs : end * bs], bs))
+            have = end
 
     def blocks_needed(self, seq: Sequence, end: int) -> int:
         return max(0, -(-end // self.block_size) - len(seq.block_table))
 
-    def allocate_for(self, seq: Sequence, end: int) -> None:
-        """Give the sequence blocks covering positions [0, end). Raises OutOfBlocks (having
-        allocated nothing) if the pool cannot supply them all."""
-        bs = self.block_size
+    def allocate_for(self, seq: Sequence, end: int) -> bool:
+        """Give the sequence blocks covering positions [0, end). False (having allocated
+        nothing) if the pool cannot supply them all: the scheduler waits or preempts."""
         n_new = self.blocks_needed(seq, end)
         if n_new == 0:
-            return
+            return True
         self.ensure_keys(seq, end)
-        root = self.root_key(seq.request.cache_salt)
         got: list[int] = []
         try:
             for j in range(len(seq.block_table), len(seq.block_table) + n_new):
-                parent = seq.block_keys[j - 1] if j > 0 else root
-                got.append(self.pool.allocate(parent))
+                got.append(self.pool.allocate(self.parent_key(seq, j)))
         except _core.OutOfBlocks:
             if got:
                 self.pool.release(got)
-            raise
+            return False
         seq.block_table.extend(got)
-        del bs
+        return True
 
     def record(self, seq: Sequence, start: int, end: int) -> None:
         """After the forward pass wrote KV for tokens[start:end]: record them in their blocks
@@ -330,6 +401,7 @@ class CacheManager:
         prefix entry pinned in RAM)."""
         if not self._tiers_on():
             return
+        maybe_inject(seq.request, "save")
         self.ensure_keys(seq, seq.n_computed)
         if self.checkpoints is not None:  # hybrids resume only at a checkpoint
             cks = [*seq.held_checkpoints, seq.tail_checkpoint]

@@ -4,6 +4,12 @@ thread with continuous batching, and streams events back to request handles.
 The server talks only to this class. Everything mutable (sequences, the scheduler, the pool's
 block tables) is touched only on the engine thread; other threads hand it work through an inbox
 and read `snapshot()`.
+
+One request's fault stays that request's: whatever goes wrong for one sequence (its admission,
+its sampling, its share of a forward step, its tier restore or save) fails or falls back for it
+alone and the step goes on for the others (`kvshare.engine.faults`). The engine thread never
+dies, and every request ends: a waiting request that is not admitted within `queue_timeout_s`
+ends with a 503.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +29,7 @@ from kvshare.backend import set_cpu_threads
 from kvshare.engine.api import FinishEvent, GenerationRequest, Timings, TokenEvent, TokenLogprob
 from kvshare.engine.cache_manager import CacheManager
 from kvshare.engine.checkpoints import CheckpointManager
+from kvshare.engine.faults import SequenceFault, injected, maybe_inject
 from kvshare.engine.handle import RequestHandle
 from kvshare.engine.output import TextAssembler
 from kvshare.engine.sampling import Sampler, top_logprobs
@@ -31,6 +38,9 @@ from kvshare.engine.tiers import TierManager
 from kvshare.engine.sequence import Sequence, SeqState
 
 log = logging.getLogger("kvshare.engine")
+
+# Seconds a client is told to wait (Retry-After) after its request timed out in the queue.
+QUEUE_RETRY_AFTER_S = 5.0
 
 
 @dataclass
@@ -54,6 +64,7 @@ class EngineConfig:
     checkpoint_min_step: int = 1024  # hybrids: a checkpoint every this many prompt tokens
     ctx_checkpoints: int = 8  # hybrids: at most this many checkpoints per sequence
     checkpoint_mem_mib: int = 1024  # hybrids: budget of unique checkpoint bytes
+    queue_timeout_s: float = 600.0  # a request waiting longer to be admitted ends with a 503
 
 
 class Engine:
@@ -67,7 +78,7 @@ class Engine:
         self.ctx_size = config.ctx_size
         if not getattr(model.backend, "is_gpu", False):
             set_cpu_threads(config.threads)
-        n_blocks = self._pool_blocks(config)
+        n_blocks = self.n_blocks = self._pool_blocks(config)
         self.hybrid = bool(model.state_shapes())
         self.kv = model.new_cache(n_blocks, config.block_size, kv_dtype=config.kv_dtype,
                                   n_state_slots=config.parallel if self.hybrid else 0)
@@ -96,6 +107,8 @@ class Engine:
         self.counters = {"prompt_tokens_total": 0, "prompt_tokens_cached_total": 0,
                          "generated_tokens_total": 0, "steps": 0, "preemptions": 0}
         self.peak_tokens_used = 0
+        self.failures: Counter[str] = Counter()  # requests ended by an error, by cause
+        self.recovered: Counter[str] = Counter()  # faults absorbed without failing a request
         # Hybrids checkpoint at the first user message; the RAM tier pins the prefix up to it.
         self.wants_user_boundary = self.hybrid or self.tiers.ram is not None
 
@@ -198,6 +211,9 @@ class Engine:
         vocab = self.model.config.vocab_size
         if any((t < 0 or t >= vocab) for t in req.prompt_tokens):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if -(-(n + 1) // self.config.block_size) > self.n_blocks:
+            raise ValueError(f"the prompt has {n} tokens; the KV pool holds "
+                             f"{self.n_blocks * self.config.block_size} (context)")
         rid = req.request_id or f"req-{next(self._ids)}"
         req.request_id = rid
         handle = RequestHandle(rid, self)
@@ -217,17 +233,22 @@ class Engine:
     # ---- the engine thread ------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopping:
-            self._drain_inbox()
-            if not self.scheduler.has_work():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
             try:
+                self._drain_inbox()
+                self._expire_queued()
+                if not self.scheduler.has_work():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
                 self.step()
-            except Exception as exc:  # a bug or a device error: fail what is running, keep serving
-                log.exception("engine step failed")
-                for seq in list(self.scheduler.running):
-                    self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - the engine thread must never die
+                # Faults are handled per sequence inside the step; one that escapes is a bug
+                # that cannot be pinned on a sequence: fail what is running, keep serving.
+                running = list(self.scheduler.running)
+                log.exception("engine step failed outside per-sequence handling; failing %s",
+                              [s.request.request_id for s in running])
+                for seq in running:
+                    self._fail(seq, exc)
 
     def _drain_inbox(self) -> None:
         while self._inbox:
@@ -238,23 +259,43 @@ class Engine:
             if seq is not None and seq.state != SeqState.FINISHED:
                 self._finish(seq, "cancelled")
 
+    def _expire_queued(self) -> None:
+        timeout = self.config.queue_timeout_s
+        if timeout is None or timeout <= 0 or not self.scheduler.waiting:
+            return
+        now = time.perf_counter()
+        for seq in self.scheduler.expired(now, timeout):
+            self._fail(seq, SequenceFault(
+                f"the server is busy: the request waited {now - seq.queued_since:.0f} s "
+                f"without being admitted (queue timeout {timeout:g} s)",
+                status=503, cause="queue_timeout"), retry_after_s=QUEUE_RETRY_AFTER_S)
+
     def run_until_idle(self) -> None:
         """Run steps on the calling thread until nothing is left (tests, benchmarks)."""
         while True:
             self._drain_inbox()
+            self._expire_queued()
             if not self.scheduler.has_work():
                 self.tiers.flush()  # callers look at the tiers next
                 return
             self.step()
 
     def step(self) -> None:
-        """One model step: schedule, allocate, forward, record, sample, emit."""
+        """One model step: schedule, allocate, forward, record, sample, emit. A sequence
+        whose part of this fails is failed alone; the others go on."""
         from kvshare.model.batch import SeqChunk
 
-        plan, unrunnable = self.scheduler.schedule()
+        sched = self.scheduler.schedule()
         self.counters["preemptions"] = self.scheduler.n_preemptions
-        for seq in unrunnable:
-            self._finish(seq, "error", error="the request does not fit in the KV pool")
+        for seq, exc in sched.failed:
+            self._fail(seq, exc)
+        for seq in sched.out_of_room:
+            if seq.n_generated:  # a reply that outgrew the pool ends as if it hit the context
+                self._finish(seq, "length")
+            else:
+                self._fail(seq, SequenceFault("the request does not fit in the KV pool",
+                                              status=503, cause="kv_pool_full"))
+        plan = sched.planned
         if not plan:
             return
         now = time.perf_counter()
@@ -269,17 +310,73 @@ class Engine:
                 logits="last" if item.wants_logits else "none",
                 state_slot=item.seq.state_slot,
             ))
-        logits = self.model.forward(chunks, self.kv)
+        try:
+            logits = self.model.forward(chunks, self.kv)
+            for item in plan:
+                maybe_inject(item.seq.request, "forward")
+        except Exception as exc:  # noqa: BLE001 - pinned on its sequence below
+            self._forward_failed(plan, exc)
+            return
         self.counters["steps"] += 1
         for item, out in zip(plan, logits):
-            self.cache.record(item.seq, item.start, item.end)
-            self._after_record(item.seq)
-            if item.end in item.seq.checkpoint_at and item.end <= item.seq.n_prompt:
-                self.cache.save_checkpoint(item.seq)
-            if item.wants_logits:
-                self._on_logits(item, np.asarray(out)[-1])
+            item.seq.suspect = False
+            try:
+                self._after_forward(item, out)
+            except Exception as exc:  # noqa: BLE001 - this sequence's fault alone
+                self._fail(item.seq, exc)
         used = self.pool.stats()["tokens_held"]
         self.peak_tokens_used = max(self.peak_tokens_used, used)
+
+    def _forward_failed(self, plan: list[Planned], exc: Exception) -> None:
+        """A forward step raised. Alone, its sequence fails. In a batch the culprit is not
+        known: every member becomes a suspect and runs alone until a step of its own succeeds
+        (the scheduler plans one suspect per step), so only the culprit fails. Their KV
+        positions are simply computed again; a hybrid's recurrent state may have advanced
+        part way, so hybrids are preempted and resume from their checkpoints."""
+        if len(plan) == 1:
+            self._fail(plan[0].seq, exc)
+            return
+        log.warning("a forward step of %d sequences failed (%s: %s); running each alone to "
+                    "find the one that fails", len(plan), type(exc).__name__, exc)
+        self.recovered["forward_batch_split"] += 1
+        for item in plan:
+            item.seq.suspect = True
+            if self.hybrid and item.seq in self.scheduler.running:
+                self.scheduler.preempt(item.seq)
+
+    def _after_forward(self, item: Planned, out) -> None:
+        seq = item.seq
+        self.cache.record(seq, item.start, item.end)
+        self._after_record(seq)
+        if item.end in seq.checkpoint_at and item.end <= seq.n_prompt:
+            try:
+                self.cache.save_checkpoint(seq)
+            except Exception:  # noqa: BLE001 - a missing checkpoint costs a future hit only
+                self.recovered["checkpoint_save_failed"] += 1
+                log.exception("checkpoint of %s failed", seq.request.request_id)
+        if item.wants_logits:
+            row = np.asarray(out)[-1]
+            if injected(seq.request, "logits_nan"):
+                row = np.full_like(row, np.nan)
+            self._on_logits(item, row)
+
+    def _fail(self, seq: Sequence, exc: BaseException, retry_after_s: float | None = None) -> None:
+        """End one sequence with an error naming the cause; never raises."""
+        if isinstance(exc, SequenceFault):
+            status, cause, msg = exc.status, exc.cause, str(exc)
+        else:
+            status, cause, msg = 500, "internal", f"{type(exc).__name__}: {exc}"
+        if status >= 500 and cause != "queue_timeout":
+            log.error("sequence %d (request %s) failed: %s", seq.seq_id,
+                      seq.request.request_id, msg, exc_info=exc)
+        self.failures[cause] += 1
+        if seq.state == SeqState.FINISHED:
+            return
+        try:
+            self._finish(seq, "error", error=msg, status=status, cause=cause,
+                         retry_after_s=retry_after_s)
+        except Exception:  # noqa: BLE001
+            log.exception("finishing failed sequence %s", seq.request.request_id)
 
     def _after_record(self, seq: Sequence) -> None:
         """Tier bookkeeping once new tokens are computed: pin the prompt's prefix entry in
@@ -290,6 +387,7 @@ class Engine:
                 self.cache.checkpoint_reply(seq)
         except Exception:  # a failed pin or snapshot costs a future cache hit, never this request
             seq.prefix_pinned = True
+            self.recovered["tier_pin_failed"] += 1
             log.exception("tier bookkeeping for %s failed", seq.request.request_id)
 
     def _on_logits(self, item: Planned, row: np.ndarray) -> None:
@@ -331,7 +429,9 @@ class Engine:
         else:
             seq.tokens.append(token)
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None, flush: bool = True) -> None:
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, flush: bool = True,
+                status: int = 500, cause: str | None = None,
+                retry_after_s: float | None = None) -> None:
         req = seq.request
         handle = self._handles.pop(req.request_id, None)
         asm = self._assemblers.pop(seq.seq_id, None)
@@ -363,13 +463,19 @@ class Engine:
         if handle is not None:
             handle._put(FinishEvent(reason=reason, prompt_tokens=seq.n_prompt,
                                     completion_tokens=seq.n_generated, timings=timings,
-                                    time_to_first_token_s=ttft, error=error))
+                                    time_to_first_token_s=ttft, error=error,
+                                    error_status=status, error_cause=cause,
+                                    retry_after_s=retry_after_s))
         if reason != "error":
             try:
                 self.cache.save_to_tiers(seq)
             except Exception:  # a failed save costs a future cache hit, never this request
+                self.recovered["tier_save_failed"] += 1
                 log.exception("saving %s to the cache tiers failed", req.request_id)
-        self.scheduler.finish(seq)
+        try:
+            self.scheduler.finish(seq)
+        except Exception:  # noqa: BLE001 - the request is answered; its blocks may leak
+            log.exception("releasing %s failed", req.request_id)
 
     # ---- introspection ----------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -389,5 +495,11 @@ class Engine:
             "cached": stats["cached"], "shared": stats["shared"], "tokens_used": stats["tokens_held"],
             "block_size": self.config.block_size, "peak_tokens_used": self.peak_tokens_used,
         }
-        return {"slots": slots, "pool": pool, "counters": dict(self.counters), "tiers": self.tiers.snapshot(),
+        recovered = Counter(self.recovered)
+        for kind, n in self.cache.counters.items():
+            recovered[kind] += n
+        faults = {"queued": len(self.scheduler.waiting), "failed": dict(self.failures),
+                  "recovered": dict(recovered)}
+        return {"slots": slots, "pool": pool, "counters": dict(self.counters), "faults": faults,
+                "tiers": self.tiers.snapshot(),
                 "checkpoints": self.checkpoints.snapshot() if self.checkpoints else None}

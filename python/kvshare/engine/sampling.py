@@ -13,6 +13,7 @@ from collections import Counter
 import numpy as np
 
 from kvshare.engine.api import SamplingParams
+from kvshare.engine.faults import SamplingError
 
 
 class Sampler:
@@ -44,9 +45,16 @@ class Sampler:
         return logits
 
     def sample(self, logits: np.ndarray) -> int:
-        """Pick the next token from a [vocab] float32 row and record it in the history."""
+        """Pick the next token from a [vocab] float32 row and record it in the history.
+        Raises `SamplingError` (this sequence's fault alone) on non-finite scores."""
         p = self.params
-        scores = self._apply_penalties(np.asarray(logits, dtype=np.float32))
+        logits = np.asarray(logits, dtype=np.float32)
+        if not np.isfinite(logits).all():
+            raise SamplingError("the model produced non-finite logits")
+        scores = self._apply_penalties(logits)
+        if not np.isfinite(scores).all():
+            raise SamplingError("the penalties (repeat/frequency/presence) made the scores "
+                                "non-finite")
         if p.greedy:
             token = int(np.argmax(scores))
         else:
@@ -76,6 +84,8 @@ class Sampler:
             keep = min(keep, max(1, int(np.sum(probs >= p.min_p * probs[0]))))
         cand = cand[:keep]
         final = _softmax(scores[cand] / max(p.temperature, 1e-6))
+        if not np.isfinite(final).all():
+            raise SamplingError("the sampling probabilities are not finite")
         return int(cand[self.rng.choice(len(cand), p=final)])
 
 

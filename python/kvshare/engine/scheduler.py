@@ -4,17 +4,25 @@ Every running sequence that is decoding computes its one pending token each step
 a per-step token budget goes to prefill chunks of sequences in admission order, so a long
 prefill never stalls other sessions' decoding. When the pool runs out of blocks, the youngest
 running sequence is preempted (its blocks released, it goes back to the front of the queue and
-later resumes by re-attaching to whatever of its prefix is still cached) instead of failing.
+later resumes by re-attaching to whatever of its prefix is still cached) instead of failing;
+when the youngest is the one asking, it waits (and nothing behind it is admitted) until another
+sequence gives blocks back.
+
+Nothing here raises out of a step because of one sequence: a sequence whose admission or
+planning fails is handed back to the engine, which fails it alone (`Schedule.failed`).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from kvshare import _core
 from kvshare.engine.cache_manager import CacheManager
 from kvshare.engine.sequence import Sequence, SeqState
+
+log = logging.getLogger("kvshare.scheduler")
 
 
 @dataclass
@@ -28,6 +36,17 @@ class Planned:
         return self.end == len(self.seq.tokens)
 
 
+@dataclass
+class Schedule:
+    """One step's plan. `failed`: sequences whose admission or planning raised (the engine
+    fails each alone); `out_of_room`: running sequences that cannot get a block even with the
+    pool to themselves (the engine ends them)."""
+
+    planned: list[Planned] = field(default_factory=list)
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
+    out_of_room: list[Sequence] = field(default_factory=list)
+
+
 class Scheduler:
     def __init__(self, cache: CacheManager, max_running: int, prefill_budget: int):
         self.cache = cache
@@ -36,88 +55,135 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.n_preemptions = 0
+        # Counts sequences that gave their blocks back (finished); one that waits for room
+        # is admitted again once it moves.
+        self.released = 0
 
     def add(self, seq: Sequence) -> None:
+        seq.queued_since = time.perf_counter()
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _admit(self) -> None:
+    def _admit(self, failed: list[tuple[Sequence, Exception]]) -> None:
         while self.waiting and len(self.running) < self.max_running:
-            seq = self.waiting.popleft()
-            reused = self.cache.attach(seq)
+            seq = self.waiting[0]
+            if seq.waits_for_room == self.released:
+                break  # first in line and no room yet: nothing behind it may take its place
+            self.waiting.popleft()
+            seq.waits_for_room = None
+            try:
+                reused = self.cache.attach(seq)
+            except Exception as exc:  # noqa: BLE001 - this sequence's fault alone
+                self._drop(seq)
+                failed.append((seq, exc))
+                continue
             if seq.preemptions == 0:
                 seq.n_cached = reused
             seq.state = SeqState.PREFILL
             self.running.append(seq)
 
-    def preempt(self, seq: Sequence) -> None:
+    def _drop(self, seq: Sequence) -> None:
+        """Give back whatever a failed sequence holds; the engine finishes it."""
+        try:
+            self.cache.release(seq)
+        except Exception:  # noqa: BLE001 - never let one sequence's cleanup stop the step
+            log.exception("releasing the blocks of %s failed", seq.request.request_id)
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def preempt(self, seq: Sequence, waits_for_room: bool = False) -> None:
         self.cache.release(seq)
         seq.n_computed = 0
         seq.preemptions += 1
         self.n_preemptions += 1
         seq.state = SeqState.WAITING
+        seq.queued_since = time.perf_counter()
+        seq.waits_for_room = self.released if waits_for_room else None
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
         self.cache.release(seq)
         seq.state = SeqState.FINISHED
+        self.released += 1
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def schedule(self) -> tuple[list[Planned], list[Sequence]]:
-        """Plan one step. Returns the planned chunks and sequences that cannot run at all
-        (too large for the whole pool), which the caller fails."""
-        self._admit()
+    def expired(self, now: float, timeout_s: float) -> list[Sequence]:
+        """Waiting sequences that have been queued longer than `timeout_s` (the engine ends
+        them with a 503)."""
+        return [s for s in self.waiting if now - s.queued_since > timeout_s]
+
+    def schedule(self) -> Schedule:
+        """Plan one step."""
+        out = Schedule()
+        self._admit(out.failed)
+        suspects = [s for s in self.running if s.suspect]
+        if suspects:  # after a failed batch: one suspect alone per step finds the culprit
+            candidates = suspects[:1]
+        else:
+            candidates = self.running
         plan: list[Planned] = []
         budget = self.prefill_budget
-        for seq in self.running:
+        for seq in candidates:
             if seq.state == SeqState.DECODE:
                 plan.append(Planned(seq, seq.n_computed, len(seq.tokens)))
         pending: set[bytes] = set()  # keys of prompt blocks that earlier sequences will compute
-        for seq in self.running:
+        for seq in candidates:
             if seq.state != SeqState.PREFILL:
                 continue
-            gained = self.cache.reattach(seq)
-            if seq.preemptions == 0:
-                seq.n_cached += gained
-            nxt = self.cache.next_key(seq)
-            if budget > 0 and not (nxt is not None and nxt in pending):
-                n = min(len(seq.tokens) - seq.n_computed, budget)
-                # Hybrids: prefill pauses at each planned checkpoint position.
-                stops = [p for p in seq.checkpoint_at if seq.n_computed < p < seq.n_computed + n]
-                if stops:
-                    n = stops[0] - seq.n_computed
-                budget -= n
-                plan.append(Planned(seq, seq.n_computed, seq.n_computed + n))
-            # else: an earlier session is computing this very block; wait and attach to it.
-            pending.update(self.cache.uncomputed_keys(seq))
-        return self._allocate(plan)
+            try:
+                budget = self._plan_prefill(seq, budget, pending, plan)
+            except Exception as exc:  # noqa: BLE001 - this sequence's fault alone
+                self._drop(seq)
+                out.failed.append((seq, exc))
+        out.planned = self._allocate(plan, out)
+        return out
 
-    def _allocate(self, plan: list[Planned]) -> tuple[list[Planned], list[Sequence]]:
-        unrunnable: list[Sequence] = []
+    def _plan_prefill(self, seq: Sequence, budget: int, pending: set[bytes],
+                      plan: list[Planned]) -> int:
+        gained = self.cache.reattach(seq)
+        if seq.preemptions == 0:
+            seq.n_cached += gained
+        nxt = self.cache.next_key(seq)
+        if budget > 0 and not (nxt is not None and nxt in pending):
+            n = min(len(seq.tokens) - seq.n_computed, budget)
+            # Hybrids: prefill pauses at each planned checkpoint position.
+            stops = [p for p in seq.checkpoint_at if seq.n_computed < p < seq.n_computed + n]
+            if stops:
+                n = stops[0] - seq.n_computed
+            budget -= n
+            plan.append(Planned(seq, seq.n_computed, seq.n_computed + n))
+        # else: an earlier session is computing this very block; wait and attach to it.
+        pending.update(self.cache.uncomputed_keys(seq))
+        return budget
+
+    def _allocate(self, plan: list[Planned], out: Schedule) -> list[Planned]:
+        """Blocks for every planned chunk. Without room, the youngest running sequence is
+        preempted (possibly the one asking) and waits until another sequence gives blocks
+        back; a sequence alone in the pool that still finds no room never will
+        (`out_of_room`)."""
         kept: list[Planned] = []
         for item in plan:
             while item.seq in self.running:
                 try:
-                    self.cache.allocate_for(item.seq, item.end)
+                    ok = self.cache.allocate_for(item.seq, item.end)
+                except Exception as exc:  # noqa: BLE001 - this sequence's fault alone
+                    self._drop(item.seq)
+                    out.failed.append((item.seq, exc))
+                    break
+                if ok:
                     kept.append(item)
                     break
-                except _core.OutOfBlocks:
-                    victim = self._victim(item.seq)
-                    if victim is None:
-                        unrunnable.append(item.seq)
-                        break
-                    kept = [k for k in kept if k.seq is not victim]
-                    self.preempt(victim)
-        return kept, unrunnable
-
-    def _victim(self, needy: Sequence) -> Sequence | None:
-        for seq in reversed(self.running):
-            if seq is not needy:
-                return seq
-        return None
+                victim = self.running[-1]
+                if len(self.running) == 1:
+                    self.running.remove(victim)
+                    out.out_of_room.append(victim)
+                    break
+                kept = [k for k in kept if k.seq is not victim]
+                self.preempt(victim, waits_for_room=True)
+        return kept

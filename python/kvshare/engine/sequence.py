@@ -33,6 +33,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # Chain keys of this sequence's full blocks, in order (block i covers tokens[i*bs:(i+1)*bs]).
     block_keys: list[bytes] = field(default_factory=list)
+    # How this sequence's chain of keys starts (CacheManager.chain): (root of block 0, index
+    # of its first private block, that block's parent key); set on first use.
+    chain: tuple | None = None
     # How many leading tokens of each block are already recorded in the pool.
     n_recorded: int = 0
     generated: list[int] = field(default_factory=list)
@@ -48,6 +51,14 @@ class Sequence:
     prefix_pinned: bool = False
     cancelled: bool = False
     preemptions: int = 0
+    # When the sequence (re)entered the waiting queue (perf_counter s): --queue-timeout.
+    queued_since: float = field(default_factory=time.perf_counter)
+    # Preempted for lack of blocks: it waits until the scheduler's `released` count moves
+    # past this value (another sequence gave blocks back) before it is admitted again.
+    waits_for_room: int | None = None
+    # Part of a batch whose forward step failed: it runs alone until a step succeeds, so the
+    # sequence that caused the failure is found and fails by itself.
+    suspect: bool = False
     # Timing marks (perf_counter seconds). prefill_started is set at admission, before any
     # tier restore, so a restore counts in prompt_ms; restore_s is the restore's own share.
     prefill_started: float | None = None

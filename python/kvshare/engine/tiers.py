@@ -80,16 +80,19 @@ class TierManager:
         return self.ram is not None or self.disk is not None
 
     # ---- restore -----------------------------------------------------------------------
-    def restore(self, tokens: list[int], keys: list[bytes], start: int, root: bytes) -> list[int]:
+    def restore(self, tokens: list[int], keys: list[bytes], start: int, root: bytes,
+                split: tuple[int, bytes] | None = None) -> list[int]:
         """Bring blocks `keys[start:]` (as many leading ones as a tier holds) into the pool.
-        Returns the new pool block ids (each holding one reference for the caller)."""
+        Returns the new pool block ids (each holding one reference for the caller). Block 0
+        chains from `root`; `split` = (p, parent) gives block p another parent (the first
+        block after a public prefix, see CacheManager.chain)."""
         got: list[int] = []
         if self.ram is not None and start < len(keys):
             n = self.ram.match_prefix(keys[start:])
             if n:
                 t0 = time.perf_counter()
                 ids = self._restore_chunks(self._read_ram, tokens, keys, start, n, root,
-                                           self.ram_counters)
+                                           self.ram_counters, split=split)
                 self.ram.touch_blocks(keys[start:start + len(ids)])
                 self._count(self.ram_counters, len(ids), time.perf_counter() - t0)
                 got += ids
@@ -101,7 +104,7 @@ class TierManager:
             if n:
                 t0 = time.perf_counter()
                 ids = self._restore_chunks(self._read_disk, tokens, keys, pos, n, root,
-                                           self.disk_counters, depth=DISK_DEPTH)
+                                           self.disk_counters, depth=DISK_DEPTH, split=split)
                 self._count(self.disk_counters, len(ids), time.perf_counter() - t0)
                 got += ids
         return got
@@ -122,13 +125,14 @@ class TierManager:
         return buf.view(self.kv.kv_dtype).reshape(n, *self.kv.block_shape)
 
     def _restore_chunks(self, read, tokens, keys, start, n, root, counters,
-                        depth: int = 0) -> list[int]:
+                        depth: int = 0, split=None) -> list[int]:
         """Restore keys[start:start+n] chunk by chunk: `read(chunk_keys, staging)` fills a
         staging buffer and returns how many leading blocks it holds; each is then written into
         a fresh pool block and registered. `depth` > 0 (the disk): that many chunk reads run
         ahead on reader threads while the engine installs the current chunk. Stops at the
         first short or corrupt read or a full pool; reads still in flight then are waited for
-        and dropped."""
+        and dropped. A read that fails in any way (corrupt, unreadable: the store has removed
+        the entry) ends the restore there: the rest is recomputed."""
         starts = list(range(start, start + n, CHUNK_BLOCKS))
         chunks = [keys[c0:min(c0 + CHUNK_BLOCKS, start + n)] for c0 in starts]
         ahead: dict[int, tuple[np.ndarray, Future]] = {}
@@ -159,11 +163,12 @@ class TierManager:
                 staging, fut = ahead.pop(i)
                 try:
                     n_read = fut.result()
-                except _core.CorruptEntry as exc:  # the store removed the entry: recompute
-                    log.warning("tier entry corrupt, recomputing: %s", exc)
+                except Exception as exc:  # noqa: BLE001 - the store removed the entry
+                    log.warning("tier entry unreadable (%s), recomputing: %s",
+                                type(exc).__name__, exc)
                     counters.errors += 1
                     break
-                added = self._install(tokens, keys, c0, staging[:n_read], root)
+                added = self._install(tokens, keys, c0, staging[:n_read], root, split)
                 ids += added
                 if len(added) < len(chunks[i]):
                     break
@@ -175,16 +180,23 @@ class TierManager:
                     pass
         return ids
 
-    def _install(self, tokens, keys, j0: int, blocks: np.ndarray, root: bytes) -> list[int]:
+    def _install(self, tokens, keys, j0: int, blocks: np.ndarray, root: bytes,
+                 split=None) -> list[int]:
         bs = self.block_size
         ids: list[int] = []
         for i, data in enumerate(blocks):
             j = j0 + i
+            parent = split[1] if split and j == split[0] else (keys[j - 1] if j > 0 else root)
             try:
-                block = self.pool.allocate(keys[j - 1] if j > 0 else root)
+                block = self.pool.allocate(parent)
             except _core.OutOfBlocks:
                 break
-            self.kv.write_block(block, data)
+            try:
+                self.kv.write_block(block, data)
+            except Exception:  # noqa: BLE001 - the restore ends here; the rest is recomputed
+                log.exception("writing a restored block into the pool failed")
+                self.pool.release([block])
+                break
             self.pool.append_tokens(block, tokens[j * bs:(j + 1) * bs])
             self.pool.register(block, keys[j])
             ids.append(block)
@@ -361,8 +373,8 @@ class TierManager:
     def _load_disk_checkpoint(self, root, tokens, key, account):
         try:
             got = self.disk.read_checkpoint(key)
-        except _core.CorruptEntry as exc:
-            log.warning("disk checkpoint corrupt, recomputing: %s", exc)
+        except (_core.CorruptEntry, _core.CacheIoError) as exc:  # the store removed it
+            log.warning("disk checkpoint unreadable, recomputing: %s", exc)
             self.disk_counters.errors += 1
             return None
         if got is None or int(got[0]) != len(tokens):

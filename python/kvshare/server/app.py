@@ -8,7 +8,6 @@ tokenizer/template methods, so it can be tested against a fake engine.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -27,11 +26,14 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvshare.engine.api import FinishEvent, GenerationRequest, TokenEvent
+from kvshare.engine.faults import HEADER as FAULT_HEADER
+from kvshare.engine.faults import injection_enabled
 
 from . import protocol as P
 from .errors import HTTP_CODES, APIError, bad_request, error_body
 from .metrics import ServerMetrics
 from .settings import ServerSettings
+from .tenancy import KeyRing, Tenant, TenantMetrics, build_tenancy
 
 log = logging.getLogger("kvshare.server")
 request_log = logging.getLogger("kvshare.server.requests")
@@ -63,10 +65,11 @@ class RootPathMiddleware:
 
 
 class AuthMiddleware:
-    """Bearer-token auth on everything except /health."""
+    """Bearer-token auth on everything except /health. The key that matched names the tenant,
+    passed on as `scope["state"]["tenant"]` (a `tenancy.Tenant`)."""
 
-    def __init__(self, app: ASGIApp, api_key: str):
-        self.app, self.key = app, api_key.encode()
+    def __init__(self, app: ASGIApp, keys: KeyRing):
+        self.app, self.keys = app, keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
@@ -80,8 +83,10 @@ class AuthMiddleware:
                 given = value.strip()
         if given is None:
             given = headers.get(b"x-api-key")
-        if given is not None and hmac.compare_digest(given, self.key):
-            return await self.app(scope, receive, send)
+        tenant = self.keys.match(given) if given is not None else None
+        if tenant is not None:
+            state = dict(scope.get("state") or {}, tenant=tenant)
+            return await self.app(dict(scope, state=state), receive, send)
         msg = ("Missing API key: send 'Authorization: Bearer <key>'" if given is None
                else "Invalid API key")
         resp = JSONResponse(error_body(msg, code="invalid_api_key"), status_code=401,
@@ -104,10 +109,13 @@ class RequestRecord:
     finish: FinishEvent | None = None
     error: str | None = None
     done: bool = False
+    tenant: str | None = None  # tenancy.Tenant.name (never the key)
 
     def as_log(self) -> dict:
         d: dict[str, Any] = {"id": self.id, "endpoint": self.endpoint, "status": self.status,
                              "stream": self.stream, "prompt_tokens": self.prompt_tokens}
+        if self.tenant is not None:
+            d["tenant"] = self.tenant
         f = self.finish
         if f is not None:
             d.update(prompt_tokens=f.prompt_tokens, cache_n=f.timings.cache_n,
@@ -320,6 +328,12 @@ class KVShareServer:
         self.started = int(time.time())
         self.active: dict[str, Any] = {}  # request id -> RequestHandle
         self._bos: int | None | bool = False  # False: not probed yet
+        # cache scope, API keys, public prefixes (tokenized here; TenancyError when bad)
+        self.tenancy = build_tenancy(
+            settings, lambda text: self.engine.tokenize(text, True, True),
+            lambda chat: self._chat_tokens(chat)[0])
+        self.tenant_metrics = TenantMetrics(self.metrics.registry, self.tenancy.keyring)
+        self.fault_injection = injection_enabled()  # tests only: honour X-Kvshare-Fault
 
     # ------------------------------------------------------------------ lifecycle
     def begin_shutdown(self) -> None:
@@ -380,7 +394,9 @@ class KVShareServer:
     async def _generate(self, request: Request, endpoint: str) -> Response:
         chat = endpoint == "chat"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        rec = RequestRecord(id=rid, endpoint=endpoint)
+        tenant: Tenant | None = (request.scope.get("state") or {}).get("tenant")
+        rec = RequestRecord(id=rid, endpoint=endpoint,
+                            tenant=tenant.name if tenant is not None else None)
         self.metrics.in_flight.inc()
         handed_off = False
         try:
@@ -420,8 +436,11 @@ class KVShareServer:
             greq = GenerationRequest(
                 prompt_tokens=tokens, max_tokens=max_tokens, sampling=opts.sampling,
                 stop=opts.stop, ignore_eos=opts.ignore_eos, logprobs=opts.logprobs,
-                top_logprobs=opts.top_logprobs, cache_salt=opts.cache_salt,
-                first_user_boundary=boundary, request_id=rid)
+                top_logprobs=opts.top_logprobs,
+                cache_salt=self.tenancy.salt(tenant, opts.cache_salt),
+                public_prefix_tokens=self.tenancy.public_prefix_tokens(tokens),
+                first_user_boundary=boundary, request_id=rid,
+                fault=request.headers.get(FAULT_HEADER) if self.fault_injection else None)
             fmt = (ChatFormat(rid, self.engine.model_name, opts) if chat
                    else CompletionFormat(rid, self.engine.model_name, opts, echo_text))
             try:
@@ -473,6 +492,7 @@ class KVShareServer:
         m.requests.labels(rec.endpoint, str(rec.status)).inc()
         m.duration.observe(time.perf_counter() - rec.t0)
         fin = rec.finish
+        self.tenant_metrics.count(rec.tenant, fin)
         if fin is not None:
             m.finish.labels(fin.reason).inc()
             if fin.completion_tokens > 0:
@@ -516,8 +536,13 @@ class KVShareServer:
     @staticmethod
     def _check_finish(fin: FinishEvent) -> None:
         if fin.reason == "error":
-            raise APIError(500, f"generation failed: {fin.error or 'engine error'}",
-                           code="engine_error")
+            status = fin.error_status if 400 <= fin.error_status < 600 else 500
+            headers = None
+            if fin.retry_after_s is not None:
+                headers = {"Retry-After": str(max(1, round(fin.retry_after_s)))}
+            prefix = "generation failed: " if status >= 500 and status != 503 else ""
+            raise APIError(status, f"{prefix}{fin.error or 'engine error'}",
+                           code=fin.error_cause or "engine_error", headers=headers)
         if fin.reason == "cancelled":
             raise APIError(503, "the request was cancelled (the server is shutting down)",
                            code="cancelled")
@@ -675,8 +700,8 @@ def create_app(engine, settings: ServerSettings | None = None, *,
     middleware = []
     if settings.root_path:
         middleware.append(Middleware(RootPathMiddleware, root_path=settings.root_path))
-    if settings.api_key:
-        middleware.append(Middleware(AuthMiddleware, api_key=settings.api_key))
+    if srv.tenancy.keyring is not None:
+        middleware.append(Middleware(AuthMiddleware, keys=srv.tenancy.keyring))
     app = Starlette(
         routes=routes, middleware=middleware, lifespan=lifespan,
         exception_handlers={HTTPException: _http_error, APIError: _api_error,

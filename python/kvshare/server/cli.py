@@ -43,6 +43,14 @@ def _non_negative_int(s: str) -> int:
     return v
 
 
+def _cache_scope(s: str) -> str:
+    v = s.strip().lower()
+    if v not in ("global", "key", "salt"):
+        raise ValueError(s)
+    return v
+
+
+_cache_scope.__name__ = "cache scope (global, key or salt)"
 _positive_int.__name__ = "positive integer"
 _non_negative_int.__name__ = "non-negative integer"
 _port.__name__ = "port"
@@ -58,6 +66,9 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--kv-blocks", _positive_int, None, "KV pool size in blocks (instead of --kv-mem)"),
     ("--block-size", _positive_int, None, "tokens per KV block (default: 16)"),
     ("--prefill-chunk", _positive_int, None, "prompt tokens computed per step (default: 256)"),
+    ("--queue-timeout", float, None,
+     "seconds a request may wait to be admitted before it gets 503 with Retry-After "
+     "(default 600; 0: no limit)"),
     ("--no-slot-attach", None, False, "turn cross-session prefix sharing off"),
     ("--cache-ram", _non_negative_int, None, "RAM tier budget in MiB (default 8192; 0: off)"),
     ("--cache-ram-pin", _non_negative_int, None,
@@ -71,7 +82,20 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
      "hybrid models: a state checkpoint every N prompt tokens (default 1024)"),
     ("--ctx-checkpoints", _non_negative_int, None,
      "hybrid models: at most N checkpoints per sequence (default 8)"),
-    ("--api-key", str, None, "require 'Authorization: Bearer <key>' (all but /health)"),
+    ("--api-key", str, None,
+     "require 'Authorization: Bearer <key>' (all but /health); several keys: comma-separated "
+     "or the flag repeated, each key its own tenant"),
+    ("--api-key-file", str, None,
+     "file of API keys, one 'KEY [TENANT-NAME]' per line (# comments); keys sharing a name "
+     "are one tenant"),
+    ("--cache-scope", _cache_scope, None,
+     "who may share cached prefixes: global (everyone without a cache_salt), key (per tenant; "
+     "the default with API keys) or salt (only requests with the same cache_salt); "
+     "see docs/security.md"),
+    ("--public-prefix", str, None,
+     "a prefix every tenant may share (repeatable; env: paths joined by ':'): a .json file "
+     "{\"messages\": [...], \"tools\": [...]} rendered by the chat template, or a text file "
+     "of prompt text"),
     ("--device", str, "cpu", "cpu or cuda"),
     ("--threads", _positive_int, None, "CPU threads for the model runtime"),
     ("--root-path", str, "", "mount prefix behind a reverse proxy, e.g. /kvshare"),
@@ -79,6 +103,23 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--graceful-timeout", float, 10.0, "seconds in-flight requests get at shutdown"),
     ("--log-level", str, "info", "debug, info, warning or error"),
 ]
+
+
+# Flags that may be given several times: the values are joined with this separator (a value
+# from the environment is replaced, not extended, by the flags on the command line).
+REPEATABLE = {"--api-key": ",", "--public-prefix": os.pathsep}
+
+
+class _FromEnv(str):
+    """A repeatable flag's value taken from the environment (the first flag replaces it)."""
+
+
+class _Repeat(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        cur = getattr(namespace, self.dest)
+        sep = REPEATABLE[self.option_strings[0]]
+        setattr(namespace, self.dest, values if cur is None or isinstance(cur, _FromEnv)
+                else f"{cur}{sep}{values}")
 
 
 class _EnvError(Exception):
@@ -120,6 +161,9 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         h = f"{help_} [env {_env_name(flag)}]"
         if typ is None:
             serve.add_argument(flag, action="store_true", default=d, help=h)
+        elif flag in REPEATABLE:
+            serve.add_argument(flag, type=typ, action=_Repeat, help=h,
+                               default=_FromEnv(d) if d is not None else None)
         else:
             serve.add_argument(flag, type=typ, default=d, help=h)
     return parser
@@ -146,6 +190,7 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     for name, value in (("ctx_size", args.ctx_size), ("kv_blocks", args.kv_blocks),
                         ("kv_mem_mib", args.kv_mem), ("block_size", args.block_size),
                         ("prefill_chunk", args.prefill_chunk), ("threads", args.threads),
+                        ("queue_timeout_s", args.queue_timeout),
                         ("cache_ram_mib", args.cache_ram), ("cache_ram_pin_mib", args.cache_ram_pin),
                         ("cache_dir", args.cache_dir),
                         ("cache_disk_max_mib", args.cache_disk_max), ("cache_ttl_s", args.cache_ttl),
@@ -185,6 +230,13 @@ def serve(args: argparse.Namespace) -> int:
     if args.model is not None and not os.path.isfile(args.model):
         return _fail(f"model file not found: {args.model}", 2)
 
+    from .tenancy import TenancyError, settings_from_args
+
+    try:  # API keys, cache scope, public prefix files: before the slow model load
+        tenancy_kw = settings_from_args(args)
+    except TenancyError as e:
+        return _fail(str(e), 2)
+
     from .app import create_app
     from .launcher import bind_socket, run, socket_url
     from .settings import ServerSettings
@@ -204,15 +256,21 @@ def serve(args: argparse.Namespace) -> int:
         return _fail(f"cannot load model {args.model or '(default)'}: {msg}", 2)
 
     url = socket_url(sock, args.root_path)
-    settings = ServerSettings(api_key=args.api_key or None, root_path=args.root_path,
-                              max_body_bytes=args.max_body_mib * 1024 * 1024)
+    settings = ServerSettings(root_path=args.root_path,
+                              max_body_bytes=args.max_body_mib * 1024 * 1024, **tenancy_kw)
 
     def ready() -> None:
         print(f"kvshare: serving {engine.model_name} at {url} "
               f"(parallel {args.parallel}, ctx {engine.ctx_size}, "
-              f"slot attach {'off' if args.no_slot_attach else 'on'})", flush=True)
+              f"slot attach {'off' if args.no_slot_attach else 'on'}, "
+              f"cache scope {settings.cache_scope})", flush=True)
 
-    app = create_app(engine, settings, on_startup=ready)
+    try:
+        app = create_app(engine, settings, on_startup=ready)
+    except TenancyError as e:  # a public prefix the template or tokenizer rejects
+        sock.close()
+        return _fail(str(e), 2)
+    logging.getLogger("kvshare.server").info("%s", app.state.server.tenancy.describe())
     run(app, sock, root_path=args.root_path, graceful_timeout=args.graceful_timeout,
         log_level=args.log_level)
     print("kvshare: stopped", flush=True)

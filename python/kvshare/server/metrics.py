@@ -73,6 +73,24 @@ class EngineCollector(Collector):
                 seqs.add_metric([state], n)
             yield seqs
 
+        faults = snap.get("faults") or {}
+        if faults:
+            yield GaugeMetricFamily("kvshare_requests_queued",
+                                    "Requests waiting to be admitted", value=faults["queued"])
+            failed = CounterMetricFamily("kvshare_requests_failed",
+                                         "Requests ended by an engine-side error, by cause",
+                                         labels=["cause"])
+            for cause, n in sorted(faults["failed"].items()):
+                failed.add_metric([cause], n)
+            yield failed
+            recovered = CounterMetricFamily("kvshare_faults_recovered",
+                                            "Faults absorbed without failing a request "
+                                            "(recomputed, retried or skipped), by kind",
+                                            labels=["kind"])
+            for kind, n in sorted(faults["recovered"].items()):
+                recovered.add_metric([kind], n)
+            yield recovered
+
         yield from _tier_metrics(snap.get("tiers") or {})
         ckpt = snap.get("checkpoints")
         if ckpt:

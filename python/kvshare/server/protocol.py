@@ -184,7 +184,9 @@ def parse_common(body: dict, *, ctx_size: int, chat: bool) -> CommonOptions:
         seed=seed,
         presence_penalty=get_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
         frequency_penalty=get_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
-        repetition_penalty=get_float(body, rep_name, 1.0, lo=0.0, hi=10.0, lo_open=True),
+        # >= 0.01: a smaller divisor overflows float32 logits (1e-300 made every score
+        # infinite); the sampler still fails the one sequence if scores turn non-finite.
+        repetition_penalty=get_float(body, rep_name, 1.0, lo=0.01, hi=10.0),
         penalty_last_n=last_n,
     )
 
