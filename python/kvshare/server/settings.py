@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .tenancy import ApiKey, PublicPrefix
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
@@ -11,6 +15,13 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 class ServerSettings:
     # `Authorization: Bearer <key>` (or `X-Api-Key: <key>`) required on every path but /health.
     api_key: str | None = None
+    # More keys (`--api-key` lists, `--api-key-file`), each with an optional tenant name.
+    api_keys: "list[ApiKey]" = field(default_factory=list)
+    # Who shares cached prefixes (server/tenancy.py, docs/security.md): "global", "key" or
+    # "salt"; None: "key" when any API key is set, else "global".
+    cache_scope: str | None = None
+    # Operator-marked prefixes every tenant may share (`--public-prefix FILE`).
+    public_prefixes: "list[PublicPrefix]" = field(default_factory=list)
     # Mount prefix when served behind a reverse proxy (e.g. "/kvshare"). Requests may arrive with
     # the prefix (it is stripped for routing) or without it (the proxy stripped it).
     root_path: str = ""
