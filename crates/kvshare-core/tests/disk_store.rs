@@ -715,3 +715,59 @@ fn checkpoint_only_entries_and_shared_checkpoints() {
         vec![1u8; 300]
     );
 }
+
+/// A directory, a symlink loop or a FIFO where an entry's `.kv` or `.ckpt` should be: the read
+/// fails at once with `CorruptEntry` (never blocks: a FIFO's open would wait for a writer),
+/// the entry is removed and never offered again, the other entries are untouched.
+#[test]
+fn unreadable_files_are_a_miss_and_the_entry_is_removed() {
+    let d = tempfile::tempdir().unwrap();
+    let store = open(d.path());
+    let good = written(store.write_now(&make_entry(9, 3, 0, &[])).unwrap());
+    let make_fifo = |p: &Path| {
+        let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+    };
+    type Replace = Box<dyn Fn(&Path)>;
+    let replacements: Vec<(&str, Replace)> = vec![
+        ("directory", Box::new(|p: &Path| fs::create_dir(p).unwrap())),
+        (
+            "symlink loop",
+            Box::new(|p: &Path| std::os::unix::fs::symlink(p, p).unwrap()),
+        ),
+        ("fifo", Box::new(make_fifo)),
+    ];
+    for (i, (what, replace)) in replacements.iter().enumerate() {
+        for ext in ["kv", "ckpt"] {
+            let seed = 20 + 2 * i as u64 + u64::from(ext == "ckpt");
+            let keys = chain_keys(seed, 3);
+            let key = written(store.write_now(&make_entry(seed, 3, 0, &[2])).unwrap());
+            let p = file(&store, &key, ext);
+            fs::remove_file(&p).unwrap();
+            replace(&p);
+            let t0 = std::time::Instant::now();
+            let err = if ext == "kv" {
+                store.read_blocks_vec(&keys).map(|_| ()).unwrap_err()
+            } else {
+                store.read_checkpoint(&keys[2]).map(|_| ()).unwrap_err()
+            };
+            assert!(
+                matches!(err, CoreError::CorruptEntry(_)),
+                "{what} .{ext}: {err}"
+            );
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "{what} .{ext} blocked"
+            );
+            assert_eq!(store.lookup(&keys).unwrap().n_blocks, 0, "{what} .{ext}");
+            assert!(!file(&store, &key, "idx").exists(), "{what} .{ext}");
+        }
+    }
+    assert_eq!(store.stats().evictions_corrupt, 6);
+    assert_eq!(store.lookup(&chain_keys(9, 3)).unwrap().n_blocks, 3);
+    assert!(file(&store, &good, "kv").is_file());
+    drop(store);
+    // The damage left on disk does not stop the store from opening again.
+    let store = open(d.path());
+    assert_eq!(store.lookup(&chain_keys(9, 3)).unwrap().n_blocks, 3);
+}

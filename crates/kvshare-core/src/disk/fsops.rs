@@ -46,9 +46,21 @@ fn open_opts() -> OpenOptions {
     o
 }
 
-/// Opens an existing cache file for reading; never follows a symlink.
+/// Opens an existing cache file for reading; never follows a symlink, never blocks (a FIFO
+/// put where a cache file should be would otherwise block the open until a writer came), and
+/// refuses anything but a regular file (a directory, a FIFO, a device) with `InvalidData`.
 pub fn open_read(path: &Path) -> io::Result<File> {
-    open_opts().read(true).open(path)
+    let f = open_opts()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path)?;
+    if !f.metadata()?.file_type().is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "not a regular file",
+        ));
+    }
+    Ok(f)
 }
 
 /// Writes `parts` (concatenated) to `tmp`, fsyncs it and renames it to `dst`. The caller

@@ -637,14 +637,17 @@ fn read_verify(
         }
         let buf = &mut out[pos..pos + len as usize];
         if let Err(e) = fsops::read_at(&files[&first.file], buf, first.offset) {
-            return Err(Box::new(if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                (
-                    Some(first.clone()),
-                    CoreError::CorruptEntry(format!("{} is truncated", hex32(&first.file))),
-                )
+            // Truncated or unreadable: either way the entry is blamed (removed) and the
+            // caller recomputes; a read error must not be met again on every lookup.
+            let why = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                "is truncated".to_string()
             } else {
-                (None, e.into())
-            }));
+                format!("is unreadable ({e})")
+            };
+            return Err(Box::new((
+                Some(first.clone()),
+                CoreError::CorruptEntry(format!("{} {why}", hex32(&first.file))),
+            )));
         }
         let mut p = pos;
         for l in &locs[i..j] {

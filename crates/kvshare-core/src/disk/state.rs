@@ -557,14 +557,21 @@ impl State {
                 Ok(f) => {
                     files.insert(l.file, f);
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                // Missing, or unreadable (a directory, a symlink or loop, a FIFO, no
+                // permission): the entry is removed, as a corrupt one is, and the caller
+                // recomputes; it is never offered again.
+                Err(e) => {
                     self.remove_entries(&[l.file], Reason::Corrupt);
+                    let what = if e.kind() == std::io::ErrorKind::NotFound {
+                        "is missing".to_string()
+                    } else {
+                        format!("is unreadable ({e})")
+                    };
                     return Err(CoreError::CorruptEntry(format!(
-                        "{} is missing",
+                        "{} {what}",
                         path.display()
                     )));
                 }
-                Err(e) => return Err(e.into()),
             }
         }
         Ok(files)
