@@ -46,11 +46,11 @@ class SubprocessLauncher:
     def __init__(self):
         self._procs: dict[int, subprocess.Popen] = {}
 
-    def spawn(self, argv: list[str], log_path: str) -> int:
+    def spawn(self, argv: list[str], log_path: str, env: dict[str, str] | None = None) -> int:
         log = open(log_path, "ab")
         proc = subprocess.Popen([sys.executable, "-m", "kvshare.server.cli", *argv],
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=_clean_env())
+                                env={**_clean_env(), **(env or {})})
         log.close()
         self._procs[proc.pid] = proc
         return proc.pid
@@ -91,8 +91,8 @@ class ForkLauncher:
             raise RuntimeError("the zygote process died")
         return json.loads(line)
 
-    def spawn(self, argv: list[str], log_path: str) -> int:
-        return int(self._call(cmd="spawn", argv=argv, log=log_path)["pid"])
+    def spawn(self, argv: list[str], log_path: str, env: dict[str, str] | None = None) -> int:
+        return int(self._call(cmd="spawn", argv=argv, log=log_path, env=env or {})["pid"])
 
     def poll(self, pid: int) -> int | None:
         if pid in self._exited:
@@ -171,6 +171,7 @@ def _zygote_main() -> None:  # pragma: no cover - runs in the zygote process
                     os.close(null)
                     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
                         signal.signal(sig, signal.SIG_DFL)
+                    os.environ.update(cmd.get("env") or {})  # e.g. a test hook of the writer
                     sys.argv = ["kvshare", *cmd["argv"]]
                     rc = cli.main(cmd["argv"]) or 0
                 except SystemExit as e:
@@ -209,7 +210,8 @@ def _zygote_main() -> None:  # pragma: no cover - runs in the zygote process
 class Server:
     """One `kvshare serve` process (port chosen by the OS and read from its log)."""
 
-    def __init__(self, launcher, *args: str, model: Path | str = TINY_MODEL, log_dir: str | None = None):
+    def __init__(self, launcher, *args: str, model: Path | str = TINY_MODEL, log_dir: str | None = None,
+                 env: dict[str, str] | None = None):
         import httpx
 
         self.launcher = launcher
@@ -222,7 +224,7 @@ class Server:
         self.url = ""
         self.started_s = 0.0
         t0 = time.monotonic()
-        self.pid = launcher.spawn(self.args, self.log_path)
+        self.pid = launcher.spawn(self.args, self.log_path, env)
         deadline = t0 + STARTUP_TIMEOUT
         while not self.url:
             m = _SERVING.search(self.log())

@@ -13,6 +13,114 @@ use super::fsops;
 use super::state::{Loc, State};
 use super::{Key, NewEntry, WriteOutcome};
 use crate::error::{CoreError, Result};
+use park::Step;
+
+/// Test hook (fault injection for crash tests of a whole server): with
+/// `KVSHARE_DISK_WRITER_PARK=<step>` in the environment, the first entry write of the process
+/// that reaches `<step>` stops there, creates the file named by
+/// `KVSHARE_DISK_WRITER_PARK_MARKER` (if set; its content is `<step> <pid>`), and waits while
+/// that file exists (forever without one). A test waits for the marker, then kills the process:
+/// a kill at exactly that point of the write protocol, on any machine load. Deleting the marker
+/// lets the write go on. The variables are read once per process, the first time a write
+/// reaches a step (so a process forked before any write, e.g. from a test's zygote, reads its
+/// own). Unset (the default): one atomic load per step, nothing else. The steps, in order:
+///
+/// - `start`: the entry is planned, nothing of it is on disk yet;
+/// - `data`: its `.kv` / `.ckpt` are written, fsynced and renamed into place (the directory not
+///   yet fsynced); no `.idx`;
+/// - `data_synced`: the directory is fsynced too;
+/// - `idx_tmp`: the `.idx.tmp` is written and fsynced, not yet renamed (not committed);
+/// - `committed`: the `.idx` is renamed into place (the commit). This one parks inside the
+///   commit, with the store's state lock held: every other call on the store waits.
+#[doc(hidden)]
+pub mod park {
+    use std::path::PathBuf;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::OnceLock;
+    use std::time::Duration;
+
+    pub const ENV_STEP: &str = "KVSHARE_DISK_WRITER_PARK";
+    pub const ENV_MARKER: &str = "KVSHARE_DISK_WRITER_PARK_MARKER";
+
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Step {
+        Start,
+        Data,
+        DataSynced,
+        IdxTmp,
+        Committed,
+    }
+
+    impl Step {
+        pub const ALL: [Step; 5] = [
+            Step::Start,
+            Step::Data,
+            Step::DataSynced,
+            Step::IdxTmp,
+            Step::Committed,
+        ];
+
+        pub fn name(self) -> &'static str {
+            match self {
+                Step::Start => "start",
+                Step::Data => "data",
+                Step::DataSynced => "data_synced",
+                Step::IdxTmp => "idx_tmp",
+                Step::Committed => "committed",
+            }
+        }
+    }
+
+    struct Config {
+        step: Step,
+        marker: Option<PathBuf>,
+    }
+
+    static CONFIG: OnceLock<Option<Config>> = OnceLock::new();
+    static PARKED: AtomicBool = AtomicBool::new(false);
+
+    fn from_env() -> Option<Config> {
+        let name = std::env::var(ENV_STEP).ok().filter(|v| !v.is_empty())?;
+        let Some(step) = Step::ALL.into_iter().find(|s| s.name() == name) else {
+            let names: Vec<&str> = Step::ALL.iter().map(|s| s.name()).collect();
+            eprintln!("kvshare-disk-writer: ignoring {ENV_STEP}={name:?} (steps: {names:?})");
+            return None;
+        };
+        let marker = std::env::var_os(ENV_MARKER)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from);
+        Some(Config { step, marker })
+    }
+
+    /// Called by the writer at each step; parks there if the environment asks for it.
+    pub(crate) fn at(step: Step) {
+        let Some(cfg) = CONFIG.get_or_init(from_env) else {
+            return;
+        };
+        if cfg.step != step || PARKED.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        eprintln!(
+            "kvshare-disk-writer: parked at {} ({ENV_STEP})",
+            step.name()
+        );
+        let Some(marker) = &cfg.marker else {
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        };
+        if let Err(e) = std::fs::write(marker, format!("{} {}\n", step.name(), std::process::id()))
+        {
+            eprintln!(
+                "kvshare-disk-writer: cannot create {}: {e}",
+                marker.display()
+            );
+        }
+        while marker.exists() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
 
 #[derive(Clone, Debug)]
 pub(crate) enum Region {
@@ -158,6 +266,7 @@ pub(crate) fn write_files(
     fingerprint: &[u8],
 ) -> Result<Prepared> {
     let key = plan.key;
+    park::at(Step::Start);
     // Own block bytes, in file order, with adjacent payload slices coalesced into one write.
     let mut hashes: HashMap<u64, Key> = HashMap::new(); // file_off -> hash (kv)
     let mut parts: Vec<(usize, usize)> = Vec::new();
@@ -202,9 +311,11 @@ pub(crate) fn write_files(
         fsops::write_then_rename(&tmp, &entry_path(dir, &key, Ext::Ckpt, false)?, &slices)?;
         wrote_data = true;
     }
+    park::at(Step::Data);
     if wrote_data {
         fsops::fsync_dir(dir)?;
     }
+    park::at(Step::DataSynced);
     let region = |k: &Key, r: &Region, hs: &HashMap<u64, Key>| match r {
         Region::Existing(l) => IdxRegion {
             key: K32(*k),
@@ -248,6 +359,7 @@ pub(crate) fn write_files(
     };
     let bytes = format::encode_idx(&idx);
     fsops::write_synced(&entry_path(dir, &key, Ext::Idx, true)?, &bytes)?;
+    park::at(Step::IdxTmp);
     Ok(Prepared {
         plan,
         idx,
@@ -268,6 +380,7 @@ pub(crate) fn commit(st: &mut State, prep: &Prepared, now: u64) -> Result<bool> 
         &entry_path(&st.dir, &key, Ext::Idx, true)?,
         &entry_path(&st.dir, &key, Ext::Idx, false)?,
     )?;
+    park::at(Step::Committed);
     // The index's mtime is its last access (see `State::touch`): start it at the store's clock.
     let when = std::time::UNIX_EPOCH + std::time::Duration::from_millis(prep.plan.created_ms);
     let _ = fsops::touch(&entry_path(&st.dir, &key, Ext::Idx, false)?, when);
