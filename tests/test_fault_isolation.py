@@ -355,19 +355,29 @@ def test_a_request_that_finds_no_room_waits_and_completes(launcher):
 
 
 def test_a_request_waiting_past_the_queue_timeout_gets_503(launcher):
+    """Two replies of ~190 blocks each in a 200-block pool: once it is full, the younger one
+    waits for the older one's remaining ~1,400 tokens, far longer than the 1 s queue timeout,
+    and gets 503 with Retry-After; the older one completes."""
     s = Server(launcher, "--kv-blocks", "200", "--parallel", "2", "--queue-timeout", "1")
     try:
-        # ~190 blocks each: once the pool is full the younger waits for the older's ~1,400
-        # remaining tokens, far longer than the 1 s queue timeout
-        first = Stream(s.url, LONG, 3000)
-        first.start()
-        assert first.started.wait(120)
-        r = s.client.post("/v1/chat/completions", json=body(SECOND, 3000))
-        assert r.status_code == 503, r.text
-        assert int(r.headers["Retry-After"]) >= 1
-        assert r.json()["error"]["code"] == "queue_timeout"
-        first.join(300)
-        assert first.error is None and first.finish == "length", first.error
+        results: dict[int, httpx.Response] = {}
+
+        def send(i: int, msgs) -> None:
+            with httpx.Client(base_url=s.url, timeout=300.0) as c:
+                results[i] = c.post("/v1/chat/completions", json=body(msgs, 3000))
+
+        threads = [threading.Thread(target=send, args=(i, m)) for i, m in enumerate((LONG, SECOND))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        codes = sorted(r.status_code for r in results.values())
+        assert codes == [200, 503], [r.text[:200] for r in results.values()]
+        late = next(r for r in results.values() if r.status_code == 503)
+        assert int(late.headers["Retry-After"]) >= 1
+        assert late.json()["error"]["code"] == "queue_timeout"
+        done = next(r for r in results.values() if r.status_code == 200).json()
+        assert done["choices"][0]["finish_reason"] == "length"
         assert metric(s, "kvshare_requests_failed_total", 'cause="queue_timeout"') == 1
         wait_idle(s)
         assert s.chat([{"role": "user", "content": "and now?"}])["choices"]
