@@ -372,6 +372,31 @@ def test_engine_error_in_stream_is_reported_in_band(client, engine):
     assert_error(r, 500, code="engine_error")
 
 
+def test_engine_error_status_cause_and_retry_after(client, engine, monkeypatch):
+    """A FinishEvent's error status and cause become the response's; a 503 carries
+    Retry-After."""
+    def finish(self, reason, n, t0, error=None):
+        self.finished = True
+        p = len(self.req.prompt_tokens)
+        return FinishEvent(reason=reason, prompt_tokens=p, completion_tokens=n,
+                           timings=Timings(p, 0, 1.0, n, 1.0), time_to_first_token_s=0.0,
+                           error=error, error_status=503, error_cause="queue_timeout",
+                           retry_after_s=4.6)
+    monkeypatch.setattr(FakeHandle, "_finish", finish)
+    engine.fail_with = "the server is busy"
+    r = client.post("/v1/chat/completions", json=CHAT)
+    err = assert_error(r, 503, code="queue_timeout")
+    assert r.headers["Retry-After"] == "5" and err["message"] == "the server is busy"
+
+
+def test_health_reports_a_stalled_engine(client, engine):
+    engine.stalled_for = lambda: 0.5
+    assert client.get("/health").json() == {"status": "ok"}
+    engine.stalled_for = lambda: 75.0
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["status"] == "engine stalled"
+
+
 # --------------------------------------------------------------------------- completions
 
 @pytest.mark.parametrize("prompt", ["abc", ["abc"], [1, 97, 98, 99], [[1, 97, 98, 99]]])

@@ -107,6 +107,7 @@ class Engine:
         self.counters = {"prompt_tokens_total": 0, "prompt_tokens_cached_total": 0,
                          "generated_tokens_total": 0, "steps": 0, "preemptions": 0}
         self.peak_tokens_used = 0
+        self._step_started: float | None = None  # perf_counter while a step runs
         self.failures: Counter[str] = Counter()  # requests ended by an error, by cause
         self.recovered: Counter[str] = Counter()  # faults absorbed without failing a request
         # Hybrids checkpoint at the first user message; the RAM tier pins the prefix up to it.
@@ -240,6 +241,7 @@ class Engine:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                self._step_started = time.perf_counter()
                 self.step()
             except Exception as exc:  # noqa: BLE001 - the engine thread must never die
                 # Faults are handled per sequence inside the step; one that escapes is a bug
@@ -249,6 +251,14 @@ class Engine:
                               [s.request.request_id for s in running])
                 for seq in running:
                     self._fail(seq, exc)
+            finally:
+                self._step_started = None
+
+    def stalled_for(self) -> float:
+        """Seconds the current step has been running (0 between steps): /health reports an
+        engine stuck in one step (a hung device or file read) instead of answering ok."""
+        started = self._step_started
+        return 0.0 if started is None else time.perf_counter() - started
 
     def _drain_inbox(self) -> None:
         while self._inbox:

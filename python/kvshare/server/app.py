@@ -29,8 +29,10 @@ from kvshare.engine.api import FinishEvent, GenerationRequest, TokenEvent
 from kvshare.engine.faults import HEADER as FAULT_HEADER
 from kvshare.engine.faults import injection_enabled
 
+from . import limits
 from . import protocol as P
 from .errors import HTTP_CODES, APIError, bad_request, error_body
+from .limits import read_json
 from .metrics import ServerMetrics
 from .settings import ServerSettings
 from .tenancy import KeyRing, Tenant, TenantMetrics, build_tenancy
@@ -39,6 +41,8 @@ log = logging.getLogger("kvshare.server")
 request_log = logging.getLogger("kvshare.server.requests")
 
 OPEN_PATHS = frozenset({"/health", "/v1/health"})
+# /health answers 503 while one engine step has run longer than this (a hung read or device).
+STALL_LIMIT_S = 60.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -131,67 +135,16 @@ class RequestRecord:
 
 
 # --------------------------------------------------------------------------- body reading
-
-def _is_json_type(content_type: str | None) -> bool:
-    if not content_type:
-        return True  # be lenient with clients that send no content type
-    mt = content_type.split(";", 1)[0].strip().lower()
-    return mt == "application/json" or (mt.startswith("application/") and mt.endswith("+json"))
-
-
-async def read_json(request: Request, settings: ServerSettings) -> dict:
-    """Read a JSON object body under the size limit: a declared Content-Length over the limit,
-    or a chunked body that grows past it, gets 413 without being held in memory."""
-    content_type = request.headers.get("content-type")
-    if not _is_json_type(content_type):
-        raise APIError(415, f"Content-Type must be application/json, not {content_type!r} "
-                            "(with curl, add -H 'Content-Type: application/json')",
-                       code="unsupported_media_type")
-    limit = settings.max_body_bytes
-    too_large = APIError(413, f"Request body is larger than the limit of {limit} bytes",
-                         code="request_too_large")
-    cl = request.headers.get("content-length")
-    if cl is not None:
-        try:
-            declared = int(cl)
-        except ValueError:
-            raise bad_request("invalid Content-Length header") from None
-        if declared > limit:
-            if declared <= settings.max_discard_bytes:
-                await _discard(request, settings.max_discard_bytes)
-            else:
-                too_large.headers = {"Connection": "close"}
-            raise too_large
-    buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            del buf
-            await _discard(request, settings.max_discard_bytes)
-            raise too_large
-    if not buf:
-        raise bad_request("request body is empty; expected a JSON object")
-    try:
-        body = json.loads(bytes(buf))
-    except (ValueError, RecursionError) as e:
-        raise bad_request(f"malformed JSON in request body: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    return body
-
-
-async def _discard(request: Request, cap: int) -> None:
-    n = 0
-    try:
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > cap:
-                return
-    except (ClientDisconnect, RuntimeError):
-        return
+# `read_json` (size limit, body timeout, body budget, JSON value cap, lone surrogates) lives in
+# limits.py with the other edge limits.
 
 
 # --------------------------------------------------------------------------- formats
+
+def _json_bytes(obj: Any) -> bytes:
+    """What JSONResponse would send (built off the event loop for large responses)."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
 
 def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
@@ -328,6 +281,8 @@ class KVShareServer:
         self.started = int(time.time())
         self.active: dict[str, Any] = {}  # request id -> RequestHandle
         self._bos: int | None | bool = False  # False: not probed yet
+        self.bounds = limits.PromptBounds(engine)  # prompts too long to fit, untokenized
+        self.edge = limits.EdgeLimits.from_settings(settings)
         # cache scope, API keys, public prefixes (tokenized here; TenancyError when bad)
         self.tenancy = build_tenancy(
             settings, lambda text: self.engine.tokenize(text, True, True),
@@ -359,6 +314,12 @@ class KVShareServer:
             except Exception:
                 self._bos = None
         return self._bos  # type: ignore[return-value]
+
+    def _bounded_chat_tokens(self, chat: P.ChatInput,
+                             body_bytes: int) -> tuple[list[int], int | None]:
+        """`_chat_tokens`, after the no-tokenization context check (limits.PromptBounds)."""
+        self.bounds.check_chat(chat, self.engine.ctx_size, body_bytes)
+        return self._chat_tokens(chat)
 
     def _chat_tokens(self, chat: P.ChatInput) -> tuple[list[int], int | None]:
         kwargs = dict(chat.template_kwargs)
@@ -409,9 +370,12 @@ class KVShareServer:
             rec.stream = opts.stream
             boundary = None
             echo_text = ""
+            heavy = limits.body_size(request) > limits.HEAVY_BYTES
             if chat:
                 chat_in = P.parse_chat(body)
-                tokens, boundary = await run_in_threadpool(self._chat_tokens, chat_in)
+                tokens, boundary = await limits.run_heavy(
+                    request, heavy, self._bounded_chat_tokens, chat_in,
+                    limits.body_size(request))
                 param = "messages"
             else:
                 comp = P.parse_completion(body, self.vocab_size)
@@ -421,9 +385,12 @@ class KVShareServer:
                     if comp.echo:
                         echo_text = await run_in_threadpool(self.engine.detokenize, tokens)
                 else:
-                    tokens = await run_in_threadpool(self.engine.tokenize, comp.text, True, True)
+                    self.bounds.check_text(len(comp.text), ctx, param)
+                    tokens = await limits.run_heavy(request, heavy, self.engine.tokenize,
+                                                    comp.text, True, True)
                     if comp.echo:
                         echo_text = comp.text or ""
+            limits.release_body(request)  # parsed and tokenized: the body budget goes back
             rec.prompt_tokens = n = len(tokens)
             if n == 0:
                 raise bad_request("the prompt is empty", param)
@@ -591,6 +558,10 @@ class KVShareServer:
     async def health(self, request: Request) -> Response:
         if self.shutting_down:
             return JSONResponse({"status": "shutting down"}, status_code=503)
+        stalled = getattr(self.engine, "stalled_for", lambda: 0.0)()
+        if stalled > STALL_LIMIT_S:  # one step should take well under a second or two
+            return JSONResponse({"status": "engine stalled", "step_seconds": round(stalled, 1)},
+                                status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def metrics_endpoint(self, request: Request) -> Response:
@@ -615,15 +586,28 @@ class KVShareServer:
         add_special = P.get_bool(body, "add_special", False)
         parse_special = P.get_bool(body, "parse_special", True)
         with_pieces = P.get_bool(body, "with_pieces", False)
+        max_chars = limits.tokenize_max_chars(self.engine.ctx_size)
+        if len(content) > max_chars:
+            raise APIError(413, f"'content' has {len(content)} characters; /tokenize takes at "
+                                f"most {max_chars}", param="content", code="request_too_large")
 
-        def work() -> list:
+        def work() -> bytes:
             ids = self.engine.tokenize(content, add_special=add_special,
                                        parse_special=parse_special)
             if with_pieces:
-                return [{"id": t, "piece": self.engine.token_piece(t)} for t in ids]
-            return list(ids)
+                if len(ids) > limits.TOKENIZE_MAX_PIECES:
+                    raise bad_request(
+                        f"the content has {len(ids)} tokens; 'with_pieces' returns at most "
+                        f"{limits.TOKENIZE_MAX_PIECES} (send less text, or no 'with_pieces')",
+                        "with_pieces", "response_too_large")
+                out: list = [{"id": t, "piece": self.engine.token_piece(t)} for t in ids]
+            else:
+                out = list(ids)
+            return _json_bytes({"tokens": out})
 
-        return JSONResponse({"tokens": await run_in_threadpool(work)})
+        heavy = len(content) > limits.HEAVY_BYTES
+        return Response(await limits.run_heavy(request, heavy, work),
+                        media_type="application/json")
 
     async def detokenize(self, request: Request) -> Response:
         body = await read_json(request, self.settings)
@@ -631,11 +615,24 @@ class KVShareServer:
         if tokens is None:
             tokens = []
         P.check_token_ids(tokens, self.vocab_size, "tokens")
+        if len(tokens) > limits.DETOKENIZE_MAX_TOKENS:
+            raise APIError(413, f"'tokens' has {len(tokens)} ids; /detokenize takes at most "
+                                f"{limits.DETOKENIZE_MAX_TOKENS}", param="tokens",
+                           code="request_too_large")
+
+        def work() -> bytes:
+            text = self.engine.detokenize(tokens)
+            if len(text) > limits.DETOKENIZE_MAX_CHARS:
+                raise bad_request(f"the text of these tokens has {len(text)} characters; "
+                                  f"/detokenize returns at most {limits.DETOKENIZE_MAX_CHARS}",
+                                  "tokens", "response_too_large")
+            return _json_bytes({"content": text})
+
         try:
-            text = await run_in_threadpool(self.engine.detokenize, tokens)
+            data = await limits.run_heavy(request, len(tokens) > 4096, work)
         except (IndexError, KeyError, ValueError) as e:
             raise bad_request(f"cannot detokenize: {e}", "tokens", "invalid_token_id") from None
-        return JSONResponse({"content": text})
+        return Response(data, media_type="application/json")
 
 
 # --------------------------------------------------------------------------- factory
@@ -700,6 +697,9 @@ def create_app(engine, settings: ServerSettings | None = None, *,
     middleware = []
     if settings.root_path:
         middleware.append(Middleware(RootPathMiddleware, root_path=settings.root_path))
+    # connection limit and body deadline (limits.py), before anything reads the body
+    middleware.append(Middleware(limits.EdgeMiddleware, limits=srv.edge, exempt=OPEN_PATHS,
+                                 route_path=route_path))
     if srv.tenancy.keyring is not None:
         middleware.append(Middleware(AuthMiddleware, keys=srv.tenancy.keyring))
     app = Starlette(
