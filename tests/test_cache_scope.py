@@ -246,6 +246,8 @@ def test_app_global_and_salt_scopes():
             assert _chat(c, None, "x", salt=salt) == 200
     s = [r.cache_salt for r in eng.requests]
     assert s[0] != s[1] and s[2] == s[3] and None not in s
+    # a one-off random salt is never matched: such a request stays out of the RAM/disk tiers
+    assert [r.cache_store for r in eng.requests] == [False, False, True, True]
     with pytest.raises(TenancyError, match="needs API keys"):
         create_app(RecordingEngine(), ServerSettings(cache_scope="key"))
 
@@ -440,7 +442,11 @@ def test_salt_scope(launcher):
         assert cached(ask(s, None, q, salt="team-a")) == 0
         assert cached(ask(s, None, q, salt="team-a")) > len(q) // 2
         assert cached(ask(s, None, q, salt="team-b")) == 0
-        assert cached(ask(s, None, q)) == 0
+        held = s.tier("ram")
+        assert held["entries"] > 0
+        assert cached(ask(s, None, q + " And on Sundays?")) == 0
+        # an unsalted request's blocks are not stored: nobody could match its one-off salt
+        assert s.tier("ram")["entries"] == held["entries"], (held, s.tier("ram"))
     finally:
         s.kill9()
 

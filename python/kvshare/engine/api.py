@@ -47,6 +47,9 @@ class GenerationRequest:
     # their full blocks are keyed without the salt, so every tenant shares them; the blocks
     # after them are keyed with it. 0: the whole prompt is keyed with the salt.
     public_prefix_tokens: int = 0
+    # False: keep this request's blocks out of the RAM and disk tiers (nothing could ever reuse
+    # them, e.g. under `--cache-scope salt` without a cache_salt: a one-off random salt).
+    cache_store: bool = True
     # Token position of the first user message's start in a chat prompt (hybrid checkpoints).
     first_user_boundary: int | None = None
     request_id: str = ""

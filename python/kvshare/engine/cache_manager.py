@@ -264,7 +264,8 @@ class CacheManager:
                                    seq.n_computed, seq.state_slot)
         seq.held_checkpoints.append(ck)
         n = self._prefix_tokens(seq)
-        if n and ck.position == n and self._tiers_on() and self.tiers.ram is not None:
+        if (n and ck.position == n and self._tiers_on() and self.tiers.ram is not None
+                and seq.request.cache_store):
             self.ensure_keys(seq, n)
             self.tiers.pin_prefix(seq.block_keys, seq.block_table, n // self.block_size)
             self.tiers.pin_checkpoint(seq.block_keys, ck)
@@ -385,7 +386,8 @@ class CacheManager:
         if seq.prefix_pinned:
             return
         tiers = self.tiers
-        if tiers is None or tiers.ram is None or not self.attach_enabled or self.checkpoints is not None:
+        if (tiers is None or tiers.ram is None or not self.attach_enabled
+                or self.checkpoints is not None or not seq.request.cache_store):
             seq.prefix_pinned = True  # nothing to do for this sequence
             return
         n = self._prefix_tokens(seq)
@@ -399,7 +401,7 @@ class CacheManager:
     def save_to_tiers(self, seq: Sequence) -> None:
         """Copy a finishing sequence's computed full blocks out to the RAM and disk tiers (its
         prefix entry pinned in RAM)."""
-        if not self._tiers_on():
+        if not self._tiers_on() or not seq.request.cache_store:
             return
         maybe_inject(seq.request, "save")
         self.ensure_keys(seq, seq.n_computed)

@@ -405,6 +405,7 @@ class KVShareServer:
                 stop=opts.stop, ignore_eos=opts.ignore_eos, logprobs=opts.logprobs,
                 top_logprobs=opts.top_logprobs,
                 cache_salt=self.tenancy.salt(tenant, opts.cache_salt),
+                cache_store=self.tenancy.stores(opts.cache_salt),
                 public_prefix_tokens=self.tenancy.public_prefix_tokens(tokens),
                 first_user_boundary=boundary, request_id=rid,
                 fault=request.headers.get(FAULT_HEADER) if self.fault_injection else None)

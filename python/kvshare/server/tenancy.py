@@ -230,6 +230,11 @@ class Tenancy:
     keyring: KeyRing | None = None
     public: list[tuple[str, list[int]]] = field(default_factory=list)  # (source, tokens)
 
+    def stores(self, cache_salt: bytes | None) -> bool:
+        """Whether a request's blocks are worth keeping in the RAM and disk tiers: not under
+        `salt` scope without a cache_salt, whose one-off random salt nobody can ever match."""
+        return not (self.scope == "salt" and cache_salt is None)
+
     def salt(self, tenant: Tenant | None, cache_salt: bytes | None) -> bytes | None:
         """The cache salt the engine gets for a request from `tenant` that sent `cache_salt`
         (already hashed by the protocol layer; None when absent)."""
