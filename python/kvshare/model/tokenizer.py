@@ -88,6 +88,7 @@ _TYPE_TO_ATTR = {
 
 SPM_SPACE = "\u2581"  # "▁", SentencePiece's escaped space
 _FRAGMENT_CACHE_CHARS = 4_000_000  # raw-text fragments remembered by Tokenizer.encode
+_GIL_FREE_CHARS = 8192  # longer single fragments are encoded by the batch call (no GIL held)
 
 # Token texts llama.cpp recognises (llama-vocab.cpp, `load`): end-of-turn candidates, FIM
 # tokens that also end generation, and the end-of-generation list. Tokens found here that are
@@ -830,7 +831,9 @@ class Tokenizer:
         return [local[r] for r in raw]
 
     def _encode_raw(self, raw: list[str]) -> list[list[int]]:
-        if len(raw) == 1:
+        # `encode` holds the GIL for the whole call (~0.2 s per 250K characters of SPM text),
+        # which stalls a server's event loop; the batch call releases it. Same ids.
+        if len(raw) == 1 and len(raw[0]) <= _GIL_FREE_CHARS:
             return [self._hf.encode(raw[0], add_special_tokens=False).ids]
         return [e.ids for e in self._encode_batch(raw, add_special_tokens=False)]
 

@@ -51,7 +51,15 @@ def _cache_scope(s: str) -> str:
 
 
 _cache_scope.__name__ = "cache scope (global, key or salt)"
+def _positive_float(s: str) -> float:
+    v = float(s)
+    if not v > 0 or v == float("inf"):
+        raise ValueError(s)
+    return v
+
+
 _positive_int.__name__ = "positive integer"
+_positive_float.__name__ = "positive number"
 _non_negative_int.__name__ = "non-negative integer"
 _port.__name__ = "port"
 
@@ -100,6 +108,11 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--threads", _positive_int, None, "CPU threads for the model runtime"),
     ("--root-path", str, "", "mount prefix behind a reverse proxy, e.g. /kvshare"),
     ("--max-body-mib", _positive_int, 16, "largest request body in MiB (larger: 413)"),
+    ("--body-timeout", _positive_float, 30.0,
+     "seconds a client gets to send a request's headers, and again its body (then 408, "
+     "connection closed); also the keep-alive idle time"),
+    ("--max-connections", _positive_int, 1024,
+     "requests in progress at once (/health not counted); more get 503 with Retry-After"),
     ("--graceful-timeout", float, 10.0, "seconds in-flight requests get at shutdown"),
     ("--log-level", str, "info", "debug, info, warning or error"),
 ]
@@ -224,11 +237,36 @@ def _fail(msg: str, code: int) -> int:
     return code
 
 
+def _cache_dir_problem(path: str) -> str | None:
+    """Why `--cache-dir path` cannot be used (created if missing, must be a writable
+    directory), or None. The disk store's own lock is checked when it opens."""
+    import tempfile
+
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        return "it exists and is not a directory"
+    except OSError as e:
+        return f"cannot create it: {e.strerror or e}"
+    if not os.path.isdir(path):
+        return "it is not a directory"
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".kvshare-probe-"):
+            pass
+    except OSError as e:
+        return f"it is not writable: {e.strerror or e}"
+    return None
+
+
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.model is not None and not os.path.isfile(args.model):
         return _fail(f"model file not found: {args.model}", 2)
+    if args.cache_dir:
+        problem = _cache_dir_problem(args.cache_dir)
+        if problem:
+            return _fail(f"cannot use --cache-dir {args.cache_dir}: {problem}", 2)
 
     from .tenancy import TenancyError, settings_from_args
 
@@ -239,6 +277,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from .app import create_app
     from .launcher import bind_socket, run, socket_url
+    from .limits import raise_fd_limit
     from .settings import ServerSettings
 
     try:
@@ -246,18 +285,32 @@ def serve(args: argparse.Namespace) -> int:
     except OSError as e:
         return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}", 2)
 
+    from kvshare._core import CacheIoError, KvshareError
+    from kvshare.backend import BackendError
     from kvshare.engine.engine import Engine, EngineConfig
 
     try:
         engine = Engine.from_model_path(args.model, EngineConfig(**engine_config_kwargs(args)))
-    except _model_errors() as e:
+    except CacheIoError as e:  # e.g. the cache dir is locked by another running kvshare
+        sock.close()
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        where = f"cannot use --cache-dir {args.cache_dir}" if args.cache_dir else "cache error"
+        return _fail(f"{where}: {msg}", 2)
+    except BackendError as e:  # e.g. --device cuda without a usable device
+        sock.close()
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return _fail(f"cannot use --device {args.device}: {msg}", 2)
+    except (KvshareError, *_model_errors()) as e:
         sock.close()
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         return _fail(f"cannot load model {args.model or '(default)'}: {msg}", 2)
 
     url = socket_url(sock, args.root_path)
     settings = ServerSettings(root_path=args.root_path,
-                              max_body_bytes=args.max_body_mib * 1024 * 1024, **tenancy_kw)
+                              max_body_bytes=args.max_body_mib * 1024 * 1024,
+                              body_timeout=args.body_timeout,
+                              max_connections=args.max_connections, **tenancy_kw)
+    raise_fd_limit(args.max_connections + 256)  # a descriptor per connection, and files
 
     def ready() -> None:
         print(f"kvshare: serving {engine.model_name} at {url} "

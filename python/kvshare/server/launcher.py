@@ -19,6 +19,8 @@ from typing import Any
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
 
+from .limits import install_json_error_bodies
+
 log = logging.getLogger("kvshare.server")
 
 
@@ -45,7 +47,10 @@ def socket_url(sock: socket.socket, root_path: str = "") -> str:
 
 
 def make_config(sock: socket.socket, *, root_path: str = "", graceful_timeout: float = 10.0,
-                log_level: str = "INFO") -> Config:
+                log_level: str = "INFO", header_timeout: float | None = 30.0) -> Config:
+    """Hypercorn's config. `header_timeout` (the server's body timeout): a connection that has
+    not sent a complete request head this long after it opened, or after its previous
+    response (keep-alive), is closed (Hypercorn's keep_alive_timeout covers both)."""
     config = Config()
     config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns the file descriptor from here
     config.root_path = root_path
@@ -53,7 +58,7 @@ def make_config(sock: socket.socket, *, root_path: str = "", graceful_timeout: f
     config.accesslog = None  # the app logs one structured line per completion request
     config.errorlog = logging.getLogger("hypercorn.error")  # through the root logger's format
     config.loglevel = log_level.upper()
-    config.keep_alive_timeout = 30.0
+    config.keep_alive_timeout = header_timeout if header_timeout and header_timeout > 0 else 30.0
     config.h11_max_incomplete_size = 64 * 1024
     return config
 
@@ -65,9 +70,12 @@ async def serve_app(app: Any, sock: socket.socket, *, root_path: str = "",
     """Serve until `stop` is set (or, with `install_signal_handlers`, SIGTERM/SIGINT)."""
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
-    config = make_config(sock, root_path=root_path, graceful_timeout=graceful_timeout,
-                         log_level=log_level)
     server = getattr(getattr(app, "state", None), "server", None)
+    settings = getattr(server, "settings", None)
+    config = make_config(sock, root_path=root_path, graceful_timeout=graceful_timeout,
+                         log_level=log_level,
+                         header_timeout=getattr(settings, "body_timeout", None) or 30.0)
+    install_json_error_bodies()  # Hypercorn's own 400/431/500 get an OpenAI error body
     signals = 0
 
     def on_signal(signame: str) -> None:

@@ -17,6 +17,11 @@ from kvshare.engine.api import FinishEvent, SamplingParams, TokenEvent
 from .errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
+# Every generated token is checked against every stop string, and text that could still become
+# one is held back (engine/output.py): the cost per token grows with their lengths, on the
+# engine thread that decodes for everyone (twelve 1 MiB stop strings slowed other users 8x).
+MAX_STOP_CHARS = 256  # per stop string
+MAX_STOP_TOTAL_CHARS = 1024  # all of them together
 MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
@@ -202,6 +207,14 @@ def parse_common(body: dict, *, ctx_size: int, chat: bool) -> CommonOptions:
         raise bad_request("'stop' must be a string or an array of strings", "stop")
     if len(stop) > MAX_STOP_STRINGS:
         raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are supported", "stop")
+    longest = max((len(s) for s in stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise bad_request(f"a stop string has {longest} characters; at most "
+                          f"{MAX_STOP_CHARS} are supported", "stop")
+    total = sum(len(s) for s in stop)
+    if total > MAX_STOP_TOTAL_CHARS:
+        raise bad_request(f"the stop strings have {total} characters together; at most "
+                          f"{MAX_STOP_TOTAL_CHARS} are supported", "stop")
     stop = [s for s in stop if s]
 
     # streaming ---------------------------------------------------------------------------

@@ -31,3 +31,11 @@ class ServerSettings:
     # so that HTTP/1.1 clients that write the whole body before reading see the 413 instead of a
     # connection reset; beyond it the connection is closed. Memory use stays constant.
     max_discard_bytes: int = 256 * 1024 * 1024
+    # Edge limits (server/limits.py): seconds a client gets to send a request's headers, and
+    # again its body (then 408 and the connection closed); idle keep-alive connections close
+    # after it too. None: no body deadline.
+    body_timeout: float | None = 30.0
+    # Requests in progress at once (/health not counted); beyond it: 503 + Retry-After.
+    max_connections: int = 1024
+    # Request bodies over 1 MiB buffered at once, all requests together; more wait unread.
+    body_budget_bytes: int = 256 * 1024 * 1024
