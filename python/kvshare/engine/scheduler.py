@@ -4,9 +4,10 @@ Every running sequence that is decoding computes its one pending token each step
 a per-step token budget goes to prefill chunks of sequences in admission order, so a long
 prefill never stalls other sessions' decoding. When the pool runs out of blocks, the youngest
 running sequence is preempted (its blocks released, it goes back to the front of the queue and
-later resumes by re-attaching to whatever of its prefix is still cached) instead of failing;
-when the youngest is the one asking, it waits (and nothing behind it is admitted) until another
-sequence gives blocks back.
+later resumes by re-attaching to whatever of its prefix is still cached) instead of failing.
+The youngest may be the sequence asking. Either way the preempted one waits at the head of the
+queue (nothing behind it is admitted) until another sequence gives its blocks back, so it is
+not re-admitted into the same shortage every step.
 
 Nothing here raises out of a step because of one sequence: a sequence whose admission or
 planning fails is handed back to the engine, which fails it alone (`Schedule.failed`).
