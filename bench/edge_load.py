@@ -19,8 +19,11 @@ VmHWM reset before each scenario where /proc allows it) and a /health poller (a 
                  closed (408) once --body-timeout has passed; small chat requests sent all the
                  while must keep answering. Plus one request that declares a 17 MiB body and
                  never sends it (413 after the timeout).
-  stop-strings   a victim stream's decode speed alone, then with 3 concurrent streams that use
-                 the most stop-string text the API allows (16 strings, 1,024 characters).
+  stop-strings   a victim stream's decode speed alone, beside 3 plain streams, and beside 3
+                 streams that use the most stop-string text the API allows (16 strings, 1,024
+                 characters); twelve 1 MiB stop strings (the issue's attack) now get 400.
+
+First `idle`: /health alone, the machine's own latency noise to read the others against.
 
 Targets (issue 15): no 5xx; server peak RSS <= 1 GiB above idle; /health p99 <= 200 ms.
 
@@ -257,9 +260,21 @@ def statuses(results: list[tuple[int, str]]) -> dict:
 
 # ---------------------------------------------------------------------------- scenarios
 
-def scenario_bodies(server: Server, name: str, path: str, body: bytes, n: int) -> dict:
+def scenario_idle(server: Server, seconds: float = 5.0) -> dict:
+    """/health alone: the machine's own latency noise, to read the others against."""
     with Probes(server) as p:
-        res = post_many(server, path, [body] * n)
+        time.sleep(seconds)
+    out = {"scenario": "idle"}
+    out.update(p.summary())
+    return out
+
+
+def scenario_bodies(server: Server, name: str, path: str, body: bytes | list[bytes],
+                    n: int) -> dict:
+    bodies = body if isinstance(body, list) else [body] * n
+    with Probes(server) as p:
+        res = post_many(server, path, bodies)
+    body = bodies[0]
     out = {"scenario": name, "requests": n, "body_mib": round(len(body) / MiB, 2),
            "statuses": statuses(res), "n_5xx": sum(1 for s, _ in res if s >= 500 or s < 0)}
     out.update(p.summary())
@@ -268,11 +283,12 @@ def scenario_bodies(server: Server, name: str, path: str, body: bytes, n: int) -
 
 def scenario_near_limit(server: Server, n: int, ctx: int, per_token: int) -> dict:
     n_chars = (ctx - 1) * per_token - 64  # just under the no-tokenization bound
-    body = completion_body(letters_text(n_chars, seed=3))
+    # distinct texts: the tokenizer remembers fragments it has seen (up to 1M characters)
+    bodies = [completion_body(letters_text(n_chars, seed=100 + i)) for i in range(n + 1)]
     t = time.perf_counter()
-    one = post_many(server, "/v1/completions", [body])
+    one = post_many(server, "/v1/completions", bodies[:1])
     single_s = time.perf_counter() - t
-    out = scenario_bodies(server, "near-limit", "/v1/completions", body, n)
+    out = scenario_bodies(server, "near-limit", "/v1/completions", bodies[1:], n)
     out["prompt_chars"] = n_chars
     out["single_request_s"] = round(single_s, 2)
     out["single_status"] = statuses(one)
@@ -383,25 +399,35 @@ def stream_speed(server: Server, body: dict) -> float:
 
 
 def scenario_stop_strings(server: Server, tokens: int) -> dict:
+    """The victim's decode speed alone, beside 3 plain streams, and beside 3 streams that use
+    the most stop-string text allowed: the last two should be about the same."""
     victim = {"prompt": "Once upon a time", "max_tokens": tokens, "temperature": 0,
               "ignore_eos": True, "stream": True}
-    solo = stream_speed(server, victim)
     stops = [f"{i:02d}" + "\u00a7" * 62 for i in range(16)]  # 16 x 64 = 1,024 characters
-    attack = {"prompt": "It was a dark and stormy night", "max_tokens": tokens * 2,
-              "temperature": 0, "ignore_eos": True, "stop": stops}
-    huge = dict(attack, stop=["x" * MiB] * 12)
+    plain = {"prompt": "It was a dark and stormy night", "max_tokens": tokens * 3,
+             "temperature": 0, "ignore_eos": True}
+    huge = dict(plain, stop=["x" * MiB] * 12)
     r = httpx.post(server.url + "/v1/completions", json=huge, timeout=60)
     huge_status = f"{r.status_code} {(r.json().get('error') or {}).get('message', '')[:60]}"
-    with ThreadPoolExecutor(3) as ex:
-        futs = [ex.submit(httpx.post, server.url + "/v1/completions", json=attack, timeout=600)
-                for _ in range(3)]
-        time.sleep(1.0)
-        loaded = stream_speed(server, victim)
-        codes = [f.result().status_code for f in futs]
+
+    def beside(other: dict | None) -> tuple[float, list[int]]:
+        if other is None:
+            return stream_speed(server, victim), []
+        with ThreadPoolExecutor(3) as ex:
+            futs = [ex.submit(httpx.post, server.url + "/v1/completions", json=other,
+                              timeout=600) for _ in range(3)]
+            time.sleep(0.5)
+            speed = stream_speed(server, victim)
+            return speed, [f.result().status_code for f in futs]
+
+    solo, _ = beside(None)
+    with_plain, _ = beside(plain)
+    with_stops, codes = beside(dict(plain, stop=stops))
     return {"scenario": "stop-strings", "victim_tokens": tokens,
-            "victim_solo_tok_s": round(solo, 1), "victim_with_3_max_stop_tok_s": round(loaded, 1),
-            "ratio": round(loaded / solo, 2) if solo else None, "attackers": codes,
-            "twelve_1mib_stops": huge_status}
+            "victim_solo_tok_s": round(solo, 1), "beside_3_plain_tok_s": round(with_plain, 1),
+            "beside_3_max_stops_tok_s": round(with_stops, 1),
+            "stops_vs_plain": round(with_stops / with_plain, 2) if with_plain else None,
+            "attackers": codes, "twelve_1mib_stops": huge_status}
 
 
 # ---------------------------------------------------------------------------- main
@@ -439,6 +465,8 @@ def main() -> int:
 
         per_token = max_token_chars(Tokenizer.from_gguf(args.model or default_model_path()))
         limit = 16 * MiB
+        if want("idle"):
+            results.append(scenario_idle(server))
         if want("big-chat"):
             results.append(scenario_bodies(server, "big-chat", "/v1/chat/completions",
                                            fit_body(chat_body, limit, words_text), args.n))
@@ -451,8 +479,9 @@ def main() -> int:
         if want("tokenize-big"):
             big = json.dumps({"content": words_text(limit - 4096), "with_pieces": True}).encode()
             results.append(scenario_bodies(server, "tokenize-16mib", "/tokenize", big, args.n))
-            mid = json.dumps({"content": letters_text(MiB), "with_pieces": True}).encode()
-            results.append(scenario_bodies(server, "tokenize-1mib", "/tokenize", mid, args.n))
+            mids = [json.dumps({"content": letters_text(MiB, seed=200 + i), "with_pieces": True}
+                               ).encode() for i in range(args.n)]
+            results.append(scenario_bodies(server, "tokenize-1mib", "/tokenize", mids, args.n))
         if want("slowloris"):
             results.append(scenario_slowloris(server, args.slowloris, args.body_timeout))
         if want("stop-strings"):

@@ -109,8 +109,9 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--root-path", str, "", "mount prefix behind a reverse proxy, e.g. /kvshare"),
     ("--max-body-mib", _positive_int, 16, "largest request body in MiB (larger: 413)"),
     ("--body-timeout", _positive_float, 30.0,
-     "seconds a client gets to send a request's headers, and again its body (then 408, "
-     "connection closed); also the keep-alive idle time"),
+     "seconds a client gets to send a request's headers, and the longest gap while it sends "
+     "a body (the whole body: 10x this); then 408 and the connection closed. Also the "
+     "keep-alive idle time"),
     ("--max-connections", _positive_int, 1024,
      "requests in progress at once (/health not counted); more get 503 with Retry-After"),
     ("--graceful-timeout", float, 10.0, "seconds in-flight requests get at shutdown"),

@@ -32,8 +32,8 @@ class ServerSettings:
     # connection reset; beyond it the connection is closed. Memory use stays constant.
     max_discard_bytes: int = 256 * 1024 * 1024
     # Edge limits (server/limits.py): seconds a client gets to send a request's headers, and
-    # again its body (then 408 and the connection closed); idle keep-alive connections close
-    # after it too. None: no body deadline.
+    # the longest gap while it sends a body (the whole body: 10x this); then 408 and the
+    # connection closed. Idle keep-alive connections close after it too. None: no deadline.
     body_timeout: float | None = 30.0
     # Requests in progress at once (/health not counted); beyond it: 503 + Retry-After.
     max_connections: int = 1024
