@@ -499,6 +499,8 @@ def test_500_silent_half_bodies_are_closed_and_chat_keeps_answering(server):
     assert _chat_ok(server) == 200
     m = server.client.get("/metrics").text
     assert 'kvshare_requests_total{endpoint="chat",status="408"}' in m
+    n = [ln for ln in m.splitlines() if ln.startswith('kvshare_edge_rejected_total{reason="body_timeout"}')]
+    assert n and float(n[0].split()[-1]) >= 500
 
 
 def test_declared_oversize_body_never_sent_gets_413_and_partial_headers_are_dropped(server):
@@ -612,6 +614,9 @@ def test_max_connections_answers_503_beyond_the_limit(launcher):
         err = assert_error(r, 503, code="service_unavailable")
         assert "3 requests" in err["message"] and r.headers["retry-after"] == "1"
         assert s.client.get("/health").status_code == 200  # not counted
+        m = s.client.get("/metrics").text  # not counted either
+        assert 'kvshare_edge_rejected_total{reason="busy"}' in m
+        assert "kvshare_http_requests_in_progress 3.0" in m
         _wait_closed(held, time.monotonic(), BODY_TIMEOUT + 60)
         assert _chat_ok(s) == 200
     finally:

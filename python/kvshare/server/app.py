@@ -699,8 +699,9 @@ def create_app(engine, settings: ServerSettings | None = None, *,
     if settings.root_path:
         middleware.append(Middleware(RootPathMiddleware, root_path=settings.root_path))
     # connection limit and body deadline (limits.py), before anything reads the body
-    middleware.append(Middleware(limits.EdgeMiddleware, limits=srv.edge, exempt=OPEN_PATHS,
-                                 route_path=route_path))
+    middleware.append(Middleware(limits.EdgeMiddleware, limits=srv.edge,
+                                 exempt=OPEN_PATHS | {"/metrics"}, route_path=route_path))
+    srv.metrics.registry.register(limits.EdgeCollector(srv.edge))
     if srv.tenancy.keyring is not None:
         middleware.append(Middleware(AuthMiddleware, keys=srv.tenancy.keyring))
     app = Starlette(

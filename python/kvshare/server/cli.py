@@ -113,7 +113,8 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
      "a body (the whole body: 10x this); then 408 and the connection closed. Also the "
      "keep-alive idle time"),
     ("--max-connections", _positive_int, 1024,
-     "requests in progress at once (/health not counted); more get 503 with Retry-After"),
+     "requests in progress at once (/health, /metrics not counted); more get 503 with "
+     "Retry-After"),
     ("--graceful-timeout", float, 10.0, "seconds in-flight requests get at shutdown"),
     ("--log-level", str, "info", "debug, info, warning or error"),
 ]

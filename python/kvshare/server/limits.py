@@ -153,8 +153,8 @@ class EdgeLimits:
         self.in_flight = 0
         self.body_budget = Slots(max(body_budget_bytes, max_body_bytes))
         self.heavy = Slots(heavy_slots)
-        self.rejected_busy = 0
-        self.timed_out = 0
+        self.rejected_busy = 0  # 503: over max_connections, or the body budget stayed spent
+        self.timed_out = 0  # 408: a body stopped arriving
 
     @classmethod
     def from_settings(cls, settings: Any) -> "EdgeLimits":
@@ -261,6 +261,35 @@ class EdgeMiddleware:
         finally:
             lim.in_flight -= counted
             edge.release()
+
+
+class EdgeCollector:
+    """Prometheus view of `EdgeLimits` (registered on the app's registry)."""
+
+    def __init__(self, limits: EdgeLimits):
+        self.limits = limits
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        lim = self.limits
+        yield GaugeMetricFamily("kvshare_http_requests_in_progress",
+                                "HTTP requests in progress (/health, /metrics not counted)",
+                                value=lim.in_flight)
+        yield GaugeMetricFamily("kvshare_http_max_connections",
+                                "Requests in progress allowed (--max-connections)",
+                                value=lim.max_connections)
+        yield GaugeMetricFamily("kvshare_body_budget_bytes_used",
+                                "Bytes of the request-body budget reserved by large bodies",
+                                value=lim.body_budget.used)
+        c = CounterMetricFamily("kvshare_edge_rejected", "Requests refused at the edge",
+                                labels=["reason"])
+        c.add_metric(["busy"], lim.rejected_busy)
+        c.add_metric(["body_timeout"], lim.timed_out)
+        yield c
 
 
 def request_edge(request: Request) -> RequestEdge:

@@ -35,7 +35,7 @@ class ServerSettings:
     # the longest gap while it sends a body (the whole body: 10x this); then 408 and the
     # connection closed. Idle keep-alive connections close after it too. None: no deadline.
     body_timeout: float | None = 30.0
-    # Requests in progress at once (/health not counted); beyond it: 503 + Retry-After.
+    # Requests in progress at once (/health, /metrics not counted); beyond: 503 + Retry-After.
     max_connections: int = 1024
     # Request bodies over 1 MiB buffered at once, all requests together; more wait unread.
     body_budget_bytes: int = 256 * 1024 * 1024
