@@ -50,9 +50,11 @@ KiB, MiB = 1024, 1024 * 1024
 
 # Bodies up to this size are read without reserving the body budget.
 SMALL_BODY = 1 * MiB
-# Bodies (and prompts, in characters) over this size are parsed / rendered / tokenized in a
-# worker thread under the heavy-work slots; smaller ones cost a few ms at most.
-HEAVY_BYTES = 256 * KiB
+# Bodies (and prompts, in characters) over this size are parsed / rendered / tokenized under
+# the heavy-work slots; smaller ones cost ~50 ms and ~7 MB at most, and at most 40 of them run
+# at once (Starlette's thread pool). At 256 KiB, twenty near-limit prompts (254K characters,
+# tokenized) at once took 440-520 MiB.
+HEAVY_BYTES = 64 * KiB
 # Large requests processed at once (parse, render, tokenize). JSON parsing and template
 # rendering hold the GIL, so more of them at once mostly make the event loop wait (on 2 cores,
 # /health's worst latency was about twice as high with 2 than with 1); tokenization does not.
