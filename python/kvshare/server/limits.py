@@ -1,10 +1,11 @@
 """Bounded resources at the edge: what one client can make the server hold, compute or wait for.
 
-- `EdgeMiddleware` (outermost ASGI layer): at most `max_connections` requests in progress
-  (503 + `Retry-After` beyond it; `/health` is exempt), and deadlines on reading a request
-  body (no gap over `body_timeout` between its pieces, all of it within `BODY_TOTAL_FACTOR`
-  times that; a silent client gets 408 and its connection is closed). Hypercorn's `keep_alive_timeout` (set to the same value by the launcher) drops a
-  client that does not finish its request headers in time.
+- `EdgeMiddleware` (outermost but the root-path layer): at most `max_connections` requests
+  in progress (503 + `Retry-After` beyond it; `/health` and `/metrics` are exempt), and
+  deadlines on reading a request body (no gap over `body_timeout` between its pieces, all of
+  it within `BODY_TOTAL_FACTOR` times that; a silent client gets 408 and its connection is
+  closed). Hypercorn's `keep_alive_timeout` (set to the same value by the launcher) drops a
+  client that does not finish its request head in time. `EdgeCollector`: its metrics.
 - `read_json`: the request body under the size limit. Bodies over `SMALL_BODY` reserve their
   size from a server-wide body budget before they are read (they wait, unread, while it is
   spent), so buffered bodies stay bounded however many clients send at once. Large bodies are
