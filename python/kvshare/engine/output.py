@@ -28,12 +28,7 @@ class TextAssembler:
         cut = min((i for i in (text.find(s, search_from) for s in self._stop) if i >= 0), default=-1)
         if cut >= 0:
             return self._take(text[:cut]), True
-        hold = 0
-        for s in self._stop:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
+        hold = max((_overlap(text, s) for s in self._stop), default=0)
         return self._take(text[: len(text) - hold]), False
 
     def flush(self) -> str:
@@ -50,3 +45,19 @@ class TextAssembler:
         delta = upto[len(self.emitted):]
         self.emitted = upto
         return delta
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest proper prefix of `stop` that `text` ends with. Only prefixes
+    ending in `text`'s last character can match, so only those are compared (a scan over every
+    prefix length cost O(len(stop)^2) per token)."""
+    if not text:
+        return 0
+    last = text[-1]
+    k = min(len(stop) - 1, len(text))
+    while k > 0:
+        k = stop.rfind(last, 0, k) + 1  # the longest candidate prefix stop[:k] ending in `last`
+        if k and text.endswith(stop[:k]):
+            return k
+        k -= 1
+    return 0
