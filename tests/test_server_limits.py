@@ -734,3 +734,14 @@ def test_health_stays_fast_while_a_big_body_is_parsed_ratio(server):
     assert all(r.status_code == 400 for r in fut.result())
     busy = statistics.median(p.health) if p.health else 0.0
     assert busy < max(20 * idle, 0.25), (idle, busy)
+
+
+@pytest.mark.parametrize("flag", ["--queue-timeout", "--cache-ttl", "--graceful-timeout"])
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_time_flags_refuse_negative_and_non_finite_values(flag, value):
+    from kvshare.server import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["serve", flag, value], {})
+    assert e.value.code == 2
+    assert cli.parse_args(["serve", flag, "0"], {}) is not None

@@ -60,6 +60,16 @@ def _positive_float(s: str) -> float:
 
 _positive_int.__name__ = "positive integer"
 _positive_float.__name__ = "positive number"
+
+
+def _non_negative_float(s: str) -> float:
+    v = float(s)
+    if not 0 <= v < float("inf"):  # also refuses nan
+        raise ValueError(s)
+    return v
+
+
+_non_negative_float.__name__ = "non-negative number"
 _non_negative_int.__name__ = "non-negative integer"
 _port.__name__ = "port"
 
@@ -74,7 +84,7 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--kv-blocks", _positive_int, None, "KV pool size in blocks (instead of --kv-mem)"),
     ("--block-size", _positive_int, None, "tokens per KV block (default: 16)"),
     ("--prefill-chunk", _positive_int, None, "prompt tokens computed per step (default: 256)"),
-    ("--queue-timeout", float, None,
+    ("--queue-timeout", _non_negative_float, None,
      "seconds a request may wait to be admitted before it gets 503 with Retry-After "
      "(default 600; 0: no limit)"),
     ("--no-slot-attach", None, False, "turn cross-session prefix sharing off"),
@@ -84,7 +94,8 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
      "(default: half of --cache-ram)"),
     ("--cache-dir", str, None, "directory of the crash-safe disk tier (default: off)"),
     ("--cache-disk-max", _positive_int, None, "disk tier budget in MiB (default 10240)"),
-    ("--cache-ttl", float, None, "seconds a disk entry lives unused (default 259200 = 3 days)"),
+    ("--cache-ttl", _non_negative_float, None,
+     "seconds a disk entry lives unused (default 259200 = 3 days; 0: no limit)"),
     ("--cache-min-tokens", _non_negative_int, None, "shortest prompt written to disk (default 256)"),
     ("--checkpoint-min-step", _positive_int, None,
      "hybrid models: a state checkpoint every N prompt tokens (default 1024)"),
@@ -115,7 +126,7 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--max-connections", _positive_int, 1024,
      "requests in progress at once (/health, /metrics not counted); more get 503 with "
      "Retry-After"),
-    ("--graceful-timeout", float, 10.0, "seconds in-flight requests get at shutdown"),
+    ("--graceful-timeout", _non_negative_float, 10.0, "seconds in-flight requests get at shutdown"),
     ("--log-level", str, "info", "debug, info, warning or error"),
 ]
 
