@@ -37,6 +37,23 @@ def ref():
     return np.load(DATA)
 
 
+def _top1_and_logprobs(lg: np.ndarray, ids: np.ndarray, rows: int = 16):
+    """Per row of `lg` [n, vocab]: the argmax, and the log-probabilities at `ids` [n, k].
+    Row blocks through one reused buffer: the same numbers as whole-array NumPy (bit for bit),
+    ~20x faster, since a 256 x 262,144 temporary per step costs page faults, not arithmetic."""
+    top1 = np.empty(len(lg), np.int64)
+    lse = np.empty((len(lg), 1), lg.dtype)
+    buf = np.empty((min(rows, len(lg)), lg.shape[1]), lg.dtype)
+    for r in range(0, len(lg), rows):
+        sub = lg[r : r + rows]
+        b = buf[: len(sub)]
+        top1[r : r + rows] = sub.argmax(-1)
+        mx = sub.max(-1, keepdims=True)
+        np.exp(np.subtract(sub, mx, out=b), out=b)
+        lse[r : r + rows] = np.log(b.sum(-1, keepdims=True)) + mx
+    return top1, np.take_along_axis(lg, ids, 1) - lse
+
+
 @pytest.fixture(scope="module")
 def runs(model, ref):
     """Per case: our top-1 per prompt position, our log-probs at llama.cpp's top-40 ids, and
@@ -51,10 +68,9 @@ def runs(model, ref):
         top1, lp40 = [], []
         for s in range(0, n, 256):
             (lg,) = model.forward([SeqChunk(toks[s : s + 256], s, table, logits="all")], cache)
-            top1.append(lg.argmax(-1))
-            mx = lg.max(-1, keepdims=True)
-            lse = np.log(np.exp(lg - mx).sum(-1, keepdims=True)) + mx
-            lp40.append(np.take_along_axis(lg, ref[f"{case}/top_ids"][s : s + 256], 1) - lse)
+            t1, lp = _top1_and_logprobs(lg, ref[f"{case}/top_ids"][s : s + 256])
+            top1.append(t1)
+            lp40.append(lp)
         greedy, margins = [int(top1[-1][-1])], []
         last = lg[-1]
         for i in range(24):
