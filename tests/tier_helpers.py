@@ -302,16 +302,17 @@ class Server:
         return self.cache()["tiers"][name]
 
     def wait_disk_idle(self, timeout: float = 60.0) -> dict:
-        """Until the disk writer's queue is empty (writes committed or dropped)."""
+        """Until every finished request's entry is written (committed, skipped or dropped).
+        Call it with no request in flight. No timing window: the engine hands a sequence's
+        save to the tiers after its reply and before it releases the sequence, so once `/slots`
+        is empty every save has been handed over; `queued` counts a save from then until the
+        writer is done with it (saves not yet given to the writer included)."""
         deadline = time.monotonic() + timeout
         while True:
-            d = self.tier("disk")
-            if d["queued"] == 0:
-                # `queued` drops when the writer takes an entry; one more look after it commits
-                time.sleep(0.05)
-                d = self.tier("disk")
-                if d["queued"] == 0:
-                    return d
+            released = self.client.get("/slots").json() == []
+            d = self.tier("disk")  # read after /slots: covers every save handed over by then
+            if released and d["queued"] == 0:
+                return d
             if time.monotonic() > deadline:
                 raise AssertionError(f"disk writer still busy after {timeout} s: {d}")
             time.sleep(0.02)
