@@ -296,7 +296,8 @@ def test_kill_9_while_writing(tmp_path, cold, servers):
     restored = returning = 0
     n_parked = 0
     t0 = time.monotonic()
-    for i in range(KILLS + KILLS // 5):
+    n_parked_kills = max(KILLS, len(PARK_STEPS))  # each step at least once
+    for i in range(n_parked_kills + n_parked_kills // 5):
         step = None if i % 6 == 5 else PARK_STEPS[n_parked % len(PARK_STEPS)]
         back = None
         if seen and rng.random() < 0.6:
