@@ -39,8 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import signal
 import socket
 import statistics
 import subprocess
@@ -54,9 +52,9 @@ from pathlib import Path
 
 import httpx
 import psutil
+from serve_process import ServeProcess
 
 OUT = Path(__file__).parent / "out"
-SERVING = re.compile(r"kvshare: serving \S+ at (http://[^\s]+) ")
 MiB = 1024 * 1024
 WORDS = ("cache prefix session agent token block server request model layer restore disk memory "
          "budget eviction checkpoint attention state conversation returning history tool schema "
@@ -65,48 +63,16 @@ WORDS = ("cache prefix session agent token block server request model layer rest
 
 # ---------------------------------------------------------------------------- server process
 
-class Server:
+class Server(ServeProcess):
     def __init__(self, *args: str, startup_timeout: float = 300.0):
-        fd, self.log_path = tempfile.mkstemp(prefix="kvshare-edge-", suffix=".log")
+        fd, log_path = tempfile.mkstemp(prefix="kvshare-edge-", suffix=".log")
         os.close(fd)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSHARE_")}
-        cmd = [sys.executable, "-m", "kvshare.server.cli", "serve", "--host", "127.0.0.1",
-               "--port", "0", "--log-level", "warning", *args]
-        self.logf = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.logf, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + startup_timeout
-        self.url = ""
-        while not self.url:
-            m = SERVING.search(Path(self.log_path).read_text(errors="replace"))
-            if m:
-                self.url = m.group(1)
-            elif self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("server did not start:\n" + self.log())
-            else:
-                time.sleep(0.05)
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
+        super().__init__(list(args), log_path, startup_timeout=startup_timeout)
         self.host, self.port = self.url.split("//")[1].split(":")[0], int(self.url.rsplit(":", 1)[1])
         self.ps = psutil.Process(self.proc.pid)
 
     def log(self) -> str:
-        return Path(self.log_path).read_text(errors="replace")[-4000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.logf.close()
+        return super().log()[-4000:]
 
 
 # ---------------------------------------------------------------------------- probes

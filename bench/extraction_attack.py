@@ -31,51 +31,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from serve_process import ServeProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
 TINY = ROOT / "tests" / "data" / "models" / "tiny-qwen3-chat.gguf"
-SERVING = re.compile(r"kvshare: serving \S+ at (http://[^\s]+) ")
 KEYS = {"alice": "sk-bench-alice-5f0c2e", "bob": "sk-bench-bob-91d7aa"}
 WORDS = ("account card branch transfer balance statement limit payment deposit loan savings "
          "fraud dispute customer verify identity address phone email notice policy fee rate "
          "interest overdraft cheque online mobile login reset security question answer").split()
 
 
-class Server:
+class Server(ServeProcess):
     def __init__(self, args: list[str], log_dir: Path, name: str, timeout: float = 600.0):
-        self.log_path = log_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", "kvshare.server.cli", "serve", "--host", "127.0.0.1",
-               "--port", "0", "--log-level", "warning", *args]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSHARE_")}
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout
-        self.url = ""
-        while not self.url:
-            m = SERVING.search(self.log_path.read_text(errors="replace"))
-            if m:
-                self.url = m.group(1)
-            elif self.proc.poll() is not None:
-                raise RuntimeError(f"server exited:\n{self.log_path.read_text()[-3000:]}")
-            elif time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError("server did not start")
-            else:
-                time.sleep(0.05)
-        self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(600.0, connect=10.0))
+        super().__init__(args, log_dir / f"{name}.log", startup_timeout=timeout)
 
     def ask(self, who: str, content: str) -> tuple[int, float]:
         """(cached tokens, latency in ms) of a one-token greedy chat completion."""
@@ -88,15 +64,6 @@ class Server:
         r.raise_for_status()
         return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]), ms
 
-    def stop(self) -> None:
-        self.client.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def filler(rng: random.Random, n_chars: int) -> str:

@@ -36,19 +36,16 @@ import json
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
-import httpx
+from serve_process import ServeProcess
 
 OUT = Path(__file__).parent / "out"
 CTX = 24576
-SERVING = re.compile(r"kvshare: serving \S+ at (http://[^\s]+) ")
 WORDS = ("cache prefix session agent token block server request model layer restore disk memory "
          "budget eviction checkpoint attention state conversation returning history tool schema "
          "system prompt user reply turn write read verify checksum index entry commit rename "
@@ -57,36 +54,11 @@ WORDS = ("cache prefix session agent token block server request model layer rest
 
 # ---------------------------------------------------------------------------- server process
 
-class Server:
+class Server(ServeProcess):
     def __init__(self, args: list[str], log_dir: Path, name: str, timeout: float = 900.0):
-        self.log_path = log_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", "kvshare.server.cli", "serve", "--host", "127.0.0.1",
-               "--port", "0", "--log-level", "info", *args]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSHARE_")}
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout
-        self.url = ""
-        while not self.url:
-            m = SERVING.search(self.log_path.read_text(errors="replace"))
-            if m:
-                self.url = m.group(1)
-            elif self.proc.poll() is not None:
-                raise RuntimeError(f"server exited:\n{self.log_path.read_text()[-3000:]}")
-            elif time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError("server did not start")
-            else:
-                time.sleep(0.05)
-        self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(3600.0, connect=10.0))
+        super().__init__(args, log_dir / f"{name}.log", log_level="info",
+                         startup_timeout=timeout, client_timeout=3600.0)
         self._n_logged = 0
-        while True:
-            try:
-                if self.client.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
 
     def tokenize(self, text: str, add_special: bool) -> list[int]:
         r = self.client.post("/tokenize", json={"content": text, "add_special": add_special})
@@ -181,14 +153,7 @@ class Server:
         raise RuntimeError("disk writer still busy")
 
     def stop(self) -> None:
-        self.client.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # drains the disk writer
-            try:
-                self.proc.wait(1800)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        super().stop(timeout=1800)  # SIGTERM drains the disk writer
 
 
 def drop_page_cache(path: Path) -> int:
