@@ -3,6 +3,17 @@
 import pytest
 
 
+@pytest.fixture(scope="module")
+def launcher():
+    """Starts `kvshare serve` processes for one test module (tier_helpers: forked from a
+    pre-loaded zygote unless KVSHARE_TIER_TEST_NO_FORK=1)."""
+    from tier_helpers import make_launcher
+
+    la = make_launcher()
+    yield la
+    la.close()
+
+
 def _have_gpu() -> bool:
     try:
         import cupy  # noqa: F401

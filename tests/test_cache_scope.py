@@ -36,7 +36,7 @@ from kvshare.server.app import create_app
 from kvshare.server.settings import ServerSettings
 from kvshare.server.tenancy import (ApiKey, KeyRing, Tenancy, TenancyError, common_prefix,
                                     read_key_file, read_public_prefix, split_keys, tenant_of)
-from tier_helpers import TINY_MODEL, Server, make_launcher, text
+from tier_helpers import TINY_MODEL, Server, text
 
 BS = 16  # the server's default block size
 
@@ -300,13 +300,6 @@ KEYS = {"alice": "sk-alice-0123456789", "bob": "sk-bob-0123456789",
         "dave": "sk-dave-0123456789"}
 PUBLIC_SYSTEM = "You are the support agent of Example Bank. " + text(7, 90)
 COMMON = ("--parallel", "2", "--ctx-size", "1024", "--log-level", "info")
-
-
-@pytest.fixture(scope="module")
-def launcher():
-    la = make_launcher()
-    yield la
-    la.close()
 
 
 @pytest.fixture(scope="module")

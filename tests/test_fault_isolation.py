@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tier_helpers import Server, make_launcher
+from tier_helpers import Server
 
 FAULT_ENV = {"KVSHARE_FAULT_INJECTION": "1"}
 HYBRID_MODEL = Path(__file__).resolve().parent / "data" / "models" / "tiny-qwen35.gguf"
@@ -142,13 +142,6 @@ def chat_with_fault(server: Server, fault: str, messages, max_tokens: int = 8):
         return server.client.post("/v1/chat/completions", json=body(messages, max_tokens),
                                   headers={"X-Kvshare-Fault": fault})
     return send
-
-
-@pytest.fixture(scope="module")
-def launcher():
-    launcher = make_launcher()
-    yield launcher
-    launcher.close()
 
 
 @pytest.fixture(scope="module")

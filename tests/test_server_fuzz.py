@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from tier_helpers import Server, make_launcher
+from tier_helpers import Server
 
 WEIRD = [None, True, False, 0, -1, 1, 2**63, -2**63, 1e308, -1e308, 1e-300, float("nan"),
          float("inf"), "", "x", "\ud800", "\udfff", "a\u0000b", "\U0001F600", [], {}, [1, 2],
@@ -56,12 +56,10 @@ def mutated(rng: random.Random, path: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server():
-    launcher = make_launcher()
+def server(launcher):
     s = Server(launcher, "--parallel", "4")
     yield s
     s.terminate()
-    launcher.close()
 
 
 @pytest.mark.parametrize("seed", [1, 2])

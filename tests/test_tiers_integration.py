@@ -35,19 +35,12 @@ import pytest
 
 from tier_helpers import (COLD_ARGS, TINY_MODEL, ColdRuns, Server, SubprocessLauncher,
                           assert_same_output, chat_body, cache_n, cached_fraction, conversation, dir_files,
-                          entry_files, make_launcher, next_turn, reply_text, text)
+                          entry_files, next_turn, reply_text, text)
 
 pytestmark = pytest.mark.skipif(not TINY_MODEL.exists(), reason="run tests/data/make_tiny_qwen3_chat.py")
 
 TIER = ("--parallel", "2", "--cache-min-tokens", "64")  # every tier server
 KILLS = int(os.environ.get("KVSHARE_TIER_TEST_KILLS", "20"))  # kills parked in a write
-
-
-@pytest.fixture(scope="module")
-def launcher():
-    launcher = make_launcher()
-    yield launcher
-    launcher.close()
 
 
 @pytest.fixture(scope="module")
