@@ -395,35 +395,37 @@ async def read_json(request: Request, settings: Any) -> dict:
             raise too_large
         if declared > SMALL_BODY:
             await edge.reserve(declared)
-    # With a declared length the buffer is allocated once (growing a 16 MiB bytearray chunk by
-    # chunk copies it again and again, on the event loop).
-    buf = bytearray(declared) if declared else bytearray()
+    # The chunks are kept as they arrive and joined off the event loop: allocating (and
+    # zero-filling) a 16 MiB buffer up front took ~35 ms of the event loop per request (twenty
+    # at once stalled /health for 0.3-0.5 s), and growing one chunk by chunk copies it again.
+    chunks: list[bytes] = []
     n = 0
     try:
         async for chunk in request.stream():
             k = len(chunk)
             if n + k > limit:
-                del buf
+                chunks.clear()
                 await _discard(request, settings.max_discard_bytes)
                 raise too_large
-            if n + k <= len(buf):
-                buf[n:n + k] = chunk
-            else:
-                del buf[n:]
-                buf += chunk
+            if k:
+                chunks.append(chunk)
             n += k
             if declared is None and n > SMALL_BODY and not edge.reserved:
                 await edge.reserve(limit)
     except BodyTimeout:
         raise _timeout_error(edge.limits.body_timeout) from None
-    if n < len(buf):  # the client sent less than it declared (h11 reports that as a disconnect)
-        del buf[n:]
     edge.body_bytes = n
-    if not buf:
+    if not n:
         raise bad_request("request body is empty; expected a JSON object")
     if n <= HEAVY_BYTES:
-        return parse_json_body(buf)
-    return await run_heavy(request, True, parse_json_body, buf)
+        return parse_json_body(b"".join(chunks))
+    return await run_heavy(request, True, _join_and_parse, chunks)
+
+
+def _join_and_parse(chunks: list[bytes]) -> dict:
+    buf = b"".join(chunks)
+    chunks.clear()  # the pieces go as soon as the whole exists
+    return parse_json_body(buf)
 
 
 async def _discard(request: Request, cap: int) -> None:
