@@ -77,24 +77,7 @@ class Server(ServeProcess):
 
 # ---------------------------------------------------------------------------- probes
 
-# The /health poller runs in its own process: in this one, the threads that send the large
-# bodies compete for the GIL and would add their own delays to the latencies measured.
-POLLER = r"""
-import json, sys, time, threading, httpx
-url, every = sys.argv[1], float(sys.argv[2])
-out, stop = [], threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-with httpx.Client(timeout=60) as c:
-    while not stop.is_set():
-        t = time.perf_counter()
-        try:
-            ok = c.get(url + "/health").status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        out.append([(time.perf_counter() - t) * 1e3, ok])
-        time.sleep(every)
-print(json.dumps(out))
-"""
+POLLER = Path(__file__).with_name("health_poller.py")  # its own process (see there)
 
 
 class Probes:
@@ -143,7 +126,7 @@ class Probes:
                 time.sleep(0.01)
 
         self._poller = subprocess.Popen(
-            [sys.executable, "-c", POLLER, self.server.url, str(self.health_every)],
+            [sys.executable, str(POLLER), self.server.url, str(self.health_every)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._threads = [threading.Thread(target=sample, daemon=True)]
         for t in self._threads:
@@ -157,8 +140,8 @@ class Probes:
         for t in self._threads:
             t.join(60)
         out, _ = self._poller.communicate("", timeout=120)
-        for ms, ok in json.loads(out or "[]"):
-            self.health_ms.append(ms)
+        for sec, ok in json.loads(out or "[]"):
+            self.health_ms.append(sec * 1e3)
             self.health_bad += not ok
         self.cpu_s = sum(self.server.ps.cpu_times()[:2]) - self.cpu0
 

@@ -316,24 +316,8 @@ def _chat_ok(server: Server, client: httpx.Client | None = None) -> int:
     return r.status_code
 
 
-# /health is polled from its own process: in this one, the threads sending large bodies hold
-# the GIL often enough to add their own delays to what is measured.
-_POLLER = r"""
-import json, sys, time, threading, httpx
-url = sys.argv[1]
-out, stop = [], threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-with httpx.Client(timeout=60) as c:
-    while not stop.is_set():
-        t = time.perf_counter()
-        try:
-            ok = c.get(url + "/health").status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        out.append([time.perf_counter() - t, ok])
-        time.sleep(0.02)
-print(json.dumps(out))
-"""
+# /health is polled from its own process (see the script)
+_POLLER = Path(__file__).resolve().parents[1] / "bench" / "health_poller.py"
 
 
 class _Probes:
@@ -366,7 +350,7 @@ class _Probes:
                 self.rss.append(self.proc.memory_info().rss)
                 time.sleep(0.01)
 
-        self.poller = subprocess.Popen([sys.executable, "-c", _POLLER, self.server.url],
+        self.poller = subprocess.Popen([sys.executable, str(_POLLER), self.server.url],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.threads = [threading.Thread(target=sample, daemon=True)]
         for t in self.threads:
