@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 from kvshare import _core
 from kvshare.engine.faults import injected, maybe_inject
@@ -43,7 +44,7 @@ class CacheManager:
         # engine.checkpoints.CheckpointManager for hybrid models (None: attention only)
         self.checkpoints = checkpoints
         self._roots: dict[bytes | None, bytes] = {}
-        self.counters = {"restore_failed": 0, "cow_no_room": 0}
+        self.counters: Counter[str] = Counter()  # recovered faults: restore_failed, cow_no_room
 
     def root_key(self, salt: bytes | None) -> bytes:
         root = self._roots.get(salt)

@@ -278,7 +278,7 @@ class Engine:
             self._fail(seq, SequenceFault(
                 f"the server is busy: the request waited {now - seq.queued_since:.0f} s "
                 f"without being admitted (queue timeout {timeout:g} s)",
-                status=503, cause="queue_timeout"), retry_after_s=QUEUE_RETRY_AFTER_S)
+                status=503, cause="queue_timeout", retry_after_s=QUEUE_RETRY_AFTER_S))
 
     def run_until_idle(self) -> None:
         """Run steps on the calling thread until nothing is left (tests, benchmarks)."""
@@ -370,18 +370,19 @@ class Engine:
                 row = np.full_like(row, np.nan)
             self._on_logits(item, row)
 
-    def _fail(self, seq: Sequence, exc: BaseException, retry_after_s: float | None = None) -> None:
+    def _fail(self, seq: Sequence, exc: BaseException) -> None:
         """End one sequence with an error naming the cause; never raises."""
-        if isinstance(exc, SequenceFault):
-            status, cause, msg = exc.status, exc.cause, str(exc)
-        else:
-            status, cause, msg = 500, "internal", f"{type(exc).__name__}: {exc}"
+        if seq.state == SeqState.FINISHED:
+            return
+        fault = exc if isinstance(exc, SequenceFault) else None
+        status = fault.status if fault else 500
+        cause = fault.cause if fault else "internal"
+        msg = str(exc) if fault else f"{type(exc).__name__}: {exc}"
+        retry_after_s = fault.retry_after_s if fault else None
         if status >= 500 and cause != "queue_timeout":
             log.error("sequence %d (request %s) failed: %s", seq.seq_id,
                       seq.request.request_id, msg, exc_info=exc)
         self.failures[cause] += 1
-        if seq.state == SeqState.FINISHED:
-            return
         try:
             self._finish(seq, "error", error=msg, status=status, cause=cause,
                          retry_after_s=retry_after_s)
@@ -505,11 +506,8 @@ class Engine:
             "cached": stats["cached"], "shared": stats["shared"], "tokens_used": stats["tokens_held"],
             "block_size": self.config.block_size, "peak_tokens_used": self.peak_tokens_used,
         }
-        recovered = Counter(self.recovered)
-        for kind, n in self.cache.counters.items():
-            recovered[kind] += n
         faults = {"queued": len(self.scheduler.waiting), "failed": dict(self.failures),
-                  "recovered": dict(recovered)}
+                  "recovered": dict(self.recovered + self.cache.counters)}
         return {"slots": slots, "pool": pool, "counters": dict(self.counters), "faults": faults,
                 "tiers": self.tiers.snapshot(),
                 "checkpoints": self.checkpoints.snapshot() if self.checkpoints else None}

@@ -47,12 +47,15 @@ def maybe_inject(request, point: str) -> None:
 
 class SequenceFault(Exception):
     """One sequence cannot go on. `status` is the HTTP status its request should end with,
-    `cause` a short name for metrics and the error body's code."""
+    `cause` a short name for metrics and the error body's code, `retry_after_s` (503s) how long
+    the client should wait before retrying."""
 
-    def __init__(self, message: str, *, status: int = 500, cause: str = "internal"):
+    def __init__(self, message: str, *, status: int = 500, cause: str = "internal",
+                 retry_after_s: float | None = None):
         super().__init__(message)
         self.status = status
         self.cause = cause
+        self.retry_after_s = retry_after_s
 
 
 class SamplingError(SequenceFault):
