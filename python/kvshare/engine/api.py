@@ -26,6 +26,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # llama.cpp repeat_penalty; 1.0 = off
     penalty_last_n: int = 64
+    # OpenAI logit_bias: (token id, bias) pairs added to the logits before anything else;
+    # -100 bans a token, +100 all but forces it.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -53,6 +56,12 @@ class GenerationRequest:
     # Token position of the first user message's start in a chat prompt (hybrid checkpoints).
     first_user_boundary: int | None = None
     request_id: str = ""
+    # Choices sampled from this one prompt (OpenAI `n`): the prompt is computed once and the
+    # choices fork from it, sharing its blocks; events carry the choice's `index`.
+    n: int = 1
+    # A compiled grammar (kvshare.constrain.Grammar) every choice must follow: its own matcher
+    # masks the logits before sampling (constrained decoding). None: unconstrained.
+    grammar: object | None = None
     # Test hook (kvshare.engine.faults): an injection point that fails this sequence; set by
     # the server only when fault injection is enabled.
     fault: str | None = None
@@ -75,6 +84,7 @@ class TokenEvent:
     text: str
     logprob: TokenLogprob | None = None
     top_logprobs: tuple[TokenLogprob, ...] = ()
+    index: int = 0  # the choice (n > 1)
 
 
 @dataclass(frozen=True)
@@ -117,3 +127,4 @@ class FinishEvent:
     error_status: int = 500
     error_cause: str | None = None
     retry_after_s: float | None = None
+    index: int = 0  # the choice (n > 1): a request with n choices gets n FinishEvents

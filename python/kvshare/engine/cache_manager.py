@@ -94,7 +94,12 @@ class CacheManager:
             seq.prefill_started = time.perf_counter()
         if self.checkpoints is not None:
             seq.block_keys = []
-            return self._attach_hybrid(seq, self.root_key(seq.request.cache_salt))
+            got = self._attach_hybrid(seq, self.root_key(seq.request.cache_salt))
+            if (seq.request.n > 1 and seq.choice == 0 and self.attach_enabled
+                    and seq.n_prompt not in seq.checkpoint_at):
+                # the other choices fork from the prompt's end: they resume from this one
+                seq.checkpoint_at.append(seq.n_prompt)
+            return got
         if not self.attach_enabled or len(seq.tokens) < 2:
             return 0
         reusable = len(seq.tokens) - 1

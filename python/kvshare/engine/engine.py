@@ -18,8 +18,8 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter, deque
-from dataclasses import dataclass
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,7 @@ from kvshare.engine.api import FinishEvent, GenerationRequest, Timings, TokenEve
 from kvshare.engine.cache_manager import CacheManager
 from kvshare.engine.checkpoints import CheckpointManager
 from kvshare.engine.faults import SequenceFault, injected, maybe_inject
+from kvshare.engine.grammar_masks import MaskJob, compute_mask
 from kvshare.engine.handle import RequestHandle
 from kvshare.engine.output import TextAssembler
 from kvshare.engine.sampling import Sampler, top_logprobs
@@ -65,6 +66,7 @@ class EngineConfig:
     ctx_checkpoints: int = 8  # hybrids: at most this many checkpoints per sequence
     checkpoint_mem_mib: int = 1024  # hybrids: budget of unique checkpoint bytes
     queue_timeout_s: float = 600.0  # a request waiting longer to be admitted ends with a 503
+    max_n: int = 8  # most choices (OpenAI `n`) one request may ask for
 
 
 class Engine:
@@ -102,12 +104,16 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._handles: dict[str, RequestHandle] = {}
-        self._seqs: dict[str, Sequence] = {}
+        self._open_choices: dict[str, int] = {}  # request id -> choices not finished yet
+        self._seqs: dict[str, Sequence] = {}  # Sequence.key -> sequence
         self._assemblers: dict[int, TextAssembler] = {}
         self.counters = {"prompt_tokens_total": 0, "prompt_tokens_cached_total": 0,
                          "generated_tokens_total": 0, "steps": 0, "preemptions": 0}
         self.peak_tokens_used = 0
         self._step_started: float | None = None  # perf_counter while a step runs
+        self._grammar_lock = threading.Lock()
+        self._grammar_vocab = None  # kvshare.constrain.TokenVocab, built on first use
+        self._grammars: OrderedDict = OrderedDict()  # (kind, source) -> compiled grammar
         self.failures: Counter[str] = Counter()  # requests ended by an error, by cause
         self.recovered: Counter[str] = Counter()  # faults absorbed without failing a request
         # Hybrids checkpoint at the first user message; the RAM tier pins the prefix up to it.
@@ -188,6 +194,33 @@ class Engine:
         # Control tokens (<start_of_turn>, ...) are not part of a reply's text, as in llama-server.
         return self.tokenizer.decode(list(ids), skip_special=True)
 
+    def compile_grammar(self, kind: str, source: str):
+        """A compiled grammar (kvshare.constrain) for constrained decoding: "json_schema",
+        "json_object", "lark", "regex" or "gbnf". Raises `kvshare.constrain.GrammarError`.
+        The token trie over the vocabulary is built once, on first use; compiled grammars are
+        cached by source (an agent's every turn with the same tools reuses one)."""
+        from kvshare import constrain
+
+        key = (kind, source)
+        with self._grammar_lock:
+            hit = self._grammars.get(key)
+            if hit is not None:
+                self._grammars.move_to_end(key)
+                return hit
+            if self._grammar_vocab is None:
+                eos = getattr(self.tokenizer, "eos_id", None)
+                if eos is None or (self.stop_ids and eos not in self.stop_ids):
+                    eos = min(self.stop_ids) if self.stop_ids else 0
+                self._grammar_vocab = constrain.TokenVocab.from_tokenizer(
+                    self.tokenizer, self.vocab_size, eos)
+            vocab = self._grammar_vocab
+        grammar = constrain.compile_grammar(vocab, kind, source)
+        with self._grammar_lock:
+            self._grammars[key] = grammar
+            while len(self._grammars) > 64:
+                self._grammars.popitem(last=False)
+        return grammar
+
     def token_piece(self, token_id: int) -> str:
         return self.tokenizer.token_to_piece(int(token_id))
 
@@ -209,6 +242,8 @@ class Engine:
             raise ValueError(f"the prompt has {n} tokens; the context holds {self.ctx_size}")
         if req.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
+        if not 1 <= req.n <= self.config.max_n:
+            raise ValueError(f"n must be between 1 and {self.config.max_n}, got {req.n}")
         vocab = self.model.config.vocab_size
         if any((t < 0 or t >= vocab) for t in req.prompt_tokens):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -217,12 +252,15 @@ class Engine:
                              f"{self.n_blocks * self.config.block_size} (context)")
         rid = req.request_id or f"req-{next(self._ids)}"
         req.request_id = rid
-        handle = RequestHandle(rid, self)
+        handle = RequestHandle(rid, self, n=req.n)
         seq = Sequence(seq_id=next(self._ids), request=req, sampler=Sampler(req.sampling, req.prompt_tokens))
         seq.tokens = list(req.prompt_tokens)
         seq.n_prompt = n
+        if req.grammar is not None:
+            seq.matcher = req.grammar.matcher()
         self._handles[rid] = handle
-        self._seqs[rid] = seq
+        self._open_choices[rid] = req.n
+        self._seqs[seq.key] = seq
         self._inbox.append(seq)
         self._wake.set()
         return handle
@@ -265,9 +303,13 @@ class Engine:
             self.scheduler.add(self._inbox.popleft())
         while self._cancels:
             rid = self._cancels.popleft()
-            seq = self._seqs.get(rid)
-            if seq is not None and seq.state != SeqState.FINISHED:
-                self._finish(seq, "cancelled")
+            for seq in self._choices_of(rid):
+                if seq.state != SeqState.FINISHED:
+                    self._finish(seq, "cancelled")
+
+    def _choices_of(self, rid: str) -> list[Sequence]:
+        """The live sequences of one request (its choices)."""
+        return [s for s in self._seqs.values() if s.request.request_id == rid]
 
     def _expire_queued(self) -> None:
         timeout = self.config.queue_timeout_s
@@ -320,18 +362,23 @@ class Engine:
                 logits="last" if item.wants_logits else "none",
                 state_slot=item.seq.state_slot,
             ))
+        constrained = [i.seq for i in plan if i.wants_logits and i.seq.matcher is not None]
+        masks = MaskJob(constrained, self.vocab_size) if constrained else None
         try:
             logits = self.model.forward(chunks, self.kv)
             for item in plan:
                 maybe_inject(item.seq.request, "forward")
         except Exception as exc:  # noqa: BLE001 - pinned on its sequence below
+            if masks is not None:
+                masks.wait()
             self._forward_failed(plan, exc)
             return
         self.counters["steps"] += 1
+        allowed = masks.wait() if masks is not None else {}
         for item, out in zip(plan, logits):
             item.seq.suspect = False
             try:
-                self._after_forward(item, out)
+                self._after_forward(item, out, allowed.get(item.seq.seq_id))
             except Exception as exc:  # noqa: BLE001 - this sequence's fault alone
                 self._fail(item.seq, exc)
         used = self.pool.stats()["tokens_held"]
@@ -354,7 +401,7 @@ class Engine:
             if self.hybrid and item.seq in self.scheduler.running:
                 self.scheduler.preempt(item.seq)
 
-    def _after_forward(self, item: Planned, out) -> None:
+    def _after_forward(self, item: Planned, out, allowed=None) -> None:
         seq = item.seq
         self.cache.record(seq, item.start, item.end)
         self._after_record(seq)
@@ -368,7 +415,7 @@ class Engine:
             row = np.asarray(out)[-1]
             if injected(seq.request, "logits_nan"):
                 row = np.full_like(row, np.nan)
-            self._on_logits(item, row)
+            self._on_logits(seq, row, allowed)
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
         """End one sequence with an error naming the cause; never raises."""
@@ -401,14 +448,55 @@ class Engine:
             self.recovered["tier_pin_failed"] += 1
             log.exception("tier bookkeeping for %s failed", seq.request.request_id)
 
-    def _on_logits(self, item: Planned, row: np.ndarray) -> None:
-        seq = item.seq
+    def _on_logits(self, seq: Sequence, row: np.ndarray, allowed=None) -> None:
+        """The logits after the sequence's last token: sample, emit, maybe finish. `allowed`:
+        its grammar mask computed during the forward pass (or the exception that raised)."""
         if seq.state == SeqState.PREFILL:
             seq.state = SeqState.DECODE
         if seq.cancelled or seq.state == SeqState.FINISHED:
             return
+        if seq.choice == 0 and seq.request.n > 1 and seq.first_token_at is None:
+            self._fork(seq, row)
+        self._sample_and_emit(seq, row, allowed)
+
+    def _fork(self, parent: Sequence, row: np.ndarray) -> None:
+        """OpenAI `n`: the prompt is computed once. The other choices start here, each with its
+        own sampler (seed + choice) and grammar matcher, drawing its first token from these same
+        logits; then each waits at the head of the queue and, admitted, attaches to the
+        prompt's blocks (full blocks shared, the partial last one copied: cache_manager), so a
+        choice computes only what it generates. Hybrids resume from the checkpoint the parent
+        saved at the prompt's end."""
+        req = parent.request
+        for i in range(1, req.n):
+            params = req.sampling
+            if params.seed is not None:
+                params = replace(params, seed=params.seed + i)
+            child = Sequence(seq_id=next(self._ids), request=req,
+                             sampler=Sampler(params, req.prompt_tokens), choice=i,
+                             arrival=parent.arrival)
+            child.tokens = list(req.prompt_tokens)
+            child.n_prompt = parent.n_prompt
+            child.prefill_started = parent.prefill_started
+            self._seqs[child.key] = child
+            try:
+                if req.grammar is not None:
+                    child.matcher = req.grammar.matcher()
+                self._sample_and_emit(child, row, None)
+            except Exception as exc:  # noqa: BLE001 - this choice's fault alone
+                self._fail(child, exc)
+                continue
+            if child.state != SeqState.FINISHED:
+                self.scheduler.add_front(child)
+
+    def _sample_and_emit(self, seq: Sequence, row: np.ndarray, allowed=None) -> None:
         req = seq.request
-        token = seq.sampler.sample(row)
+        mask = None
+        if seq.matcher is not None:
+            mask = allowed if allowed is not None else compute_mask(seq.matcher, self.vocab_size)
+            if isinstance(mask, Exception):
+                raise SequenceFault(f"constrained decoding failed: {mask}", status=500,
+                                    cause="grammar")
+        token = seq.sampler.sample(row, mask)
         now = time.perf_counter()
         if seq.first_token_at is None:
             seq.first_token_at = now
@@ -418,22 +506,34 @@ class Engine:
         if token in self.stop_ids and not req.ignore_eos or token in req.stop_token_ids:
             self._finish(seq, "stop")
             return
+        grammar_done = False
+        if seq.matcher is not None:
+            try:
+                seq.matcher.consume(token)
+            except ValueError as exc:
+                raise SequenceFault(f"constrained decoding failed: {exc}", status=500,
+                                    cause="grammar") from exc
+            grammar_done = seq.matcher.stopped
         asm = self._assemblers.get(seq.seq_id)
         if asm is None:
             asm = self._assemblers[seq.seq_id] = TextAssembler(self._generated_text, req.stop)
         text, hit_stop = asm.push(token)
-        event = TokenEvent(token_id=token, text=text)
+        event = TokenEvent(token_id=token, text=text, index=seq.choice)
         if req.logprobs:
             lp, top = top_logprobs(row, token, req.top_logprobs)
             event = TokenEvent(
                 token_id=token, text=text,
                 logprob=TokenLogprob(token, self.token_piece(token), lp),
                 top_logprobs=tuple(TokenLogprob(t, self.token_piece(t), v) for t, v in top),
+                index=seq.choice,
             )
         if handle is not None:
             handle._put(event)
         if hit_stop:
             self._finish(seq, "stop", flush=False)
+        elif grammar_done:  # the grammar is complete: only EOS could follow
+            seq.tokens.append(token)
+            self._finish(seq, "stop")
         elif seq.n_generated >= req.max_tokens or len(seq.tokens) + 1 >= self.ctx_size:
             seq.tokens.append(token)
             self._finish(seq, "length")
@@ -444,15 +544,22 @@ class Engine:
                 status: int = 500, cause: str | None = None,
                 retry_after_s: float | None = None) -> None:
         req = seq.request
-        handle = self._handles.pop(req.request_id, None)
+        rid = req.request_id
+        left = self._open_choices.get(rid, 1) - 1
+        if left <= 0 or reason in ("error", "cancelled"):
+            handle = self._handles.pop(rid, None)
+            self._open_choices.pop(rid, None)
+        else:
+            handle = self._handles.get(rid)
+            self._open_choices[rid] = left
         asm = self._assemblers.pop(seq.seq_id, None)
         if flush and asm is not None and handle is not None and reason in ("stop", "length"):
             tail = asm.flush()
             if tail:
-                handle._put(TokenEvent(token_id=-1, text=tail))
+                handle._put(TokenEvent(token_id=-1, text=tail, index=seq.choice))
         seq.finished_at = time.perf_counter()
         seq.cancelled = reason == "cancelled"
-        self._seqs.pop(req.request_id, None)
+        self._seqs.pop(seq.key, None)
         prompt_end = seq.first_token_at or seq.finished_at
         start = seq.prefill_started or seq.arrival
         timings = Timings(
@@ -476,7 +583,11 @@ class Engine:
                                     completion_tokens=seq.n_generated, timings=timings,
                                     time_to_first_token_s=ttft, error=error,
                                     error_status=status, error_cause=cause,
-                                    retry_after_s=retry_after_s))
+                                    retry_after_s=retry_after_s, index=seq.choice))
+        if reason in ("error", "cancelled"):  # the request ends: its other choices stop too
+            for other in self._choices_of(rid):
+                if other is not seq and other.state != SeqState.FINISHED:
+                    self._finish(other, "cancelled")
         if reason != "error":
             try:
                 self.cache.save_to_tiers(seq)

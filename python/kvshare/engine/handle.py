@@ -16,11 +16,14 @@ Event = Union[TokenEvent, FinishEvent]
 
 class RequestHandle:
     """Created by `Engine.submit`. Iterate it (async inside an event loop, or `events()` from a
-    plain thread) to get TokenEvents followed by exactly one FinishEvent."""
+    plain thread) to get TokenEvents followed by exactly one FinishEvent per choice (`n`, each
+    event's `index` says which); the stream ends after the last one, or at the first that
+    ends in an error or a cancellation (cancel the handle then: the other choices stop)."""
 
-    def __init__(self, request_id: str, engine: "Engine"):
+    def __init__(self, request_id: str, engine: "Engine", n: int = 1):
         self.request_id = request_id
         self._engine = engine
+        self._open = n  # choices without their FinishEvent yet
         self._sync: queue.SimpleQueue[Event] = queue.SimpleQueue()
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
@@ -49,9 +52,14 @@ class RequestHandle:
             raise RuntimeError("this handle was created inside an event loop: iterate it with `async for`")
         while not self.finished:
             event = self._sync.get(timeout=timeout)
-            if isinstance(event, FinishEvent):
-                self.finished = True
+            self._note(event)
             yield event
+
+    def _note(self, event: Event) -> None:
+        if isinstance(event, FinishEvent):
+            self._open -= 1
+            if self._open <= 0 or event.reason in ("error", "cancelled"):
+                self.finished = True
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self._aiter()
@@ -61,8 +69,7 @@ class RequestHandle:
             raise RuntimeError("this handle was created outside an event loop: use events()")
         while not self.finished:
             event = await self._async.get()
-            if isinstance(event, FinishEvent):
-                self.finished = True
+            self._note(event)
             yield event
 
     def result(self, timeout: float | None = None) -> tuple[list[TokenEvent], FinishEvent]:

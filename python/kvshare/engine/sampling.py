@@ -1,9 +1,11 @@
 """Turning one position's logits into the next token: penalties, greedy or sampled decoding
 (temperature, top-k, top-p, min-p, per-request seed) and logprobs.
 
-Follows llama.cpp's sampler chain order: penalties -> top-k -> top-p -> min-p -> temperature
--> draw. Logprobs are reported from the model's raw distribution (OpenAI semantics), not the
-filtered one.
+Follows llama.cpp's sampler chain order: logit bias -> grammar mask -> penalties -> top-k ->
+top-p -> min-p -> temperature -> draw. The grammar mask (constrained decoding) comes before
+every filter, so temperature, top-k and top-p only ever choose among tokens the grammar allows.
+Logprobs are reported from the model's raw distribution (OpenAI semantics), not the filtered
+one.
 """
 
 from __future__ import annotations
@@ -44,17 +46,30 @@ class Sampler:
             logits[ids] -= counts * p.frequency_penalty + p.presence_penalty
         return logits
 
-    def sample(self, logits: np.ndarray) -> int:
+    def sample(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> int:
         """Pick the next token from a [vocab] float32 row and record it in the history.
+        `allowed` (bool [vocab]): the grammar's mask; only those tokens can be drawn.
         Raises `SamplingError` (this sequence's fault alone) on non-finite scores."""
         p = self.params
         logits = np.asarray(logits, dtype=np.float32)
         if not np.isfinite(logits).all():
             raise SamplingError("the model produced non-finite logits")
+        if p.logit_bias:
+            logits = logits.copy()
+            for tok, bias in p.logit_bias:
+                if tok < logits.size:
+                    logits[tok] += bias
         scores = self._apply_penalties(logits)
         if not np.isfinite(scores).all():
             raise SamplingError("the penalties (repeat/frequency/presence) made the scores "
                                 "non-finite")
+        if allowed is not None:
+            n = min(allowed.size, scores.size)
+            keep = np.zeros(scores.size, dtype=bool)
+            keep[:n] = allowed[:n]
+            if not keep.any():
+                raise SamplingError("the grammar allows no token here")
+            scores = np.where(keep, scores, -np.inf).astype(np.float32)
         if p.greedy:
             token = int(np.argmax(scores))
         else:
@@ -84,7 +99,7 @@ class Sampler:
             keep = min(keep, max(1, int(np.sum(probs >= p.min_p * probs[0]))))
         cand = cand[:keep]
         final = _softmax(scores[cand] / max(p.temperature, 1e-6))
-        if not np.isfinite(final).all():
+        if not np.isfinite(final).all() or final.sum() <= 0:
             raise SamplingError("the sampling probabilities are not finite")
         return int(cand[self.rng.choice(len(cand), p=final)])
 

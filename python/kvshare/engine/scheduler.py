@@ -64,6 +64,12 @@ class Scheduler:
         seq.queued_since = time.perf_counter()
         self.waiting.append(seq)
 
+    def add_front(self, seq: Sequence) -> None:
+        """A forked choice (n > 1): admitted before anything else, while the prompt's blocks
+        it attaches to are certainly still in the pool."""
+        seq.queued_since = time.perf_counter()
+        self.waiting.appendleft(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

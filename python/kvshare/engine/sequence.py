@@ -50,6 +50,11 @@ class Sequence:
     # The prompt's prefix entry (full blocks before its first user message) was pinned in RAM.
     prefix_pinned: bool = False
     cancelled: bool = False
+    # OpenAI `n`: which choice of its request this sequence is. Choice 0 computes the prompt;
+    # the others fork from it once its logits exist (Engine._fork) and reuse its blocks.
+    choice: int = 0
+    # Constrained decoding: this sequence's grammar matcher (kvshare.constrain), or None.
+    matcher: object = None
     preemptions: int = 0
     # When the sequence (re)entered the waiting queue (perf_counter s): --queue-timeout.
     queued_since: float = field(default_factory=time.perf_counter)
@@ -65,6 +70,12 @@ class Sequence:
     restore_s: float = 0.0
     first_token_at: float | None = None
     finished_at: float | None = None
+
+    @property
+    def key(self) -> str:
+        """The engine's name for this sequence: its request id, plus `#choice` for a fork."""
+        rid = self.request.request_id
+        return rid if self.choice == 0 else f"{rid}#{self.choice}"
 
     @property
     def n_generated(self) -> int:
