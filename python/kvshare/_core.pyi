@@ -318,3 +318,63 @@ def paged_attention(
     `kvshare.ops.attention.paged_attention`. All C-contiguous, read in place, GIL released.
     Raises InvalidArgument on wrong dtypes, shapes or overlap, IndexError when a block table
     does not cover a query's keys."""
+
+# --- constrained decoding (crates/kvshare-constrain) ---
+# Masks: `mask_words = ceil(vocab_size / 32)` uint32 words, bit `t % 32` of word `t // 32` set =
+# token t allowed. EOS is allowed when the output is complete, and alone once it is stopped.
+
+class GrammarError(ValueError):
+    """A grammar that does not compile, or a token it does not allow."""
+
+class ConstraintVocab:
+    """One model's token strings (build once per model). `special[i]` marks control tokens:
+    text never spells them, Lark names them `<|im_end|>` / `<[id]>`. `eos`: the end token, or
+    several (the first is the main one). `vocab_size` >= len(tokens): the logits row length.
+    Raises InvalidArgument on inconsistent arguments."""
+
+    def __init__(
+        self, tokens: list[bytes], special: list[bool], eos: int | Sequence[int], vocab_size: int
+    ) -> None: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def mask_words(self) -> int: ...
+    @property
+    def eos(self) -> list[int]: ...
+
+class Grammar:
+    """A compiled constraint; `kind` is "json_schema", "json_object" (source ignored), "lark"
+    or "regex". Raises GrammarError with llguidance's message (syntax errors, schema keywords
+    it cannot enforce, unknown formats, overlapping oneOf, GBNF). GIL released while
+    compiling."""
+
+    def __init__(self, vocab: ConstraintVocab, kind: str, source: str) -> None: ...
+    def matcher(self) -> Matcher: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def warnings(self) -> list[str]: ...
+
+class Matcher:
+    """One sequence's position in a grammar (thread-safe; one per sequence)."""
+
+    def fill_mask(self, out: npt.NDArray[np.uint32]) -> None:
+        """Writes the mask into `out` (writable 1-D, `mask_words` long), GIL released. Raises
+        GrammarError if the matcher fails (`out` then allows only EOS)."""
+    def consume(self, token: int) -> None:
+        """Raises GrammarError (matcher unchanged) for a token the grammar does not allow."""
+    @property
+    def accepting(self) -> bool: ...
+    @property
+    def stopped(self) -> bool: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def mask_words(self) -> int: ...
+
+def fill_masks(
+    matchers: Sequence[Matcher], out: npt.NDArray[np.uint32], threads: int | None = None
+) -> list[str | None]:
+    """Row i of `out` (writable `[len(matchers), mask_words]`) = matcher i's mask, computed on
+    up to `threads` threads (default: one per core) with the GIL released. One entry per
+    matcher: None, or the message of a failed matcher (its row then allows only EOS)."""

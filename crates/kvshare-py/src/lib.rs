@@ -1,11 +1,12 @@
 //! `kvshare._core`: a thin PyO3 binding of kvshare-core. No logic lives here: every class is a
 //! `#[pyclass(frozen)]` wrapper around a core type behind a Mutex, every core error maps to a
-//! typed Python exception, and the GIL is released around hashing of long prompts, disk I/O and
-//! the compute kernels.
+//! typed Python exception, and the GIL is released around hashing of long prompts, disk I/O,
+//! the compute kernels and constrained decoding's masks.
 
 use pyo3::prelude::*;
 
 mod ckpt;
+mod constrain;
 mod convert;
 mod disk;
 mod errors;
@@ -19,6 +20,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     pool::register(m)?;
     disk::register(m)?;
     kernels::register(m)?;
+    constrain::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
