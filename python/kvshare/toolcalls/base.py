@@ -1,0 +1,117 @@
+"""What a tool call is once read (`ToolCall`, `ParsedOutput`) and what every format offers (`ToolFormat`).
+
+A format's `parse` is its stream fed the whole text at once and buffered (`collect` of its deltas),
+so a parsed output and the concatenation of a stream's deltas agree by construction; the stream
+only has to make every decision from the text seen so far, never from where a chunk ended.
+"""
+
+from __future__ import annotations
+
+import secrets
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+if TYPE_CHECKING:
+    from kvshare.toolcalls.stream import Region, Sink, ToolCallStream
+
+__all__ = ["ToolCall", "ParsedOutput", "ToolFormat", "collect", "new_call_id"]
+
+
+@dataclass
+class ToolCall:
+    """One call: `arguments` is the text of a JSON object."""
+
+    id: str
+    name: str
+    arguments: str
+    type: str = "function"
+
+    def to_openai(self) -> dict:
+        """The `message.tool_calls[i]` object of a chat.completion."""
+        return {"id": self.id, "type": self.type,
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class ParsedOutput:
+    """A reply split into its text (markup of the calls removed) and its calls."""
+
+    content: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+def new_call_id() -> str:
+    """`call_` and 24 random hex digits, as OpenAI's ids look."""
+    return "call_" + secrets.token_hex(12)
+
+
+def collect(deltas: Iterable[dict]) -> ParsedOutput:
+    """Accumulate `chat.completion.chunk` deltas the way a client does: content joined, tool calls
+    by index (id and name from their first delta, arguments concatenated)."""
+    content: list[str] = []
+    calls: dict[int, ToolCall] = {}
+    for delta in deltas:
+        if delta.get("content"):
+            content.append(delta["content"])
+        for tc in delta.get("tool_calls") or ():
+            call = calls.get(tc["index"])
+            fn = tc.get("function") or {}
+            if call is None:
+                call = calls[tc["index"]] = ToolCall(tc.get("id", ""), fn.get("name", ""), "")
+            call.arguments += fn.get("arguments") or ""
+    return ParsedOutput("".join(content), [calls[i] for i in sorted(calls)])
+
+
+class ToolFormat(ABC):
+    """One model family's tool-call markup: reading it (`parse`, `stream`) and forcing it
+    (`grammar`, `auto_grammar`: llguidance Lark text).
+
+    `tools` (OpenAI `tools` list) is what the readers may consult: only `qwen35` does, to turn
+    its raw parameter text into JSON of the declared type. Bind it with `get_format(name, tools)`
+    or `fmt.with_tools(tools)`; the grammar methods take their tools explicitly.
+    """
+
+    name: str = ""
+    # strings that open a call anywhere in the text
+    openers: tuple[str, ...] = ()
+    # strings that open a call only at the start of the reply or right after another call
+    start_openers: tuple[str, ...] = ()
+    # characters besides whitespace that may separate consecutive calls (dropped with them)
+    separators: str = ""
+
+    def __init__(self, tools: Sequence[dict] | None = None):
+        self.tools: list[dict] = list(tools or [])
+
+    def with_tools(self, tools: Sequence[dict] | None) -> "ToolFormat":
+        return type(self)(tools)
+
+    def parse(self, text: str) -> ParsedOutput:
+        """Split a complete reply. Markup that does not parse stays in `content` as written."""
+        s = self.stream(incremental=False)
+        return collect(s.feed(text) + s.finish())
+
+    def stream(self, incremental: bool = True) -> "ToolCallStream":
+        """A reader for one reply arriving in pieces (see `ToolCallStream`)."""
+        from kvshare.toolcalls.stream import ToolCallStream
+
+        return ToolCallStream(self, incremental=incremental)
+
+    @abstractmethod
+    def region(self, opener: str, sink: "Sink") -> "Region":
+        """A reader for one block of calls starting with `opener` (used by the stream)."""
+
+    @abstractmethod
+    def grammar(self, tools: Sequence[dict], choice: str | None = None, parallel: bool = True) -> str:
+        """Lark text that admits only calls: one or more of any tool (`choice` None, one if not
+        `parallel`) or exactly one call of the tool named `choice`; arguments follow the tool's
+        `parameters` schema."""
+
+    def auto_grammar(self, tools: Sequence[dict]) -> str | None:
+        """Lark text for tool_choice "auto": free text, but any call follows the schemas.
+        None where the format has no way to say it."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<ToolFormat {self.name}>"
+

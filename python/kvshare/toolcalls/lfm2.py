@@ -1,0 +1,283 @@
+"""`lfm2`: LFM2 / LFM2.5 pythonic calls between special tokens:
+
+    <|tool_call_start|>[get_weather(city='Paris', days=3), get_time(tz="UTC")]<|tool_call_end|>
+
+Arguments are keyword arguments whose values are Python literals, read with
+`ast.literal_eval` (never eval); a value that is not one is read as JSON (the LFM2.5 template
+writes dicts with `tojson`, so `true`/`null` appear), and a quoted string with raw newlines in
+it (the template does not escape them) has them escaped first. Values become JSON (tuples as
+lists); anything else (sets, bytes, NaN, positional arguments) makes the block content. The
+JSON form llama.cpp's LFM2 template asks for, `[{"name": ..., "arguments": {...}}]`, is read
+too (its calls are reported when the block ends).
+
+The special tokens must reach the reader as text: decode with them rendered.
+
+Grammar: `<|tool_call_start|>[` calls separated by ", " `]<|tool_call_end|>` (the tokens as
+special tokens of the vocabulary); each call `name(` its parameters in declaration order,
+required ones always, optional ones maybe, as `key=value` separated by ", " `)`. Values by
+type: strings as a Python string literal in either quote (enums: one of the values; when the
+schema has a pattern, length or format, a JSON-style double-quoted string that follows it),
+integers and numbers as `%json` (bounds enforced), booleans `True`/`False`, null `None`, arrays
+and objects (and anything else) as `%json` of the property's schema, so nested booleans are
+written `true` (read fine, though LFM2 would write `True`). Not enforced: escapes inside
+single-quoted strings, `\\/` in double-quoted ones (Python keeps the backslash).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import warnings
+from typing import Any, Sequence
+
+from kvshare.toolcalls.base import ToolFormat
+from kvshare.toolcalls.grammar import lit, pick, repeat
+from kvshare.toolcalls.scan import JsonScanner, PyLiteralScanner
+from kvshare.toolcalls.schema import embed, json_rule, properties, types_of
+from kvshare.toolcalls.stream import Cursor, Malformed, Region
+
+OPEN, CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
+_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+_KEY = re.compile(r"[A-Za-z_]\w*")
+
+
+def literal(text: str) -> Any:
+    """A pythonic argument value (see the module doc); raises Malformed."""
+    text = text.strip()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # invalid escape sequences in strings
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            pass
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
+        if len(text) >= 2 and text[0] in "'\"" and text[-1] == text[0] and "\n" in text:
+            try:
+                return ast.literal_eval(text.replace("\r", "\\r").replace("\n", "\\n"))
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                pass
+    raise Malformed("not a Python literal")
+
+
+def _dumps(value: Any) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):
+        raise Malformed("value has no JSON form") from None
+
+
+def _word(cur: Cursor, rx: re.Pattern) -> str:
+    """An identifier at the cursor (it must be followed by something else)."""
+    m = rx.match(cur.text, cur.pos)
+    if m is None:
+        cur.char()  # at the end: wait
+        raise Malformed("expected a name")
+    if m.end() == len(cur.text):
+        cur.more()
+    cur.pos = m.end()
+    return m.group()
+
+
+class PythonicRegion(Region):
+    def __init__(self, fmt, opener, sink):
+        super().__init__(fmt, opener, sink)
+        self.phase = "open"
+        self.nargs = 0
+        self.scan: PyLiteralScanner | JsonScanner | None = None
+        self.vstart = 0
+
+    def run(self, cur: Cursor) -> int:
+        while True:
+            phase = self.phase
+            if phase == "open":
+                cur.ws()
+                cur.expect("[")
+                list_start = cur.pos - 1
+                cur.ws()
+                c = cur.char()
+                if c == "{":
+                    self.scan, self.vstart = JsonScanner(list_start), list_start
+                    self._to("json", cur)
+                elif c == "]":
+                    cur.pos += 1
+                    self._to("close", cur)
+                else:
+                    self._to("name", cur)
+            elif phase == "name":
+                cur.ws()
+                name = _word(cur, _NAME)
+                cur.ws()
+                cur.expect("(")
+                self.nargs = 0
+                self.sink.begin(name)
+                self._to("args", cur)
+            elif phase == "args":
+                cur.ws()
+                if cur.char() == ")":
+                    cur.pos += 1
+                    self.sink.args("}" if self.nargs else "{}")
+                    self._to("after", cur)
+                    continue
+                key = _word(cur, _KEY)
+                cur.ws()
+                cur.expect("=")
+                cur.ws()
+                cur.char()
+                self.key, self.vstart = key, cur.pos
+                self.scan = PyLiteralScanner(cur.pos)
+                self._to("value", cur)
+            elif phase == "value":
+                end = self.scan.run(cur.text)
+                if end is None:
+                    cur.more()
+                value = _dumps(literal(cur.text[self.vstart:end]))
+                self.nargs += 1
+                self.sink.args(("{" if self.nargs == 1 else ", ")
+                               + json.dumps(self.key, ensure_ascii=False) + ": " + value)
+                cur.pos = end
+                if cur.text[end] == ",":
+                    cur.pos += 1
+                self._to("args", cur)
+            elif phase == "after":
+                cur.ws()
+                if cur.choose(",", "]") == "]":
+                    self._to("close", cur)
+                else:
+                    self._to("name", cur)
+            elif phase == "json":
+                end = self.scan.run(cur.text)
+                if end is None:
+                    cur.more()
+                self._json_calls(cur.text[self.vstart:end])
+                cur.pos = end
+                self._to("close", cur)
+            else:  # close
+                cur.ws()
+                cur.expect(CLOSE)
+                return cur.pos
+
+    def _to(self, phase: str, cur: Cursor) -> None:
+        self.phase, self.pos = phase, cur.pos
+
+    def _json_calls(self, text: str) -> None:
+        try:
+            calls = json.loads(text)
+        except ValueError:
+            raise Malformed("invalid JSON") from None
+        out = []
+        for call in calls:
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+                raise Malformed("not a call object")
+            args = call.get("arguments", {})
+            if isinstance(args, str):
+                try:
+                    ok = isinstance(json.loads(args), dict)
+                except ValueError:
+                    ok = False
+            else:
+                ok, args = isinstance(args, dict), _dumps(args)
+            if not ok:
+                raise Malformed("arguments are not an object")
+            out.append((call["name"], args))
+        for name, args in out:
+            self.sink.begin(name)
+            self.sink.args(args)
+
+
+def _py_str(s: str) -> str:
+    """A Python literal for `s` the way the LFM2.5 template writes strings, when it can."""
+    if "'" not in s and "\\" not in s and "\n" not in s:
+        return "'" + s + "'"
+    return json.dumps(s, ensure_ascii=False)
+
+
+def _value_rule(schema: dict, params: dict) -> str:
+    types = types_of(schema)
+    if types is None:
+        return json_rule(embed(schema, params))
+    enum = schema.get("enum") if isinstance(schema.get("enum"), list) else (
+        [schema["const"]] if "const" in schema else None)
+    alts = []
+    for t in sorted(types):
+        if t == "string":
+            if enum is not None:
+                alts += [lit(_py_str(v)) for v in enum if isinstance(v, str)]
+                alts += [lit(json.dumps(v, ensure_ascii=False)) for v in enum
+                         if isinstance(v, str) and _py_str(v).startswith("'")]
+            elif any(k in schema for k in ("pattern", "minLength", "maxLength", "format")):
+                alts.append(json_rule(embed({**schema, "type": "string"}, params)))
+            else:
+                alts.append("PY_STR")
+        elif t == "boolean":
+            alts += ['"True"', '"False"']
+        elif t == "null":
+            alts.append('"None"')
+        elif t in ("integer", "number"):
+            if enum is not None:
+                alts += [lit(json.dumps(v)) for v in enum
+                         if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            else:
+                alts.append(json_rule(embed({**schema, "type": t}, params)))
+        else:
+            alts.append(json_rule(embed({**schema, "type": t}, params)))
+    return "(" + " | ".join(alts) + ")" if len(alts) > 1 else alts[0]
+
+
+def _args_rules(prefix: str, items: list[tuple[str, bool]]) -> tuple[str, list[str]]:
+    """An expression for keyword arguments `items` ((rule, required), in order) separated by
+    ", ", and the rules it uses: `{prefix}_r{j}` is arguments j.. each after ", ",
+    `{prefix}_f{j}` arguments j.. with the first one bare."""
+    rules: list[str] = []
+    rest = first = ""  # the rules for j + 1 ("" past the last argument)
+    for j in range(len(items) - 1, -1, -1):
+        rule, required = items[j]
+        inner = f"{rule} {rest}".strip()
+        piece = f'", " {rule}'
+        if required:
+            r, f = f"{piece} {rest}".strip(), inner
+        else:  # (an optional `first` may itself be empty: then so is this one)
+            r = f"({piece})? {rest}".strip()
+            f = f"({inner} | {first})" if first else f"({inner})?"
+        rules += [f"{prefix}_r{j}: {r}", f"{prefix}_f{j}: {f}"]
+        rest, first = f"{prefix}_r{j}", f"{prefix}_f{j}"
+    return first, rules
+
+
+class Lfm2(ToolFormat):
+    name = "lfm2"
+    openers = (OPEN,)
+
+    def region(self, opener, sink):
+        return PythonicRegion(self, opener, sink)
+
+    def _calls(self, tools, choice) -> list[str]:
+        rules, alts = [], []
+        for i, (name, params) in enumerate(pick(tools, choice)):
+            items, required = properties(params)
+            args = []
+            for j, (key, schema) in enumerate(items):
+                rules.append(f"a{i}_{j}: {lit(key + '=')} {_value_rule(schema, params)}")
+                args.append((f"a{i}_{j}", key in required))
+            expr, helper = _args_rules(f"args{i}", args)
+            rules += helper
+            rules.append(f"c{i}: " + " ".join(x for x in (lit(name + "("), expr, lit(")")) if x))
+            alts.append(f"c{i}")
+        return [f"call: {' | '.join(alts)}", *rules,
+                "PY_STR: /\"(?:[^\"\\\\]|\\\\.)*\"|'(?:[^'\\\\]|\\\\.)*'/"]
+
+    def grammar(self, tools: Sequence[dict], choice: str | None = None, parallel: bool = True) -> str:
+        return "\n".join([
+            f"start: {OPEN} \"[\" {repeat('call', ', ', parallel and choice is None)} \"]\" {CLOSE}",
+            *self._calls(tools, choice),
+        ])
+
+    def auto_grammar(self, tools: Sequence[dict]) -> str | None:
+        return "\n".join([
+            f"start: TEXT ({OPEN} \"[\" {repeat('call', ', ', True)} \"]\" {CLOSE} TEXT)*",
+            "TEXT: /(?s:.*)/",
+            *self._calls(tools, None),
+        ])
