@@ -25,7 +25,11 @@ from kvshare.toolcalls.hermes import Hermes
 from kvshare.toolcalls.lfm2 import Lfm2
 from kvshare.toolcalls.llama3 import Llama3
 from kvshare.toolcalls.qwen35 import Qwen35
-from kvshare.toolcalls.reasoning import ReasoningSplitter, prompt_opens_reasoning, template_has_thinking
+from kvshare.toolcalls.reasoning import (
+    ReasoningSplitter,
+    prompt_opens_reasoning,
+    template_has_thinking,
+)
 from kvshare.toolcalls.stream import ToolCallStream
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""What a tool call is once read (`ToolCall`, `ParsedOutput`) and what every format offers (`ToolFormat`).
+"""What a tool call is once read (`ToolCall`, `ParsedOutput`) and what every format offers
+(`ToolFormat`).
 
 A format's `parse` is its stream fed the whole text at once and buffered (`collect` of its deltas),
 so a parsed output and the concatenation of a stream's deltas agree by construction; the stream
@@ -102,7 +103,8 @@ class ToolFormat(ABC):
         """A reader for one block of calls starting with `opener` (used by the stream)."""
 
     @abstractmethod
-    def grammar(self, tools: Sequence[dict], choice: str | None = None, parallel: bool = True) -> str:
+    def grammar(self, tools: Sequence[dict], choice: str | None = None,
+                parallel: bool = True) -> str:
         """Lark text that admits only calls: one or more of any tool (`choice` None, one if not
         `parallel`) or exactly one call of the tool named `choice`; arguments follow the tool's
         `parameters` schema."""

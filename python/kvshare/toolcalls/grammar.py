@@ -51,8 +51,12 @@ def allow_reasoning(grammar: str, *, opened: bool = False, start: str = "<think>
                     end: str = "</think>", special: bool = False) -> str:
     """`grammar` preceded by a reasoning block: `start` ... `end` (optional), or, when the
     prompt already opened it (`opened`), the rest of the block up to `end` (required). The
-    block's text is free; whitespace may follow it. `special`: the tags are special tokens of
-    the vocabulary (written `<...>` in Lark) rather than text."""
+    block holds any text (no special tokens); whitespace may follow it. `special`: the tags
+    are special tokens of the vocabulary (written `<...>` in Lark) rather than text.
+
+    For a reasoning model, wrap the forced grammars with this: without it a model whose prompt
+    opened `<think>` must write its calls inside the block, where they are reasoning, not
+    calls; and an auto grammar would force a call the model merely mentions while thinking."""
     lines = grammar.splitlines()
     for i, line in enumerate(lines):
         if line.startswith("start:"):

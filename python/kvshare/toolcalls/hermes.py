@@ -38,7 +38,8 @@ class Hermes(ToolFormat):
     def _body(self, tools, choice) -> str:
         return json_rule(call_schema(pick(tools, choice), "arguments"))
 
-    def grammar(self, tools: Sequence[dict], choice: str | None = None, parallel: bool = True) -> str:
+    def grammar(self, tools: Sequence[dict], choice: str | None = None,
+                parallel: bool = True) -> str:
         return "\n".join([
             "start: " + repeat("call", "\n", parallel and choice is None),
             f"call: {lit(OPEN + chr(10))} {self._body(tools, choice)} {lit(chr(10) + CLOSE)}",

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 from kvshare.toolcalls.base import ToolFormat
 from kvshare.toolcalls.grammar import lit, pick, repeat
 from kvshare.toolcalls.scan import JsonScanner, PyLiteralScanner
-from kvshare.toolcalls.schema import embed, json_rule, properties, types_of
+from kvshare.toolcalls.schema import embed, enum_values, json_rule, properties, types_of
 from kvshare.toolcalls.stream import Cursor, Malformed, Region
 
 OPEN, CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
@@ -170,7 +170,8 @@ class PythonicRegion(Region):
             raise Malformed("invalid JSON") from None
         out = []
         for call in calls:
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+            name = call.get("name") if isinstance(call, dict) else None
+            if not isinstance(name, str) or not name:
                 raise Malformed("not a call object")
             args = call.get("arguments", {})
             if isinstance(args, str):
@@ -182,7 +183,7 @@ class PythonicRegion(Region):
                 ok, args = isinstance(args, dict), _dumps(args)
             if not ok:
                 raise Malformed("arguments are not an object")
-            out.append((call["name"], args))
+            out.append((name, args))
         for name, args in out:
             self.sink.begin(name)
             self.sink.args(args)
@@ -196,19 +197,27 @@ def _py_str(s: str) -> str:
 
 
 def _value_rule(schema: dict, params: dict) -> str:
+    """The Lark for one argument value (see the module doc)."""
+    enum = enum_values(schema)
+    if enum is not None:
+        alts = []
+        for v in enum:
+            if isinstance(v, str):
+                alts.append(lit(_py_str(v)))
+                if _py_str(v).startswith("'"):
+                    alts.append(lit(json.dumps(v, ensure_ascii=False)))
+            elif v is None or isinstance(v, bool):
+                alts.append(lit(repr(v)))
+            else:
+                alts.append(lit(json.dumps(v, ensure_ascii=False)))
+        return "(" + " | ".join(alts) + ")"
     types = types_of(schema)
     if types is None:
         return json_rule(embed(schema, params))
-    enum = schema.get("enum") if isinstance(schema.get("enum"), list) else (
-        [schema["const"]] if "const" in schema else None)
     alts = []
     for t in sorted(types):
         if t == "string":
-            if enum is not None:
-                alts += [lit(_py_str(v)) for v in enum if isinstance(v, str)]
-                alts += [lit(json.dumps(v, ensure_ascii=False)) for v in enum
-                         if isinstance(v, str) and _py_str(v).startswith("'")]
-            elif any(k in schema for k in ("pattern", "minLength", "maxLength", "format")):
+            if any(k in schema for k in ("pattern", "minLength", "maxLength", "format")):
                 alts.append(json_rule(embed({**schema, "type": "string"}, params)))
             else:
                 alts.append("PY_STR")
@@ -216,13 +225,7 @@ def _value_rule(schema: dict, params: dict) -> str:
             alts += ['"True"', '"False"']
         elif t == "null":
             alts.append('"None"')
-        elif t in ("integer", "number"):
-            if enum is not None:
-                alts += [lit(json.dumps(v)) for v in enum
-                         if isinstance(v, (int, float)) and not isinstance(v, bool)]
-            else:
-                alts.append(json_rule(embed({**schema, "type": t}, params)))
-        else:
+        else:  # numbers (bounds enforced), arrays, objects: JSON
             alts.append(json_rule(embed({**schema, "type": t}, params)))
     return "(" + " | ".join(alts) + ")" if len(alts) > 1 else alts[0]
 
@@ -269,9 +272,11 @@ class Lfm2(ToolFormat):
         return [f"call: {' | '.join(alts)}", *rules,
                 "PY_STR: /\"(?:[^\"\\\\]|\\\\.)*\"|'(?:[^'\\\\]|\\\\.)*'/"]
 
-    def grammar(self, tools: Sequence[dict], choice: str | None = None, parallel: bool = True) -> str:
+    def grammar(self, tools: Sequence[dict], choice: str | None = None,
+                parallel: bool = True) -> str:
         return "\n".join([
-            f"start: {OPEN} \"[\" {repeat('call', ', ', parallel and choice is None)} \"]\" {CLOSE}",
+            f"start: {OPEN} \"[\" {repeat('call', ', ', parallel and choice is None)} \"]\" "
+            f"{CLOSE}",
             *self._calls(tools, choice),
         ])
 

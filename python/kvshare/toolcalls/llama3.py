@@ -40,7 +40,8 @@ class Llama3(ToolFormat):
         return [repeat("call", "; ", parallel and choice is None),
                 f"call: {json_rule(call_schema(pick(tools, choice), 'parameters'))}"]
 
-    def grammar(self, tools: Sequence[dict], choice: str | None = None, parallel: bool = True) -> str:
+    def grammar(self, tools: Sequence[dict], choice: str | None = None,
+                parallel: bool = True) -> str:
         calls, call = self._calls(tools, choice, parallel)
         return "\n".join([f"start: {calls}", call])
 

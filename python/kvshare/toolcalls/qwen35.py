@@ -34,8 +34,8 @@ from typing import Any, Sequence
 
 from kvshare.toolcalls.base import ToolFormat
 from kvshare.toolcalls.grammar import lit, pick, repeat
-from kvshare.toolcalls.schema import embed, functions, json_rule, properties, types_of
-from kvshare.toolcalls.stream import Cursor, Malformed, Region
+from kvshare.toolcalls.schema import embed, enum_values, functions, json_rule, properties, types_of
+from kvshare.toolcalls.stream import Cursor, Malformed, Region, held
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FN, FN_END = "<function=", "</function>"
@@ -44,13 +44,6 @@ PARAM, PARAM_END = "<parameter=", "</parameter>"
 
 def _escape(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)[1:-1]
-
-
-def _held(text: str, tag: str) -> int:
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 def _strip1(raw: str) -> str:
@@ -181,35 +174,38 @@ class XmlCallRegion(Region):
         if i < 0:
             self.search = max(self.vstart, len(text) - len(PARAM_END) + 1)
             if is_text(self.schema):
-                self._stream(text[self.vstart:])
+                self._stream(text)
             cur.more()
         value = _strip1(text[self.vstart:i])
         if is_text(self.schema):
             self.sink.args(_escape(value[self.vsent:]) + '"')
         else:
             converted = json.dumps(convert(value, self.schema), ensure_ascii=False)
-            self.sink.args(self._sep() + json.dumps(self.key, ensure_ascii=False) + ": " + converted)
+            key = json.dumps(self.key, ensure_ascii=False)
+            self.sink.args(self._sep() + key + ": " + converted)
         cur.pos = i + len(PARAM_END)
 
-    def _stream(self, raw: str) -> None:
-        """Send the part of an unfinished string value that is surely part of it."""
-        if not raw:
+    def _stream(self, text: str) -> None:
+        """Send the part of an unfinished string value that is surely part of it (not its
+        leading newline, nor an end that may still become "\\n</parameter>")."""
+        if len(text) <= self.vstart:
             return
-        avail = raw[1:] if raw[0] == "\n" else raw
-        safe = len(avail) - max(_held(avail, "\n" + PARAM_END), _held(avail, PARAM_END))
+        start = self.vstart + (text[self.vstart] == "\n")
+        tail = text[max(start, len(text) - len(PARAM_END)):]
+        safe = len(text) - max(held(tail, "\n" + PARAM_END), held(tail, PARAM_END)) - start
         if safe > self.vsent:
-            self.sink.args(_escape(avail[self.vsent:safe]))
+            self.sink.args(_escape(text[start + self.vsent:start + safe]))
             self.vsent = safe
 
 
 def _param_rule(key: str, schema: dict, params: dict) -> str:
-    head = lit(f"{PARAM}{key}>\n")
+    head, end = lit(f"{PARAM}{key}>\n"), lit(f"\n{PARAM_END}\n")
     if is_text(schema) or "string" in (types_of(schema) or ()):
-        enum = schema.get("enum") if isinstance(schema.get("enum"), list) else None
+        enum = enum_values(schema)
         if enum and all(isinstance(v, str) for v in enum):
-            return f"{head} ({' | '.join(lit(v) for v in enum)}) {lit(chr(10) + PARAM_END + chr(10))}"
+            return f"{head} ({' | '.join(lit(v) for v in enum)}) {end}"
         return f"{head} text_value {lit(chr(10))}"
-    return f"{head} {json_rule(embed(schema, params))} {lit(chr(10) + PARAM_END + chr(10))}"
+    return f"{head} {json_rule(embed(schema, params))} {end}"
 
 
 class Qwen35(ToolFormat):
@@ -241,7 +237,8 @@ class Qwen35(ToolFormat):
             alts.append(f"fn{i}")
         return [f"fn: {' | '.join(alts)}", *rules, "text_value[lazy]: /(?s:.*)<\\/parameter>/"]
 
-    def grammar(self, tools: Sequence[dict], choice: str | None = None, parallel: bool = True) -> str:
+    def grammar(self, tools: Sequence[dict], choice: str | None = None,
+                parallel: bool = True) -> str:
         return "\n".join([
             "start: " + repeat("call", "\n", parallel and choice is None),
             f"call: {lit(OPEN + chr(10))} fn {lit(CLOSE)}",

@@ -11,16 +11,11 @@ not calls.
 
 from __future__ import annotations
 
+from kvshare.toolcalls.stream import held
+
 __all__ = ["ReasoningSplitter", "template_has_thinking", "prompt_opens_reasoning"]
 
 _WS = " \t\r\n"
-
-
-def _held(text: str, tag: str) -> int:
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 class ReasoningSplitter:
@@ -64,7 +59,7 @@ class ReasoningSplitter:
                     reasoning.append(self._reasoning(buf[:i].rstrip(_WS)))
                     self._state, self._buf = "after", buf[i + len(self.end):]
                     continue
-                cut = len(buf) if final else len(buf) - _held(buf, self.end)
+                cut = len(buf) if final else len(buf) - held(buf, self.end)
                 while cut > 0 and buf[cut - 1] in _WS:
                     cut -= 1
                 reasoning.append(self._reasoning(buf[:cut]))

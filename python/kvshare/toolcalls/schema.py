@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-__all__ = ["functions", "properties", "types_of", "embed", "call_schema", "json_rule", "JSON_STYLE"]
+__all__ = ["functions", "properties", "types_of", "enum_values", "embed", "call_schema",
+           "json_rule", "JSON_STYLE"]
 
 # How every %json value is written: as `tojson` / json.dumps writes it (the chat templates'
 # rendering of past calls, so what the models were trained on) and nothing else, so a forced
@@ -66,8 +67,7 @@ def types_of(schema: Any) -> set[str] | None:
         return {_TYPE_ALIASES.get(t, t)}
     if isinstance(t, list) and t:
         return {_TYPE_ALIASES.get(x, x) for x in t if isinstance(x, str)}
-    values = schema["enum"] if isinstance(schema.get("enum"), list) else (
-        [schema["const"]] if "const" in schema else None)
+    values = enum_values(schema)
     if values:
         return {_json_type(v) for v in values}
     for key in ("anyOf", "oneOf"):
@@ -81,6 +81,13 @@ def types_of(schema: Any) -> set[str] | None:
                 out |= bt
             return out
     return None
+
+
+def enum_values(schema: dict) -> list | None:
+    """The values an `enum` or `const` allows, None if it has neither."""
+    if isinstance(schema.get("enum"), list):
+        return schema["enum"]
+    return [schema["const"]] if "const" in schema else None
 
 
 def _json_type(v: Any) -> str:

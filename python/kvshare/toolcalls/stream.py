@@ -25,7 +25,7 @@ from kvshare.toolcalls.base import new_call_id
 if TYPE_CHECKING:
     from kvshare.toolcalls.base import ToolFormat
 
-__all__ = ["ToolCallStream", "Region", "Cursor", "NeedMore", "Malformed", "Sink"]
+__all__ = ["ToolCallStream", "Region", "Cursor", "NeedMore", "Malformed", "Sink", "held"]
 
 WS = " \t\r\n"
 
@@ -124,15 +124,16 @@ class Region:
         raise NotImplementedError
 
 
-def _held_prefix(text: str, openers) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of an opener."""
-    best = 0
-    for o in openers:
-        for k in range(min(len(o) - 1, len(text)), best, -1):
-            if text.endswith(o[:k]):
-                best = k
-                break
-    return best
+def held(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `tag` (text to hold
+    back because it may still become `tag`)."""
+    first = tag[0]
+    i = text.find(first, max(0, len(text) - len(tag) + 1))
+    while i >= 0:
+        if tag.startswith(text[i:]):
+            return len(text) - i
+        i = text.find(first, i + 1)
+    return 0
 
 
 class ToolCallStream(Sink):
@@ -190,7 +191,8 @@ class ToolCallStream(Sink):
 
     def args(self, fragment: str) -> None:
         if fragment:
-            self._emit({"tool_calls": [{"index": self._index, "function": {"arguments": fragment}}]})
+            self._emit({"tool_calls": [{"index": self._index,
+                                        "function": {"arguments": fragment}}]})
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -249,7 +251,7 @@ class ToolCallStream(Sink):
             return False
         if starts and lead == len(buf):
             return False  # only separators so far: a start opener may still follow
-        keep = _held_prefix(buf, fmt.openers)
+        keep = max((held(buf, o) for o in fmt.openers), default=0)
         if starts and lead < len(buf):
             rest = buf[lead:]
             if any(o.startswith(rest) for o in starts):
