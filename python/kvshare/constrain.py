@@ -103,7 +103,8 @@ class MaskBatch:
     """The masks of several matchers, computed in the background: `start()`, run the forward
     pass, then `wait()` for the `[len(matchers), mask_words]` uint32 array (row i is matcher
     i's). A matcher that fails gets an EOS-only row and its message in `errors[i]` (None for
-    the others). Do not touch the matchers between `start()` and `wait()`."""
+    the others). A call on one of the matchers between `start()` and `wait()` waits for the
+    batch; consume the sampled tokens after `wait()`."""
 
     def __init__(self, matchers: Sequence[Matcher], out: np.ndarray | None = None,
                  threads: int | None = None):

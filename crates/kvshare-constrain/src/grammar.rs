@@ -71,10 +71,10 @@ impl Grammar {
         let parser = vocab
             .factory()
             .create_parser(top)
-            .map_err(|e| ConstrainError::Compile(llg_message(&e)))?;
+            .map_err(|e| ConstrainError::Compile(compile_message(&e)))?;
         let mut template = llguidance::Matcher::new(Ok(parser));
         if let Some(e) = template.get_error() {
-            return Err(ConstrainError::Compile(llg_message(&e)));
+            return Err(ConstrainError::Compile(compile_message(&e)));
         }
         let warnings = template.grammar_warnings();
         Ok(Grammar {
@@ -103,6 +103,18 @@ impl Grammar {
     pub fn vocab(&self) -> &Vocab {
         &self.vocab
     }
+}
+
+/// llguidance's compile error, with its advice to weaken `oneOf` (an option refused here)
+/// replaced by what holds.
+fn compile_message(e: &impl std::fmt::Display) -> String {
+    const ONE_OF: &str = "oneOf constraints are not supported. Enable 'coerce_one_of' option \
+                          to approximate oneOf with anyOf";
+    llg_message(e).replace(
+        ONE_OF,
+        "oneOf is supported only when no value can match two of its branches \
+         (these may overlap); use anyOf",
+    )
 }
 
 /// Parse a JSON schema and refuse the `x-guidance` options that weaken it.

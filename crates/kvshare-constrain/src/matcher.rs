@@ -3,6 +3,7 @@
 
 use crate::error::{llg_message, ConstrainError, Result};
 use crate::vocab::Vocab;
+use std::sync::Mutex;
 use toktrie::{SimpleVob, TokenId};
 
 /// The state of one sequence under a [`crate::Grammar`].
@@ -148,8 +149,9 @@ fn copy_mask(vob: &SimpleVob, out: &mut [u32], vocab_size: usize) {
 }
 
 /// Fill row `i` of `out` (`matchers.len()` rows of `mask_words` words, back to back) with
-/// `matchers[i]`'s mask, using up to `threads` threads (this one included). Returns each
-/// matcher's result; a failed row holds the EOS-only mask (see [`Matcher::fill_mask`]).
+/// `matchers[i]`'s mask, using up to `threads` threads (this one included), each taking the
+/// next matcher when it is done with one (mask times vary by 100x). Returns each matcher's
+/// result; a failed row holds the EOS-only mask (see [`Matcher::fill_mask`]).
 pub fn fill_masks_parallel(
     matchers: &mut [&mut Matcher],
     out: &mut [u32],
@@ -167,30 +169,23 @@ pub fn fill_masks_parallel(
         };
         return vec![Err(err); n];
     }
-    let threads = threads.clamp(1, n);
     let mut results: Vec<Result<()>> = vec![Ok(()); n];
-    let per = n.div_ceil(threads);
-    let run = |ms: &mut [&mut Matcher], rows: &mut [u32], res: &mut [Result<()>]| {
-        for ((m, row), r) in ms.iter_mut().zip(rows.chunks_mut(words)).zip(res) {
-            *r = m.fill_mask(row);
-        }
+    let jobs = Mutex::new(
+        matchers
+            .iter_mut()
+            .zip(out.chunks_mut(words))
+            .zip(results.iter_mut()),
+    );
+    let work = || loop {
+        let job = jobs.lock().unwrap_or_else(|p| p.into_inner()).next();
+        let Some(((m, row), res)) = job else { break };
+        *res = m.fill_mask(row);
     };
-    if threads == 1 {
-        run(matchers, out, &mut results);
-        return results;
-    }
     std::thread::scope(|s| {
-        let mut parts = matchers
-            .chunks_mut(per)
-            .zip(out.chunks_mut(per * words))
-            .zip(results.chunks_mut(per));
-        let first = parts.next();
-        for ((ms, rows), res) in parts {
-            s.spawn(move || run(ms, rows, res));
+        for _ in 1..threads.clamp(1, n) {
+            s.spawn(work);
         }
-        if let Some(((ms, rows), res)) = first {
-            run(ms, rows, res);
-        }
+        work();
     });
     results
 }
