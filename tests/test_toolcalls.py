@@ -420,6 +420,63 @@ def test_stream_adds_up_to_parse(case: Case):
     assert broke == case.breaks
 
 
+# pieces of markup, JSON and text each format's random outputs are made of
+FUZZ_PIECES = {
+    "hermes": ["<tool_call>", "</tool_call>", "\n", " ", '{"name": "f", "arguments": ', '{"a": 1}',
+               "}", '"x}"', "<tool", "_call>", "abc", '{"arguments": {}, "name": "g"}', '"', "\\",
+               "[", "]", ",", ":", "é", "<", "{"],
+    "qwen35": ["<tool_call>", "</tool_call>", "<function=f>", "<function=", "</function>",
+               "<parameter=a>", "<parameter=n>", "</parameter>", "\n", " ", "1", "x", "<", "/",
+               "é", '{"k": 1}', "</para", "meter>"],
+    "lfm2": ["<|tool_call_start|>", "<|tool_call_end|>", "[", "]", "f(", "g()", ")", "a=", "1",
+             "'x'", '"y"', ",", " ", "\n", "{", "}", "'", "<|tool", "True", "x=[1, (2, 3)]", "\\"],
+    "llama3": ["<|python_tag|>", '{"name": "f", "parameters": ', '{"a": 1}', "}", "; ", "\n", " ",
+               "{", "text", '"', ":", '{"type": "function", ', '"name": "g", ', '"parameters": {}}'],
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_stream_adds_up_to_parse_on_random_markup(fmt):
+    """Random mixes of markup pieces, valid and broken: never an exception, and every chunking
+    of every text adds up to its parse (broken announced calls aside)."""
+    rng = random.Random(fmt)
+    f = get_format(fmt, [fn("f", obj({"a": {"type": "string"}, "n": {"type": "integer"}}))])
+    for _ in range(150):
+        text = "".join(rng.choice(FUZZ_PIECES[fmt]) for _ in range(rng.randint(1, 24)))
+        want = f.parse(text)
+        for c in want.tool_calls:
+            assert isinstance(json.loads(c.arguments), dict)
+        for _ in range(3):
+            pieces, i = [], 0
+            while i < len(text):
+                k = rng.choice((1, 1, 2, 5, 30))
+                pieces.append(text[i:i + k])
+                i += k
+            for incremental in (False, True):
+                s, deltas = _stream(f, pieces, incremental)
+                got = collect(deltas)
+                assert got.content == want.content, text
+                kept = [(c.name, c.arguments) for i, c in enumerate(got.tool_calls)
+                        if i not in s.broken_calls]
+                assert kept == [(c.name, c.arguments) for c in want.tool_calls], text
+
+
+def test_reasoning_then_calls():
+    """The server's pipeline: the splitter's content goes to the tool-call stream."""
+    text = "<think>\nI could call <tool_call> here.\n</think>\n\nSure.\n" + HERMES_CALL
+    rng = random.Random(0)
+    for pieces in _chunkings(text, rng):
+        split, calls = ReasoningSplitter(), get_format("hermes").stream()
+        reasoning, deltas = [], []
+        for p in pieces + [None]:
+            r, c = split.feed(p) if p is not None else split.finish()
+            reasoning.append(r)
+            deltas += calls.feed(c) if p is not None else calls.feed(c) + calls.finish()
+        out = collect(deltas)
+        assert "".join(reasoning) == "I could call <tool_call> here."
+        assert out.content == "Sure." and _calls(out) == [("special_function", {"arg1": 1})]
+
+
 def test_stream_holds_back_openers():
     s = get_format("hermes").stream()
     assert s.feed("Hi there <tool") == [{"content": "Hi there"}]
@@ -638,6 +695,7 @@ GRAMMAR_TOOLS = [
         "public": {"type": "boolean"},
         "note": {"type": ["string", "null"]}}, ["title", "location"])),
     fn("ping"),
+    fn("anything", {"type": "object"}),
     fn("tree", {**obj({"root": {"$ref": "#/$defs/node"}}, ["root"]), "$defs": {"node": NODE}}),
 ]
 EVENT = {"title": "Lunch", "attendees": [{"name": "Ann", "email": "a@x.org"}, {"name": "Bo"}],
@@ -650,6 +708,8 @@ VALID = [
     [("ping", {})],
     [("tree", {"root": {"v": 1, "kids": [{"v": 2}, {"v": 3, "kids": []}]}})],
     [("ping", {}), ("get_weather", {"city": "Oslo"})],
+    [("anything", {"x": "1", "y_2": "two words"})],
+    [("anything", {})],
 ]
 INVALID = [
     [("get_wether", {"city": "Paris"})],  # wrong name
@@ -661,6 +721,7 @@ INVALID = [
     [("create_event", {"title": "x", "location": {"lat": 1}})],  # nested required field missing
     [("create_event", {"title": "x", "location": {"lat": 1, "lon": 2}, "public": "yes"})],  # type
     [("tree", {"root": {"kids": [{"v": 2}]}})],  # required field missing through $ref
+    [("ping", {"x": "1"})],  # declared without parameters: takes none
 ]
 
 

@@ -14,6 +14,7 @@ import json
 import re
 
 from kvshare.toolcalls.scan import JsonScanner
+from kvshare.toolcalls.schema import dumps
 from kvshare.toolcalls.stream import Cursor, Malformed, Region
 
 __all__ = ["JsonCallRegion"]
@@ -122,7 +123,10 @@ class JsonCallRegion(Region):
                 raise Malformed("arguments are not an object")
             args = value
         elif isinstance(value, dict):
-            args = json.dumps(value, ensure_ascii=False)
+            try:
+                args = dumps(value)
+            except ValueError:  # NaN / Infinity, which json.loads reads
+                raise Malformed("arguments are not JSON") from None
         else:
             raise Malformed("arguments are not an object")
         self.sink.begin(name)

@@ -19,8 +19,12 @@ type: strings as a Python string literal in either quote (enums: one of the valu
 schema has a pattern, length or format, a JSON-style double-quoted string that follows it),
 integers and numbers as `%json` (bounds enforced), booleans `True`/`False`, null `None`, arrays
 and objects (and anything else) as `%json` of the property's schema, so nested booleans are
-written `true` (read fine, though LFM2 would write `True`). Not enforced: escapes inside
-single-quoted strings, `\\/` in double-quoted ones (Python keeps the backslash).
+written `true` (read fine, though LFM2 would write `True`). A tool that declares no parameters
+and does not forbid them (`{"type": "object"}`) takes any keyword arguments. Python strings
+may hold raw newlines and tabs but no other control character, and only the escapes
+`ast.literal_eval` reads to text JSON can hold (`\\n`, `\\'`, `\\x41`, `\\u00e9`, ...; no
+`\\N{...}`, no lone surrogates). Not enforced: the `\\/` a JSON-style string may contain stays
+a backslash and a slash in Python.
 """
 
 from __future__ import annotations
@@ -34,12 +38,28 @@ from typing import Any, Sequence
 from kvshare.toolcalls.base import ToolFormat
 from kvshare.toolcalls.grammar import lit, pick, repeat
 from kvshare.toolcalls.scan import JsonScanner, PyLiteralScanner
-from kvshare.toolcalls.schema import embed, enum_values, json_rule, properties, types_of
+from kvshare.toolcalls.schema import (
+    dumps,
+    embed,
+    enum_values,
+    free_form,
+    json_rule,
+    properties,
+    types_of,
+)
 from kvshare.toolcalls.stream import Cursor, Malformed, Region
 
 OPEN, CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
 _NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 _KEY = re.compile(r"[A-Za-z_]\w*")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f]")
+# a Python string literal in either quote: any character but the quote, a backslash or a
+# control character other than tab and newline (the LFM2.5 template does not escape newlines),
+# or an escape that ast.literal_eval reads to a character JSON can hold
+_PY_STR_BODY = ("(?:[^{q}\\\\\\x00-\\x08\\x0b-\\x1f]"
+                "|\\\\(?:[\\\\'\"abfnrtv0-7]|x[0-9a-fA-F]{{2}}"
+                "|u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{{3}}|[dD][0-7][0-9a-fA-F]{{2}})))*")
+PY_STR = "/" + "|".join(q + _PY_STR_BODY.format(q=q) + q for q in "\"'") + "/"
 
 
 def literal(text: str) -> Any:
@@ -55,9 +75,9 @@ def literal(text: str) -> Any:
             return json.loads(text)
         except ValueError:
             pass
-        if len(text) >= 2 and text[0] in "'\"" and text[-1] == text[0] and "\n" in text:
+        if len(text) >= 2 and text[0] in "'\"" and text[-1] == text[0] and _CONTROL.search(text):
             try:
-                return ast.literal_eval(text.replace("\r", "\\r").replace("\n", "\\n"))
+                return ast.literal_eval(_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text))
             except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
                 pass
     raise Malformed("not a Python literal")
@@ -65,7 +85,7 @@ def literal(text: str) -> Any:
 
 def _dumps(value: Any) -> str:
     try:
-        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+        return dumps(value)
     except (TypeError, ValueError):
         raise Malformed("value has no JSON form") from None
 
@@ -137,7 +157,7 @@ class PythonicRegion(Region):
                 value = _dumps(literal(cur.text[self.vstart:end]))
                 self.nargs += 1
                 self.sink.args(("{" if self.nargs == 1 else ", ")
-                               + json.dumps(self.key, ensure_ascii=False) + ": " + value)
+                               + dumps(self.key) + ": " + value)
                 cur.pos = end
                 if cur.text[end] == ",":
                     cur.pos += 1
@@ -266,11 +286,16 @@ class Lfm2(ToolFormat):
                 rules.append(f"a{i}_{j}: {lit(key + '=')} {_value_rule(schema, params)}")
                 args.append((f"a{i}_{j}", key in required))
             expr, helper = _args_rules(f"args{i}", args)
+            if free_form(params):
+                expr, helper = '(free_arg (", " free_arg)*)?', []
             rules += helper
             rules.append(f"c{i}: " + " ".join(x for x in (lit(name + "("), expr, lit(")")) if x))
             alts.append(f"c{i}")
+        free_value = json_rule(embed({"type": ["number", "array", "object"]}))
         return [f"call: {' | '.join(alts)}", *rules,
-                "PY_STR: /\"(?:[^\"\\\\]|\\\\.)*\"|'(?:[^'\\\\]|\\\\.)*'/"]
+                f'free_arg: PY_KEY "=" (PY_STR | "True" | "False" | "None" | {free_value})',
+                "PY_KEY: /[A-Za-z_][A-Za-z0-9_]*/",
+                f"PY_STR: {PY_STR}"]
 
     def grammar(self, tools: Sequence[dict], choice: str | None = None,
                 parallel: bool = True) -> str:

@@ -23,7 +23,9 @@ parses, else a string. A `<function=...>` block without `<tool_call>` before it 
 Grammar: each call is the template's exact layout; parameters come in declaration order, the
 required ones always, the optional ones maybe; string values are any text up to
 `</parameter>` (enums: one of the values; pattern/length/format are not enforced), other
-values are `%json` of the property's schema. No undeclared parameter can be written.
+values are `%json` of the property's schema. No undeclared parameter can be written, except
+for a tool that declares none and does not forbid them (`{"type": "object"}`): any number of
+parameters with text values.
 """
 
 from __future__ import annotations
@@ -34,7 +36,16 @@ from typing import Any, Sequence
 
 from kvshare.toolcalls.base import ToolFormat
 from kvshare.toolcalls.grammar import lit, pick, repeat
-from kvshare.toolcalls.schema import embed, enum_values, functions, json_rule, properties, types_of
+from kvshare.toolcalls.schema import (
+    dumps,
+    embed,
+    enum_values,
+    free_form,
+    functions,
+    json_rule,
+    properties,
+    types_of,
+)
 from kvshare.toolcalls.stream import Cursor, Malformed, Region, held
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -139,7 +150,7 @@ class XmlCallRegion(Region):
                     raise Malformed("empty parameter name")
                 self.key, self.schema = key, self.fmt.param_schema(self.fn, key)
                 if is_text(self.schema):
-                    self.sink.args(self._sep() + json.dumps(key, ensure_ascii=False) + ': "')
+                    self.sink.args(self._sep() + dumps(key) + ': "')
                 self.vstart = self.search = cur.pos
                 self.vsent = 0
                 self._to("value", cur)
@@ -180,8 +191,8 @@ class XmlCallRegion(Region):
         if is_text(self.schema):
             self.sink.args(_escape(value[self.vsent:]) + '"')
         else:
-            converted = json.dumps(convert(value, self.schema), ensure_ascii=False)
-            key = json.dumps(self.key, ensure_ascii=False)
+            converted = dumps(convert(value, self.schema))
+            key = dumps(self.key)
             self.sink.args(self._sep() + key + ": " + converted)
         cur.pos = i + len(PARAM_END)
 
@@ -228,14 +239,17 @@ class Qwen35(ToolFormat):
         alts = []
         for i, (name, params) in enumerate(pick(tools, choice)):
             items, required = properties(params)
-            parts = []
+            parts = ["free_param*"] if free_form(params) else []
             for j, (key, schema) in enumerate(items):
                 rules.append(f"p{i}_{j}: {_param_rule(key, schema, params)}")
                 parts.append(f"p{i}_{j}" + ("" if key in required else "?"))
             body = " ".join([lit(f"{FN}{name}>\n"), *parts, lit(FN_END + "\n")])
             rules.append(f"fn{i}: {body}")
             alts.append(f"fn{i}")
-        return [f"fn: {' | '.join(alts)}", *rules, "text_value[lazy]: /(?s:.*)<\\/parameter>/"]
+        return [f"fn: {' | '.join(alts)}", *rules,
+                f"free_param: {lit(PARAM)} PARAM_KEY {lit('>' + chr(10))} text_value {lit(chr(10))}",
+                "PARAM_KEY: /[A-Za-z_][A-Za-z0-9_.\\-]*/",
+                "text_value[lazy]: /(?s:.*)<\\/parameter>/"]
 
     def grammar(self, tools: Sequence[dict], choice: str | None = None,
                 parallel: bool = True) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-__all__ = ["functions", "properties", "types_of", "enum_values", "embed", "call_schema",
+__all__ = ["dumps", "functions", "properties", "free_form", "types_of", "enum_values", "embed", "call_schema",
            "json_rule", "JSON_STYLE"]
 
 # How every %json value is written: as `tojson` / json.dumps writes it (the chat templates'
@@ -16,7 +16,8 @@ __all__ = ["functions", "properties", "types_of", "enum_values", "embed", "call_
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
               "lenient": True}
 
-_EMPTY_PARAMS = {"type": "object", "properties": {}}
+# a function declared without parameters takes none (OpenAI: "an empty parameter list")
+_EMPTY_PARAMS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def functions(tools: Sequence[dict] | None) -> list[tuple[str, dict]]:
@@ -44,6 +45,13 @@ def functions(tools: Sequence[dict] | None) -> list[tuple[str, dict]]:
         seen.add(name)
         out.append((name, params))
     return out
+
+
+def free_form(params: dict) -> bool:
+    """A parameters schema that declares no properties and does not forbid them: any
+    arguments (MCP tools often say only `{"type": "object"}`)."""
+    return (not isinstance(params.get("properties"), dict)
+            and params.get("additionalProperties", True) is not False)
 
 
 def properties(params: dict) -> tuple[list[tuple[str, dict]], set[str]]:
@@ -135,6 +143,18 @@ def embed(schema: dict, root: dict | None = None, key: str = "kvshare_root") -> 
         out["$defs"] = {**(out.get("$defs") or {}), key: _rebase(root, base)}
     out["x-guidance"] = JSON_STYLE
     return out
+
+
+def dumps(value: Any) -> str:
+    """JSON text of a value read from a reply, as json.dumps writes it, UTF-8 as is (lone
+    surrogates, which a JSON `\\ud800` escape can produce, stay escaped so that the text
+    encodes). Raises ValueError/TypeError for what JSON cannot hold (NaN, sets, bytes)."""
+    text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(value, allow_nan=False)
+    return text
 
 
 def json_rule(schema: dict) -> str:
