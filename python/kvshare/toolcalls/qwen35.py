@@ -23,9 +23,9 @@ parses, else a string. A `<function=...>` block without `<tool_call>` before it 
 Grammar: each call is the template's exact layout; parameters come in declaration order, the
 required ones always, the optional ones maybe; string values are any text up to
 `</parameter>` (enums: one of the values; pattern/length/format are not enforced), other
-values are `%json` of the property's schema. No undeclared parameter can be written, except
-for a tool that declares none and does not forbid them (`{"type": "object"}`): any number of
-parameters with text values.
+values are `%json` of the property's schema (booleans also `True`/`False`, as the template
+writes them). No undeclared parameter can be written, except for a tool that declares none and
+does not forbid them (`{"type": "object"}`): any number of parameters with text values.
 """
 
 from __future__ import annotations
@@ -216,6 +216,9 @@ def _param_rule(key: str, schema: dict, params: dict) -> str:
         if enum and all(isinstance(v, str) for v in enum):
             return f"{head} ({' | '.join(lit(v) for v in enum)}) {end}"
         return f"{head} text_value {lit(chr(10))}"
+    if types_of(schema) == {"boolean"} and enum_values(schema) is None:
+        # the template writes past booleans with `| string`: True / False
+        return f'{head} ("true" | "false" | "True" | "False") {end}'
     return f"{head} {json_rule(embed(schema, params))} {end}"
 
 
