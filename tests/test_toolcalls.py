@@ -839,3 +839,31 @@ def test_grammar_drives_a_random_model(vocab, fmt):
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
         s, deltas = _stream(f, list(text), True)
         assert _calls(collect(deltas)) == _calls(out) and not s.broken_calls
+
+
+def test_grammars_with_a_real_tokenizer():
+    """tiny-qwen3-chat's SentencePiece vocabulary (multi-character pieces, byte fallback for
+    the non-ASCII): its tokenization of each valid call is accepted, of each invalid one not
+    (lfm2 needs special tokens this vocabulary lacks)."""
+    from pathlib import Path
+
+    from kvshare.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(Path(__file__).parent / "data" / "models" / "tiny-qwen3-chat.gguf")
+    vocab = constrain.TokenVocab.from_tokenizer(tok, len(tok), tok.token_to_id("<|im_end|>"))
+
+    def accepted(grammar, text: str) -> bool:
+        ids = tok.encode(text, add_special=False)
+        assert tok.concat_pieces(ids).decode() == text
+        m = constrain.compile_grammar(vocab, "lark", grammar).matcher()
+        for t in ids:
+            try:
+                m.consume(t)
+            except constrain.GrammarError:
+                return False
+        return m.accepting
+
+    for fmt in ("hermes", "qwen35", "llama3"):
+        grammar = get_format(fmt).grammar(GRAMMAR_TOOLS)
+        assert all(accepted(grammar, render(fmt, calls)) for calls in VALID), fmt
+        assert not any(accepted(grammar, render(fmt, calls)) for calls in INVALID), fmt
