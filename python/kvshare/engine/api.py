@@ -45,6 +45,9 @@ class GenerationRequest:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # Control tokens in the reply are decoded as their text (tool-call formats whose markers
+    # are control tokens, e.g. LFM2's <|tool_call_start|>); by default they are dropped.
+    special_text: bool = False
     cache_salt: bytes | None = None  # tenant isolation: part of every cache key
     # Leading prompt tokens that are public (an operator-marked prefix, `--public-prefix`):
     # their full blocks are keyed without the salt, so every tenant shares them; the blocks

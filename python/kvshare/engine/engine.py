@@ -208,11 +208,11 @@ class Engine:
                 self._grammars.move_to_end(key)
                 return hit
             if self._grammar_vocab is None:
-                eos = getattr(self.tokenizer, "eos_id", None)
-                if eos is None or (self.stop_ids and eos not in self.stop_ids):
-                    eos = min(self.stop_ids) if self.stop_ids else 0
+                # every end-of-generation token may end a complete output (the main one first)
+                main = getattr(self.tokenizer, "eos_id", None)
+                eos = ([main] if main is not None else []) + sorted(self.stop_ids - {main})
                 self._grammar_vocab = constrain.TokenVocab.from_tokenizer(
-                    self.tokenizer, self.vocab_size, eos)
+                    self.tokenizer, self.vocab_size, eos or [0])
             vocab = self._grammar_vocab
         grammar = constrain.compile_grammar(vocab, kind, source)
         with self._grammar_lock:
@@ -220,6 +220,9 @@ class Engine:
             while len(self._grammars) > 64:
                 self._grammars.popitem(last=False)
         return grammar
+
+    def _special_text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special=False)
 
     def token_piece(self, token_id: int) -> str:
         return self.tokenizer.token_to_piece(int(token_id))
@@ -516,7 +519,8 @@ class Engine:
             grammar_done = seq.matcher.stopped
         asm = self._assemblers.get(seq.seq_id)
         if asm is None:
-            asm = self._assemblers[seq.seq_id] = TextAssembler(self._generated_text, req.stop)
+            decode = self._special_text if req.special_text else self._generated_text
+            asm = self._assemblers[seq.seq_id] = TextAssembler(decode, req.stop)
         text, hit_stop = asm.push(token)
         event = TokenEvent(token_id=token, text=text, index=seq.choice)
         if req.logprobs:

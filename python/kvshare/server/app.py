@@ -29,8 +29,12 @@ from kvshare.engine.api import FinishEvent, GenerationRequest, TokenEvent
 from kvshare.engine.faults import HEADER as FAULT_HEADER
 from kvshare.engine.faults import injection_enabled
 
+from kvshare.toolcalls import prompt_opens_reasoning
+
 from . import limits
 from . import protocol as P
+from .chat_output import ChoiceOutput, OutputRules
+from .constraints import ToolCalls, compile_constraint, request_constraint
 from .errors import HTTP_CODES, APIError, bad_request, error_body
 from .limits import read_json
 from .metrics import ServerMetrics
@@ -151,7 +155,8 @@ def _sse(obj: Any) -> bytes:
 
 
 class _Format:
-    """Builds one endpoint's response objects and stream chunks."""
+    """Builds one endpoint's response objects and stream chunks (every choice of a request:
+    events carry their choice's `index`)."""
 
     object_full = object_chunk = ""
 
@@ -172,36 +177,63 @@ class _Format:
 class ChatFormat(_Format):
     object_full, object_chunk = "chat.completion", "chat.completion.chunk"
 
-    def _chunk(self, delta: dict, finish: str | None = None, logprobs: Any = None) -> dict:
+    def __init__(self, rid: str, model: str, opts: P.CommonOptions,
+                 rules: OutputRules | None = None):
+        super().__init__(rid, model, opts)
+        self.rules = rules or OutputRules()
+        self._outputs: dict[int, ChoiceOutput] = {}
+
+    def _out(self, index: int) -> ChoiceOutput:
+        out = self._outputs.get(index)
+        if out is None:
+            out = self._outputs[index] = ChoiceOutput(self.rules)
+        return out
+
+    def _chunk(self, delta: dict, index: int = 0, finish: str | None = None,
+               logprobs: Any = None) -> dict:
         c = self._base(self.object_chunk)
-        c["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs,
+        c["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs,
                          "finish_reason": finish}]
         return c
 
     def start_chunks(self) -> list[dict]:
-        return [self._chunk({"role": "assistant", "content": ""})]
+        return [self._chunk({"role": "assistant", "content": ""}, i)
+                for i in range(self.opts.n)]
 
-    def token_chunk(self, ev: TokenEvent) -> dict | None:
+    def token_chunks(self, ev: TokenEvent) -> list[dict]:
         entry = P.chat_logprob_entry(ev) if self.opts.logprobs else None
-        if not ev.text and entry is None:
-            return None
-        return self._chunk({"content": ev.text},
-                           logprobs={"content": [entry]} if entry is not None else None)
+        deltas = self._out(ev.index).feed(ev.text)
+        lp = {"content": [entry]} if entry is not None else None
+        if not deltas:
+            return [self._chunk({}, ev.index, logprobs=lp)] if lp is not None else []
+        chunks = [self._chunk(d, ev.index) for d in deltas]
+        if lp is not None:
+            chunks[-1]["choices"][0]["logprobs"] = lp
+        return chunks
 
-    def final_chunk(self, fin: FinishEvent) -> dict:
-        c = self._chunk({}, P.finish_reason(fin))
-        c.update(usage=P.usage(fin), timings=fin.timings.as_dict())
-        return c
+    def finish_chunks(self, fin: FinishEvent) -> list[dict]:
+        out = self._out(fin.index)
+        chunks = [self._chunk(d, fin.index) for d in out.finish()]
+        chunks.append(self._chunk({}, fin.index, P.finish_reason(fin, out.has_calls)))
+        return chunks
 
-    def response(self, text: str, events: list[TokenEvent], fin: FinishEvent) -> dict:
-        logprobs = None
-        if self.opts.logprobs:
-            logprobs = {"content": [e for e in map(P.chat_logprob_entry, events) if e]}
+    def final_extras(self, total: FinishEvent, chunk: dict) -> dict:
+        chunk.update(usage=P.usage(total), timings=total.timings.as_dict())
+        return chunk
+
+    def response(self, choices: dict[int, tuple[str, list[TokenEvent], FinishEvent]],
+                 total: FinishEvent) -> dict:
+        out = []
+        for i in sorted(choices):
+            text, events, fin = choices[i]
+            logprobs = None
+            if self.opts.logprobs:
+                logprobs = {"content": [e for e in map(P.chat_logprob_entry, events) if e]}
+            message, calls = ChoiceOutput.message(self.rules, text)
+            out.append({"index": i, "message": message, "logprobs": logprobs,
+                        "finish_reason": P.finish_reason(fin, calls)})
         r = self._base(self.object_full)
-        r.update(choices=[{"index": 0,
-                           "message": {"role": "assistant", "content": text},
-                           "logprobs": logprobs, "finish_reason": P.finish_reason(fin)}],
-                 usage=P.usage(fin), timings=fin.timings.as_dict())
+        r.update(choices=out, usage=P.usage(total), timings=total.timings.as_dict())
         return r
 
 
@@ -211,45 +243,53 @@ class CompletionFormat(_Format):
     def __init__(self, rid: str, model: str, opts: P.CommonOptions, echo_text: str):
         super().__init__(rid, model, opts)
         self.echo_text = echo_text
-        self.offset = len(echo_text)
+        self.offsets: dict[int, int] = {}
 
-    def _chunk(self, text: str, finish: str | None = None, logprobs: Any = None) -> dict:
+    def _chunk(self, text: str, index: int = 0, finish: str | None = None,
+               logprobs: Any = None) -> dict:
         c = self._base(self.object_chunk)
-        c["choices"] = [{"index": 0, "text": text, "logprobs": logprobs,
+        c["choices"] = [{"index": index, "text": text, "logprobs": logprobs,
                          "finish_reason": finish}]
         return c
 
     def start_chunks(self) -> list[dict]:
-        return [self._chunk(self.echo_text)] if self.echo_text else []
+        return [self._chunk(self.echo_text, i) for i in range(self.opts.n)] \
+            if self.echo_text else []
 
-    def token_chunk(self, ev: TokenEvent) -> dict | None:
+    def token_chunks(self, ev: TokenEvent) -> list[dict]:
         lp = None
         if self.opts.logprobs:
-            lp = P.LegacyLogprobs(self.offset)
+            lp = P.LegacyLogprobs(self.offsets.get(ev.index, len(self.echo_text)))
             if lp.add(ev):
-                self.offset = lp.offset
+                self.offsets[ev.index] = lp.offset
             else:
                 lp = None
         if not ev.text and lp is None:
-            return None
-        return self._chunk(ev.text, logprobs=lp.as_dict() if lp else None)
+            return []
+        return [self._chunk(ev.text, ev.index, logprobs=lp.as_dict() if lp else None)]
 
-    def final_chunk(self, fin: FinishEvent) -> dict:
-        c = self._chunk("", P.finish_reason(fin))
-        c.update(usage=P.usage(fin), timings=fin.timings.as_dict())
-        return c
+    def finish_chunks(self, fin: FinishEvent) -> list[dict]:
+        return [self._chunk("", fin.index, P.finish_reason(fin))]
 
-    def response(self, text: str, events: list[TokenEvent], fin: FinishEvent) -> dict:
-        logprobs = None
-        if self.opts.logprobs:
-            lp = P.LegacyLogprobs(len(self.echo_text))
-            for e in events:
-                lp.add(e)
-            logprobs = lp.as_dict()
+    def final_extras(self, total: FinishEvent, chunk: dict) -> dict:
+        chunk.update(usage=P.usage(total), timings=total.timings.as_dict())
+        return chunk
+
+    def response(self, choices: dict[int, tuple[str, list[TokenEvent], FinishEvent]],
+                 total: FinishEvent) -> dict:
+        out = []
+        for i in sorted(choices):
+            text, events, fin = choices[i]
+            logprobs = None
+            if self.opts.logprobs:
+                lp = P.LegacyLogprobs(len(self.echo_text))
+                for e in events:
+                    lp.add(e)
+                logprobs = lp.as_dict()
+            out.append({"index": i, "text": self.echo_text + text, "logprobs": logprobs,
+                        "finish_reason": P.finish_reason(fin)})
         r = self._base(self.object_full)
-        r.update(choices=[{"index": 0, "text": self.echo_text + text, "logprobs": logprobs,
-                           "finish_reason": P.finish_reason(fin)}],
-                 usage=P.usage(fin), timings=fin.timings.as_dict())
+        r.update(choices=out, usage=P.usage(total), timings=total.timings.as_dict())
         return r
 
 
@@ -289,6 +329,12 @@ class KVShareServer:
             lambda chat: self._chat_tokens(chat)[0])
         self.tenant_metrics = TenantMetrics(self.metrics.registry, self.tenancy.keyring)
         self.fault_injection = injection_enabled()  # tests only: honour X-Kvshare-Fault
+        self.max_n = getattr(getattr(engine, "config", None), "max_n", 8)
+        # the model's tool-call format (kvshare.toolcalls); None for an engine without a
+        # chat template (test fakes)
+        template = getattr(engine, "chat_template", None)
+        self.tool_calls = (ToolCalls(getattr(template, "source", None), settings.tool_parser)
+                           if template is not None or settings.tool_parser else None)
 
     # ------------------------------------------------------------------ lifecycle
     def begin_shutdown(self) -> None:
@@ -314,6 +360,13 @@ class KVShareServer:
             except Exception:
                 self._bos = None
         return self._bos  # type: ignore[return-value]
+
+    def _opens_reasoning(self, tokens: list[int]) -> bool:
+        """Whether the prompt ends inside a <think> block the template opened (the reply
+        starts with reasoning)."""
+        if self.tool_calls is None or not self.tool_calls.thinking:
+            return False
+        return prompt_opens_reasoning(self.engine.detokenize(tokens[-8:]))
 
     def _bounded_chat_tokens(self, chat: P.ChatInput,
                              body_bytes: int) -> tuple[list[int], int | None]:
@@ -364,13 +417,16 @@ class KVShareServer:
             if self.shutting_down:
                 raise APIError(503, "The server is shutting down", code="service_unavailable")
             body = await read_json(request, self.settings)
-            P.check_model(body, self.engine.model_name)
+            model = P.requested_model(body, self.engine.model_name)
             ctx = self.engine.ctx_size
-            opts = P.parse_common(body, ctx_size=ctx, chat=chat)
+            opts = P.parse_common(body, ctx_size=ctx, chat=chat, max_n=self.max_n,
+                                  vocab_size=self.vocab_size)
             rec.stream = opts.stream
             boundary = None
             echo_text = ""
+            chat_in = None
             heavy = limits.body_size(request) > limits.HEAVY_BYTES
+            output_c = P.parse_output_constraint(body, chat=chat)
             if chat:
                 chat_in = P.parse_chat(body)
                 tokens, boundary = await limits.run_heavy(
@@ -400,6 +456,14 @@ class KVShareServer:
                     f"{n} tokens (at least one token must be left for the completion)", param,
                     "context_length_exceeded")
             max_tokens = min(opts.max_tokens or ctx, ctx - n)
+            rules = None
+            if chat_in is not None and self.tool_calls is not None:
+                rules = self.tool_calls.rules(chat_in, self._opens_reasoning(tokens))
+            grammar = None
+            constraint = request_constraint(chat_in, output_c, self.tool_calls)
+            if constraint is not None:
+                grammar = await limits.run_heavy(request, True, compile_constraint,
+                                                 self.engine, constraint, rules)
             greq = GenerationRequest(
                 prompt_tokens=tokens, max_tokens=max_tokens, sampling=opts.sampling,
                 stop=opts.stop, ignore_eos=opts.ignore_eos, logprobs=opts.logprobs,
@@ -407,10 +471,12 @@ class KVShareServer:
                 cache_salt=self.tenancy.salt(tenant, opts.cache_salt),
                 cache_store=self.tenancy.stores(opts.cache_salt),
                 public_prefix_tokens=self.tenancy.public_prefix_tokens(tokens),
-                first_user_boundary=boundary, request_id=rid,
+                first_user_boundary=boundary, request_id=rid, n=opts.n, grammar=grammar,
+                special_text=(rules is not None and rules.tool_format is not None
+                              and self.tool_calls.name in ToolCalls.SPECIAL_MARKERS),
                 fault=request.headers.get(FAULT_HEADER) if self.fault_injection else None)
-            fmt = (ChatFormat(rid, self.engine.model_name, opts) if chat
-                   else CompletionFormat(rid, self.engine.model_name, opts, echo_text))
+            fmt = (ChatFormat(rid, model, opts, rules) if chat
+                   else CompletionFormat(rid, model, opts, echo_text))
             try:
                 handle = self.engine.submit(greq)
             except ValueError as e:
@@ -480,26 +546,33 @@ class KVShareServer:
                     return
 
         watcher = asyncio.ensure_future(watch())
-        texts: list[str] = []
-        events: list[TokenEvent] = []
-        fin = None
+        choices: dict[int, tuple[list[str], list[TokenEvent]]] = {}
+        fins: dict[int, FinishEvent] = {}
         try:
             async for ev in handle:
                 if isinstance(ev, FinishEvent):
-                    fin = ev
-                    break
+                    fins[ev.index] = ev
+                    if ev.reason in ("error", "cancelled"):
+                        break
+                    continue
+                texts, events = choices.setdefault(ev.index, ([], []))
                 texts.append(ev.text)
                 events.append(ev)
         finally:
             watcher.cancel()
-        rec.finish = fin
-        if fin is None:
+        failed = [f for f in fins.values() if f.reason in ("error", "cancelled")]
+        rec.finish = failed[0] if failed else (P.merge_finishes(list(fins.values()))
+                                               if fins else None)
+        if rec.finish is None:
             raise RuntimeError("the engine ended the request without a FinishEvent")
         if disconnected.is_set():
             rec.status, rec.error = 499, "client disconnected"
             return Response(status_code=499)
-        self._check_finish(fin)
-        return JSONResponse(fmt.response("".join(texts), events, fin))
+        self._check_finish(rec.finish)
+        done = {i: ("".join(choices.get(i, ([], []))[0]), choices.get(i, ([], []))[1], f)
+                for i, f in fins.items()}
+        body = await run_in_threadpool(lambda: _json_bytes(fmt.response(done, rec.finish)))
+        return Response(body, media_type="application/json")
 
     @staticmethod
     def _check_finish(fin: FinishEvent) -> None:
@@ -520,26 +593,36 @@ class KVShareServer:
         try:
             for c in fmt.start_chunks():
                 yield _sse(c)
-            fin = None
+            fins: list[FinishEvent] = []
+            last: dict | None = None
+            failed: FinishEvent | None = None
             async for ev in handle:
                 if isinstance(ev, FinishEvent):
-                    fin = ev
-                    break
-                chunk = fmt.token_chunk(ev)
-                if chunk is not None:
-                    yield _sse(chunk)
-            rec.finish = fin
-            if fin is None:
+                    if ev.reason in ("error", "cancelled"):
+                        failed = ev
+                        break
+                    fins.append(ev)
+                    chunks = fmt.finish_chunks(ev)
+                    for c in chunks[:-1]:
+                        yield _sse(c)
+                    if last is not None:
+                        yield _sse(last)
+                    last = chunks[-1]  # held: the very last one carries usage and timings
+                    continue
+                for c in fmt.token_chunks(ev):
+                    yield _sse(c)
+            rec.finish = failed or (P.merge_finishes(fins) if fins else None)
+            if rec.finish is None:
                 raise RuntimeError("the engine ended the request without a FinishEvent")
             try:
-                self._check_finish(fin)
+                self._check_finish(rec.finish)
             except APIError as e:
                 rec.status, rec.error = e.status, e.message
                 yield _sse(e.body())
             else:
-                yield _sse(fmt.final_chunk(fin))
+                yield _sse(fmt.final_extras(rec.finish, last))
                 if opts.include_usage:
-                    yield _sse(fmt.usage_chunk(fin))
+                    yield _sse(fmt.usage_chunk(rec.finish))
             yield b"data: [DONE]\n\n"
         except Exception as e:  # noqa: BLE001 - report in-band, the status line is gone
             log.exception("stream %s failed", rec.id)
@@ -551,10 +634,11 @@ class KVShareServer:
     # ------------------------------------------------------------------ other endpoints
     async def models(self, request: Request) -> Response:
         e = self.engine
+        names = self.settings.aliases or [e.model_name]
         return JSONResponse({"object": "list", "data": [{
-            "id": e.model_name, "object": "model", "created": self.started,
+            "id": name, "object": "model", "created": self.started,
             "owned_by": "kvshare", "meta": {"n_ctx": e.ctx_size, "n_vocab": self.vocab_size},
-        }]})
+        } for name in names]})
 
     async def health(self, request: Request) -> Response:
         if self.shutting_down:

@@ -88,6 +88,13 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
      "seconds a request may wait to be admitted before it gets 503 with Retry-After "
      "(default 600; 0: no limit)"),
     ("--no-slot-attach", None, False, "turn cross-session prefix sharing off"),
+    ("--alias", str, None,
+     "name(s) /v1/models lists for the loaded model (repeatable or comma-separated); any "
+     "requested model name is served by the loaded model and echoed back"),
+    ("--tool-parser", str, None,
+     "tool-call format: hermes, qwen35, lfm2 or llama3 (default: detected from the chat "
+     "template)"),
+    ("--max-n", _positive_int, None, "most choices (n) one request may ask for (default 8)"),
     ("--cache-ram", _non_negative_int, None, "RAM tier budget in MiB (default 8192; 0: off)"),
     ("--cache-ram-pin", _non_negative_int, None,
      "of the RAM tier, MiB that prefix entries (up to the first user message) may pin "
@@ -133,7 +140,7 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
 
 # Flags that may be given several times: the values are joined with this separator (a value
 # from the environment is replaced, not extended, by the flags on the command line).
-REPEATABLE = {"--api-key": ",", "--public-prefix": os.pathsep}
+REPEATABLE = {"--api-key": ",", "--public-prefix": os.pathsep, "--alias": ","}
 
 
 class _FromEnv(str):
@@ -205,6 +212,12 @@ def parse_args(argv: Sequence[str] | None = None,
         parser.error(f"--device must be cpu or cuda, not {args.device!r}")
     if args.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         parser.error(f"unknown --log-level {args.log_level!r}")
+    if args.tool_parser is not None:
+        from kvshare.toolcalls import FORMATS
+
+        if args.tool_parser not in FORMATS:
+            parser.error(f"unknown --tool-parser {args.tool_parser!r} (one of "
+                         f"{', '.join(FORMATS)})")
     if args.root_path and not args.root_path.startswith("/"):
         parser.error("--root-path must start with '/'")
     return args
@@ -222,6 +235,7 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                         ("cache_disk_max_mib", args.cache_disk_max), ("cache_ttl_s", args.cache_ttl),
                         ("cache_min_tokens", args.cache_min_tokens),
                         ("checkpoint_min_step", args.checkpoint_min_step),
+                        ("max_n", args.max_n),
                         ("ctx_checkpoints", args.ctx_checkpoints)):
         if value is not None:
             kw[name] = value
@@ -319,7 +333,9 @@ def serve(args: argparse.Namespace) -> int:
         return _fail(f"cannot load model {args.model or '(default)'}: {msg}", 2)
 
     url = socket_url(sock, args.root_path)
-    settings = ServerSettings(root_path=args.root_path,
+    aliases = [a.strip() for a in (args.alias or "").split(",") if a.strip()]
+    settings = ServerSettings(root_path=args.root_path, aliases=aliases,
+                              tool_parser=args.tool_parser,
                               max_body_bytes=args.max_body_mib * 1024 * 1024,
                               body_timeout=args.body_timeout,
                               max_connections=args.max_connections, **tenancy_kw)

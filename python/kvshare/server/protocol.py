@@ -8,13 +8,14 @@ problem raises `APIError` (400 unless stated) naming the offending field in `par
 from __future__ import annotations
 
 import hashlib
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvshare.engine.api import FinishEvent, SamplingParams, TokenEvent
+from kvshare.engine.api import FinishEvent, SamplingParams, Timings, TokenEvent
 
-from .errors import APIError, bad_request
+from .errors import bad_request
 
 MAX_STOP_STRINGS = 16
 # Every generated token is checked against every stop string, and text that could still become
@@ -23,6 +24,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per stop string
 MAX_STOP_TOTAL_CHARS = 1024  # all of them together
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries; each is applied to every sampled token
+MAX_TOOLS = 256
+MAX_GRAMMAR_CHARS = 256 * 1024  # a schema or grammar; compiling it runs on a worker thread
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
@@ -129,47 +133,81 @@ class CommonOptions:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    n: int = 1  # choices
 
 
-def check_model(body: dict, model_name: str) -> None:
-    """A missing or empty `model` means the served model; any other name is a 404."""
+def requested_model(body: dict, model_name: str) -> str:
+    """The model name a response echoes. Any name is served by the loaded model (agents
+    hard-code names such as gpt-4o-mini, as llama-server, vLLM and SGLang allow); a missing or
+    empty `model` means the served model's own name."""
     model = body.get("model")
     if model is None or model == "":
-        return
+        return model_name
     if not isinstance(model, str):
         raise bad_request(f"'model' must be a string, got {_json_type(model)}", "model")
-    if model != model_name:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves "
-                            f"'{model_name}'", param="model", code="model_not_found")
+    return model
 
 
-def parse_common(body: dict, *, ctx_size: int, chat: bool) -> CommonOptions:
-    # max_tokens ------------------------------------------------------------------------
+def parse_logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI `logit_bias`: {"token id": bias in [-100, 100]} (llama-server also takes
+    [[id, bias], ...])."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if isinstance(v, dict):
+        items = list(v.items())
+    elif isinstance(v, list) and all(isinstance(x, list) and len(x) == 2 for x in v):
+        items = [(x[0], x[1]) for x in v]
+    else:
+        raise bad_request("'logit_bias' must be an object mapping token ids to biases",
+                          "logit_bias")
+    if len(items) > MAX_LOGIT_BIAS:
+        raise bad_request(f"'logit_bias' has {len(items)} entries; at most {MAX_LOGIT_BIAS} "
+                          "are supported", "logit_bias")
+    out = []
+    for key, bias in items:
+        try:
+            tok = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() \
+                else (key if _is_int(key) else None)
+        except ValueError:
+            tok = None
+        if tok is None:
+            raise bad_request(f"'logit_bias' key {key!r} is not a token id", "logit_bias")
+        if tok < 0 or (vocab_size is not None and tok >= vocab_size):
+            raise bad_request(f"'logit_bias' token id {tok} is out of range [0, {vocab_size})",
+                              "logit_bias", "invalid_token_id")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise bad_request(f"'logit_bias' value for token {tok} must be a number",
+                              "logit_bias")
+        if not -100 <= bias <= 100:
+            raise bad_request(f"'logit_bias' value for token {tok} must be in [-100, 100], "
+                              f"got {bias}", "logit_bias")
+        out.append((tok, float(bias)))
+    return tuple(out)
+
+
+def parse_common(body: dict, *, ctx_size: int, chat: bool, max_n: int = 8,
+                 vocab_size: int | None = None) -> CommonOptions:
+    # max_tokens: more than fits is clamped to what fits (finish_reason "length"), as
+    # llama-server does -------------------------------------------------------------------
     names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
     max_tokens = None
     for name in names:
         v = get_int(body, name, lo=1)
         if v is not None:
-            if v > ctx_size:
-                raise bad_request(f"'{name}' is {v}, more than the model's context size "
-                                  f"({ctx_size} tokens)", name, "context_length_exceeded")
             max_tokens = v
             break
 
-    # n / best_of / logit_bias: accepted only at their neutral values -------------------------
+    # n / best_of / logit_bias ---------------------------------------------------------------
     n = get_int(body, "n", 1, lo=1)
-    if n != 1:
-        raise bad_request("n > 1 is not supported: send one request per choice", "n")
+    if n > max_n:
+        raise bad_request(f"'n' is {n}; this server returns at most {max_n} choices per "
+                          "request (--max-n)", "n")
     if not chat:
         best_of = get_int(body, "best_of", 1, lo=1)
-        if best_of != 1:
-            raise bad_request("best_of > 1 is not supported", "best_of")
-    logit_bias = body.get("logit_bias")
-    if logit_bias is not None:
-        if not isinstance(logit_bias, dict):
-            raise bad_request("'logit_bias' must be an object", "logit_bias")
-        if logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
+        if best_of != 1 and best_of != n:
+            raise bad_request("best_of other than n is not supported", "best_of")
+    logit_bias = parse_logit_bias(body, vocab_size)
 
     # sampling --------------------------------------------------------------------------
     top_k = get_int(body, "top_k", 0, lo=-1)
@@ -193,6 +231,7 @@ def parse_common(body: dict, *, ctx_size: int, chat: bool) -> CommonOptions:
         # infinite); the sampler still fails the one sequence if scores turn non-finite.
         repetition_penalty=get_float(body, rep_name, 1.0, lo=0.01, hi=10.0),
         penalty_last_n=last_n,
+        logit_bias=logit_bias,
     )
 
     # stop --------------------------------------------------------------------------------
@@ -253,7 +292,7 @@ def parse_common(body: dict, *, ctx_size: int, chat: bool) -> CommonOptions:
         max_tokens=max_tokens, sampling=sampling, stop=stop, stream=stream,
         include_usage=include_usage, cache_salt=cache_salt,
         ignore_eos=get_bool(body, "ignore_eos", False), logprobs=logprobs,
-        top_logprobs=top_logprobs,
+        top_logprobs=top_logprobs, n=n,
     )
 
 
@@ -264,6 +303,78 @@ class ChatInput:
     messages: list[dict]
     tools: list[dict] | None
     template_kwargs: dict
+    # "none", "auto", "required", or the name of the one function the model must call
+    tool_choice: str = "auto"
+    parallel_tool_calls: bool = True
+    # llama-server's reasoning_format: "none" keeps <think>...</think> in content; "auto" /
+    # "deepseek" split it into reasoning_content when the template thinks
+    reasoning_format: str = "auto"
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """What a request forces the output to be (compiled into a grammar for the engine):
+    kind is "json_schema" (source: the schema as JSON text), "json_object", "lark" or
+    "gbnf"; `param` names the request field it came from (for errors)."""
+
+    kind: str
+    source: str
+    param: str
+
+
+def parse_output_constraint(body: dict, *, chat: bool) -> OutputConstraint | None:
+    """`response_format` (OpenAI: json_object, json_schema) and llama-server's `json_schema`
+    and `grammar` fields; at most one of them."""
+    found: list[OutputConstraint] = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict):
+            raise bad_request("'response_format' must be an object", "response_format")
+        rtype = rf.get("type", "text")
+        if rtype == "json_object":
+            schema = rf.get("schema")  # llama-server also takes a schema here
+            if schema is not None:
+                found.append(_schema_constraint(schema, "response_format.schema"))
+            else:
+                found.append(OutputConstraint("json_object", "", "response_format"))
+        elif rtype == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict):
+                raise bad_request("'response_format.json_schema' must be an object with a "
+                                  "'schema'", "response_format")
+            schema = js.get("schema")
+            if schema is None:
+                schema = {}  # OpenAI: an absent schema means any JSON value
+            found.append(_schema_constraint(schema, "response_format.json_schema.schema"))
+        elif rtype != "text":
+            raise bad_request(f"response_format type {rtype!r} is not one of 'text', "
+                              "'json_object', 'json_schema'", "response_format")
+    if body.get("json_schema") is not None:
+        found.append(_schema_constraint(body["json_schema"], "json_schema"))
+    g = body.get("grammar")
+    if g is not None and g != "":
+        if not isinstance(g, str):
+            raise bad_request("'grammar' must be a string (a GBNF grammar)", "grammar")
+        if len(g) > MAX_GRAMMAR_CHARS:
+            raise bad_request(f"'grammar' has {len(g)} characters; at most "
+                              f"{MAX_GRAMMAR_CHARS} are supported", "grammar")
+        found.append(OutputConstraint("gbnf", g, "grammar"))
+    if len(found) > 1:
+        raise bad_request("give at most one of 'response_format' (json), 'json_schema' and "
+                          "'grammar'", found[1].param.split(".")[0])
+    return found[0] if found else None
+
+
+def _schema_constraint(schema: Any, param: str) -> OutputConstraint:
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise bad_request(f"'{param}' must be a JSON schema object", param.split(".")[0])
+    text = json.dumps(schema, ensure_ascii=False, sort_keys=False)
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise bad_request(f"'{param}' has {len(text)} characters; at most {MAX_GRAMMAR_CHARS} "
+                          "are supported", param.split(".")[0])
+    return OutputConstraint("json_schema", text, param)
 
 
 def _content_text(content: Any, i: int) -> str | None:
@@ -326,32 +437,13 @@ def parse_chat(body: dict) -> ChatInput:
                 raise bad_request(f"'messages[{i}].tool_calls' must be an array", "messages")
         out.append(msg)
 
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise bad_request("'tools' must be an array", "tools")
-        for j, t in enumerate(tools):
-            fn = t.get("function") if isinstance(t, dict) else None
-            if (not isinstance(t, dict) or t.get("type", "function") != "function"
-                    or not isinstance(fn, dict) or not isinstance(fn.get("name"), str)):
-                raise bad_request(f"'tools[{j}]' must be {{\"type\": \"function\", "
-                                  f"\"function\": {{\"name\": ..., ...}}}}", "tools")
-        tools = tools or None
-
-    tc = body.get("tool_choice")
-    if tc is not None and tc not in ("none", "auto", "required"):
-        if not (isinstance(tc, dict) and isinstance(tc.get("function"), dict)):
-            raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or "
-                              "{\"type\": \"function\", \"function\": {\"name\": ...}}",
-                              "tool_choice")
-
-    rf = body.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict):
-            raise bad_request("'response_format' must be an object", "response_format")
-        if rf.get("type", "text") != "text":
-            raise bad_request(f"response_format type {rf.get('type')!r} is not supported",
-                              "response_format")
+    tools = _parse_tools(body.get("tools"))
+    tool_choice = _parse_tool_choice(body.get("tool_choice"), tools)
+    parallel = get_bool(body, "parallel_tool_calls", True)
+    reasoning_format = get_str(body, "reasoning_format", "auto")
+    if reasoning_format not in ("none", "auto", "deepseek", "deepseek-legacy"):
+        raise bad_request("'reasoning_format' must be 'none', 'auto' or 'deepseek'",
+                          "reasoning_format")
 
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
@@ -359,7 +451,79 @@ def parse_chat(body: dict) -> ChatInput:
     if not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     kwargs = {k: v for k, v in kwargs.items() if k not in ("messages", "tools")}
-    return ChatInput(messages=out, tools=tools, template_kwargs=kwargs)
+    return ChatInput(messages=out, tools=tools, template_kwargs=kwargs, tool_choice=tool_choice,
+                     parallel_tool_calls=parallel, reasoning_format=reasoning_format)
+
+
+_TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+
+
+def _parse_tools(tools: Any) -> list[dict] | None:
+    """OpenAI `tools`: function tools with a name (letters, digits, _ - ., at most 64, as
+    OpenAI requires), an optional description and a `parameters` JSON schema object.
+    Returned normalized (`type` and `parameters` filled in) so equal tool lists render equal
+    prompts (the shared prefix)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be an array", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise bad_request(f"'tools' has {len(tools)} entries; at most {MAX_TOOLS} are "
+                          "supported", "tools")
+    out = []
+    seen: set[str] = set()
+    for j, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if (not isinstance(t, dict) or t.get("type", "function") != "function"
+                or not isinstance(fn, dict) or not isinstance(fn.get("name"), str)):
+            raise bad_request(f"'tools[{j}]' must be {{\"type\": \"function\", "
+                              f"\"function\": {{\"name\": ..., ...}}}}", "tools")
+        name = fn["name"]
+        if not name or len(name) > 64 or not set(name) <= _TOOL_NAME_CHARS:
+            raise bad_request(f"'tools[{j}].function.name' {name!r} must be 1-64 letters, "
+                              "digits, '_', '-' or '.'", "tools")
+        if name in seen:
+            raise bad_request(f"'tools' declares the function {name!r} twice", "tools")
+        seen.add(name)
+        params = fn.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise bad_request(f"'tools[{j}].function.parameters' must be a JSON schema object",
+                              "tools")
+        desc = fn.get("description")
+        if desc is not None and not isinstance(desc, str):
+            raise bad_request(f"'tools[{j}].function.description' must be a string", "tools")
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise bad_request(f"'tools[{j}].function.strict' must be a boolean", "tools")
+        norm = {"type": "function", "function": {**fn, "parameters": params}}
+        out.append(norm)
+    return out or None
+
+
+def _parse_tool_choice(tc: Any, tools: list[dict] | None) -> str:
+    if tc is None:
+        return "auto" if tools else "none"
+    if isinstance(tc, str):
+        if tc not in ("none", "auto", "required"):
+            raise bad_request(f"'tool_choice' {tc!r} is not one of 'none', 'auto', 'required' "
+                              "or a function", "tool_choice")
+        if tc == "required" and not tools:
+            raise bad_request("'tool_choice' is 'required' but no 'tools' are given",
+                              "tool_choice")
+        return tc
+    fn = tc.get("function") if isinstance(tc, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or "
+                          "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                          "tool_choice")
+    names = [t["function"]["name"] for t in tools or []]
+    if name not in names:
+        raise bad_request(f"'tool_choice' names the function {name!r}, which is not in "
+                          f"'tools' ({', '.join(names) or 'none declared'})", "tool_choice")
+    return "function:" + name
 
 
 # --------------------------------------------------------------------------- completions
@@ -416,8 +580,25 @@ def usage(fin: FinishEvent) -> dict:
     }
 
 
-def finish_reason(fin: FinishEvent) -> str:
-    return "length" if fin.reason == "length" else "stop"
+def merge_finishes(fins: list[FinishEvent]) -> FinishEvent:
+    """One request's totals over its choices (n > 1): the prompt counted once (choice 0
+    computed it, the others reused it), completion tokens summed."""
+    if len(fins) == 1:
+        return fins[0]
+    first = min(fins, key=lambda f: f.index)
+    t = first.timings
+    timings = Timings(
+        prompt_n=sum(f.timings.prompt_n for f in fins), cache_n=t.cache_n,
+        prompt_ms=t.prompt_ms, predicted_n=sum(f.timings.predicted_n for f in fins),
+        predicted_ms=max(f.timings.predicted_ms for f in fins), restore_ms=t.restore_ms)
+    return replace(first, completion_tokens=sum(f.completion_tokens for f in fins),
+                   timings=timings)
+
+
+def finish_reason(fin: FinishEvent, tool_calls: bool = False) -> str:
+    if fin.reason == "length":
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
 
 
 def _lp_entry(text: str, logprob: float) -> dict:

@@ -37,5 +37,11 @@ class ServerSettings:
     body_timeout: float | None = 30.0
     # Requests in progress at once (/health, /metrics not counted); beyond: 503 + Retry-After.
     max_connections: int = 1024
+    # Names /v1/models lists for the loaded model (`--alias`, repeatable); requests may name
+    # any model and are served by the loaded one. Empty: the model file's name.
+    aliases: list[str] = field(default_factory=list)
+    # Tool-call format (kvshare.toolcalls: hermes, qwen35, lfm2, llama3); None: detected from
+    # the model's chat template.
+    tool_parser: str | None = None
     # Request bodies over 1 MiB buffered at once, all requests together; more wait unread.
     body_budget_bytes: int = 256 * 1024 * 1024

@@ -11,10 +11,10 @@ __all__ = ["dumps", "functions", "properties", "free_form", "types_of", "enum_va
 
 # How every %json value is written: as `tojson` / json.dumps writes it (the chat templates'
 # rendering of past calls, so what the models were trained on) and nothing else, so a forced
-# model cannot wander into whitespace. `lenient`: keywords llguidance does not implement are
-# ignored instead of failing the request (they are then not enforced).
+# model cannot wander into whitespace. `lenient: false`: a keyword llguidance does not
+# implement fails the grammar (the server answers 400 naming it) instead of going unenforced.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
-              "lenient": True}
+              "lenient": False}
 
 # a function declared without parameters takes none (OpenAI: "an empty parameter list")
 _EMPTY_PARAMS = {"type": "object", "properties": {}, "additionalProperties": False}

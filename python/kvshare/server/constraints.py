@@ -1,0 +1,174 @@
+"""What a chat or completion request forces its output to be, as a compiled grammar for the
+engine: `tool_choice` "required" or a named function (the reply is valid calls of the declared
+tools, in the model's own markup, each call's arguments valid against that tool's schema),
+strict tools under "auto", `response_format` json_object / json_schema, and llama-server's
+`json_schema` and `grammar` fields.
+
+Grammars are compiled by the engine (kvshare.constrain, llguidance in the Rust core) on a
+worker thread and cached by source, so an agent's every turn with the same tools reuses one.
+A schema or grammar llguidance cannot enforce is a 400 naming the problem.
+"""
+
+from __future__ import annotations
+
+import json
+
+from . import protocol as P
+from .chat_output import OutputRules
+from .errors import APIError, bad_request
+
+
+class ToolCalls:
+    """The served model's tool-call format (`--tool-parser`, else detected from its chat
+    template) and how a request's tools turn into grammars and parsers."""
+
+    def __init__(self, template_source: str | None, override: str | None = None):
+        from kvshare import toolcalls
+
+        self._toolcalls = toolcalls
+        self.name = override or toolcalls.detect_format(template_source)
+        self.thinking = toolcalls.template_has_thinking(template_source or "")
+        toolcalls.get_format(self.name)  # unknown names fail at startup
+
+    def format(self, tools: list[dict] | None):
+        return self._toolcalls.get_format(self.name, tools=tools)
+
+    # formats whose call markers are control tokens: the reply keeps their text
+    SPECIAL_MARKERS = frozenset({"lfm2", "llama3"})
+
+    def rules(self, chat: P.ChatInput, starts_in_reasoning: bool) -> OutputRules:
+        parse_tools = bool(chat.tools) and chat.tool_choice != "none"
+        return OutputRules(
+            tool_format=self.format(chat.tools) if parse_tools else None,
+            reasoning=self.thinking and chat.reasoning_format != "none",
+            starts_in_reasoning=starts_in_reasoning,
+            parallel_tool_calls=chat.parallel_tool_calls)
+
+    def constraint(self, chat: P.ChatInput) -> P.OutputConstraint | None:
+        """The grammar the tool choice asks for: required / named, or strict tools under
+        auto; None when the reply is free."""
+        tools = chat.tools or []
+        if not tools or chat.tool_choice == "none":
+            return None
+        tools = closed_tools(tools)
+        fmt = self.format(tools)
+        if chat.tool_choice == "required":
+            return P.OutputConstraint("lark", fmt.grammar(tools, None, chat.parallel_tool_calls),
+                                      "tool_choice")
+        if chat.tool_choice.startswith("function:"):
+            name = chat.tool_choice.split(":", 1)[1]
+            return P.OutputConstraint("lark", fmt.grammar(tools, name, False), "tool_choice")
+        if any(t["function"].get("strict") for t in tools):
+            g = fmt.auto_grammar(tools)
+            if g is not None:
+                return P.OutputConstraint("lark", g, "tools")
+        return None
+
+
+def request_constraint(chat: P.ChatInput | None, output: P.OutputConstraint | None,
+                       tool_calls: ToolCalls | None) -> P.OutputConstraint | None:
+    tool_c = tool_calls.constraint(chat) if chat is not None and tool_calls else None
+    if tool_c is not None and output is not None and tool_c.param == "tool_choice":
+        raise bad_request(f"'tool_choice' {chat.tool_choice.replace('function:', '')!r} "
+                          f"forces tool calls; it cannot be combined with '{output.param}'",
+                          output.param.split(".")[0])
+    return output or tool_c
+
+
+def compile_constraint(engine, c: P.OutputConstraint, rules: OutputRules | None = None):
+    """The engine's compiled grammar for `c`; 400 naming the field when it does not compile.
+    For a model that thinks (`rules.reasoning`), the grammar starts with an optional
+    reasoning block (a required rest of one when the prompt opened it): forced output comes
+    after the thinking, never inside it."""
+    from kvshare.constrain import GrammarError
+    from kvshare.toolcalls import allow_reasoning
+
+    kind, source = c.kind, c.source
+    if kind == "json_schema":
+        source = output_schema_text(json.loads(source))
+    elif kind == "json_object":
+        kind, source = "json_schema", output_schema_text({"type": "object"})
+    if rules is not None and rules.reasoning and kind in ("json_schema", "lark"):
+        if kind == "json_schema":
+            kind, source = "lark", "start: %json " + source
+        source = allow_reasoning(source, opened=rules.starts_in_reasoning)
+    try:
+        return engine.compile_grammar(kind, source)
+    except GrammarError as e:
+        what = {"json_schema": "JSON schema", "lark": "grammar", "gbnf": "GBNF grammar",
+                "json_object": "JSON"}.get(c.kind, c.kind)
+        if c.param in ("tool_choice", "tools"):
+            what = "tool parameters schema"
+        raise APIError(400, f"invalid or unsupported {what} in '{c.param}': {_short(e)}",
+                       param=c.param.split(".")[0], code="invalid_schema") from None
+
+
+def _short(e: Exception) -> str:
+    msg = str(e).strip()
+    return msg if len(msg) <= 2000 else msg[:2000] + " ..."
+
+
+# How a forced JSON value is written: as json.dumps / the chat templates' `tojson` write it
+# (what models saw in training), with no free whitespace a small model could wander into.
+# `lenient: false`: a keyword llguidance cannot enforce is an error (a 400 naming it), never
+# silently unenforced.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+              "lenient": False}
+
+MAX_ABS_NUMBER = 10**16 - 1
+
+# keywords whose values are schemas / maps of schemas / lists of schemas
+_SUB = ("items", "additionalItems", "contains", "not", "if", "then", "else",
+        "propertyNames", "unevaluatedItems")
+_SUB_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SUB_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def closed_objects(schema):  # noqa: C901 - one walk over the schema keywords
+    """A copy of `schema` as it is enforced: an object schema that lists `properties` and says
+    nothing about `additionalProperties` allows no others, and numbers without bounds get
+    16-digit ones, both as llama.cpp's json-schema-to-grammar reads them. Whatever this allows
+    is valid under the original schema; without it a small model forced into a call pads the
+    arguments with keys it made up (it copied the tool's schema keys into them)."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SUB:
+        if isinstance(out.get(k), (dict, list)):
+            out[k] = closed_objects(out[k])
+    for k in _SUB_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {n: closed_objects(v) for n, v in out[k].items()}
+    for k in _SUB_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [closed_objects(v) for v in out[k]]
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = closed_objects(out["additionalProperties"])
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out \
+            and "unevaluatedProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    if out.get("type") in ("integer", "number") or (
+            isinstance(out.get("type"), list) and {"integer", "number"} & set(out["type"])):
+        # at most 16 integral digits, as llama.cpp's grammars allow: a forced small model
+        # otherwise writes "age": 1800000000... until max_tokens cuts the JSON short
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = MAX_ABS_NUMBER
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -MAX_ABS_NUMBER
+    return out
+
+
+def output_schema_text(schema: dict) -> str:
+    """A response_format / json_schema schema as the JSON text compiled for it."""
+    out = closed_objects(schema)
+    out["x-guidance"] = JSON_STYLE
+    return json.dumps(out, ensure_ascii=False)
+
+
+def closed_tools(tools: list[dict]) -> list[dict]:
+    """Tools whose parameter schemas are `closed_objects`."""
+    return [{**t, "function": {**t["function"],
+                               "parameters": closed_objects(t["function"]["parameters"])}}
+            for t in tools]
