@@ -88,6 +88,14 @@ def compile_constraint(engine, c: P.OutputConstraint, rules: OutputRules | None 
         source = output_schema_text(json.loads(source))
     elif kind == "json_object":
         kind, source = "json_schema", output_schema_text({"type": "object"})
+    elif kind == "gbnf":  # llama-server's grammar field: llguidance reads Lark
+        from kvshare.gbnf import gbnf_to_lark
+
+        try:
+            kind, source = "lark", gbnf_to_lark(source)
+        except ValueError as e:
+            raise APIError(400, f"invalid GBNF grammar in '{c.param}': {_short(e)}",
+                           param=c.param, code="invalid_grammar") from None
     if rules is not None and rules.reasoning and kind in ("json_schema", "lark"):
         if kind == "json_schema":
             kind, source = "lark", "start: %json " + source
