@@ -329,7 +329,7 @@ class GrammarError(ValueError):
 class ConstraintVocab:
     """One model's token strings (build once per model). `special[i]` marks control tokens:
     text never spells them, Lark names them `<|im_end|>` / `<[id]>`. `eos`: the end token, or
-    several (the first is the main one). `vocab_size` >= len(tokens): the logits row length.
+    several (the first is the main one); they are special too, whatever `special` says. `vocab_size` >= len(tokens): the logits row length.
     Raises InvalidArgument on inconsistent arguments."""
 
     def __init__(

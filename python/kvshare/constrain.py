@@ -49,7 +49,9 @@ class TokenVocab:
                        eos_id: int | Sequence[int]) -> TokenVocab:
         """`vocab_size`: the logits row length (>= len(tokenizer): models pad their vocabulary;
         padding ids are never allowed). `eos_id`: the token ending the reply, or several (the
-        first is the main one; all are allowed when the output is complete).
+        first is the main one; all are allowed when the output is complete, and none is ever
+        text: an EOS token of user-defined type, such as Gemma's `</s>`, is not produced for
+        the characters "</s>").
 
         Control and unknown tokens (`tokenizer.is_special`: GGUF type 3 and 2, plus the ones
         llama.cpp promotes to control) are special: text can never produce them and a Lark

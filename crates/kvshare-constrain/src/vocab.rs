@@ -8,9 +8,9 @@ use toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie, TokenId};
 
 /// The token byte strings of one model, with its end-of-sequence token(s).
 ///
-/// Control tokens (`special`) are stored behind toktrie's marker byte 0xFF, so no text can
-/// spell them (0xFF never occurs in UTF-8) and a Lark grammar names them as `<|im_end|>` or
-/// `<[106]>`. Every other token, including user-defined ones such as Qwen's `<tool_call>`, is
+/// Control tokens (`special`) and the EOS tokens are stored behind toktrie's marker byte 0xFF,
+/// so no text can spell them (0xFF never occurs in UTF-8) and a Lark grammar names them as
+/// `<|im_end|>` or `<[106]>`. Every other token, including user-defined ones such as Qwen's `<tool_call>`, is
 /// plain bytes: the grammar literal `"<tool_call>"` can be produced by that single token as well
 /// as by `<`, `tool`, ... Token ids from `tokens.len()` up to `vocab_size` (padding rows of the
 /// embedding) and tokens with empty text are never allowed.
@@ -63,8 +63,10 @@ impl Vocab {
             ));
         }
         let mut words = tokens;
-        for (word, &is_special) in words.iter_mut().zip(&special) {
-            if is_special && !word.is_empty() {
+        for (i, (word, &is_special)) in words.iter_mut().zip(&special).enumerate() {
+            // an EOS token ends generation wherever it is sampled, so it is never text even
+            // when its type says user-defined (Gemma's `</s>`)
+            if (is_special || eos.contains(&(i as u32))) && !word.is_empty() {
                 word.insert(0, TokTrie::SPECIAL_TOKEN_MARKER);
             }
         }

@@ -278,6 +278,24 @@ fn parallel_masks_equal_serial_ones() {
 }
 
 #[test]
+fn eos_tokens_are_never_text() {
+    // a user-defined token that is also an end of generation (Gemma's `</s>`)
+    let (mut t, mut s) = tokens();
+    t.push(b"</s>".to_vec());
+    s.push(false);
+    let end = t.len() as u32 - 1;
+    let n = t.len();
+    let v = Vocab::new(t, s, &[IM_END, end], n).unwrap();
+    let g = Grammar::compile(&v, GrammarKind::Regex, "<?/?s?>?x").unwrap();
+    let mut m = g.matcher();
+    assert!(!allowed(&mut m).contains(&end), "as text");
+    assert!(m.consume(end).is_err());
+    feed(&mut m, &["<", "/", "s", ">", "x"]);
+    assert_eq!(allowed(&mut m), vec![IM_END, end], "as the end");
+    m.consume(end).unwrap();
+}
+
+#[test]
 fn vocab_checks_its_arguments() {
     let (t, s) = tokens();
     let n = t.len();
