@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # kvshare's GPU check in one go: the `gpu`-marked tests (every op and whole-model logits
-# against NumPy), the NVRTC compile test with the device's own CuPy, and a short throughput
+# against NumPy; the engine's constrained decoding with n choices), the NVRTC compile test with the device's own CuPy, and a short throughput
 # run (bench/gpu_bench.py; bench/model_bench.py --device cuda too when that flag exists).
 # Budget: about 4 minutes of device time after the machine is up; the step timeouts add up
 # to 8 minutes at most (210 s tests, 60 s compile test, 120 s gpu_bench, 90 s model_bench).
@@ -74,7 +74,7 @@ summ() {  # the last pytest summary line of a log, or why there is none
 }
 RC=0
 timeout 210 $PY -m pytest -m gpu -v -p no:cacheprovider --durations=15 \
-    tests/test_ops_gpu.py tests/test_model_gpu.py > "$OUT/pytest_gpu.log" 2>&1
+    tests/test_ops_gpu.py tests/test_model_gpu.py tests/test_engine_gpu.py > "$OUT/pytest_gpu.log" 2>&1
 rc=$?; [ $rc -ne 0 ] && RC=$rc
 log "pytest -m gpu: rc=$rc, $(summ $rc "$OUT/pytest_gpu.log")"
 grep -E '^(FAILED|ERROR)' "$OUT/pytest_gpu.log" | head -20 | tee -a "$OUT/summary.txt"

@@ -57,7 +57,9 @@ def mutated(rng: random.Random, path: str) -> dict:
 
 @pytest.fixture(scope="module")
 def server(launcher):
-    s = Server(launcher, "--parallel", "4")
+    # a small context: a mutated max_tokens (2**63, or none) is clamped to the room left, so
+    # such a request generates until the context is full
+    s = Server(launcher, "--parallel", "4", "--ctx-size", "256")
     yield s
     s.terminate()
 
