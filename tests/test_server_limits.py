@@ -566,9 +566,12 @@ def test_fuzzish_bodies_get_4xx(server):
         {"messages": msgs, "chat_template_kwargs": {"enable_thinking": s}},
         {"messages": msgs, "response_format": {"type": s}},
         {"messages": msgs, "user": s}, {"messages": msgs, s: 1},
-        {"messages": msgs, "max_tokens": 10**30}, {"messages": msgs, "temperature": 1e308},
-        {"messages": msgs, "logit_bias": {"1": 5}},
-        {"messages": msgs, "n": 2}, {"messages": msgs, "top_logprobs": 10**6, "logprobs": True},
+        {"messages": msgs, "max_tokens": -10**30}, {"messages": msgs, "temperature": 1e308},
+        {"messages": msgs, "logit_bias": {s: 5}}, {"messages": msgs, "logit_bias": {"1": 1e30}},
+        {"messages": msgs, "n": 10**6}, {"messages": msgs, "top_logprobs": 10**6, "logprobs": True},
+        {"messages": msgs, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "string", "format": s}}}},
+        {"messages": msgs, "grammar": "root ::= " + s},
         {"messages": msgs, "stream_options": {"include_usage": s}},
     ]
     comp_cases = [{"prompt": s}, {"prompt": [s]}, {"prompt": "a" + s + "b", "echo": True},

@@ -31,7 +31,6 @@ class ChoiceOutput:
             self._splitter = ReasoningSplitter(in_reasoning=rules.starts_in_reasoning)
         self._tools = rules.tool_format.stream() if rules.tool_format is not None else None
         self.has_calls = False
-        self._n_calls = 0
 
     # ---- streaming ---------------------------------------------------------------------
     def feed(self, text: str) -> list[dict]:
@@ -43,8 +42,7 @@ class ChoiceOutput:
         deltas = self._route(*self._split("", final=True)) if self._splitter else []
         if self._tools is not None:
             deltas += self._tools_out(self._tools.finish())
-            self.has_calls = self._tools.has_calls
-        return _merge(deltas)
+        return deltas
 
     def _split(self, text: str, final: bool) -> tuple[str, str]:
         if self._splitter is None:
@@ -65,6 +63,10 @@ class ChoiceOutput:
     def _tools_out(self, deltas: list[dict]) -> list[dict]:
         if self._tools is not None:
             self.has_calls = self._tools.has_calls
+        if not self.rules.parallel_tool_calls:  # one call at most: later ones are dropped
+            for d in deltas:
+                if d.get("tool_calls"):
+                    d["tool_calls"] = [c for c in d["tool_calls"] if c.get("index", 0) == 0]
         return [d for d in deltas if d.get("content") or d.get("tool_calls")
                 or d.get("reasoning_content")]
 
@@ -86,6 +88,8 @@ class ChoiceOutput:
         if rules.tool_format is not None:
             parsed = rules.tool_format.parse(content)
             calls = parsed.tool_calls
+            if not rules.parallel_tool_calls:
+                calls = calls[:1]
             msg["content"] = parsed.content
         if calls:
             msg["tool_calls"] = [{"id": c.id, "type": "function",
@@ -97,6 +101,3 @@ class ChoiceOutput:
             msg["reasoning_content"] = reasoning or None
         return msg, bool(calls)
 
-
-def _merge(deltas: list[dict]) -> list[dict]:
-    return [d for d in deltas if d]

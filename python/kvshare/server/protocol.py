@@ -166,12 +166,11 @@ def parse_logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, flo
                           "are supported", "logit_bias")
     out = []
     for key, bias in items:
-        try:
-            tok = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() \
-                else (key if _is_int(key) else None)
-        except ValueError:
-            tok = None
-        if tok is None:
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            tok = int(key)
+        elif _is_int(key):
+            tok = key
+        else:
             raise bad_request(f"'logit_bias' key {key!r} is not a token id", "logit_bias")
         if tok < 0 or (vocab_size is not None and tok >= vocab_size):
             raise bad_request(f"'logit_bias' token id {tok} is out of range [0, {vocab_size})",
