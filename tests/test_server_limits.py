@@ -709,8 +709,11 @@ def test_cli_edge_flags():
 def test_health_stays_fast_while_a_big_body_is_parsed_ratio(server):
     """/health while 4 x 16 MiB chat bodies are parsed and checked: its median latency stays
     within a small multiple of its idle median (a ratio, not a wall-clock window)."""
-    with _Probes(server) as p0:
-        time.sleep(1.0)
+    for window in (1.0, 4.0, 16.0):  # a loaded machine starts the poller process slowly
+        with _Probes(server) as p0:
+            time.sleep(window)
+        if len(p0.health) >= 5:
+            break
     idle = statistics.median(p0.health)
     body = b'{"messages": [{"role": "user", "content": "' + b"abc " * (4 * MiB - 32) + b'"}]}'
     with ThreadPoolExecutor(1) as ex:
