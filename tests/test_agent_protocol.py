@@ -79,6 +79,8 @@ def test_closed_objects_only_narrow_the_schema():
     assert closed["properties"]["f"]["additionalProperties"] == {
         "type": "integer", "maximum": 10**16 - 1, "minimum": -(10**16 - 1)}
     assert closed["properties"]["a"]["maximum"] == 10**16 - 1
+    assert closed["properties"]["b"]["properties"]["c"]["multipleOf"] == 1e-10
+    assert "multipleOf" not in closed["properties"]["a"]  # an integer
     # anything the narrowed schema accepts, the original accepts
     ok = {"a": 5, "b": {"c": 1.5}, "d": [{"e": "x"}], "f": {"k": 3}}
     jsonschema.validate(ok, closed)
