@@ -15,7 +15,7 @@
     that, so the grammar never completes first). Target: constrained decoding costs <= 10% of
     decode throughput.
 
-    python bench/constrained.py [--rounds 5] [--tokens 96] [--out bench/out/constrained.json]
+    python bench/constrained.py [--rounds 9] [--tokens 96] [--out bench/out/constrained.json]
 """
 
 from __future__ import annotations
@@ -288,23 +288,27 @@ def bench_decode(parts, args) -> dict:
             per[k].append(n_tok / span)
             walls[k].append(wall)
     med = {k: statistics.median(v) for k, v in per.items()}
-    # paired: each round's ratio to that round's unconstrained run (drift cancels), then median
+    # paired: each round's ratio to that round's unconstrained run (slow drift cancels, but a
+    # burst of outside load on one run skews that round), then the median; best: the fastest
+    # run of each (outside load only ever slows a run down)
     paired = {k: statistics.median(a / b for a, b in zip(per[k], per[0])) for k in (1, 4)}
+    best = {k: max(v) for k, v in per.items()}
     return {
         "tokens_per_sequence": m, "rounds": args.rounds,
         "tok_s": {str(k): v for k, v in per.items()},
         "tok_s_median": {str(k): v for k, v in med.items()},
         "wall_s": {str(k): v for k, v in walls.items()},
-        "ratio_1_constrained": paired[1],
-        "ratio_4_constrained": paired[4],
-        "ratio_of_medians": {"1": med[1] / med[0], "4": med[4] / med[0]},
-        "cost_4_constrained_pct": 100 * (1 - paired[4]),
+        "ratio_1_constrained": med[1] / med[0],
+        "ratio_4_constrained": med[4] / med[0],
+        "paired_ratio_median": {"1": paired[1], "4": paired[4]},
+        "best_ratio": {"1": best[1] / best[0], "4": best[4] / best[0]},
+        "cost_4_constrained_pct": 100 * (1 - med[4] / med[0]),
     }
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--tokens", type=int, default=96, help="tokens each sequence decodes in (b)")
     ap.add_argument("--mask-tokens", type=int, default=300, help="cap of a walk in (a)")
     ap.add_argument("--replays", type=int, default=5)
@@ -338,17 +342,19 @@ def main(argv=None) -> int:
         d = report["decode"]
         print(f"\n(b) decode, 4 concurrent sequences x {d['tokens_per_sequence']} tokens, "
               f"{d['rounds']} interleaved rounds")
-        print(f"{'constrained':>11} {'tok/s median':>13} {'ratio':>7}  per round")
+        print(f"{'constrained':>11} {'tok/s median':>13} {'ratio':>7} {'paired':>7} "
+              f"{'best':>7}  tok/s per round")
         base = d["tok_s_median"]["0"]
         for k in ("0", "1", "4"):
             v = d["tok_s_median"][k]
-            print(f"{k:>11} {v:>13.1f} {v / base:>7.3f}  "
+            paired = d["paired_ratio_median"].get(k, 1.0)
+            best = d["best_ratio"].get(k, 1.0)
+            print(f"{k:>11} {v:>13.1f} {v / base:>7.3f} {paired:>7.3f} {best:>7.3f}  "
                   + " ".join(f"{x:.1f}" for x in d["tok_s"][k]))
         verdict = "meets" if d["cost_4_constrained_pct"] <= 10 else "MISSES"
-        print(f"paired per-round ratios (median): 1 of 4 constrained {d['ratio_1_constrained']:.3f}, "
-              f"4 of 4 constrained {d['ratio_4_constrained']:.3f}")
-        print(f"4 of 4 constrained cost {d['cost_4_constrained_pct']:.1f}% of decode throughput "
-              f"({verdict} the <= 10% target)")
+        print(f"4 of 4 constrained: decode throughput x{d['ratio_4_constrained']:.3f} (ratio of "
+              f"medians), a cost of {d['cost_4_constrained_pct']:.1f}% ({verdict} the <= 10% "
+              f"target); 1 of 4: x{d['ratio_1_constrained']:.3f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

@@ -91,6 +91,7 @@ async def run_cases(url: str, kind: str, n: int, concurrency: int, max_tokens: i
                    if resp.usage.prompt_tokens_details else None,
                    "completion_tokens": resp.usage.completion_tokens,
                    "finish_reason": ch.finish_reason,
+                   "prompt_ms": t.get("prompt_ms"), "predicted_ms": t.get("predicted_ms"),
                    "predicted_per_second": t.get("predicted_per_second"), **extra}
 
     t0 = time.perf_counter()
@@ -110,8 +111,11 @@ async def run_cases(url: str, kind: str, n: int, concurrency: int, max_tokens: i
         "finish_reasons": {k: sum(1 for r in rows if r.get("finish_reason") == k)
                            for k in sorted({r.get("finish_reason") for r in rows}, key=str)},
         "invalid": [r for r in rows if not r["valid"]],
+        "prompt_s_total": sum(r.get("prompt_ms") or 0 for r in rows) / 1e3,
+        "predicted_s_total": sum(r.get("predicted_ms") or 0 for r in rows) / 1e3,
         "rows": [{k: r.get(k) for k in ("seed", "valid", "latency_s", "prompt_tokens",
-                                        "cached_tokens", "completion_tokens", "finish_reason")}
+                                        "cached_tokens", "completion_tokens", "finish_reason",
+                                        "prompt_ms", "predicted_ms")}
                  for r in rows],
     }
 

@@ -55,7 +55,7 @@ def scalar_schema(rng: random.Random) -> dict[str, Any]:
 def value_schema(rng: random.Random, depth: int, max_depth: int) -> dict[str, Any]:
     r = rng.random()
     if depth < max_depth and r < 0.18:
-        return object_schema(rng, depth + 1, max_depth, max_props=3)
+        return object_schema(rng, depth + 1, max_depth, max_props=2)
     if r < 0.32:
         items = (object_schema(rng, depth + 1, max_depth, max_props=2)
                  if depth < max_depth and rng.random() < 0.3 else scalar_schema(rng))
@@ -71,7 +71,7 @@ def object_schema(rng: random.Random, depth: int = 0, max_depth: int = 2,
     props = {}
     for name in names:
         s = value_schema(rng, depth, max_depth)
-        if rng.random() < 0.3:
+        if rng.random() < 0.2:
             s["description"] = f"the {name}"
         props[name] = s
     required = [n for n in names if rng.random() < 0.6] or [names[0]]
@@ -90,7 +90,7 @@ def tool_set(rng: random.Random, n_tools: int | None = None) -> list[dict[str, A
     return [{"type": "function",
              "function": {"name": name,
                           "description": f"{name.replace('_', ' ').capitalize()}.",
-                          "parameters": object_schema(rng, max_props=4)}}
+                          "parameters": object_schema(rng, max_props=3)}}
             for name in names]
 
 

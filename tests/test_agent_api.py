@@ -249,8 +249,10 @@ def test_streamed_tool_calls_match(server, choice):
     """The same forced call, streamed, accumulates to the non-streamed calls. "parallel":
     required with parallel_tool_calls, where the small model keeps calling until max_tokens
     (several calls; the cut-off one stays text)."""
-    case = G.tool_case(1001 if choice == "named" else 1000, n_tools=3,
-                       parallel=choice == "parallel")
+    # the first case of the right kind without numbers (test_forced_numbers_end covers those)
+    seed = next(s for s in range(1000, 1200) if (s % 2 == 1) == (choice == "named")
+                and "number" not in json.dumps(G.tool_case(s, n_tools=2)["tools"]))
+    case = G.tool_case(seed, n_tools=2, parallel=choice == "parallel")
     assert (case["tool_choice"] == "required") == (choice != "named")
     client = openai_client(server)
     max_tokens = PARALLEL_MAX_TOKENS if choice == "parallel" else TOOL_MAX_TOKENS
@@ -322,9 +324,10 @@ def _token_id(server, text: str) -> int:
 
 
 def test_max_tokens_past_context_is_clamped(launcher):
-    """max_tokens = 10**6 on a 160-token context: accepted, the reply runs to the end of the
+    """max_tokens = 10**6 on a 96-token context: accepted, the reply runs to the end of the
     context (the end-of-turn tokens banned by logit_bias) and ends with "length"."""
-    small = Server(launcher, "--parallel", "1", "--ctx-size", "160", model=_default_model())
+    ctx = 96
+    small = Server(launcher, "--parallel", "1", "--ctx-size", str(ctx), model=_default_model())
     try:
         bans = {str(_token_id(small, t)): -100 for t in ("<end_of_turn>", "<eos>")}
         client = openai_client(small)
@@ -333,14 +336,14 @@ def test_max_tokens_past_context_is_clamped(launcher):
             max_tokens=10**6, temperature=0, logit_bias=bans)
         u = resp.usage
         assert resp.choices[0].finish_reason == "length"
-        assert u.completion_tokens > 0 and u.prompt_tokens + u.completion_tokens <= 160
-        assert u.prompt_tokens + u.completion_tokens >= 159
+        assert u.completion_tokens > 0 and u.prompt_tokens + u.completion_tokens <= ctx
+        assert u.prompt_tokens + u.completion_tokens >= ctx - 1
         # and without a ban it just works (stops on its own or at the context's end)
         resp = client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": "Say OK."}], max_tokens=10**6,
             temperature=0)
         assert resp.choices[0].finish_reason in ("stop", "length")
-        assert resp.usage.prompt_tokens + resp.usage.completion_tokens <= 160
+        assert resp.usage.prompt_tokens + resp.usage.completion_tokens <= ctx
     finally:
         small.terminate()
 
@@ -503,7 +506,7 @@ def test_agents_sdk_three_turns_reuse_the_prefix(server):
         r1 = await Runner.run(agent, "What is the weather in Paris?", max_turns=2)
         # turn 2: the tool result goes back (same tools, no more calls) and is answered
         answer = agent.clone(model_settings=ModelSettings(tool_choice="none", temperature=0,
-                                                          max_tokens=48),
+                                                          max_tokens=24),
                              tool_use_behavior="run_llm_again")
         r2 = await Runner.run(answer, r1.to_input_list(), max_turns=1)
         # turn 3: a follow-up, answered
