@@ -168,6 +168,11 @@ class _Format:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None}
 
+    def final_extras(self, total: FinishEvent, chunk: dict) -> dict:
+        """The last choice's finish chunk carries the request's usage and timings."""
+        chunk.update(usage=P.usage(total), timings=total.timings.as_dict())
+        return chunk
+
     def usage_chunk(self, fin: FinishEvent) -> dict:
         c = self._base(self.object_chunk)
         c.update(choices=[], usage=P.usage(fin), timings=fin.timings.as_dict())
@@ -216,10 +221,6 @@ class ChatFormat(_Format):
         chunks = [self._chunk(d, fin.index) for d in out.finish()]
         chunks.append(self._chunk({}, fin.index, P.finish_reason(fin, out.has_calls)))
         return chunks
-
-    def final_extras(self, total: FinishEvent, chunk: dict) -> dict:
-        chunk.update(usage=P.usage(total), timings=total.timings.as_dict())
-        return chunk
 
     def response(self, choices: dict[int, tuple[str, list[TokenEvent], FinishEvent]],
                  total: FinishEvent) -> dict:
@@ -270,10 +271,6 @@ class CompletionFormat(_Format):
 
     def finish_chunks(self, fin: FinishEvent) -> list[dict]:
         return [self._chunk("", fin.index, P.finish_reason(fin))]
-
-    def final_extras(self, total: FinishEvent, chunk: dict) -> dict:
-        chunk.update(usage=P.usage(total), timings=total.timings.as_dict())
-        return chunk
 
     def response(self, choices: dict[int, tuple[str, list[TokenEvent], FinishEvent]],
                  total: FinishEvent) -> dict:
