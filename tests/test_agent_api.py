@@ -216,6 +216,26 @@ def test_forced_numbers_end(server):
     assert not G.check_tool_calls(case, calls_of(resp.choices[0].message))
 
 
+def test_llama_server_json_schema_and_grammar(server):
+    """llama-server's own fields: `json_schema` (a schema, no wrapper) and `grammar` (GBNF),
+    on /v1/chat/completions and /completion-style /v1/completions."""
+    msgs = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+    schema = {"type": "object", "properties": {"answer": {"type": "string",
+                                                           "enum": ["yes", "no"]}},
+              "required": ["answer"]}
+    r = server.post("/v1/chat/completions", {"messages": msgs, "max_tokens": 24,
+                                             "temperature": 0, "json_schema": schema})
+    assert not G.check_json(schema, r["choices"][0]["message"]["content"]), r
+    gbnf = 'root ::= answer "."\nanswer ::= "yes" | "no"'
+    r = server.post("/v1/chat/completions", {"messages": msgs, "max_tokens": 8,
+                                             "temperature": 0, "grammar": gbnf})
+    assert r["choices"][0]["message"]["content"] in ("yes.", "no."), r
+    assert r["choices"][0]["finish_reason"] == "stop"
+    r = server.post("/v1/completions", {"prompt": "The sky is blue: yes or no? Answer:",
+                                        "max_tokens": 8, "temperature": 0, "grammar": gbnf})
+    assert r["choices"][0]["text"] in ("yes.", "no."), r
+
+
 # --------------------------------------------------------------------------- streaming
 
 def _stream_calls(client, body: dict) -> tuple[list[tuple[str, str, str]], list[str], str | None]:
