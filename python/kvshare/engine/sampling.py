@@ -63,16 +63,18 @@ class Sampler:
         if not np.isfinite(scores).all():
             raise SamplingError("the penalties (repeat/frequency/presence) made the scores "
                                 "non-finite")
+        ids = None
         if allowed is not None:
-            n = min(allowed.size, scores.size)
-            keep = np.zeros(scores.size, dtype=bool)
-            keep[:n] = allowed[:n]
-            if not keep.any():
+            ids = np.flatnonzero(allowed[: scores.size])  # a grammar allows few tokens
+            if ids.size == 0:
                 raise SamplingError("the grammar allows no token here")
-            scores = np.where(keep, scores, -np.inf).astype(np.float32)
         if p.greedy:
-            token = int(np.argmax(scores))
+            token = int(np.argmax(scores)) if ids is None else int(ids[np.argmax(scores[ids])])
         else:
+            if ids is not None:
+                masked = np.full(scores.size, -np.inf, dtype=np.float32)
+                masked[ids] = scores[ids]
+                scores = masked
             token = self._draw(scores)
         self.history.append(token)
         self.generated[token] += 1
