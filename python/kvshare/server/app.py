@@ -173,6 +173,17 @@ class _Format:
         chunk.update(usage=P.usage(total), timings=total.timings.as_dict())
         return chunk
 
+    def choice(self, i: int, text: str, events: list[TokenEvent], fin: FinishEvent) -> dict:
+        raise NotImplementedError
+
+    def response(self, choices: dict[int, tuple[str, list[TokenEvent], FinishEvent]],
+                 total: FinishEvent) -> dict:
+        """The whole (non-streamed) response: each choice in index order, then the totals."""
+        r = self._base(self.object_full)
+        r.update(choices=[self.choice(i, *choices[i]) for i in sorted(choices)],
+                 usage=P.usage(total), timings=total.timings.as_dict())
+        return r
+
     def usage_chunk(self, fin: FinishEvent) -> dict:
         c = self._base(self.object_chunk)
         c.update(choices=[], usage=P.usage(fin), timings=fin.timings.as_dict())
@@ -222,20 +233,13 @@ class ChatFormat(_Format):
         chunks.append(self._chunk({}, fin.index, P.finish_reason(fin, out.has_calls)))
         return chunks
 
-    def response(self, choices: dict[int, tuple[str, list[TokenEvent], FinishEvent]],
-                 total: FinishEvent) -> dict:
-        out = []
-        for i in sorted(choices):
-            text, events, fin = choices[i]
-            logprobs = None
-            if self.opts.logprobs:
-                logprobs = {"content": [e for e in map(P.chat_logprob_entry, events) if e]}
-            message, calls = ChoiceOutput.message(self.rules, text)
-            out.append({"index": i, "message": message, "logprobs": logprobs,
-                        "finish_reason": P.finish_reason(fin, calls)})
-        r = self._base(self.object_full)
-        r.update(choices=out, usage=P.usage(total), timings=total.timings.as_dict())
-        return r
+    def choice(self, i: int, text: str, events: list[TokenEvent], fin: FinishEvent) -> dict:
+        logprobs = None
+        if self.opts.logprobs:
+            logprobs = {"content": [e for e in map(P.chat_logprob_entry, events) if e]}
+        message, calls = ChoiceOutput.message(self.rules, text)
+        return {"index": i, "message": message, "logprobs": logprobs,
+                "finish_reason": P.finish_reason(fin, calls)}
 
 
 class CompletionFormat(_Format):
@@ -272,22 +276,15 @@ class CompletionFormat(_Format):
     def finish_chunks(self, fin: FinishEvent) -> list[dict]:
         return [self._chunk("", fin.index, P.finish_reason(fin))]
 
-    def response(self, choices: dict[int, tuple[str, list[TokenEvent], FinishEvent]],
-                 total: FinishEvent) -> dict:
-        out = []
-        for i in sorted(choices):
-            text, events, fin = choices[i]
-            logprobs = None
-            if self.opts.logprobs:
-                lp = P.LegacyLogprobs(len(self.echo_text))
-                for e in events:
-                    lp.add(e)
-                logprobs = lp.as_dict()
-            out.append({"index": i, "text": self.echo_text + text, "logprobs": logprobs,
-                        "finish_reason": P.finish_reason(fin)})
-        r = self._base(self.object_full)
-        r.update(choices=out, usage=P.usage(total), timings=total.timings.as_dict())
-        return r
+    def choice(self, i: int, text: str, events: list[TokenEvent], fin: FinishEvent) -> dict:
+        logprobs = None
+        if self.opts.logprobs:
+            lp = P.LegacyLogprobs(len(self.echo_text))
+            for e in events:
+                lp.add(e)
+            logprobs = lp.as_dict()
+        return {"index": i, "text": self.echo_text + text, "logprobs": logprobs,
+                "finish_reason": P.finish_reason(fin)}
 
 
 class SSEResponse(StreamingResponse):
