@@ -21,6 +21,8 @@ from kvshare.constrain import (
     TokenVocab,
     allowed_tokens,
     apply_mask,
+    mask_logits,
+    masked_argmax,
     compile_grammar,
 )
 from kvshare.model.tokenizer import Tokenizer
@@ -274,6 +276,50 @@ def test_fill_masks_matches_fill_mask_and_runs_in_background(gemma):
     with pytest.raises(Exception, match="twice"):
         MaskBatch([ms[0], ms[0]]).wait()
     assert MaskBatch([]).wait().shape == (0, 0)
+
+
+def test_fill_masks_on_the_kernel_pool_matches_fill_mask(gemma):
+    # the CPU engine's way: computed in wait(), on the kernels' thread pool
+    ms = _many_matchers(gemma, 5)
+    expect = np.empty((len(ms), gemma.vocab.mask_words), np.uint32)
+    for m, row in zip(ms, expect):
+        m.fill_mask(row)
+    batch = MaskBatch(ms, kernel_pool=True).start()
+    np.testing.assert_array_equal(batch.wait(), expect)
+    assert batch.errors == [None] * len(ms)
+    with pytest.raises(Exception, match="twice"):
+        MaskBatch([ms[0], ms[0]], kernel_pool=True).wait()
+
+
+def test_masked_argmax_and_mask_logits_match_the_numpy_oracle(gemma):
+    rng = np.random.default_rng(7)
+    ms = _many_matchers(gemma, 2)
+    g = compile_grammar(gemma.vocab, "json_object", "")
+    masks = [np.empty(gemma.vocab.mask_words, np.uint32) for _ in range(4)]
+    ms[0].fill_mask(masks[0])  # inside a string: most tokens allowed
+    g.matcher().fill_mask(masks[1])  # the opening of an object: few tokens
+    masks[2][:] = 0  # none
+    masks[3][:] = 0
+    masks[3][-1] = 1 << ((gemma.vocab_size - 1) % 32)  # the last token only
+    for mask in masks:
+        row = rng.standard_normal(gemma.vocab_size).astype(np.float32)
+        oracle = apply_mask(row, mask)
+        best = masked_argmax(row, mask)
+        if np.isfinite(oracle).any():
+            assert best == int(np.argmax(oracle))
+        else:
+            assert best is None
+        got = row.copy()
+        assert mask_logits(got, mask) == int(np.isfinite(oracle).sum())
+        np.testing.assert_array_equal(got, oracle)
+    # rows shorter than the mask: bits beyond the row are ignored
+    assert masked_argmax(np.zeros(5, np.float32), masks[3]) is None
+    with pytest.raises(Exception, match="dtype"):
+        masked_argmax(np.zeros(5), masks[3])
+    with pytest.raises(Exception, match="read-only"):
+        ro = np.zeros(5, np.float32)
+        ro.flags.writeable = False
+        mask_logits(ro, masks[3])
 
 
 def _longest_pause(call, rounds: int = 3) -> float:

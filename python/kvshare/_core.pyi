@@ -373,8 +373,19 @@ class Matcher:
     def mask_words(self) -> int: ...
 
 def fill_masks(
-    matchers: Sequence[Matcher], out: npt.NDArray[np.uint32], threads: int | None = None
+    matchers: Sequence[Matcher],
+    out: npt.NDArray[np.uint32],
+    threads: int | None = None,
+    kernel_pool: bool = False,
 ) -> list[str | None]:
     """Row i of `out` (writable `[len(matchers), mask_words]`) = matcher i's mask, computed on
     up to `threads` threads (default: one per core) with the GIL released. One entry per
-    matcher: None, or the message of a failed matcher (its row then allows only EOS)."""
+    matcher: None, or the message of a failed matcher (its row then allows only EOS).
+    `kernel_pool`: run on the CPU kernels' thread pool instead (between forward steps)."""
+
+def masked_argmax(row: npt.NDArray[np.float32], mask: npt.NDArray[np.uint32]) -> int | None:
+    """The index of the highest score among the tokens `mask` allows; None if it allows none
+    of the row."""
+
+def mask_logits(row: npt.NDArray[np.float32], mask: npt.NDArray[np.uint32]) -> int:
+    """Write -inf over every score `mask` does not allow, in place; the number allowed."""

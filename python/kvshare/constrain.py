@@ -21,11 +21,19 @@ from typing import Protocol
 
 import numpy as np
 
-from kvshare._core import ConstraintVocab, Grammar, GrammarError, Matcher, fill_masks
+from kvshare._core import (
+    ConstraintVocab,
+    Grammar,
+    GrammarError,
+    Matcher,
+    fill_masks,
+    mask_logits,
+    masked_argmax,
+)
 
 __all__ = [
     "GrammarError", "Grammar", "Matcher", "TokenVocab", "compile_grammar", "MaskBatch",
-    "apply_mask", "allowed_tokens", "GRAMMAR_KINDS",
+    "apply_mask", "allowed_tokens", "masked_argmax", "mask_logits", "GRAMMAR_KINDS",
 ]
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "lark", "regex")
@@ -106,24 +114,34 @@ class MaskBatch:
     pass, then `wait()` for the `[len(matchers), mask_words]` uint32 array (row i is matcher
     i's). A matcher that fails gets an EOS-only row and its message in `errors[i]` (None for
     the others). A call on one of the matchers between `start()` and `wait()` waits for the
-    batch; consume the sampled tokens after `wait()`."""
+    batch; consume the sampled tokens after `wait()`.
+
+    `kernel_pool`: compute in `wait()`, on the calling thread and the CPU kernels' pool (for
+    a CPU engine, between forward steps, when that pool is idle); `start()` then does
+    nothing."""
 
     def __init__(self, matchers: Sequence[Matcher], out: np.ndarray | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, kernel_pool: bool = False):
         self.matchers = list(matchers)
         words = self.matchers[0].mask_words if self.matchers else 0
         if out is None:
             out = np.empty((len(self.matchers), words), np.uint32)
         self.out = out
         self.threads = threads
+        self.kernel_pool = kernel_pool
         self.errors: list[str | None] = []
         self._future: Future[list[str | None]] | None = None
 
     def start(self) -> MaskBatch:
+        if self.kernel_pool:
+            return self
         self._future = _mask_worker().submit(fill_masks, self.matchers, self.out, self.threads)
         return self
 
     def wait(self) -> np.ndarray:
+        if self.kernel_pool:
+            self.errors = fill_masks(self.matchers, self.out, None, True)
+            return self.out
         if self._future is None:
             self.start()
         assert self._future is not None

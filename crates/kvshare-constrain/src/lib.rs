@@ -5,7 +5,8 @@
 //! - [`Vocab`]: built once per model from the token byte strings.
 //! - [`Grammar`]: one compiled constraint; makes any number of [`Matcher`]s.
 //! - [`Matcher`]: one sequence's state: token mask, consume, accepting / stopped.
-//! - [`fill_masks_parallel`]: several matchers' masks on threads.
+//! - [`fill_masks_parallel`] / [`fill_masks_with`]: several matchers' masks on threads.
+//! - [`masked_argmax`] / [`mask_scores`]: a mask applied to a logits row.
 //!
 //! A mask is a bitmask of `ceil(vocab_size / 32)` little-endian `u32` words: bit `t % 32` of
 //! word `t / 32` set means token `t` is allowed.
@@ -17,5 +18,5 @@ mod vocab;
 
 pub use error::{ConstrainError, Result};
 pub use grammar::{Grammar, GrammarKind};
-pub use matcher::{fill_masks_parallel, Matcher};
+pub use matcher::{fill_masks_parallel, fill_masks_with, mask_scores, masked_argmax, Matcher};
 pub use vocab::Vocab;

@@ -157,6 +157,27 @@ pub fn fill_masks_parallel(
     out: &mut [u32],
     threads: usize,
 ) -> Vec<Result<()>> {
+    let parts = threads.clamp(1, matchers.len().max(1));
+    fill_masks_with(matchers, out, parts, &|parts, work| {
+        std::thread::scope(|s| {
+            for _ in 1..parts {
+                s.spawn(work);
+            }
+            work();
+        })
+    })
+}
+
+/// As [`fill_masks_parallel`], with the threads supplied by the caller: `run(parts, work)` must
+/// call `work` on up to `parts` threads (the calling one included) and return when all calls
+/// have returned. kvshare runs it on its kernel pool, whose workers are idle (spinning) right
+/// after a forward step, so the masks start without spawning or waking a thread.
+pub fn fill_masks_with(
+    matchers: &mut [&mut Matcher],
+    out: &mut [u32],
+    parts: usize,
+    run: &dyn Fn(usize, &(dyn Fn() + Sync)),
+) -> Vec<Result<()>> {
     let n = matchers.len();
     if n == 0 {
         return Vec::new();
@@ -181,11 +202,92 @@ pub fn fill_masks_parallel(
         let Some(((m, row), res)) = job else { break };
         *res = m.fill_mask(row);
     };
-    std::thread::scope(|s| {
-        for _ in 1..threads.clamp(1, n) {
-            s.spawn(work);
-        }
-        work();
-    });
+    run(parts.clamp(1, n), &work);
     results
+}
+
+/// The highest-scoring token the mask allows (the first on ties, as `argmax` picks), or `None`
+/// when it allows none of `scores` (`scores.len()` may be shorter than the mask's bits).
+/// One pass over the row, skipping 32 forbidden tokens per zero word: greedy constrained
+/// decoding without unpacking a [vocab] boolean array.
+pub fn masked_argmax(scores: &[f32], mask: &[u32]) -> Option<usize> {
+    let mut best: Option<(usize, f32)> = None;
+    for (w, &bits) in mask.iter().enumerate() {
+        let base = w * 32;
+        if bits == 0 || base >= scores.len() {
+            if base >= scores.len() {
+                break;
+            }
+            continue;
+        }
+        let mut b = bits;
+        while b != 0 {
+            let t = base + b.trailing_zeros() as usize;
+            b &= b - 1;
+            if t >= scores.len() {
+                break;
+            }
+            let v = scores[t];
+            // NaN never wins (the sampler rejects non-finite rows before this)
+            if best.is_none_or(|(_, bv)| v > bv) {
+                best = Some((t, v));
+            }
+        }
+    }
+    best.map(|(t, _)| t)
+}
+
+/// Set every score the mask does not allow to -inf, in place; returns how many are allowed.
+pub fn mask_scores(scores: &mut [f32], mask: &[u32]) -> usize {
+    let mut allowed = 0;
+    for (w, chunk) in scores.chunks_mut(32).enumerate() {
+        let bits = mask.get(w).copied().unwrap_or(0);
+        if bits == u32::MAX && chunk.len() == 32 {
+            allowed += 32;
+            continue;
+        }
+        for (i, v) in chunk.iter_mut().enumerate() {
+            if bits >> i & 1 == 0 {
+                *v = f32::NEG_INFINITY;
+            } else {
+                allowed += 1;
+            }
+        }
+    }
+    allowed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn masked_argmax_picks_the_best_allowed_token() {
+        let scores: Vec<f32> = (0..70).map(|i| (i % 7) as f32).collect();
+        let mut mask = vec![0u32; 3];
+        assert_eq!(masked_argmax(&scores, &mask), None);
+        for t in [3usize, 40, 66] {
+            mask[t / 32] |= 1 << (t % 32);
+        }
+        // scores: 3 -> 3, 40 -> 5, 66 -> 3
+        assert_eq!(masked_argmax(&scores, &mask), Some(40));
+        // bits beyond the row are ignored
+        mask[2] |= 1 << 31;
+        assert_eq!(masked_argmax(&scores, &mask), Some(40));
+        assert_eq!(masked_argmax(&scores[..40], &mask), Some(3));
+    }
+
+    #[test]
+    fn mask_scores_forbids_the_rest() {
+        let mut scores = vec![1.0f32; 70];
+        let mut mask = vec![0u32; 3];
+        mask[0] = u32::MAX;
+        mask[2] = 0b101;
+        assert_eq!(mask_scores(&mut scores, &mask), 34);
+        assert!(scores[..32].iter().all(|&v| v == 1.0));
+        assert!(scores[32..64].iter().all(|&v| v == f32::NEG_INFINITY));
+        assert_eq!(scores[64], 1.0);
+        assert_eq!(scores[65], f32::NEG_INFINITY);
+        assert_eq!(scores[66], 1.0);
+    }
 }

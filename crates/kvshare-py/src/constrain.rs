@@ -3,7 +3,10 @@
 //! released; masks are written in place into NumPy uint32 arrays.
 
 use crate::convert::{invalid, typed_array};
-use kvshare_constrain::{fill_masks_parallel, ConstrainError, Grammar, Matcher, Vocab};
+use kvshare_constrain::{
+    fill_masks_parallel, fill_masks_with, mask_scores, masked_argmax, ConstrainError, Grammar,
+    Matcher, Vocab,
+};
 use parking_lot::Mutex;
 use pyo3::create_exception;
 use pyo3::exceptions::PyValueError;
@@ -180,13 +183,16 @@ impl PyMatcher {
 /// Fill row i of `out` (writable 2-D uint32 `[len(matchers), mask_words]`) with matcher i's
 /// mask, on up to `threads` threads (default: one per core), GIL released. Returns one entry
 /// per matcher: None, or the error message of a failed matcher (its row then allows only EOS).
+/// `kernel_pool`: run on the CPU kernels' thread pool instead of new threads (for a call made
+/// between forward steps, when that pool's workers are idle; `threads` is then ignored).
 #[pyfunction]
-#[pyo3(signature = (matchers, out, threads = None))]
+#[pyo3(signature = (matchers, out, threads = None, kernel_pool = false))]
 fn fill_masks(
     py: Python<'_>,
     matchers: Vec<Bound<'_, PyMatcher>>,
     out: &Bound<'_, PyAny>,
     threads: Option<usize>,
+    kernel_pool: bool,
 ) -> PyResult<Vec<Option<String>>> {
     let oa = typed_array(out, b'u', 4, true, "out")?;
     let refs: Vec<&PyMatcher> = matchers.iter().map(|m| m.get()).collect();
@@ -218,7 +224,14 @@ fn fill_masks(
         let mut guards: Vec<_> = order.iter().map(|&i| (i, refs[i].inner.lock())).collect();
         guards.sort_by_key(|(i, _)| *i);
         let mut ms: Vec<&mut Matcher> = guards.iter_mut().map(|(_, g)| &mut **g).collect();
-        fill_masks_parallel(&mut ms, rows, threads)
+        if kernel_pool {
+            let parts = kvshare_kernels::pool::max_parts();
+            fill_masks_with(&mut ms, rows, parts, &|parts, work| {
+                kvshare_kernels::pool::run(parts, &|_| work())
+            })
+        } else {
+            fill_masks_parallel(&mut ms, rows, threads)
+        }
     });
     Ok(results
         .into_iter()
@@ -226,10 +239,41 @@ fn fill_masks(
         .collect())
 }
 
+/// The index of the highest score in `row` (float32) among the tokens `mask` (uint32 words)
+/// allows, or None when it allows none of them: greedy constrained decoding in one pass.
+#[pyfunction(name = "masked_argmax")]
+fn py_masked_argmax(row: &Bound<'_, PyAny>, mask: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+    let ra = typed_array(row, b'f', 4, false, "row")?;
+    let ma = typed_array(mask, b'u', 4, false, "mask")?;
+    if ra.shape.len() != 1 || ma.shape.len() != 1 {
+        return Err(invalid("row and mask must be 1-D"));
+    }
+    // SAFETY: dtypes and contiguity checked; both arrays stay referenced for this call.
+    let (r, m) = unsafe { (ra.as_slice::<f32>(), ma.as_slice::<u32>()) };
+    Ok(masked_argmax(r, m))
+}
+
+/// Set every score of `row` (writable float32) that `mask` does not allow to -inf, in place;
+/// returns how many tokens are allowed.
+#[pyfunction]
+fn mask_logits(row: &Bound<'_, PyAny>, mask: &Bound<'_, PyAny>) -> PyResult<usize> {
+    let ra = typed_array(row, b'f', 4, true, "row")?;
+    let ma = typed_array(mask, b'u', 4, false, "mask")?;
+    if ra.shape.len() != 1 || ma.shape.len() != 1 {
+        return Err(invalid("row and mask must be 1-D"));
+    }
+    // SAFETY: as above, and `row` was checked writable (a distinct array from `mask`: the
+    // dtypes differ).
+    let (r, m) = unsafe { (ra.as_mut_slice::<f32>(), ma.as_slice::<u32>()) };
+    Ok(mask_scores(r, m))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GrammarError", m.py().get_type::<GrammarError>())?;
     m.add_class::<PyConstraintVocab>()?;
     m.add_class::<PyGrammar>()?;
     m.add_class::<PyMatcher>()?;
-    m.add_function(wrap_pyfunction!(fill_masks, m)?)
+    m.add_function(wrap_pyfunction!(fill_masks, m)?)?;
+    m.add_function(wrap_pyfunction!(py_masked_argmax, m)?)?;
+    m.add_function(wrap_pyfunction!(mask_logits, m)?)
 }

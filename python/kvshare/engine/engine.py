@@ -80,6 +80,9 @@ class Engine:
         self.ctx_size = config.ctx_size
         if not getattr(model.backend, "is_gpu", False):
             set_cpu_threads(config.threads)
+        # grammar masks beside the forward pass only where it leaves the CPU free (see
+        # engine/grammar_masks.py)
+        self._overlap_masks = bool(getattr(model.backend, "is_gpu", False))
         n_blocks = self.n_blocks = self._pool_blocks(config)
         self.hybrid = bool(model.state_shapes())
         self.kv = model.new_cache(n_blocks, config.block_size, kv_dtype=config.kv_dtype,
@@ -366,7 +369,7 @@ class Engine:
                 state_slot=item.seq.state_slot,
             ))
         constrained = [i.seq for i in plan if i.wants_logits and i.seq.matcher is not None]
-        masks = MaskJob(constrained, self.vocab_size) if constrained else None
+        masks = MaskJob(constrained, overlap=self._overlap_masks) if constrained else None
         try:
             logits = self.model.forward(chunks, self.kv)
             for item in plan:
@@ -495,7 +498,7 @@ class Engine:
         req = seq.request
         mask = None
         if seq.matcher is not None:
-            mask = allowed if allowed is not None else compute_mask(seq.matcher, self.vocab_size)
+            mask = allowed if allowed is not None else compute_mask(seq.matcher)
             if isinstance(mask, Exception):
                 raise SequenceFault(f"constrained decoding failed: {mask}", status=500,
                                     cause="grammar")

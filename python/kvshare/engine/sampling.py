@@ -14,6 +14,7 @@ from collections import Counter
 
 import numpy as np
 
+from kvshare._core import mask_logits, masked_argmax
 from kvshare.engine.api import SamplingParams
 from kvshare.engine.faults import SamplingError
 
@@ -46,10 +47,13 @@ class Sampler:
             logits[ids] -= counts * p.frequency_penalty + p.presence_penalty
         return logits
 
-    def sample(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> int:
+    def sample(self, logits: np.ndarray, mask: np.ndarray | None = None) -> int:
         """Pick the next token from a [vocab] float32 row and record it in the history.
-        `allowed` (bool [vocab]): the grammar's mask; only those tokens can be drawn.
-        Raises `SamplingError` (this sequence's fault alone) on non-finite scores."""
+        `mask` (uint32 words, bit t of word t // 32 = token t allowed: kvshare.constrain's
+        layout): the grammar's mask; only those tokens can be drawn. It is applied in one pass
+        in Rust (argmax over the allowed bits, or -inf written over the rest), not unpacked
+        into a [vocab] boolean array. Raises `SamplingError` (this sequence's fault alone) on
+        non-finite scores."""
         p = self.params
         logits = np.asarray(logits, dtype=np.float32)
         if not np.isfinite(logits).all():
@@ -63,18 +67,21 @@ class Sampler:
         if not np.isfinite(scores).all():
             raise SamplingError("the penalties (repeat/frequency/presence) made the scores "
                                 "non-finite")
-        ids = None
-        if allowed is not None:
-            ids = np.flatnonzero(allowed[: scores.size])  # a grammar allows few tokens
-            if ids.size == 0:
-                raise SamplingError("the grammar allows no token here")
+        if mask is not None:
+            mask = np.ascontiguousarray(mask, dtype=np.uint32)
         if p.greedy:
-            token = int(np.argmax(scores)) if ids is None else int(ids[np.argmax(scores[ids])])
+            if mask is None:
+                token = int(np.argmax(scores))
+            else:
+                best = masked_argmax(np.ascontiguousarray(scores), mask)
+                if best is None:
+                    raise SamplingError("the grammar allows no token here")
+                token = int(best)
         else:
-            if ids is not None:
-                masked = np.full(scores.size, -np.inf, dtype=np.float32)
-                masked[ids] = scores[ids]
-                scores = masked
+            if mask is not None:
+                scores = np.array(scores, dtype=np.float32, copy=True)  # the caller's row
+                if mask_logits(scores, mask) == 0:
+                    raise SamplingError("the grammar allows no token here")
             token = self._draw(scores)
         self.history.append(token)
         self.generated[token] += 1
