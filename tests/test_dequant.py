@@ -8,7 +8,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, quants
 from kvshare.model.gguf_file import GGUFError
 from kvshare.model.weights import FAST_TYPES, dequantize
 
-TYPES = [Q.Q4_K, Q.Q5_0, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.F16, Q.BF16, Q.F32]
+TYPES = [Q.Q4_K, Q.Q5_0, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_1, Q.F16, Q.BF16, Q.F32]
 
 
 def _random_blocks(rng, qtype, n_blocks):
@@ -16,7 +16,7 @@ def _random_blocks(rng, qtype, n_blocks):
     _, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
     scales = rng.uniform(-0.05, 0.05, (n_blocks, 2)).astype(np.float16).view(np.uint8)
-    if qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin at the start
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q4_1, Q.Q5_1):  # d, dmin (or m) at the start
         raw[:, 0:4] = scales
     elif qtype == Q.Q6_K:  # d at the end
         raw[:, -2:] = scales[:, :2]

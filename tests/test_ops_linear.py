@@ -9,7 +9,7 @@ from kvshare.model.weights import dequantize, split_quantized
 from kvshare.ops import linear as L
 from kvshare.ops.linear import QWeight, linear
 
-TYPES = [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
 def _blocks(rng, qtype, rows, cols):

@@ -55,6 +55,24 @@ def _split_q5_0(b):  # block 32: d f16, qh u32 (bit i: 5th bit of element i), qs
     return qi, _f16(b[:, 0:2]), None
 
 
+def _split_q4_1(b):  # block 32: d f16, m f16, qs u8[16]; value = q * d + m (q unsigned)
+    q = np.empty((b.shape[0], 2, 16), np.uint8)
+    np.bitwise_and(b[:, 4:20], 0x0F, out=q[:, 0])
+    np.right_shift(b[:, 4:20], 4, out=q[:, 1])
+    # the split form subtracts its mins: -m (q * d - (-m) is q * d + m exactly)
+    return q.reshape(-1, 32).view(np.int8), _f16(b[:, 0:2]), -_f16(b[:, 2:4])
+
+
+def _split_q5_1(b):  # block 32: d f16, m f16, qh u32, qs u8[16]; value = q * d + m
+    hb = np.unpackbits(b[:, 4:8], axis=1, bitorder="little")
+    q = np.empty((b.shape[0], 2, 16), np.uint8)
+    np.bitwise_and(b[:, 8:24], 0x0F, out=q[:, 0])
+    np.right_shift(b[:, 8:24], 4, out=q[:, 1])
+    q = q.reshape(-1, 32)
+    q |= hb << 4
+    return q.view(np.int8), _f16(b[:, 0:2]), -_f16(b[:, 2:4])
+
+
 def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """ggml's get_scale_min_k4 for all 8 sub-blocks: 6-bit scales and mins from 12 bytes."""
     nb = s.shape[0]
@@ -121,6 +139,8 @@ _SPLIT: dict[Q, tuple[Callable, int]] = {  # splitter, group size
     Q.Q8_0: (_split_q8_0, 32),
     Q.Q4_0: (_split_q4_0, 32),
     Q.Q5_0: (_split_q5_0, 32),
+    Q.Q4_1: (_split_q4_1, 32),
+    Q.Q5_1: (_split_q5_1, 32),
     Q.Q4_K: (_split_q4_k, 32),
     Q.Q5_K: (_split_q5_k, 32),
     Q.Q6_K: (_split_q6_k, 16),
