@@ -342,20 +342,14 @@ def load_attention_layer(ld: Any, cfg: ModelConfig, il: int, attn_index: int) ->
     post_ffw_norm (Gemma)."""
     p = f"blk.{il}."
     H, K, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-    def fused(names: list[str], dense: np.ndarray) -> Any:
-        """Kept quantized (int8 + scales, plus `dense` for big batches) where the CPU path
-        applies, else `dense` on the backend."""
-        qw = ld.qweight(names, dense)
-        return qw if qw is not None else ld.put(dense)
-
     if ld.has(p + "attn_qkv.weight"):
         qkv_names = [p + "attn_qkv.weight"]
     else:
         qkv_names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
-    wqkv = np.concatenate([ld.host(n) for n in qkv_names], axis=0)
-    if wqkv.shape != ((H + 2 * K) * D, cfg.n_embd):
-        raise ValueError(f"layer {il}: fused QKV weight has shape {wqkv.shape}, expected "
-                         f"{((H + 2 * K) * D, cfg.n_embd)}")
+    wqkv = ld.matrix(qkv_names)
+    if tuple(wqkv.shape) != ((H + 2 * K) * D, cfg.n_embd):
+        raise ValueError(f"layer {il}: fused QKV weight has shape {tuple(wqkv.shape)}, "
+                         f"expected {((H + 2 * K) * D, cfg.n_embd)}")
     bqkv = None
     names = [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
     if ld.has(p + "attn_qkv.bias"):
@@ -369,19 +363,18 @@ def load_attention_layer(ld: Any, cfg: ModelConfig, il: int, attn_index: int) ->
         return ld.get(p + name) if ld.has(p + name) else None
 
     gu_names = [p + "ffn_gate.weight", p + "ffn_up.weight"]
-    gate_up = np.concatenate([ld.host(n) for n in gu_names], axis=0)
     window = cfg.layer_windows[il]
     return AttentionLayer(
         index=il, attn_index=attn_index, window=window,
         rope_base=cfg.layer_rope_base(il), rope_scale=cfg.layer_rope_scale(il),
         attn_norm=ld.get(p + "attn_norm.weight"),
-        wqkv=fused(qkv_names, wqkv), bqkv=None if bqkv is None else ld.put(bqkv, keep_f32=True),
-        wo=fused([p + "attn_output.weight"], ld.host(p + "attn_output.weight")),
+        wqkv=wqkv, bqkv=None if bqkv is None else ld.put(bqkv, keep_f32=True),
+        wo=ld.matrix([p + "attn_output.weight"]),
         q_norm=opt("attn_q_norm.weight"), k_norm=opt("attn_k_norm.weight"),
         post_attn_norm=opt("post_attention_norm.weight"),
         ffn_norm=ld.get(p + "ffn_norm.weight"),
-        w_gate_up=fused(gu_names, gate_up),
-        w_down=fused([p + "ffn_down.weight"], ld.host(p + "ffn_down.weight")),
+        w_gate_up=ld.matrix(gu_names),
+        w_down=ld.matrix([p + "ffn_down.weight"]),
         post_ffn_norm=opt("post_ffw_norm.weight"),
     )
 
@@ -390,7 +383,7 @@ def load_decoder(model: DecoderModel, ld: Any) -> None:
     """Fill a `DecoderModel` from a llama-style GGUF: embeddings, layers, final norm and the
     output head (tied to the embeddings when the file has no `output.weight`)."""
     cfg = model.config
-    model.tok_embd = ld.q8("token_embd.weight") or ld.get("token_embd.weight")
+    model.tok_embd = ld.matrix(["token_embd.weight"])
     if model.tok_embd.shape != (cfg.vocab_size, cfg.n_embd):
         raise ValueError(f"token_embd has shape {model.tok_embd.shape}, expected "
                          f"{(cfg.vocab_size, cfg.n_embd)}")
@@ -406,6 +399,6 @@ def load_decoder(model: DecoderModel, ld: Any) -> None:
     model.layers = layers
     model.output_norm = ld.get("output_norm.weight")
     if ld.has("output.weight"):
-        model.output = ld.q8("output.weight") or ld.get("output.weight")
+        model.output = ld.matrix(["output.weight"])
     else:
         model.output = model.tok_embd

@@ -29,7 +29,7 @@ from kvshare.model.cache import ModelCache
 from kvshare.model.config import ATTENTION, ModelConfig
 from kvshare.model.hybrid import HybridModel, HybridRecurrentLayer, gather_states, \
     scatter_states, split_batch
-from kvshare.model.qwen35 import _fused, load_embeddings, load_ffn
+from kvshare.model.qwen35 import load_embeddings, load_ffn
 from kvshare.ops.linear import linear
 from kvshare.ops.norm import rms_norm
 from kvshare.ops.short_conv import causal_conv1d, causal_conv1d_step
@@ -99,17 +99,17 @@ def _load(model: Lfm2Model, ld: Any) -> None:
             layers.append(load_attention_layer(ld, cfg, il, attn_idx[il]))
             continue
         gate_up, down = load_ffn(ld, p)
-        in_proj = ld.host(p + "shortconv.in_proj.weight")
+        in_proj = ld.matrix([p + "shortconv.in_proj.weight"])
         conv_w = ld.host(p + "shortconv.conv.weight")
-        if in_proj.shape != (3 * E, E) or conv_w.shape != (E, model.l_cache):
-            raise ValueError(f"layer {il}: short-conv weights have shapes {in_proj.shape}, "
+        if tuple(in_proj.shape) != (3 * E, E) or conv_w.shape != (E, model.l_cache):
+            raise ValueError(f"layer {il}: short-conv weights have shapes "
+                             f"{tuple(in_proj.shape)}, "
                              f"{conv_w.shape}")
         layers.append(ShortConvLayer(model, il, rec, dict(
             attn_norm=ld.get(p + "attn_norm.weight"),
-            in_proj=_fused(ld, [p + "shortconv.in_proj.weight"], in_proj),
+            in_proj=in_proj,
             conv_w=ld.put(conv_w, keep_f32=True),
-            out_proj=_fused(ld, [p + "shortconv.out_proj.weight"],
-                            ld.host(p + "shortconv.out_proj.weight")),
+            out_proj=ld.matrix([p + "shortconv.out_proj.weight"]),
             ffn_norm=ld.get(p + "ffn_norm.weight"), w_gate_up=gate_up, w_down=down)))
         rec += 1
     model.layers = layers

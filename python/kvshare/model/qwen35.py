@@ -194,27 +194,20 @@ class Qwen35Model(HybridModel):
         return self._ffn(x, L.ffn_norm, L.w_gate_up, L.w_down)
 
 
-def _fused(ld: Any, names: list[str], dense: np.ndarray) -> Any:
-    qw = ld.qweight(names, dense)
-    return qw if qw is not None else ld.put(dense)
-
-
 def load_ffn(ld: Any, p: str) -> tuple[Any, Any]:
     names = [p + "ffn_gate.weight", p + "ffn_up.weight"]
-    gu = np.concatenate([ld.host(nm) for nm in names], axis=0)
-    down = p + "ffn_down.weight"
-    return _fused(ld, names, gu), _fused(ld, [down], ld.host(down))
+    return ld.matrix(names), ld.matrix([p + "ffn_down.weight"])
 
 
 def load_embeddings(model: HybridModel, ld: Any, output_norm: str) -> None:
     cfg = model.config
-    model.tok_embd = ld.q8("token_embd.weight") or ld.get("token_embd.weight")
+    model.tok_embd = ld.matrix(["token_embd.weight"])
     if model.tok_embd.shape != (cfg.vocab_size, cfg.n_embd):
         raise ValueError(f"token_embd has shape {model.tok_embd.shape}, expected "
                          f"{(cfg.vocab_size, cfg.n_embd)}")
     model.output_norm = ld.get(output_norm)
     if ld.has("output.weight"):
-        model.output = ld.q8("output.weight") or ld.get("output.weight")
+        model.output = ld.matrix(["output.weight"])
     else:
         model.output = model.tok_embd
 
@@ -231,36 +224,36 @@ def _load(model: Qwen35Model, ld: Any) -> None:
         gate_up, down = load_ffn(ld, p)
         if cfg.layer_kinds[il] == ATTENTION:
             names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
-            w = np.concatenate([ld.host(nm) for nm in names], axis=0)
-            if w.shape != ((2 * H + 2 * K) * D, cfg.n_embd):
+            w = ld.matrix(names)
+            if tuple(w.shape) != ((2 * H + 2 * K) * D, cfg.n_embd):
                 raise ValueError(f"layer {il}: q+gate/k/v weights have {w.shape[0]} rows, "
                                  f"expected {(2 * H + 2 * K) * D}")
             layers.append(GatedAttentionLayer(
                 index=il, attn_index=attn_idx[il], attn_norm=ld.get(p + "attn_norm.weight"),
-                wqkv=_fused(ld, names, w),
-                wo=_fused(ld, [p + "attn_output.weight"], ld.host(p + "attn_output.weight")),
+                wqkv=w,
+                wo=ld.matrix([p + "attn_output.weight"]),
                 q_norm=ld.get(p + "attn_q_norm.weight"), k_norm=ld.get(p + "attn_k_norm.weight"),
                 ffn_norm=ld.get(p + "post_attention_norm.weight"), w_gate_up=gate_up,
                 w_down=down))
             continue
         names = [p + "attn_qkv.weight", p + "attn_gate.weight", p + "ssm_beta.weight",
                  p + "ssm_alpha.weight"]
-        w_in = np.concatenate([ld.host(nm) for nm in names], axis=0)
+        w_in = ld.matrix(names)
         want = model.conv_dim + model.n_v_heads * model.d_v + 2 * model.n_v_heads
-        if w_in.shape != (want, cfg.n_embd):
+        if tuple(w_in.shape) != (want, cfg.n_embd):
             raise ValueError(f"layer {il}: delta-net input projections have shape "
-                             f"{w_in.shape}, expected {(want, cfg.n_embd)}")
+                             f"{tuple(w_in.shape)}, expected {(want, cfg.n_embd)}")
         conv_w = ld.host(p + "ssm_conv1d.weight")
         if conv_w.shape != (model.conv_dim, model.d_conv):
             raise ValueError(f"layer {il}: ssm_conv1d has shape {conv_w.shape}")
         layers.append(GatedDeltaNetLayer(model, il, rec, dict(
             attn_norm=ld.get(p + "attn_norm.weight"),
-            w_in=_fused(ld, names, w_in),
+            w_in=w_in,
             conv_w=ld.put(conv_w, keep_f32=True),
             dt_bias=ld.get(p + "ssm_dt.bias"),
             ssm_a=ld.get(p + "ssm_a"),
             ssm_norm=ld.get(p + "ssm_norm.weight"),
-            ssm_out=_fused(ld, [p + "ssm_out.weight"], ld.host(p + "ssm_out.weight")),
+            ssm_out=ld.matrix([p + "ssm_out.weight"]),
             ffn_norm=ld.get(p + "post_attention_norm.weight"),
             w_gate_up=gate_up, w_down=down)))
         rec += 1

@@ -273,42 +273,37 @@ class WeightLoader:
         arr = self.host(name, transform)
         return self.put(arr, keep_f32=keep_f32)
 
-    def q8(self, name: str):
-        """Tensor `name` as a `Q8Weight` (kept quantized) when that path applies: CPU backend,
-        a 2-D Q8_0 tensor, and $KVSHARE_CPU_Q8 not "0". Otherwise None."""
-        import os  # noqa: PLC0415
-
-        from kvshare.ops.linear import Q8Weight  # noqa: PLC0415
-
-        info = self.gf.tensors.get(name)
-        if (info is None or self.backend.is_gpu or info.qtype != Q.Q8_0
-                or len(info.shape) != 2 or os.environ.get("KVSHARE_CPU_Q8", "1") == "0"):
-            return None
-        w = Q8Weight.from_q8_0_bytes(self.gf.raw(name), info.numpy_shape)
-        if self._bar is not None:
-            self._bar.update(info.n_bytes)
-        return w
-
-    def qweight(self, names: list[str], dense: np.ndarray):
-        """The row-wise concatenation of tensors `names` as a `QWeight` (int8 + group scales,
-        with `dense` as its f32 copy for large batches) when that path applies: CPU,
-        $KVSHARE_CPU_Q8 not "0", and every tensor of a block-quantized type. Else None."""
+    def cpu_weight(self, names: list[str]):
+        """The row-wise stack of tensors `names` kept compact for the CPU kernels (a
+        `QWeight`: int8 + group scales, no f32 copy; products with more rows than the
+        kernels take dequantize tiles on the fly) when that path applies: CPU backend,
+        $KVSHARE_CPU_Q8 not "0", and every tensor 2-D of a block-quantized type. Else None:
+        the caller loads f32 (`host`/`get`). Nothing is dequantized here, so loading never
+        holds a full-size f32 copy of a quantized model."""
         import os  # noqa: PLC0415
 
         from kvshare.ops.linear import QWeight  # noqa: PLC0415
 
         if self.backend.is_gpu or os.environ.get("KVSHARE_CPU_Q8") == "0":
             return None
+        infos = [self.gf.tensors.get(n) for n in names]
+        if any(i is None or len(i.shape) != 2 or i.qtype not in _SPLIT for i in infos):
+            return None
         parts = []
-        for name in names:
-            info = self.gf.tensors[name]
-            if len(info.shape) != 2:
-                return None
-            sp = split_quantized(self.gf.raw(name), info.qtype, info.numpy_shape)
-            if sp is None:
-                return None
-            parts.append(QWeight(*sp))
-        return QWeight.concat(parts, dense=np.ascontiguousarray(dense, dtype=np.float32))
+        for name, info in zip(names, infos):
+            parts.append(QWeight(*split_quantized(self.gf.raw(name), info.qtype,
+                                                  info.numpy_shape)))
+            if self._bar is not None:
+                self._bar.update(info.n_bytes)
+        return parts[0] if len(parts) == 1 else QWeight.concat(parts)
+
+    def matrix(self, names: list[str]):
+        """Tensors `names` stacked along the output axis (fused Q/K/V, gate/up) as the
+        backend's weight: compact on the CPU (`cpu_weight`), else f32 / the GPU dtype."""
+        w = self.cpu_weight(names)
+        if w is not None:
+            return w
+        return self.put(np.concatenate([self.host(n) for n in names], axis=0))
 
     def put(self, arr: np.ndarray, *, keep_f32: bool = False):
         if not self.backend.is_gpu:
