@@ -1,12 +1,20 @@
-//! Paged attention for the few query rows of decode steps, reading keys and values in place
-//! from the block pool.
+//! Paged attention for decode rows and prefill chunks, reading keys and values in place from
+//! the block pool.
 //!
-//! NumPy computes a decode token's attention as a `[heads, hd] x [hd, T]` product, a softmax
-//! and a `[heads, T] x [T, hd]` product: at 6K context each of those walks 6 MB of f32 keys or
+//! Decode rows (a sequence with at most `DECODE_ROWS` query rows in the call): NumPy computes
+//! a decode token's attention as a `[heads, hd] x [hd, T]` product, a softmax and a
+//! `[heads, T] x [T, hd]` product: at 6K context each of those walks 6 MB of f32 keys or
 //! values on one thread through OpenBLAS's small-M path, ~4 ms per global layer. Here one
 //! pass over the keys scores all query heads of a KV head at once, and long contexts are
 //! split over threads (each part keeps its own max and sum, combined at the end like
 //! flash-decoding), so the cost is close to reading K and V once.
+//!
+//! Prefill chunks (more rows): flash-attention style tiles of query rows x the query heads of
+//! one KV head (`TILE_VECS` query vectors) walk their keys in blocks of `KEY_BLOCK`, keeping
+//! a running max, sum and weighted sum of values per query vector (online softmax), so the
+//! keys and values are read in place from the pool (f16 converted in registers) once per
+//! tile, and only the keys a tile can see are scored. Tiles are dealt out to threads
+//! largest first.
 //!
 //! Layout (as `ops/attention.py`): `k`, `v`: `[n_blocks, block_size, n_kv, hd]` f32 or f16; query
 //! rows `[n_tok, n_head, hd]`; sequence `s` owns rows `q_starts[s]..q_starts[s + 1]` at
@@ -19,6 +27,13 @@ use crate::qmatmul::KernelError;
 const KEYS_PER_TASK: usize = 256;
 /// Least total work (keys x query heads x head dim) worth another thread (~40 us).
 const WORK_PER_THREAD: usize = 1 << 18;
+/// Sequences with at most this many query rows take the decode path (one task per row, long
+/// contexts split over threads); longer ones take the tiled prefill path.
+pub const DECODE_ROWS: usize = 4;
+/// Query vectors (query rows x query heads of one KV head) per prefill tile.
+const TILE_VECS: usize = 64;
+/// Keys per step of a prefill tile (their scores: `KEY_BLOCK x TILE_VECS` f32).
+const KEY_BLOCK: usize = 32;
 
 /// An element type of the KV pool: f32, or IEEE half precision (`F16`, the pool's f16 mode).
 pub trait KvElem: Copy + Sync + 'static {
@@ -144,54 +159,131 @@ fn check<T: KvElem>(
     Ok(n_tok)
 }
 
-/// The tasks of every sequence with at most `max_rows` query rows (others are left to the
-/// caller), checking that each one's block table covers its keys.
+/// Whether the block table of sequence `s` covers key positions `[lo, hi)`.
+fn cover<T: KvElem>(
+    kv: &PagedKv<'_, T>,
+    qs: &Queries<'_>,
+    s: usize,
+    lo: usize,
+    hi: usize,
+) -> Result<(), KernelError> {
+    let bs = kv.block_size;
+    let table = &qs.tables[s * qs.width..(s + 1) * qs.width];
+    for b in lo / bs..hi.div_ceil(bs) {
+        match table.get(b) {
+            Some(&id) if id >= 0 && (id as usize) < kv.n_blocks => {}
+            _ => {
+                return Err(KernelError::Uncovered(format!(
+                    "sequence {s}: block table does not cover positions < {hi}"
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// First key position a query at `qp` sees.
+fn first_key(qp: usize, window: usize) -> usize {
+    if window > 0 {
+        (qp + 1).saturating_sub(window)
+    } else {
+        0
+    }
+}
+
+/// Rows `(r0, r1)` and first position of the sequences whose row count is in
+/// `(min_rows, max_rows]`.
+fn seqs_with_rows<'a>(
+    qs: &'a Queries<'_>,
+    min_rows: usize,
+    max_rows: usize,
+) -> impl Iterator<Item = Result<(usize, usize, usize, usize), KernelError>> + 'a {
+    (0..qs.start_positions.len()).filter_map(move |s| {
+        let (r0, r1) = (qs.q_starts[s] as usize, qs.q_starts[s + 1] as usize);
+        let n = r1 - r0;
+        if n == 0 || n <= min_rows || n > max_rows {
+            return None;
+        }
+        let p0 = qs.start_positions[s];
+        if p0 < 0 {
+            return Some(shape_err(format!("sequence {s}: negative start position")));
+        }
+        Some(Ok((s, r0, r1, p0 as usize)))
+    })
+}
+
+/// The decode tasks of every sequence with `(min_rows, max_rows]` query rows, checking that
+/// each one's block table covers its keys.
 fn tasks<T: KvElem>(
     kv: &PagedKv<'_, T>,
     qs: &Queries<'_>,
     window: usize,
+    min_rows: usize,
     max_rows: usize,
 ) -> Result<Vec<Task>, KernelError> {
-    let bs = kv.block_size;
     let mut out = Vec::new();
-    for s in 0..qs.start_positions.len() {
-        let (r0, r1) = (qs.q_starts[s] as usize, qs.q_starts[s + 1] as usize);
-        if r1 == r0 || r1 - r0 > max_rows {
-            continue;
-        }
-        let p0 = qs.start_positions[s];
-        if p0 < 0 {
-            return shape_err(format!("sequence {s}: negative start position"));
-        }
-        let p0 = p0 as usize;
+    for r in seqs_with_rows(qs, min_rows, max_rows) {
+        let (s, r0, r1, p0) = r?;
+        cover(kv, qs, s, first_key(p0, window), p0 + (r1 - r0))?;
         for row in r0..r1 {
             let qp = p0 + (row - r0);
-            let lo = if window > 0 {
-                (qp + 1).saturating_sub(window)
-            } else {
-                0
-            };
-            let hi = qp + 1;
-            let table = &qs.tables[s * qs.width..(s + 1) * qs.width];
-            for b in lo / bs..hi.div_ceil(bs) {
-                match table.get(b) {
-                    Some(&id) if id >= 0 && (id as usize) < kv.n_blocks => {}
-                    _ => {
-                        return Err(KernelError::Uncovered(format!(
-                            "sequence {s}: block table does not cover positions < {hi}"
-                        )))
-                    }
-                }
-            }
             for kvh in 0..kv.n_kv {
                 out.push(Task {
                     seq: s,
                     row,
                     kvh,
-                    lo,
-                    hi,
+                    lo: first_key(qp, window),
+                    hi: qp + 1,
                 });
             }
+        }
+    }
+    Ok(out)
+}
+
+/// One prefill tile: query rows `[r0, r1)` of sequence `seq` (positions from `qa`) with the
+/// query heads of KV head `kvh`, over keys `[lo, hi)`.
+#[derive(Clone, Copy, Debug)]
+struct Tile {
+    seq: usize,
+    r0: usize,
+    r1: usize,
+    kvh: usize,
+    qa: usize,
+    lo: usize,
+    hi: usize,
+}
+
+/// The prefill tiles of every sequence with more than `min_rows` and at most `max_rows` rows.
+fn tiles<T: KvElem>(
+    kv: &PagedKv<'_, T>,
+    qs: &Queries<'_>,
+    window: usize,
+    min_rows: usize,
+    max_rows: usize,
+) -> Result<Vec<Tile>, KernelError> {
+    let g = qs.n_head / kv.n_kv;
+    let tq = (TILE_VECS / g).max(1);
+    let mut out = Vec::new();
+    for r in seqs_with_rows(qs, min_rows, max_rows) {
+        let (s, r0, r1, p0) = r?;
+        cover(kv, qs, s, first_key(p0, window), p0 + (r1 - r0))?;
+        let mut a = r0;
+        while a < r1 {
+            let b = (a + tq).min(r1);
+            let qa = p0 + (a - r0);
+            for kvh in 0..kv.n_kv {
+                out.push(Tile {
+                    seq: s,
+                    r0: a,
+                    r1: b,
+                    kvh,
+                    qa,
+                    lo: first_key(qa, window),
+                    hi: qa + (b - a),
+                });
+            }
+            a = b;
         }
     }
     Ok(out)
@@ -239,18 +331,60 @@ pub fn paged_attention<T: KvElem>(
     out: &mut [f32],
     threads: usize,
 ) -> Result<(), KernelError> {
+    attention(kv, qs, scale, window, max_rows, out, threads, true)
+}
+
+/// `paged_attention` on the portable (non-SIMD) code paths, for tests comparing them.
+pub fn paged_attention_portable<T: KvElem>(
+    kv: &PagedKv<'_, T>,
+    qs: &Queries<'_>,
+    scale: f32,
+    window: usize,
+    max_rows: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    attention(kv, qs, scale, window, max_rows, out, 1, false)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention<T: KvElem>(
+    kv: &PagedKv<'_, T>,
+    qs: &Queries<'_>,
+    scale: f32,
+    window: usize,
+    max_rows: usize,
+    out: &mut [f32],
+    threads: usize,
+    simd: bool,
+) -> Result<(), KernelError> {
     check(kv, qs, out)?;
-    let items = tasks(kv, qs, window, max_rows)?;
-    if items.is_empty() {
-        return Ok(());
+    let decode = tasks(kv, qs, window, 0, max_rows.min(DECODE_ROWS))?;
+    let prefill = tiles(kv, qs, window, DECODE_ROWS, max_rows)?;
+    let threads = threads.min(crate::pool::max_parts()).max(1);
+    if !decode.is_empty() {
+        decode_rows(kv, qs, scale, &decode, out, threads, simd);
     }
+    if !prefill.is_empty() {
+        prefill_tiles(kv, qs, scale, window, prefill, out, threads, simd);
+    }
+    Ok(())
+}
+
+/// The decode path: every task's keys split over threads, partial results merged.
+#[allow(clippy::too_many_arguments)]
+fn decode_rows<T: KvElem>(
+    kv: &PagedKv<'_, T>,
+    qs: &Queries<'_>,
+    scale: f32,
+    items: &[Task],
+    out: &mut [f32],
+    threads: usize,
+    simd: bool,
+) {
     let g = qs.n_head / kv.n_kv;
     let work: usize = items.iter().map(|t| (t.hi - t.lo) * kv.head_dim * g).sum();
-    let parts = threads
-        .min(crate::pool::max_parts())
-        .min(work / WORK_PER_THREAD)
-        .max(1);
-    let groups = plan(&items, parts);
+    let parts = threads.min(work / WORK_PER_THREAD).max(1);
+    let groups = plan(items, parts);
     let results: Vec<std::sync::Mutex<Vec<(usize, Partial)>>> = groups
         .iter()
         .map(|_| std::sync::Mutex::new(Vec::new()))
@@ -258,7 +392,7 @@ pub fn paged_attention<T: KvElem>(
     crate::pool::run(groups.len(), &|i| {
         let r: Vec<(usize, Partial)> = groups[i]
             .iter()
-            .map(|&(t, item)| (item, partial(kv, qs, scale, t)))
+            .map(|&(t, item)| (item, partial(kv, qs, scale, t, simd)))
             .collect();
         *results[i].lock().unwrap_or_else(|e| e.into_inner()) = r;
     });
@@ -297,12 +431,170 @@ pub fn paged_attention<T: KvElem>(
             }
         }
     }
-    Ok(())
+}
+
+/// The prefill path: tiles dealt out to threads largest first (an atomic counter), each
+/// result copied into `out`.
+#[allow(clippy::too_many_arguments)]
+fn prefill_tiles<T: KvElem>(
+    kv: &PagedKv<'_, T>,
+    qs: &Queries<'_>,
+    scale: f32,
+    window: usize,
+    mut items: Vec<Tile>,
+    out: &mut [f32],
+    threads: usize,
+    simd: bool,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let (g, hd) = (qs.n_head / kv.n_kv, kv.head_dim);
+    let cost = |t: &Tile| (t.r1 - t.r0) * (t.hi - t.lo);
+    items.sort_by_key(|t| std::cmp::Reverse(cost(t)));
+    let work: usize = items.iter().map(|t| cost(t) * g * hd).sum();
+    let parts = threads.min(items.len()).min(work / WORK_PER_THREAD).max(1);
+    let next = AtomicUsize::new(0);
+    let results: Vec<std::sync::Mutex<Vec<f32>>> = items
+        .iter()
+        .map(|_| std::sync::Mutex::new(Vec::new()))
+        .collect();
+    crate::pool::run(parts, &|_| loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        let Some(t) = items.get(i) else { break };
+        let r = tile(kv, qs, scale, window, t, simd);
+        *results[i].lock().unwrap_or_else(|e| e.into_inner()) = r;
+    });
+    for (t, r) in items.iter().zip(results) {
+        let r = r.into_inner().unwrap_or_else(|e| e.into_inner());
+        for row in t.r0..t.r1 {
+            let o = (row * qs.n_head + t.kvh * g) * hd;
+            let i = (row - t.r0) * g * hd;
+            out[o..o + g * hd].copy_from_slice(&r[i..i + g * hd]);
+        }
+    }
+}
+
+/// One prefill tile's output, `[rows, g, hd]`: online softmax over key blocks.
+fn tile<T: KvElem>(
+    kv: &PagedKv<'_, T>,
+    qs: &Queries<'_>,
+    scale: f32,
+    window: usize,
+    t: &Tile,
+    simd: bool,
+) -> Vec<f32> {
+    let (bs, n_kv, hd) = (kv.block_size, kv.n_kv, kv.head_dim);
+    let g = qs.n_head / n_kv;
+    let rows = t.r1 - t.r0;
+    let m = rows * g; // query vectors: row r, head h at r * g + h
+    let mut q = Vec::with_capacity(m * hd);
+    for row in t.r0..t.r1 {
+        let q0 = (row * qs.n_head + t.kvh * g) * hd;
+        q.extend(qs.q[q0..q0 + g * hd].iter().map(|x| x * scale));
+    }
+    let table = &qs.tables[t.seq * qs.width..(t.seq + 1) * qs.width];
+    let mut mx = vec![f32::NEG_INFINITY; m];
+    let mut sum = vec![0f32; m];
+    let mut acc = vec![0f32; m * hd];
+    let mut sc = vec![0f32; KEY_BLOCK * m]; // [key, query vector]
+    let mut offs = Vec::with_capacity(KEY_BLOCK);
+    let q_last = t.qa + rows - 1;
+    let mut j0 = t.lo;
+    while j0 < t.hi {
+        let j1 = (j0 + KEY_BLOCK).min(t.hi);
+        let nk = j1 - j0;
+        offs.clear();
+        offs.extend((j0..j1).map(|p| ((table[p / bs] as usize * bs + p % bs) * n_kv + t.kvh) * hd));
+        let sc = &mut sc[..nk * m];
+        scores(kv.k, &offs, &q, m, hd, sc, simd);
+        // every row sees every key of the block: no mask
+        let open = j1 - 1 <= t.qa && (window == 0 || q_last - j0 < window);
+        if !open {
+            for (j, s) in sc.chunks_exact_mut(m).enumerate() {
+                let p = j0 + j;
+                for r in 0..rows {
+                    let qp = t.qa + r;
+                    if p > qp || (window > 0 && qp - p >= window) {
+                        s[r * g..(r + 1) * g].fill(f32::NEG_INFINITY);
+                    }
+                }
+            }
+        }
+        softmax_step(sc, m, hd, &mut mx, &mut sum, &mut acc, simd);
+        weighted_values(kv.v, &offs, sc, m, hd, &mut acc, simd);
+        j0 = j1;
+    }
+    for (a, s) in acc.chunks_exact_mut(hd).zip(&sum) {
+        let inv = 1.0 / s;
+        a.iter_mut().for_each(|x| *x *= inv);
+    }
+    acc
+}
+
+/// The online softmax of one key block: `sc` (`[keys, m]` scores, -inf where masked) becomes
+/// `exp(score - new max)`; each query vector's running max, sum and weighted values are
+/// rescaled to the new max.
+fn softmax_step(
+    sc: &mut [f32],
+    m: usize,
+    hd: usize,
+    mx: &mut [f32],
+    sum: &mut [f32],
+    acc: &mut [f32],
+    simd: bool,
+) {
+    let mut nm = mx.to_vec();
+    for s in sc.chunks_exact(m) {
+        for (a, &b) in nm.iter_mut().zip(s) {
+            *a = a.max(b);
+        }
+    }
+    for i in 0..m {
+        if nm[i] == f32::NEG_INFINITY {
+            nm[i] = 0.0; // nothing seen yet: every exp below is 0
+        } else if nm[i] != mx[i] {
+            let alpha = if mx[i] == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (mx[i] - nm[i]).exp()
+            };
+            sum[i] *= alpha;
+            acc[i * hd..(i + 1) * hd]
+                .iter_mut()
+                .for_each(|x| *x *= alpha);
+            mx[i] = nm[i];
+        }
+    }
+    for s in sc.chunks_exact_mut(m) {
+        exp_sub(s, &nm, simd);
+        for (a, &b) in sum.iter_mut().zip(s.iter()) {
+            *a += b;
+        }
+    }
+}
+
+/// `x[i] = exp(x[i] - sub[i])` (0 where `x[i]` is -inf).
+fn exp_sub(x: &mut [f32], sub: &[f32], simd: bool) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd && simd_ok(16) {
+            // SAFETY: features detected; x and sub have equal lengths.
+            return unsafe { avx2::exp_sub(x, sub) };
+        }
+    }
+    for (a, &b) in x.iter_mut().zip(sub) {
+        *a = (*a - b).exp();
+    }
 }
 
 /// One task: scores of its keys for the group's query heads, their softmax numerators and
 /// the weighted sum of values.
-fn partial<T: KvElem>(kv: &PagedKv<'_, T>, qs: &Queries<'_>, scale: f32, t: Task) -> Partial {
+fn partial<T: KvElem>(
+    kv: &PagedKv<'_, T>,
+    qs: &Queries<'_>,
+    scale: f32,
+    t: Task,
+    simd: bool,
+) -> Partial {
     let (bs, n_kv, hd) = (kv.block_size, kv.n_kv, kv.head_dim);
     let g = qs.n_head / n_kv;
     let table = &qs.tables[t.seq * qs.width..(t.seq + 1) * qs.width];
@@ -314,7 +606,7 @@ fn partial<T: KvElem>(kv: &PagedKv<'_, T>, qs: &Queries<'_>, scale: f32, t: Task
     let q: Vec<f32> = qs.q[q0..q0 + g * hd].iter().map(|x| x * scale).collect();
     let n = rows.len();
     let mut sc = vec![0f32; n * g]; // [key, head]
-    scores(kv.k, &rows, &q, g, hd, &mut sc);
+    scores(kv.k, &rows, &q, g, hd, &mut sc, simd);
     let mut max = vec![f32::NEG_INFINITY; g];
     for j in 0..n {
         for h in 0..g {
@@ -330,11 +622,10 @@ fn partial<T: KvElem>(kv: &PagedKv<'_, T>, qs: &Queries<'_>, scale: f32, t: Task
         }
     }
     let mut acc = vec![0f32; g * hd];
-    weighted_values(kv.v, &rows, &sc, g, hd, &mut acc);
+    weighted_values(kv.v, &rows, &sc, g, hd, &mut acc, simd);
     Partial { max, sum, acc }
 }
 
-/// `sc[j * g + h] = q[h] . k[rows[j]]`.
 /// Whether the AVX2 path can run (every AVX2 CPU also has F16C, which f16 pools use).
 #[cfg(target_arch = "x86_64")]
 fn simd_ok(hd: usize) -> bool {
@@ -344,10 +635,19 @@ fn simd_ok(hd: usize) -> bool {
         && std::is_x86_feature_detected!("f16c")
 }
 
-fn scores<T: KvElem>(k: &[T], rows: &[usize], q: &[f32], g: usize, hd: usize, sc: &mut [f32]) {
+/// `sc[j * g + h] = q[h] . k[rows[j]]`.
+fn scores<T: KvElem>(
+    k: &[T],
+    rows: &[usize],
+    q: &[f32],
+    g: usize,
+    hd: usize,
+    sc: &mut [f32],
+    simd: bool,
+) {
     #[cfg(target_arch = "x86_64")]
     {
-        if simd_ok(hd) {
+        if simd && simd_ok(hd) {
             // SAFETY: features detected; rows index whole rows of k (built from a checked
             // table), q holds g rows of hd, sc rows.len() x g.
             return unsafe { avx2::scores(k, rows, q, g, hd, sc) };
@@ -356,7 +656,7 @@ fn scores<T: KvElem>(k: &[T], rows: &[usize], q: &[f32], g: usize, hd: usize, sc
     portable_scores(k, rows, q, g, hd, sc)
 }
 
-/// `acc[h] = sum_j p[j * g + h] * v[rows[j]]`.
+/// `acc[h] += sum_j p[j * g + h] * v[rows[j]]`.
 fn weighted_values<T: KvElem>(
     v: &[T],
     rows: &[usize],
@@ -364,10 +664,11 @@ fn weighted_values<T: KvElem>(
     g: usize,
     hd: usize,
     acc: &mut [f32],
+    simd: bool,
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        if simd_ok(hd) {
+        if simd && simd_ok(hd) {
             // SAFETY: as in `scores`.
             return unsafe { avx2::weighted_values(v, rows, p, g, hd, acc) };
         }
@@ -407,57 +708,14 @@ fn portable_weighted_values<T: KvElem>(
         let vr = &v[r..r + hd];
         for h in 0..g {
             let w = p[j * g + h];
+            if w == 0.0 {
+                continue;
+            }
             for (a, b) in acc[h * hd..(h + 1) * hd].iter_mut().zip(vr) {
                 *a += w * b.to_f32();
             }
         }
     }
-}
-
-/// The portable path of one task, for tests comparing it with the SIMD one.
-pub fn paged_attention_portable<T: KvElem>(
-    kv: &PagedKv<'_, T>,
-    qs: &Queries<'_>,
-    scale: f32,
-    window: usize,
-    max_rows: usize,
-    out: &mut [f32],
-) -> Result<(), KernelError> {
-    check(kv, qs, out)?;
-    let g = qs.n_head / kv.n_kv;
-    let hd = kv.head_dim;
-    for t in tasks(kv, qs, window, max_rows)? {
-        let table = &qs.tables[t.seq * qs.width..(t.seq + 1) * qs.width];
-        let rows: Vec<usize> = (t.lo..t.hi)
-            .map(|p| {
-                ((table[p / kv.block_size] as usize * kv.block_size + p % kv.block_size) * kv.n_kv
-                    + t.kvh)
-                    * hd
-            })
-            .collect();
-        let q0 = (t.row * qs.n_head + t.kvh * g) * hd;
-        let q: Vec<f32> = qs.q[q0..q0 + g * hd].iter().map(|x| x * scale).collect();
-        let mut sc = vec![0f32; rows.len() * g];
-        portable_scores(kv.k, &rows, &q, g, hd, &mut sc);
-        for h in 0..g {
-            let mx = (0..rows.len())
-                .map(|j| sc[j * g + h])
-                .fold(f32::NEG_INFINITY, f32::max);
-            let mut s = 0.0;
-            for j in 0..rows.len() {
-                sc[j * g + h] = (sc[j * g + h] - mx).exp();
-                s += sc[j * g + h];
-            }
-            for j in 0..rows.len() {
-                sc[j * g + h] /= s;
-            }
-        }
-        let mut acc = vec![0f32; g * hd];
-        portable_weighted_values(kv.v, &rows, &sc, g, hd, &mut acc);
-        let o = (t.row * qs.n_head + t.kvh * g) * hd;
-        out[o..o + g * hd].copy_from_slice(&acc);
-    }
-    Ok(())
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -542,7 +800,7 @@ mod avx2 {
     }
 
     /// 16 output dims x up to four heads in registers while walking all keys, then the next
-    /// 16 dims (each pass reads one cache line of every value row).
+    /// 16 dims (each pass reads one cache line of every value row); adds to `acc`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn weighted_values<T: KvElem>(
         v: &[T],
@@ -583,6 +841,13 @@ mod avx2 {
         while c < hd {
             let mut a0 = [_mm256_setzero_ps(); H];
             let mut a1 = [_mm256_setzero_ps(); H];
+            for h in 0..H {
+                unsafe {
+                    let o = acc.as_ptr().add((h0 + h) * hd + c);
+                    a0[h] = _mm256_loadu_ps(o);
+                    a1[h] = _mm256_loadu_ps(o.add(8));
+                }
+            }
             for (j, &r) in rows.iter().enumerate() {
                 unsafe {
                     let v0 = load8(vp.add(r + c));
@@ -603,5 +868,59 @@ mod avx2 {
             }
             c += 16;
         }
+    }
+
+    /// `x[i] = exp(x[i] - sub[i])`, Cephes' expf polynomial (~2 ulp) eight at a time; 0 where
+    /// the difference is below -87 (so -inf gives exactly 0).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn exp_sub(x: &mut [f32], sub: &[f32]) {
+        let n = x.len();
+        let mut i = 0;
+        while i + 8 <= n {
+            unsafe {
+                let px = x.as_mut_ptr().add(i);
+                let d = _mm256_sub_ps(_mm256_loadu_ps(px), _mm256_loadu_ps(sub.as_ptr().add(i)));
+                _mm256_storeu_ps(px, exp8(d));
+            }
+            i += 8;
+        }
+        for j in i..n {
+            x[j] = (x[j] - sub[j]).exp();
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn exp8(x: __m256) -> __m256 {
+        let keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0), _CMP_GE_OQ);
+        let x = _mm256_min_ps(x, _mm256_set1_ps(88.0));
+        let x = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
+        let fx = _mm256_floor_ps(_mm256_fmadd_ps(
+            x,
+            _mm256_set1_ps(std::f32::consts::LOG2_E),
+            _mm256_set1_ps(0.5),
+        ));
+        let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
+        let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), x);
+        let mut y = _mm256_set1_ps(1.987_569_1e-4);
+        for c in [
+            1.398_199_9e-3,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            0.166_666_65,
+            0.5,
+        ] {
+            y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+        }
+        let y = _mm256_fmadd_ps(
+            y,
+            _mm256_mul_ps(x, x),
+            _mm256_add_ps(x, _mm256_set1_ps(1.0)),
+        );
+        let e = _mm256_slli_epi32(
+            _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)),
+            23,
+        );
+        _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep)
     }
 }

@@ -297,3 +297,84 @@ proptest! {
         assert_close(&port, &want, "f16 portable");
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    /// Prefill chunks (more than `DECODE_ROWS` rows: the tiled online-softmax path) mixed
+    /// with decode rows, f32 and f16 pools, SIMD and portable, several thread counts.
+    #[test]
+    fn prefill_chunks_match_dense_reference(
+        seed in any::<u64>(),
+        lens in prop::collection::vec((0usize..200, 1usize..90), 1..4),
+        bs in prop::sample::select(vec![1usize, 4, 16]),
+        n_kv in 1usize..3,
+        g in 1usize..6,
+        hd in prop::sample::select(vec![8usize, 16, 48, 64]),
+        window in prop::sample::select(vec![0usize, 1, 5, 40, 100]),
+        threads in 1usize..4,
+        half in any::<bool>(),
+    ) {
+        let mut c = case(seed, &lens, bs, n_kv, g, hd);
+        if half {
+            for x in c.k.iter_mut().chain(c.v.iter_mut()) {
+                *x = (*x * 1024.0).round() / 1024.0;
+            }
+        }
+        let scale = 1.0 / (hd as f32).sqrt();
+        let want = c.reference(scale as f64, window);
+        let mut out = vec![0f32; c.q.len()];
+        let mut port = vec![0f32; c.q.len()];
+        if half {
+            let k16: Vec<F16> = c.k.iter().map(|&x| F16(f16_bits(x))).collect();
+            let v16: Vec<F16> = c.v.iter().map(|&x| F16(f16_bits(x))).collect();
+            let kv = PagedKv { k: &k16, v: &v16, n_blocks: c.n_blocks, block_size: c.bs, n_kv: c.n_kv, head_dim: c.hd };
+            paged_attention(&kv, &c.queries(), scale, window, usize::MAX, &mut out, threads).unwrap();
+            paged_attention_portable(&kv, &c.queries(), scale, window, usize::MAX, &mut port).unwrap();
+        } else {
+            paged_attention(&c.kv(), &c.queries(), scale, window, usize::MAX, &mut out, threads).unwrap();
+            paged_attention_portable(&c.kv(), &c.queries(), scale, window, usize::MAX, &mut port).unwrap();
+        }
+        assert_close(&out, &want, "prefill simd");
+        assert_close(&port, &want, "prefill portable");
+    }
+}
+
+#[test]
+fn long_prefill_chunk_over_threads_matches() {
+    // Gemma 3 270M's grouping (4 query heads on one KV head, head_dim 256) at a 300-row chunk
+    // after 700 cached positions, full and windowed, alongside a decode row
+    let c = case(11, &[(700, 300), (50, 1)], 16, 1, 4, 256);
+    for window in [0, 512, 64] {
+        let want = c.reference(0.0625, window);
+        for threads in [1, 2, 3] {
+            let mut out = vec![0f32; c.q.len()];
+            paged_attention(
+                &c.kv(),
+                &c.queries(),
+                0.0625,
+                window,
+                usize::MAX,
+                &mut out,
+                threads,
+            )
+            .unwrap();
+            assert_close(&out, &want, "long prefill");
+        }
+    }
+}
+
+#[test]
+fn prefill_rows_past_max_rows_are_left_alone_and_uncovered_tables_fail() {
+    let mut c = case(4, &[(10, 20), (30, 6)], 4, 1, 2, 16);
+    let want = c.reference(0.25, 0);
+    let mut out = vec![7f32; c.q.len()];
+    paged_attention(&c.kv(), &c.queries(), 0.25, 0, 10, &mut out, 2).unwrap();
+    let first = 20 * c.n_head * c.hd; // sequence 0's rows: more than max_rows
+    assert!(out[..first].iter().all(|&x| x == 7.0));
+    assert_close(&out[first..], &want[first..], "6-row chunk");
+    // the chunk's last position (35) lives in block 8 of sequence 1
+    c.tables[c.width + 8] = -1;
+    let e = paged_attention(&c.kv(), &c.queries(), 0.25, 0, 10, &mut out, 2).unwrap_err();
+    assert!(matches!(e, KernelError::Uncovered(_)), "{e}");
+}

@@ -1,5 +1,5 @@
 //! Binding of kvshare-kernels: `qmatmul_t`, the quantized matrix product of the CPU decode
-//! path, and `paged_attention` for decode rows. Arrays are borrowed in place and the GIL is
+//! path, and `paged_attention` for decode rows and prefill chunks. Arrays are borrowed in place and the GIL is
 //! released while they run.
 
 use crate::convert::{invalid, typed_array, TypedArray};
@@ -70,8 +70,9 @@ fn qmatmul_t(
         .map_err(|e| invalid(e.to_string()))
 }
 
-/// Attention of the query rows of sequences with at most `max_rows` rows over the paged
-/// cache (see `kvshare_kernels::attention`); other rows of `out` are left as they are.
+/// Attention of the query rows of sequences with at most `max_rows` rows (decode rows and
+/// prefill chunks) over the paged cache (see `kvshare_kernels::attention`); other rows of
+/// `out` are left as they are.
 #[pyfunction]
 #[pyo3(signature = (q, k_cache, v_cache, block_tables, q_starts, start_positions, scale, window, out, max_rows, threads = 1))]
 #[allow(clippy::too_many_arguments)]

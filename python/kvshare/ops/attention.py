@@ -28,11 +28,13 @@ _TILE_ELEMS = 1 << 22
 # can see, so smaller tiles waste less on masked entries (the upper triangle of causal
 # attention; with a window, keys only the tile's first queries see).
 _TILE_ROWS = 128
-# Sequences with at most this many query rows in a call (decode tokens) go to the compiled
-# kernel (`_core.paged_attention`, f32 or f16 pools: one pass over K and V, split over
-# threads at long context); at 6K context NumPy's small products spent ~4 ms per global
-# layer on them.
-KERNEL_MAX_ROWS = 1
+# Sequences with at most this many query rows in a call go to the compiled kernel
+# (`_core.paged_attention`, f32 or f16 pools): decode rows in one pass over K and V split over
+# threads at long context (at 6K context NumPy's small products spent ~4 ms per global layer on
+# them), prefill chunks as flash-attention tiles that read f16 K/V in place (no f32 copies of
+# key tiles, no scores of masked keys). Unbounded: the NumPy tile path below stays for other
+# pool dtypes and as the tests' oracle (set this to 0 to take it).
+KERNEL_MAX_ROWS = 1 << 62
 _KERNEL_KV_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 
