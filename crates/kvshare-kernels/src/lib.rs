@@ -9,6 +9,7 @@
 //! results equal the f32 computation up to summation order.
 
 pub mod attention;
+pub mod blocks;
 pub mod pool;
 pub mod qmatmul;
 #[cfg(target_arch = "x86_64")]

@@ -1,0 +1,423 @@
+//! Products and dequantization with weights kept in their GGUF block formats (the file's
+//! bytes, e.g. an mmap), computed on the blocks directly as ggml-cpu's `vec_dot` does.
+//!
+//! A weight matrix `[n, k]` is `n` rows of `k / block` blocks each. For a decode product the
+//! activation rows are quantized once to 8-bit blocks (`QActs`: per 32 values an f32 scale,
+//! i8 values and the scaled sums of each 16 values), and each weight block is multiplied
+//! with them in integers (32 products per instruction pair on AVX2), scaled in f32 per
+//! sub-block; the offset terms of Q4_1/Q5_1/K-quants (and of the unsigned forms of
+//! Q4_0/Q5_0/Q6_K/Q3_K) use the activation sums, so no weight is ever widened to f32. One
+//! activation format serves every weight type: per-32 scales are never coarser than a weight
+//! sub-block (16 or 32), so the integer sums of a sub-block need no rescaling.
+//! F32/F16/BF16 weights take an f32 dot with the f32 activations instead.
+//!
+//! Work is split over output rows (`crate::pool`), up to 4 activation rows per pass over a
+//! weight row, so a decode batch reads each weight block once per step.
+
+mod portable;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+
+use crate::qmatmul::KernelError;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+pub use portable::{dequantize_row, f16_to_f32};
+
+/// Most activation rows `block_matmul_t` takes (larger batches dequantize tiles + BLAS).
+pub const MAX_ROWS: usize = 16;
+/// Output rows are split between threads in multiples of this.
+const TILE: usize = 32;
+/// Least bytes of weights read per part worth handing to another thread (~25 us).
+const BYTES_PER_THREAD: usize = 1 << 17;
+/// Activation rows processed together against one weight row.
+const ROW_BLOCK: usize = 4;
+/// Activation values per scale of the quantized activations.
+pub const ACT_BLOCK: usize = 32;
+
+/// A GGUF tensor type with its ggml type id.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum BlockType {
+    F32 = 0,
+    F16 = 1,
+    Q4_0 = 2,
+    Q4_1 = 3,
+    Q5_0 = 6,
+    Q5_1 = 7,
+    Q8_0 = 8,
+    Q2_K = 10,
+    Q3_K = 11,
+    Q4_K = 12,
+    Q5_K = 13,
+    Q6_K = 14,
+    IQ4_NL = 20,
+    IQ4_XS = 23,
+    BF16 = 30,
+}
+
+impl BlockType {
+    pub const ALL: [BlockType; 15] = [
+        BlockType::F32,
+        BlockType::F16,
+        BlockType::Q4_0,
+        BlockType::Q4_1,
+        BlockType::Q5_0,
+        BlockType::Q5_1,
+        BlockType::Q8_0,
+        BlockType::Q2_K,
+        BlockType::Q3_K,
+        BlockType::Q4_K,
+        BlockType::Q5_K,
+        BlockType::Q6_K,
+        BlockType::IQ4_NL,
+        BlockType::IQ4_XS,
+        BlockType::BF16,
+    ];
+
+    /// The type of ggml type id `id`, None for a type without kernels here.
+    pub fn from_ggml(id: u32) -> Option<Self> {
+        Self::ALL.into_iter().find(|t| *t as u32 == id)
+    }
+
+    /// Elements per block.
+    pub fn block_size(self) -> usize {
+        use BlockType::*;
+        match self {
+            F32 | F16 | BF16 => 1,
+            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | IQ4_NL => 32,
+            Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        use BlockType::*;
+        match self {
+            F32 => 4,
+            F16 | BF16 => 2,
+            Q4_0 => 18,
+            Q4_1 => 20,
+            Q5_0 => 22,
+            Q5_1 => 24,
+            Q8_0 => 34,
+            Q2_K => 84,
+            Q3_K => 110,
+            Q4_K => 144,
+            Q5_K => 176,
+            Q6_K => 210,
+            IQ4_NL => 18,
+            IQ4_XS => 136,
+        }
+    }
+
+    /// Whether products use f32 activations (no activation quantization).
+    pub fn is_float(self) -> bool {
+        matches!(self, BlockType::F32 | BlockType::F16 | BlockType::BF16)
+    }
+
+    /// Bytes of one row of `k` elements (`k` a multiple of the block size).
+    pub fn row_bytes(self, k: usize) -> usize {
+        k / self.block_size() * self.block_bytes()
+    }
+}
+
+/// A borrowed `[n, k]` weight matrix in a GGUF block format: row `i` is
+/// `raw[i * row_bytes..(i + 1) * row_bytes]`.
+#[derive(Clone, Copy)]
+pub struct BlockMatrix<'a> {
+    pub raw: &'a [u8],
+    pub ty: BlockType,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl BlockMatrix<'_> {
+    pub fn row_bytes(&self) -> usize {
+        self.ty.row_bytes(self.k)
+    }
+
+    /// The raw bytes of row `i` (`i < n`, sizes checked).
+    fn row(&self, i: usize) -> &[u8] {
+        let rb = self.row_bytes();
+        &self.raw[i * rb..(i + 1) * rb]
+    }
+
+    pub fn check(&self) -> Result<(), KernelError> {
+        let bs = self.ty.block_size();
+        // quantized activations come in blocks of 32: every quantized type's block is a
+        // multiple of that
+        if self.k == 0 || !self.k.is_multiple_of(bs) {
+            return Err(KernelError::Shape(format!(
+                "k = {} is not a positive multiple of the {:?} block size {bs}",
+                self.k, self.ty
+            )));
+        }
+        let expect = self.n.checked_mul(self.row_bytes());
+        if expect != Some(self.raw.len()) {
+            return Err(KernelError::Shape(format!(
+                "raw has {} bytes, expected {} rows x {} bytes ({:?}, k = {})",
+                self.raw.len(),
+                self.n,
+                self.row_bytes(),
+                self.ty,
+                self.k
+            )));
+        }
+        Ok(())
+    }
+}
+
+static FORCE_PORTABLE: AtomicBool = AtomicBool::new(false);
+
+/// Make `block_matmul_t` and `dequantize_rows` use the portable code even where AVX2 runs
+/// (to test and compare both paths on one machine).
+pub fn set_force_portable(on: bool) {
+    FORCE_PORTABLE.store(on, Ordering::Relaxed);
+}
+
+/// Whether the AVX2 + FMA + F16C kernels run here (and are not switched off).
+fn use_avx2(portable: bool) -> bool {
+    if portable || FORCE_PORTABLE.load(Ordering::Relaxed) {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Activation rows quantized to 8 bits: per `ACT_BLOCK` values of row `r` a scale `d`
+/// (amax / 127) and i8 values `qs` (value ~ d * q), and per 16 values `sum16` = d * (sum of
+/// their q), per 32 `sum32` (the offset terms of weight formats with mins).
+pub struct QActs {
+    pub k: usize,
+    pub qs: Vec<i8>,
+    pub d: Vec<f32>,
+    pub sum16: Vec<f32>,
+    pub sum32: Vec<f32>,
+}
+
+impl QActs {
+    /// `x` f32 `[m, k]`, `k` a multiple of `ACT_BLOCK`.
+    pub fn quantize(x: &[f32], k: usize) -> Self {
+        let m = x.len() / k;
+        let nb = k / ACT_BLOCK;
+        let mut a = QActs {
+            k,
+            qs: vec![0; m * k],
+            d: vec![0.0; m * nb],
+            sum16: vec![0.0; m * nb * 2],
+            sum32: vec![0.0; m * nb],
+        };
+        for (b, xb) in x.chunks_exact(ACT_BLOCK).enumerate() {
+            let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let q = &mut a.qs[b * ACT_BLOCK..(b + 1) * ACT_BLOCK];
+            for (qi, &v) in q.iter_mut().zip(xb) {
+                // amax maps to 127 exactly, so the rounded value stays in [-127, 127]
+                *qi = (v * id).round().clamp(-127.0, 127.0) as i8;
+            }
+            let s0: i32 = q[..16].iter().map(|&v| v as i32).sum();
+            let s1: i32 = q[16..].iter().map(|&v| v as i32).sum();
+            a.d[b] = d;
+            a.sum16[2 * b] = d * s0 as f32;
+            a.sum16[2 * b + 1] = d * s1 as f32;
+            a.sum32[b] = d * (s0 + s1) as f32;
+        }
+        a
+    }
+
+    /// Blocks of 32 per row.
+    pub fn blocks_per_row(&self) -> usize {
+        self.k / ACT_BLOCK
+    }
+}
+
+/// Raw output pointer shared by the parts; each writes a disjoint set of columns.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: parts write disjoint elements (distinct columns n) of one live buffer.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The pointer to element `i` (a method, so closures capture the whole `Sync` wrapper).
+    fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
+/// What the row kernels multiply a weight row with.
+pub(crate) enum Acts<'a> {
+    Float { x: &'a [f32], k: usize },
+    Quant(&'a QActs),
+}
+
+fn check_sizes(x: &[f32], m: usize, w: &BlockMatrix<'_>, out: &[f32]) -> Result<(), KernelError> {
+    w.check()?;
+    if m > MAX_ROWS {
+        return Err(KernelError::Shape(format!(
+            "x has {m} rows, block_matmul_t takes at most {MAX_ROWS}"
+        )));
+    }
+    if x.len() != m * w.k {
+        return Err(KernelError::Shape(format!(
+            "x has {} values, expected {m} x {}",
+            x.len(),
+            w.k
+        )));
+    }
+    if out.len() != m * w.n {
+        return Err(KernelError::Shape(format!(
+            "out has {} values, expected {m} x {}",
+            out.len(),
+            w.n
+        )));
+    }
+    Ok(())
+}
+
+/// `out = x @ w.T` for `x` f32 `[m, w.k]` (`m <= MAX_ROWS`) into `out` f32 `[m, w.n]`, on up
+/// to `threads` threads.
+pub fn block_matmul_t(
+    x: &[f32],
+    m: usize,
+    w: &BlockMatrix<'_>,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), KernelError> {
+    matmul_impl(x, m, w, out, threads, false)
+}
+
+/// `block_matmul_t` on the portable code (the reference the SIMD path is tested against).
+pub fn block_matmul_t_portable(
+    x: &[f32],
+    m: usize,
+    w: &BlockMatrix<'_>,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), KernelError> {
+    matmul_impl(x, m, w, out, threads, true)
+}
+
+fn matmul_impl(
+    x: &[f32],
+    m: usize,
+    w: &BlockMatrix<'_>,
+    out: &mut [f32],
+    threads: usize,
+    portable: bool,
+) -> Result<(), KernelError> {
+    check_sizes(x, m, w, out)?;
+    if m == 0 || w.n == 0 {
+        return Ok(());
+    }
+    let simd = use_avx2(portable);
+    let qa;
+    let acts = if w.ty.is_float() {
+        Acts::Float { x, k: w.k }
+    } else {
+        qa = QActs::quantize(x, w.k);
+        Acts::Quant(&qa)
+    };
+    let ptr = OutPtr(out.as_mut_ptr());
+    let n_tiles = w.n.div_ceil(TILE);
+    let work = w.raw.len() * m.div_ceil(ROW_BLOCK);
+    let parts = threads
+        .min(crate::pool::max_parts())
+        .min(n_tiles)
+        .min(work / BYTES_PER_THREAD)
+        .max(1);
+    let per = n_tiles.div_ceil(parts) * TILE;
+    crate::pool::run(parts, &|t| {
+        let (lo, hi) = (t * per, ((t + 1) * per).min(w.n));
+        let mut res = [0f32; ROW_BLOCK];
+        for n in lo..hi {
+            let row = w.row(n);
+            let mut r = 0;
+            while r < m {
+                let rows = (m - r).min(ROW_BLOCK);
+                row_dot(simd, w.ty, row, &acts, r, rows, &mut res[..rows]);
+                for (i, v) in res[..rows].iter().enumerate() {
+                    // SAFETY: r + i < m, n < w.n: inside the [m, n] buffer checked above;
+                    // column n belongs to this part alone.
+                    unsafe { *ptr.at((r + i) * w.n + n) = *v };
+                }
+                r += rows;
+            }
+        }
+    });
+    Ok(())
+}
+
+/// Dot products of weight row `row` with activation rows `[r0, r0 + out.len())`.
+fn row_dot(
+    simd: bool,
+    ty: BlockType,
+    row: &[u8],
+    acts: &Acts<'_>,
+    r0: usize,
+    rows: usize,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: the CPU has AVX2, FMA and F16C (use_avx2); sizes were checked.
+        if simd && unsafe { avx2::row_dot(ty, row, acts, r0, rows, out) } {
+            return;
+        }
+    }
+    let _ = simd;
+    portable::row_dot(ty, row, acts, r0, rows, out);
+}
+
+/// Rows `[start, stop)` of `w` as f32 into `out` (`[stop - start, w.k]`), on up to `threads`
+/// threads, exactly as ggml's `dequantize_row_*` computes them.
+pub fn dequantize_rows(
+    w: &BlockMatrix<'_>,
+    start: usize,
+    stop: usize,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), KernelError> {
+    w.check()?;
+    if start > stop || stop > w.n {
+        return Err(KernelError::Shape(format!(
+            "rows {start}..{stop} outside 0..{}",
+            w.n
+        )));
+    }
+    let rows = stop - start;
+    if out.len() != rows * w.k {
+        return Err(KernelError::Shape(format!(
+            "out has {} values, expected {rows} x {}",
+            out.len(),
+            w.k
+        )));
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let ptr = OutPtr(out.as_mut_ptr());
+    // ~4 us per 64K values dequantized: parts of at least 1M values
+    let parts = threads
+        .min(crate::pool::max_parts())
+        .min(rows * w.k / (1 << 20))
+        .max(1);
+    let per = rows.div_ceil(parts);
+    crate::pool::run(parts, &|t| {
+        let (lo, hi) = (t * per, ((t + 1) * per).min(rows));
+        for i in lo..hi {
+            // SAFETY: row i of out (i < rows) belongs to this part alone; checked above.
+            let o = unsafe { std::slice::from_raw_parts_mut(ptr.at(i * w.k), w.k) };
+            portable::dequantize_row_unchecked(w.ty, w.row(start + i), o);
+        }
+    });
+    Ok(())
+}

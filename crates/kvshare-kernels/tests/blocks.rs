@@ -1,0 +1,417 @@
+//! Block-format kernels against references written straight from ggml's C
+//! (`dequantize_row_*` in ggml-quants.c), on random valid blocks.
+
+use kvshare_kernels::blocks::{
+    block_matmul_t, block_matmul_t_portable, dequantize_row, dequantize_rows, f16_to_f32,
+    BlockMatrix, BlockType, ACT_BLOCK,
+};
+use kvshare_kernels::KernelError;
+use proptest::prelude::*;
+
+const KVALUES: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        // splitmix64
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn byte(&mut self) -> u8 {
+        self.next() as u8
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    /// A finite half of magnitude about 2^-9..1, random sign.
+    fn small_f16(&mut self) -> u16 {
+        let r = self.next();
+        let sign = (r & 1) as u16;
+        let exp = 6 + (r >> 1) as u16 % 9;
+        let man = (r >> 8) as u16 & 0x3ff;
+        (sign << 15) | (exp << 10) | man
+    }
+}
+
+fn f16_fields(ty: BlockType) -> &'static [usize] {
+    use BlockType::*;
+    match ty {
+        Q4_0 | Q5_0 | Q8_0 | IQ4_NL | IQ4_XS | Q4_1 | Q5_1 | Q4_K | Q5_K => match ty {
+            Q4_1 | Q5_1 | Q4_K | Q5_K => &[0, 2],
+            _ => &[0],
+        },
+        Q2_K => &[80, 82],
+        Q3_K => &[108],
+        Q6_K => &[208],
+        F32 | F16 | BF16 => &[],
+    }
+}
+
+/// `n` rows of `k` elements of type `ty`: random bytes with finite, small scales.
+fn random_rows(ty: BlockType, n: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
+    let nb = n * k / ty.block_size();
+    let bb = ty.block_bytes();
+    let mut raw: Vec<u8> = (0..nb * bb).map(|_| rng.byte()).collect();
+    for b in raw.chunks_exact_mut(bb) {
+        match ty {
+            BlockType::F32 => b.copy_from_slice(&rng.unit().to_le_bytes()),
+            BlockType::F16 => b.copy_from_slice(&rng.small_f16().to_le_bytes()),
+            BlockType::BF16 => {
+                let v = (rng.unit().to_bits() >> 16) as u16;
+                b.copy_from_slice(&v.to_le_bytes())
+            }
+            _ => {
+                for &off in f16_fields(ty) {
+                    b[off..off + 2].copy_from_slice(&rng.small_f16().to_le_bytes());
+                }
+            }
+        }
+    }
+    raw
+}
+
+fn h(b: &[u8], o: usize) -> f32 {
+    f16_to_f32(u16::from_le_bytes([b[o], b[o + 1]]))
+}
+
+fn get_scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// ggml's dequantize_row_* for one block, transcribed loop for loop.
+fn reference_block(ty: BlockType, x: &[u8], y: &mut Vec<f32>) {
+    use BlockType::*;
+    match ty {
+        Q8_0 => {
+            let d = h(x, 0);
+            for j in 0..32 {
+                y.push((x[2 + j] as i8) as f32 * d);
+            }
+        }
+        Q4_0 | Q4_1 | IQ4_NL => {
+            let d = h(x, 0);
+            let qs = if ty == Q4_1 { &x[4..20] } else { &x[2..18] };
+            let mut out = [0f32; 32];
+            for j in 0..16 {
+                let (a, b) = ((qs[j] & 0x0F) as i32, (qs[j] >> 4) as i32);
+                (out[j], out[j + 16]) = match ty {
+                    Q4_0 => ((a - 8) as f32 * d, (b - 8) as f32 * d),
+                    Q4_1 => {
+                        let m = h(x, 2);
+                        (a as f32 * d + m, b as f32 * d + m)
+                    }
+                    _ => (d * KVALUES[a as usize] as f32, d * KVALUES[b as usize] as f32),
+                };
+            }
+            y.extend_from_slice(&out);
+        }
+        Q5_0 | Q5_1 => {
+            let d = h(x, 0);
+            let o = if ty == Q5_1 { 2 } else { 0 };
+            let qh = u32::from_le_bytes([x[2 + o], x[3 + o], x[4 + o], x[5 + o]]);
+            let qs = &x[6 + o..22 + o];
+            let mut out = [0f32; 32];
+            for j in 0..16 {
+                let xh_0 = ((qh >> j) << 4) & 0x10;
+                let xh_1 = (qh >> (j + 12)) & 0x10;
+                let x0 = ((qs[j] as u32 & 0x0F) | xh_0) as i32;
+                let x1 = ((qs[j] as u32 >> 4) | xh_1) as i32;
+                if ty == Q5_0 {
+                    out[j] = (x0 - 16) as f32 * d;
+                    out[j + 16] = (x1 - 16) as f32 * d;
+                } else {
+                    let m = h(x, 2);
+                    out[j] = x0 as f32 * d + m;
+                    out[j + 16] = x1 as f32 * d + m;
+                }
+            }
+            y.extend_from_slice(&out);
+        }
+        Q2_K => {
+            let (d, min) = (h(x, 80), h(x, 82));
+            let mut q = &x[16..80];
+            let mut is = 0;
+            for _n in 0..2 {
+                let mut shift = 0;
+                for _j in 0..4 {
+                    for half in 0..2 {
+                        let sc = x[is];
+                        is += 1;
+                        let (dl, ml) = (d * (sc & 0xF) as f32, min * (sc >> 4) as f32);
+                        for l in 0..16 {
+                            y.push(dl * ((q[l + 16 * half] >> shift) & 3) as i8 as f32 - ml);
+                        }
+                    }
+                    shift += 2;
+                }
+                q = &q[32..];
+            }
+        }
+        Q3_K => {
+            let d_all = h(x, 108);
+            let mut aux = [0u32; 4];
+            for i in 0..3 {
+                aux[i] = u32::from_le_bytes([
+                    x[96 + 4 * i],
+                    x[97 + 4 * i],
+                    x[98 + 4 * i],
+                    x[99 + 4 * i],
+                ]);
+            }
+            let (kmask1, kmask2) = (0x03030303u32, 0x0f0f0f0fu32);
+            let tmp = aux[2];
+            aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+            aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+            aux[0] = (aux[0] & kmask2) | ((tmp & kmask1) << 4);
+            aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+            let scales: Vec<i8> = aux.iter().flat_map(|v| v.to_le_bytes()).map(|b| b as i8).collect();
+            let hm = &x[0..32];
+            let mut q = &x[32..96];
+            let (mut m, mut is) = (1u8, 0);
+            for _n in 0..2 {
+                let mut shift = 0;
+                for _j in 0..4 {
+                    for half in 0..2 {
+                        let dl = d_all * (scales[is] as i32 - 32) as f32;
+                        is += 1;
+                        for l in 0..16 {
+                            let i = l + 16 * half;
+                            let v = ((q[i] >> shift) & 3) as i8 - if hm[i] & m != 0 { 0 } else { 4 };
+                            y.push(dl * v as f32);
+                        }
+                    }
+                    shift += 2;
+                    m = m.wrapping_shl(1);
+                }
+                q = &q[32..];
+            }
+        }
+        Q4_K | Q5_K => {
+            let (d, min) = (h(x, 0), h(x, 2));
+            let sc = &x[4..16];
+            let (qh, mut ql) = if ty == Q5_K { (&x[16..48], &x[48..176]) } else { (&x[0..0], &x[16..144]) };
+            let (mut is, mut u1, mut u2) = (0, 1u8, 2u8);
+            for _j in 0..4 {
+                let (s, m) = get_scale_min_k4(is, sc);
+                let (d1, m1) = (d * s as f32, min * m as f32);
+                let (s, m) = get_scale_min_k4(is + 1, sc);
+                let (d2, m2) = (d * s as f32, min * m as f32);
+                for l in 0..32 {
+                    let hb = if ty == Q5_K && qh[l] & u1 != 0 { 16 } else { 0 };
+                    y.push(d1 * ((ql[l] & 0xF) + hb) as f32 - m1);
+                }
+                for l in 0..32 {
+                    let hb = if ty == Q5_K && qh[l] & u2 != 0 { 16 } else { 0 };
+                    y.push(d2 * ((ql[l] >> 4) + hb) as f32 - m2);
+                }
+                ql = &ql[32..];
+                is += 2;
+                u1 <<= 2;
+                u2 <<= 2;
+            }
+        }
+        Q6_K => {
+            let d = h(x, 208);
+            for n in 0..2 {
+                let ql = &x[64 * n..];
+                let qh = &x[128 + 32 * n..];
+                let sc = &x[192 + 8 * n..];
+                let mut out = [0f32; 128];
+                for l in 0..32 {
+                    let is = l / 16;
+                    let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i8 - 32;
+                    let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
+                    let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
+                    let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
+                    out[l] = d * (sc[is] as i8) as f32 * q1 as f32;
+                    out[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
+                    out[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
+                    out[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
+                }
+                y.extend_from_slice(&out);
+            }
+        }
+        IQ4_XS => {
+            let d = h(x, 0);
+            let scales_h = u16::from_le_bytes([x[2], x[3]]) as i32;
+            for ib in 0..8 {
+                let ls = ((x[4 + ib / 2] >> (4 * (ib % 2))) & 0xf) as i32
+                    | (((scales_h >> (2 * ib)) & 3) << 4);
+                let dl = d * (ls - 32) as f32;
+                let qs = &x[8 + 16 * ib..];
+                let mut out = [0f32; 32];
+                for j in 0..16 {
+                    out[j] = dl * KVALUES[(qs[j] & 0xf) as usize] as f32;
+                    out[j + 16] = dl * KVALUES[(qs[j] >> 4) as usize] as f32;
+                }
+                y.extend_from_slice(&out);
+            }
+        }
+        F32 => y.push(f32::from_le_bytes([x[0], x[1], x[2], x[3]])),
+        F16 => y.push(h(x, 0)),
+        BF16 => y.push(f32::from_bits((u16::from_le_bytes([x[0], x[1]]) as u32) << 16)),
+    }
+}
+
+fn reference_rows(ty: BlockType, raw: &[u8]) -> Vec<f32> {
+    let mut y = Vec::new();
+    for b in raw.chunks_exact(ty.block_bytes()) {
+        reference_block(ty, b, &mut y);
+    }
+    y
+}
+
+/// Whether `got` is `x @ w.T` within the error of 8-bit activations (per 32 values, the
+/// rounding error is at most amax / 254 each) plus f32 summation slack.
+fn check_product(ty: BlockType, x: &[f32], w: &[f32], m: usize, n: usize, k: usize, got: &[f32]) {
+    for r in 0..m {
+        let xr = &x[r * k..(r + 1) * k];
+        for c in 0..n {
+            let wr = &w[c * k..(c + 1) * k];
+            let (mut exact, mut mag, mut bound) = (0f64, 0f64, 0f64);
+            for (b, (xb, wb)) in xr.chunks(ACT_BLOCK).zip(wr.chunks(ACT_BLOCK)).enumerate() {
+                let _ = b;
+                let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs())) as f64;
+                for (a, v) in xb.iter().zip(wb) {
+                    exact += *a as f64 * *v as f64;
+                    mag += (*a as f64 * *v as f64).abs();
+                    bound += (*v as f64).abs() * amax / 254.0;
+                }
+            }
+            let tol = if ty.is_float() { 1e-5 * mag + 1e-6 } else { 1.01 * bound + 1e-4 * mag + 1e-6 };
+            let g = got[r * n + c] as f64;
+            assert!(
+                (g - exact).abs() <= tol,
+                "{ty:?} row {r} col {c}: got {g}, expected {exact} (tol {tol}, m {m} n {n} k {k})"
+            );
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn dequantize_equals_ggml_reference(seed in any::<u64>(), n in 1usize..5, nb in 1usize..5) {
+        let mut rng = Rng(seed);
+        for ty in BlockType::ALL {
+            let k = nb * ty.block_size().max(32);
+            let raw = random_rows(ty, n, k, &mut rng);
+            let want = reference_rows(ty, &raw);
+            let mut got = vec![0f32; n * k];
+            let w = BlockMatrix { raw: &raw, ty, n, k };
+            dequantize_rows(&w, 0, n, &mut got, 2).unwrap();
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                prop_assert_eq!(a.to_bits(), b.to_bits(), "{:?} element {}", ty, i);
+            }
+            let mut one = vec![0f32; k];
+            dequantize_row(ty, &raw[..w.row_bytes()], &mut one).unwrap();
+            prop_assert_eq!(&one[..], &want[..k]);
+        }
+    }
+
+    #[test]
+    fn products_match_dequantized_f32(
+        seed in any::<u64>(),
+        m in 1usize..=16,
+        n in 1usize..70,
+        nb in 1usize..=4,
+    ) {
+        let mut rng = Rng(seed);
+        for ty in BlockType::ALL {
+            let k = nb * ty.block_size().max(32);
+            let raw = random_rows(ty, n, k, &mut rng);
+            let wf = reference_rows(ty, &raw);
+            let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
+            let w = BlockMatrix { raw: &raw, ty, n, k };
+            let mut simd = vec![f32::NAN; m * n];
+            block_matmul_t(&x, m, &w, &mut simd, 2).unwrap();
+            check_product(ty, &x, &wf, m, n, k, &simd);
+            let mut port = vec![f32::NAN; m * n];
+            block_matmul_t_portable(&x, m, &w, &mut port, 1).unwrap();
+            check_product(ty, &x, &wf, m, n, k, &port);
+        }
+    }
+}
+
+#[test]
+fn threads_split_rows_without_changing_results() {
+    let mut rng = Rng(7);
+    for ty in [BlockType::Q4_K, BlockType::Q8_0, BlockType::F16] {
+        let (m, n, k) = (5, 1003, 512);
+        let raw = random_rows(ty, n, k, &mut rng);
+        let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
+        let w = BlockMatrix { raw: &raw, ty, n, k };
+        let mut one = vec![0f32; m * n];
+        let mut many = vec![0f32; m * n];
+        block_matmul_t(&x, m, &w, &mut one, 1).unwrap();
+        block_matmul_t(&x, m, &w, &mut many, 4).unwrap();
+        assert_eq!(one, many, "{ty:?}");
+        let mut d1 = vec![0f32; 400 * k];
+        dequantize_rows(&w, 600, 1000, &mut d1, 4).unwrap();
+        assert_eq!(d1, reference_rows(ty, &raw[600 * w.row_bytes()..1000 * w.row_bytes()]));
+    }
+}
+
+#[test]
+fn zero_activations_give_zero() {
+    let mut rng = Rng(3);
+    let (m, n, k) = (3, 9, 256);
+    for ty in BlockType::ALL {
+        let raw = random_rows(ty, n, k, &mut rng);
+        let w = BlockMatrix { raw: &raw, ty, n, k };
+        let mut out = vec![f32::NAN; m * n];
+        block_matmul_t(&vec![0.0; m * k], m, &w, &mut out, 1).unwrap();
+        assert!(out.iter().all(|v| *v == 0.0), "{ty:?}: {out:?}");
+    }
+}
+
+#[test]
+fn ggml_ids_round_trip() {
+    for ty in BlockType::ALL {
+        assert_eq!(BlockType::from_ggml(ty as u32), Some(ty));
+    }
+    assert_eq!(BlockType::from_ggml(4), None); // Q4_2, removed from ggml
+    assert_eq!(BlockType::from_ggml(16), None); // IQ2_XXS: no kernel here
+    assert_eq!(BlockType::Q4_K.row_bytes(512), 288);
+}
+
+#[test]
+fn bad_shapes_are_errors() {
+    let raw = vec![0u8; 2 * 144];
+    let shape_err = |r: Result<(), KernelError>| matches!(r, Err(KernelError::Shape(_)));
+    let x = vec![0f32; 256];
+    let mut out = vec![0f32; 2];
+    let w = BlockMatrix { raw: &raw, ty: BlockType::Q4_K, n: 2, k: 256 };
+    assert!(block_matmul_t(&x, 1, &w, &mut out, 1).is_ok());
+    // k not a multiple of the block
+    let w = BlockMatrix { raw: &raw, ty: BlockType::Q4_K, n: 2, k: 128 };
+    assert!(shape_err(block_matmul_t(&x[..128], 1, &w, &mut out, 1)));
+    // raw length
+    let w = BlockMatrix { raw: &raw[..200], ty: BlockType::Q4_K, n: 2, k: 256 };
+    assert!(shape_err(block_matmul_t(&x, 1, &w, &mut out, 1)));
+    let w = BlockMatrix { raw: &raw, ty: BlockType::Q4_K, n: 2, k: 256 };
+    // x and out sizes, too many rows
+    assert!(shape_err(block_matmul_t(&x[..255], 1, &w, &mut out, 1)));
+    assert!(shape_err(block_matmul_t(&x, 1, &w, &mut out[..1], 1)));
+    let big = vec![0f32; 17 * 256];
+    let mut big_out = vec![0f32; 17 * 2];
+    assert!(shape_err(block_matmul_t(&big, 17, &w, &mut big_out, 1)));
+    // dequantize ranges
+    let mut d = vec![0f32; 256];
+    assert!(shape_err(dequantize_rows(&w, 1, 3, &mut d, 1)));
+    assert!(shape_err(dequantize_rows(&w, 0, 2, &mut d, 1)));
+    assert!(shape_err(dequantize_row(BlockType::Q4_K, &raw[..100], &mut d)));
+}
