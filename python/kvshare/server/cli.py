@@ -393,7 +393,7 @@ def _load_engine(args: argparse.Namespace, path: str, label: str):
     try:
         engine = Engine(model, tokenizer, template, bytes.fromhex(model.fingerprint), config,
                         model_name=label if label else Path(path).stem)
-    except ValueError as e:  # e.g. a --kv-dtype the KV pool does not support
+    except (ValueError, TypeError) as e:  # e.g. a --kv-dtype the KV pool does not support
         raise _KvDtypeError(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
     w = weight_bytes(model)
     kv = _kv_pool_bytes(engine)
@@ -408,6 +408,20 @@ def _load_engine(args: argparse.Namespace, path: str, label: str):
 
 class _KvDtypeError(Exception):
     pass
+
+
+def _kv_dtype_problem(kv_dtype: str | None) -> str | None:
+    """Why the KV pool cannot hold `kv_dtype` (asked of kvshare.model.cache.kv_dtype_of, which
+    every pool allocation goes through), or None."""
+    if kv_dtype is None:
+        return None
+    from kvshare.model.cache import kv_dtype_of
+
+    try:
+        kv_dtype_of(kv_dtype)
+    except (ValueError, TypeError) as e:
+        return f"the KV pool does not support it yet ({str(e).splitlines()[0] if str(e) else e})"
+    return None
 
 
 def _kv_pool_bytes(engine) -> int:
@@ -431,6 +445,9 @@ def serve(args: argparse.Namespace) -> int:
 
     if not catalog.is_known(args.model):  # before anything slow: a typo is one line
         return _fail(catalog.not_found_message(args.model), 2)
+    problem = _kv_dtype_problem(args.kv_dtype)
+    if problem:
+        return _fail(f"cannot use --kv-dtype {args.kv_dtype}: {problem}", 2)
     if args.cache_dir:
         problem = _cache_dir_problem(args.cache_dir)
         if problem:
