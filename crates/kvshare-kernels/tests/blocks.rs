@@ -112,7 +112,10 @@ fn reference_block(ty: BlockType, x: &[u8], y: &mut Vec<f32>) {
                         let m = h(x, 2);
                         (a as f32 * d + m, b as f32 * d + m)
                     }
-                    _ => (d * KVALUES[a as usize] as f32, d * KVALUES[b as usize] as f32),
+                    _ => (
+                        d * KVALUES[a as usize] as f32,
+                        d * KVALUES[b as usize] as f32,
+                    ),
                 };
             }
             y.extend_from_slice(&out);
@@ -176,7 +179,11 @@ fn reference_block(ty: BlockType, x: &[u8], y: &mut Vec<f32>) {
             aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
             aux[0] = (aux[0] & kmask2) | ((tmp & kmask1) << 4);
             aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
-            let scales: Vec<i8> = aux.iter().flat_map(|v| v.to_le_bytes()).map(|b| b as i8).collect();
+            let scales: Vec<i8> = aux
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .map(|b| b as i8)
+                .collect();
             let hm = &x[0..32];
             let mut q = &x[32..96];
             let (mut m, mut is) = (1u8, 0);
@@ -188,7 +195,8 @@ fn reference_block(ty: BlockType, x: &[u8], y: &mut Vec<f32>) {
                         is += 1;
                         for l in 0..16 {
                             let i = l + 16 * half;
-                            let v = ((q[i] >> shift) & 3) as i8 - if hm[i] & m != 0 { 0 } else { 4 };
+                            let v =
+                                ((q[i] >> shift) & 3) as i8 - if hm[i] & m != 0 { 0 } else { 4 };
                             y.push(dl * v as f32);
                         }
                     }
@@ -201,7 +209,11 @@ fn reference_block(ty: BlockType, x: &[u8], y: &mut Vec<f32>) {
         Q4_K | Q5_K => {
             let (d, min) = (h(x, 0), h(x, 2));
             let sc = &x[4..16];
-            let (qh, mut ql) = if ty == Q5_K { (&x[16..48], &x[48..176]) } else { (&x[0..0], &x[16..144]) };
+            let (qh, mut ql) = if ty == Q5_K {
+                (&x[16..48], &x[48..176])
+            } else {
+                (&x[0..0], &x[16..144])
+            };
             let (mut is, mut u1, mut u2) = (0, 1u8, 2u8);
             for _j in 0..4 {
                 let (s, m) = get_scale_min_k4(is, sc);
@@ -261,7 +273,9 @@ fn reference_block(ty: BlockType, x: &[u8], y: &mut Vec<f32>) {
         }
         F32 => y.push(f32::from_le_bytes([x[0], x[1], x[2], x[3]])),
         F16 => y.push(h(x, 0)),
-        BF16 => y.push(f32::from_bits((u16::from_le_bytes([x[0], x[1]]) as u32) << 16)),
+        BF16 => y.push(f32::from_bits(
+            (u16::from_le_bytes([x[0], x[1]]) as u32) << 16,
+        )),
     }
 }
 
@@ -290,7 +304,11 @@ fn check_product(ty: BlockType, x: &[f32], w: &[f32], m: usize, n: usize, k: usi
                     bound += (*v as f64).abs() * amax / 254.0;
                 }
             }
-            let tol = if ty.is_float() { 1e-5 * mag + 1e-6 } else { 1.01 * bound + 1e-4 * mag + 1e-6 };
+            let tol = if ty.is_float() {
+                1e-5 * mag + 1e-6
+            } else {
+                1.01 * bound + 1e-4 * mag + 1e-6
+            };
             let g = got[r * n + c] as f64;
             assert!(
                 (g - exact).abs() <= tol,
@@ -353,7 +371,12 @@ fn threads_split_rows_without_changing_results() {
         let (m, n, k) = (5, 1003, 512);
         let raw = random_rows(ty, n, k, &mut rng);
         let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
-        let w = BlockMatrix { raw: &raw, ty, n, k };
+        let w = BlockMatrix {
+            raw: &raw,
+            ty,
+            n,
+            k,
+        };
         let mut one = vec![0f32; m * n];
         let mut many = vec![0f32; m * n];
         block_matmul_t(&x, m, &w, &mut one, 1).unwrap();
@@ -361,7 +384,10 @@ fn threads_split_rows_without_changing_results() {
         assert_eq!(one, many, "{ty:?}");
         let mut d1 = vec![0f32; 400 * k];
         dequantize_rows(&w, 600, 1000, &mut d1, 4).unwrap();
-        assert_eq!(d1, reference_rows(ty, &raw[600 * w.row_bytes()..1000 * w.row_bytes()]));
+        assert_eq!(
+            d1,
+            reference_rows(ty, &raw[600 * w.row_bytes()..1000 * w.row_bytes()])
+        );
     }
 }
 
@@ -371,7 +397,12 @@ fn zero_activations_give_zero() {
     let (m, n, k) = (3, 9, 256);
     for ty in BlockType::ALL {
         let raw = random_rows(ty, n, k, &mut rng);
-        let w = BlockMatrix { raw: &raw, ty, n, k };
+        let w = BlockMatrix {
+            raw: &raw,
+            ty,
+            n,
+            k,
+        };
         let mut out = vec![f32::NAN; m * n];
         block_matmul_t(&vec![0.0; m * k], m, &w, &mut out, 1).unwrap();
         assert!(out.iter().all(|v| *v == 0.0), "{ty:?}: {out:?}");
@@ -394,15 +425,35 @@ fn bad_shapes_are_errors() {
     let shape_err = |r: Result<(), KernelError>| matches!(r, Err(KernelError::Shape(_)));
     let x = vec![0f32; 256];
     let mut out = vec![0f32; 2];
-    let w = BlockMatrix { raw: &raw, ty: BlockType::Q4_K, n: 2, k: 256 };
+    let w = BlockMatrix {
+        raw: &raw,
+        ty: BlockType::Q4_K,
+        n: 2,
+        k: 256,
+    };
     assert!(block_matmul_t(&x, 1, &w, &mut out, 1).is_ok());
     // k not a multiple of the block
-    let w = BlockMatrix { raw: &raw, ty: BlockType::Q4_K, n: 2, k: 128 };
+    let w = BlockMatrix {
+        raw: &raw,
+        ty: BlockType::Q4_K,
+        n: 2,
+        k: 128,
+    };
     assert!(shape_err(block_matmul_t(&x[..128], 1, &w, &mut out, 1)));
     // raw length
-    let w = BlockMatrix { raw: &raw[..200], ty: BlockType::Q4_K, n: 2, k: 256 };
+    let w = BlockMatrix {
+        raw: &raw[..200],
+        ty: BlockType::Q4_K,
+        n: 2,
+        k: 256,
+    };
     assert!(shape_err(block_matmul_t(&x, 1, &w, &mut out, 1)));
-    let w = BlockMatrix { raw: &raw, ty: BlockType::Q4_K, n: 2, k: 256 };
+    let w = BlockMatrix {
+        raw: &raw,
+        ty: BlockType::Q4_K,
+        n: 2,
+        k: 256,
+    };
     // x and out sizes, too many rows
     assert!(shape_err(block_matmul_t(&x[..255], 1, &w, &mut out, 1)));
     assert!(shape_err(block_matmul_t(&x, 1, &w, &mut out[..1], 1)));
@@ -413,5 +464,9 @@ fn bad_shapes_are_errors() {
     let mut d = vec![0f32; 256];
     assert!(shape_err(dequantize_rows(&w, 1, 3, &mut d, 1)));
     assert!(shape_err(dequantize_rows(&w, 0, 2, &mut d, 1)));
-    assert!(shape_err(dequantize_row(BlockType::Q4_K, &raw[..100], &mut d)));
+    assert!(shape_err(dequantize_row(
+        BlockType::Q4_K,
+        &raw[..100],
+        &mut d
+    )));
 }

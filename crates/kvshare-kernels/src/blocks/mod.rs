@@ -14,9 +14,9 @@
 //! Work is split over output rows (`crate::pool`), up to 4 activation rows per pass over a
 //! weight row, so a decode batch reads each weight block once per step.
 
-mod portable;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+mod portable;
 
 use crate::qmatmul::KernelError;
 use std::sync::atomic::{AtomicBool, Ordering};

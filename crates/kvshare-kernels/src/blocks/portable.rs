@@ -5,6 +5,9 @@
 //! with value = s * q + o, where each product and sum is the one ggml's dequantization does
 //! (so dequantizing through this form is exact, not merely close).
 
+// loops index several arrays per row or element (accumulators, codes j and j + 16)
+#![allow(clippy::needless_range_loop)]
+
 use super::{Acts, BlockType, ACT_BLOCK};
 use crate::qmatmul::KernelError;
 
