@@ -389,3 +389,33 @@ def masked_argmax(row: npt.NDArray[np.float32], mask: npt.NDArray[np.uint32]) ->
 
 def mask_logits(row: npt.NDArray[np.float32], mask: npt.NDArray[np.uint32]) -> int:
     """Write -inf over every score `mask` does not allow, in place; the number allowed."""
+
+# --- block-format kernels (crates/kvshare-kernels/src/blocks) ---
+
+def block_matmul_t(
+    x: npt.NDArray[np.float32],
+    raw: npt.NDArray[np.uint8],
+    qtype: int,
+    out: npt.NDArray[np.float32],
+    threads: int = 1,
+) -> None:
+    """`out[m, n] = sum_k x[m, k] * w[n, k]`, `w` the rows of `raw` (uint8 `[N, row_bytes]`,
+    may be read-only, e.g. a view into the mmapped GGUF) in GGML type `qtype` (F32, F16, BF16,
+    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS). x f32 `[M, K]` with M <= 16,
+    out f32 `[M, N]` (written; must not overlap an input). Quantized types quantize x to 8
+    bits per 32 values. All C-contiguous, read in place, GIL released. Raises ValueError on
+    wrong dtypes, shapes, overlap or an unsupported type."""
+
+def block_dequantize(
+    raw: npt.NDArray[np.uint8],
+    qtype: int,
+    k: int,
+    out: npt.NDArray[np.float32],
+    threads: int = 1,
+) -> None:
+    """`out[rows, k]` (f32, written) = the rows of `raw` (uint8 `[rows, row_bytes]`) of GGML
+    type `qtype` as f32, exactly as ggml's dequantize_row_* computes them. GIL released.
+    Raises ValueError on wrong dtypes, shapes or an unsupported type."""
+
+def block_force_portable(on: bool) -> None:
+    """Make the block kernels run their portable code instead of AVX2 (for tests)."""

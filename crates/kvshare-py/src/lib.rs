@@ -5,6 +5,7 @@
 
 use pyo3::prelude::*;
 
+mod blocks;
 mod ckpt;
 mod constrain;
 mod convert;
@@ -20,6 +21,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     pool::register(m)?;
     disk::register(m)?;
     kernels::register(m)?;
+    blocks::register(m)?;
     constrain::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -1,0 +1,142 @@
+//! Binding of kvshare-kernels' block-format kernels: products with and dequantization of
+//! weights kept in their GGUF block formats (`raw` uint8 `[rows, row_bytes]`, typically a
+//! read-only view into the mmapped file). Arrays are borrowed in place, the GIL is released
+//! while they run, and every misuse raises ValueError.
+
+use crate::convert::typed_array;
+use crate::errors::InvalidArgument;
+use kvshare_kernels::blocks::{
+    block_matmul_t as core_block_matmul_t, dequantize_rows, set_force_portable, BlockMatrix,
+    BlockType,
+};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+fn value_error(msg: impl Into<String>) -> PyErr {
+    PyValueError::new_err(msg.into())
+}
+
+/// The shared array checks raise InvalidArgument; these functions promise ValueError.
+fn as_value_error(py: Python<'_>, e: PyErr) -> PyErr {
+    if e.is_instance_of::<InvalidArgument>(py) {
+        value_error(e.value(py).to_string())
+    } else {
+        e
+    }
+}
+
+fn block_type(qtype: u32) -> PyResult<BlockType> {
+    BlockType::from_ggml(qtype)
+        .ok_or_else(|| value_error(format!("GGML type {qtype} has no block kernels")))
+}
+
+/// The `[rows, row_bytes]` raw blocks of `rows` rows of `k` elements of `ty`.
+fn check_raw(shape: &[usize], ty: BlockType, k: usize) -> PyResult<usize> {
+    let &[rows, rb] = shape else {
+        return Err(value_error("raw must be 2-D uint8 [rows, row_bytes]"));
+    };
+    let bs = ty.block_size();
+    if k == 0 || !k.is_multiple_of(bs) {
+        return Err(value_error(format!(
+            "k = {k} is not a positive multiple of the {ty:?} block size {bs}"
+        )));
+    }
+    if rb != ty.row_bytes(k) {
+        return Err(value_error(format!(
+            "raw rows have {rb} bytes, {ty:?} rows of {k} values have {}",
+            ty.row_bytes(k)
+        )));
+    }
+    Ok(rows)
+}
+
+fn overlaps(a: (usize, usize), b: (usize, usize)) -> bool {
+    a.1 > a.0 && b.1 > b.0 && a.0 < b.1 && b.0 < a.1
+}
+
+/// `out[m, n] = sum_k x[m, k] * w[n, k]` for `w` the rows of `raw` in GGML type `qtype`
+/// (at most 16 rows of `x`; activations are quantized to 8 bits for quantized types).
+#[pyfunction]
+#[pyo3(signature = (x, raw, qtype, out, threads = 1))]
+fn block_matmul_t(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    raw: &Bound<'_, PyAny>,
+    qtype: u32,
+    out: &Bound<'_, PyAny>,
+    threads: usize,
+) -> PyResult<()> {
+    let err = |e| as_value_error(py, e);
+    let ty = block_type(qtype)?;
+    let xa = typed_array(x, b'f', 4, false, "x").map_err(err)?;
+    let ra = typed_array(raw, b'u', 1, false, "raw").map_err(err)?;
+    let oa = typed_array(out, b'f', 4, true, "out").map_err(err)?;
+    let &[m, k] = xa.shape.as_slice() else {
+        return Err(value_error("x must be 2-D float32 [m, k]"));
+    };
+    let n = check_raw(&ra.shape, ty, k)?;
+    if oa.shape != [m, n] {
+        return Err(value_error(format!("out must have shape ({m}, {n})")));
+    }
+    if overlaps(oa.span(4), xa.span(4)) || overlaps(oa.span(4), ra.span(1)) {
+        return Err(value_error("out must not overlap an input"));
+    }
+    // SAFETY: dtypes checked by typed_array; `out` overlaps no input; all arrays stay
+    // referenced (so cannot be resized or freed) for this call.
+    let (xs, rs, os) = unsafe {
+        (
+            xa.as_slice::<f32>(),
+            ra.as_slice::<u8>(),
+            oa.as_mut_slice::<f32>(),
+        )
+    };
+    let w = BlockMatrix { raw: rs, ty, n, k };
+    py.detach(|| core_block_matmul_t(xs, m, &w, os, threads.max(1)))
+        .map_err(|e| value_error(e.to_string()))
+}
+
+/// `out[rows, k]` = the rows of `raw` (GGML type `qtype`) as f32, as ggml dequantizes them.
+#[pyfunction]
+#[pyo3(signature = (raw, qtype, k, out, threads = 1))]
+fn block_dequantize(
+    py: Python<'_>,
+    raw: &Bound<'_, PyAny>,
+    qtype: u32,
+    k: usize,
+    out: &Bound<'_, PyAny>,
+    threads: usize,
+) -> PyResult<()> {
+    let err = |e| as_value_error(py, e);
+    let ty = block_type(qtype)?;
+    let ra = typed_array(raw, b'u', 1, false, "raw").map_err(err)?;
+    let oa = typed_array(out, b'f', 4, true, "out").map_err(err)?;
+    let rows = check_raw(&ra.shape, ty, k)?;
+    if oa.shape != [rows, k] {
+        return Err(value_error(format!("out must have shape ({rows}, {k})")));
+    }
+    if overlaps(oa.span(4), ra.span(1)) {
+        return Err(value_error("out must not overlap raw"));
+    }
+    // SAFETY: as in block_matmul_t
+    let (rs, os) = unsafe { (ra.as_slice::<u8>(), oa.as_mut_slice::<f32>()) };
+    let w = BlockMatrix {
+        raw: rs,
+        ty,
+        n: rows,
+        k,
+    };
+    py.detach(|| dequantize_rows(&w, 0, rows, os, threads.max(1)))
+        .map_err(|e| value_error(e.to_string()))
+}
+
+/// Make the block kernels use their portable code (tests compare it with the SIMD path).
+#[pyfunction]
+fn block_force_portable(on: bool) {
+    set_force_portable(on);
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(block_matmul_t, m)?)?;
+    m.add_function(wrap_pyfunction!(block_dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(block_force_portable, m)?)
+}

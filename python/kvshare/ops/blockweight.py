@@ -1,0 +1,220 @@
+"""`BlockWeight`: a `[out, in]` weight kept in its GGUF block format (the file's bytes, e.g. a
+read-only view into the mmapped GGUF), with the interface of `ops.linear.QWeight`.
+
+A quantized layer then costs its file size in memory (Q4_K: 0.56 bytes per weight, against
+~1.1-1.25 for QWeight's int8 + f32 scales), and a decode product reads that many bytes:
+for x.shape[0] <= BLOCK_KERNEL_MAX rows, `kvshare._core.block_matmul_t` (Rust, AVX2) computes
+on the blocks directly as ggml-cpu's `vec_dot` does, with the activations quantized to 8 bits
+per 32 values (relative error ~0.5% of sum |w x|, the same approximation llama.cpp makes).
+Larger batches (prefill) dequantize tiles of rows into a reusable f32 buffer
+(`_core.block_dequantize`, exact as ggml) and multiply them with OpenBLAS, so they are exact
+up to float summation order.
+
+Fused weights (Q/K/V, gate/up) are `BlockWeight.concat` of parts whose types may differ; each
+part keeps its own bytes and fills its own columns of the output.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Iterable
+
+import numpy as np
+
+from kvshare import _core
+from kvshare.backend import CPU_THREADS
+
+# Most rows of x for the block kernel (it quantizes the activations once and reads each weight
+# block once per 4 rows); larger products dequantize tiles + BLAS.
+BLOCK_KERNEL_MAX = 16
+# f32 values per dequantized tile of the large-batch path (8 MB)
+_TILE_VALUES = 1 << 21
+
+# GGML type id -> (elements per block, bytes per block), the types the kernels take
+BLOCK_TYPES: dict[int, tuple[int, int]] = {
+    0: (1, 4),  # F32
+    1: (1, 2),  # F16
+    2: (32, 18),  # Q4_0
+    3: (32, 20),  # Q4_1
+    6: (32, 22),  # Q5_0
+    7: (32, 24),  # Q5_1
+    8: (32, 34),  # Q8_0
+    10: (256, 84),  # Q2_K
+    11: (256, 110),  # Q3_K
+    12: (256, 144),  # Q4_K
+    13: (256, 176),  # Q5_K
+    14: (256, 210),  # Q6_K
+    20: (32, 18),  # IQ4_NL
+    23: (256, 136),  # IQ4_XS
+    30: (1, 2),  # BF16
+}
+
+_local = threading.local()
+
+
+def _tile_buffer(n_values: int) -> np.ndarray:
+    """A flat f32 scratch buffer of at least `n_values`, one per thread, shared by every
+    BlockWeight (one per weight would cost 8 MB x hundreds of layers)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < n_values:
+        buf = np.empty(n_values, np.float32)
+        _local.buf = buf
+    return buf[:n_values]
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one row of `k` values of GGML type `qtype` (ValueError if unsupported or `k`
+    is not a whole number of blocks)."""
+    if int(qtype) not in BLOCK_TYPES:
+        raise ValueError(f"GGML type {qtype} has no block kernels")
+    block, size = BLOCK_TYPES[int(qtype)]
+    if k <= 0 or k % block:
+        raise ValueError(f"k = {k} is not a positive multiple of the block size {block}")
+    return k // block * size
+
+
+class _Part:
+    """Rows `[start, start + rows)` of the weight: `raw` uint8 `[rows, row_bytes]`."""
+
+    __slots__ = ("raw", "qtype", "start", "rows")
+
+    def __init__(self, raw: np.ndarray, qtype: int, start: int):
+        self.raw = raw
+        self.qtype = qtype
+        self.start = start
+        self.rows = raw.shape[0]
+
+
+class BlockWeight:
+    """`[out, in]` weight rows in GGUF block formats: `BlockWeight(raw, qtype, k)` for one
+    tensor (`raw`: its bytes, uint8, any shape holding whole rows, read-only allowed, kept
+    without a copy when C-contiguous), `BlockWeight.concat([...])` for fused ones."""
+
+    ndim = 2
+    dtype = np.dtype(np.float32)  # what it computes in
+
+    def __init__(self, raw: np.ndarray, qtype: int, k: int):
+        self._init([(raw, qtype, k)])
+
+    def _init(self, parts: list[tuple[np.ndarray, int, int]]) -> None:
+        if not parts:
+            raise ValueError("a BlockWeight needs at least one part")
+        ks = {int(p[2]) for p in parts}
+        if len(ks) != 1:
+            raise ValueError(f"parts have different input sizes {sorted(ks)}")
+        self.k = ks.pop()
+        self.parts: list[_Part] = []
+        start = 0
+        for raw, qtype, k in parts:
+            qtype = int(qtype)
+            rb = row_bytes(qtype, k)
+            raw = np.asarray(raw)
+            if raw.dtype != np.uint8:
+                raise ValueError(f"raw must be uint8, got {raw.dtype}")
+            if raw.size % rb:
+                raise ValueError(f"{raw.size} bytes are not whole rows of {rb} bytes")
+            # a copy only for strided input: views of the mapped file stay views
+            raw = np.ascontiguousarray(raw).reshape(raw.size // rb, rb)
+            self.parts.append(_Part(raw, qtype, start))
+            start += raw.shape[0]
+        self.n = start
+
+    @classmethod
+    def concat(cls, parts: Iterable["BlockWeight | tuple[np.ndarray, int, int]"]
+               ) -> "BlockWeight":
+        """Stack weights along the output axis (fused Q/K/V or gate/up): each item a
+        BlockWeight or a `(raw, qtype, k)` tuple; types may differ, `k` may not."""
+        flat: list[tuple[np.ndarray, int, int]] = []
+        for p in parts:
+            if isinstance(p, BlockWeight):
+                flat.extend((q.raw, q.qtype, p.k) for q in p.parts)
+            else:
+                raw, qtype, k = p
+                flat.append((raw, qtype, k))
+        w = cls.__new__(cls)
+        w._init(flat)
+        return w
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks (what a product reads; mapped pages count once resident)."""
+        return sum(p.raw.nbytes for p in self.parts)
+
+    @property
+    def qtypes(self) -> list[int]:
+        return [p.qtype for p in self.parts]
+
+    def __repr__(self) -> str:
+        return f"BlockWeight(shape={self.shape}, qtypes={self.qtypes})"
+
+    def _dequantize_into(self, start: int, stop: int, out: np.ndarray) -> None:
+        """Rows `[start, stop)` into `out` (C-contiguous f32 `[stop - start, k]`)."""
+        threads = CPU_THREADS.kernel_threads
+        for p in self.parts:
+            a, b = max(start, p.start), min(stop, p.start + p.rows)
+            if a < b:
+                _core.block_dequantize(p.raw[a - p.start : b - p.start], p.qtype, self.k,
+                                       out[a - start : b - start], threads)
+
+    def dequantize(self, start: int = 0, stop: int | None = None, ids=None) -> np.ndarray:
+        """Rows `[start, stop)` (or rows `ids`) as f32 `[rows, in]`, exactly as ggml
+        dequantizes them."""
+        if ids is not None:
+            ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+            if ids.size and (ids.min() < -self.n or ids.max() >= self.n):
+                raise IndexError(f"row ids out of range for {self.n} rows")
+            ids = np.where(ids < 0, ids + self.n, ids)
+            out = np.empty((ids.size, self.k), np.float32)
+            threads = CPU_THREADS.kernel_threads
+            for p in self.parts:
+                sel = np.nonzero((ids >= p.start) & (ids < p.start + p.rows))[0]
+                if sel.size:
+                    rows = np.ascontiguousarray(p.raw[ids[sel] - p.start])
+                    tmp = np.empty((sel.size, self.k), np.float32)
+                    _core.block_dequantize(rows, p.qtype, self.k, tmp, threads)
+                    out[sel] = tmp
+            return out
+        start, stop, _ = slice(start, stop).indices(self.n)
+        out = np.empty((max(0, stop - start), self.k), np.float32)
+        self._dequantize_into(start, stop, out)
+        return out
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Dequantized rows `[len(ids), in]` f32 (the embedding lookup)."""
+        return self.dequantize(ids=ids)
+
+    def matmul_t(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """`x @ self.T` for x f32 `[M, in]` -> `[M, out]` (into `out` when given)."""
+        x = np.asarray(x)
+        if x.ndim != 2 or x.shape[1] != self.k:
+            raise ValueError(f"x must be [M, {self.k}], got shape {x.shape}")
+        M, N = x.shape[0], self.n
+        if out is None:
+            out = np.empty((M, N), np.float32)
+        elif out.shape != (M, N):
+            raise ValueError(f"out must be ({M}, {N}), got {out.shape}")
+        if M == 0:
+            return out
+        if M <= BLOCK_KERNEL_MAX:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            threads = CPU_THREADS.kernel_threads
+            if len(self.parts) == 1 and out.flags.c_contiguous and out.dtype == np.float32:
+                p = self.parts[0]
+                _core.block_matmul_t(x, p.raw, p.qtype, out, threads)
+                return out
+            for p in self.parts:
+                tmp = np.empty((M, p.rows), np.float32)
+                _core.block_matmul_t(x, p.raw, p.qtype, tmp, threads)
+                out[:, p.start : p.start + p.rows] = tmp
+            return out
+        tile = max(32, min(N, _TILE_VALUES // self.k))
+        buf = _tile_buffer(min(tile, N) * self.k)
+        for s in range(0, N, tile):
+            e = min(N, s + tile)
+            w = buf[: (e - s) * self.k].reshape(e - s, self.k)
+            self._dequantize_into(s, e, w)
+            np.matmul(x, w.T, out=out[:, s:e])
+        return out

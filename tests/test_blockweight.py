@@ -1,0 +1,206 @@
+"""BlockWeight and the block-format kernels (`_core.block_matmul_t`, `_core.block_dequantize`)
+against gguf's NumPy reference (`gguf.quants`) for every supported GGUF type."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, quants
+
+from kvshare import _core
+from kvshare.ops.blockweight import BLOCK_KERNEL_MAX, BLOCK_TYPES, BlockWeight
+
+TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K,
+         Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
+# types gguf.quants can quantize; the others get random valid blocks
+QUANTIZABLE = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0}
+# byte offsets of the f16 scale fields in a block
+F16_FIELDS = {Q.Q4_0: [0], Q.Q5_0: [0], Q.Q8_0: [0], Q.IQ4_NL: [0], Q.IQ4_XS: [0],
+              Q.Q4_1: [0, 2], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2],
+              Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q6_K: [208]}
+
+
+def block_of(t: Q) -> int:
+    return max(32, GGML_QUANT_SIZES[t][0])
+
+
+def make_raw(t: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 `[n, row_bytes]`: quantized random data, or random bytes with small finite
+    scales for types gguf cannot quantize."""
+    if t in QUANTIZABLE:
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        raw = np.asarray(quants.quantize(w, t))
+        return np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1)
+    bs, ts = GGML_QUANT_SIZES[t]
+    nb = n * k // bs
+    blocks = rng.integers(0, 256, (nb, ts), dtype=np.uint8)
+    for off in F16_FIELDS[t]:
+        sign = rng.choice([-1.0, 1.0], nb)
+        d = (sign * rng.uniform(2.0**-9, 1.0, nb)).astype(np.float16)
+        blocks[:, off : off + 2] = d.view(np.uint8).reshape(nb, 2)
+    return blocks.reshape(n, -1)
+
+
+def oracle(raw: np.ndarray, t: Q) -> np.ndarray:
+    return np.asarray(quants.dequantize(raw, t), np.float32)
+
+
+def assert_close_8bit(got, x, w, t):
+    """Within the error of 8-bit activations (each value off by at most amax / 254 of its
+    32-block) plus f32 summation slack; f32 products for float weight types."""
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    mag = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64)
+    if t in (Q.F32, Q.F16, Q.BF16):
+        tol = 1e-5 * mag + 1e-6
+    else:
+        M, k = x.shape
+        amax = np.abs(x).reshape(M, k // 32, 32).max(-1).astype(np.float64)
+        wsum = np.abs(w).reshape(w.shape[0], k // 32, 32).sum(-1).astype(np.float64)
+        tol = 1.01 * (amax @ wsum.T) / 254 + 1e-4 * mag + 1e-6
+    err = np.abs(got - want)
+    assert (err <= tol).all(), f"{t.name}: max err {err.max()} (tol at worst {tol.flat[err.argmax()]})"
+
+
+@pytest.fixture(params=[False, True], ids=["simd", "portable"])
+def path(request):
+    _core.block_force_portable(request.param)
+    yield request.param
+    _core.block_force_portable(False)
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_dequantize_matches_gguf(t):
+    rng = np.random.default_rng(int(t))
+    for n, nb in [(1, 1), (7, 2), (33, 4)]:
+        k = nb * block_of(t)
+        raw = make_raw(t, n, k, rng)
+        w = BlockWeight(raw, int(t), k)
+        ref = oracle(raw, t)
+        got = w.dequantize()
+        assert got.shape == (n, k) and got.dtype == np.float32
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+        np.testing.assert_array_equal(w.dequantize(1, n), got[1:])
+        ids = rng.integers(0, n, 5)
+        np.testing.assert_array_equal(w.rows(ids), got[ids])
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_matmul_small_batches(t, path):
+    rng = np.random.default_rng(100 + int(t))
+    for M, n, nb in [(1, 1, 1), (3, 33, 2), (4, 70, 1), (5, 31, 3), (16, 45, 4)]:
+        k = nb * block_of(t)
+        raw = make_raw(t, n, k, rng)
+        wf = oracle(raw, t)
+        x = rng.standard_normal((M, k)).astype(np.float32)
+        got = BlockWeight(raw, int(t), k).matmul_t(x)
+        assert got.shape == (M, n)
+        assert_close_8bit(got, x, wf, t)
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_matmul_large_batches_are_f32_exact(t):
+    rng = np.random.default_rng(200 + int(t))
+    k = 2 * block_of(t)
+    raw = make_raw(t, 37, k, rng)
+    wf = oracle(raw, t)
+    x = rng.standard_normal((BLOCK_KERNEL_MAX + 9, k)).astype(np.float32)
+    out = np.full((x.shape[0], 37), np.nan, np.float32)
+    got = BlockWeight(raw, int(t), k).matmul_t(x, out=out)
+    assert got is out
+    np.testing.assert_allclose(got, x @ wf.T, rtol=1e-4, atol=1e-4 * np.abs(x @ wf.T).max())
+
+
+def test_fused_parts_of_different_types(path):
+    rng = np.random.default_rng(5)
+    k = 512
+    specs = [(Q.Q4_K, 40), (Q.Q8_0, 17), (Q.F16, 9), (Q.Q6_K, 33)]
+    parts = [(make_raw(t, n, k, rng), int(t), k) for t, n in specs]
+    w = BlockWeight.concat([BlockWeight(*parts[0]), *parts[1:]])
+    wf = np.concatenate([oracle(r, Q(t)) for r, t, _ in parts])
+    assert w.shape == (99, k) and w.ndim == 2 and w.dtype == np.float32
+    assert w.nbytes == sum(r.nbytes for r, _, _ in parts)
+    np.testing.assert_allclose(w.dequantize(), wf, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(w.dequantize(30, 70), wf[30:70], rtol=1e-6, atol=1e-6)
+    ids = np.array([98, 0, 45, 57, 39, 40])
+    np.testing.assert_allclose(w.rows(ids), wf[ids], rtol=1e-6, atol=1e-6)
+    for M in (1, 4, 16):
+        x = rng.standard_normal((M, k)).astype(np.float32)
+        got = w.matmul_t(x)
+        for (t, _), a in zip(specs, np.cumsum([0] + [n for _, n in specs])):
+            b = a + dict(specs)[t]
+            assert_close_8bit(got[:, a:b], x, wf[a:b], t)
+        # a strided destination (a column slice of a larger output)
+        big = np.zeros((M, 120), np.float32)
+        w.matmul_t(x, out=big[:, 10:109])
+        np.testing.assert_array_equal(big[:, 10:109], got)
+    x = rng.standard_normal((40, k)).astype(np.float32)
+    np.testing.assert_allclose(w.matmul_t(x), x @ wf.T, rtol=1e-4, atol=1e-3)
+
+
+def test_read_only_mapped_bytes(tmp_path):
+    rng = np.random.default_rng(9)
+    raw = make_raw(Q.Q4_0, 64, 256, rng)
+    path = tmp_path / "w.bin"
+    raw.tofile(path)
+    mapped = np.memmap(path, np.uint8, mode="r")
+    w = BlockWeight(mapped, int(Q.Q4_0), 256)
+    assert not w.parts[0].raw.flags.writeable
+    assert np.shares_memory(w.parts[0].raw, mapped)  # no copy of the file's bytes
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    assert_close_8bit(w.matmul_t(x), x, oracle(raw, Q.Q4_0), Q.Q4_0)
+
+
+def test_threads_do_not_change_results():
+    from kvshare.backend import CPU_THREADS  # noqa: PLC0415
+
+    rng = np.random.default_rng(11)
+    raw = make_raw(Q.Q5_K, 1500, 1024, rng)
+    x = rng.standard_normal((3, 1024)).astype(np.float32)
+    one, many = np.empty((3, 1500), np.float32), np.empty((3, 1500), np.float32)
+    _core.block_matmul_t(x, raw, int(Q.Q5_K), one, 1)
+    _core.block_matmul_t(x, raw, int(Q.Q5_K), many, max(2, CPU_THREADS.max_threads))
+    np.testing.assert_array_equal(one, many)
+
+
+def test_bad_input_raises_value_error():
+    rng = np.random.default_rng(1)
+    raw = make_raw(Q.Q4_K, 4, 256, rng)
+    with pytest.raises(ValueError, match="no block kernels"):
+        BlockWeight(raw, int(Q.IQ2_XXS), 256)
+    with pytest.raises(ValueError, match="multiple"):
+        BlockWeight(raw, int(Q.Q4_K), 128)
+    with pytest.raises(ValueError, match="whole rows"):
+        BlockWeight(raw.reshape(-1)[:-1], int(Q.Q4_K), 256)
+    with pytest.raises(ValueError, match="uint8"):
+        BlockWeight(raw.view(np.int8), int(Q.Q4_K), 256)
+    with pytest.raises(ValueError, match="input sizes"):
+        BlockWeight.concat([(raw, int(Q.Q4_K), 256), (make_raw(Q.Q8_0, 2, 64, rng), 8, 64)])
+    w = BlockWeight(raw, int(Q.Q4_K), 256)
+    with pytest.raises(ValueError):
+        w.matmul_t(np.zeros((2, 255), np.float32))
+    with pytest.raises(ValueError):
+        w.matmul_t(np.zeros((2, 256), np.float32), out=np.zeros((2, 5), np.float32))
+    x = np.zeros((2, 256), np.float32)
+    out = np.zeros((2, 4), np.float32)
+    bad_calls = [
+        lambda: _core.block_matmul_t(x, raw, 99, out),  # unknown type
+        lambda: _core.block_matmul_t(x, raw[:, :100], int(Q.Q4_K), out),  # strided raw
+        lambda: _core.block_matmul_t(x, raw[:, :100].copy(), int(Q.Q4_K), out),  # row bytes
+        lambda: _core.block_matmul_t(x, raw, int(Q.Q4_K), np.zeros((2, 3), np.float32)),
+        lambda: _core.block_matmul_t(x.astype(np.float64), raw, int(Q.Q4_K), out),
+        lambda: _core.block_matmul_t(np.zeros((17, 256), np.float32), raw, int(Q.Q4_K),
+                                     np.zeros((17, 4), np.float32)),  # too many rows
+        lambda: _core.block_dequantize(raw, int(Q.Q4_K), 256, np.zeros((4, 255), np.float32)),
+        lambda: _core.block_dequantize(raw, int(Q.Q4_K), 200, np.zeros((4, 200), np.float32)),
+    ]
+    for call in bad_calls:
+        with pytest.raises(ValueError):
+            call()
+    ro = np.zeros((2, 4), np.float32)
+    ro.setflags(write=False)
+    with pytest.raises(ValueError, match="read-only"):
+        _core.block_matmul_t(x, raw, int(Q.Q4_K), ro)
+
+
+def test_type_table_matches_gguf():
+    for t in TYPES:
+        assert BLOCK_TYPES[int(t)] == tuple(GGML_QUANT_SIZES[t])
