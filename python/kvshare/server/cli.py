@@ -329,7 +329,9 @@ def _cache_dir_problem(path: str) -> str | None:
 
 
 def _say(msg: str) -> None:
-    print(f"kvshare: {msg}", file=sys.stderr, flush=True)
+    """A startup line (stdout, like the "serving" line: stderr holds only errors, so a
+    startup error stays the one line there)."""
+    print(f"kvshare: {msg}", flush=True)
 
 
 def _mib(n: float) -> str:
