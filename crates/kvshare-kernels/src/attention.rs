@@ -37,10 +37,13 @@ const KEY_BLOCK: usize = 32;
 
 /// An element type of the KV pool: f32, or IEEE half precision (`F16`, the pool's f16 mode).
 pub trait KvElem: Copy + Sync + 'static {
+    /// Whether the type is f32 itself (read without conversion).
+    const IS_F32: bool = false;
     fn to_f32(self) -> f32;
 }
 
 impl KvElem for f32 {
+    const IS_F32: bool = true;
     fn to_f32(self) -> f32 {
         self
     }
@@ -486,17 +489,45 @@ fn tile<T: KvElem>(
     let g = qs.n_head / n_kv;
     let rows = t.r1 - t.r0;
     let m = rows * g; // query vectors: row r, head h at r * g + h
-    let mut q = Vec::with_capacity(m * hd);
+    let wide = simd && wide_ok(hd);
+    // AVX-512 works on 16 query vectors at a time: zero vectors pad the tile (never output)
+    let mp = if wide { m.next_multiple_of(16) } else { m };
+    let mut q = vec![0f32; mp * hd];
     for row in t.r0..t.r1 {
         let q0 = (row * qs.n_head + t.kvh * g) * hd;
-        q.extend(qs.q[q0..q0 + g * hd].iter().map(|x| x * scale));
+        let d = (row - t.r0) * g * hd;
+        for (a, b) in q[d..d + g * hd].iter_mut().zip(&qs.q[q0..q0 + g * hd]) {
+            *a = b * scale;
+        }
     }
+    // the wide path scores with the queries transposed, `qt[d * mp + i]`
+    let qt: Vec<f32> = if wide {
+        let mut qt = vec![0f32; hd * mp];
+        for (i, qr) in q.chunks_exact(hd).enumerate() {
+            for (d, &x) in qr.iter().enumerate() {
+                qt[d * mp + i] = x;
+            }
+        }
+        qt
+    } else {
+        Vec::new()
+    };
     let table = &qs.tables[t.seq * qs.width..(t.seq + 1) * qs.width];
-    let mut mx = vec![f32::NEG_INFINITY; m];
-    let mut sum = vec![0f32; m];
-    let mut acc = vec![0f32; m * hd];
-    let mut sc = vec![0f32; KEY_BLOCK * m]; // [key, query vector]
+    let mut mx = vec![f32::NEG_INFINITY; mp];
+    let mut sum = vec![0f32; mp];
+    let mut acc = vec![0f32; mp * hd];
+    let mut sc = vec![0f32; KEY_BLOCK * mp]; // [key, query vector]
     let mut offs = Vec::with_capacity(KEY_BLOCK);
+    let mut kbuf = vec![0f32; KEY_BLOCK * hd];
+    let dense_offs: Vec<usize> = (0..KEY_BLOCK).map(|j| j * hd).collect();
+    // an f32 pool is read in place; f16 rows are converted once per block (not once per
+    // four query vectors), as is everything on the portable path
+    let in_place = T::IS_F32 || !simd;
+    let as_f32 = |x: &[T]| -> &[f32] {
+        debug_assert!(T::IS_F32);
+        // SAFETY: T is f32 (IS_F32 is only true for f32).
+        unsafe { std::slice::from_raw_parts(x.as_ptr() as *const f32, x.len()) }
+    };
     let q_last = t.qa + rows - 1;
     let mut j0 = t.lo;
     while j0 < t.hi {
@@ -504,12 +535,31 @@ fn tile<T: KvElem>(
         let nk = j1 - j0;
         offs.clear();
         offs.extend((j0..j1).map(|p| ((table[p / bs] as usize * bs + p % bs) * n_kv + t.kvh) * hd));
-        let sc = &mut sc[..nk * m];
-        scores(kv.k, &offs, &q, m, hd, sc, simd);
+        let sc = &mut sc[..nk * mp];
+        if !in_place {
+            to_f32_rows(kv.k, &offs, hd, &mut kbuf, simd);
+        }
+        let (kd, ko): (&[f32], &[usize]) = if in_place && wide {
+            (as_f32(kv.k), &offs)
+        } else {
+            (&kbuf, &dense_offs[..nk])
+        };
+        if wide {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: wide_ok detected AVX-512F; ko index whole rows of kd, qt is hd x mp
+            // with mp a multiple of 16, sc nk x mp.
+            unsafe {
+                avx512::scores_t(kd, ko, &qt, mp, hd, sc)
+            };
+        } else if in_place {
+            scores(kv.k, &offs, &q, mp, hd, sc, simd);
+        } else {
+            scores(kd, ko, &q, mp, hd, sc, simd);
+        }
         // every row sees every key of the block: no mask
         let open = j1 - 1 <= t.qa && (window == 0 || q_last - j0 < window);
         if !open {
-            for (j, s) in sc.chunks_exact_mut(m).enumerate() {
+            for (j, s) in sc.chunks_exact_mut(mp).enumerate() {
                 let p = j0 + j;
                 for r in 0..rows {
                     let qp = t.qa + r;
@@ -519,15 +569,64 @@ fn tile<T: KvElem>(
                 }
             }
         }
-        softmax_step(sc, m, hd, &mut mx, &mut sum, &mut acc, simd);
-        weighted_values(kv.v, &offs, sc, m, hd, &mut acc, simd);
+        softmax_step(sc, mp, hd, &mut mx, &mut sum, &mut acc, simd);
+        if !in_place {
+            to_f32_rows(kv.v, &offs, hd, &mut kbuf, simd);
+        }
+        let (vd, vo): (&[f32], &[usize]) = if in_place && wide {
+            (as_f32(kv.v), &offs)
+        } else {
+            (&kbuf, &dense_offs[..nk])
+        };
+        if wide {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above; acc is mp x hd.
+            unsafe {
+                avx512::weighted_values(vd, vo, sc, mp, hd, &mut acc)
+            };
+        } else if in_place {
+            weighted_values(kv.v, &offs, sc, mp, hd, &mut acc, simd);
+        } else {
+            weighted_values(vd, vo, sc, mp, hd, &mut acc, simd);
+        }
         j0 = j1;
     }
+    acc.truncate(m * hd);
     for (a, s) in acc.chunks_exact_mut(hd).zip(&sum) {
         let inv = 1.0 / s;
         a.iter_mut().for_each(|x| *x *= inv);
     }
     acc
+}
+
+/// Whether the prefill tiles can use AVX-512 (`avx512`).
+fn wide_ok(hd: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        simd_ok(hd) && std::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = hd;
+        false
+    }
+}
+
+/// `dst[j * hd..][..hd] = src[offs[j]..][..hd]` as f32.
+fn to_f32_rows<T: KvElem>(src: &[T], offs: &[usize], hd: usize, dst: &mut [f32], simd: bool) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if simd && simd_ok(hd) {
+            // SAFETY: features detected; offs index whole rows of src, dst holds offs.len()
+            // rows of hd.
+            return unsafe { avx2::to_f32_rows(src, offs, hd, dst) };
+        }
+    }
+    for (d, &o) in dst.chunks_exact_mut(hd).zip(offs) {
+        for (a, b) in d.iter_mut().zip(&src[o..o + hd]) {
+            *a = b.to_f32();
+        }
+    }
 }
 
 /// The online softmax of one key block: `sc` (`[keys, m]` scores, -inf where masked) becomes
@@ -777,8 +876,33 @@ mod avx2 {
     ) {
         let kp = k.as_ptr();
         let qp = unsafe { q.as_ptr().add(h0 * hd) };
-        for (j, &r) in rows.iter().enumerate() {
-            let kr = unsafe { kp.add(r) };
+        // two keys at a time: 2H accumulators (8 FMA chains at H = 4), each q load used twice
+        let mut j = 0;
+        while j + 2 <= rows.len() {
+            let (ka, kb) = unsafe { (kp.add(rows[j]), kp.add(rows[j + 1])) };
+            let mut a = [_mm256_setzero_ps(); H];
+            let mut b = [_mm256_setzero_ps(); H];
+            let mut c = 0;
+            while c < hd {
+                unsafe {
+                    let k0 = load8(ka.add(c));
+                    let k1 = load8(kb.add(c));
+                    for h in 0..H {
+                        let qv = _mm256_loadu_ps(qp.add(h * hd + c));
+                        a[h] = _mm256_fmadd_ps(qv, k0, a[h]);
+                        b[h] = _mm256_fmadd_ps(qv, k1, b[h]);
+                    }
+                }
+                c += 8;
+            }
+            unsafe {
+                store_sums(&a, sc.as_mut_ptr().add(j * g + h0));
+                store_sums(&b, sc.as_mut_ptr().add((j + 1) * g + h0));
+            }
+            j += 2;
+        }
+        if j < rows.len() {
+            let kr = unsafe { kp.add(rows[j]) };
             let mut a0 = [_mm256_setzero_ps(); H];
             let mut a1 = [_mm256_setzero_ps(); H];
             let mut c = 0;
@@ -794,7 +918,25 @@ mod avx2 {
                 c += 16;
             }
             for h in 0..H {
-                sc[j * g + h0 + h] = unsafe { hsum(_mm256_add_ps(a0[h], a1[h])) };
+                a0[h] = _mm256_add_ps(a0[h], a1[h]);
+            }
+            unsafe { store_sums(&a0, sc.as_mut_ptr().add(j * g + h0)) };
+        }
+    }
+
+    /// `out[h] = sum of the lanes of a[h]` (four at once through `hadd` when H = 4).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn store_sums<const H: usize>(a: &[__m256; H], out: *mut f32) {
+        unsafe {
+            if H == 4 {
+                let t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+                let s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+                _mm_storeu_ps(out, s);
+            } else {
+                for (h, v) in a.iter().enumerate() {
+                    *out.add(h) = hsum(*v);
+                }
             }
         }
     }
@@ -870,6 +1012,25 @@ mod avx2 {
         }
     }
 
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn to_f32_rows<T: KvElem>(
+        src: &[T],
+        offs: &[usize],
+        hd: usize,
+        dst: &mut [f32],
+    ) {
+        for (j, &o) in offs.iter().enumerate() {
+            let mut c = 0;
+            while c < hd {
+                unsafe {
+                    let v = load8(src.as_ptr().add(o + c));
+                    _mm256_storeu_ps(dst.as_mut_ptr().add(j * hd + c), v);
+                }
+                c += 8;
+            }
+        }
+    }
+
     /// `x[i] = exp(x[i] - sub[i])`, Cephes' expf polynomial (~2 ulp) eight at a time; 0 where
     /// the difference is below -87 (so -inf gives exactly 0).
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -922,5 +1083,167 @@ mod avx2 {
             23,
         );
         _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep)
+    }
+}
+
+/// The prefill tiles' products on AVX-512 (16 lanes, 32 registers), f32 rows only.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// `sc[j * mp + i] = k[offs[j]] . q[i]` with the queries transposed (`qt[d * mp + i]`):
+    /// six keys x 64 query vectors in 24 accumulators, broadcasting one key value per
+    /// dimension (no horizontal sums).
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scores_t(
+        k: &[f32],
+        offs: &[usize],
+        qt: &[f32],
+        mp: usize,
+        hd: usize,
+        sc: &mut [f32],
+    ) {
+        let mut i0 = 0;
+        while i0 < mp {
+            let w = ((mp - i0) / 16).min(4);
+            let mut j = 0;
+            while j < offs.len() {
+                let kn = match offs.len() - j {
+                    n if n >= 6 => 6,
+                    n if n >= 4 => 4,
+                    _ => 1,
+                };
+                unsafe {
+                    match (kn, w) {
+                        (6, 4) => st::<6, 4>(k, &offs[j..], qt, mp, hd, sc, j, i0),
+                        (6, 3) => st::<6, 3>(k, &offs[j..], qt, mp, hd, sc, j, i0),
+                        (6, 2) => st::<6, 2>(k, &offs[j..], qt, mp, hd, sc, j, i0),
+                        (6, _) => st::<6, 1>(k, &offs[j..], qt, mp, hd, sc, j, i0),
+                        (4, 4) => st::<4, 4>(k, &offs[j..], qt, mp, hd, sc, j, i0),
+                        (4, 3) => st::<4, 3>(k, &offs[j..], qt, mp, hd, sc, j, i0),
+                        (4, 2) => st::<4, 2>(k, &offs[j..], qt, mp, hd, sc, j, i0),
+                        (4, _) => st::<4, 1>(k, &offs[j..], qt, mp, hd, sc, j, i0),
+                        (_, 4) => st::<1, 4>(k, &offs[j..], qt, mp, hd, sc, j, i0),
+                        (_, 3) => st::<1, 3>(k, &offs[j..], qt, mp, hd, sc, j, i0),
+                        (_, 2) => st::<1, 2>(k, &offs[j..], qt, mp, hd, sc, j, i0),
+                        _ => st::<1, 1>(k, &offs[j..], qt, mp, hd, sc, j, i0),
+                    }
+                }
+                j += kn;
+            }
+            i0 += w * 16;
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn st<const KN: usize, const W: usize>(
+        k: &[f32],
+        offs: &[usize],
+        qt: &[f32],
+        mp: usize,
+        hd: usize,
+        sc: &mut [f32],
+        j: usize,
+        i0: usize,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); W]; KN];
+        let kp: [*const f32; KN] = std::array::from_fn(|x| unsafe { k.as_ptr().add(offs[x]) });
+        let qp = unsafe { qt.as_ptr().add(i0) };
+        for d in 0..hd {
+            unsafe {
+                let qv: [__m512; W] =
+                    std::array::from_fn(|w| _mm512_loadu_ps(qp.add(d * mp + w * 16)));
+                for x in 0..KN {
+                    let kb = _mm512_set1_ps(*kp[x].add(d));
+                    for w in 0..W {
+                        acc[x][w] = _mm512_fmadd_ps(kb, qv[w], acc[x][w]);
+                    }
+                }
+            }
+        }
+        for (x, ax) in acc.iter().enumerate() {
+            for (w, aw) in ax.iter().enumerate() {
+                unsafe {
+                    _mm512_storeu_ps(sc.as_mut_ptr().add((j + x) * mp + i0 + w * 16), *aw);
+                }
+            }
+        }
+    }
+
+    /// `acc[i] += sum_j p[j * mp + i] * v[offs[j]]`: six query vectors x 64 dims in 24
+    /// accumulators while walking the block's keys.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn weighted_values(
+        v: &[f32],
+        offs: &[usize],
+        p: &[f32],
+        mp: usize,
+        hd: usize,
+        acc: &mut [f32],
+    ) {
+        let mut i = 0;
+        while i < mp {
+            // six query vectors at a time (24 accumulators), then the rest in twos
+            let x = if mp - i >= 6 { 6 } else { 2 };
+            let mut c = 0;
+            while c < hd {
+                let w = ((hd - c) / 16).min(4);
+                unsafe {
+                    match (x, w) {
+                        (6, 4) => pv::<6, 4>(v, offs, p, mp, hd, acc, i, c),
+                        (6, 3) => pv::<6, 3>(v, offs, p, mp, hd, acc, i, c),
+                        (6, 2) => pv::<6, 2>(v, offs, p, mp, hd, acc, i, c),
+                        (6, _) => pv::<6, 1>(v, offs, p, mp, hd, acc, i, c),
+                        (_, 4) => pv::<2, 4>(v, offs, p, mp, hd, acc, i, c),
+                        (_, 3) => pv::<2, 3>(v, offs, p, mp, hd, acc, i, c),
+                        (_, 2) => pv::<2, 2>(v, offs, p, mp, hd, acc, i, c),
+                        _ => pv::<2, 1>(v, offs, p, mp, hd, acc, i, c),
+                    }
+                }
+                c += w * 16;
+            }
+            i += x;
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pv<const X: usize, const W: usize>(
+        v: &[f32],
+        offs: &[usize],
+        p: &[f32],
+        mp: usize,
+        hd: usize,
+        acc: &mut [f32],
+        i: usize,
+        c: usize,
+    ) {
+        let ap = unsafe { acc.as_mut_ptr().add(i * hd + c) };
+        let mut a = [[_mm512_setzero_ps(); W]; X];
+        for (x, ax) in a.iter_mut().enumerate() {
+            for (w, aw) in ax.iter_mut().enumerate() {
+                *aw = unsafe { _mm512_loadu_ps(ap.add(x * hd + w * 16)) };
+            }
+        }
+        for (j, &o) in offs.iter().enumerate() {
+            unsafe {
+                let vp = v.as_ptr().add(o + c);
+                let vv: [__m512; W] = std::array::from_fn(|w| _mm512_loadu_ps(vp.add(w * 16)));
+                for (x, ax) in a.iter_mut().enumerate() {
+                    let pb = _mm512_set1_ps(*p.get_unchecked(j * mp + i + x));
+                    for w in 0..W {
+                        ax[w] = _mm512_fmadd_ps(pb, vv[w], ax[w]);
+                    }
+                }
+            }
+        }
+        for (x, ax) in a.iter().enumerate() {
+            for (w, aw) in ax.iter().enumerate() {
+                unsafe { _mm512_storeu_ps(ap.add(x * hd + w * 16), *aw) };
+            }
+        }
     }
 }

@@ -35,6 +35,7 @@ _TILE_ROWS = 128
 # key tiles, no scores of masked keys). Unbounded: the NumPy tile path below stays for other
 # pool dtypes and as the tests' oracle (set this to 0 to take it).
 KERNEL_MAX_ROWS = 1 << 62
+_DECODE_ROWS = 4  # the kernel's DECODE_ROWS: more rows per sequence take its tiled path
 _KERNEL_KV_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 
@@ -153,6 +154,10 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     if (k_cache.dtype in _KERNEL_KV_DTYPES and q.dtype == np.float32
             and (lens <= KERNEL_MAX_ROWS).any()):
         kernel_rows = KERNEL_MAX_ROWS
+        # a prefill chunk's attention runs while BLAS idles: all cores, even in steps that
+        # gave them to BLAS (`CPU_THREADS.for_tokens`); decode rows keep the kernels' share
+        threads = (CPU_THREADS.max_threads if (lens > _DECODE_ROWS).any()
+                   else CPU_THREADS.kernel_threads)
         qc = q if q.flags.c_contiguous else np.ascontiguousarray(q)
         res = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
         try:
@@ -160,8 +165,7 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
                                   np.ascontiguousarray(block_tables, dtype=np.int32),
                                   np.ascontiguousarray(q_starts, dtype=np.int64),
                                   np.ascontiguousarray(start_positions, dtype=np.int64),
-                                  float(scale), int(window), res, kernel_rows,
-                                  CPU_THREADS.kernel_threads)
+                                  float(scale), int(window), res, kernel_rows, threads)
         except IndexError:
             # name the first uncovered sequence of the whole batch, as the GPU op does
             for s in range(len(q_starts) - 1):
