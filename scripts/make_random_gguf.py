@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""Write a random-weight GGUF of a real model's shapes and block formats, for memory and speed
+work on models larger than the ones the tests ship.
+
+    python scripts/make_random_gguf.py --arch qwen3 --size 1.5b --out /tmp/qwen3-1.5b-rand.gguf
+    python scripts/make_random_gguf.py --arch qwen3 --size tiny --out /tmp/tiny.gguf \\
+        --tokenizer-from tests/data/models/tiny-qwen3-chat.gguf
+
+`--size 1.5b` is Qwen3-1.7B's shape: hidden 2048, 28 layers, 16 query heads, 8 KV heads, head
+size 128, FFN 6144, per-head q/k RMSNorm, rope theta 1e6, RMS eps 1e-6, context 40960, output
+head tied to the token embeddings (Qwen3-1.7B has no `output.weight`). `--size tiny`: 2 layers,
+hidden 256, 4 query heads, 2 KV heads, head size 64, FFN 768.
+
+Block formats follow llama.cpp's Q4_K_M mix (src/llama-quant.cpp, llama_tensor_get_type): Q4_K
+for every matrix except attn_v and ffn_down of the layers `use_more_bits` picks (the first and
+last eighth of the layers and every third one between) and the tied token embedding (quantized
+as the output head), which are Q6_K; norms F32.
+
+The blocks are random but valid: random quant bytes (nibbles, Q6_K high bits), random 6-bit
+sub-block scales and mins (Q4_K) or int8 scales (Q6_K), and f16 super-block scales `d` / `dmin`
+picked so that each matrix's elements have a standard deviation of about 0.02 and a mean of
+about 0 (finite activations through every layer). Norm weights are 1.0. The generator is
+seeded: the same arguments write the same bytes. Tensors are generated and written one at a
+time (the largest, the embedding, is ~255 MB at 151936 x 2048 Q6_K).
+
+The tokenizer (`tokenizer.*` metadata: vocabulary, merges, special ids, chat template) is copied
+from a real GGUF (`--tokenizer-from`; default: the packaged Gemma 3 270M that
+`kvshare.model.loader.default_model_path()` returns); the embedding has one row per token of
+that vocabulary. For Qwen3-1.7B's exact vocabulary (151936 tokens) pass a Qwen2/Qwen3 tokenizer
+GGUF, e.g. llama.cpp's `models/ggml-vocab-qwen2.gguf`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFReader, GGUFValueType, GGUFWriter
+
+LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
+TARGET_STD = 0.02  # standard deviation of a weight matrix's elements
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_layers: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    context_length: int
+    rope_base: float = 1e6
+    rms_eps: float = 1e-6
+    tied: bool = True
+
+
+SIZES = {
+    # Qwen3-1.7B (config.json: hidden_size 2048, num_hidden_layers 28, num_attention_heads 16,
+    # num_key_value_heads 8, head_dim 128, intermediate_size 6144, rope_theta 1e6,
+    # rms_norm_eps 1e-6, max_position_embeddings 40960, tie_word_embeddings true)
+    "1.5b": Shape(28, 2048, 16, 8, 128, 6144, 40960),
+    "tiny": Shape(2, 256, 4, 2, 64, 768, 4096),
+}
+ARCHS = ("qwen3",)
+
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama.cpp's rule for the layers whose attn_v / ffn_down get more bits in Q4_K_M."""
+    return (i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8
+            or (i_layer - n_layers // 8) % 3 == 2)
+
+
+def tensor_plan(arch: str, s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...], Q]]:
+    """(name, numpy shape [rows, cols] or [n], block format) of every tensor, in llama.cpp's
+    order."""
+    if arch != "qwen3":
+        raise ValueError(f"architecture {arch!r} is not supported (one of {', '.join(ARCHS)})")
+    H, K, D, E, F = s.n_head, s.n_head_kv, s.head_dim, s.n_embd, s.n_ff
+    plan: list[tuple[str, tuple[int, ...], Q]] = [
+        # tied: the embedding is quantized as the output head (Q6_K)
+        ("token_embd.weight", (vocab, E), Q.Q6_K if s.tied else Q.Q4_K)]
+    for il in range(s.n_layers):
+        p = f"blk.{il}."
+        more = use_more_bits(il, s.n_layers)
+        plan += [
+            (p + "attn_norm.weight", (E,), Q.F32),
+            (p + "attn_q.weight", (H * D, E), Q.Q4_K),
+            (p + "attn_k.weight", (K * D, E), Q.Q4_K),
+            (p + "attn_v.weight", (K * D, E), Q.Q6_K if more else Q.Q4_K),
+            (p + "attn_q_norm.weight", (D,), Q.F32),
+            (p + "attn_k_norm.weight", (D,), Q.F32),
+            (p + "attn_output.weight", (E, H * D), Q.Q4_K),
+            (p + "ffn_norm.weight", (E,), Q.F32),
+            (p + "ffn_gate.weight", (F, E), Q.Q4_K),
+            (p + "ffn_up.weight", (F, E), Q.Q4_K),
+            (p + "ffn_down.weight", (E, F), Q.Q6_K if more else Q.Q4_K),
+        ]
+    plan.append(("output_norm.weight", (E,), Q.F32))
+    if not s.tied:
+        plan.append(("output.weight", (vocab, E), Q.Q6_K))
+    return plan
+
+
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values.astype(np.float16)).view(np.uint8).reshape(-1, 2)
+
+
+def random_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """`n_blocks` valid random blocks of `qtype` as uint8 [n_blocks, type_size], elements with
+    a standard deviation of about TARGET_STD and a mean of about 0."""
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    b = np.frombuffer(rng.bytes(n_blocks * type_size), np.uint8).reshape(n_blocks, type_size).copy()
+    jitter = rng.uniform(0.8, 1.2, n_blocks)
+    if qtype == Q.Q4_K:
+        # d f16, dmin f16, scales u8[12] (6-bit scale and min per sub-block of 32), qs u8[128]:
+        # x = d * sc * q - dmin * m, q uniform in 0..15 (mean 7.5, std 4.6), sc and m uniform in
+        # 0..63 (mean 31.5, std 18.5). dmin = 7.5 d centres each sub-block on average; the
+        # element std is then about d * sqrt((31.5 * 4.6)^2 + 2 * (7.5 * 18.5)^2) ~ 240 d.
+        d = TARGET_STD / 240.0 * jitter
+        b[:, 0:2] = _f16_bytes(d)
+        b[:, 2:4] = _f16_bytes(7.5 * d)
+    elif qtype == Q.Q6_K:
+        # ql u8[128], qh u8[64], scales i8[16], d f16: x = d * sc * (q - 32), q uniform in
+        # 0..63 (std 18.5); scales uniform in -32..32 (mean |sc| ~ 16): std ~ 16 * 18.5 d
+        b[:, 192:208] = rng.integers(-32, 33, (n_blocks, 16), dtype=np.int8).view(np.uint8)
+        d = TARGET_STD / (16.0 * 18.5) * jitter
+        b[:, 208:210] = _f16_bytes(d)
+    else:
+        raise ValueError(f"no random block generator for {qtype.name}")
+    return b
+
+
+def tensor_data(name: str, shape: tuple[int, ...], qtype: Q, seed: int, index: int) -> np.ndarray:
+    """The stored bytes (or f32 values) of one tensor; its own seeded stream, so each tensor is
+    the same whatever else is generated."""
+    if qtype == Q.F32:
+        return np.ones(shape, np.float32)  # norm weights
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    if cols % block:
+        raise ValueError(f"{name}: row length {cols} is not a multiple of {qtype.name}'s {block}")
+    rng = np.random.default_rng([seed, index])
+    blocks = random_blocks(qtype, rows * cols // block, rng)
+    return blocks.reshape(rows, cols // block * type_size)
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+def default_tokenizer_source() -> str:
+    from kvshare.model.loader import default_model_path  # noqa: PLC0415
+
+    return default_model_path()
+
+
+def tokenizer_fields(path: str | os.PathLike) -> list[tuple[str, object, GGUFValueType,
+                                                            GGUFValueType | None]]:
+    """The `tokenizer.*` metadata of a GGUF file: (key, value, type, array element type)."""
+    r = GGUFReader(str(path))
+    out = []
+    for key, f in r.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = f.types[0]
+        sub = f.types[1] if vtype == GGUFValueType.ARRAY and len(f.types) > 1 else None
+        val = f.contents()
+        if isinstance(val, np.ndarray):
+            val = val.tolist()
+        out.append((key, val, vtype, sub))
+    if not any(k == "tokenizer.ggml.tokens" for k, *_ in out):
+        raise SystemExit(f"{path}: no tokenizer.ggml.tokens to copy")
+    return out
+
+
+# ----------------------------------------------------------------------------- writer
+
+def write(out: str | os.PathLike, arch: str = "qwen3", size: str = "1.5b",
+          tokenizer_from: str | os.PathLike | None = None, seed: int = 0,
+          verbose: bool = False) -> dict:
+    """Write the GGUF; returns a summary (vocab, parameter count, bytes per block format)."""
+    s = SIZES[size]
+    src = tokenizer_from or default_tokenizer_source()
+    tok = tokenizer_fields(src)
+    vocab = len(next(v for k, v, *_ in tok if k == "tokenizer.ggml.tokens"))
+    plan = tensor_plan(arch, s, vocab)
+
+    w = GGUFWriter(str(out), arch)
+    w.add_name(f"random {arch} {size} (kvshare scripts/make_random_gguf.py, seed {seed})")
+    w.add_file_type(LLAMA_FTYPE_MOSTLY_Q4_K_M)
+    w.add_quantization_version(2)
+    w.add_block_count(s.n_layers)
+    w.add_context_length(s.context_length)
+    w.add_embedding_length(s.n_embd)
+    w.add_feed_forward_length(s.n_ff)
+    w.add_head_count(s.n_head)
+    w.add_head_count_kv(s.n_head_kv)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_rope_freq_base(s.rope_base)
+    w.add_layer_norm_rms_eps(s.rms_eps)
+    for key, val, vtype, sub in tok:
+        w.add_key_value(key, val, vtype, sub_type=sub)
+
+    by_type: dict[str, int] = {}
+    params = 0
+    for name, shape, qtype in plan:
+        if qtype == Q.F32:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+            nbytes = int(np.prod(shape)) * 4
+        else:
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            rows, cols = shape
+            nbytes = rows * cols // block * type_size
+            w.add_tensor_info(name, (rows, cols // block * type_size), np.dtype(np.uint8),
+                              nbytes, raw_dtype=qtype)
+        by_type[qtype.name] = by_type.get(qtype.name, 0) + nbytes
+        params += int(np.prod(shape))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    t0 = time.perf_counter()
+    for i, (name, shape, qtype) in enumerate(plan):
+        w.write_tensor_data(tensor_data(name, shape, qtype, seed, i))
+        if verbose and (i % 50 == 0 or i == len(plan) - 1):
+            print(f"  {i + 1}/{len(plan)} tensors ({time.perf_counter() - t0:.1f} s)",
+                  file=sys.stderr, flush=True)
+    w.close()
+    return {"path": str(out), "arch": arch, "size": size, "vocab": vocab, "params": params,
+            "tensors": len(plan), "bytes_by_type": by_type,
+            "file_bytes": Path(out).stat().st_size, "tokenizer_from": str(src)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="qwen3", choices=ARCHS)
+    ap.add_argument("--size", default="1.5b", choices=sorted(SIZES))
+    ap.add_argument("--out", required=True, help="GGUF file to write")
+    ap.add_argument("--tokenizer-from", default=None,
+                    help="GGUF whose tokenizer.* metadata is copied (default: the packaged "
+                         "Gemma 3 270M, kvshare.model.loader.default_model_path())")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    info = write(args.out, args.arch, args.size, args.tokenizer_from, args.seed, verbose=True)
+    mib = {k: round(v / 2**20, 1) for k, v in info["bytes_by_type"].items()}
+    print(f"wrote {info['path']}: {args.arch} {args.size}, vocab {info['vocab']} (from "
+          f"{info['tokenizer_from']}), {info['params'] / 1e9:.3f}B parameters, "
+          f"{info['tensors']} tensors, {info['file_bytes'] / 2**20:.1f} MiB (MiB by format: "
+          f"{mib}) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
