@@ -55,7 +55,7 @@ class EngineConfig:
     prefill_chunk: int = 256  # per-step token budget for prefill
     device: str = "cpu"
     threads: int | None = None
-    kv_dtype: str = "f32"
+    kv_dtype: str | None = None  # "f32" / "f16" / ...; None: the model's default for its backend
     cache_ram_mib: float = 8192  # RAM tier budget; 0 turns it off
     cache_ram_pin_mib: float | None = None  # of which prefix entries may pin (None: half)
     cache_dir: str | None = None  # disk tier directory; None turns it off
@@ -67,6 +67,15 @@ class EngineConfig:
     checkpoint_mem_mib: int = 1024  # hybrids: budget of unique checkpoint bytes
     queue_timeout_s: float = 600.0  # a request waiting longer to be admitted ends with a 503
     max_n: int = 8  # most choices (OpenAI `n`) one request may ask for
+
+
+def _kv_dtype_name(dtype) -> str:
+    """The name a KV pool dtype goes by in cache keys and flags ("f32", "f16", ...)."""
+    names = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}
+    try:
+        return names.get(np.dtype(dtype), str(dtype))
+    except TypeError:
+        return str(dtype)
 
 
 class Engine:
@@ -88,12 +97,14 @@ class Engine:
         self.kv = model.new_cache(n_blocks, config.block_size, kv_dtype=config.kv_dtype,
                                   n_state_slots=config.parallel if self.hybrid else 0)
         self.kv.prefault()  # host pool: map its pages in the background, not on first use
+        # the pool's dtype by name: part of every cache key (a block means its bytes in it)
+        self.kv_dtype = getattr(self.kv, "kv_dtype_name", None) or _kv_dtype_name(self.kv.kv_dtype)
         self.checkpoints = CheckpointManager(
             self.kv, config.block_size, config.parallel, config.checkpoint_min_step,
             config.ctx_checkpoints, int(config.checkpoint_mem_mib) * 2**20) if self.hybrid else None
         self.pool = _core.BlockPool(n_blocks, config.block_size)
         self.tiers = self._make_tiers(config, fingerprint)
-        self.cache = CacheManager(self.pool, self.kv, config.block_size, fingerprint, config.kv_dtype,
+        self.cache = CacheManager(self.pool, self.kv, config.block_size, fingerprint, self.kv_dtype,
                                   config.slot_attach, self.tiers, self.checkpoints)
         self.scheduler = Scheduler(self.cache, config.parallel, config.prefill_chunk)
         self.stop_ids = set(getattr(tokenizer, "stop_ids", ()) or ())
@@ -156,7 +167,7 @@ class Engine:
         if config.cache_dir:
             Path(config.cache_dir).mkdir(parents=True, exist_ok=True)
             # The kv dtype and block size are part of what a stored block means.
-            disk_fp = _core.root_key(fingerprint, config.kv_dtype, config.block_size, None)
+            disk_fp = _core.root_key(fingerprint, self.kv_dtype, config.block_size, None)
             disk = _core.DiskStore(config.cache_dir, disk_fp, int(config.cache_disk_max_mib) * 2**20,
                                    config.cache_ttl_s if config.cache_ttl_s > 0 else None,
                                    int(config.cache_min_tokens))
