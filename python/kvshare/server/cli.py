@@ -389,9 +389,10 @@ def _load_engine(args: argparse.Namespace, path: str, label: str):
         template = ChatTemplate.from_gguf(path, tokenizer)
         bar.update()
     md = getattr(model, "metadata", {}) or {}
+    tname = getattr(template, "name", "?")
     _say(f"tokenizer {md.get('tokenizer.ggml.model', '?')} "
          f"({len(md.get('tokenizer.ggml.tokens') or ())} tokens), chat template "
-         f"{getattr(template, 'name', '?')}")
+         + ("from the file" if tname == "gguf" else f"{tname} (built in: the file has none)"))
     try:
         engine = Engine(model, tokenizer, template, bytes.fromhex(model.fingerprint), config,
                         model_name=label if label else Path(path).stem)
@@ -496,6 +497,7 @@ def serve(args: argparse.Namespace) -> int:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         return _fail(f"cannot use --device {args.device}: {msg}", 2)
     except _KvDtypeError as e:
+        logging.getLogger("kvshare.server").debug("engine construction failed", exc_info=True)
         sock.close()
         if args.kv_dtype not in (None, "f32"):
             return _fail(f"cannot use --kv-dtype {args.kv_dtype}: {e}", 2)
