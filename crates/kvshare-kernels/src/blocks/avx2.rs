@@ -159,6 +159,13 @@ impl ActRows<'_> {
     }
 }
 
+/// The even and odd accumulators of each row added.
+#[target_feature(enable = "avx")]
+#[inline]
+fn sum2<const R: usize>(acc: &[[__m256; R]; 2]) -> [__m256; R] {
+    std::array::from_fn(|i| _mm256_add_ps(acc[0][i], acc[1][i]))
+}
+
 fn finish<const R: usize>(acc: &[__m256; R], off: &[f32; R], out: &mut [f32]) {
     for i in 0..R {
         // SAFETY: the features were checked by the caller of row_dot
@@ -169,18 +176,21 @@ fn finish<const R: usize>(acc: &[__m256; R], off: &[f32; R], out: &mut [f32]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_q8_0<const R: usize>(row: &[u8], a: &QActs, r0: usize, out: &mut [f32]) {
     let rows = ActRows::new(a, r0);
-    let mut acc = [_mm256_setzero_ps(); R];
+    // two accumulators per row (even and odd blocks) so that consecutive FMAs do not wait
+    // on each other
+    let mut acc = [[_mm256_setzero_ps(); R]; 2];
     for (c, b) in row.chunks_exact(34).enumerate() {
         let p = b.as_ptr();
         let d = unsafe { f16(p) };
         let w = unsafe { _mm256_loadu_si256(p.add(2) as *const __m256i) };
+        let acc = &mut acc[c & 1];
         for i in 0..R {
             let ab = rows.block(i, c);
             let s = _mm256_set1_ps(d * rows.d(ab));
             acc[i] = _mm256_fmadd_ps(unsafe { dot_i8(w, rows.qs(ab)) }, s, acc[i]);
         }
     }
-    finish(&acc, &[0.0; R], out);
+    finish(&sum2(&acc), &[0.0; R], out);
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -194,8 +204,8 @@ unsafe fn dot_q4q5<const R: usize>(
     use BlockType::*;
     let rows = ActRows::new(a, r0);
     let bb = ty.block_bytes();
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut off = [0f32; R];
+    let mut acc = [[_mm256_setzero_ps(); R]; 2];
+    let mut off = [[0f32; R]; 2];
     for (c, b) in row.chunks_exact(bb).enumerate() {
         let p = b.as_ptr();
         let d = unsafe { f16(p) };
@@ -214,6 +224,7 @@ unsafe fn dot_q4q5<const R: usize>(
                 }
             }
         };
+        let (acc, off) = (&mut acc[c & 1], &mut off[c & 1]);
         for i in 0..R {
             let ab = rows.block(i, c);
             let s = _mm256_set1_ps(d * rows.d(ab));
@@ -221,7 +232,8 @@ unsafe fn dot_q4q5<const R: usize>(
             off[i] += o * rows.sum32(ab);
         }
     }
-    finish(&acc, &off, out);
+    let off: [f32; R] = std::array::from_fn(|i| off[0][i] + off[1][i]);
+    finish(&sum2(&acc), &off, out);
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -229,18 +241,19 @@ unsafe fn dot_iq4_nl<const R: usize>(row: &[u8], a: &QActs, r0: usize, out: &mut
     let rows = ActRows::new(a, r0);
     let table = unsafe { _mm_loadu_si128(IQ4NL_VALUES.as_ptr() as *const __m128i) };
     let table = _mm256_set_m128i(table, table);
-    let mut acc = [_mm256_setzero_ps(); R];
+    let mut acc = [[_mm256_setzero_ps(); R]; 2];
     for (c, b) in row.chunks_exact(18).enumerate() {
         let p = b.as_ptr();
         let d = unsafe { f16(p) };
         let w = _mm256_shuffle_epi8(table, unsafe { nibbles(p.add(2)) });
+        let acc = &mut acc[c & 1];
         for i in 0..R {
             let ab = rows.block(i, c);
             let s = _mm256_set1_ps(d * rows.d(ab));
             acc[i] = _mm256_fmadd_ps(unsafe { dot_i8(w, rows.qs(ab)) }, s, acc[i]);
         }
     }
-    finish(&acc, &[0.0; R], out);
+    finish(&sum2(&acc), &[0.0; R], out);
 }
 
 /// Q4_K (and with `five`, Q5_K): 8 sub-blocks of 32 with 6-bit scales and mins.
@@ -255,8 +268,9 @@ unsafe fn dot_q4k_q5k<const R: usize>(
     let rows = ActRows::new(a, r0);
     let bb = if five { 176 } else { 144 };
     let m4 = _mm256_set1_epi8(0x0F);
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut off = [0f32; R];
+    let mut acc = [[_mm256_setzero_ps(); R]; 2];
+    // the min terms of a super-block: its 8 mins times the 8 activation sums, one FMA
+    let mut offv = [_mm256_setzero_ps(); R];
     for (bi, b) in row.chunks_exact(bb).enumerate() {
         let p = b.as_ptr();
         let (d, dmin) = unsafe { (f16(p), f16(p.add(2))) };
@@ -266,6 +280,11 @@ unsafe fn dot_q4k_q5k<const R: usize>(
             let (s, m) = super::portable::scale_min_k4(j, &b[4..16]);
             sc[j] = d * s as f32;
             mn[j] = -(dmin * m as f32);
+        }
+        let minsv = unsafe { _mm256_loadu_ps(mn.as_ptr()) };
+        for i in 0..R {
+            let sums = rows.a.sum32.as_ptr().wrapping_add(rows.block(i, bi * 8));
+            offv[i] = _mm256_fmadd_ps(minsv, unsafe { _mm256_loadu_ps(sums) }, offv[i]);
         }
         let qs = unsafe { p.add(if five { 48 } else { 16 }) };
         let hbits = if five {
@@ -287,16 +306,17 @@ unsafe fn dot_q4k_q5k<const R: usize>(
                     w = _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
                 }
                 let c = bi * 8 + sub;
+                let acc = &mut acc[part];
                 for i in 0..R {
                     let ab = rows.block(i, c);
                     let s = _mm256_set1_ps(sc[sub] * rows.d(ab));
                     acc[i] = _mm256_fmadd_ps(unsafe { dot_u8(w, rows.qs(ab)) }, s, acc[i]);
-                    off[i] += mn[sub] * rows.sum32(ab);
                 }
             }
         }
     }
-    finish(&acc, &off, out);
+    let off: [f32; R] = std::array::from_fn(|i| unsafe { hsum(offv[i]) });
+    finish(&sum2(&acc), &off, out);
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -304,14 +324,32 @@ unsafe fn dot_q6_k<const R: usize>(row: &[u8], a: &QActs, r0: usize, out: &mut [
     let rows = ActRows::new(a, r0);
     let m4 = _mm256_set1_epi8(0x0F);
     let m2 = _mm256_set1_epi8(3);
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut off = [0f32; R];
+    let mut acc = [[_mm256_setzero_ps(); R]; 2];
+    // the zero-point terms: -32 x the 16 scales times the 16 activation sums, two FMAs
+    let mut offv = [_mm256_setzero_ps(); R];
     for (bi, b) in row.chunks_exact(210).enumerate() {
         let p = b.as_ptr();
         let d = unsafe { f16(p.add(208)) };
         let mut sc = [0f32; 16];
         for (g, s) in sc.iter_mut().enumerate() {
             *s = d * (b[192 + g] as i8) as f32;
+        }
+        let (sc0, sc1) = unsafe {
+            (
+                _mm256_loadu_ps(sc.as_ptr()),
+                _mm256_loadu_ps(sc.as_ptr().add(8)),
+            )
+        };
+        for i in 0..R {
+            let sums = rows
+                .a
+                .sum16
+                .as_ptr()
+                .wrapping_add(2 * rows.block(i, bi * 8));
+            unsafe {
+                offv[i] = _mm256_fmadd_ps(sc0, _mm256_loadu_ps(sums), offv[i]);
+                offv[i] = _mm256_fmadd_ps(sc1, _mm256_loadu_ps(sums.add(8)), offv[i]);
+            }
         }
         for half in 0..2 {
             let (ql0, ql1, qh) = unsafe {
@@ -343,16 +381,17 @@ unsafe fn dot_q6_k<const R: usize>(row: &[u8], a: &QActs, r0: usize, out: &mut [
                 let (s0, s1) = (sc[g], sc[g + 1]);
                 let sv = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
                 let c = bi * 8 + 4 * half + cc;
+                let acc = &mut acc[cc & 1];
                 for i in 0..R {
                     let ab = rows.block(i, c);
                     let s = _mm256_mul_ps(sv, _mm256_set1_ps(rows.d(ab)));
                     acc[i] = _mm256_fmadd_ps(unsafe { dot_u8(w, rows.qs(ab)) }, s, acc[i]);
-                    off[i] -= 32.0 * (s0 * rows.sum16(ab, 0) + s1 * rows.sum16(ab, 1));
                 }
             }
         }
     }
-    finish(&acc, &off, out);
+    let off: [f32; R] = std::array::from_fn(|i| -32.0 * unsafe { hsum(offv[i]) });
+    finish(&sum2(&acc), &off, out);
 }
 
 /// Types without a kernel of their own (Q2_K, Q3_K, IQ4_XS): blocks unpacked by the
@@ -368,8 +407,8 @@ unsafe fn dot_unpacked<const R: usize>(
     let rows = ActRows::new(a, r0);
     let (bb, chunks) = (ty.block_bytes(), ty.block_size() / ACT_BLOCK);
     let mut u = Unpacked::new();
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut off = [0f32; R];
+    let mut acc = [[_mm256_setzero_ps(); R]; 2];
+    let mut off = [[0f32; R]; 2];
     for (bi, b) in row.chunks_exact(bb).enumerate() {
         unpack(ty, b, &mut u);
         for cc in 0..chunks {
@@ -378,6 +417,7 @@ unsafe fn dot_unpacked<const R: usize>(
             let (o0, o1) = (u.o[2 * cc], u.o[2 * cc + 1]);
             let sv = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
             let c = bi * chunks + cc;
+            let (acc, off) = (&mut acc[cc & 1], &mut off[cc & 1]);
             for i in 0..R {
                 let ab = rows.block(i, c);
                 let s = _mm256_mul_ps(sv, _mm256_set1_ps(rows.d(ab)));
@@ -388,7 +428,8 @@ unsafe fn dot_unpacked<const R: usize>(
             }
         }
     }
-    finish(&acc, &off, out);
+    let off: [f32; R] = std::array::from_fn(|i| off[0][i] + off[1][i]);
+    finish(&sum2(&acc), &off, out);
 }
 
 /// F32/F16/BF16 weights: f32 products with the f32 activations.
