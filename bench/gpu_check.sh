@@ -74,7 +74,8 @@ summ() {  # the last pytest summary line of a log, or why there is none
 }
 RC=0
 timeout 210 $PY -m pytest -m gpu -v -p no:cacheprovider --durations=15 \
-    tests/test_ops_gpu.py tests/test_model_gpu.py tests/test_engine_gpu.py > "$OUT/pytest_gpu.log" 2>&1
+    tests/test_ops_gpu.py tests/test_ops_gpu_blocks.py tests/test_model_gpu.py tests/test_engine_gpu.py \
+    > "$OUT/pytest_gpu.log" 2>&1
 rc=$?; [ $rc -ne 0 ] && RC=$rc
 log "pytest -m gpu: rc=$rc, $(summ $rc "$OUT/pytest_gpu.log")"
 grep -E '^(FAILED|ERROR)' "$OUT/pytest_gpu.log" | head -20 | tee -a "$OUT/summary.txt"

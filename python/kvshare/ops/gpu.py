@@ -23,6 +23,8 @@ import numpy as np
 
 from kvshare import kernels
 from kvshare.backend import cupy_module
+from kvshare.ops import gpu_blocks
+from kvshare.ops.gpu_blocks import GpuBlockWeight
 
 # Every kernel this module launches, by kernel module (tests/test_kernels_compile.py checks
 # that each one is an entry point of the compiled module).
@@ -35,6 +37,7 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "activation": ("geglu_tanh_f32", "swiglu_f32"),
     "embedding": ("embedding_f16", "embedding_f32"),
     "linear": ("f32_to_f16_rowscaled", "rowscale_bias_f32"),
+    "blocks": gpu_blocks.ENTRY_POINTS,  # GGUF block weights (GpuBlockWeight), ops/gpu_blocks.py
 }
 
 # Launch constants that must match the CUDA sources.
@@ -557,7 +560,9 @@ def swiglu(gate: Any, up: Any, *, out: Any | None = None) -> Any:
 def embedding(table: Any, tokens: Any, scale: float = 1.0) -> Any:
     """GPU twin of `kvshare.ops.embedding.embedding`: float32 `[N, d]`. Host token ids are
     range-checked (IndexError, as on the CPU); an out-of-range id already on the device gives
-    a NaN row."""
+    a NaN row. A `GpuBlockWeight` table (GGUF blocks) goes to `gpu_blocks.embedding`."""
+    if isinstance(table, GpuBlockWeight):
+        return gpu_blocks.embedding(table, tokens, scale)
     cp = _cp()
     if not isinstance(table, cp.ndarray) or table.ndim != 2:
         raise TypeError("the embedding table must be a 2-D CuPy array")
@@ -621,7 +626,9 @@ def linear(x: Any, w: Any, bias: Any | None = None, *, out: Any | None = None) -
     f16 weights: x is converted to f16 with a power-of-two scale per row (no overflow, see
     kernels/linear.cu), multiplied by cuBLAS (cublasGemmEx, f16 x f16 -> float32 with float32
     accumulation), then scaled back and biased in one pass. f32 weights: CuPy's matmul
-    (float32 SGEMM)."""
+    (float32 SGEMM). `GpuBlockWeight` (GGUF blocks read in place): `gpu_blocks.linear`."""
+    if isinstance(w, GpuBlockWeight):
+        return gpu_blocks.linear(x, w, bias, out=out)
     cp = _cp()
     if not isinstance(w, cp.ndarray) or w.ndim != 2:
         raise TypeError("linear weights must be a 2-D CuPy array [out, in]")

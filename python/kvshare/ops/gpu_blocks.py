@@ -1,0 +1,312 @@
+"""GGUF block-quantized weights on the GPU, read in place (kernels/blocks.cu): a device holds
+each weight at its file size, and the kernels dequantize blocks in registers.
+
+`GpuBlockWeight` is a `[n, k]` weight made of one or more parts stacked along the output axis
+(a fused Q/K/V or gate/up projection whose parts may have different GGUF types), each part the
+file's raw bytes `[n_i, row_bytes_i]` copied to the device unchanged. `kvshare.ops.gpu.linear`
+and `kvshare.ops.gpu.embedding` dispatch on it to `linear` and `embedding` here:
+
+- linear, x with m <= 16 rows (decode, small batches): per part, `bmv_<type>_m<M>` (M the
+  smallest of 1, 2, 4, 8, 16 >= m) writes the part's columns of y directly (bias added there):
+  one warp per output row, each weight block read once for all m rows, float32 accumulation.
+- linear, m > 16 (prefill): x is converted to row-scaled f16 as for f16 weights
+  (`f32_to_f16_rowscaled`), then each part is dequantized tile by tile (`bdq_<type>`, at most
+  `DEQUANT_TILE_ELEMS` weights per tile, 64 MB of f16 scratch) and multiplied by cuBLAS
+  (`cublasGemmEx`, f16 x f16 -> float32) straight into its column slice of y; one
+  `rowscale_bias_f32` pass at the end. Same numerics as an f16 weight (the dequantized value
+  rounded to f16), without keeping the f16 copy.
+- embedding (one part): `bemb_<type>` dequantizes the selected rows to float32, exactly the
+  values of ggml's dequantize_row_* (gguf.quants.dequantize), times `scale`.
+
+Types (GGML type ids): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL,
+IQ4_XS, and the plain F32, F16, BF16 (so a fused weight may mix them, and bf16 works on the
+GPU this way). Nothing GPU-related is imported before first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+# GGML type id -> (kernel name suffix, elements per block, bytes per block)
+BLOCK_TYPES: dict[int, tuple[str, int, int]] = {
+    int(Q.Q4_0): ("q4_0", 32, 18),
+    int(Q.Q4_1): ("q4_1", 32, 20),
+    int(Q.Q5_0): ("q5_0", 32, 22),
+    int(Q.Q5_1): ("q5_1", 32, 24),
+    int(Q.Q8_0): ("q8_0", 32, 34),
+    int(Q.Q2_K): ("q2_k", 256, 84),
+    int(Q.Q3_K): ("q3_k", 256, 110),
+    int(Q.Q4_K): ("q4_k", 256, 144),
+    int(Q.Q5_K): ("q5_k", 256, 176),
+    int(Q.Q6_K): ("q6_k", 256, 210),
+    int(Q.IQ4_NL): ("iq4_nl", 32, 18),
+    int(Q.IQ4_XS): ("iq4_xs", 256, 136),
+    int(Q.F32): ("f32", 8, 32),
+    int(Q.F16): ("f16", 8, 16),
+    int(Q.BF16): ("bf16", 8, 16),
+}
+BMV_M = (1, 2, 4, 8, 16)  # row counts of the mat-vec kernels (bmv_<type>_m<M>)
+BMV_MAX_M = BMV_M[-1]  # linear with more rows than this: dequantized tiles + cuBLAS
+BMV_ROWS_PER_CTA = 4  # blocks.cu: one warp per output row, 128 threads
+DEQUANT_TILE_ELEMS = 1 << 25  # weights per dequantized f16 tile (64 MB of scratch)
+
+# Every kernel of blocks.cu that this module launches (kvshare.ops.gpu.ENTRY_POINTS["blocks"]).
+ENTRY_POINTS: tuple[str, ...] = tuple(
+    e for tag, _, _ in BLOCK_TYPES.values()
+    for e in (*(f"bmv_{tag}_m{m}" for m in BMV_M), f"bdq_{tag}", f"bemb_{tag}"))
+
+
+def _gpu() -> Any:
+    from kvshare.ops import gpu  # noqa: PLC0415 - gpu imports this module at its top
+
+    return gpu
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one row of `k` elements of GGML type `qtype` (ValueError if unsupported or
+    if k is not a whole number of blocks)."""
+    try:
+        _, qk, size = BLOCK_TYPES[int(qtype)]
+    except KeyError:
+        raise ValueError(f"GGML type {qtype} is not supported by the GPU block kernels "
+                         f"(have {sorted(BLOCK_TYPES)})") from None
+    if k <= 0 or k % qk:
+        raise ValueError(f"row length {k} is not a positive multiple of the block size {qk} "
+                         f"of GGML type {qtype}")
+    return k // qk * size
+
+
+class BlockPart:
+    """One part of a `GpuBlockWeight`: `data` (device uint8 `[n, row_bytes]`, the file's
+    bytes), `qtype` (GGML type id), `n` rows of `k` elements, `col0` its first output row in
+    the stacked weight."""
+
+    __slots__ = ("data", "qtype", "n", "k", "row_bytes", "col0", "tag")
+
+    def __init__(self, data: Any, qtype: int, n: int, k: int, col0: int):
+        self.data, self.qtype, self.n, self.k, self.col0 = data, int(qtype), n, k, col0
+        self.row_bytes = row_bytes(qtype, k)
+        self.tag = BLOCK_TYPES[self.qtype][0]
+
+    def __repr__(self) -> str:
+        return f"BlockPart({self.tag}, n={self.n}, k={self.k}, col0={self.col0})"
+
+
+class GpuBlockWeight:
+    """A `[n, k]` weight on the GPU kept as GGUF blocks: parts stacked along the output axis
+    (rows), each with its own GGML type. Quacks like a 2-D float32 weight where the model
+    needs it: `shape`, `ndim` (2), `dtype` (float32: what it computes in), `nbytes` (device
+    bytes held). Built with `from_parts`."""
+
+    ndim = 2
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, parts: list[BlockPart]):
+        if not parts:
+            raise ValueError("a GpuBlockWeight needs at least one part")
+        k = parts[0].k
+        col0 = 0
+        for p in parts:
+            if p.k != k:
+                raise ValueError(f"parts have different row lengths ({p.k} != {k})")
+            if p.col0 != col0:
+                raise ValueError("parts must be stacked in order")
+            col0 += p.n
+        self.parts: tuple[BlockPart, ...] = tuple(parts)
+        self._shape = (col0, k)
+
+    @classmethod
+    def from_parts(cls, parts: Iterable[tuple[Any, int, int]], backend: Any = None
+                   ) -> "GpuBlockWeight":
+        """Stack `parts`, each `(raw, ggml_type_id, k)`: `raw` the tensor's bytes as stored in
+        the GGUF file (a uint8 `[n, row_bytes]` array, or any array whose bytes are the rows:
+        flat uint8, float16 `[n, k]`, ...), copied to the device unchanged. `backend`: the
+        CUDA `Backend` (its device; None: CuPy's current device)."""
+        cp = _gpu()._cp()
+        built, col0 = [], 0
+        for raw, qtype, k in parts:
+            k = int(k)
+            rb = row_bytes(qtype, k)
+            if isinstance(raw, cp.ndarray):
+                b = cp.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+            else:
+                b = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+            if b.size == 0 or b.size % rb:
+                raise ValueError(f"{b.size} bytes are not whole rows of {rb} bytes "
+                                 f"(GGML type {qtype}, k={k})")
+            if getattr(raw, "ndim", 1) == 2 and raw.dtype == np.uint8 and raw.shape[1] != rb:
+                raise ValueError(f"raw rows of {raw.shape[1]} bytes, GGML type {qtype} with "
+                                 f"k={k} has {rb}")
+            n = b.size // rb
+            b = b.reshape(n, rb)
+            if isinstance(b, cp.ndarray):
+                d = b
+            elif backend is not None and getattr(backend, "is_gpu", False):
+                d = backend.asarray(b)
+            else:
+                d = cp.asarray(b)
+            built.append(BlockPart(d, qtype, n, k, col0))
+            col0 += n
+        return cls(built)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self._shape
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.data.nbytes) for p in self.parts)
+
+    @property
+    def qtypes(self) -> tuple[int, ...]:
+        return tuple(p.qtype for p in self.parts)
+
+    def __repr__(self) -> str:
+        return f"GpuBlockWeight(shape={self.shape}, parts={list(self.parts)})"
+
+    def dequantize_f16(self, r0: int = 0, r1: int | None = None) -> Any:
+        """Rows `[r0, r1)` as a new f16 CuPy array `[r1 - r0, k]` (the values bdq_ gives
+        the large-batch GEMM)."""
+        cp = _gpu()._cp()
+        r1 = self.shape[0] if r1 is None else int(r1)
+        r0 = int(r0)
+        if not 0 <= r0 <= r1 <= self.shape[0]:
+            raise IndexError(f"rows [{r0}, {r1}) of a weight with {self.shape[0]} rows")
+        out = cp.empty((r1 - r0, self.shape[1]), np.float16)
+        for p in self.parts:
+            a, b = max(r0, p.col0), min(r1, p.col0 + p.n)
+            if a < b:
+                _dequant_rows(p, a - p.col0, b - a, out[a - r0 : b - r0])
+        return out
+
+
+def _dequant_rows(p: BlockPart, r0: int, n: int, out: Any) -> None:
+    """f16 rows [r0, r0 + n) of part p into `out` (C-contiguous f16 [n, k])."""
+    g = _gpu()
+    g._kernel("blocks", f"bdq_{p.tag}")(
+        g._grid(n * (p.k // 8)), (g.ELEMWISE_THREADS, 1, 1),
+        (p.data, np.int64(p.row_bytes), np.int64(r0), np.int64(n), np.int32(p.k), out))
+
+
+_CUDA_R_32F = 0
+_CUDA_R_16F = 2
+
+
+def _gemm_f16_cols(x16: Any, w16: Any, y: Any, col: int) -> None:
+    """y[:, col : col + t] = x16 @ w16.T for f16 x16 `[N, k]` and w16 `[t, k]` (both
+    C-contiguous), y a C-contiguous float32 `[N, n_out]`: the column-major GEMM of
+    `gpu._gemm_f16` with C offset by `col` and ldc = n_out."""
+    g = _gpu()
+    cp = g._cp()
+    cublas = cp.cuda.cublas
+    n, k = (int(s) for s in x16.shape)
+    t = int(w16.shape[0])
+    ldc = int(y.shape[1])
+    handle = cp.cuda.device.get_cublas_handle()
+    one = np.ones(1, np.float32)
+    zero = np.zeros(1, np.float32)
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, getattr(cublas, "CUBLAS_POINTER_MODE_HOST", 0))
+    try:
+        cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+        cublas.gemmEx(handle, getattr(cublas, "CUBLAS_OP_T", g._CUBLAS_OP_T),
+                      getattr(cublas, "CUBLAS_OP_N", g._CUBLAS_OP_N), t, n, k,
+                      one.ctypes.data, w16.data.ptr, _CUDA_R_16F, k,
+                      x16.data.ptr, _CUDA_R_16F, k,
+                      zero.ctypes.data, y.data.ptr + 4 * col, _CUDA_R_32F, ldc,
+                      getattr(cublas, "CUBLAS_COMPUTE_32F", g._CUBLAS_COMPUTE_32F),
+                      getattr(cublas, "CUBLAS_GEMM_DEFAULT", g._CUBLAS_GEMM_DEFAULT))
+    finally:
+        cublas.setPointerMode(handle, mode)
+
+
+def _aligned_rows(x: Any) -> Any:
+    """x (float32 rows, unit column stride) itself when its rows can be read as float4 (base
+    16-byte aligned, row stride a multiple of 4 floats), else an aligned contiguous copy."""
+    cp = _gpu()._cp()
+    if (x.data.ptr % 16 == 0 and (x.shape[0] <= 1 or x.strides[0] % 16 == 0)
+            and (x.shape[1] <= 1 or x.strides[1] == 4)):
+        return x
+    return cp.array(x, dtype=np.float32)
+
+
+def linear(x: Any, w: GpuBlockWeight, bias: Any | None = None, *, out: Any | None = None) -> Any:
+    """`x @ w.T (+ bias)` as float32 `[N, n]` for a `GpuBlockWeight` (see the module doc);
+    the contract of `kvshare.ops.gpu.linear`."""
+    g = _gpu()
+    cp = g._cp()
+    n_out, n_in = w.shape
+    x = g._as_rows(x)
+    n = int(x.shape[0])
+    if int(x.shape[1]) != n_in:
+        raise ValueError(f"x has {int(x.shape[1])} features, w expects {n_in}")
+    if out is not None and tuple(out.shape) != (n, n_out):
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {(n, n_out)}")
+    direct = (out is not None and isinstance(out, cp.ndarray) and out.dtype == np.float32
+              and out.flags.c_contiguous)
+    y = out if direct else cp.empty((n, n_out), np.float32)
+    b = g._upload(bias, np.float32).reshape(-1) if bias is not None else None
+    if b is not None and int(b.size) != n_out:
+        raise ValueError(f"bias has {int(b.size)} elements, expected {n_out}")
+    if n and n_out:
+        if n <= BMV_MAX_M:
+            xa = _aligned_rows(x)
+            mm = next(v for v in BMV_M if v >= n)
+            xs = g._estrides(xa)[0] if n > 1 else n_in
+            for p in w.parts:
+                g._kernel("blocks", f"bmv_{p.tag}_m{mm}")(
+                    (max(1, min(g._MAX_GRID, -(-p.n // BMV_ROWS_PER_CTA))), 1, 1),
+                    (32 * BMV_ROWS_PER_CTA, 1, 1),
+                    (p.data, np.int64(p.row_bytes), np.int32(p.n), np.int32(n_in), xa,
+                     np.int64(xs), np.int32(n), y, np.int64(n_out), np.int64(p.col0),
+                     b if b is not None else y, np.int32(b is not None)))
+        else:
+            x16 = cp.empty((n, n_in), np.float16)
+            inv = cp.empty(n, np.float32)
+            g._kernel("linear", "f32_to_f16_rowscaled")(
+                g._grid(n, g.ROWS_PER_BLOCK), (32 * g.ROWS_PER_BLOCK, 1, 1),
+                (x, np.int64(g._estrides(x)[0]), x16, inv, np.int64(n), np.int32(n_in)))
+            tile = max(1, min(max(p.n for p in w.parts), DEQUANT_TILE_ELEMS // n_in))
+            scratch = cp.empty((tile, n_in), np.float16)
+            for p in w.parts:
+                for r0 in range(0, p.n, tile):
+                    t = min(tile, p.n - r0)
+                    w16 = scratch[:t]
+                    _dequant_rows(p, r0, t, w16)
+                    _gemm_f16_cols(x16, w16, y, p.col0 + r0)
+            g._kernel("linear", "rowscale_bias_f32")(
+                g._grid(n * n_out), (g.ELEMWISE_THREADS, 1, 1),
+                (y, inv, b if b is not None else inv, np.int32(b is not None), np.int64(n),
+                 np.int64(n_out)))
+    if out is not None and y is not out:
+        out[...] = y
+        return out
+    return y
+
+
+def embedding(table: GpuBlockWeight, tokens: Any, scale: float = 1.0) -> Any:
+    """Rows `table[tokens] * scale` as float32 `[N, k]` for a one-part `GpuBlockWeight`: the
+    contract of `kvshare.ops.gpu.embedding` (host ids range-checked with IndexError; a bad id
+    already on the device gives a NaN row)."""
+    g = _gpu()
+    cp = g._cp()
+    if len(table.parts) != 1:
+        raise ValueError("an embedding table must be a one-part GpuBlockWeight")
+    p = table.parts[0]
+    vocab, d = table.shape
+    if not g._is_device(tokens):
+        ht = np.asarray(tokens).reshape(-1)
+        if ht.size and (ht.min() < 0 or ht.max() >= vocab):
+            raise IndexError(f"token id out of range [0, {vocab})")
+    tok = g._upload(tokens, np.int32).reshape(-1)
+    n = int(tok.size)
+    out = cp.empty((n, d), np.float32)
+    if n:
+        g._kernel("blocks", f"bemb_{p.tag}")(
+            g._grid(n * (d // 8)), (g.ELEMWISE_THREADS, 1, 1),
+            (p.data, np.int64(p.row_bytes), np.int32(vocab), np.int32(d), tok, np.int32(n),
+             np.float32(scale), out))
+    return out

@@ -1,0 +1,217 @@
+"""GGUF block weights on the GPU (`kvshare.ops.gpu_blocks`, kernels/blocks.cu) against
+`gguf.quants.dequantize`: random valid blocks of every supported type (random bytes with sane
+f16 scales, so every bit pattern of the packed values occurs), `linear` on the mat-vec path
+(m <= 16) and the dequantized-tile + cuBLAS path (m > 16), fused parts of different types,
+embedding rows, f16 dequantization. Marked `gpu`: skipped without a CUDA device (conftest);
+runs on the CPU emulator too (tests/gpu_emu).
+
+Tolerances: m <= 16: float32 accumulation in another order, |y - ref| <= 1e-4 * sum|x||w|;
+m > 16: weights and activations rounded to f16 (relative 2^-11 each), 4e-3 * sum|x||w| as for
+f16 weights in tests/test_ops_gpu.py; embedding rows and the f16 tiles: exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from kvshare.backend import get_backend
+from kvshare.ops import gpu_blocks
+from kvshare.ops.embedding import embedding
+from kvshare.ops.linear import linear
+
+pytestmark = pytest.mark.gpu
+
+# type -> byte offsets of its f16 scale fields (d, and dmin / m where present)
+F16_FIELDS = {
+    Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+    Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
+}
+QUANT_TYPES = list(F16_FIELDS)
+PLAIN_TYPES = [Q.F32, Q.F16, Q.BF16]
+ALL_TYPES = QUANT_TYPES + PLAIN_TYPES
+
+
+@pytest.fixture(scope="module")
+def be():
+    return get_backend("cuda")
+
+
+def random_rows(rng: np.random.Generator, qtype: Q, n: int, k: int) -> np.ndarray:
+    """Raw rows `[n, row_bytes]` of valid blocks: random bytes, f16 scales of magnitude
+    1e-3 .. 5e-2 (random sign; mins too); plain types: random values."""
+    if qtype == Q.F32:
+        return rng.standard_normal((n, k)).astype(np.float32).view(np.uint8)
+    if qtype == Q.F16:
+        return rng.standard_normal((n, k)).astype(np.float16).view(np.uint8)
+    if qtype == Q.BF16:
+        f = rng.standard_normal((n, k)).astype(np.float32)
+        return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    qk, size = GGML_QUANT_SIZES[qtype]
+    nb = n * (k // qk)
+    blocks = rng.integers(0, 256, (nb, size), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        v = (rng.uniform(1e-3, 5e-2, nb) * rng.choice([-1.0, 1.0], nb)).astype(np.float16)
+        blocks[:, off : off + 2] = v.view(np.uint8).reshape(nb, 2)
+    return blocks.reshape(n, -1)
+
+
+def ref_dequant(raw: np.ndarray, qtype: Q, k: int) -> np.ndarray:
+    if qtype == Q.F32:
+        return raw.view(np.float32).reshape(-1, k)
+    if qtype == Q.F16:
+        return raw.view(np.float16).reshape(-1, k).astype(np.float32)
+    return np.asarray(dequantize(raw, qtype), np.float32).reshape(-1, k)
+
+
+def _k_for(qtype: Q) -> int:
+    # 32-element blocks: 36 chunks of 8 per row (one full and one partial pass of 32 lanes);
+    # 256-element ones: 2 super-blocks (64 chunks)
+    return 288 if GGML_QUANT_SIZES[qtype][0] <= 32 else 512
+
+
+def _check(y, ref_x, ref_w, tol, bias=None):
+    x64, w64 = ref_x.astype(np.float64), ref_w.astype(np.float64)
+    ref = x64 @ w64.T
+    if bias is not None:
+        ref = ref + bias
+    bound = tol * (np.abs(x64) @ np.abs(w64).T) + 1e-6
+    err = np.abs(np.asarray(y, np.float64) - ref)
+    assert np.isfinite(y).all()
+    assert (err <= bound).all(), f"max err {err.max():.3g}, bound there {bound.flat[err.argmax()]:.3g}"
+
+
+# --- linear --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 40])
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_linear_matches_dequantized_weights(be, qtype, m):
+    rng = np.random.default_rng(int(qtype) * 100 + m)
+    n, k = 37, _k_for(qtype)
+    raw = random_rows(rng, qtype, n, k)
+    w = gpu_blocks.GpuBlockWeight.from_parts([(raw, int(qtype), k)], be)
+    assert w.shape == (n, k) and w.ndim == 2 and w.dtype == np.float32
+    assert w.nbytes == raw.nbytes
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = be.to_host(linear(be.asarray(x), w, backend=be))
+    assert y.shape == (m, n) and y.dtype == np.float32
+    _check(y, x, ref_dequant(raw, qtype, k), 1e-4 if m <= 16 else 4e-3)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 16, 20])
+def test_fused_parts_of_different_types_with_bias(be, m, monkeypatch):
+    # m > 16: tiles of at most 10 rows, so parts span several tiles and tiles end mid-part
+    monkeypatch.setattr(gpu_blocks, "DEQUANT_TILE_ELEMS", 10 * 256)
+    rng = np.random.default_rng(m)
+    k = 256
+    spec = [(Q.Q4_K, 21), (Q.Q6_K, 9), (Q.Q8_0, 13), (Q.F16, 3), (Q.Q5_1, 6)]
+    raws = [random_rows(rng, t, n, k) for t, n in spec]
+    w = gpu_blocks.GpuBlockWeight.from_parts([(r, int(t), k) for r, (t, _) in zip(raws, spec)],
+                                             be)
+    n_out = sum(n for _, n in spec)
+    assert w.shape == (n_out, k) and w.qtypes == tuple(int(t) for t, _ in spec)
+    assert [p.col0 for p in w.parts] == [0, 21, 30, 43, 46]
+    ref_w = np.concatenate([ref_dequant(r, t, k) for r, (t, _) in zip(raws, spec)])
+    # x as a strided, misaligned view (one float into a wider array)
+    wide = rng.standard_normal((m, k + 5)).astype(np.float32)
+    x_d = be.asarray(wide)[:, 1 : 1 + k]
+    bias = rng.standard_normal(n_out).astype(np.float32)
+    tol = 1e-4 if m <= 16 else 4e-3
+    y = be.to_host(linear(x_d, w, bias, backend=be))
+    _check(y, wide[:, 1 : 1 + k], ref_w, tol, bias)
+    # into a given output buffer
+    out = be.asarray(np.full((m, n_out), np.nan, np.float32))
+    r = linear(x_d, w, bias, backend=be, out=out)
+    assert r is out
+    _check(be.to_host(out), wide[:, 1 : 1 + k], ref_w, tol, bias)
+
+
+def test_linear_from_quantized_floats(be):
+    """Blocks from gguf's own quantizer (realistic scales) for the types it can quantize."""
+    rng = np.random.default_rng(7)
+    k, n = 256, 19
+    f = rng.standard_normal((n, k)).astype(np.float32)
+    parts, refs = [], []
+    for t in (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1):
+        raw = quantize(f, t)
+        parts.append((raw, int(t), k))
+        refs.append(ref_dequant(raw, t, k))
+    w = gpu_blocks.GpuBlockWeight.from_parts(parts, be)
+    ref_w = np.concatenate(refs)
+    for m in (1, 4, 24):
+        x = rng.standard_normal((m, k)).astype(np.float32) * 100
+        y = be.to_host(linear(be.asarray(x), w, backend=be))
+        _check(y, x, ref_w, 1e-4 if m <= 16 else 4e-3)
+
+
+def test_linear_rejects_bad_shapes(be):
+    rng = np.random.default_rng(0)
+    w = gpu_blocks.GpuBlockWeight.from_parts([(random_rows(rng, Q.Q8_0, 4, 64), int(Q.Q8_0), 64)],
+                                             be)
+    with pytest.raises(ValueError):
+        linear(be.asarray(np.zeros((2, 32), np.float32)), w, backend=be)
+    with pytest.raises(ValueError):
+        linear(be.asarray(np.zeros((2, 64), np.float32)), w, np.zeros(3, np.float32), backend=be)
+    y = be.to_host(linear(be.asarray(np.zeros((0, 64), np.float32)), w, backend=be))
+    assert y.shape == (0, 4)
+
+
+# --- construction --------------------------------------------------------------------------------
+
+def test_from_parts_validates():
+    rng = np.random.default_rng(1)
+    raw = random_rows(rng, Q.Q4_K, 3, 256)
+    with pytest.raises(ValueError):
+        gpu_blocks.GpuBlockWeight.from_parts([(raw, int(Q.Q4_K), 512)])  # 3 rows of 144 B
+    with pytest.raises(ValueError):
+        gpu_blocks.GpuBlockWeight.from_parts([(raw, int(Q.Q4_K), 200)])  # not whole blocks
+    with pytest.raises(ValueError):
+        gpu_blocks.GpuBlockWeight.from_parts([(raw, int(Q.IQ2_XXS), 256)])  # unsupported
+    with pytest.raises(ValueError):
+        gpu_blocks.GpuBlockWeight.from_parts([])
+    assert gpu_blocks.row_bytes(int(Q.Q6_K), 512) == 420
+    assert gpu_blocks.row_bytes(int(Q.F16), 64) == 128
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_dequantize_f16_tiles(be, qtype):
+    rng = np.random.default_rng(int(qtype) + 11)
+    k = _k_for(qtype)
+    raw = random_rows(rng, qtype, 9, k)
+    w = gpu_blocks.GpuBlockWeight.from_parts([(raw, int(qtype), k)], be)
+    ref = ref_dequant(raw, qtype, k)
+    np.testing.assert_array_equal(be.to_host(w.dequantize_f16()), ref.astype(np.float16))
+    np.testing.assert_array_equal(be.to_host(w.dequantize_f16(2, 7)), ref[2:7].astype(np.float16))
+
+
+# --- embedding -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_embedding_rows_are_exact(be, qtype):
+    rng = np.random.default_rng(int(qtype) + 3)
+    vocab, k = 29, _k_for(qtype)
+    raw = random_rows(rng, qtype, vocab, k)
+    table = gpu_blocks.GpuBlockWeight.from_parts([(raw, int(qtype), k)], be)
+    ref = ref_dequant(raw, qtype, k)
+    tokens = np.array([3, 0, 28, 3, 17, 5], np.int32)
+    x = be.to_host(embedding(table, tokens, backend=be))
+    np.testing.assert_array_equal(x, ref[tokens])
+    x = be.to_host(embedding(table, be.asarray(tokens), 2.5, backend=be))
+    np.testing.assert_array_equal(x, ref[tokens] * np.float32(2.5))
+
+
+def test_embedding_bad_ids(be):
+    rng = np.random.default_rng(5)
+    table = gpu_blocks.GpuBlockWeight.from_parts(
+        [(random_rows(rng, Q.Q8_0, 6, 64), int(Q.Q8_0), 64)], be)
+    with pytest.raises(IndexError):
+        embedding(table, np.array([1, 6]), backend=be)
+    x = be.to_host(embedding(table, be.asarray(np.array([1, 6, -1], np.int32)), backend=be))
+    assert np.isfinite(x[0]).all() and np.isnan(x[1:]).all()
+    two = gpu_blocks.GpuBlockWeight.from_parts(
+        [(random_rows(rng, Q.Q8_0, 2, 64), int(Q.Q8_0), 64)] * 2, be)
+    with pytest.raises(ValueError):
+        embedding(two, np.array([0]), backend=be)
