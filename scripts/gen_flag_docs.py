@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""Print the `kvshare serve` flag tables of docs/configuration.md (markdown), read from the
+argparse parser itself (kvshare.server.cli.build_parser), grouped by topic.
+
+    python scripts/gen_flag_docs.py                              # print the tables
+    python scripts/gen_flag_docs.py --write docs/configuration.md  # replace them in the doc
+
+`--write` replaces the text between the `<!-- flags:begin -->` and `<!-- flags:end -->` lines.
+tests/test_docs_flags.py fails when a serve flag (or its env var) is missing from the doc, or
+the doc's tables name a flag the parser does not have.
+
+Defaults: the parser's default where it has one; for flags whose parser default is None
+(the engine or server picks it) the value the code uses, from DEFAULTS below (each checked
+against the code it names) or from the flag's help text "(default ...)".
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "python"))
+
+BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
+
+GROUPS: list[tuple[str, tuple[str, ...]]] = [
+    ("Model and device", ("--model", "--model-cache", "--device", "--threads")),
+    ("Network and auth", ("--host", "--port", "--root-path", "--api-key", "--api-key-file")),
+    ("Prefix cache: sharing, tiers, checkpoints, scope",
+     ("--no-slot-attach", "--cache-ram", "--cache-ram-pin", "--cache-dir", "--cache-disk-max",
+      "--cache-ttl", "--cache-min-tokens", "--checkpoint-min-step", "--ctx-checkpoints",
+      "--cache-scope", "--public-prefix")),
+    ("Engine: batch, context, KV pool",
+     ("--parallel", "--ctx-size", "--kv-mem", "--kv-blocks", "--block-size", "--kv-dtype",
+      "--prefill-chunk")),
+    ("Limits", ("--max-n", "--max-body-mib", "--body-timeout", "--max-connections",
+                "--queue-timeout", "--graceful-timeout")),
+    ("API behaviour and logging", ("--alias", "--tool-parser", "--log-level")),
+]
+
+
+def _defaults() -> dict[str, str]:
+    """Defaults the parser leaves as None, as the code computes them."""
+    try:
+        from kvshare.model.catalog import DEFAULT_MODEL  # noqa: PLC0415
+        model = f"`{DEFAULT_MODEL}` (catalog)"
+    except ImportError:  # pragma: no cover
+        model = "the catalog's default"
+    return {
+        "--model": model,  # kvshare.model.catalog.DEFAULT_MODEL
+        # kvshare.model.catalog.cache_dir
+        "--model-cache": "`$XDG_CACHE_HOME/kvshare/models`, else `~/.cache/kvshare/models`",
+        # Engine._pool_blocks: parallel * ceil(ctx / block) blocks, capped at 1.5 GiB of KV
+        "--kv-mem": "`--parallel` x `--ctx-size` tokens, at most 1.5 GiB",
+        "--kv-blocks": "(from `--kv-mem`)",
+        "--threads": "one per usable core",  # backend.set_cpu_threads(None)
+        "--cache-scope": "`key` with API keys, else `global`",  # tenancy.default_scope
+        "--alias": "the catalog name, or the file name without `.gguf`",
+        "--api-key": "none (no auth)",
+        "--api-key-file": "none",
+        "--public-prefix": "none",
+        "--root-path": "none (served at `/`)",
+        "--tool-parser": "from the chat template",
+        # Model._default_kv_dtype: float16 on a GPU backend, float32 otherwise
+        "--kv-dtype": "`f32` on the CPU, `f16` on a GPU",
+    }
+
+
+def _help_default(help_: str) -> str | None:
+    m = re.search(r"\(default:? ([^)]*)\)", help_)
+    if not m:
+        return None
+    v = m.group(1).split(";")[0].strip()
+    return f"`{v}`" if re.fullmatch(r"[\d.]+", v) else v
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    from kvshare.server.cli import build_parser  # noqa: PLC0415
+
+    parser = build_parser(environ={})
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+def serve_flags() -> list[tuple[str, str, str, str]]:
+    """(flag, env var, default, help) of every `kvshare serve` option, parser order."""
+    from kvshare.server.cli import _env_name  # noqa: PLC0415
+
+    notes = _defaults()
+    rows = []
+    for a in serve_parser()._actions:
+        if not a.option_strings or a.dest == "help":
+            continue
+        flag = a.option_strings[0]
+        help_ = re.sub(r"\s*\[env [A-Z_]+\]$", "", a.help or "")
+        if flag in notes:
+            default = notes[flag]
+        elif isinstance(a, argparse._StoreTrueAction):
+            default = "off"
+        elif a.default not in (None, ""):
+            default = f"`{a.default}`"
+        else:
+            default = _help_default(help_) or "none"
+        rows.append((flag, _env_name(flag), default, help_))
+    return rows
+
+
+def _cell(s: str) -> str:
+    return s.replace("|", "\\|").replace("\n", " ")
+
+
+def tables() -> str:
+    rows = {r[0]: r for r in serve_flags()}
+    out: list[str] = []
+    placed: set[str] = set()
+    groups = list(GROUPS)
+    other = tuple(f for f in rows if not any(f in g for _, g in GROUPS))
+    if other:  # a new flag nobody grouped yet: still listed
+        groups.append(("Other", other))
+    for title, flags in groups:
+        present = [f for f in flags if f in rows]
+        if not present:
+            continue
+        out += [f"### {title}", "", "| flag | env var | default | meaning |",
+                "| --- | --- | --- | --- |"]
+        for f in present:
+            flag, env, default, help_ = rows[f]
+            out.append(f"| `{flag}` | `{env}` | {_cell(default)} | {_cell(help_)} |")
+            placed.add(f)
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def replace_tables(doc: str, new: str) -> str:
+    start, end = doc.find(BEGIN), doc.find(END)
+    if start < 0 or end < start:
+        raise SystemExit(f"no {BEGIN} ... {END} section in the document")
+    return doc[: start + len(BEGIN)] + "\n\n" + new + "\n" + doc[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--write", metavar="DOC", help="replace the tables in DOC in place")
+    args = ap.parse_args(argv)
+    new = tables()
+    if args.write:
+        p = Path(args.write)
+        p.write_text(replace_tables(p.read_text(), new))
+        print(f"wrote the flag tables into {p}")
+    else:
+        sys.stdout.write(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
