@@ -470,3 +470,28 @@ fn bad_shapes_are_errors() {
         &mut d
     )));
 }
+
+#[test]
+fn float_weights_take_any_k() {
+    let mut rng = Rng(11);
+    for ty in [BlockType::F32, BlockType::F16, BlockType::BF16] {
+        for k in [1, 5, 8, 15, 16, 23, 37] {
+            let (m, n) = (6, 13);
+            let raw = random_rows(ty, n, k, &mut rng);
+            let wf = reference_rows(ty, &raw);
+            let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
+            let w = BlockMatrix {
+                raw: &raw,
+                ty,
+                n,
+                k,
+            };
+            let mut simd = vec![f32::NAN; m * n];
+            block_matmul_t(&x, m, &w, &mut simd, 1).unwrap();
+            check_product(ty, &x, &wf, m, n, k, &simd);
+            let mut port = vec![f32::NAN; m * n];
+            block_matmul_t_portable(&x, m, &w, &mut port, 1).unwrap();
+            check_product(ty, &x, &wf, m, n, k, &port);
+        }
+    }
+}
