@@ -107,12 +107,24 @@ def main() -> None:
                 print(f"{name:6} {m:4d} {form:10} {row['bytes_per_weight']:8.3f} "
                       f"{nbytes / 1e6:8.2f} {med * 1e6:11.1f} {best * 1e6:11.1f} "
                       f"{row['gb_per_s_at_min']:6.2f} {cpu1 * 1e6:12.1f} {err:11.2e}")
+    # the prefill path: a whole weight dequantized to f32 (tiles of it feed BLAS)
+    deq = []
+    print(f"\n{'type':6} {'form':10} {'dequantize 1-thr CPU ms':>24}")
+    for name in args.types.split(","):
+        t = Q[name]
+        raw = random_blocks(t, rng)
+        bw = BlockWeight(raw, int(t), K)
+        qw = QWeight(*split_quantized(raw, t, (N, K)))
+        for form, w in (("block", bw), ("int8+f32", qw)):
+            ms = cpu_time_1thread(lambda w=w: w.dequantize(0, N), max(3, args.reps // 10)) * 1e3
+            deq.append({"type": name, "form": form, "cpu_ms_1_thread": ms})
+            print(f"{name:6} {form:10} {ms:24.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"n": N, "k": K, "threads": CPU_THREADS.kernel_threads,
                                "load_average": os.getloadavg()[0],
                                "machine": platform.processor() or platform.machine(),
-                               "results": results}, indent=1))
+                               "results": results, "dequantize": deq}, indent=1))
     print(f"wrote {out}")
 
 

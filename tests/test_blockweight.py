@@ -147,6 +147,8 @@ def test_read_only_mapped_bytes(tmp_path):
     assert np.shares_memory(w.parts[0].raw, mapped)  # no copy of the file's bytes
     x = rng.standard_normal((2, 256)).astype(np.float32)
     assert_close_8bit(w.matmul_t(x), x, oracle(raw, Q.Q4_0), Q.Q4_0)
+    from_bytes = BlockWeight(raw.tobytes(), int(Q.Q4_0), 256)
+    np.testing.assert_array_equal(from_bytes.dequantize(), w.dequantize())
 
 
 def test_threads_do_not_change_results():

@@ -107,6 +107,8 @@ class BlockWeight:
         for raw, qtype, k in parts:
             qtype = int(qtype)
             rb = row_bytes(qtype, k)
+            if isinstance(raw, (bytes, bytearray, memoryview)):
+                raw = np.frombuffer(raw, np.uint8)
             raw = np.asarray(raw)
             if raw.dtype != np.uint8:
                 raise ValueError(f"raw must be uint8, got {raw.dtype}")
