@@ -2,7 +2,8 @@
 // device as the file's raw blocks (`[n, row_bytes]` bytes per tensor), and every kernel here
 // dequantizes them in registers.
 //
-//   bmv_<type>_m<M>   y[r, col0 + i] = sum_j x[r, j] * W[i, j] (+ bias[col0 + i]) for r < m <= M:
+//   bmv_<type>_m<M>   y[r, col0 + i] = sum_j x[r, j] * W[i, j] (+ bias[col0 + i]) for r < m <= M
+//                     (M = 1, 4, 16; m > M is the host's large-batch path, bdq + cuBLAS):
 //                     one warp per output row i (4 per 128-thread CTA, grid-stride over rows);
 //                     each lane decodes 8 consecutive weights at a time (a "chunk") and
 //                     applies them to all m activation rows, so every weight byte is read once
@@ -427,7 +428,7 @@ __device__ __forceinline__ void bemb_impl(const u8* __restrict__ w, i64 row_byte
 }
 
 // The entry points, written out (kvshare.kernels.entry_points and the compile test read the
-// `extern "C"` declarations from this text): bmv_<type>_m{1,2,4,8,16}, bdq_<type>, bemb_<type>.
+// `extern "C"` declarations from this text): bmv_<type>_m{1,4,16}, bdq_<type>, bemb_<type>.
 #define BMV_ARGS const u8* __restrict__ w, i64 row_bytes, int n_rows, int k,                       \
     const float* __restrict__ x, i64 x_stride, int m, float* __restrict__ y, i64 y_stride,       \
     i64 col0, const float* __restrict__ bias, int has_bias
@@ -439,135 +440,105 @@ __device__ __forceinline__ void bemb_impl(const u8* __restrict__ w, i64 row_byte
 
 // q4_0
 extern "C" __global__ void bmv_q4_0_m1(BMV_ARGS) { BMV(BkQ4_0, 1); }
-extern "C" __global__ void bmv_q4_0_m2(BMV_ARGS) { BMV(BkQ4_0, 2); }
 extern "C" __global__ void bmv_q4_0_m4(BMV_ARGS) { BMV(BkQ4_0, 4); }
-extern "C" __global__ void bmv_q4_0_m8(BMV_ARGS) { BMV(BkQ4_0, 8); }
 extern "C" __global__ void bmv_q4_0_m16(BMV_ARGS) { BMV(BkQ4_0, 16); }
 extern "C" __global__ void bdq_q4_0(BDQ_ARGS) { bdq_impl<BkQ4_0>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q4_0(BEMB_ARGS) { bemb_impl<BkQ4_0>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
 // q4_1
 extern "C" __global__ void bmv_q4_1_m1(BMV_ARGS) { BMV(BkQ4_1, 1); }
-extern "C" __global__ void bmv_q4_1_m2(BMV_ARGS) { BMV(BkQ4_1, 2); }
 extern "C" __global__ void bmv_q4_1_m4(BMV_ARGS) { BMV(BkQ4_1, 4); }
-extern "C" __global__ void bmv_q4_1_m8(BMV_ARGS) { BMV(BkQ4_1, 8); }
 extern "C" __global__ void bmv_q4_1_m16(BMV_ARGS) { BMV(BkQ4_1, 16); }
 extern "C" __global__ void bdq_q4_1(BDQ_ARGS) { bdq_impl<BkQ4_1>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q4_1(BEMB_ARGS) { bemb_impl<BkQ4_1>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
 // q5_0
 extern "C" __global__ void bmv_q5_0_m1(BMV_ARGS) { BMV(BkQ5_0, 1); }
-extern "C" __global__ void bmv_q5_0_m2(BMV_ARGS) { BMV(BkQ5_0, 2); }
 extern "C" __global__ void bmv_q5_0_m4(BMV_ARGS) { BMV(BkQ5_0, 4); }
-extern "C" __global__ void bmv_q5_0_m8(BMV_ARGS) { BMV(BkQ5_0, 8); }
 extern "C" __global__ void bmv_q5_0_m16(BMV_ARGS) { BMV(BkQ5_0, 16); }
 extern "C" __global__ void bdq_q5_0(BDQ_ARGS) { bdq_impl<BkQ5_0>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q5_0(BEMB_ARGS) { bemb_impl<BkQ5_0>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
 // q5_1
 extern "C" __global__ void bmv_q5_1_m1(BMV_ARGS) { BMV(BkQ5_1, 1); }
-extern "C" __global__ void bmv_q5_1_m2(BMV_ARGS) { BMV(BkQ5_1, 2); }
 extern "C" __global__ void bmv_q5_1_m4(BMV_ARGS) { BMV(BkQ5_1, 4); }
-extern "C" __global__ void bmv_q5_1_m8(BMV_ARGS) { BMV(BkQ5_1, 8); }
 extern "C" __global__ void bmv_q5_1_m16(BMV_ARGS) { BMV(BkQ5_1, 16); }
 extern "C" __global__ void bdq_q5_1(BDQ_ARGS) { bdq_impl<BkQ5_1>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q5_1(BEMB_ARGS) { bemb_impl<BkQ5_1>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
 // q8_0
 extern "C" __global__ void bmv_q8_0_m1(BMV_ARGS) { BMV(BkQ8_0, 1); }
-extern "C" __global__ void bmv_q8_0_m2(BMV_ARGS) { BMV(BkQ8_0, 2); }
 extern "C" __global__ void bmv_q8_0_m4(BMV_ARGS) { BMV(BkQ8_0, 4); }
-extern "C" __global__ void bmv_q8_0_m8(BMV_ARGS) { BMV(BkQ8_0, 8); }
 extern "C" __global__ void bmv_q8_0_m16(BMV_ARGS) { BMV(BkQ8_0, 16); }
 extern "C" __global__ void bdq_q8_0(BDQ_ARGS) { bdq_impl<BkQ8_0>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q8_0(BEMB_ARGS) { bemb_impl<BkQ8_0>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
 // q2_k
 extern "C" __global__ void bmv_q2_k_m1(BMV_ARGS) { BMV(BkQ2_K, 1); }
-extern "C" __global__ void bmv_q2_k_m2(BMV_ARGS) { BMV(BkQ2_K, 2); }
 extern "C" __global__ void bmv_q2_k_m4(BMV_ARGS) { BMV(BkQ2_K, 4); }
-extern "C" __global__ void bmv_q2_k_m8(BMV_ARGS) { BMV(BkQ2_K, 8); }
 extern "C" __global__ void bmv_q2_k_m16(BMV_ARGS) { BMV(BkQ2_K, 16); }
 extern "C" __global__ void bdq_q2_k(BDQ_ARGS) { bdq_impl<BkQ2_K>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q2_k(BEMB_ARGS) { bemb_impl<BkQ2_K>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
 // q3_k
 extern "C" __global__ void bmv_q3_k_m1(BMV_ARGS) { BMV(BkQ3_K, 1); }
-extern "C" __global__ void bmv_q3_k_m2(BMV_ARGS) { BMV(BkQ3_K, 2); }
 extern "C" __global__ void bmv_q3_k_m4(BMV_ARGS) { BMV(BkQ3_K, 4); }
-extern "C" __global__ void bmv_q3_k_m8(BMV_ARGS) { BMV(BkQ3_K, 8); }
 extern "C" __global__ void bmv_q3_k_m16(BMV_ARGS) { BMV(BkQ3_K, 16); }
 extern "C" __global__ void bdq_q3_k(BDQ_ARGS) { bdq_impl<BkQ3_K>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q3_k(BEMB_ARGS) { bemb_impl<BkQ3_K>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
 // q4_k
 extern "C" __global__ void bmv_q4_k_m1(BMV_ARGS) { BMV(BkQ4_K, 1); }
-extern "C" __global__ void bmv_q4_k_m2(BMV_ARGS) { BMV(BkQ4_K, 2); }
 extern "C" __global__ void bmv_q4_k_m4(BMV_ARGS) { BMV(BkQ4_K, 4); }
-extern "C" __global__ void bmv_q4_k_m8(BMV_ARGS) { BMV(BkQ4_K, 8); }
 extern "C" __global__ void bmv_q4_k_m16(BMV_ARGS) { BMV(BkQ4_K, 16); }
 extern "C" __global__ void bdq_q4_k(BDQ_ARGS) { bdq_impl<BkQ4_K>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q4_k(BEMB_ARGS) { bemb_impl<BkQ4_K>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
 // q5_k
 extern "C" __global__ void bmv_q5_k_m1(BMV_ARGS) { BMV(BkQ5_K, 1); }
-extern "C" __global__ void bmv_q5_k_m2(BMV_ARGS) { BMV(BkQ5_K, 2); }
 extern "C" __global__ void bmv_q5_k_m4(BMV_ARGS) { BMV(BkQ5_K, 4); }
-extern "C" __global__ void bmv_q5_k_m8(BMV_ARGS) { BMV(BkQ5_K, 8); }
 extern "C" __global__ void bmv_q5_k_m16(BMV_ARGS) { BMV(BkQ5_K, 16); }
 extern "C" __global__ void bdq_q5_k(BDQ_ARGS) { bdq_impl<BkQ5_K>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q5_k(BEMB_ARGS) { bemb_impl<BkQ5_K>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
 // q6_k
 extern "C" __global__ void bmv_q6_k_m1(BMV_ARGS) { BMV(BkQ6_K, 1); }
-extern "C" __global__ void bmv_q6_k_m2(BMV_ARGS) { BMV(BkQ6_K, 2); }
 extern "C" __global__ void bmv_q6_k_m4(BMV_ARGS) { BMV(BkQ6_K, 4); }
-extern "C" __global__ void bmv_q6_k_m8(BMV_ARGS) { BMV(BkQ6_K, 8); }
 extern "C" __global__ void bmv_q6_k_m16(BMV_ARGS) { BMV(BkQ6_K, 16); }
 extern "C" __global__ void bdq_q6_k(BDQ_ARGS) { bdq_impl<BkQ6_K>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q6_k(BEMB_ARGS) { bemb_impl<BkQ6_K>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
 // iq4_nl
 extern "C" __global__ void bmv_iq4_nl_m1(BMV_ARGS) { BMV(BkIQ4_NL, 1); }
-extern "C" __global__ void bmv_iq4_nl_m2(BMV_ARGS) { BMV(BkIQ4_NL, 2); }
 extern "C" __global__ void bmv_iq4_nl_m4(BMV_ARGS) { BMV(BkIQ4_NL, 4); }
-extern "C" __global__ void bmv_iq4_nl_m8(BMV_ARGS) { BMV(BkIQ4_NL, 8); }
 extern "C" __global__ void bmv_iq4_nl_m16(BMV_ARGS) { BMV(BkIQ4_NL, 16); }
 extern "C" __global__ void bdq_iq4_nl(BDQ_ARGS) { bdq_impl<BkIQ4_NL>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_iq4_nl(BEMB_ARGS) { bemb_impl<BkIQ4_NL>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
 // iq4_xs
 extern "C" __global__ void bmv_iq4_xs_m1(BMV_ARGS) { BMV(BkIQ4_XS, 1); }
-extern "C" __global__ void bmv_iq4_xs_m2(BMV_ARGS) { BMV(BkIQ4_XS, 2); }
 extern "C" __global__ void bmv_iq4_xs_m4(BMV_ARGS) { BMV(BkIQ4_XS, 4); }
-extern "C" __global__ void bmv_iq4_xs_m8(BMV_ARGS) { BMV(BkIQ4_XS, 8); }
 extern "C" __global__ void bmv_iq4_xs_m16(BMV_ARGS) { BMV(BkIQ4_XS, 16); }
 extern "C" __global__ void bdq_iq4_xs(BDQ_ARGS) { bdq_impl<BkIQ4_XS>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_iq4_xs(BEMB_ARGS) { bemb_impl<BkIQ4_XS>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
 // f32
 extern "C" __global__ void bmv_f32_m1(BMV_ARGS) { BMV(BkF32, 1); }
-extern "C" __global__ void bmv_f32_m2(BMV_ARGS) { BMV(BkF32, 2); }
 extern "C" __global__ void bmv_f32_m4(BMV_ARGS) { BMV(BkF32, 4); }
-extern "C" __global__ void bmv_f32_m8(BMV_ARGS) { BMV(BkF32, 8); }
 extern "C" __global__ void bmv_f32_m16(BMV_ARGS) { BMV(BkF32, 16); }
 extern "C" __global__ void bdq_f32(BDQ_ARGS) { bdq_impl<BkF32>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_f32(BEMB_ARGS) { bemb_impl<BkF32>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
 // f16
 extern "C" __global__ void bmv_f16_m1(BMV_ARGS) { BMV(BkF16, 1); }
-extern "C" __global__ void bmv_f16_m2(BMV_ARGS) { BMV(BkF16, 2); }
 extern "C" __global__ void bmv_f16_m4(BMV_ARGS) { BMV(BkF16, 4); }
-extern "C" __global__ void bmv_f16_m8(BMV_ARGS) { BMV(BkF16, 8); }
 extern "C" __global__ void bmv_f16_m16(BMV_ARGS) { BMV(BkF16, 16); }
 extern "C" __global__ void bdq_f16(BDQ_ARGS) { bdq_impl<BkF16>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_f16(BEMB_ARGS) { bemb_impl<BkF16>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
 // bf16
 extern "C" __global__ void bmv_bf16_m1(BMV_ARGS) { BMV(BkBF16, 1); }
-extern "C" __global__ void bmv_bf16_m2(BMV_ARGS) { BMV(BkBF16, 2); }
 extern "C" __global__ void bmv_bf16_m4(BMV_ARGS) { BMV(BkBF16, 4); }
-extern "C" __global__ void bmv_bf16_m8(BMV_ARGS) { BMV(BkBF16, 8); }
 extern "C" __global__ void bmv_bf16_m16(BMV_ARGS) { BMV(BkBF16, 16); }
 extern "C" __global__ void bdq_bf16(BDQ_ARGS) { bdq_impl<BkBF16>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_bf16(BEMB_ARGS) { bemb_impl<BkBF16>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }

@@ -7,7 +7,7 @@ file's raw bytes `[n_i, row_bytes_i]` copied to the device unchanged. `kvshare.o
 and `kvshare.ops.gpu.embedding` dispatch on it to `linear` and `embedding` here:
 
 - linear, x with m <= 16 rows (decode, small batches): per part, `bmv_<type>_m<M>` (M the
-  smallest of 1, 2, 4, 8, 16 >= m) writes the part's columns of y directly (bias added there):
+  smallest of 1, 4, 16 >= m) writes the part's columns of y directly (bias added there):
   one warp per output row, each weight block read once for all m rows, float32 accumulation.
 - linear, m > 16 (prefill): x is converted to row-scaled f16 as for f16 weights
   (`f32_to_f16_rowscaled`), then each part is dequantized tile by tile (`bdq_<type>`, at most
@@ -48,7 +48,7 @@ BLOCK_TYPES: dict[int, tuple[str, int, int]] = {
     int(Q.F16): ("f16", 8, 16),
     int(Q.BF16): ("bf16", 8, 16),
 }
-BMV_M = (1, 2, 4, 8, 16)  # row counts of the mat-vec kernels (bmv_<type>_m<M>)
+BMV_M = (1, 4, 16)  # row counts of the mat-vec kernels (bmv_<type>_m<M>)
 BMV_MAX_M = BMV_M[-1]  # linear with more rows than this: dequantized tiles + cuBLAS
 BMV_ROWS_PER_CTA = 4  # blocks.cu: one warp per output row, 128 threads
 DEQUANT_TILE_ELEMS = 1 << 25  # weights per dequantized f16 tile (64 MB of scratch)
