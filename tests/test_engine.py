@@ -80,6 +80,29 @@ def test_sharing_on_and_off_give_identical_tokens(parts):
     assert outs[True][1][1].timings.cache_n >= common - 16
 
 
+def test_concurrent_sessions_share_a_new_prefix_after_a_partial_attach(parts):
+    """An earlier, unrelated request leaves the chat template's opening tokens cached, so new
+    prompts attach to part of a block (a copy-on-write of a few tokens) and start computing
+    mid-block. Two such sessions arriving together on one new prefix must still compute it
+    once: the second waits for the first's blocks instead of computing them too."""
+    eng = make_engine(parts)
+    h0 = submit(eng, prompt(parts, "Be brief.", "Say OK."), 2)
+    eng.run_until_idle()
+    collect(h0)
+    system = SYSTEM * 3
+    a, b = prompt(parts, system, "Where is main?"), prompt(parts, system, "List the tests.")
+    ha, hb = submit(eng, a), submit(eng, b)
+    eng.run_until_idle()
+    (ta, fa), (tb, fb) = collect(ha), collect(hb)
+    common = len(_common_prefix(a, b))
+    assert common > 4 * 64  # several chunks of the first session
+    assert 0 < fa.timings.cache_n < 16  # the partial match of the template's opening
+    # the second session computes at most the rest of its partial block and its own tail
+    assert fb.timings.cache_n >= common - 2 * 16, (fb.timings.cache_n, common)
+    assert (ta, tb) == (solo(parts, a)[0], solo(parts, b)[0])
+    assert_idle(eng)
+
+
 def _common_prefix(a, b):
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:

@@ -159,6 +159,7 @@ class Scheduler:
         nxt = self.cache.next_key(seq)
         if budget > 0 and not (nxt is not None and nxt in pending):
             n = min(len(seq.tokens) - seq.n_computed, budget)
+            n = self._align_chunk(seq, n, pending)
             # Hybrids: prefill pauses at each planned checkpoint position.
             stops = [p for p in seq.checkpoint_at if seq.n_computed < p < seq.n_computed + n]
             if stops:
@@ -168,6 +169,28 @@ class Scheduler:
         # else: an earlier session is computing this very block; wait and attach to it.
         pending.update(self.cache.uncomputed_keys(seq))
         return budget
+
+    def _align_chunk(self, seq: Sequence, n: int, pending: set[bytes]) -> int:
+        """A sequence that attached to part of a block (the copy-on-write of a partial match)
+        computes from the middle of that block. Its chunks would then all end mid-block, and
+        a sequence mid-block can neither attach to a block another session is computing
+        (`next_key`) nor pick up blocks that appeared since (`reattach`): two concurrent
+        sessions on one new prefix would each compute all of it. So a chunk that starts
+        mid-block ends on a block boundary (unless it ends the prompt), and ends with that
+        very block when an earlier session is computing the next one, so that this sequence
+        then waits for it instead of computing it too."""
+        cache = self.cache
+        bs = cache.block_size
+        start = seq.n_computed
+        if not start % bs or not cache.attach_enabled or cache.checkpoints is not None:
+            return n
+        end = start + n
+        if end < len(seq.tokens) and end % bs and end - end % bs > start:
+            end -= end % bs
+        ahead = cache.uncomputed_keys(seq)  # [the block being completed, the next, ...]
+        if len(ahead) > 1 and ahead[1] in pending:
+            end = min(end, start - start % bs + bs)
+        return end - start
 
     def _allocate(self, plan: list[Planned], out: Schedule) -> list[Planned]:
         """Blocks for every planned chunk. Without room, the youngest running sequence is
