@@ -147,6 +147,28 @@ def test_linear_from_quantized_floats(be):
         _check(y, x, ref_w, 1e-4 if m <= 16 else 4e-3)
 
 
+def test_grid_stride_loops(be, monkeypatch):
+    """With at most 2 CTAs per launch, every kernel loops over its rows / chunks."""
+    from kvshare.ops import gpu  # noqa: PLC0415
+
+    monkeypatch.setattr(gpu, "_MAX_GRID", 2)
+    rng = np.random.default_rng(9)
+    k = 512
+    spec = [(Q.Q4_K, 23), (Q.Q5_0, 14)]
+    raws = [random_rows(rng, t, n, k) for t, n in spec]
+    w = gpu_blocks.GpuBlockWeight.from_parts([(r, int(t), k) for r, (t, _) in zip(raws, spec)],
+                                             be)
+    ref_w = np.concatenate([ref_dequant(r, t, k) for r, (t, _) in zip(raws, spec)])
+    for m in (3, 18):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        _check(be.to_host(linear(be.asarray(x), w, backend=be)), x, ref_w,
+               1e-4 if m <= 16 else 4e-3)
+    table = gpu_blocks.GpuBlockWeight.from_parts([(raws[0], int(Q.Q4_K), k)], be)
+    tokens = rng.integers(0, 23, 11).astype(np.int32)
+    np.testing.assert_array_equal(be.to_host(embedding(table, tokens, backend=be)),
+                                  ref_w[:23][tokens])
+
+
 def test_linear_rejects_bad_shapes(be):
     rng = np.random.default_rng(0)
     w = gpu_blocks.GpuBlockWeight.from_parts([(random_rows(rng, Q.Q8_0, 4, 64), int(Q.Q8_0), 64)],
@@ -174,6 +196,8 @@ def test_from_parts_validates():
         gpu_blocks.GpuBlockWeight.from_parts([])
     assert gpu_blocks.row_bytes(int(Q.Q6_K), 512) == 420
     assert gpu_blocks.row_bytes(int(Q.F16), 64) == 128
+    assert gpu_blocks.supports(int(Q.Q4_K), 512) and not gpu_blocks.supports(int(Q.Q4_K), 96)
+    assert not gpu_blocks.supports(int(Q.IQ2_XXS), 256)
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)

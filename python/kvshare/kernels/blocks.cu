@@ -394,9 +394,15 @@ __device__ __forceinline__ void bdq_impl(const u8* __restrict__ w, i64 row_bytes
         const int blk = e / B::QK;
         float q[8], d, mn;
         B::dec(w + (r0 + i) * row_bytes + (i64)blk * B::BYTES, e - blk * B::QK, q, d, mn);
-        f16_t* o = out + i * k + e;
+        u32 h[4];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) o[j] = kvs_f2h(__fsub_rn(__fmul_rn(d, q[j]), mn));
+        for (int j = 0; j < 4; ++j)
+            h[j] = (u32)kvs_f2h(__fsub_rn(__fmul_rn(d, q[2 * j]), mn))
+                 | ((u32)kvs_f2h(__fsub_rn(__fmul_rn(d, q[2 * j + 1]), mn)) << 16);
+        // 16 bytes at an f16 offset that is a multiple of 8 (k % 8 == 0; out 16-byte aligned)
+        unsigned long long* o = reinterpret_cast<unsigned long long*>(out + i * k + e);
+        o[0] = (unsigned long long)h[0] | ((unsigned long long)h[1] << 32);
+        o[1] = (unsigned long long)h[2] | ((unsigned long long)h[3] << 32);
     }
 }
 
@@ -413,17 +419,21 @@ __device__ __forceinline__ void bemb_impl(const u8* __restrict__ w, i64 row_byte
         const i64 t = idx / cpr;
         const int e = (int)(idx - t * cpr) << 3;
         const int id = tokens[t];
-        float* o = out + t * k + e;
+        float4* o = reinterpret_cast<float4*>(out + t * k + e);  // 32-byte aligned
         if (id < 0 || id >= vocab) {
-#pragma unroll
-            for (int j = 0; j < 8; ++j) o[j] = kvs_nan();
+            const float nan = kvs_nan();
+            o[0] = make_float4(nan, nan, nan, nan);
+            o[1] = o[0];
             continue;
         }
         const int blk = e / B::QK;
         float q[8], d, mn;
         B::dec(w + (i64)id * row_bytes + (i64)blk * B::BYTES, e - blk * B::QK, q, d, mn);
+        float v[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) o[j] = __fmul_rn(__fsub_rn(__fmul_rn(d, q[j]), mn), scale);
+        for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(__fsub_rn(__fmul_rn(d, q[j]), mn), scale);
+        o[0] = make_float4(v[0], v[1], v[2], v[3]);
+        o[1] = make_float4(v[4], v[5], v[6], v[7]);
     }
 }
 

@@ -79,6 +79,12 @@ def row_bytes(qtype: int, k: int) -> int:
     return k // qk * size
 
 
+def supports(qtype: int, k: int) -> bool:
+    """Whether rows of `k` elements of GGML type `qtype` can be a `GpuBlockWeight` part."""
+    t = BLOCK_TYPES.get(int(qtype))
+    return t is not None and k > 0 and k % t[1] == 0
+
+
 class BlockPart:
     """One part of a `GpuBlockWeight`: `data` (device uint8 `[n, row_bytes]`, the file's
     bytes), `qtype` (GGML type id), `n` rows of `k` elements, `col0` its first output row in
