@@ -419,21 +419,32 @@ class _Server:
                 self.proc.wait(10)
 
 
-@pytest.mark.parametrize("extra", [(), ("--kv-dtype", "f16")], ids=["default", "kv-f16"])
-def test_default_model_answers_a_chat_question(extra, tmp_path, smol_path):
-    """`kvshare serve` with no --model: the chat-tuned SmolLM2 answers (greedy)."""
-    srv = _Server(*extra, log=tmp_path / "server.log")
+def _memory_line(log: str) -> str:
+    return next(ln for ln in log.splitlines() if ln.startswith("kvshare: memory: weights "))
+
+
+def test_default_model_answers_a_chat_question(tmp_path, smol_path):
+    """`kvshare serve` with no --model: the chat-tuned SmolLM2 answers (greedy); then with
+    --kv-dtype set to the other of f32/f16 than the default: the pool takes it, same answer."""
+    srv = _Server(log=tmp_path / "server.log")
     try:
         assert httpx.get(srv.url + "/v1/models").json()["data"][0]["id"] == SMOL
         answer = srv.chat("What is the capital of France?")
         assert "Paris" in answer, answer
-        if not extra:
-            assert "4" in srv.chat("What is 2+2?")
+        assert "4" in srv.chat("What is 2+2?")
     finally:
         srv.stop()
     log = (tmp_path / "server.log").read_text()
     assert f"kvshare: loading {SMOL}: {smol_path} (llama, 135M parameters, 94 MiB, " \
            "block formats Q4_1 x210" in log, log
-    assert "kvshare: tokenizer gpt2 (49152 tokens)" in log
-    mem = next(ln for ln in log.splitlines() if ln.startswith("kvshare: memory: weights "))
-    assert f"({'f16' if extra else 'f32'}, " in mem and "RAM tier off" in mem, mem
+    assert "kvshare: tokenizer gpt2 (49152 tokens), chat template from the file" in log
+    mem = _memory_line(log)
+    assert "RAM tier off" in mem and ("(f32, " in mem or "(f16, " in mem), mem
+    other = "f32" if "(f16, " in mem else "f16"
+
+    srv = _Server("--kv-dtype", other, log=tmp_path / "server2.log")
+    try:
+        assert "Paris" in srv.chat("What is the capital of France?")
+    finally:
+        srv.stop()
+    assert f"({other}, " in _memory_line((tmp_path / "server2.log").read_text())
