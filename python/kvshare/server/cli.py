@@ -535,12 +535,12 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def pull(args: argparse.Namespace) -> int:
-    """`kvshare pull NAME`: the catalog model in the model cache (fetched if needed); prints
-    its path on stdout."""
+    """`kvshare pull NAME`: the catalog model in the model cache (fetched if needed, or when
+    the cached file fails its sha256 check); prints its path on stdout."""
     from kvshare.model import catalog
 
     try:
-        path = catalog.ensure(args.name, args.model_cache)
+        path = catalog.ensure(args.name, args.model_cache, verify=True)
     except catalog.UnknownModelError as e:
         return _fail(str(e), 2)
     except catalog.CatalogError as e:
