@@ -200,6 +200,19 @@ def test_from_parts_validates():
     assert not gpu_blocks.supports(int(Q.IQ2_XXS), 256)
 
 
+def test_from_parts_takes_device_bytes(be):
+    """Raw bytes already on the device (here a misaligned flat view) are used as they are,
+    or copied to an aligned buffer."""
+    rng = np.random.default_rng(4)
+    raw = random_rows(rng, Q.Q5_K, 5, 256)
+    flat = np.concatenate([np.zeros(3, np.uint8), raw.reshape(-1)])
+    w = gpu_blocks.GpuBlockWeight.from_parts([(be.asarray(flat)[3:], int(Q.Q5_K), 256)], be)
+    assert w.shape == (5, 256) and w.parts[0].data.data.ptr % 16 == 0
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    _check(be.to_host(linear(be.asarray(x), w, backend=be)), x, ref_dequant(raw, Q.Q5_K, 256),
+           1e-4)
+
+
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_dequantize_f16_tiles(be, qtype):
     rng = np.random.default_rng(int(qtype) + 11)

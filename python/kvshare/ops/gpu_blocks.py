@@ -149,7 +149,8 @@ class GpuBlockWeight:
             n = b.size // rb
             b = b.reshape(n, rb)
             if isinstance(b, cp.ndarray):
-                d = b
+                # the kernels' 16/32-bit loads assume the rows start on a 16-byte boundary
+                d = b if b.data.ptr % 16 == 0 else cp.array(b)
             elif backend is not None and getattr(backend, "is_gpu", False):
                 d = backend.asarray(b)
             else:
