@@ -213,6 +213,28 @@ def test_from_parts_takes_device_bytes(be):
            1e-4)
 
 
+def test_from_gguf(be):
+    """From a GGUFFile-like object: `tensors` (name -> info with GGUF-order shape and qtype)
+    and `raw(name)` (the stored bytes, flat)."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    rng = np.random.default_rng(6)
+    k = 256
+    spec = {"q": (Q.Q4_K, 8), "k": (Q.Q6_K, 4), "v": (Q.Q8_0, 4), "odd": (Q.IQ2_XXS, 2)}
+    raws = {n: (random_rows(rng, t, r, k) if t != Q.IQ2_XXS else np.zeros((r, 66), np.uint8))
+            for n, (t, r) in spec.items()}
+    gf = SimpleNamespace(
+        tensors={n: SimpleNamespace(shape=(k, r), qtype=t) for n, (t, r) in spec.items()},
+        raw=lambda n: raws[n].reshape(-1))
+    w = gpu_blocks.GpuBlockWeight.from_gguf(gf, ["q", "k", "v"], be)
+    assert w.shape == (16, k) and w.nbytes == sum(raws[n].nbytes for n in "qkv")
+    ref_w = np.concatenate([ref_dequant(raws[n], spec[n][0], k) for n in "qkv"])
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    _check(be.to_host(linear(be.asarray(x), w, backend=be)), x, ref_w, 1e-4)
+    assert gpu_blocks.GpuBlockWeight.from_gguf(gf, ["q", "odd"], be) is None
+    assert gpu_blocks.GpuBlockWeight.from_gguf(gf, ["q", "missing"], be) is None
+
+
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_dequantize_f16_tiles(be, qtype):
     rng = np.random.default_rng(int(qtype) + 11)

@@ -159,6 +159,24 @@ class GpuBlockWeight:
             col0 += n
         return cls(built)
 
+    @classmethod
+    def from_gguf(cls, gf: Any, names: list[str], backend: Any = None
+                  ) -> "GpuBlockWeight | None":
+        """Tensors `names` of a `GGUFFile` (2-D, stacked along the output axis in this order)
+        straight from the file's bytes (`gf.raw(name)`), or None when one is missing, not 2-D
+        or of a type / row length the kernels do not take (the caller then loads it another
+        way)."""
+        parts = []
+        for name in names:
+            info = gf.tensors.get(name)
+            if info is None or len(info.shape) != 2:
+                return None
+            k = int(info.shape[0])  # GGUF order: the row length first
+            if not supports(int(info.qtype), k):
+                return None
+            parts.append((gf.raw(name), int(info.qtype), k))
+        return cls.from_parts(parts, backend) if parts else None
+
     @property
     def shape(self) -> tuple[int, int]:
         return self._shape
