@@ -274,3 +274,130 @@ def test_embedding_bad_ids(be):
         [(random_rows(rng, Q.Q8_0, 2, 64), int(Q.Q8_0), 64)] * 2, be)
     with pytest.raises(ValueError):
         embedding(two, np.array([0]), backend=be)
+
+
+# --- a whole model on block weights ----------------------------------------------------------------
+
+M_VOCAB, M_EMBD, M_FF, M_H, M_K, M_D = 300, 256, 512, 4, 2, 64
+
+
+def _model_rows(rng: np.random.Generator, qtype: Q, n: int, k: int) -> np.ndarray:
+    """Raw rows with weights of a sane size for a forward pass: gguf's quantizer where it has
+    one (from N(0, 0.15^2)), else random blocks with small scales (|w| <~ 0.4)."""
+    if qtype in (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1):
+        return quantize((rng.standard_normal((n, k)) * 0.15).astype(np.float32), qtype)
+    qk, size = GGML_QUANT_SIZES[qtype]
+    nb = n * (k // qk)
+    blocks = rng.integers(0, 256, (nb, size), dtype=np.uint8)
+    small = {Q.Q2_K: 4e-3, Q.Q3_K: 3e-3, Q.Q4_K: 4e-4, Q.Q5_K: 2e-4, Q.Q6_K: 1e-4,
+             Q.IQ4_NL: 3e-3, Q.IQ4_XS: 1e-4}[qtype]
+    for off in F16_FIELDS[qtype]:
+        v = (rng.uniform(0.5, 1.0, nb) * small).astype(np.float16)
+        blocks[:, off : off + 2] = v.view(np.uint8).reshape(nb, 2)
+    return blocks.reshape(n, -1)
+
+
+def _write_block_model(path) -> None:
+    """A 2-layer llama GGUF whose matrices use 12 block types (fused Q/K/V and gate/up mix
+    types), the embedding Q8_0 and an untied IQ4_XS output head."""
+    from gguf import GGUFWriter  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_context_length(4096)
+    w.add_embedding_length(M_EMBD)
+    w.add_feed_forward_length(M_FF)
+    w.add_head_count(M_H)
+    w.add_head_count_kv(M_K)
+    w.add_key_length(M_D)
+    w.add_value_length(M_D)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(1e4)
+    w.add_vocab_size(M_VOCAB)
+
+    def mat(name, qtype, n, k):
+        w.add_tensor(name, _model_rows(rng, qtype, n, k), raw_dtype=qtype)
+
+    def vec(name, n):
+        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+
+    mat("token_embd.weight", Q.Q8_0, M_VOCAB, M_EMBD)
+    mat("output.weight", Q.IQ4_XS, M_VOCAB, M_EMBD)
+    vec("output_norm.weight", M_EMBD)
+    types = [(Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_K, Q.Q4_0, Q.Q5_1, Q.Q3_K),
+             (Q.Q5_0, Q.Q4_1, Q.IQ4_NL, Q.Q6_K, Q.Q2_K, Q.Q4_K, Q.Q8_0)]
+    for il, (tq, tk, tv, to, tg, tu, td) in enumerate(types):
+        p = f"blk.{il}."
+        vec(p + "attn_norm.weight", M_EMBD)
+        vec(p + "ffn_norm.weight", M_EMBD)
+        mat(p + "attn_q.weight", tq, M_H * M_D, M_EMBD)
+        mat(p + "attn_k.weight", tk, M_K * M_D, M_EMBD)
+        mat(p + "attn_v.weight", tv, M_K * M_D, M_EMBD)
+        mat(p + "attn_output.weight", to, M_EMBD, M_H * M_D)
+        mat(p + "ffn_gate.weight", tg, M_FF, M_EMBD)
+        mat(p + "ffn_up.weight", tu, M_FF, M_EMBD)
+        mat(p + "ffn_down.weight", td, M_EMBD, M_FF)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def block_models(tmp_path_factory):
+    """(cpu model, gpu model on GpuBlockWeight matrices) of the block-typed llama: the GPU
+    load stacks each `WeightLoader.matrix` from the file's bytes (GpuBlockWeight.from_gguf),
+    as the loader is meant to."""
+    from kvshare.model.loader import load_model  # noqa: PLC0415
+    from kvshare.model.weights import WeightLoader  # noqa: PLC0415
+
+    path = tmp_path_factory.mktemp("blocks") / "llama-blocks.gguf"
+    _write_block_model(path)
+    cpu = load_model(path, "cpu")
+    orig = WeightLoader.matrix
+
+    def matrix(self, names):
+        if self.backend.is_gpu:
+            w = gpu_blocks.GpuBlockWeight.from_gguf(self.gf, names, self.backend)
+            if w is not None:
+                return w
+        return orig(self, names)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(WeightLoader, "matrix", matrix)
+    try:
+        gpu = load_model(path, "cuda")
+    finally:
+        mp.undo()
+    return cpu, gpu
+
+
+def _run(model, tokens, chunks, block_size=16):
+    """Logits of every token, fed in chunks of the given sizes."""
+    from kvshare.model.batch import SeqChunk  # noqa: PLC0415
+
+    nb = -(-len(tokens) // block_size) + 1
+    cache = model.new_cache(nb, block_size)
+    table = np.arange(nb)
+    outs, s = [], 0
+    for c in chunks:
+        (lg,) = model.forward([SeqChunk(tokens[s : s + c], s, table, logits="all")], cache)
+        outs.append(lg)
+        s += c
+    return np.concatenate(outs)
+
+
+def test_model_on_block_weights_matches_cpu(block_models):
+    cpu, gpu = block_models
+    assert isinstance(gpu.tok_embd, gpu_blocks.GpuBlockWeight)
+    assert isinstance(gpu.output, gpu_blocks.GpuBlockWeight)
+    toks = np.random.default_rng(1).integers(0, M_VOCAB, 40).astype(np.int32)
+    ref = _run(cpu, toks, [40])
+    scale = np.abs(ref).max(-1, keepdims=True)
+    assert np.isfinite(ref).all() and (ref.std(-1) > 0.05 * scale[:, 0]).all()
+    # prefill (m = 40: dequantized tiles + GEMM), then chunks of 9 and 1 (the mat-vec kernels)
+    for chunks in ([40], [24, 9, 1, 1, 5]):
+        got = _run(gpu, toks, chunks)
+        rel = float((np.abs(got - ref) / scale).max())
+        assert rel <= 2e-2, (chunks, rel)
