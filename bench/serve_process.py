@@ -22,8 +22,12 @@ class ServeProcess:
     def __init__(self, args: list[str], log_path: Path | str, *, log_level: str = "warning",
                  startup_timeout: float = 600.0, client_timeout: float = 600.0):
         self.log_path = Path(log_path)
+        # the benches measure Gemma 3 270M (llama.cpp's side-by-side numbers and the issues'
+        # targets are on it) unless told otherwise; `kvshare serve`'s own default is the
+        # chat-tuned SmolLM2
+        model = [] if "--model" in args else ["--model", "gemma3-270m"]
         cmd = [sys.executable, "-m", "kvshare.server.cli", "serve", "--host", "127.0.0.1",
-               "--port", "0", "--log-level", log_level, *args]
+               "--port", "0", "--log-level", log_level, *model, *args]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSHARE_")}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
