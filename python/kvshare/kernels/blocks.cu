@@ -52,13 +52,20 @@ __device__ __forceinline__ u32 bk_byte(u32 lo, u32 hi, int j) {
     return ((j < 4 ? lo : hi) >> (8 * (j & 3))) & 0xffu;
 }
 
+// Small integers to float without the (quarter-rate) int-to-float conversion: for u < 2^23 the
+// bits 0x4B000000 | u are the float 2^23 + u, so bk_uf(u, BK_MAGIC + c) = u - c exactly.
+#define BK_MAGIC 8388608.f
+__device__ __forceinline__ float bk_uf(u32 u, float magic_plus_c) {
+    return __int_as_float((int)(0x4B000000u | u)) - magic_plus_c;
+}
+
 // 4-bit indices of the IQ4 formats -> ggml's kvalues_iq4nl (no tables in memory: two 64-bit
-// constants hold the 16 signed bytes).
+// constants hold the 16 values + 128 as bytes).
 __device__ __forceinline__ float bk_iq4(u32 i) {
-    const unsigned long long lo = 0xF6EADDCFBFAD9881ull;  // -127 -104 -83 -65 -49 -35 -22 -10
-    const unsigned long long hi = 0x7159453526190D01ull;  //    1   13  25  38  53  69  89 113
+    const unsigned long long lo = 0x766A5D4F3F2D1801ull;  // -127 -104 -83 -65 -49 -35 -22 -10
+    const unsigned long long hi = 0xF1D9C5B5A6998D81ull;  //    1   13  25  38  53  69  89 113
     const unsigned long long w = i < 8 ? lo : hi;
-    return (float)(signed char)((w >> (8 * (i & 7))) & 0xffu);
+    return bk_uf((u32)(w >> (8 * (i & 7))) & 0xffu, BK_MAGIC + 128.f);
 }
 
 // --- the formats -----------------------------------------------------------------------------
@@ -75,7 +82,7 @@ struct BkQ4_0 {  // d f16, qs[16]: element j < 16 is the low nibble of qs[j], j 
         bk_ld8<2>(b + 2 + (e & 15), lo, hi);
         const int s = (e >> 4) * 4;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) q[j] = (float)((int)((bk_byte(lo, hi, j) >> s) & 15u) - 8);
+        for (int j = 0; j < 8; ++j) q[j] = bk_uf((bk_byte(lo, hi, j) >> s) & 15u, BK_MAGIC + 8.f);
     }
 };
 
@@ -89,7 +96,7 @@ struct BkQ4_1 {  // d f16, m f16, qs[16]; value = q * d + m
         bk_ld8<4>(b + 4 + (e & 15), lo, hi);
         const int s = (e >> 4) * 4;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) q[j] = (float)((bk_byte(lo, hi, j) >> s) & 15u);
+        for (int j = 0; j < 8; ++j) q[j] = bk_uf((bk_byte(lo, hi, j) >> s) & 15u, BK_MAGIC);
     }
 };
 
@@ -106,7 +113,7 @@ struct BkQ5_0 {  // d f16, qh u32 (bit j: 5th bit of element j), qs[16]; q - 16
         const int s = (e >> 4) * 4;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
-            q[j] = (float)((int)(((bk_byte(lo, hi, j) >> s) & 15u) | (((qh >> j) & 1u) << 4)) - 16);
+            q[j] = bk_uf(((bk_byte(lo, hi, j) >> s) & 15u) | (((qh >> j) & 1u) << 4), BK_MAGIC + 16.f);
     }
 };
 
@@ -122,7 +129,7 @@ struct BkQ5_1 {  // d f16, m f16, qh u32, qs[16]; value = q * d + m
         const int s = (e >> 4) * 4;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
-            q[j] = (float)(((bk_byte(lo, hi, j) >> s) & 15u) | (((qh >> j) & 1u) << 4));
+            q[j] = bk_uf(((bk_byte(lo, hi, j) >> s) & 15u) | (((qh >> j) & 1u) << 4), BK_MAGIC);
     }
 };
 
@@ -135,7 +142,7 @@ struct BkQ8_0 {  // d f16, qs i8[32]
         u32 lo, hi;
         bk_ld8<2>(b + 2 + e, lo, hi);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) q[j] = (float)(signed char)bk_byte(lo, hi, j);
+        for (int j = 0; j < 8; ++j) q[j] = bk_uf(bk_byte(lo, hi, j) ^ 0x80u, BK_MAGIC + 128.f);
     }
 };
 
@@ -164,7 +171,7 @@ struct BkQ4_K {  // d, dmin f16, scales[12], qs[128]; sub-block 2j: low nibbles 
         bk_ld8<4>(b + 16 + 32 * j + l, lo, hi);
         const int s = (is & 1) * 4;
 #pragma unroll
-        for (int t = 0; t < 8; ++t) q[t] = (float)((bk_byte(lo, hi, t) >> s) & 15u);
+        for (int t = 0; t < 8; ++t) q[t] = bk_uf((bk_byte(lo, hi, t) >> s) & 15u, BK_MAGIC);
     }
 };
 
@@ -183,7 +190,7 @@ struct BkQ5_K {  // d, dmin, scales[12], qh[32], qs[128]; sub-block is takes bit
         const int s = (is & 1) * 4;
 #pragma unroll
         for (int t = 0; t < 8; ++t)
-            q[t] = (float)(((bk_byte(lo, hi, t) >> s) & 15u) | (((bk_byte(hlo, hhi, t) >> is) & 1u) << 4));
+            q[t] = bk_uf(((bk_byte(lo, hi, t) >> s) & 15u) | (((bk_byte(hlo, hhi, t) >> is) & 1u) << 4), BK_MAGIC);
     }
 };
 
@@ -201,7 +208,7 @@ struct BkQ6_K {  // ql[128], qh[64], scales i8[16], d f16; halves n of 128: grou
         const int s = (g >> 1) * 4, hs = 2 * g;
 #pragma unroll
         for (int t = 0; t < 8; ++t)
-            q[t] = (float)((int)(((bk_byte(lo, hi, t) >> s) & 15u) | (((bk_byte(hlo, hhi, t) >> hs) & 3u) << 4)) - 32);
+            q[t] = bk_uf(((bk_byte(lo, hi, t) >> s) & 15u) | (((bk_byte(hlo, hhi, t) >> hs) & 3u) << 4), BK_MAGIC + 32.f);
     }
 };
 
@@ -217,7 +224,7 @@ struct BkQ2_K {  // scales[16] (low nibble scale, high nibble min), qs[64], d, d
         u32 lo, hi;
         bk_ld8<4>(b + 16 + 32 * n + l, lo, hi);
 #pragma unroll
-        for (int t = 0; t < 8; ++t) q[t] = (float)((bk_byte(lo, hi, t) >> (2 * j)) & 3u);
+        for (int t = 0; t < 8; ++t) q[t] = bk_uf((bk_byte(lo, hi, t) >> (2 * j)) & 3u, BK_MAGIC);
     }
 };
 
@@ -239,8 +246,8 @@ struct BkQ3_K {  // hmask[32], qs[64], scales[12] (16 6-bit values, -32), d f16;
         const int hb = 4 * n + j;
 #pragma unroll
         for (int t = 0; t < 8; ++t)
-            q[t] = (float)((int)((bk_byte(lo, hi, t) >> (2 * j)) & 3u)
-                           - (((bk_byte(hlo, hhi, t) >> hb) & 1u) ? 0 : 4));
+            q[t] = bk_uf(((bk_byte(lo, hi, t) >> (2 * j)) & 3u) + (((bk_byte(hlo, hhi, t) >> hb) & 1u) << 2),
+                         BK_MAGIC + 4.f);
     }
 };
 
