@@ -17,8 +17,9 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def engine(parts, **kw) -> Engine:  # noqa: F811
     model, tok, tmpl, fp = parts
+    # the RAM budgets below are counted in f32 blocks (8 KiB): the pool's dtype is explicit
     cfg = EngineConfig(**{"kv_blocks": 64, "block_size": 16, "prefill_chunk": 128,
-                          "cache_ram_mib": 0, "cache_min_tokens": 32, **kw})
+                          "cache_ram_mib": 0, "cache_min_tokens": 32, "kv_dtype": "f32", **kw})
     return Engine(model, tok, tmpl, fp, cfg)
 
 
