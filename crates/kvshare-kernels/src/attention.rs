@@ -334,7 +334,7 @@ pub fn paged_attention<T: KvElem>(
     out: &mut [f32],
     threads: usize,
 ) -> Result<(), KernelError> {
-    attention(kv, qs, scale, window, max_rows, out, threads, true)
+    attention(kv, qs, scale, window, max_rows, out, threads, true, true)
 }
 
 /// `paged_attention` on the portable (non-SIMD) code paths, for tests comparing them.
@@ -346,7 +346,22 @@ pub fn paged_attention_portable<T: KvElem>(
     max_rows: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    attention(kv, qs, scale, window, max_rows, out, 1, false)
+    attention(kv, qs, scale, window, max_rows, out, 1, false, false)
+}
+
+/// `paged_attention` without the AVX-512 prefill tiles (the AVX2 ones), for tests on machines
+/// that have AVX-512.
+#[doc(hidden)]
+pub fn paged_attention_avx2<T: KvElem>(
+    kv: &PagedKv<'_, T>,
+    qs: &Queries<'_>,
+    scale: f32,
+    window: usize,
+    max_rows: usize,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), KernelError> {
+    attention(kv, qs, scale, window, max_rows, out, threads, true, false)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -359,6 +374,7 @@ fn attention<T: KvElem>(
     out: &mut [f32],
     threads: usize,
     simd: bool,
+    wide: bool,
 ) -> Result<(), KernelError> {
     check(kv, qs, out)?;
     let decode = tasks(kv, qs, window, 0, max_rows.min(DECODE_ROWS))?;
@@ -368,7 +384,7 @@ fn attention<T: KvElem>(
         decode_rows(kv, qs, scale, &decode, out, threads, simd);
     }
     if !prefill.is_empty() {
-        prefill_tiles(kv, qs, scale, window, prefill, out, threads, simd);
+        prefill_tiles(kv, qs, scale, window, prefill, out, threads, simd, wide);
     }
     Ok(())
 }
@@ -448,6 +464,7 @@ fn prefill_tiles<T: KvElem>(
     out: &mut [f32],
     threads: usize,
     simd: bool,
+    wide: bool,
 ) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let (g, hd) = (qs.n_head / kv.n_kv, kv.head_dim);
@@ -463,7 +480,7 @@ fn prefill_tiles<T: KvElem>(
     crate::pool::run(parts, &|_| loop {
         let i = next.fetch_add(1, Ordering::Relaxed);
         let Some(t) = items.get(i) else { break };
-        let r = tile(kv, qs, scale, window, t, simd);
+        let r = tile(kv, qs, scale, window, t, simd, wide);
         *results[i].lock().unwrap_or_else(|e| e.into_inner()) = r;
     });
     for (t, r) in items.iter().zip(results) {
@@ -484,12 +501,13 @@ fn tile<T: KvElem>(
     window: usize,
     t: &Tile,
     simd: bool,
+    wide: bool,
 ) -> Vec<f32> {
     let (bs, n_kv, hd) = (kv.block_size, kv.n_kv, kv.head_dim);
     let g = qs.n_head / n_kv;
     let rows = t.r1 - t.r0;
     let m = rows * g; // query vectors: row r, head h at r * g + h
-    let wide = simd && wide_ok(hd);
+    let wide = wide && simd && wide_ok(hd);
     // AVX-512 works on 16 query vectors at a time: zero vectors pad the tile (never output)
     let mp = if wide { m.next_multiple_of(16) } else { m };
     let mut q = vec![0f32; mp * hd];

@@ -2,7 +2,7 @@
 //! reference over random block tables, windows, head groupings and sequence mixes, and
 //! against the portable path; bad tables and shapes are typed errors.
 
-use kvshare_kernels::attention::paged_attention_portable;
+use kvshare_kernels::attention::{paged_attention_avx2, paged_attention_portable};
 use kvshare_kernels::{paged_attention, KernelError, KvElem, PagedKv, Queries, F16};
 use proptest::prelude::*;
 
@@ -325,17 +325,21 @@ proptest! {
         let want = c.reference(scale as f64, window);
         let mut out = vec![0f32; c.q.len()];
         let mut port = vec![0f32; c.q.len()];
+        let mut narrow = vec![0f32; c.q.len()];
         if half {
             let k16: Vec<F16> = c.k.iter().map(|&x| F16(f16_bits(x))).collect();
             let v16: Vec<F16> = c.v.iter().map(|&x| F16(f16_bits(x))).collect();
             let kv = PagedKv { k: &k16, v: &v16, n_blocks: c.n_blocks, block_size: c.bs, n_kv: c.n_kv, head_dim: c.hd };
             paged_attention(&kv, &c.queries(), scale, window, usize::MAX, &mut out, threads).unwrap();
             paged_attention_portable(&kv, &c.queries(), scale, window, usize::MAX, &mut port).unwrap();
+            paged_attention_avx2(&kv, &c.queries(), scale, window, usize::MAX, &mut narrow, threads).unwrap();
         } else {
             paged_attention(&c.kv(), &c.queries(), scale, window, usize::MAX, &mut out, threads).unwrap();
             paged_attention_portable(&c.kv(), &c.queries(), scale, window, usize::MAX, &mut port).unwrap();
+            paged_attention_avx2(&c.kv(), &c.queries(), scale, window, usize::MAX, &mut narrow, threads).unwrap();
         }
         assert_close(&out, &want, "prefill simd");
+        assert_close(&narrow, &want, "prefill avx2");
         assert_close(&port, &want, "prefill portable");
     }
 }
@@ -360,6 +364,18 @@ fn long_prefill_chunk_over_threads_matches() {
             )
             .unwrap();
             assert_close(&out, &want, "long prefill");
+            let mut narrow = vec![0f32; c.q.len()];
+            paged_attention_avx2(
+                &c.kv(),
+                &c.queries(),
+                0.0625,
+                window,
+                usize::MAX,
+                &mut narrow,
+                threads,
+            )
+            .unwrap();
+            assert_close(&narrow, &want, "long prefill avx2");
         }
     }
 }
