@@ -346,15 +346,22 @@ def _write_block_model(path) -> None:
 
 @pytest.fixture(scope="module")
 def block_models(tmp_path_factory):
-    """(cpu model, gpu model on GpuBlockWeight matrices) of the block-typed llama: the GPU
-    load stacks each `WeightLoader.matrix` from the file's bytes (GpuBlockWeight.from_gguf),
-    as the loader is meant to."""
+    """(cpu model on f32 weights, gpu model on GpuBlockWeight matrices) of the block-typed
+    llama: the GPU load stacks each `WeightLoader.matrix` from the file's bytes
+    (GpuBlockWeight.from_gguf), as the loader is meant to."""
     from kvshare.model.loader import load_model  # noqa: PLC0415
     from kvshare.model.weights import WeightLoader  # noqa: PLC0415
 
     path = tmp_path_factory.mktemp("blocks") / "llama-blocks.gguf"
     _write_block_model(path)
-    cpu = load_model(path, "cpu")
+    mp = pytest.MonkeyPatch()
+    # the oracle: f32 weights dequantized by the loader (the CPU's block kernels quantize
+    # activations to 8 bits, a further 0.5% per product)
+    mp.setenv("KVSHARE_CPU_WEIGHTS", "f32")
+    try:
+        cpu = load_model(path, "cpu")
+    finally:
+        mp.undo()
     orig = WeightLoader.matrix
 
     def matrix(self, names):

@@ -4,10 +4,11 @@
 //
 //   bmv_<type>_m<M>   y[r, col0 + i] = sum_j x[r, j] * W[i, j] (+ bias[col0 + i]) for r < m <= M
 //                     (M = 1, 4, 16; m > M is the host's large-batch path, bdq + cuBLAS):
-//                     one warp per output row i (4 per 128-thread CTA, grid-stride over rows);
-//                     each lane decodes 8 consecutive weights at a time (a "chunk") and
-//                     applies them to all m activation rows, so every weight byte is read once
-//                     per call. float32 accumulation, warp-shuffle reduction.
+//                     one warp per R output rows (R = 2 for M = 1, else 4; 4 warps per
+//                     128-thread CTA, grid-stride); each lane decodes 8 consecutive weights
+//                     of each row at a time (a "chunk") and applies them to all m activation
+//                     rows, so every weight byte is read once per call; float32
+//                     accumulation, warp-shuffle reduction.
 //   bdq_<type>        f16 out[i, :] = W[r0 + i, :] for i < n_rows (the tile that the large-batch
 //                     path hands to the cuBLAS f16 GEMM); one thread per chunk, grid-stride.
 //   bemb_<type>       float32 out[t, :] = W[tokens[t], :] * scale (embedding rows; an id
@@ -28,7 +29,6 @@ typedef unsigned char u8;
 typedef unsigned int u32;
 typedef unsigned short u16;
 
-#define BK_ROWS_PER_CTA 4  // bmv: warps (output rows) per 128-thread CTA
 
 // 8 consecutive bytes at p as two little-endian words: A = 4 (32-bit loads) or 2 (16-bit).
 template <int A>
@@ -322,68 +322,87 @@ struct BkBF16 {
 
 // --- kernels ---------------------------------------------------------------------------------
 
+// Output rows per warp of bmv_<type>_m<M> (kvshare.ops.gpu_blocks.BMV_ROWS_PER_WARP): each
+// lane applies the 8 activations it loads to R weight rows, so the activation traffic (from L1)
+// per weight is 4 * m / R bytes instead of 4 * m.
+template <int M> struct BkRows { static constexpr int R = M == 1 ? 2 : 4; };
+
 // x: float32 rows (row stride x_stride, a multiple of 4; x 16-byte aligned: the host copies
-// otherwise); y: float32 rows of stride y_stride, this part's columns from col0.
+// otherwise); y: float32 rows of stride y_stride, this part's columns from col0. Warp w of the
+// grid takes output rows [R w, R w + R), then grid-strides.
 template <typename B, int M>
 __device__ __forceinline__ void bmv_impl(
     const u8* __restrict__ w, i64 row_bytes, int n_rows, int k, const float* __restrict__ x,
     i64 x_stride, int m, float* __restrict__ y, i64 y_stride, i64 col0,
     const float* __restrict__ bias, int has_bias)
 {
+    constexpr int R = BkRows<M>::R;
     const int lane = threadIdx.x & (KVS_WARP - 1);
     const int wpb = blockDim.x / KVS_WARP;
     const int n_chunks = k >> 3;
-    for (i64 row = (i64)blockIdx.x * wpb + (threadIdx.x >> 5); row < n_rows;
-         row += (i64)gridDim.x * wpb) {
-        const u8* wr = w + row * row_bytes;
-        float acc[M];
+    for (i64 row0 = ((i64)blockIdx.x * wpb + (threadIdx.x >> 5)) * R; row0 < n_rows;
+         row0 += (i64)gridDim.x * wpb * R) {
+        const u8* wr[R];
 #pragma unroll
-        for (int r = 0; r < M; ++r) acc[r] = 0.f;
+        for (int i = 0; i < R; ++i)  // rows past the end read the last row (results dropped)
+            wr[i] = w + (row0 + i < n_rows ? row0 + i : (i64)n_rows - 1) * row_bytes;
+        float acc[R][M];
+#pragma unroll
+        for (int i = 0; i < R; ++i)
+#pragma unroll
+            for (int r = 0; r < M; ++r) acc[i][r] = 0.f;
         for (int c = lane; c < n_chunks; c += KVS_WARP) {
             const int e = c << 3;
             const int blk = e / B::QK;
-            float q[8], d, mn;
-            B::dec(wr + (i64)blk * B::BYTES, e - blk * B::QK, q, d, mn);
+            float q[R][8], d[R], mn[R];
+#pragma unroll
+            for (int i = 0; i < R; ++i)
+                B::dec(wr[i] + (i64)blk * B::BYTES, e - blk * B::QK, q[i], d[i], mn[i]);
 #pragma unroll
             for (int r = 0; r < M; ++r) {
                 if (r < m) {
                     const float4* xp = reinterpret_cast<const float4*>(x + r * x_stride + e);
                     const float4 a = xp[0], b = xp[1];
-                    const float sq = q[0] * a.x + q[1] * a.y + q[2] * a.z + q[3] * a.w
-                                   + q[4] * b.x + q[5] * b.y + q[6] * b.z + q[7] * b.w;
-                    if constexpr (B::HAS_MIN) {
-                        const float sx = (a.x + a.y) + (a.z + a.w) + (b.x + b.y) + (b.z + b.w);
-                        acc[r] += d * sq - mn * sx;
-                    } else {
-                        acc[r] += d * sq;
+                    float sx = 0.f;
+                    if constexpr (B::HAS_MIN) sx = (a.x + a.y) + (a.z + a.w) + (b.x + b.y) + (b.z + b.w);
+#pragma unroll
+                    for (int i = 0; i < R; ++i) {
+                        const float sq = q[i][0] * a.x + q[i][1] * a.y + q[i][2] * a.z + q[i][3] * a.w
+                                       + q[i][4] * b.x + q[i][5] * b.y + q[i][6] * b.z + q[i][7] * b.w;
+                        if constexpr (B::HAS_MIN) acc[i][r] += d[i] * sq - mn[i] * sx;
+                        else acc[i][r] += d[i] * sq;
                     }
                 }
             }
         }
-        // Reduce-scatter across the warp: each halving step trades half of the remaining
-        // sums with the lane `o` away (M - 1 shuffles in all), then plain sums; lane L ends
-        // with the total of activation row L >> (5 - log2 M).
-        int cnt = M;
-#pragma unroll
-        for (int o = KVS_WARP / 2; o > 0; o >>= 1) {
-            if (cnt > 1) {
-                const int half = cnt >> 1;
-                const bool upper = (lane & o) != 0;
-#pragma unroll
-                for (int i = 0; i < half; ++i) {
-                    const float send = upper ? acc[i] : acc[i + half];
-                    const float keep = upper ? acc[i + half] : acc[i];
-                    acc[i] = keep + __shfl_xor_sync(KVS_FULL_MASK, send, o);
-                }
-                cnt = half;
-            } else {
-                acc[0] += __shfl_xor_sync(KVS_FULL_MASK, acc[0], o);
-            }
-        }
+        // Per output row, a reduce-scatter across the warp: each halving step trades half of
+        // the remaining sums with the lane `o` away (M - 1 shuffles in all), then plain sums;
+        // lane L ends with the total of activation row L >> (5 - log2 M).
         constexpr int SH = M >= 32 ? 0 : (M >= 16 ? 1 : (M >= 8 ? 2 : (M >= 4 ? 3 : (M >= 2 ? 4 : 5))));
         const int r = lane >> SH;
-        if ((lane & ((1 << SH) - 1)) == 0 && r < m)
-            y[r * y_stride + col0 + row] = acc[0] + (has_bias ? bias[col0 + row] : 0.f);
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            int cnt = M;
+#pragma unroll
+            for (int o = KVS_WARP / 2; o > 0; o >>= 1) {
+                if (cnt > 1) {
+                    const int half = cnt >> 1;
+                    const bool upper = (lane & o) != 0;
+#pragma unroll
+                    for (int j = 0; j < half; ++j) {
+                        const float send = upper ? acc[i][j] : acc[i][j + half];
+                        const float keep = upper ? acc[i][j + half] : acc[i][j];
+                        acc[i][j] = keep + __shfl_xor_sync(KVS_FULL_MASK, send, o);
+                    }
+                    cnt = half;
+                } else {
+                    acc[i][0] += __shfl_xor_sync(KVS_FULL_MASK, acc[i][0], o);
+                }
+            }
+            const i64 row = row0 + i;
+            if ((lane & ((1 << SH) - 1)) == 0 && r < m && row < n_rows)
+                y[r * y_stride + col0 + row] = acc[i][0] + (has_bias ? bias[col0 + row] : 0.f);
+        }
     }
 }
 

@@ -8,7 +8,8 @@ and `kvshare.ops.gpu.embedding` dispatch on it to `linear` and `embedding` here:
 
 - linear, x with m <= 16 rows (decode, small batches): per part, `bmv_<type>_m<M>` (M the
   smallest of 1, 4, 16 >= m) writes the part's columns of y directly (bias added there):
-  one warp per output row, each weight block read once for all m rows, float32 accumulation.
+  one warp per 2 (M = 1) or 4 output rows, each weight block read once for all m rows,
+  float32 accumulation.
 - linear, m > 16 (prefill): x is converted to row-scaled f16 as for f16 weights
   (`f32_to_f16_rowscaled`), then each part is dequantized tile by tile (`bdq_<type>`, at most
   `DEQUANT_TILE_ELEMS` weights per tile, 64 MB of f16 scratch) and multiplied by cuBLAS
@@ -50,7 +51,8 @@ BLOCK_TYPES: dict[int, tuple[str, int, int]] = {
 }
 BMV_M = (1, 4, 16)  # row counts of the mat-vec kernels (bmv_<type>_m<M>)
 BMV_MAX_M = BMV_M[-1]  # linear with more rows than this: dequantized tiles + cuBLAS
-BMV_ROWS_PER_CTA = 4  # blocks.cu: one warp per output row, 128 threads
+BMV_WARPS = 4  # bmv: 128-thread CTAs
+BMV_ROWS_PER_WARP = {1: 2, 4: 4, 16: 4}  # blocks.cu's BkRows<M>::R (output rows per warp)
 DEQUANT_TILE_ELEMS = 1 << 25  # weights per dequantized f16 tile (64 MB of scratch)
 
 # Every kernel of blocks.cu that this module launches (kvshare.ops.gpu.ENTRY_POINTS["blocks"]).
@@ -283,8 +285,9 @@ def linear(x: Any, w: GpuBlockWeight, bias: Any | None = None, *, out: Any | Non
             xs = g._estrides(xa)[0] if n > 1 else n_in
             for p in w.parts:
                 g._kernel("blocks", f"bmv_{p.tag}_m{mm}")(
-                    (max(1, min(g._MAX_GRID, -(-p.n // BMV_ROWS_PER_CTA))), 1, 1),
-                    (32 * BMV_ROWS_PER_CTA, 1, 1),
+                    (max(1, min(g._MAX_GRID, -(-p.n // (BMV_WARPS * BMV_ROWS_PER_WARP[mm])))),
+                     1, 1),
+                    (32 * BMV_WARPS, 1, 1),
                     (p.data, np.int64(p.row_bytes), np.int32(p.n), np.int32(n_in), xa,
                      np.int64(xs), np.int32(n), y, np.int64(n_out), np.int64(p.col0),
                      b if b is not None else y, np.int32(b is not None)))
