@@ -83,7 +83,7 @@ def main() -> None:
         t = Q[name]
         raw = random_blocks(t, rng)
         raw.setflags(write=False)  # as a view into the mapped file is
-        bw = BlockWeight(raw, int(t), K)
+        bw = BlockWeight(raw, int(t), K, activations="q8")
         qw = QWeight(*split_quantized(raw, t, (N, K)))
         dense = bw.dequantize()
         forms = [("block", bw, bw.nbytes), ("int8+f32", qw, qweight_bytes(qw))]
@@ -113,7 +113,7 @@ def main() -> None:
     for name in args.types.split(","):
         t = Q[name]
         raw = random_blocks(t, rng)
-        bw = BlockWeight(raw, int(t), K)
+        bw = BlockWeight(raw, int(t), K, activations="q8")
         qw = QWeight(*split_quantized(raw, t, (N, K)))
         for form, w in (("block", bw), ("int8+f32", qw)):
             ms = cpu_time_1thread(lambda w=w: w.dequantize(0, N), max(3, args.reps // 10)) * 1e3

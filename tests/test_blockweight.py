@@ -7,7 +7,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, quants
 
 from kvshare import _core
-from kvshare.ops.blockweight import BLOCK_KERNEL_MAX, BLOCK_TYPES, BlockWeight
+from kvshare.ops.blockweight import BLOCK_KERNEL_MAX, BLOCK_TYPES, FLOAT_TYPES, BlockWeight
 
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K,
          Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
@@ -73,7 +73,7 @@ def test_dequantize_matches_gguf(t):
     for n, nb in [(1, 1), (7, 2), (33, 4)]:
         k = nb * block_of(t)
         raw = make_raw(t, n, k, rng)
-        w = BlockWeight(raw, int(t), k)
+        w = BlockWeight(raw, int(t), k, activations="q8")
         ref = oracle(raw, t)
         got = w.dequantize()
         assert got.shape == (n, k) and got.dtype == np.float32
@@ -91,22 +91,34 @@ def test_matmul_small_batches(t, path):
         raw = make_raw(t, n, k, rng)
         wf = oracle(raw, t)
         x = rng.standard_normal((M, k)).astype(np.float32)
-        got = BlockWeight(raw, int(t), k).matmul_t(x)
+        got = BlockWeight(raw, int(t), k, activations="q8").matmul_t(x)
         assert got.shape == (M, n)
         assert_close_8bit(got, x, wf, t)
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-def test_matmul_large_batches_are_f32_exact(t):
+def test_matmul_large_batches_match_the_kernel(t):
+    """Above BLOCK_KERNEL_MAX rows: dequantized weights times the values the kernel's 8-bit
+    activations stand for, in f32 (so a row's result does not depend on the batch it is in:
+    the kernel's rows agree to float summation order)."""
     rng = np.random.default_rng(200 + int(t))
     k = 2 * block_of(t)
     raw = make_raw(t, 37, k, rng)
     wf = oracle(raw, t)
     x = rng.standard_normal((BLOCK_KERNEL_MAX + 9, k)).astype(np.float32)
+    xq = x.copy()
+    if int(t) not in FLOAT_TYPES:
+        _core.block_act_round_trip(xq)
+        assert 0 < np.abs(xq - x).max() <= np.abs(x).max() / 254 * 1.0001
     out = np.full((x.shape[0], 37), np.nan, np.float32)
-    got = BlockWeight(raw, int(t), k).matmul_t(x, out=out)
+    w = BlockWeight(raw, int(t), k, activations="q8")
+    got = w.matmul_t(x, out=out)
     assert got is out
-    np.testing.assert_allclose(got, x @ wf.T, rtol=1e-4, atol=1e-4 * np.abs(x @ wf.T).max())
+    ref = xq.astype(np.float64) @ wf.T.astype(np.float64)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+    small = w.matmul_t(x[:BLOCK_KERNEL_MAX])
+    np.testing.assert_allclose(small, got[:BLOCK_KERNEL_MAX], rtol=1e-4,
+                               atol=1e-5 * np.abs(ref).max())
 
 
 def test_fused_parts_of_different_types(path):
@@ -114,7 +126,8 @@ def test_fused_parts_of_different_types(path):
     k = 512
     specs = [(Q.Q4_K, 40), (Q.Q8_0, 17), (Q.F16, 9), (Q.Q6_K, 33)]
     parts = [(make_raw(t, n, k, rng), int(t), k) for t, n in specs]
-    w = BlockWeight.concat([BlockWeight(*parts[0]), *parts[1:]])
+    w = BlockWeight.concat([BlockWeight(*parts[0], activations="q8"), *parts[1:]],
+                           activations="q8")
     wf = np.concatenate([oracle(r, Q(t)) for r, t, _ in parts])
     assert w.shape == (99, k) and w.ndim == 2 and w.dtype == np.float32
     assert w.nbytes == sum(r.nbytes for r, _, _ in parts)
@@ -132,8 +145,14 @@ def test_fused_parts_of_different_types(path):
         big = np.zeros((M, 120), np.float32)
         w.matmul_t(x, out=big[:, 10:109])
         np.testing.assert_array_equal(big[:, 10:109], got)
+    # large batches: quantized parts see the 8-bit activations' values, the F16 part x itself
     x = rng.standard_normal((40, k)).astype(np.float32)
-    np.testing.assert_allclose(w.matmul_t(x), x @ wf.T, rtol=1e-4, atol=1e-3)
+    xq = x.copy()
+    _core.block_act_round_trip(xq)
+    ref = np.concatenate([(x if t == Q.F16 else xq) @ wf[a : a + n].T
+                          for (t, n), a in zip(specs, np.cumsum([0] + [n for _, n in specs]))],
+                         axis=1)
+    np.testing.assert_allclose(w.matmul_t(x), ref, rtol=1e-4, atol=1e-3)
 
 
 def test_read_only_mapped_bytes(tmp_path):
@@ -142,12 +161,12 @@ def test_read_only_mapped_bytes(tmp_path):
     path = tmp_path / "w.bin"
     raw.tofile(path)
     mapped = np.memmap(path, np.uint8, mode="r")
-    w = BlockWeight(mapped, int(Q.Q4_0), 256)
+    w = BlockWeight(mapped, int(Q.Q4_0), 256, activations="q8")
     assert not w.parts[0].raw.flags.writeable
     assert np.shares_memory(w.parts[0].raw, mapped)  # no copy of the file's bytes
     x = rng.standard_normal((2, 256)).astype(np.float32)
     assert_close_8bit(w.matmul_t(x), x, oracle(raw, Q.Q4_0), Q.Q4_0)
-    from_bytes = BlockWeight(raw.tobytes(), int(Q.Q4_0), 256)
+    from_bytes = BlockWeight(raw.tobytes(), int(Q.Q4_0), 256, activations="q8")
     np.testing.assert_array_equal(from_bytes.dequantize(), w.dequantize())
 
 
@@ -167,16 +186,17 @@ def test_bad_input_raises_value_error():
     rng = np.random.default_rng(1)
     raw = make_raw(Q.Q4_K, 4, 256, rng)
     with pytest.raises(ValueError, match="no block kernels"):
-        BlockWeight(raw, int(Q.IQ2_XXS), 256)
+        BlockWeight(raw, int(Q.IQ2_XXS), 256, activations="q8")
     with pytest.raises(ValueError, match="multiple"):
-        BlockWeight(raw, int(Q.Q4_K), 128)
+        BlockWeight(raw, int(Q.Q4_K), 128, activations="q8")
     with pytest.raises(ValueError, match="whole rows"):
-        BlockWeight(raw.reshape(-1)[:-1], int(Q.Q4_K), 256)
+        BlockWeight(raw.reshape(-1)[:-1], int(Q.Q4_K), 256, activations="q8")
     with pytest.raises(ValueError, match="uint8"):
-        BlockWeight(raw.view(np.int8), int(Q.Q4_K), 256)
+        BlockWeight(raw.view(np.int8), int(Q.Q4_K), 256, activations="q8")
     with pytest.raises(ValueError, match="input sizes"):
-        BlockWeight.concat([(raw, int(Q.Q4_K), 256), (make_raw(Q.Q8_0, 2, 64, rng), 8, 64)])
-    w = BlockWeight(raw, int(Q.Q4_K), 256)
+        BlockWeight.concat([(raw, int(Q.Q4_K), 256), (make_raw(Q.Q8_0, 2, 64, rng), 8, 64)],
+                           activations="q8")
+    w = BlockWeight(raw, int(Q.Q4_K), 256, activations="q8")
     with pytest.raises(ValueError):
         w.matmul_t(np.zeros((2, 255), np.float32))
     with pytest.raises(ValueError):

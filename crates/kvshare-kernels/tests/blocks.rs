@@ -3,7 +3,7 @@
 
 use kvshare_kernels::blocks::{
     block_matmul_t, block_matmul_t_portable, dequantize_row, dequantize_rows, f16_to_f32,
-    BlockMatrix, BlockType, ACT_BLOCK,
+    BlockMatrix, BlockType, QActs, ACT_BLOCK,
 };
 use kvshare_kernels::KernelError;
 use proptest::prelude::*;
@@ -492,6 +492,56 @@ fn float_weights_take_any_k() {
             let mut port = vec![f32::NAN; m * n];
             block_matmul_t_portable(&x, m, &w, &mut port, 1).unwrap();
             check_product(ty, &x, &wf, m, n, k, &port);
+        }
+    }
+}
+
+/// The activations' round trip stands for exactly the kernel's 8-bit values: a product of the
+/// round-tripped rows with dequantized weights in f32 equals the kernel's result up to float
+/// summation order (this is how products with more rows than the kernel takes stay
+/// consistent with it).
+#[test]
+fn act_round_trip_is_what_the_kernel_multiplies() {
+    let mut rng = Rng(7);
+    let (m, n, k) = (5, 23, 512);
+    let x: Vec<f32> = (0..m * k).map(|_| rng.unit() * 2.0).collect();
+    let mut xq = x.clone();
+    QActs::round_trip(&mut xq, k);
+    let acts = QActs::quantize(&x, k);
+    for (i, (&v, &q)) in xq.iter().zip(&acts.qs).enumerate() {
+        assert_eq!(v, q as f32 * acts.d[i / 32], "element {i}");
+    }
+    for ty in [
+        BlockType::Q4_K,
+        BlockType::Q8_0,
+        BlockType::Q5_1,
+        BlockType::Q6_K,
+    ] {
+        let raw = random_rows(ty, n, k, &mut rng);
+        let w = reference_rows(ty, &raw);
+        let mut got = vec![0f32; m * n];
+        let bm = BlockMatrix {
+            raw: &raw,
+            ty,
+            n,
+            k,
+        };
+        block_matmul_t(&x, m, &bm, &mut got, 1).unwrap();
+        for r in 0..m {
+            for c in 0..n {
+                let exact: f64 = (0..k)
+                    .map(|i| xq[r * k + i] as f64 * w[c * k + i] as f64)
+                    .sum();
+                let scale: f64 = (0..k)
+                    .map(|i| (xq[r * k + i] as f64 * w[c * k + i] as f64).abs())
+                    .sum();
+                let d = (got[r * n + c] as f64 - exact).abs();
+                assert!(
+                    d <= 1e-5 * scale + 1e-6,
+                    "{ty:?} [{r}, {c}]: {} vs {exact}",
+                    got[r * n + c]
+                );
+            }
         }
     }
 }

@@ -7,7 +7,7 @@ use crate::convert::typed_array;
 use crate::errors::InvalidArgument;
 use kvshare_kernels::blocks::{
     block_matmul_t as core_block_matmul_t, dequantize_rows, set_force_portable, BlockMatrix,
-    BlockType,
+    BlockType, QActs, ACT_BLOCK,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -129,6 +129,24 @@ fn block_dequantize(
         .map_err(|e| value_error(e.to_string()))
 }
 
+/// Replace `x` (writable C-contiguous f32 `[m, k]`, k a multiple of 32) in place by the values
+/// its 8-bit activation quantization stands for (what `block_matmul_t` multiplies with), so a
+/// BLAS product on them equals the kernel's up to float summation order.
+#[pyfunction]
+fn block_act_round_trip(py: Python<'_>, x: &Bound<'_, PyAny>) -> PyResult<()> {
+    let xa = typed_array(x, b'f', 4, true, "x").map_err(|e| as_value_error(py, e))?;
+    let &[_, k] = xa.shape.as_slice() else {
+        return Err(value_error("x must be 2-D f32 [m, k]"));
+    };
+    if !k.is_multiple_of(ACT_BLOCK) {
+        return Err(value_error(format!("k = {k} is not a multiple of {ACT_BLOCK}")));
+    }
+    // SAFETY: dtype, contiguity and writability checked; `x` stays referenced for this call.
+    let xs = unsafe { xa.as_mut_slice::<f32>() };
+    py.detach(|| QActs::round_trip(xs, k));
+    Ok(())
+}
+
 /// Make the block kernels use their portable code (tests compare it with the SIMD path).
 #[pyfunction]
 fn block_force_portable(on: bool) {
@@ -138,5 +156,6 @@ fn block_force_portable(on: bool) {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(block_matmul_t, m)?)?;
     m.add_function(wrap_pyfunction!(block_dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(block_act_round_trip, m)?)?;
     m.add_function(wrap_pyfunction!(block_force_portable, m)?)
 }

@@ -231,6 +231,28 @@ def load_tensor(gf: GGUFFile, name: str, out: np.ndarray | None = None) -> np.nd
     return out.reshape(info.numpy_shape)
 
 
+CPU_WEIGHT_MODES = ("blocks", "blocks-q8", "int8", "f32")
+
+
+def cpu_weight_mode() -> str:
+    """How quantized weights are held on the CPU: $KVSHARE_CPU_WEIGHTS, else `blocks` where
+    this build has the exact block kernels, else `int8` ($KVSHARE_CPU_Q8=0, the older
+    switch, means `f32`). ValueError for an unknown value."""
+    import os  # noqa: PLC0415
+
+    from kvshare import _core  # noqa: PLC0415
+
+    mode = os.environ.get("KVSHARE_CPU_WEIGHTS", "").strip().lower()
+    if not mode:
+        if os.environ.get("KVSHARE_CPU_Q8") == "0":
+            return "f32"
+        return "blocks" if hasattr(_core, "block_matmul_t_f32") else "int8"
+    if mode not in CPU_WEIGHT_MODES:
+        raise ValueError(f"KVSHARE_CPU_WEIGHTS={mode!r}: expected one of "
+                         f"{', '.join(CPU_WEIGHT_MODES)}")
+    return mode
+
+
 class WeightLoader:
     """Loads tensors of one GGUF file onto a backend, advancing a tqdm bar by stored bytes.
 
@@ -274,20 +296,41 @@ class WeightLoader:
         return self.put(arr, keep_f32=keep_f32)
 
     def cpu_weight(self, names: list[str]):
-        """The row-wise stack of tensors `names` kept compact for the CPU kernels (a
-        `QWeight`: int8 + group scales, no f32 copy; products with more rows than the
-        kernels take dequantize tiles on the fly) when that path applies: CPU backend,
-        $KVSHARE_CPU_Q8 not "0", and every tensor 2-D of a block-quantized type. Else None:
-        the caller loads f32 (`host`/`get`). Nothing is dequantized here, so loading never
-        holds a full-size f32 copy of a quantized model."""
-        import os  # noqa: PLC0415
+        """The row-wise stack of tensors `names` in a compact form for the CPU kernels, or
+        None where that path does not apply (a GPU backend, $KVSHARE_CPU_WEIGHTS=f32, a
+        tensor that is not 2-D or of a type without kernels): the caller then loads f32.
 
-        from kvshare.ops.linear import QWeight  # noqa: PLC0415
-
-        if self.backend.is_gpu or os.environ.get("KVSHARE_CPU_Q8") == "0":
+        $KVSHARE_CPU_WEIGHTS picks the form (see `cpu_weight_mode`): `blocks`, a `BlockWeight`
+        (the tensors' GGUF blocks as read-only views of the mapped file, so a model costs its
+        file size, multiplied with exact f32 activations); `blocks-q8`, the same with 8-bit
+        activations as llama.cpp does; `int8`, the older `QWeight` (int8 values + f32 group
+        scales). Nothing is dequantized here, so loading never holds a full-size f32 copy."""
+        mode = cpu_weight_mode()
+        if self.backend.is_gpu or mode == "f32":
             return None
         infos = [self.gf.tensors.get(n) for n in names]
-        if any(i is None or len(i.shape) != 2 or i.qtype not in _SPLIT for i in infos):
+        if any(i is None or len(i.shape) != 2 for i in infos):
+            return None
+        if mode == "int8":
+            return self._int8_weight(names, infos)
+        from kvshare.ops.blockweight import BLOCK_TYPES, BlockWeight  # noqa: PLC0415
+
+        parts = []
+        for name, info in zip(names, infos):
+            k = info.numpy_shape[1]
+            block = BLOCK_TYPES.get(int(info.qtype), (0, 0))[0]
+            if not block or k % block:
+                return None
+            parts.append((self.gf.raw(name), int(info.qtype), k))
+        for info in infos:
+            if self._bar is not None:
+                self._bar.update(info.n_bytes)
+        return BlockWeight.concat(parts, activations="q8" if mode == "blocks-q8" else "f32")
+
+    def _int8_weight(self, names, infos):
+        from kvshare.ops.linear import QWeight  # noqa: PLC0415
+
+        if any(i.qtype not in _SPLIT for i in infos):
             return None
         parts = []
         for name, info in zip(names, infos):

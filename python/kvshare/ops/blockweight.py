@@ -2,13 +2,15 @@
 read-only view into the mmapped GGUF), with the interface of `ops.linear.QWeight`.
 
 A quantized layer then costs its file size in memory (Q4_K: 0.56 bytes per weight, against
-~1.1-1.25 for QWeight's int8 + f32 scales), and a decode product reads that many bytes:
-for x.shape[0] <= BLOCK_KERNEL_MAX rows, `kvshare._core.block_matmul_t` (Rust, AVX2) computes
-on the blocks directly as ggml-cpu's `vec_dot` does, with the activations quantized to 8 bits
-per 32 values (relative error ~0.5% of sum |w x|, the same approximation llama.cpp makes).
+~1.1-1.25 for QWeight's int8 + f32 scales), and a decode product reads that many bytes. For
+x.shape[0] <= BLOCK_KERNEL_MAX rows a Rust kernel (AVX2) computes on the blocks directly:
+- activations "f32" (the default): `_core.block_matmul_t_f32` unpacks each block in registers
+  and multiplies it with the f32 activations, exact up to float summation order;
+- activations "q8": `_core.block_matmul_t` quantizes the activations to 8 bits per 32 values
+  and takes integer dot products, as ggml-cpu's `vec_dot` does (~0.5% of sum |w x| per
+  product, llama.cpp's approximation). Results then depend on how a prompt was chunked.
 Larger batches (prefill) dequantize tiles of rows into a reusable f32 buffer
-(`_core.block_dequantize`, exact as ggml) and multiply them with OpenBLAS, so they are exact
-up to float summation order.
+(`_core.block_dequantize`, exact as ggml) and multiply them with OpenBLAS.
 
 Fused weights (Q/K/V, gate/up) are `BlockWeight.concat` of parts whose types may differ; each
 part keeps its own bytes and fills its own columns of the output.
@@ -47,6 +49,18 @@ BLOCK_TYPES: dict[int, tuple[int, int]] = {
     23: (256, 136),  # IQ4_XS
     30: (1, 2),  # BF16
 }
+
+# How the small-batch kernel treats activations: "f32" exact (`_core.block_matmul_t_f32`: a
+# row's result does not depend on the batch it is computed in, so sharing a prefix changes no
+# output), or "q8" quantized to 8 bits per 32 values as llama.cpp does (`block_matmul_t`:
+# integer dot products; larger batches then multiply the values those 8-bit activations stand
+# for, `block_act_round_trip`, but summation order still moves 8-bit rounding boundaries, so
+# logits depend on chunking by ~1-3%).
+ACTIVATIONS = ("f32", "q8")
+HAVE_F32_KERNEL = hasattr(_core, "block_matmul_t_f32")
+
+# float weights: the kernels multiply them with f32 activations (no 8-bit quantization)
+FLOAT_TYPES = frozenset({0, 1, 30})
 
 _local = threading.local()
 
@@ -92,10 +106,16 @@ class BlockWeight:
     ndim = 2
     dtype = np.dtype(np.float32)  # what it computes in
 
-    def __init__(self, raw: np.ndarray, qtype: int, k: int):
-        self._init([(raw, qtype, k)])
+    def __init__(self, raw: np.ndarray, qtype: int, k: int, activations: str = "f32"):
+        self._init([(raw, qtype, k)], activations)
 
-    def _init(self, parts: list[tuple[np.ndarray, int, int]]) -> None:
+    def _init(self, parts: list[tuple[np.ndarray, int, int]], activations: str = "f32") -> None:
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+        if activations == "f32" and not HAVE_F32_KERNEL:
+            raise ValueError("this build has no f32-activation block kernel "
+                             "(_core.block_matmul_t_f32)")
+        self.activations = activations
         if not parts:
             raise ValueError("a BlockWeight needs at least one part")
         ks = {int(p[2]) for p in parts}
@@ -121,8 +141,8 @@ class BlockWeight:
         self.n = start
 
     @classmethod
-    def concat(cls, parts: Iterable["BlockWeight | tuple[np.ndarray, int, int]"]
-               ) -> "BlockWeight":
+    def concat(cls, parts: Iterable["BlockWeight | tuple[np.ndarray, int, int]"],
+               activations: str = "f32") -> "BlockWeight":
         """Stack weights along the output axis (fused Q/K/V or gate/up): each item a
         BlockWeight or a `(raw, qtype, k)` tuple; types may differ, `k` may not."""
         flat: list[tuple[np.ndarray, int, int]] = []
@@ -133,7 +153,7 @@ class BlockWeight:
                 raw, qtype, k = p
                 flat.append((raw, qtype, k))
         w = cls.__new__(cls)
-        w._init(flat)
+        w._init(flat, activations)
         return w
 
     @property
@@ -188,6 +208,12 @@ class BlockWeight:
         """Dequantized rows `[len(ids), in]` f32 (the embedding lookup)."""
         return self.dequantize(ids=ids)
 
+    def _kernel(self, x, raw, qtype, out, threads) -> None:
+        if self.activations == "f32":
+            _core.block_matmul_t_f32(x, raw, qtype, out, threads)
+        else:
+            _core.block_matmul_t(x, raw, qtype, out, threads)
+
     def matmul_t(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """`x @ self.T` for x f32 `[M, in]` -> `[M, out]` (into `out` when given)."""
         x = np.asarray(x)
@@ -205,18 +231,26 @@ class BlockWeight:
             threads = CPU_THREADS.kernel_threads
             if len(self.parts) == 1 and out.flags.c_contiguous and out.dtype == np.float32:
                 p = self.parts[0]
-                _core.block_matmul_t(x, p.raw, p.qtype, out, threads)
+                self._kernel(x, p.raw, p.qtype, out, threads)
                 return out
             for p in self.parts:
                 tmp = np.empty((M, p.rows), np.float32)
-                _core.block_matmul_t(x, p.raw, p.qtype, tmp, threads)
+                self._kernel(x, p.raw, p.qtype, tmp, threads)
                 out[:, p.start : p.start + p.rows] = tmp
             return out
+        # with "q8" the block kernel multiplies 8-bit activations: here BLAS multiplies the
+        # values they stand for, so both paths compute the same products
+        xq = x
+        if self.activations == "q8" and any(p.qtype not in FLOAT_TYPES for p in self.parts):
+            xq = np.array(x, dtype=np.float32, order="C", copy=True)
+            _core.block_act_round_trip(xq)
         tile = max(32, min(N, _TILE_VALUES // self.k))
         buf = _tile_buffer(min(tile, N) * self.k)
-        for s in range(0, N, tile):
-            e = min(N, s + tile)
-            w = buf[: (e - s) * self.k].reshape(e - s, self.k)
-            self._dequantize_into(s, e, w)
-            np.matmul(x, w.T, out=out[:, s:e])
+        for p in self.parts:
+            xs = x if p.qtype in FLOAT_TYPES else xq
+            for s in range(p.start, p.start + p.rows, tile):
+                e = min(p.start + p.rows, s + tile)
+                w = buf[: (e - s) * self.k].reshape(e - s, self.k)
+                self._dequantize_into(s, e, w)
+                np.matmul(xs, w.T, out=out[:, s:e])
         return out

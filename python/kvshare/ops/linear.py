@@ -171,7 +171,7 @@ def linear(x: Any, w: Any, bias: Any | None = None, *, backend: Backend = CPU,
     float32 `[out]` or None. Returns float32 `[N, out]` (into `out` when given)."""
     if backend.is_gpu:
         return gpu_op("linear")(x, w, bias, out=out)
-    if isinstance(w, QWeight):
+    if isinstance(w, QWeight) or hasattr(w, "matmul_t"):  # QWeight, BlockWeight
         y = w.matmul_t(x, out=out)
     elif HAVE_NUMBA and 2 <= x.shape[0] <= SMALL_M_MAX and w.dtype == np.float32:
         x = np.ascontiguousarray(x, dtype=np.float32)

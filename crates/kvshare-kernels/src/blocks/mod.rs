@@ -233,6 +233,26 @@ impl QActs {
         a
     }
 
+    /// Replace `x` (f32 `[m, k]`, `k` a multiple of `ACT_BLOCK`) by the values its 8-bit
+    /// quantization stands for (`q * d`, the very `q` and `d` of [`QActs::quantize`]).
+    ///
+    /// The block kernels see activations only through that quantization. A product with
+    /// more rows multiplies these values by dequantized weights in f32 (BLAS) instead, and
+    /// gets the kernel's result up to float summation order: a prompt token's logits do not
+    /// depend on whether it was computed in a prefill chunk or one row at a time (with
+    /// shared prefixes, chunk boundaries move with what was cached).
+    pub fn round_trip(x: &mut [f32], k: usize) {
+        debug_assert!(k.is_multiple_of(ACT_BLOCK));
+        for xb in x.chunks_exact_mut(ACT_BLOCK) {
+            let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            for v in xb.iter_mut() {
+                *v = (*v * id).round().clamp(-127.0, 127.0) * d;
+            }
+        }
+    }
+
     /// Blocks of 32 per row.
     pub fn blocks_per_row(&self) -> usize {
         self.k / ACT_BLOCK
