@@ -141,6 +141,9 @@ def main() -> None:
     load_s = time.perf_counter() - t0
     rss_loaded = rss_mib()
     model.forward([SeqChunk(np.arange(2, 10), 0, np.arange(1))], model.new_cache(1, 16))
+    # weights kept as views of the mapped file count in RSS once a product has read them: the
+    # bound is checked after a first forward pass (every weight read once; no KV pool yet)
+    rss_used = rss_mib()
 
     rows = []
     prefill_sizes = [1024] if args.quick else [1024, 4096, 8192]
@@ -183,6 +186,7 @@ def main() -> None:
     result = {
         "model": str(path), "device": args.device, "chunk": args.chunk,
         "load_seconds": load_s, "rss_after_load_mib": rss_loaded,
+        "rss_after_first_forward_mib": rss_used,
         "peak_rss_mib": peak_rss_mib(), "batch4_over_batch1": d4 / d1,
         "batch8_over_batch1": d8 / d1, "file_mib": file_mib, "rss_bound_mib": rss_bound,
         "rows": rows,
@@ -191,7 +195,7 @@ def main() -> None:
                     "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS")},
         # issue 13 (Gemma 3 270M; a larger model: >= 1.0x llama.cpp)
         "targets": {"prefill_ratio_to_llama_cpp": 1.2, "decode_b1_ratio_to_llama_cpp": 1.2,
-                    "batch8_over_batch1": 4.0, "rss_after_load_mib": rss_bound},
+                    "batch8_over_batch1": 4.0, "rss_after_first_forward_mib": rss_bound},
     }
     print()
     head = f"{'test':<28}{'tokens/s':>12}{'tok/CPU-s':>12}"
@@ -205,8 +209,9 @@ def main() -> None:
     print(f"{'batch-8 / batch-1':<28}{result['batch8_over_batch1']:>12.2f}   (target >= 4)")
     print(f"{'load (s)':<28}{load_s:>12.2f}")
     print(f"{'GGUF file (MiB)':<28}{file_mib:>12.0f}")
-    print(f"{'RSS after load (MiB)':<28}{rss_loaded:>12.0f}   (target <= file x 1.1 + 300 = "
-          f"{rss_bound:.0f}: {'met' if rss_loaded <= rss_bound else 'MISSED'})")
+    print(f"{'RSS after load (MiB)':<28}{rss_loaded:>12.0f}")
+    print(f"{'RSS after 1st forward (MiB)':<28}{rss_used:>12.0f}   (target <= file x 1.1 + 300 = "
+          f"{rss_bound:.0f}: {'met' if rss_used <= rss_bound else 'MISSED'})")
     print(f"{'peak RSS (MiB)':<28}{result['peak_rss_mib']:>12.0f}")
     print(f"load average during run: {os.getloadavg()}")
     out = Path(args.out)
