@@ -427,25 +427,30 @@ def test_ttl_expired_entries_are_never_restored(tmp_path, cold, servers):
     s.kill9()
 
 
-def test_disk_usage_stays_within_the_budget(tmp_path, cold, servers):
+def test_disk_usage_stays_within_the_budget(tmp_path, launcher, servers):
     budget = 2**20  # --cache-disk-max 1 (MiB); each entry below is ~330 KB of f32 KV
     convs = [conversation(text(800 + k, 560), text(810 + k, 40)) for k in range(6)]
-    f32 = ("--kv-dtype", "f32")  # the budget counts f32 blocks
-    s = servers("--cache-dir", str(tmp_path), "--cache-disk-max", "1", "--cache-ram", "0", *f32)
-    for m in convs:
-        s.chat(m, 4)
-        disk = s.wait_disk_idle()
-        used = sum(dir_files(tmp_path).values())
-        assert used <= budget, (used, disk)
-        assert disk["bytes_on_disk"] == sum(entry_files(tmp_path).values())
-    assert disk["writes"] == len(convs) and disk["evictions_budget"] >= 3, disk
-    assert s.terminate() == 0
-    s = servers("--cache-dir", str(tmp_path), "--cache-disk-max", "1", "--cache-ram", "0", *f32)
-    r = s.chat(convs[-1], 4)  # the most recent entry survived the LRU
-    assert cache_n(r) > 0
-    assert_same_output(r, cold(convs[-1], 4), "the newest entry")
-    restores = s.tier("disk")["restores"]
-    r = s.chat(convs[0], 4)  # the oldest did not (the pool may share the template's header)
-    assert cache_n(r) < 16 and s.tier("disk")["restores"] == restores
-    assert_same_output(r, cold(convs[0], 4), "an evicted entry")
-    s.kill9()
+    f32 = ("--kv-dtype", "f32")  # the budget counts f32 blocks (and so does the cold twin)
+    cold_server = Server(launcher, *COLD_ARGS, *f32)
+    cold = ColdRuns(cold_server)
+    try:
+        s = servers("--cache-dir", str(tmp_path), "--cache-disk-max", "1", "--cache-ram", "0", *f32)
+        for m in convs:
+            s.chat(m, 4)
+            disk = s.wait_disk_idle()
+            used = sum(dir_files(tmp_path).values())
+            assert used <= budget, (used, disk)
+            assert disk["bytes_on_disk"] == sum(entry_files(tmp_path).values())
+        assert disk["writes"] == len(convs) and disk["evictions_budget"] >= 3, disk
+        assert s.terminate() == 0
+        s = servers("--cache-dir", str(tmp_path), "--cache-disk-max", "1", "--cache-ram", "0", *f32)
+        r = s.chat(convs[-1], 4)  # the most recent entry survived the LRU
+        assert cache_n(r) > 0
+        assert_same_output(r, cold(convs[-1], 4), "the newest entry")
+        restores = s.tier("disk")["restores"]
+        r = s.chat(convs[0], 4)  # the oldest did not (the pool may share the template's header)
+        assert cache_n(r) < 16 and s.tier("disk")["restores"] == restores
+        assert_same_output(r, cold(convs[0], 4), "an evicted entry")
+        s.kill9()
+    finally:
+        cold_server.kill9()

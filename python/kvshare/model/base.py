@@ -76,13 +76,14 @@ class Model(ABC):
         return c.n_attn_layers * max(c.n_head_kv, 1) * (c.head_dim + c.head_dim_v) * dt.itemsize
 
     def _default_kv_dtype(self) -> Any:
-        return np.float16 if self.backend.is_gpu else np.float32
+        # f16 on every backend: half the pool's bytes and reads (llama.cpp's default too); the
+        # CPU attention kernel reads it in place for decode rows and prefill chunks alike
+        return np.float16
 
     def new_cache(self, n_blocks: int, block_size: int = 16, n_state_slots: int = 0,
                   kv_dtype: Any = None) -> ModelCache:
         """A KV pool of `n_blocks` blocks of `block_size` tokens (`kv_dtype`: a dtype or "f32" /
-        "f16"; default f32 on the CPU, f16 on a GPU) plus `n_state_slots` recurrent-state
-        slots (hybrid models only)."""
+        "f16"; default f16) plus `n_state_slots` recurrent-state slots (hybrid models only)."""
         if kv_dtype is None:
             kv_dtype = self._default_kv_dtype()
         return ModelCache(self.config, n_blocks, block_size, n_state_slots=n_state_slots,
