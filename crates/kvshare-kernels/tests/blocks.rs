@@ -545,3 +545,212 @@ fn act_round_trip_is_what_the_kernel_multiplies() {
         }
     }
 }
+
+// --- block_matmul_t_f32: f32 activations, exact up to summation order ---
+
+use kvshare_kernels::blocks::{block_matmul_t_f32, block_matmul_t_f32_portable};
+
+/// Whether `got` is `x @ w.T` (f64) within f32 summation error: 1e-5 * sum |x| |w|.
+fn check_exact(ty: BlockType, x: &[f32], w: &[f32], m: usize, n: usize, k: usize, got: &[f32]) {
+    for r in 0..m {
+        let xr = &x[r * k..(r + 1) * k];
+        for c in 0..n {
+            let wr = &w[c * k..(c + 1) * k];
+            let exact: f64 = xr.iter().zip(wr).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let mag: f64 = xr
+                .iter()
+                .zip(wr)
+                .map(|(a, b)| (*a as f64 * *b as f64).abs())
+                .sum();
+            let tol = 1e-5 * mag + 1e-30;
+            let g = got[r * n + c] as f64;
+            assert!(
+                (g - exact).abs() <= tol,
+                "{ty:?} row {r} col {c}: got {g}, expected {exact} (tol {tol}, m {m} n {n} k {k})"
+            );
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn f32_products_match_dequantized_f64(
+        seed in any::<u64>(),
+        m in 1usize..=16,
+        n in 1usize..70,
+        nb in 1usize..=4,
+    ) {
+        let mut rng = Rng(seed);
+        for ty in BlockType::ALL {
+            let k = nb * ty.block_size().max(32);
+            let raw = random_rows(ty, n, k, &mut rng);
+            let wf = reference_rows(ty, &raw);
+            let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
+            let w = BlockMatrix { raw: &raw, ty, n, k };
+            let mut simd = vec![f32::NAN; m * n];
+            block_matmul_t_f32(&x, m, &w, &mut simd, 2).unwrap();
+            check_exact(ty, &x, &wf, m, n, k, &simd);
+            let mut port = vec![f32::NAN; m * n];
+            block_matmul_t_f32_portable(&x, m, &w, &mut port, 1).unwrap();
+            check_exact(ty, &x, &wf, m, n, k, &port);
+        }
+    }
+}
+
+/// One-hot activation rows pick single weights: 0 + w * 1 (and further zeros) is w exactly,
+/// so each result is bit for bit the weight the kernel formed, which must be the dequantized
+/// one (the kernel forms weights with ggml's own f32 operations).
+#[test]
+fn f32_weights_are_the_dequantized_ones() {
+    let mut rng = Rng(21);
+    let (n, k) = (37, 512);
+    for ty in BlockType::ALL {
+        let raw = random_rows(ty, n, k, &mut rng);
+        let wf = reference_rows(ty, &raw);
+        let w = BlockMatrix {
+            raw: &raw,
+            ty,
+            n,
+            k,
+        };
+        for j0 in (0..k).step_by(16) {
+            let m = 16;
+            let mut x = vec![0f32; m * k];
+            for r in 0..m {
+                x[r * k + j0 + r] = 1.0;
+            }
+            for portable in [false, true] {
+                let mut out = vec![f32::NAN; m * n];
+                if portable {
+                    block_matmul_t_f32_portable(&x, m, &w, &mut out, 1).unwrap();
+                } else {
+                    block_matmul_t_f32(&x, m, &w, &mut out, 1).unwrap();
+                }
+                for r in 0..m {
+                    for c in 0..n {
+                        let want = wf[c * k + j0 + r];
+                        assert!(
+                            out[r * n + c] == want,
+                            "{ty:?} portable {portable} w[{c}, {}]: {} vs {want}",
+                            j0 + r,
+                            out[r * n + c]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn f32_threads_split_rows_without_changing_results() {
+    let mut rng = Rng(9);
+    for ty in [
+        BlockType::Q4_K,
+        BlockType::Q8_0,
+        BlockType::Q6_K,
+        BlockType::Q3_K,
+        BlockType::F16,
+    ] {
+        let (m, n, k) = (7, 1003, 512);
+        let raw = random_rows(ty, n, k, &mut rng);
+        let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
+        let w = BlockMatrix {
+            raw: &raw,
+            ty,
+            n,
+            k,
+        };
+        let mut one = vec![0f32; m * n];
+        let mut many = vec![0f32; m * n];
+        block_matmul_t_f32(&x, m, &w, &mut one, 1).unwrap();
+        block_matmul_t_f32(&x, m, &w, &mut many, 4).unwrap();
+        assert_eq!(one, many, "{ty:?}");
+        // a row's result does not depend on the other rows of its batch
+        let mut single = vec![0f32; n];
+        block_matmul_t_f32(&x[3 * k..4 * k], 1, &w, &mut single, 1).unwrap();
+        let wf = reference_rows(ty, &raw);
+        check_exact(ty, &x[3 * k..4 * k], &wf, 1, n, k, &single);
+    }
+}
+
+#[test]
+fn f32_float_weights_take_any_k_and_zero_acts_give_zero() {
+    let mut rng = Rng(13);
+    for ty in [BlockType::F32, BlockType::F16, BlockType::BF16] {
+        for k in [1, 5, 8, 15, 16, 23, 37] {
+            let (m, n) = (6, 13);
+            let raw = random_rows(ty, n, k, &mut rng);
+            let wf = reference_rows(ty, &raw);
+            let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
+            let w = BlockMatrix {
+                raw: &raw,
+                ty,
+                n,
+                k,
+            };
+            let mut simd = vec![f32::NAN; m * n];
+            block_matmul_t_f32(&x, m, &w, &mut simd, 1).unwrap();
+            check_exact(ty, &x, &wf, m, n, k, &simd);
+            let mut port = vec![f32::NAN; m * n];
+            block_matmul_t_f32_portable(&x, m, &w, &mut port, 1).unwrap();
+            check_exact(ty, &x, &wf, m, n, k, &port);
+        }
+    }
+    let (m, n, k) = (3, 9, 256);
+    for ty in BlockType::ALL {
+        let raw = random_rows(ty, n, k, &mut rng);
+        let w = BlockMatrix {
+            raw: &raw,
+            ty,
+            n,
+            k,
+        };
+        let mut out = vec![f32::NAN; m * n];
+        block_matmul_t_f32(&vec![0.0; m * k], m, &w, &mut out, 1).unwrap();
+        assert!(out.iter().all(|v| *v == 0.0), "{ty:?}: {out:?}");
+    }
+}
+
+#[test]
+fn f32_bad_shapes_are_errors() {
+    let raw = vec![0u8; 2 * 144];
+    let shape_err = |r: Result<(), KernelError>| matches!(r, Err(KernelError::Shape(_)));
+    let x = vec![0f32; 17 * 256];
+    let mut out = vec![0f32; 17 * 2];
+    let w = BlockMatrix {
+        raw: &raw,
+        ty: BlockType::Q4_K,
+        n: 2,
+        k: 256,
+    };
+    assert!(block_matmul_t_f32(&x[..256], 1, &w, &mut out[..2], 1).is_ok());
+    assert!(shape_err(block_matmul_t_f32(
+        &x[..255],
+        1,
+        &w,
+        &mut out[..2],
+        1
+    )));
+    assert!(shape_err(block_matmul_t_f32(
+        &x[..256],
+        1,
+        &w,
+        &mut out[..1],
+        1
+    )));
+    assert!(shape_err(block_matmul_t_f32(&x, 17, &w, &mut out, 1)));
+    let bad = BlockMatrix {
+        raw: &raw[..200],
+        ..w
+    };
+    assert!(shape_err(block_matmul_t_f32(
+        &x[..256],
+        1,
+        &bad,
+        &mut out[..2],
+        1
+    )));
+}

@@ -16,6 +16,7 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+mod exact;
 mod portable;
 
 use crate::qmatmul::KernelError;
@@ -313,6 +314,29 @@ pub fn block_matmul_t(
     threads: usize,
 ) -> Result<(), KernelError> {
     matmul_impl(x, m, w, out, threads, false)
+}
+
+/// `out = x @ w.T` as `block_matmul_t`, but with the f32 activations themselves (no 8-bit
+/// rounding): equal to `x @ dequantize(w).T` in f32 up to summation order (see `exact`).
+pub fn block_matmul_t_f32(
+    x: &[f32],
+    m: usize,
+    w: &BlockMatrix<'_>,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), KernelError> {
+    exact::matmul(x, m, w, out, threads, false)
+}
+
+/// `block_matmul_t_f32` on the portable code.
+pub fn block_matmul_t_f32_portable(
+    x: &[f32],
+    m: usize,
+    w: &BlockMatrix<'_>,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), KernelError> {
+    exact::matmul(x, m, w, out, threads, true)
 }
 
 /// `block_matmul_t` on the portable code (the reference the SIMD path is tested against).
