@@ -419,3 +419,15 @@ def block_dequantize(
 
 def block_force_portable(on: bool) -> None:
     """Make the block kernels run their portable code instead of AVX2 (for tests)."""
+
+def block_matmul_t_f32(
+    x: npt.NDArray[np.float32],
+    raw: npt.NDArray[np.uint8],
+    qtype: int,
+    out: npt.NDArray[np.float32],
+    threads: int = 1,
+) -> None:
+    """As `block_matmul_t` (same arguments, checks and ValueErrors; M <= 16), but with the f32
+    activations themselves for every type (no 8-bit rounding): the weights are formed in
+    registers with ggml's dequantization arithmetic, so `out` equals
+    `x @ dequantize(raw).T` up to f32 summation order. GIL released."""

@@ -139,7 +139,9 @@ fn block_act_round_trip(py: Python<'_>, x: &Bound<'_, PyAny>) -> PyResult<()> {
         return Err(value_error("x must be 2-D f32 [m, k]"));
     };
     if !k.is_multiple_of(ACT_BLOCK) {
-        return Err(value_error(format!("k = {k} is not a multiple of {ACT_BLOCK}")));
+        return Err(value_error(format!(
+            "k = {k} is not a multiple of {ACT_BLOCK}"
+        )));
     }
     // SAFETY: dtype, contiguity and writability checked; `x` stays referenced for this call.
     let xs = unsafe { xa.as_mut_slice::<f32>() };
@@ -157,5 +159,46 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(block_matmul_t, m)?)?;
     m.add_function(wrap_pyfunction!(block_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(block_act_round_trip, m)?)?;
-    m.add_function(wrap_pyfunction!(block_force_portable, m)?)
+    m.add_function(wrap_pyfunction!(block_force_portable, m)?)?;
+    m.add_function(wrap_pyfunction!(block_matmul_t_f32, m)?)
+}
+
+/// `out[m, n] = sum_k x[m, k] * w[n, k]` as `block_matmul_t`, with the f32 activations
+/// themselves (no 8-bit rounding): equals `x @ dequantize(w).T` up to f32 summation order.
+#[pyfunction]
+#[pyo3(signature = (x, raw, qtype, out, threads = 1))]
+fn block_matmul_t_f32(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    raw: &Bound<'_, PyAny>,
+    qtype: u32,
+    out: &Bound<'_, PyAny>,
+    threads: usize,
+) -> PyResult<()> {
+    let err = |e| as_value_error(py, e);
+    let ty = block_type(qtype)?;
+    let xa = typed_array(x, b'f', 4, false, "x").map_err(err)?;
+    let ra = typed_array(raw, b'u', 1, false, "raw").map_err(err)?;
+    let oa = typed_array(out, b'f', 4, true, "out").map_err(err)?;
+    let &[m, k] = xa.shape.as_slice() else {
+        return Err(value_error("x must be 2-D float32 [m, k]"));
+    };
+    let n = check_raw(&ra.shape, ty, k)?;
+    if oa.shape != [m, n] {
+        return Err(value_error(format!("out must have shape ({m}, {n})")));
+    }
+    if overlaps(oa.span(4), xa.span(4)) || overlaps(oa.span(4), ra.span(1)) {
+        return Err(value_error("out must not overlap an input"));
+    }
+    // SAFETY: as in block_matmul_t
+    let (xs, rs, os) = unsafe {
+        (
+            xa.as_slice::<f32>(),
+            ra.as_slice::<u8>(),
+            oa.as_mut_slice::<f32>(),
+        )
+    };
+    let w = BlockMatrix { raw: rs, ty, n, k };
+    py.detach(|| kvshare_kernels::blocks::block_matmul_t_f32(xs, m, &w, os, threads.max(1)))
+        .map_err(|e| value_error(e.to_string()))
 }
