@@ -1,0 +1,109 @@
+"""`_core.block_matmul_t_f32` (f32 activations on GGUF blocks, crates/kvshare-kernels/src/blocks/
+exact.rs) against gguf's NumPy dequantization (`gguf.quants`) for every supported type: the
+product must equal `x @ dequantize(raw).T` up to f32 summation order, on the AVX2 and the
+portable paths."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, quants
+
+from kvshare import _core
+
+TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K,
+         Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
+QUANTIZABLE = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0}
+F16_FIELDS = {Q.Q4_0: [0], Q.Q5_0: [0], Q.Q8_0: [0], Q.IQ4_NL: [0], Q.IQ4_XS: [0],
+              Q.Q4_1: [0, 2], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2],
+              Q.Q2_K: [80, 82], Q.Q3_K: [108], Q.Q6_K: [208]}
+
+
+def make_raw(t: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 `[n, row_bytes]`: quantized random data, or random bytes with small finite
+    scales for types gguf cannot quantize."""
+    if t in QUANTIZABLE:
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        raw = np.asarray(quants.quantize(w, t))
+        return np.ascontiguousarray(raw).view(np.uint8).reshape(n, -1)
+    bs, ts = GGML_QUANT_SIZES[t]
+    nb = n * k // bs
+    blocks = rng.integers(0, 256, (nb, ts), dtype=np.uint8)
+    for off in F16_FIELDS[t]:
+        sign = rng.choice([-1.0, 1.0], nb)
+        d = (sign * rng.uniform(2.0**-9, 1.0, nb)).astype(np.float16)
+        blocks[:, off : off + 2] = d.view(np.uint8).reshape(nb, 2)
+    return blocks.reshape(n, -1)
+
+
+def dequantized(raw: np.ndarray, t: Q) -> np.ndarray:
+    return np.asarray(quants.dequantize(raw, t), np.float32)
+
+
+@pytest.fixture(params=[False, True], ids=["simd", "portable"])
+def path(request):
+    _core.block_force_portable(request.param)
+    yield request.param
+    _core.block_force_portable(False)
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_equals_dequantized_f32_product(t, path):
+    rng = np.random.default_rng(100 + int(t))
+    block = max(32, GGML_QUANT_SIZES[t][0])
+    for m, n, nb in [(1, 1, 1), (3, 37, 2), (4, 64, 4), (7, 33, 8), (16, 65, 3)]:
+        k = nb * block
+        raw = make_raw(t, n, k, rng)
+        raw.setflags(write=False)  # as a view into the mapped file is
+        w = dequantized(raw, t)
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        out = np.full((m, n), np.nan, np.float32)
+        _core.block_matmul_t_f32(x, raw, int(t), out, threads=2)
+        want = x.astype(np.float64) @ w.T.astype(np.float64)
+        mag = np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64)
+        err = np.abs(out - want)
+        assert (err <= 1e-5 * mag + 1e-30).all(), f"{t.name} m={m}: {err.max()}"
+        # and no further from the f64 product than numpy's own f32 product is, give or take
+        f32 = x @ w.T
+        assert err.max() <= 4 * np.abs(f32 - want).max() + 1e-6 * mag.max()
+
+
+@pytest.mark.parametrize("t", [Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q4_1, Q.Q2_K],
+                         ids=lambda t: t.name)
+def test_one_hot_rows_pick_the_dequantized_weights(t, path):
+    """0 + w * 1 is w exactly: each result is bit for bit a weight the kernel formed."""
+    rng = np.random.default_rng(7)
+    k, n = 256, 9
+    raw = make_raw(t, n, k, rng)
+    w = dequantized(raw, t)
+    for j0 in range(0, k, 16):
+        x = np.zeros((16, k), np.float32)
+        x[np.arange(16), j0 + np.arange(16)] = 1.0
+        out = np.empty((16, n), np.float32)
+        _core.block_matmul_t_f32(x, raw, int(t), out)
+        np.testing.assert_array_equal(out, w[:, j0 : j0 + 16].T)
+
+
+def test_checks_raise_value_error():
+    raw = np.zeros((2, 144), np.uint8)
+    x = np.zeros((1, 256), np.float32)
+    out = np.zeros((1, 2), np.float32)
+    _core.block_matmul_t_f32(x, raw, int(Q.Q4_K), out)
+    with pytest.raises(ValueError):
+        _core.block_matmul_t_f32(x, raw, 99, out)  # no such type
+    with pytest.raises(ValueError):
+        _core.block_matmul_t_f32(x[:, :128], raw, int(Q.Q4_K), out)  # k vs row bytes
+    with pytest.raises(ValueError):
+        _core.block_matmul_t_f32(x, raw, int(Q.Q4_K), np.zeros((1, 3), np.float32))
+    with pytest.raises(ValueError):
+        _core.block_matmul_t_f32(x.astype(np.float64), raw, int(Q.Q4_K), out)
+    with pytest.raises(ValueError):
+        _core.block_matmul_t_f32(np.zeros((17, 256), np.float32), raw, int(Q.Q4_K),
+                                 np.zeros((17, 2), np.float32))
+    ro = out.copy()
+    ro.setflags(write=False)
+    with pytest.raises(ValueError):
+        _core.block_matmul_t_f32(x, raw, int(Q.Q4_K), ro)
+    buf = np.zeros(256 + 2, np.float32)
+    with pytest.raises(ValueError):  # out overlaps x
+        _core.block_matmul_t_f32(buf[:256].reshape(1, 256), raw, int(Q.Q4_K),
+                                 buf[1:3].reshape(1, 2))
