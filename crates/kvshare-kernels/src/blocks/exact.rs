@@ -137,7 +137,7 @@ fn portable_row_dot(
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::super::portable::{dequantize_row_unchecked, scale_min_k4};
+    use super::super::portable::{dequantize_row_unchecked, f16_to_f32, scale_min_k4};
     use super::super::BlockType;
     use super::MAX_BLOCK;
     use crate::x86::hsum;
@@ -152,6 +152,18 @@ mod avx2 {
                 3 => $f::<3, 2>($($arg),*),
                 2 => $f::<2, 4>($($arg),*),
                 _ => $f::<1, 4>($($arg),*),
+            }
+        };
+    }
+
+    /// `by_rows` for kernels with the block type as a const generic (`T`, its ggml id).
+    macro_rules! by_rows_t {
+        ($f:ident, $t:ident, $rows:expr, $($arg:expr),*) => {
+            match $rows {
+                4 => $f::<4, 2, { $t as u32 }>($($arg),*),
+                3 => $f::<3, 2, { $t as u32 }>($($arg),*),
+                2 => $f::<2, 4, { $t as u32 }>($($arg),*),
+                _ => $f::<1, 4, { $t as u32 }>($($arg),*),
             }
         };
     }
@@ -172,9 +184,11 @@ mod avx2 {
         let base = x.as_ptr().wrapping_add(r0 * k);
         unsafe {
             match ty {
-                Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 => {
-                    by_rows!(dot_legacy, rows, ty, row, base, k, out)
-                }
+                Q8_0 => by_rows_t!(dot_legacy, Q8_0, rows, row, base, k, out),
+                Q4_0 => by_rows_t!(dot_legacy, Q4_0, rows, row, base, k, out),
+                Q4_1 => by_rows_t!(dot_legacy, Q4_1, rows, row, base, k, out),
+                Q5_0 => by_rows_t!(dot_legacy, Q5_0, rows, row, base, k, out),
+                Q5_1 => by_rows_t!(dot_legacy, Q5_1, rows, row, base, k, out),
                 Q4_K | Q5_K => by_rows!(dot_q4k_q5k, rows, ty == Q5_K, row, base, k, out),
                 Q6_K => by_rows!(dot_q6_k, rows, row, base, k, out),
                 _ => by_rows!(dot_generic, rows, ty, row, base, k, out),
@@ -201,12 +215,19 @@ mod avx2 {
         }
     }
 
-    /// The f16 at `p` (unaligned, little-endian) as f32.
-    #[target_feature(enable = "avx2,f16c")]
-    #[inline]
+    /// The f16 at `p` (unaligned, little-endian) as f32. In integers, not by F16C: LLVM
+    /// inserts the half into whatever register is free (`vpinsrw`), often an accumulator,
+    /// which chains each block's conversion to the previous block's last FMA.
+    #[inline(always)]
     unsafe fn f16(p: *const u8) -> f32 {
-        let h = unsafe { (p as *const u16).read_unaligned() };
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+        let h = unsafe { (p as *const u16).read_unaligned() } as u32;
+        let exp = (h >> 10) & 0x1f;
+        if exp != 0 && exp != 31 {
+            // a normal half: rebias the exponent (exact)
+            f32::from_bits(((h & 0x8000) << 16) | (((h & 0x7fff) + (112 << 10)) << 13))
+        } else {
+            f16_to_f32(h as u16)
+        }
     }
 
     /// 16 bytes at `p` as 32 nibbles: bytes 0..15 the low nibbles, 16..31 the high ones.
@@ -252,19 +273,35 @@ mod avx2 {
         e: usize,
         acc: &mut [[__m256; R]; A],
     ) {
-        let lo = _mm256_castsi256_si128(q);
-        let hi = _mm256_extracti128_si256::<1>(q);
-        let f = [
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(lo))),
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(hi))),
-        ];
+        // widened 8 bytes at a time from memory (a store forwarded to the loads costs less
+        // than the lane extracts and shifts of the register)
+        let mut tmp = [0i8; 32];
+        unsafe { _mm256_storeu_si256(tmp.as_mut_ptr() as *mut __m256i, q) };
+        unsafe { fma32_mem::<R, A, OFF>(tmp.as_ptr(), s0, s1, o0, o1, xs, e, acc) }
+    }
+
+    /// `fma32` on the 32 codes at `q`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn fma32_mem<const R: usize, const A: usize, const OFF: bool>(
+        q: *const i8,
+        s0: f32,
+        s1: f32,
+        o0: f32,
+        o1: f32,
+        xs: &[*const f32; R],
+        e: usize,
+        acc: &mut [[__m256; R]; A],
+    ) {
         let (sv0, sv1) = (_mm256_set1_ps(s0), _mm256_set1_ps(s1));
         let (ov0, ov1) = (_mm256_set1_ps(o0), _mm256_set1_ps(o1));
         for g in 0..4 {
+            // SAFETY: 32 codes at q
+            let b = unsafe { _mm_loadl_epi64(q.add(8 * g) as *const __m128i) };
+            let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
             let (s, o) = if g < 2 { (sv0, ov0) } else { (sv1, ov1) };
-            let mut w = _mm256_mul_ps(f[g], s);
+            let mut w = _mm256_mul_ps(f, s);
             if OFF {
                 w = _mm256_add_ps(w, o);
             }
@@ -279,36 +316,44 @@ mod avx2 {
 
     /// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: blocks of 32 with one f16 scale (and min).
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_legacy<const R: usize, const A: usize>(
-        ty: BlockType,
+    unsafe fn dot_legacy<const R: usize, const A: usize, const T: u32>(
         row: &[u8],
         base: *const f32,
         k: usize,
         out: &mut [f32],
     ) {
+        const fn is(t: u32, ty: BlockType) -> bool {
+            t == ty as u32
+        }
         use BlockType::*;
         let xs = row_ptrs::<R>(base, k);
         let mut acc = [[_mm256_setzero_ps(); R]; A];
-        let bb = ty.block_bytes();
+        let bb = match T {
+            _ if is(T, Q8_0) => 34,
+            _ if is(T, Q4_0) => 18,
+            _ if is(T, Q4_1) => 20,
+            _ if is(T, Q5_0) => 22,
+            _ => 24,
+        };
         for (bi, b) in row.chunks_exact(bb).enumerate() {
             let p = b.as_ptr();
             let e = 32 * bi;
             unsafe {
                 let d = f16(p);
-                match ty {
-                    Q8_0 => {
-                        let q = _mm256_loadu_si256(p.add(2) as *const __m256i);
-                        fma32::<R, A, false>(q, d, d, 0.0, 0.0, &xs, e, &mut acc);
+                match T {
+                    _ if is(T, Q8_0) => {
+                        let q = p.add(2) as *const i8;
+                        fma32_mem::<R, A, false>(q, d, d, 0.0, 0.0, &xs, e, &mut acc);
                     }
-                    Q4_0 => {
+                    _ if is(T, Q4_0) => {
                         let q = _mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8));
                         fma32::<R, A, false>(q, d, d, 0.0, 0.0, &xs, e, &mut acc);
                     }
-                    Q4_1 => {
+                    _ if is(T, Q4_1) => {
                         let (q, m) = (nibbles(p.add(4)), f16(p.add(2)));
                         fma32::<R, A, true>(q, d, d, m, m, &xs, e, &mut acc);
                     }
-                    Q5_0 => {
+                    _ if is(T, Q5_0) => {
                         let q = _mm256_or_si256(nibbles(p.add(6)), fifth_bits(p.add(2)));
                         let q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
                         fma32::<R, A, false>(q, d, d, 0.0, 0.0, &xs, e, &mut acc);
