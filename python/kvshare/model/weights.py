@@ -327,6 +327,23 @@ class WeightLoader:
                 self._bar.update(info.n_bytes)
         return BlockWeight.concat(parts, activations="q8" if mode == "blocks-q8" else "f32")
 
+    def gpu_block_weight(self, names: list[str]):
+        """With $KVSHARE_GPU_WEIGHTS=blocks: tensors `names` as a `GpuBlockWeight` (their GGUF
+        blocks copied to the device unchanged, dequantized inside the kernels), else None (the
+        default for now: f16 copies). Opt-in until a lent GPU has run it end to end; the
+        kernels are checked by the NVRTC compile test and the CPU emulator
+        (tests/test_ops_gpu_blocks.py)."""
+        import os  # noqa: PLC0415
+
+        if os.environ.get("KVSHARE_GPU_WEIGHTS", "f16").strip().lower() != "blocks":
+            return None
+        from kvshare.ops.gpu_blocks import GpuBlockWeight  # noqa: PLC0415
+
+        w = GpuBlockWeight.from_gguf(self.gf, names, self.backend)
+        if w is not None and self._bar is not None:
+            self._bar.update(sum(self.gf.tensors[n].n_bytes for n in names))
+        return w
+
     def _int8_weight(self, names, infos):
         from kvshare.ops.linear import QWeight  # noqa: PLC0415
 
@@ -343,7 +360,7 @@ class WeightLoader:
     def matrix(self, names: list[str]):
         """Tensors `names` stacked along the output axis (fused Q/K/V, gate/up) as the
         backend's weight: compact on the CPU (`cpu_weight`), else f32 / the GPU dtype."""
-        w = self.cpu_weight(names)
+        w = self.cpu_weight(names) if not self.backend.is_gpu else self.gpu_block_weight(names)
         if w is not None:
             return w
         return self.put(np.concatenate([self.host(n) for n in names], axis=0))
