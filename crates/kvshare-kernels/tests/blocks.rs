@@ -754,3 +754,53 @@ fn f32_bad_shapes_are_errors() {
         1
     )));
 }
+
+/// Zero, negative-zero, subnormal and extreme f16 scales take the kernels' slow conversion
+/// path: the weights formed must still be the dequantized ones.
+#[test]
+fn f32_special_f16_scales() {
+    let mut rng = Rng(17);
+    let special: [u16; 8] = [
+        0x0000, 0x8000, 0x0001, 0x83ff, 0x0200, 0x7bff, 0x0400, 0xbc00,
+    ];
+    let (n, k) = (11, 256);
+    for ty in BlockType::ALL {
+        if ty.is_float() {
+            continue;
+        }
+        let mut raw = random_rows(ty, n, k, &mut rng);
+        for b in raw.chunks_exact_mut(ty.block_bytes()) {
+            for &off in f16_fields(ty) {
+                let h = special[rng.next() as usize % special.len()];
+                b[off..off + 2].copy_from_slice(&h.to_le_bytes());
+            }
+        }
+        let wf = reference_rows(ty, &raw);
+        let w = BlockMatrix {
+            raw: &raw,
+            ty,
+            n,
+            k,
+        };
+        for j0 in (0..k).step_by(4) {
+            let m = 4;
+            let mut x = vec![0f32; m * k];
+            for r in 0..m {
+                x[r * k + j0 + r] = 1.0;
+            }
+            let mut out = vec![f32::NAN; m * n];
+            block_matmul_t_f32(&x, m, &w, &mut out, 1).unwrap();
+            for r in 0..m {
+                for c in 0..n {
+                    let want = wf[c * k + j0 + r];
+                    assert!(
+                        out[r * n + c] == want,
+                        "{ty:?} w[{c}, {}]: {} vs {want}",
+                        j0 + r,
+                        out[r * n + c]
+                    );
+                }
+            }
+        }
+    }
+}
