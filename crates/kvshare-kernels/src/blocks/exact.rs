@@ -10,13 +10,10 @@
 //! sub-block scale `s` is e.g. `d * sc` and the offset `o` is `-(dmin * m)`, computed in f32 as
 //! ggml does. The weights used are therefore bit-identical to the dequantized ones, and the
 //! only error against the f64 product of `x` and `dequantize(w)` is that of the f32 FMA
-//! accumulation (2-4 accumulators of 8 lanes per activation row). Exception, for speed (the
-//! Q4_K_M formats' bulk): the AVX2 Q4_K/Q5_K kernel takes the factored form
-//! `(d * sc) * sum(q * x) - (dmin * m) * sum(x)` per sub-block of 32 (half the vector
-//! operations; ~10% faster at one row), which differs from the dequantized product by f32
-//! rounding only: relative to sum |x| (|d sc q| + |dmin m|), at most a few times sum |x w|
-//! for these formats; the tests hold every type to 1e-5 sum |x| |w| against f64, and the
-//! measured error is ~5e-8 of sum |x w| (bench/block_exact.py).
+//! accumulation (2-4 accumulators of 8 lanes per activation row). The factored form
+//! (`d_sc * sum(q x) - dmin_m * sum(x)`, exact only up to the rounding of each weight) was
+//! tried: ~3% faster for Q4_K and Q6_K, slower for Q8_0 (the conversions and unpacking, not
+//! the scaling, bound these loops), so it is not used.
 //!
 //! Each weight row is read once per pass of up to 4 activation rows: a 32-weight chunk is
 //! unpacked to 32 signed bytes (AVX2), widened to four vectors of 8 f32, scaled, and
@@ -49,13 +46,6 @@ pub(super) fn matmul(
         return Ok(());
     }
     let simd = use_avx2(portable);
-    // the AVX2 Q4_K/Q5_K kernels take the min terms as dmin * m times the sum of each 32
-    // activations
-    let xsum: Vec<f32> = if simd && matches!(w.ty, BlockType::Q4_K | BlockType::Q5_K) {
-        x.chunks_exact(32).map(|c| c.iter().sum()).collect()
-    } else {
-        Vec::new()
-    };
     let ptr = OutPtr(out.as_mut_ptr());
     let n_tiles = w.n.div_ceil(TILE);
     let work = w.raw.len() * m.div_ceil(ROW_BLOCK);
@@ -73,7 +63,7 @@ pub(super) fn matmul(
             let mut r = 0;
             while r < m {
                 let rows = (m - r).min(ROW_BLOCK);
-                row_dot(simd, w.ty, row, x, &xsum, w.k, r, rows, &mut res[..rows]);
+                row_dot(simd, w.ty, row, x, w.k, r, rows, &mut res[..rows]);
                 for (i, v) in res[..rows].iter().enumerate() {
                     // SAFETY: r + i < m, n < w.n: inside the [m, n] buffer checked above;
                     // column n belongs to this part alone.
@@ -93,7 +83,6 @@ fn row_dot(
     ty: BlockType,
     row: &[u8],
     x: &[f32],
-    xsum: &[f32],
     k: usize,
     r0: usize,
     rows: usize,
@@ -110,7 +99,7 @@ fn row_dot(
             debug_assert!((r0 + rows) * k <= x.len());
             // SAFETY: the CPU has AVX2, FMA and F16C (use_avx2); `row` is a whole row of
             // `ty` for `k` and rows r0..r0 + rows of x exist (checked by check_sizes).
-            unsafe { avx2::row_dot(ty, row, x, xsum, k, r0, rows, out) };
+            unsafe { avx2::row_dot(ty, row, x, k, r0, rows, out) };
             return;
         }
     }
@@ -183,12 +172,10 @@ mod avx2 {
     /// See `super::row_dot`. SAFETY: AVX2, FMA and F16C; `row` a whole row of quantized
     /// `ty` for `k`; rows `r0..r0 + rows` (`rows` <= 4) of `x` (`[_, k]`) exist.
     #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn row_dot(
         ty: BlockType,
         row: &[u8],
         x: &[f32],
-        xsum: &[f32],
         k: usize,
         r0: usize,
         rows: usize,
@@ -203,10 +190,7 @@ mod avx2 {
                 Q4_1 => by_rows_t!(dot_legacy, Q4_1, rows, row, base, k, out),
                 Q5_0 => by_rows_t!(dot_legacy, Q5_0, rows, row, base, k, out),
                 Q5_1 => by_rows_t!(dot_legacy, Q5_1, rows, row, base, k, out),
-                Q4_K | Q5_K => {
-                    let sums = xsum.as_ptr().wrapping_add(r0 * (k / 32));
-                    by_rows!(dot_q4k_q5k, rows, ty == Q5_K, row, base, sums, k, out)
-                }
+                Q4_K | Q5_K => by_rows!(dot_q4k_q5k, rows, ty == Q5_K, row, base, k, out),
                 Q6_K => by_rows!(dot_q6_k, rows, row, base, k, out),
                 _ => by_rows!(dot_generic, rows, ty, row, base, k, out),
             }
@@ -386,29 +370,20 @@ mod avx2 {
         unsafe { finish(&acc, out) };
     }
 
-    /// Q4_K (and with `five`, Q5_K): 8 sub-blocks of 32 with 6-bit scales and mins, value =
-    /// (d * sc) * q - dmin * m. Factored: per sub-block and row, (d * sc) * sum(q * x) in
-    /// f32 (4 FMAs of 8 lanes), and the min terms -(dmin * m) * sum(x) of a whole block in
-    /// one FMA with the precomputed sums of 32 activations (`sums`, `[rows, k / 32]`). Half
-    /// the vector operations of forming every weight; the result differs from the product
-    /// with dequantized weights by f32 rounding only (relative to sum |x| (|d sc q| +
-    /// |dmin m|), at most ~3x sum |x w| for these formats), and a one-hot row still gets
-    /// the dequantized weight bit for bit: fl(fl(d sc q) - dmin m).
+    /// Q4_K (and with `five`, Q5_K): 8 sub-blocks of 32 with 6-bit scales and mins:
+    /// value = (d * sc) * q - dmin * m.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dot_q4k_q5k<const R: usize, const A: usize>(
         five: bool,
         row: &[u8],
         base: *const f32,
-        sums: *const f32,
         k: usize,
         out: &mut [f32],
     ) {
         let xs = row_ptrs::<R>(base, k);
-        let ss = row_ptrs::<R>(sums, k / 32);
         let bb = if five { 176 } else { 144 };
         let m4 = _mm256_set1_epi8(0x0F);
         let mut acc = [[_mm256_setzero_ps(); R]; A];
-        let mut offv = [_mm256_setzero_ps(); R];
         for (bi, b) in row.chunks_exact(bb).enumerate() {
             let p = b.as_ptr();
             let (d, dmin) = unsafe { (f16(p), f16(p.add(2))) };
@@ -418,12 +393,6 @@ mod avx2 {
                 let (s, m) = scale_min_k4(j, &b[4..16]);
                 sc[j] = d * s as f32;
                 mn[j] = -(dmin * m as f32);
-            }
-            let minsv = unsafe { _mm256_loadu_ps(mn.as_ptr()) };
-            for i in 0..R {
-                // SAFETY: 8 sums of this block in row i
-                let sv = unsafe { _mm256_loadu_ps(ss[i].add(8 * bi)) };
-                offv[i] = _mm256_fmadd_ps(minsv, sv, offv[i]);
             }
             let qs = unsafe { p.add(if five { 48 } else { 16 }) };
             let hbits = if five {
@@ -444,37 +413,13 @@ mod avx2 {
                         let set = _mm256_cmpeq_epi8(_mm256_and_si256(hbits, bit), bit);
                         w = _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
                     }
-                    let mut tmp = [0i8; 32];
-                    unsafe { _mm256_storeu_si256(tmp.as_mut_ptr() as *mut __m256i, w) };
-                    let f: [__m256; 4] = std::array::from_fn(|g| {
-                        // SAFETY: 32 codes in tmp
-                        let v = unsafe { _mm_loadl_epi64(tmp.as_ptr().add(8 * g) as *const _) };
-                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))
-                    });
                     let e = 256 * bi + 32 * sub;
-                    let s = _mm256_set1_ps(sc[sub]);
-                    let a = &mut acc[sub % A];
-                    for i in 0..R {
-                        // SAFETY: e + 32 <= k elements of activation row i
-                        let t = unsafe {
-                            let x = xs[i].add(e);
-                            let t = _mm256_mul_ps(f[0], _mm256_loadu_ps(x));
-                            let t = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(x.add(8)), t);
-                            let t = _mm256_fmadd_ps(f[2], _mm256_loadu_ps(x.add(16)), t);
-                            _mm256_fmadd_ps(f[3], _mm256_loadu_ps(x.add(24)), t)
-                        };
-                        a[i] = _mm256_fmadd_ps(t, s, a[i]);
-                    }
+                    let (s, o) = (sc[sub], mn[sub]);
+                    unsafe { fma32::<R, A, true>(w, s, s, o, o, &xs, e, &mut acc) };
                 }
             }
         }
-        for i in 0..R {
-            let mut v = acc[0][i];
-            for a in 1..A {
-                v = _mm256_add_ps(v, acc[a][i]);
-            }
-            out[i] = unsafe { hsum(v) + hsum(offv[i]) };
-        }
+        unsafe { finish(&acc, out) };
     }
 
     /// Q6_K: 16 sub-blocks of 16 with i8 scales: value = (d * sc) * (code - 32).
