@@ -438,9 +438,15 @@ mod avx2 {
         for (bi, b) in row.chunks_exact(210).enumerate() {
             let p = b.as_ptr();
             let d = unsafe { f16(p.add(208)) };
+            // the 16 scales d * sc (i8), as ggml computes them, in two vectors
             let mut sc = [0f32; 16];
-            for (g, s) in sc.iter_mut().enumerate() {
-                *s = d * (b[192 + g] as i8) as f32;
+            unsafe {
+                let raw = _mm_loadu_si128(p.add(192) as *const __m128i);
+                let dv = _mm256_set1_ps(d);
+                let s0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+                let s1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(raw)));
+                _mm256_storeu_ps(sc.as_mut_ptr(), _mm256_mul_ps(dv, s0));
+                _mm256_storeu_ps(sc.as_mut_ptr().add(8), _mm256_mul_ps(dv, s1));
             }
             for half in 0..2 {
                 let (ql0, ql1, qh) = unsafe {
