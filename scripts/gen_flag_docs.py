@@ -65,7 +65,7 @@ def _defaults() -> dict[str, str]:
         "--root-path": "none (served at `/`)",
         "--tool-parser": "from the chat template",
         # Model._default_kv_dtype: float16 on a GPU backend, float32 otherwise
-        "--kv-dtype": "`f32` on the CPU, `f16` on a GPU",
+        "--kv-dtype": "`f16`",
     }
 
 

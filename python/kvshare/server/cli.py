@@ -101,8 +101,8 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--kv-blocks", _positive_int, None, "KV pool size in blocks (instead of --kv-mem)"),
     ("--block-size", _positive_int, None, "tokens per KV block (default: 16)"),
     ("--kv-dtype", _kv_dtype, None,
-     "element type of the KV cache: f32, f16 (half the memory of f32) or q8_0 (default: the "
-     "model's default for the device, f32 on the CPU)"),
+     "element type of the KV cache: f16 (the default, as llama.cpp) or f32 (twice the "
+     "memory); q8_0 is not supported yet (a clear error)"),
     ("--prefill-chunk", _positive_int, None, "prompt tokens computed per step (default: 256)"),
     ("--queue-timeout", _non_negative_float, None,
      "seconds a request may wait to be admitted before it gets 503 with Retry-After "
