@@ -33,7 +33,11 @@ def parts():
 
 def make_engine(parts) -> Engine:
     model, tok, tmpl, fp = parts
-    return Engine(model, tok, tmpl, fp, EngineConfig(kv_blocks=256, block_size=16))
+    # f32 KV: "the free sequence is exactly what it is alone" holds bit for bit in f32; with
+    # the default f16 pool a K/V value computed in another batch can round the other way,
+    # and a token sampled at temperature 0.9 may then differ
+    return Engine(model, tok, tmpl, fp, EngineConfig(kv_blocks=256, block_size=16,
+                                                     kv_dtype="f32"))
 
 
 def prompt(parts, user: str) -> list[int]:

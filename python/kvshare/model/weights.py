@@ -315,6 +315,10 @@ class WeightLoader:
             return self._int8_weight(names, infos)
         from kvshare.ops.blockweight import BLOCK_TYPES, BlockWeight  # noqa: PLC0415
 
+        if all(i.qtype == Q.F32 for i in infos):
+            # f32 weights are used as they are (a plain array: BLAS / the small-M kernel),
+            # as before blocks existed; wrapping them would only move float rounding
+            return None
         parts = []
         for name, info in zip(names, infos):
             k = info.numpy_shape[1]
