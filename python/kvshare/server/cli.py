@@ -103,7 +103,7 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--kv-dtype", _kv_dtype, None,
      "element type of the KV cache: f16 (the default, as llama.cpp) or f32 (twice the "
      "memory); q8_0 is not supported yet (a clear error)"),
-    ("--prefill-chunk", _positive_int, None, "prompt tokens computed per step (default: 256)"),
+    ("--prefill-chunk", _positive_int, None, "prompt tokens computed per step (default: 512)"),
     ("--queue-timeout", _non_negative_float, None,
      "seconds a request may wait to be admitted before it gets 503 with Retry-After "
      "(default 600; 0: no limit)"),
