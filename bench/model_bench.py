@@ -84,7 +84,8 @@ def bench_decode(model, batch, context, steps, repeat, chunk, block_size=16):
     per_seq = -(-(context + steps * repeat + 1) // block_size)
     cache = model.new_cache(per_seq * batch, block_size)
     tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(batch)]
-    prompts = [rng.integers(1000, 200000, context).astype(np.int32) for _ in range(batch)]
+    hi = min(200000, model.config.vocab_size - 1)
+    prompts = [rng.integers(1000, hi, context).astype(np.int32) for _ in range(batch)]
     for p, t in zip(prompts, tables):
         prefill(model, cache, p, t, chunk)
     pos = context
@@ -92,7 +93,7 @@ def bench_decode(model, batch, context, steps, repeat, chunk, block_size=16):
     for _ in range(repeat):
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
-            toks = rng.integers(1000, 200000, batch)
+            toks = rng.integers(1000, hi, batch)
             model.forward([SeqChunk([toks[i]], pos, tables[i], logits="last")
                            for i in range(batch)], cache)
             pos += 1
