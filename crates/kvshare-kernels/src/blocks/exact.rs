@@ -25,9 +25,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::portable::dequantize_row_unchecked;
-use super::{
-    check_sizes, use_avx2, Acts, BlockMatrix, BlockType, OutPtr, BYTES_PER_THREAD, ROW_BLOCK, TILE,
-};
+use super::{check_sizes, for_each_row_block, use_avx2, Acts, BlockMatrix, BlockType, ROW_BLOCK};
 use crate::qmatmul::KernelError;
 
 /// Largest block (elements) of a quantized type: the stack buffer of the generic path.
@@ -46,32 +44,8 @@ pub(super) fn matmul(
         return Ok(());
     }
     let simd = use_avx2(portable);
-    let ptr = OutPtr(out.as_mut_ptr());
-    let n_tiles = w.n.div_ceil(TILE);
-    let work = w.raw.len() * m.div_ceil(ROW_BLOCK);
-    let parts = threads
-        .min(crate::pool::max_parts())
-        .min(n_tiles)
-        .min(work / BYTES_PER_THREAD)
-        .max(1);
-    let per = n_tiles.div_ceil(parts) * TILE;
-    crate::pool::run(parts, &|t| {
-        let (lo, hi) = (t * per, ((t + 1) * per).min(w.n));
-        let mut res = [0f32; ROW_BLOCK];
-        for n in lo..hi {
-            let row = w.row(n);
-            let mut r = 0;
-            while r < m {
-                let rows = (m - r).min(ROW_BLOCK);
-                row_dot(simd, w.ty, row, x, w.k, r, rows, &mut res[..rows]);
-                for (i, v) in res[..rows].iter().enumerate() {
-                    // SAFETY: r + i < m, n < w.n: inside the [m, n] buffer checked above;
-                    // column n belongs to this part alone.
-                    unsafe { *ptr.at((r + i) * w.n + n) = *v };
-                }
-                r += rows;
-            }
-        }
+    for_each_row_block(m, w, out, threads, &|row, r, res| {
+        row_dot(simd, w.ty, row, x, w.k, r, res.len(), res)
     });
     Ok(())
 }

@@ -370,6 +370,28 @@ fn matmul_impl(
         qa = QActs::quantize(x, w.k);
         Acts::Quant(&qa)
     };
+    for_each_row_block(m, w, out, threads, &|row, r, res| {
+        row_dot(simd, w.ty, row, &acts, r, res.len(), res)
+    });
+    Ok(())
+}
+
+/// `dot(weight_row, first_activation_row, results)`: see [`for_each_row_block`].
+pub(super) type RowBlockDot<'a> = dyn Fn(&[u8], usize, &mut [f32]) + Sync + 'a;
+
+/// The loop both small-batch kernels share: output rows `n` are split in tiles over up to
+/// `threads` pool parts (fewer when the work is small), and for each weight row, `dot(row,
+/// r, res)` fills `res` (at most `ROW_BLOCK` long) with the products of that row and
+/// activation rows `[r, r + res.len())`, which land in column `n` of `out` (`[m, w.n]`,
+/// checked by the caller). Each weight row is read once per `ROW_BLOCK` activation rows.
+pub(super) fn for_each_row_block(
+    m: usize,
+    w: &BlockMatrix<'_>,
+    out: &mut [f32],
+    threads: usize,
+    dot: &RowBlockDot<'_>,
+) {
+    debug_assert_eq!(out.len(), m * w.n);
     let ptr = OutPtr(out.as_mut_ptr());
     let n_tiles = w.n.div_ceil(TILE);
     let work = w.raw.len() * m.div_ceil(ROW_BLOCK);
@@ -387,17 +409,16 @@ fn matmul_impl(
             let mut r = 0;
             while r < m {
                 let rows = (m - r).min(ROW_BLOCK);
-                row_dot(simd, w.ty, row, &acts, r, rows, &mut res[..rows]);
+                dot(row, r, &mut res[..rows]);
                 for (i, v) in res[..rows].iter().enumerate() {
-                    // SAFETY: r + i < m, n < w.n: inside the [m, n] buffer checked above;
-                    // column n belongs to this part alone.
+                    // SAFETY: r + i < m, n < w.n: inside the [m, n] buffer the caller
+                    // checked; column n belongs to this part alone.
                     unsafe { *ptr.at((r + i) * w.n + n) = *v };
                 }
                 r += rows;
             }
         }
     });
-    Ok(())
 }
 
 /// Dot products of weight row `row` with activation rows `[r0, r0 + out.len())`.
