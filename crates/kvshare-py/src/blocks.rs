@@ -9,6 +9,7 @@ use kvshare_kernels::blocks::{
     block_matmul_t as core_block_matmul_t, dequantize_rows, set_force_portable, BlockMatrix,
     BlockType, QActs, ACT_BLOCK,
 };
+use kvshare_kernels::KernelError;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -54,12 +55,15 @@ fn overlaps(a: (usize, usize), b: (usize, usize)) -> bool {
     a.1 > a.0 && b.1 > b.0 && a.0 < b.1 && b.0 < a.1
 }
 
-/// `out[m, n] = sum_k x[m, k] * w[n, k]` for `w` the rows of `raw` in GGML type `qtype`
-/// (at most 16 rows of `x`; activations are quantized to 8 bits for quantized types).
-#[pyfunction]
-#[pyo3(signature = (x, raw, qtype, out, threads = 1))]
-fn block_matmul_t(
+/// The product kernels' signature (`block_matmul_t`, `block_matmul_t_f32`).
+type BlockProduct =
+    fn(&[f32], usize, &BlockMatrix<'_>, &mut [f32], usize) -> Result<(), KernelError>;
+
+/// Check and borrow `x`, `raw` and `out` for one of the product kernels, run it with the GIL
+/// released.
+fn run_product(
     py: Python<'_>,
+    kernel: BlockProduct,
     x: &Bound<'_, PyAny>,
     raw: &Bound<'_, PyAny>,
     qtype: u32,
@@ -91,8 +95,23 @@ fn block_matmul_t(
         )
     };
     let w = BlockMatrix { raw: rs, ty, n, k };
-    py.detach(|| core_block_matmul_t(xs, m, &w, os, threads.max(1)))
+    py.detach(|| kernel(xs, m, &w, os, threads.max(1)))
         .map_err(|e| value_error(e.to_string()))
+}
+
+/// `out[m, n] = sum_k x[m, k] * w[n, k]` for `w` the rows of `raw` in GGML type `qtype`
+/// (at most 16 rows of `x`; activations are quantized to 8 bits for quantized types).
+#[pyfunction]
+#[pyo3(signature = (x, raw, qtype, out, threads = 1))]
+fn block_matmul_t(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    raw: &Bound<'_, PyAny>,
+    qtype: u32,
+    out: &Bound<'_, PyAny>,
+    threads: usize,
+) -> PyResult<()> {
+    run_product(py, core_block_matmul_t, x, raw, qtype, out, threads)
 }
 
 /// `out[rows, k]` = the rows of `raw` (GGML type `qtype`) as f32, as ggml dequantizes them.
@@ -175,30 +194,6 @@ fn block_matmul_t_f32(
     out: &Bound<'_, PyAny>,
     threads: usize,
 ) -> PyResult<()> {
-    let err = |e| as_value_error(py, e);
-    let ty = block_type(qtype)?;
-    let xa = typed_array(x, b'f', 4, false, "x").map_err(err)?;
-    let ra = typed_array(raw, b'u', 1, false, "raw").map_err(err)?;
-    let oa = typed_array(out, b'f', 4, true, "out").map_err(err)?;
-    let &[m, k] = xa.shape.as_slice() else {
-        return Err(value_error("x must be 2-D float32 [m, k]"));
-    };
-    let n = check_raw(&ra.shape, ty, k)?;
-    if oa.shape != [m, n] {
-        return Err(value_error(format!("out must have shape ({m}, {n})")));
-    }
-    if overlaps(oa.span(4), xa.span(4)) || overlaps(oa.span(4), ra.span(1)) {
-        return Err(value_error("out must not overlap an input"));
-    }
-    // SAFETY: as in block_matmul_t
-    let (xs, rs, os) = unsafe {
-        (
-            xa.as_slice::<f32>(),
-            ra.as_slice::<u8>(),
-            oa.as_mut_slice::<f32>(),
-        )
-    };
-    let w = BlockMatrix { raw: rs, ty, n, k };
-    py.detach(|| kvshare_kernels::blocks::block_matmul_t_f32(xs, m, &w, os, threads.max(1)))
-        .map_err(|e| value_error(e.to_string()))
+    let kernel: BlockProduct = kvshare_kernels::blocks::block_matmul_t_f32;
+    run_product(py, kernel, x, raw, qtype, out, threads)
 }
