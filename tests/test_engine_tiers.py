@@ -308,3 +308,35 @@ def test_hybrid_conversation_survives_a_restart_on_disk(hybrid, tmp_path):
     disk = eng3.snapshot()["tiers"]["disk"]
     assert disk["errors"] >= 1 and disk["checkpoints_served"] == 0 and disk["restores"] == 0
     eng3.shutdown(timeout=1)
+
+
+def test_cache_point_pins_a_conversation_past_its_first_user_message(tiny):
+    """A client's cache breakpoint (Anthropic cache_control, a stored Responses conversation)
+    at the end of a later message pins the full blocks up to it, not only the prefix entry:
+    the next turn attaches to all of them after a flood evicted everything unpinned."""
+    # RAM: 48 blocks of 8 KiB, 24 of them pinnable (the default half)
+    eng = engine(tiny, kv_blocks=48, cache_ram_mib=0.375)
+    convo = [{"role": "system", "content": AGENT_SYSTEM},
+             {"role": "user", "content": "Where is the linker script? " * 4},
+             {"role": "assistant", "content": "It is in build/link.ld, next to the map file."},
+             {"role": "user", "content": "Open it and tell me the entry symbol."}]
+    r = eng.chat_prompt(convo, cache_after=3)
+    bs = 16
+    assert r.first_user_boundary is not None and r.cache_point is not None
+    assert r.cache_point // bs > r.first_user_boundary // bs + 2  # reaches well past the prefix
+    assert eng.tokenize(eng.chat_template.render(convo)) == r.tokens  # tokenized once, same ids
+    n_pinned = r.cache_point // bs
+    serve(eng, GenerationRequest(prompt_tokens=r.tokens, max_tokens=3, sampling=GREEDY,
+                                 first_user_boundary=r.first_user_boundary,
+                                 cache_point=r.cache_point))
+    ram = eng.tiers.ram
+    assert ram.pinned_bytes == n_pinned * eng.kv.block_nbytes
+    flood(eng)
+    nxt = eng.chat_prompt([*convo, {"role": "assistant", "content": "_start."},
+                           {"role": "user", "content": "Thanks."}])
+    assert nxt.tokens[:n_pinned * bs] == r.tokens[:n_pinned * bs]
+    _, fin = serve(eng, GenerationRequest(prompt_tokens=nxt.tokens, max_tokens=2, sampling=GREEDY,
+                                          first_user_boundary=nxt.first_user_boundary))
+    assert fin.timings.cache_n >= n_pinned * bs
+    ram.check_invariants()
+    eng.pool.check_invariants()

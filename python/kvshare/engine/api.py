@@ -35,6 +35,20 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
+@dataclass(frozen=True)
+class RenderedChat:
+    """A chat request rendered by the model's template and tokenized once (`Engine.chat_prompt`).
+
+    `first_user_boundary`: token position where the first user message starts (hybrid
+    checkpoints and the pinned prefix entry), or None. `cache_point`: token position of the
+    request's cache breakpoint (Anthropic `cache_control`, a stored Responses conversation), or
+    None; the full KV blocks before it are pinned in the RAM tier and written to disk."""
+
+    tokens: list[int]
+    first_user_boundary: int | None = None
+    cache_point: int | None = None
+
+
 @dataclass
 class GenerationRequest:
     prompt_tokens: list[int]
@@ -58,6 +72,10 @@ class GenerationRequest:
     cache_store: bool = True
     # Token position of the first user message's start in a chat prompt (hybrid checkpoints).
     first_user_boundary: int | None = None
+    # Token position of a client's cache breakpoint (RenderedChat.cache_point): the full blocks
+    # before it are pinned in the RAM tier as soon as computed, like the prefix entry up to the
+    # first user message, and written to disk when the request ends.
+    cache_point: int | None = None
     request_id: str = ""
     # Choices sampled from this one prompt (OpenAI `n`): the prompt is computed once and the
     # choices fork from it, sharing its blocks; events carry the choice's `index`.
@@ -131,3 +149,6 @@ class FinishEvent:
     error_cause: str | None = None
     retry_after_s: float | None = None
     index: int = 0  # the choice (n > 1): a request with n choices gets n FinishEvents
+    # With reason "stop": the request's stop string that ended this choice (None: EOS/EOT,
+    # a stop token, or a grammar that completed).
+    stop_string: str | None = None

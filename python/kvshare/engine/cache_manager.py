@@ -380,7 +380,18 @@ class CacheManager:
     def _prefix_tokens(self, seq: Sequence) -> int:
         """Tokens of the prompt's prefix entry: the full blocks before its first user message
         (0 when the request has no boundary or it is inside the first block)."""
-        b = seq.request.first_user_boundary
+        return self._full_blocks_before(seq, seq.request.first_user_boundary)
+
+    def _pinned_tokens(self, seq: Sequence) -> int:
+        """Tokens pinned in the RAM tier for this prompt: the prefix entry, or the full blocks
+        before the client's cache breakpoint when that reaches further (attention models; a
+        hybrid resumes only at checkpoints, which sit at the first-user boundary)."""
+        n = self._prefix_tokens(seq)
+        if self.checkpoints is None:
+            n = max(n, self._full_blocks_before(seq, seq.request.cache_point))
+        return n
+
+    def _full_blocks_before(self, seq: Sequence, b: int | None) -> int:
         if not isinstance(b, int) or b <= 0 or b > seq.n_prompt:
             return 0
         return b - b % self.block_size
@@ -396,7 +407,7 @@ class CacheManager:
                 or self.checkpoints is not None or not seq.request.cache_store):
             seq.prefix_pinned = True  # nothing to do for this sequence
             return
-        n = self._prefix_tokens(seq)
+        n = self._pinned_tokens(seq)
         if seq.n_computed < n:
             return
         seq.prefix_pinned = True
@@ -416,7 +427,7 @@ class CacheManager:
             self.tiers.save_hybrid(seq.block_keys, seq.block_table, cks, self._prefix_tokens(seq))
             return
         self.tiers.save(seq.tokens, seq.block_keys, seq.block_table, seq.n_computed,
-                        self._prefix_tokens(seq))
+                        self._pinned_tokens(seq))
 
     def release(self, seq: Sequence) -> None:
         """Hand the sequence's blocks back (last block first); cached ones stay findable.

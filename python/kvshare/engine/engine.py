@@ -26,7 +26,8 @@ import numpy as np
 
 from kvshare import _core
 from kvshare.backend import set_cpu_threads
-from kvshare.engine.api import FinishEvent, GenerationRequest, Timings, TokenEvent, TokenLogprob
+from kvshare.engine.api import (FinishEvent, GenerationRequest, RenderedChat, Timings, TokenEvent,
+                               TokenLogprob)
 from kvshare.engine.cache_manager import CacheManager
 from kvshare.engine.checkpoints import CheckpointManager
 from kvshare.engine.faults import SequenceFault, injected, maybe_inject
@@ -251,6 +252,19 @@ class Engine:
         chat = self.chat_template.apply(self.tokenizer, messages, tools=tools,
                                         add_generation_prompt=add_generation_prompt, **kwargs)
         return chat.text, chat.first_user_token
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, *,
+                    add_generation_prompt: bool = True, template_kwargs: dict | None = None,
+                    cache_after: int | None = None):
+        """A chat request as final token ids, rendered and tokenized once (the server's
+        `frontend.EngineClient.chat_prompt`): the first-user boundary when the cache uses it
+        (hybrid checkpoints, the RAM tier's pinned prefix entry), and the token position of a
+        cache breakpoint at the end of messages[cache_after] (-1: the first-user boundary)."""
+        chat = self.chat_template.apply(
+            self.tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            boundary=self.wants_user_boundary, cache_after=cache_after,
+            **(template_kwargs or {}))
+        return RenderedChat(list(chat.ids), chat.first_user_token, chat.cache_point)
 
     # ---- requests ---------------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> RequestHandle:
@@ -573,6 +587,7 @@ class Engine:
             handle = self._handles.get(rid)
             self._open_choices[rid] = left
         asm = self._assemblers.pop(seq.seq_id, None)
+        stop_string = asm.stop_hit if asm is not None and reason == "stop" else None
         if flush and asm is not None and handle is not None and reason in ("stop", "length"):
             tail = asm.flush()
             if tail:
@@ -603,7 +618,8 @@ class Engine:
                                     completion_tokens=seq.n_generated, timings=timings,
                                     time_to_first_token_s=ttft, error=error,
                                     error_status=status, error_cause=cause,
-                                    retry_after_s=retry_after_s, index=seq.choice))
+                                    retry_after_s=retry_after_s, index=seq.choice,
+                                    stop_string=stop_string))
         if reason in ("error", "cancelled"):  # the request ends: its other choices stop too
             for other in self._choices_of(rid):
                 if other is not seq and other.state != SeqState.FINISHED:

@@ -16,6 +16,7 @@ class TextAssembler:
         self._stop = [s for s in stop if s]
         self.ids: list[int] = []
         self.emitted = ""
+        self.stop_hit: str | None = None  # the stop string that ended generation
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """Add a token; return (new text to emit, whether a stop string was hit)."""
@@ -25,8 +26,9 @@ class TextAssembler:
             return "", False
         # A stop string may straddle earlier output only within its own length.
         search_from = max(0, len(self.emitted) - max((len(s) for s in self._stop), default=0))
-        cut = min((i for i in (text.find(s, search_from) for s in self._stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self._stop if (i := text.find(s, search_from)) >= 0]
+        if found:
+            cut, self.stop_hit = min(found, key=lambda f: f[0])
             return self._take(text[:cut]), True
         hold = max((_overlap(text, s) for s in self._stop), default=0)
         return self._take(text[: len(text) - hold]), False

@@ -315,6 +315,7 @@ class ChatPrompt:
     ids: list[int]
     first_user_char: int | None
     first_user_token: int | None
+    cache_point: int | None = None  # `apply(cache_after=...)`: the breakpoint's token position
 
 
 _SENTINEL = "\ue000kvshare-first-user-message\ue001"
@@ -478,20 +479,67 @@ class ChatTemplate:
 
     def apply(self, tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *,
               tools: Sequence[Any] | None = None, add_generation_prompt: bool = True,
-              boundary: bool = True, **kwargs: Any) -> ChatPrompt:
+              boundary: bool = True, cache_after: int | None = None,
+              **kwargs: Any) -> ChatPrompt:
         """Render, tokenize (BOS per the model, special tokens parsed, as llama-server does)
         and, with `boundary`, locate the first-user-message boundary as a token position:
         the token count of the prompt up to that character, checked to be a prefix of the
         prompt's tokens (if a token spans the boundary, the largest position where the two
-        tokenizations agree)."""
+        tokenizations agree). `cache_after`: also locate a cache breakpoint, the end of
+        messages[cache_after]'s content (-1: the first-user boundary), as `cache_point`.
+
+        This is the one place BOS is settled: the template's own BOS text is stripped when
+        the tokenizer adds one (`_render`), and a template whose BOS text does not match the
+        tokenizer's spelling still yields a single BOS id."""
         msgs = normalize_messages(messages)
         text = self._render(msgs, tools, add_generation_prompt, None, kwargs)
         ids = tokenizer.encode(text, add_special=True, parse_special=True)
+        shift = 0
+        bos = tokenizer.bos_id
+        if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+            ids, shift = ids[1:], 1
+
+        def tokens_at(char: int | None) -> int | None:
+            if char is None:
+                return None
+            return max(0, prefix_token_count(tokenizer, text, char, [*([bos] * shift), *ids])
+                       - shift)
+
         char = tok = None
-        if boundary:
-            u = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
+        u = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
+        if boundary or cache_after == -1:
             if u is not None:
                 char = self._boundary(msgs, u, text, tools, add_generation_prompt, None, kwargs)
-            if char is not None:
-                tok = prefix_token_count(tokenizer, text, char, ids)
-        return ChatPrompt(text, ids, char, tok)
+            tok = tokens_at(char)
+        point = None
+        if cache_after == -1:
+            point = tok
+        elif cache_after is not None and 0 <= cache_after < len(msgs):
+            point = tokens_at(self._message_end(msgs, cache_after, text, tools,
+                                                add_generation_prompt, kwargs))
+        if not boundary:
+            char = tok = None
+        return ChatPrompt(text, ids, char, tok, point)
+
+    def _message_end(self, msgs, k, prompt, tools, add_generation_prompt, kwargs) -> int | None:
+        """Character offset in `prompt` just after messages[k]'s content: a sentinel appended
+        to the content shows where it lands; None when the template prints something
+        message-dependent before it, or does not print the content verbatim."""
+        sentinel = _SENTINEL
+        while any(sentinel in m["content"] for m in msgs):
+            sentinel += "\ue001"
+        probe = [dict(m) for m in msgs]
+        probe[k]["content"] = msgs[k]["content"] + sentinel
+        try:
+            marked = self._render(probe, tools, add_generation_prompt, None, kwargs)
+        except ChatTemplateError:
+            return None
+        b = marked.find(sentinel)
+        if b < 0:
+            return None
+        # where the two renders part (a template that trims the content parts before its
+        # end): everything before that is this prompt's own text either way
+        n = 0
+        while n < b and n < len(prompt) and prompt[n] == marked[n]:
+            n += 1
+        return n
