@@ -210,6 +210,28 @@ def test_cache_point_on_assistant_and_merged_turns():
     assert parse(messages=msgs).cache_point == CachePoint(0)
 
 
+def test_top_level_cache_control_marks_the_last_message():
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a", **cc()}]},
+            {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    assert parse(messages=msgs, system="S", **cc()).cache_point == CachePoint(3)
+    blocks = [{"type": "text", "text": str(i), **cc()} for i in range(4)]
+    e = bad(messages=[{"role": "user", "content": blocks}], **cc())
+    assert "maximum of 4" in e.message
+    e = bad(cache_control={"type": "forever"})
+    assert e.message.startswith("cache_control.type:")
+
+
+def test_output_config_json_schema():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    r = parse(output_config={"format": {"type": "json_schema", "schema": schema},
+                             "effort": "low"})
+    assert r.output.kind == "json_schema" and json.loads(r.output.source) == schema
+    assert parse(output_config={"effort": "low"}).output is None
+    bad(output_config={"format": {"type": "text"}})
+    bad(output_config={"format": {"type": "json_schema"}})
+    bad(output_config="json")
+
+
 def test_too_many_breakpoints():
     blocks = [{"type": "text", "text": str(i), **cc()} for i in range(4)]
     assert parse(messages=[{"role": "user", "content": blocks}]).cache_point == CachePoint(0)

@@ -24,6 +24,8 @@ Translation (Anthropic -> OpenAI chat):
 - `cache_control` breakpoints (at most 4): the last one becomes the request's `CachePoint`
   (the OpenAI message holding the marked block; -1 for tools / system).
 - Images, documents and server tools are refused (400) by name; unknown fields are ignored.
+- A top-level `cache_control` marks the end of the last message (Anthropic: "the last
+  cacheable block"). `output_config.format` (json_schema) constrains the reply to the schema.
 - kvshare extension: `cache_salt` (a string) as on /v1/chat/completions.
 
 Output:
@@ -193,14 +195,14 @@ class _Translator:
         cc = block.get("cache_control")
         if cc is None:
             return False
+        where = f"{path}.cache_control" if path else "cache_control"
         if not isinstance(cc, dict):
-            raise _bad(f"{path}.cache_control", f"Input should be an object, got "
-                                                f"{_type_name(cc)}")
+            raise _bad(where, f"Input should be an object, got {_type_name(cc)}")
         if cc.get("type") != "ephemeral":
-            raise _bad(f"{path}.cache_control.type", "Input should be 'ephemeral'")
+            raise _bad(f"{where}.type", "Input should be 'ephemeral'")
         ttl = cc.get("ttl")
         if ttl is not None and ttl not in ("5m", "1h"):
-            raise _bad(f"{path}.cache_control.ttl", "Input should be '5m' or '1h'")
+            raise _bad(f"{where}.ttl", "Input should be '5m' or '1h'")
         self.n_breakpoints += 1
         if self.n_breakpoints > MAX_BREAKPOINTS:
             raise bad_request(f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may "
@@ -434,6 +436,12 @@ class _Translator:
                 self.prefix_breakpoint = True
         return P._parse_tools(out)  # count limit, duplicate names, normalization
 
+    def top_level(self, body: dict) -> None:
+        """A top-level `cache_control` marks the last cacheable block: the end of the last
+        message (one of the 4 breakpoints)."""
+        if body.get("cache_control") is not None and self._cache_control(body, ""):
+            self._mark(len(self.out) - 1)
+
     def cache_point(self) -> CachePoint | None:
         if self.message_breakpoint is not None:
             return CachePoint(self.message_breakpoint)
@@ -470,6 +478,26 @@ def _tool_choice(tc: Any, tools: list[dict] | None) -> tuple[str, bool]:
     raise _bad("tool_choice.type", "Input should be 'auto', 'any', 'tool' or 'none'")
 
 
+def _output_format(body: dict) -> P.OutputConstraint | None:
+    """Structured outputs: `output_config.format` {"type": "json_schema", "schema": {...}}
+    (other `output_config` fields, e.g. `effort`, are ignored)."""
+    oc = body.get("output_config")
+    if oc is None:
+        return None
+    if not isinstance(oc, dict):
+        raise _bad("output_config", f"Input should be an object, got {_type_name(oc)}")
+    fmt = oc.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise _bad("output_config.format", "Input should be {\"type\": \"json_schema\", "
+                                           "\"schema\": {...}}")
+    schema = fmt.get("schema")
+    if schema is None:
+        raise _bad("output_config.format.schema", "Field required")
+    return P._schema_constraint(schema, "output_config.format.schema")
+
+
 def _parse(body: Any, ctx: RequestContext, *, generate: bool) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
@@ -483,6 +511,7 @@ def _parse(body: Any, ctx: RequestContext, *, generate: bool) -> ChatRequest:
     tools = tr.tools(body.get("tools"))
     tr.system(body.get("system"))
     tr.messages(body.get("messages"))
+    tr.top_level(body)
     tool_choice, parallel = _tool_choice(body.get("tool_choice"), tools)
     thinking = _thinking(body)
     kwargs: dict = {}
@@ -518,7 +547,7 @@ def _parse(body: Any, ctx: RequestContext, *, generate: bool) -> ChatRequest:
                            cache_salt=cache_salt)
     extra = {"tool_names": [t["function"]["name"] for t in tools or []],
              "thinking": thinking in ("enabled", "adaptive")}
-    return ChatRequest(chat=chat, opts=opts, output=None, model=model,
+    return ChatRequest(chat=chat, opts=opts, output=_output_format(body), model=model,
                        cache_point=tr.cache_point(), extra=extra)
 
 
