@@ -269,7 +269,7 @@ def test_missing_max_tokens():
     {"messages": []}, {"messages": "hi"}, {"messages": None}, {"messages": [5]},
     {"messages": [{"role": "system", "content": "x"}]},
     {"messages": [{"role": "tool", "content": "x"}]},
-    {"messages": [{"role": "user"}]},
+    {"messages": [{"role": "user"}]}, {"messages": [{"role": "user", "content": []}]},
     {"messages": [{"role": "user", "content": 5}]},
     {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
     {"messages": [{"role": "user", "content": ["bare string"]}]},

@@ -268,6 +268,9 @@ class _Translator:
             if isinstance(content, str):
                 blocks = [({"type": "text", "text": content}, f"{path}.content")]
             elif isinstance(content, list):
+                if not content and role == "user":
+                    raise _bad(f"{path}.content", "a user message needs at least one content "
+                                                  "block")
                 blocks = [(b, f"{path}.content.{j}") for j, b in enumerate(content)]
             elif content is None:
                 raise _bad(f"{path}.content", "Field required")
