@@ -188,6 +188,13 @@ class RecordingEngine:
         out = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return out + ("<assistant>" if add_generation_prompt else ""), None
 
+    def chat_prompt(self, messages, tools=None, *, add_generation_prompt=True,
+                    template_kwargs=None, cache_after=None):
+        from kvshare.engine.api import RenderedChat
+
+        text, _ = self.apply_chat_template(messages, tools, add_generation_prompt)
+        return RenderedChat(self.tokenize(text, True, True))
+
     def submit(self, req: GenerationRequest) -> _Handle:
         self.requests.append(req)
         return _Handle(req)
@@ -435,11 +442,11 @@ def test_salt_scope(launcher):
         assert cached(ask(s, None, q, salt="team-a")) == 0
         assert cached(ask(s, None, q, salt="team-a")) > len(q) // 2
         assert cached(ask(s, None, q, salt="team-b")) == 0
-        held = s.tier("ram")
+        held = s.wait_ram_idle()
         assert held["entries"] > 0
         assert cached(ask(s, None, q + " And on Sundays?")) == 0
         # an unsalted request's blocks are not stored: nobody could match its one-off salt
-        assert s.tier("ram")["entries"] == held["entries"], (held, s.tier("ram"))
+        assert s.wait_ram_idle()["entries"] == held["entries"], (held, s.tier("ram"))
     finally:
         s.kill9()
 

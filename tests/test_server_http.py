@@ -16,7 +16,8 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from kvshare.engine.api import FinishEvent, GenerationRequest, Timings, TokenEvent, TokenLogprob
+from kvshare.engine.api import (FinishEvent, GenerationRequest, RenderedChat, RequestRejected,
+                               Timings, TokenEvent, TokenLogprob)
 from kvshare.server import cli
 from kvshare.server.app import create_app
 from kvshare.server.launcher import bind_socket, serve_app, socket_url
@@ -137,11 +138,26 @@ class FakeEngine:
             text += "<assistant>"
         return text, 3
 
+    def chat_prompt(self, messages, tools=None, *, add_generation_prompt=True,
+                    template_kwargs=None, cache_after=None) -> RenderedChat:
+        """As the engine does: render, tokenize once, one BOS (the template writes '<bos>' and
+        the tokenizer adds one: the same double BOS real templates give)."""
+        text, boundary = self.apply_chat_template(messages, tools, add_generation_prompt,
+                                                  **(template_kwargs or {}))
+        ids = self.tokenize(text, True, True)
+        if ids[:2] == [BOS, BOS]:
+            ids, boundary = ids[1:], boundary - 1
+        point = None
+        if cache_after is not None:
+            point = len(self.tokenize(text.split("\n")[0], True, True)) - 1 \
+                if cache_after == -1 else boundary
+        return RenderedChat(ids, boundary, point)
+
     def submit(self, req: GenerationRequest) -> FakeHandle:
         if self.submit_error is not None:
             raise self.submit_error
         if not req.prompt_tokens:
-            raise ValueError("empty prompt")
+            raise RequestRejected("empty prompt")
         self.requests.append(req)
         best = 0
         for old in self.seen:
@@ -610,10 +626,13 @@ def test_unknown_route_and_method(client):
     assert_error(client.get("/v1/chat/completions"), 405, code="method_not_allowed")
 
 
-def test_submit_value_error_is_400_and_crash_is_500(client, engine):
-    engine.submit_error = ValueError("prompt is longer than the context")
+def test_submit_rejection_is_400_with_its_code_and_crash_is_500(client, engine):
+    # the code comes from the engine's typed error, never from its message text
+    engine.submit_error = RequestRejected("too long for the pool", "context_length_exceeded")
     assert_error(client.post("/v1/chat/completions", json=CHAT), 400,
                  code="context_length_exceeded")
+    engine.submit_error = RequestRejected("the context is what it is", "invalid_request")
+    assert_error(client.post("/v1/chat/completions", json=CHAT), 400, code="invalid_request")
     engine.submit_error = RuntimeError("boom")
     err = assert_error(client.post("/v1/chat/completions", json=CHAT), 500)
     assert err["code"] == "internal_error"

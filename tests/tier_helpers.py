@@ -301,6 +301,19 @@ class Server:
     def tier(self, name: str) -> dict:
         return self.cache()["tiers"][name]
 
+    def wait_ram_idle(self, timeout: float = 60.0) -> dict:
+        """Until every finished request's blocks are in the RAM tier (the saver thread copies
+        them after the reply). Call it with no request in flight; see `wait_disk_idle`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            released = self.client.get("/slots").json() == []
+            r = self.tier("ram")
+            if released and r["saves_pending"] == 0:
+                return r
+            if time.monotonic() > deadline:
+                raise AssertionError(f"RAM tier saves still pending after {timeout} s: {r}")
+            time.sleep(0.02)
+
     def wait_disk_idle(self, timeout: float = 60.0) -> dict:
         """Until every finished request's entry is written (committed, skipped or dropped).
         Call it with no request in flight. No timing window: the engine hands a sequence's

@@ -35,6 +35,15 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
+class RequestRejected(ValueError):
+    """`Engine.submit` refused a request before queueing it; `code` says why
+    ("context_length_exceeded", "invalid_request") for the client's error."""
+
+    def __init__(self, message: str, code: str = "invalid_request"):
+        super().__init__(message)
+        self.code = code
+
+
 @dataclass(frozen=True)
 class RenderedChat:
     """A chat request rendered by the model's template and tokenized once (`Engine.chat_prompt`).

@@ -26,8 +26,8 @@ import numpy as np
 
 from kvshare import _core
 from kvshare.backend import set_cpu_threads
-from kvshare.engine.api import (FinishEvent, GenerationRequest, RenderedChat, Timings, TokenEvent,
-                               TokenLogprob)
+from kvshare.engine.api import (FinishEvent, GenerationRequest, RenderedChat, RequestRejected,
+                               Timings, TokenEvent, TokenLogprob)
 from kvshare.engine.cache_manager import CacheManager
 from kvshare.engine.checkpoints import CheckpointManager
 from kvshare.engine.faults import SequenceFault, injected, maybe_inject
@@ -270,19 +270,21 @@ class Engine:
     def submit(self, req: GenerationRequest) -> RequestHandle:
         n = len(req.prompt_tokens)
         if n == 0:
-            raise ValueError("the prompt is empty")
+            raise RequestRejected("the prompt is empty")
         if n >= self.ctx_size:
-            raise ValueError(f"the prompt has {n} tokens; the context holds {self.ctx_size}")
+            raise RequestRejected(f"the prompt has {n} tokens; the context holds {self.ctx_size}",
+                                  "context_length_exceeded")
         if req.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
+            raise RequestRejected("max_tokens must be at least 1")
         if not 1 <= req.n <= self.config.max_n:
-            raise ValueError(f"n must be between 1 and {self.config.max_n}, got {req.n}")
+            raise RequestRejected(f"n must be between 1 and {self.config.max_n}, got {req.n}")
         vocab = self.model.config.vocab_size
         if any((t < 0 or t >= vocab) for t in req.prompt_tokens):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab})", "invalid_token_id")
         if -(-(n + 1) // self.config.block_size) > self.n_blocks:
-            raise ValueError(f"the prompt has {n} tokens; the KV pool holds "
-                             f"{self.n_blocks * self.config.block_size} (context)")
+            raise RequestRejected(f"the prompt has {n} tokens; the KV pool holds "
+                                  f"{self.n_blocks * self.config.block_size} (context)",
+                                  "context_length_exceeded")
         rid = req.request_id or f"req-{next(self._ids)}"
         req.request_id = rid
         handle = RequestHandle(rid, self, n=req.n)

@@ -388,6 +388,8 @@ class TierManager:
         out: dict = {}
         if self.ram is not None:
             out["ram"] = {**self.ram.stats(), **vars(self.ram_counters)}
+            # saves handed over whose RAM copies are not all in yet
+            out["ram"]["saves_pending"] = sum(1 for fut, _ in list(self._saves) if not fut.done())
         if self.disk is not None:
             out["disk"] = {**self.disk.stats(), **vars(self.disk_counters)}
             # saves not yet handed to the writer count as queued writes

@@ -25,7 +25,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvshare.engine.api import FinishEvent, GenerationRequest, TokenEvent
+from kvshare.engine.api import (FinishEvent, GenerationRequest, RenderedChat, RequestRejected,
+                               TokenEvent)
 from kvshare.engine.faults import HEADER as FAULT_HEADER
 from kvshare.engine.faults import injection_enabled
 
@@ -36,6 +37,10 @@ from . import protocol as P
 from .chat_output import ChoiceOutput, OutputRules
 from .constraints import ToolCalls, compile_constraint, request_constraint
 from .errors import HTTP_CODES, APIError, bad_request, error_body
+from .anthropic import MessagesApi, count_tokens_request
+from .frontend import (ApiFormat, CachePoint, ChatRequest, FrontEnd, PromptInfo,
+                       RequestContext)
+from .responses import ResponsesApi, ResponseStore, owner_of
 from .limits import read_json
 from .metrics import ServerMetrics
 from .settings import ServerSettings
@@ -58,6 +63,21 @@ def route_path(scope: Scope) -> str:
     if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
         return path[len(root):] or "/"
     return path
+
+
+_ANTHROPIC_PATHS = frozenset({"/v1/messages", "/messages", "/v1/messages/count_tokens",
+                              "/messages/count_tokens"})
+_ANTHROPIC_ERRORS = MessagesApi()
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.rstrip("/") in _ANTHROPIC_PATHS
+
+
+def error_json(path: str, err: APIError) -> dict:
+    """An error body in the shape the API at `path` uses (Anthropic's on /v1/messages,
+    OpenAI's elsewhere)."""
+    return _ANTHROPIC_ERRORS.error_body(err) if is_anthropic_path(path) else err.body()
 
 
 class RootPathMiddleware:
@@ -97,7 +117,9 @@ class AuthMiddleware:
             return await self.app(dict(scope, state=state), receive, send)
         msg = ("Missing API key: send 'Authorization: Bearer <key>'" if given is None
                else "Invalid API key")
-        resp = JSONResponse(error_body(msg, code="invalid_api_key"), status_code=401,
+        err = APIError(401, msg, code="invalid_api_key", type="authentication_error"
+                       if is_anthropic_path(route_path(scope)) else None)
+        resp = JSONResponse(error_json(route_path(scope), err), status_code=401,
                             headers={"WWW-Authenticate": "Bearer"})
         await resp(scope, receive, send)
 
@@ -154,15 +176,53 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-class _Format:
-    """Builds one endpoint's response objects and stream chunks (every choice of a request:
-    events carry their choice's `index`)."""
+class _Format(ApiFormat):
+    """Builds one OpenAI endpoint's response objects and stream chunks (every choice of a
+    request: events carry their choice's `index`). A stream is `data: {chunk}` lines ending
+    with `data: [DONE]`; the very last choice's finish chunk is held back so that it can carry
+    the request's usage and timings."""
 
     object_full = object_chunk = ""
 
-    def __init__(self, rid: str, model: str, opts: P.CommonOptions):
-        self.rid, self.model, self.opts = rid, model, opts
+    def __init__(self, rid: str, model: str, opts: P.CommonOptions,
+                 rules: OutputRules | None = None, prompt: PromptInfo | None = None):
+        super().__init__(rid, model, opts, rules, prompt or PromptInfo(0))
         self.created = int(time.time())
+        self._held: dict | None = None
+
+    # ---- ApiFormat ---------------------------------------------------------------------
+    def stream_start(self) -> list[bytes]:
+        return [_sse(c) for c in self.start_chunks()]
+
+    def stream_token(self, ev: TokenEvent) -> list[bytes]:
+        return [_sse(c) for c in self.token_chunks(ev)]
+
+    def stream_finish(self, fin: FinishEvent) -> list[bytes]:
+        chunks = self.finish_chunks(fin)
+        out = [_sse(c) for c in chunks[:-1]]
+        if self._held is not None:
+            out.append(_sse(self._held))
+        self._held = chunks[-1]
+        return out
+
+    def stream_end(self, total: FinishEvent) -> list[bytes]:
+        out = [_sse(self.final_extras(total, self._held))] if self._held is not None else []
+        if self.opts.include_usage:
+            out.append(_sse(self.usage_chunk(total)))
+        return [*out, b"data: [DONE]\n\n"]
+
+    def stream_error(self, err: APIError) -> list[bytes]:
+        return [_sse(err.body()), b"data: [DONE]\n\n"]
+
+    # ---- chunks --------------------------------------------------------------------------
+    def start_chunks(self) -> list[dict]:
+        return []
+
+    def token_chunks(self, ev: TokenEvent) -> list[dict]:
+        raise NotImplementedError
+
+    def finish_chunks(self, fin: FinishEvent) -> list[dict]:
+        raise NotImplementedError
 
     def _base(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
@@ -194,9 +254,8 @@ class ChatFormat(_Format):
     object_full, object_chunk = "chat.completion", "chat.completion.chunk"
 
     def __init__(self, rid: str, model: str, opts: P.CommonOptions,
-                 rules: OutputRules | None = None):
-        super().__init__(rid, model, opts)
-        self.rules = rules or OutputRules()
+                 rules: OutputRules | None = None, prompt: PromptInfo | None = None):
+        super().__init__(rid, model, opts, rules, prompt)
         self._outputs: dict[int, ChoiceOutput] = {}
 
     def _out(self, index: int) -> ChoiceOutput:
@@ -240,6 +299,26 @@ class ChatFormat(_Format):
         message, calls = ChoiceOutput.message(self.rules, text)
         return {"index": i, "message": message, "logprobs": logprobs,
                 "finish_reason": P.finish_reason(fin, calls)}
+
+
+class ChatCompletionsApi:
+    """`/v1/chat/completions` as a front end (frontend.FrontEnd)."""
+
+    endpoint, id_prefix = "chat", "chatcmpl-"
+
+    def parse(self, body: dict, ctx: RequestContext) -> ChatRequest:
+        model = P.requested_model(body, ctx.model_name)
+        opts = P.parse_common(body, ctx_size=ctx.ctx_size, chat=True, max_n=ctx.max_n,
+                              vocab_size=ctx.vocab_size)
+        output = P.parse_output_constraint(body, chat=True)
+        return ChatRequest(chat=P.parse_chat(body), opts=opts, output=output, model=model)
+
+    def make_format(self, rid: str, req: ChatRequest, rules: OutputRules | None,
+                    prompt: PromptInfo) -> ApiFormat:
+        return ChatFormat(rid, req.model, req.opts, rules, prompt)
+
+    def error_body(self, err: APIError) -> dict:
+        return err.body()
 
 
 class CompletionFormat(_Format):
@@ -314,7 +393,6 @@ class KVShareServer:
         self.shutting_down = False
         self.started = int(time.time())
         self.active: dict[str, Any] = {}  # request id -> RequestHandle
-        self._bos: int | None | bool = False  # False: not probed yet
         self.bounds = limits.PromptBounds(engine)  # prompts too long to fit, untokenized
         self.edge = limits.EdgeLimits.from_settings(settings)
         # cache scope, API keys, public prefixes (tokenized here; TenancyError when bad)
@@ -324,6 +402,11 @@ class KVShareServer:
         self.tenant_metrics = TenantMetrics(self.metrics.registry, self.tenancy.keyring)
         self.fault_injection = injection_enabled()  # tests only: honour X-Kvshare-Fault
         self.max_n = getattr(getattr(engine, "config", None), "max_n", 8)
+        # the chat APIs (frontend.FrontEnd): one pipeline, three request and response shapes
+        self.response_store = ResponseStore(ttl_s=settings.response_ttl_s)
+        self.apis: dict[str, FrontEnd] = {
+            "chat": ChatCompletionsApi(), "messages": MessagesApi(),
+            "responses": ResponsesApi(self.response_store)}
         # the model's tool-call format (kvshare.toolcalls); None for an engine without a
         # chat template (test fakes)
         template = getattr(engine, "chat_template", None)
@@ -346,15 +429,6 @@ class KVShareServer:
         v = getattr(self.engine, "vocab_size", None)
         return v if isinstance(v, int) else None
 
-    def _bos_id(self) -> int | None:
-        if self._bos is False:
-            try:
-                ids = self.engine.tokenize("", add_special=True, parse_special=True)
-                self._bos = ids[0] if len(ids) == 1 else None
-            except Exception:
-                self._bos = None
-        return self._bos  # type: ignore[return-value]
-
     def _opens_reasoning(self, tokens: list[int]) -> bool:
         """Whether the prompt ends inside a <think> block the template opened (the reply
         starts with reasoning)."""
@@ -362,18 +436,22 @@ class KVShareServer:
             return False
         return prompt_opens_reasoning(self.engine.detokenize(tokens[-8:]))
 
-    def _bounded_chat_tokens(self, chat: P.ChatInput,
-                             body_bytes: int) -> tuple[list[int], int | None]:
-        """`_chat_tokens`, after the no-tokenization context check (limits.PromptBounds)."""
+    def _render_chat(self, chat: P.ChatInput, body_bytes: int,
+                     cache_point: CachePoint | None = None) -> RenderedChat:
+        """The chat as final token ids (rendered and tokenized once, by the engine), after the
+        no-tokenization context check (limits.PromptBounds); template errors are 400s."""
         self.bounds.check_chat(chat, self.engine.ctx_size, body_bytes)
-        return self._chat_tokens(chat)
+        return self._chat_prompt(chat, cache_point)
 
-    def _chat_tokens(self, chat: P.ChatInput) -> tuple[list[int], int | None]:
+    def _chat_prompt(self, chat: P.ChatInput,
+                     cache_point: CachePoint | None = None) -> RenderedChat:
         kwargs = dict(chat.template_kwargs)
         agp = kwargs.pop("add_generation_prompt", True)
         try:
-            text, boundary = self.engine.apply_chat_template(
-                chat.messages, tools=chat.tools, add_generation_prompt=bool(agp), **kwargs)
+            return self.engine.chat_prompt(
+                chat.messages, P.template_tools(chat.tools), add_generation_prompt=bool(agp),
+                template_kwargs=kwargs,
+                cache_after=cache_point.message if cache_point is not None else None)
         except APIError:
             raise
         except (ValueError, TypeError) as e:
@@ -383,73 +461,98 @@ class KVShareServer:
                 raise bad_request(f"chat template error: {e}", "messages",
                                   "invalid_messages") from None
             raise
-        tokens = self.engine.tokenize(text, add_special=True, parse_special=True)
-        bos = self._bos_id()
-        # A template that renders the BOS text itself plus the tokenizer's BOS would give two.
-        if bos is not None and len(tokens) >= 2 and tokens[0] == bos and tokens[1] == bos:
-            tokens = tokens[1:]
-            if boundary:
-                boundary -= 1
-        return tokens, boundary
+
+    def _chat_tokens(self, chat: P.ChatInput) -> tuple[list[int], int | None]:
+        r = self._chat_prompt(chat)
+        return r.tokens, r.first_user_boundary
+
+    def request_context(self, request: Request) -> RequestContext:
+        tenant: Tenant | None = (request.scope.get("state") or {}).get("tenant")
+        return RequestContext(
+            model_name=self.engine.model_name, ctx_size=self.engine.ctx_size,
+            vocab_size=self.vocab_size, max_n=self.max_n, tenant=tenant,
+            tenant_id=tenant.ident.hex() if tenant is not None else "")
 
     # ------------------------------------------------------------------ completions
     async def chat(self, request: Request) -> Response:
-        return await self._generate(request, "chat")
+        return await self._generate(request, self.apis["chat"])
+
+    async def messages(self, request: Request) -> Response:
+        return await self._generate(request, self.apis["messages"])
+
+    async def responses(self, request: Request) -> Response:
+        return await self._generate(request, self.apis["responses"])
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, "completions")
+        return await self._generate(request, None)
 
-    async def _generate(self, request: Request, endpoint: str) -> Response:
-        chat = endpoint == "chat"
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        tenant: Tenant | None = (request.scope.get("state") or {}).get("tenant")
+    async def _completion_prompt(self, request: Request, body: dict,
+                                 heavy: bool) -> tuple[list[int], str]:
+        """/v1/completions: the prompt's token ids and the echo text."""
+        comp = P.parse_completion(body, self.vocab_size)
+        echo_text = ""
+        if comp.tokens is not None:
+            tokens = list(comp.tokens)
+            if comp.echo:
+                echo_text = await run_in_threadpool(self.engine.detokenize, tokens)
+        else:
+            self.bounds.check_text(len(comp.text), self.engine.ctx_size, "prompt")
+            tokens = await limits.run_heavy(request, heavy, self.engine.tokenize,
+                                            comp.text, True, True)
+            if comp.echo:
+                echo_text = comp.text or ""
+        return tokens, echo_text
+
+    async def _generate(self, request: Request, api: FrontEnd | None) -> Response:
+        """One generation request through any API: parse (the front end), render and tokenize
+        once, compile the constraint, submit, then stream or collect through the front end's
+        format. `api` None: the legacy /v1/completions (a prompt, not a chat)."""
+        endpoint = api.endpoint if api is not None else "completions"
+        rid = (api.id_prefix if api is not None else "cmpl-") + uuid.uuid4().hex[:24]
+        ctx = self.request_context(request)
+        tenant = ctx.tenant
         rec = RequestRecord(id=rid, endpoint=endpoint,
                             tenant=tenant.name if tenant is not None else None)
+        error_body_of = api.error_body if api is not None else APIError.body
         self.metrics.in_flight.inc()
         handed_off = False
         try:
             if self.shutting_down:
                 raise APIError(503, "The server is shutting down", code="service_unavailable")
             body = await read_json(request, self.settings)
-            model = P.requested_model(body, self.engine.model_name)
-            ctx = self.engine.ctx_size
-            opts = P.parse_common(body, ctx_size=ctx, chat=chat, max_n=self.max_n,
-                                  vocab_size=self.vocab_size)
-            rec.stream = opts.stream
-            boundary = None
-            echo_text = ""
-            chat_in = None
             heavy = limits.body_size(request) > limits.HEAVY_BYTES
-            output_c = P.parse_output_constraint(body, chat=chat)
-            if chat:
-                chat_in = P.parse_chat(body)
-                tokens, boundary = await limits.run_heavy(
-                    request, heavy, self._bounded_chat_tokens, chat_in,
-                    limits.body_size(request))
-                param = "messages"
+            ctx_size = self.engine.ctx_size
+            creq: ChatRequest | None = None
+            boundary = cache_point = None
+            echo_text = ""
+            if api is not None:
+                creq = api.parse(body, ctx)
+                opts, model, param = creq.opts, creq.model or ctx.model_name, "messages"
+                output_c = creq.output
+                rec.stream = opts.stream
+                rendered = await limits.run_heavy(request, heavy, self._render_chat, creq.chat,
+                                                  limits.body_size(request), creq.cache_point)
+                tokens, boundary = rendered.tokens, rendered.first_user_boundary
+                cache_point = rendered.cache_point
             else:
-                comp = P.parse_completion(body, self.vocab_size)
+                model = P.requested_model(body, self.engine.model_name)
+                opts = P.parse_common(body, ctx_size=ctx_size, chat=False, max_n=self.max_n,
+                                      vocab_size=self.vocab_size)
+                rec.stream = opts.stream
+                output_c = P.parse_output_constraint(body, chat=False)
+                tokens, echo_text = await self._completion_prompt(request, body, heavy)
                 param = "prompt"
-                if comp.tokens is not None:
-                    tokens = list(comp.tokens)
-                    if comp.echo:
-                        echo_text = await run_in_threadpool(self.engine.detokenize, tokens)
-                else:
-                    self.bounds.check_text(len(comp.text), ctx, param)
-                    tokens = await limits.run_heavy(request, heavy, self.engine.tokenize,
-                                                    comp.text, True, True)
-                    if comp.echo:
-                        echo_text = comp.text or ""
             limits.release_body(request)  # parsed and tokenized: the body budget goes back
             rec.prompt_tokens = n = len(tokens)
             if n == 0:
                 raise bad_request("the prompt is empty", param)
-            if n >= ctx:
+            if n >= ctx_size:
                 raise bad_request(
-                    f"This model's maximum context length is {ctx} tokens, but the prompt has "
-                    f"{n} tokens (at least one token must be left for the completion)", param,
-                    "context_length_exceeded")
-            max_tokens = min(opts.max_tokens or ctx, ctx - n)
+                    f"This model's maximum context length is {ctx_size} tokens, but the prompt "
+                    f"has {n} tokens (at least one token must be left for the completion)",
+                    param, "context_length_exceeded")
+            max_tokens = min(opts.max_tokens or ctx_size, ctx_size - n)
+            chat_in = creq.chat if creq is not None else None
             rules = None
             if chat_in is not None and self.tool_calls is not None:
                 rules = self.tool_calls.rules(chat_in, self._opens_reasoning(tokens))
@@ -465,17 +568,21 @@ class KVShareServer:
                 cache_salt=self.tenancy.salt(tenant, opts.cache_salt),
                 cache_store=self.tenancy.stores(opts.cache_salt),
                 public_prefix_tokens=self.tenancy.public_prefix_tokens(tokens),
-                first_user_boundary=boundary, request_id=rid, n=opts.n, grammar=grammar,
+                first_user_boundary=boundary, cache_point=cache_point, request_id=rid,
+                n=opts.n, grammar=grammar,
                 special_text=(rules is not None and rules.tool_format is not None
                               and self.tool_calls.name in ToolCalls.SPECIAL_MARKERS),
                 fault=request.headers.get(FAULT_HEADER) if self.fault_injection else None)
-            fmt = (ChatFormat(rid, model, opts, rules) if chat
-                   else CompletionFormat(rid, model, opts, echo_text))
+            if api is not None:
+                bs = self.block_size
+                pinned = cache_point - cache_point % bs if cache_point else 0
+                fmt: ApiFormat = api.make_format(rid, creq, rules, PromptInfo(n, pinned))
+            else:
+                fmt = CompletionFormat(rid, model, opts, echo_text)
             try:
                 handle = self.engine.submit(greq)
-            except ValueError as e:
-                code = "context_length_exceeded" if "context" in str(e).lower() else None
-                raise bad_request(str(e), param, code) from None
+            except RequestRejected as e:
+                raise bad_request(str(e), param, e.code) from None
             self.active[rid] = handle
             if opts.stream:
                 handed_off = True
@@ -484,25 +591,31 @@ class KVShareServer:
                     self._close(rec, handle)
                     self._finish_record(rec)
 
-                return SSEResponse(self._stream(handle, fmt, opts, rec), on_close)
+                return SSEResponse(self._stream(handle, fmt, rec), on_close)
             try:
                 return await self._collect(request, handle, fmt, rec)
             finally:
                 self._close(rec, handle)
         except APIError as e:
             rec.status, rec.error = e.status, e.message
-            return e.response()
+            return JSONResponse(error_body_of(e), status_code=e.status, headers=e.headers)
         except ClientDisconnect:
             rec.status, rec.error = 499, "client disconnected"
             return Response(status_code=400)
         except Exception as e:  # noqa: BLE001
             log.exception("request %s failed", rid)
             rec.status, rec.error = 500, f"{type(e).__name__}: {e}"
-            return APIError(500, f"Internal server error ({type(e).__name__}); see the server "
-                                 f"log for request {rid}", code="internal_error").response()
+            err = APIError(500, f"Internal server error ({type(e).__name__}); see the server "
+                                f"log for request {rid}", code="internal_error")
+            return JSONResponse(error_body_of(err), status_code=500)
         finally:
             if not handed_off:
                 self._finish_record(rec)
+
+    @property
+    def block_size(self) -> int:
+        bs = getattr(getattr(self.engine, "config", None), "block_size", None)
+        return bs if isinstance(bs, int) and bs > 0 else 1
 
     def _close(self, rec: RequestRecord, handle) -> None:
         """Idempotent end of a submitted request: cancel it if it is still running."""
@@ -527,7 +640,7 @@ class KVShareServer:
                 m.ttft.observe(fin.time_to_first_token_s)
         request_log.info(json.dumps(rec.as_log(), separators=(",", ":")))
 
-    async def _collect(self, request: Request, handle, fmt: _Format,
+    async def _collect(self, request: Request, handle, fmt: ApiFormat,
                        rec: RequestRecord) -> Response:
         disconnected = asyncio.Event()
 
@@ -582,13 +695,11 @@ class KVShareServer:
             raise APIError(503, "the request was cancelled (the server is shutting down)",
                            code="cancelled")
 
-    async def _stream(self, handle, fmt: _Format, opts: P.CommonOptions,
-                      rec: RequestRecord) -> AsyncIterator[bytes]:
+    async def _stream(self, handle, fmt: ApiFormat, rec: RequestRecord) -> AsyncIterator[bytes]:
         try:
-            for c in fmt.start_chunks():
-                yield _sse(c)
+            for c in fmt.stream_start():
+                yield c
             fins: list[FinishEvent] = []
-            last: dict | None = None
             failed: FinishEvent | None = None
             async for ev in handle:
                 if isinstance(ev, FinishEvent):
@@ -596,15 +707,11 @@ class KVShareServer:
                         failed = ev
                         break
                     fins.append(ev)
-                    chunks = fmt.finish_chunks(ev)
-                    for c in chunks[:-1]:
-                        yield _sse(c)
-                    if last is not None:
-                        yield _sse(last)
-                    last = chunks[-1]  # held: the very last one carries usage and timings
+                    for c in fmt.stream_finish(ev):
+                        yield c
                     continue
-                for c in fmt.token_chunks(ev):
-                    yield _sse(c)
+                for c in fmt.stream_token(ev):
+                    yield c
             rec.finish = failed or (P.merge_finishes(fins) if fins else None)
             if rec.finish is None:
                 raise RuntimeError("the engine ended the request without a FinishEvent")
@@ -612,20 +719,51 @@ class KVShareServer:
                 self._check_finish(rec.finish)
             except APIError as e:
                 rec.status, rec.error = e.status, e.message
-                yield _sse(e.body())
+                for c in fmt.stream_error(e):
+                    yield c
             else:
-                yield _sse(fmt.final_extras(rec.finish, last))
-                if opts.include_usage:
-                    yield _sse(fmt.usage_chunk(rec.finish))
-            yield b"data: [DONE]\n\n"
+                for c in fmt.stream_end(rec.finish):
+                    yield c
         except Exception as e:  # noqa: BLE001 - report in-band, the status line is gone
             log.exception("stream %s failed", rec.id)
             rec.status, rec.error = 500, f"{type(e).__name__}: {e}"
-            yield _sse(error_body(f"Internal server error ({type(e).__name__})",
-                                  type="server_error", code="internal_error"))
-            yield b"data: [DONE]\n\n"
+            err = APIError(500, f"Internal server error ({type(e).__name__})",
+                           code="internal_error")
+            for c in fmt.stream_error(err):
+                yield c
 
     # ------------------------------------------------------------------ other endpoints
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic `/v1/messages/count_tokens`: the prompt's tokens as `/v1/messages` would
+        render them."""
+        api = self.apis["messages"]
+        try:
+            body = await read_json(request, self.settings)
+            creq = count_tokens_request(body, self.request_context(request))
+            heavy = limits.body_size(request) > limits.HEAVY_BYTES
+            rendered = await limits.run_heavy(request, heavy, self._render_chat, creq.chat,
+                                              limits.body_size(request))
+            return JSONResponse({"input_tokens": len(rendered.tokens)})
+        except APIError as e:
+            return JSONResponse(api.error_body(e), status_code=e.status, headers=e.headers)
+
+    def _response_owner(self, request: Request) -> str:
+        return owner_of(self.request_context(request), request.query_params.get("cache_salt"))
+
+    async def get_response(self, request: Request) -> Response:
+        try:
+            return JSONResponse(self.apis["responses"].get_response(
+                request.path_params["response_id"], self._response_owner(request)))
+        except APIError as e:
+            return e.response()
+
+    async def delete_response(self, request: Request) -> Response:
+        try:
+            return JSONResponse(self.apis["responses"].delete_response(
+                request.path_params["response_id"], self._response_owner(request)))
+        except APIError as e:
+            return e.response()
+
     async def models(self, request: Request) -> Response:
         e = self.engine
         names = self.settings.aliases or [e.model_name]
@@ -724,9 +862,9 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         msg = f"Not found: {request.method} {request.url.path}"
     elif status == 405:
         msg = f"Method {request.method} not allowed on {request.url.path}"
-    return JSONResponse(error_body(msg, type="invalid_request_error" if status < 500
-                                   else "server_error", code=HTTP_CODES.get(status)),
-                        status_code=status, headers=exc.headers)
+    err = APIError(status, msg, code=HTTP_CODES.get(status))
+    return JSONResponse(error_json(route_path(request.scope), err), status_code=status,
+                        headers=exc.headers)
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
@@ -765,6 +903,11 @@ def create_app(engine, settings: ServerSettings | None = None, *,
     routes = [
         *both("/chat/completions", srv.chat, ["POST"]),
         *both("/completions", srv.completions, ["POST"]),
+        *both("/messages", srv.messages, ["POST"]),
+        *both("/messages/count_tokens", srv.count_tokens, ["POST"]),
+        *both("/responses", srv.responses, ["POST"]),
+        *both("/responses/{response_id}", srv.get_response, ["GET"]),
+        *both("/responses/{response_id}", srv.delete_response, ["DELETE"]),
         *both("/models", srv.models, ["GET"]),
         *both("/health", srv.health, ["GET"]),
         Route("/metrics", srv.metrics_endpoint, methods=["GET"]),

@@ -122,7 +122,8 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--cache-dir", str, None, "directory of the crash-safe disk tier (default: off)"),
     ("--cache-disk-max", _positive_int, None, "disk tier budget in MiB (default 10240)"),
     ("--cache-ttl", _non_negative_float, None,
-     "seconds a disk entry lives unused (default 259200 = 3 days; 0: no limit)"),
+     "seconds a disk entry lives unused, and a stored Responses API response lives "
+     "(default 259200 = 3 days; 0: no limit)"),
     ("--cache-min-tokens", _non_negative_int, None, "shortest prompt written to disk (default 256)"),
     ("--checkpoint-min-step", _positive_int, None,
      "hybrid models: a state checkpoint every N prompt tokens (default 1024)"),
@@ -513,7 +514,9 @@ def serve(args: argparse.Namespace) -> int:
                               tool_parser=args.tool_parser,
                               max_body_bytes=args.max_body_mib * 1024 * 1024,
                               body_timeout=args.body_timeout,
-                              max_connections=args.max_connections, **tenancy_kw)
+                              max_connections=args.max_connections,
+                              **({} if args.cache_ttl is None
+                                 else {"response_ttl_s": args.cache_ttl}), **tenancy_kw)
     raise_fd_limit(args.max_connections + 256)  # a descriptor per connection, and files
 
     def ready() -> None:

@@ -12,7 +12,7 @@ Three chat APIs share one engine: OpenAI chat completions (`app.py`), Anthropic 
    object and stream events.
 
 The pipeline (`KVShareServer._run_chat`) renders and tokenizes the chat once
-(`EngineClient.chat_prompt`), compiles the constraint, submits, and drives the format. Errors are
+(`EngineClient.chat_prompt` -> `engine.api.RenderedChat`), compiles the constraint, submits, and drives the format. Errors are
 `errors.APIError` everywhere (typed, carrying status and code); each front end renders them in
 its own error shape (`ApiFormat.error_body` / `FrontEnd.error_body`).
 """
@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvshare.engine.api import FinishEvent, GenerationRequest, TokenEvent
+from kvshare.engine.api import FinishEvent, GenerationRequest, RenderedChat, TokenEvent
 
 from . import protocol as P
 from .chat_output import OutputRules
@@ -31,20 +31,6 @@ from .errors import APIError
 
 
 # --------------------------------------------------------------------------- engine side
-
-@dataclass(frozen=True)
-class ChatPrompt:
-    """A chat request rendered by the model's template and tokenized once.
-
-    `first_user_boundary`: token position where the first user message starts (hybrid
-    checkpoints and the pinned prefix entry), or None. `cache_point`: token position of the
-    request's last cache breakpoint (Anthropic `cache_control`, a stored Responses conversation),
-    or None; the full KV blocks before it are pinned in the RAM tier and written to disk."""
-
-    tokens: list[int]
-    first_user_boundary: int | None = None
-    cache_point: int | None = None
-
 
 class EngineClient(Protocol):
     """What the API layers need from the engine (kvshare.engine.Engine implements it; tests
@@ -55,7 +41,7 @@ class EngineClient(Protocol):
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None, *,
                     add_generation_prompt: bool, template_kwargs: dict,
-                    cache_after: int | None) -> ChatPrompt: ...
+                    cache_after: int | None) -> RenderedChat: ...
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]: ...
 

@@ -56,6 +56,15 @@ def get_int(body: dict, name: str, default: int | None = None, *, lo: int | None
     return v
 
 
+def get_seed(body: dict, name: str = "seed") -> int | None:
+    """A sampling seed: any 64-bit integer (negative ones wrap, as a uint64 cast would);
+    -1 means random (llama-server)."""
+    seed = get_int(body, name, lo=-(2**63), hi=2**64 - 1)
+    if seed is None or seed == -1:
+        return None
+    return seed % 2**64
+
+
 def get_float(body: dict, name: str, default: float | None = None, *, lo: float | None = None,
               hi: float | None = None, lo_open: bool = False) -> float | None:
     v = body.get(name)
@@ -210,9 +219,7 @@ def parse_common(body: dict, *, ctx_size: int, chat: bool, max_n: int = 8,
 
     # sampling --------------------------------------------------------------------------
     top_k = get_int(body, "top_k", 0, lo=-1)
-    seed = get_int(body, "seed")
-    if seed is not None and seed == -1:
-        seed = None  # llama-server: -1 = random
+    seed = get_seed(body)
     rep_name = "repeat_penalty" if body.get("repeat_penalty") is not None else "repetition_penalty"
     last_n_name = "repeat_last_n" if body.get("repeat_last_n") is not None else "penalty_last_n"
     last_n = get_int(body, last_n_name, 64, lo=-1)
@@ -460,8 +467,9 @@ _TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWX
 def _parse_tools(tools: Any) -> list[dict] | None:
     """OpenAI `tools`: function tools with a name (letters, digits, _ - ., at most 64, as
     OpenAI requires), an optional description and a `parameters` JSON schema object.
-    Returned normalized (`type` and `parameters` filled in) so equal tool lists render equal
-    prompts (the shared prefix)."""
+    Returned normalized (`type` and `parameters` filled in, keys in one order, unknown keys
+    dropped) so equal tool lists render equal prompts (the shared prefix) whichever API or
+    client sent them."""
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -496,9 +504,27 @@ def _parse_tools(tools: Any) -> list[dict] | None:
         strict = fn.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise bad_request(f"'tools[{j}].function.strict' must be a boolean", "tools")
-        norm = {"type": "function", "function": {**fn, "parameters": params}}
+        # canonical key order, unknown keys dropped: the same tool sent through any API (or
+        # by clients that order keys differently) renders the same tokens
+        norm_fn: dict = {"name": name}
+        if desc is not None:
+            norm_fn["description"] = desc
+        norm_fn["parameters"] = params
+        if strict is not None:
+            norm_fn["strict"] = strict
+        norm = {"type": "function", "function": norm_fn}
         out.append(norm)
     return out or None
+
+
+def template_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Tools as the chat template sees them: `strict` is the server's business (whether the
+    arguments are enforced by a grammar), not the model's, and leaving it out keeps the
+    rendered prefix the same whichever API or client flag sent the tools."""
+    if not tools:
+        return tools
+    return [{**t, "function": {k: v for k, v in t["function"].items() if k != "strict"}}
+            for t in tools]
 
 
 def _parse_tool_choice(tc: Any, tools: list[dict] | None) -> str:

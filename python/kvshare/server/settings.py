@@ -43,5 +43,8 @@ class ServerSettings:
     # Tool-call format (kvshare.toolcalls: hermes, qwen35, lfm2, llama3); None: detected from
     # the model's chat template.
     tool_parser: str | None = None
+    # Seconds a stored Responses API response (`store`, `previous_response_id`) lives
+    # (`--cache-ttl`); None or 0: until evicted by count.
+    response_ttl_s: float | None = 259200.0
     # Request bodies over 1 MiB buffered at once, all requests together; more wait unread.
     body_budget_bytes: int = 256 * 1024 * 1024
