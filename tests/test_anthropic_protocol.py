@@ -549,14 +549,38 @@ def test_stream_and_whole_agree(text, parallel):
     assert all(b.text.strip() for b in whole.content if b.type == "text")
 
 
-def test_text_after_a_call_streams_as_its_own_block():
-    fmt = make_format(tool_rules(), tools=[WEATHER])
-    fin = finish()
-    streamed, _ = sdk_stream(stream_bytes(fmt, "A " + CALL + " B", fin))
-    assert [b["type"] for b in blocks_of(streamed)] == ["text", "tool_use", "text"]
-    whole = make_format(tool_rules(), tools=[WEATHER]).response({0: ("A " + CALL + " B", [],
-                                                                     fin)}, fin)
-    assert [b["type"] for b in whole["content"]] == ["text", "tool_use"]
+@pytest.mark.parametrize("parallel", [True, False])
+def test_text_after_a_call_is_a_block_after_it(parallel):
+    """Blocks keep the order the model wrote them, streamed or whole: text after a call (here
+    a second call cut off by max_tokens, which stays text) is a text block after the call."""
+    rules = tool_rules(parallel_tool_calls=parallel)
+    for text in ["A " + CALL + " B", CALL + "\n" + CALL[:30]]:
+        fin = finish("length")
+        whole = sdk_whole(make_format(rules, tools=[WEATHER]).response({0: (text, [], fin)},
+                                                                       fin))
+        assert [b.type for b in whole.content][-2:] == ["tool_use", "text"]
+        assert whole.stop_reason == "tool_use"
+        for seed in [None, 1]:
+            rng = random.Random(seed) if seed is not None else None
+            streamed, _ = sdk_stream(stream_bytes(make_format(rules, tools=[WEATHER]), text,
+                                                  fin, rng))
+            assert blocks_of(streamed) == blocks_of(whole)
+
+
+def test_call_cut_off_inside_its_arguments():
+    """The one difference: a stream has announced the call before it breaks (partial input);
+    the whole reply leaves it out. Both carry its markup as text; stop_reason max_tokens."""
+    text = "Sure. " + CALL[:60]
+    fin = finish("length")
+    whole = sdk_whole(make_format(tool_rules(), tools=[WEATHER]).response({0: (text, [], fin)},
+                                                                          fin))
+    assert blocks_of(whole) == [{"type": "text", "text": text}]
+    assert whole.stop_reason == "max_tokens"
+    streamed, _ = sdk_stream(stream_bytes(make_format(tool_rules(), tools=[WEATHER]), text, fin,
+                                          random.Random(2)))
+    assert streamed.stop_reason == "max_tokens"
+    uses = [b for b in streamed.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].input in ({}, {"city": "P"})  # jiter partial mode
 
 
 def test_stop_reasons():

@@ -39,9 +39,11 @@ Output:
   `thinking.type` "enabled"/"adaptive" also sets the template's `enable_thinking` to true,
   "disabled" sets it to false.
 - Whitespace-only text is never a block (the API refuses such blocks when they are sent back).
-- A streamed reply and the whole one have the same blocks, except that text following a tool
-  call streams as its own text block after the call, while the whole reply joins all its text
-  in one block before the calls.
+- Blocks come in the order the model wrote them (text after a call is a text block after the
+  tool_use block), streamed or not: both are read by the same reader (`MessagesFormat`). One
+  difference remains: a call cut off inside its arguments (max_tokens) has been announced by
+  the time a stream learns it is broken, so the stream keeps its tool_use block (partial input),
+  while the whole reply leaves it out; in both its markup follows as text.
 - `usage`: the prompt is `input_tokens + cache_creation_input_tokens + cache_read_input_tokens`:
   read = prompt tokens reused from the cache, creation = the tokens up to the breakpoint that
   this request computed and pinned, input = the rest. `message_start` carries the whole prompt
@@ -599,14 +601,20 @@ def usage(total: FinishEvent, prompt: PromptInfo) -> dict:
 
 
 class MessagesFormat(ApiFormat):
-    """One request's `message` object or Messages stream (one choice: Anthropic has no `n`)."""
+    """One request's `message` object or Messages stream (one choice: Anthropic has no `n`).
+
+    Both are built by one reader of the reply (`_events`: `ChoiceOutput` deltas -> content
+    blocks), fed token by token when streaming and the whole text at once otherwise, so a
+    streamed reply and the whole one have the same blocks in the same order (ChoiceOutput
+    decides from the text so far, never from where a chunk ended)."""
 
     def __init__(self, rid: str, model: str, opts: P.CommonOptions, rules: OutputRules | None,
                  prompt: PromptInfo, *, thinking: bool = False):
         super().__init__(rid, model, opts, rules, prompt)
         self.thinking = thinking
         self._out = ChoiceOutput(self.rules)
-        self._n_blocks = 0
+        self._blocks: list[dict] = []  # the content so far (tool_use: "input" filled at the end)
+        self._args: dict[int, str] = {}  # block index -> a tool_use's arguments text so far
         self._open: tuple[int, str] | None = None  # (index, type) of the open block
         self._calls: dict[int, int] = {}  # OpenAI call index -> block index
         self._ws = ""  # leading whitespace of a text run, held until non-blank text
@@ -633,33 +641,7 @@ class MessagesFormat(ApiFormat):
     def error_body(self, err: APIError) -> dict:
         return anthropic_error(err)
 
-    # ---- whole
-    def response(self, choices: dict[int, tuple[str, list[TokenEvent], FinishEvent]],
-                 total: FinishEvent) -> dict:
-        text, _events, fin = choices[min(choices)]
-        msg, calls = ChoiceOutput.message(self.rules, text)
-        content: list[dict] = []
-        if self.thinking and msg.get("reasoning_content"):
-            content.append({"type": "thinking", "thinking": msg["reasoning_content"],
-                            "signature": ""})
-        body = msg.get("content") or ""
-        if body.strip():
-            content.append({"type": "text", "text": body})
-        for c in msg.get("tool_calls") or []:
-            content.append({"type": "tool_use", "id": tool_use_id(c.get("id")),
-                            "name": c["function"]["name"],
-                            "input": tool_input(c["function"].get("arguments"))})
-        reason, seq = self.stop(fin, calls)
-        return self._message(content, reason, seq, usage(total, self.prompt))
-
-    # ---- stream
-    def stream_start(self) -> list[bytes]:
-        start = self._message([], None, None, {
-            "input_tokens": self.prompt.n_tokens, "output_tokens": 0,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0})
-        return [sse_event("message_start", {"type": "message_start", "message": start}),
-                sse_event("ping", {"type": "ping"})]
-
+    # ---- the reader: ChoiceOutput deltas -> blocks (and their stream events)
     def _close(self) -> list[bytes]:
         if self._open is None:
             return []
@@ -669,8 +651,8 @@ class MessagesFormat(ApiFormat):
 
     def _start(self, block: dict) -> list[bytes]:
         out = self._close()
-        index = self._n_blocks
-        self._n_blocks += 1
+        index = len(self._blocks)
+        self._blocks.append(dict(block))
         self._open = (index, block["type"])
         out.append(sse_event("content_block_start", {"type": "content_block_start",
                                                      "index": index, "content_block": block}))
@@ -688,7 +670,9 @@ class MessagesFormat(ApiFormat):
             if r and self.thinking:
                 if self._open is None or self._open[1] != "thinking":
                     out += self._start({"type": "thinking", "thinking": "", "signature": ""})
-                out.append(self._delta(self._open[0], {"type": "thinking_delta", "thinking": r}))
+                index = self._open[0]
+                self._blocks[index]["thinking"] += r
+                out.append(self._delta(index, {"type": "thinking_delta", "thinking": r}))
             text = d.get("content")
             if text:
                 if self._open is None or self._open[1] != "text":
@@ -699,7 +683,9 @@ class MessagesFormat(ApiFormat):
                         text, self._ws = self._ws + text, ""
                         out += self._start({"type": "text", "text": ""})
                 if text:
-                    out.append(self._delta(self._open[0], {"type": "text_delta", "text": text}))
+                    index = self._open[0]
+                    self._blocks[index]["text"] += text
+                    out.append(self._delta(index, {"type": "text_delta", "text": text}))
             for c in d.get("tool_calls") or ():
                 i = c.get("index", 0)
                 fn = c.get("function") or {}
@@ -708,11 +694,49 @@ class MessagesFormat(ApiFormat):
                     out += self._start({"type": "tool_use", "id": tool_use_id(c.get("id")),
                                         "name": fn.get("name") or "", "input": {}})
                     self._calls[i] = self._open[0]
+                    self._args[self._calls[i]] = ""
                 args = fn.get("arguments")
                 if args:
+                    self._args[self._calls[i]] += args
                     out.append(self._delta(self._calls[i], {"type": "input_json_delta",
                                                             "partial_json": args}))
         return out
+
+    # ---- whole
+    def response(self, choices: dict[int, tuple[str, list[TokenEvent], FinishEvent]],
+                 total: FinishEvent) -> dict:
+        text, _events, fin = choices[min(choices)]
+        self._events(self._out.feed(text))
+        self._events(self._out.finish())
+        # calls announced in a block that then broke (cut off by max_tokens): their markup
+        # follows as text; a stream had already sent them (see the module docstring)
+        reader = getattr(self._out, "_tools", None)
+        broken = {self._calls[i] for i in getattr(reader, "broken_calls", ()) if i in self._calls}
+        content: list[dict] = []
+        for index, block in enumerate(self._blocks):
+            if block["type"] == "tool_use":
+                raw = self._args.get(index, "")
+                try:
+                    json.loads(raw or "{}")
+                except ValueError:
+                    broken.add(index)
+                if index in broken:
+                    continue
+                block["input"] = tool_input(raw)
+            elif content and block["type"] == content[-1]["type"] == "text":
+                content[-1]["text"] += block["text"]  # they were split by a dropped call
+                continue
+            content.append(block)
+        reason, seq = self.stop(fin, self._out.has_calls)
+        return self._message(content, reason, seq, usage(total, self.prompt))
+
+    # ---- stream
+    def stream_start(self) -> list[bytes]:
+        start = self._message([], None, None, {
+            "input_tokens": self.prompt.n_tokens, "output_tokens": 0,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0})
+        return [sse_event("message_start", {"type": "message_start", "message": start}),
+                sse_event("ping", {"type": "ping"})]
 
     def stream_token(self, ev: TokenEvent) -> list[bytes]:
         if ev.index != 0 or not ev.text:
