@@ -76,8 +76,8 @@ def test_chat_messages_and_responses_attach_to_one_prefix(server):
     first_cached = chat.usage.prompt_tokens_details.cached_tokens or 0
     assert first_cached < prefix, "the first session should compute the prefix"
 
-    msg = an.messages.create(
-        model="agent", max_tokens=4, temperature=0, system=SYSTEM,
+    msg = an.messages.create(  # this SDK takes no `temperature` argument: send it in the body
+        model="agent", max_tokens=4, extra_body={"temperature": 0}, system=SYSTEM,
         messages=[{"role": "user", "content": "Where are the tests of module m7?"}],
         tools=[{"name": "open_file", "description": TOOL_DESC, "input_schema": TOOL_PARAMS}])
     read = msg.usage.cache_read_input_tokens or 0
@@ -101,7 +101,8 @@ def test_a_different_system_prompt_does_not_attach(server):
 
     an = anthropic.Anthropic(base_url=server.url, api_key="k", timeout=TIMEOUT, max_retries=0)
     msg = an.messages.create(
-        model="agent", max_tokens=2, temperature=0, system="Reply tersely. " + SYSTEM[::-1],
+        model="agent", max_tokens=2, extra_body={"temperature": 0},
+        system="Reply tersely. " + SYSTEM[::-1],
         messages=[{"role": "user", "content": "Where are the tests of module m7?"}],
         tools=[{"name": "open_file", "description": TOOL_DESC, "input_schema": TOOL_PARAMS}])
     assert (msg.usage.cache_read_input_tokens or 0) < 0.2 * shared_prefix_tokens()
