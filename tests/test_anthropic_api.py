@@ -107,7 +107,7 @@ def test_create_text(server):
 
 
 def test_create_with_forced_tool(server):
-    r = create(client(server), max_tokens=48, tools=[WEATHER], tool_choice={"type": "any"})
+    r = create(client(server), max_tokens=32, tools=[WEATHER], tool_choice={"type": "any"})
     assert r.stop_reason == "tool_use"
     uses = [b for b in r.content if b.type == "tool_use"]
     assert len(uses) >= 1 and uses[0].name == "get_weather"
@@ -151,7 +151,8 @@ def test_stream_forced_tool_use(server):
 
 def test_tool_round_trip(server):
     c = client(server)
-    first = create(c, max_tokens=48, tools=[WEATHER], tool_choice={"type": "any"})
+    first = create(c, max_tokens=48, tools=[WEATHER],
+                   tool_choice={"type": "any", "disable_parallel_tool_use": True})
     use = next(b for b in first.content if b.type == "tool_use")
     history = [*ASK,
                {"role": "assistant", "content": [b.model_dump(exclude_none=True)
