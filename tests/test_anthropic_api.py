@@ -15,6 +15,7 @@ Greedy decoding (temperature 0) and small max_tokens throughout (the CI machine 
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -206,6 +207,28 @@ def test_stop_sequence(server):
         final = s.get_final_message()
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
     assert blocks(final) == blocks(r)
+
+
+def test_structured_output(server):
+    """`output_config.format` (json_schema) constrains the reply; the SDK's `parse` with a
+    Pydantic model reads it back."""
+    import pydantic
+
+    class Weather(pydantic.BaseModel):
+        city: str
+        degrees: int
+
+    c = client(server)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "degrees": {"type": "integer"}},
+              "required": ["city", "degrees"], "additionalProperties": False}
+    r = create(c, max_tokens=40, output_config={"format": {"type": "json_schema",
+                                                           "schema": schema}})
+    value = json.loads("".join(b.text for b in r.content if b.type == "text"))
+    assert set(value) == {"city", "degrees"} and isinstance(value["degrees"], int)
+    parsed = c.messages.parse(model=MODEL, max_tokens=40, messages=ASK, output_format=Weather,
+                              **GREEDY)
+    assert isinstance(parsed.parsed_output, Weather)
 
 
 # --------------------------------------------------------------------------- errors
