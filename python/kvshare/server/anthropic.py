@@ -17,7 +17,9 @@ Translation (Anthropic -> OpenAI chat):
   verified here). A final assistant message is rendered as a past turn, not continued
   (no prefill).
 - A `tool_result` with `is_error: true` reads "Error: <content>" (the tool message has no error
-  flag, and the model should see that the call failed).
+  flag, and the model should see that the call failed). Its `tool_use_id` must name a
+  `tool_use` of an earlier assistant message (400 otherwise; Anthropic asks for the one just
+  before, this server for any earlier one).
 - `tools` (custom tools only) -> function tools (`input_schema` -> `parameters`; `strict`
   kept, so strict tools get the auto grammar); `tool_choice` auto/any/tool/none ->
   "auto"/"required"/"function:NAME"/"none"; `disable_parallel_tool_use` -> one call at most.
@@ -38,6 +40,11 @@ Output:
   otherwise it is dropped from the content (its tokens still count in `output_tokens`).
   `thinking.type` "enabled"/"adaptive" also sets the template's `enable_thinking` to true,
   "disabled" sets it to false.
+- `stop_reason`: "tool_use" when a call completed (even if max_tokens then cut the reply),
+  else "max_tokens", else "stop_sequence" when `FinishEvent.stop_string` is one of the
+  request's `stop_sequences` (echoed in `stop_sequence`), else "end_turn".
+- Errors: `{"type": "error", "error": {"type", "message"}}`, the type from the HTTP status
+  (`error_type`); in a stream, an `error` event.
 - Whitespace-only text is never a block (the API refuses such blocks when they are sent back).
 - Blocks come in the order the model wrote them (text after a call is a text block after the
   tool_use block), streamed or not: both are read by the same reader (`MessagesFormat`). One
