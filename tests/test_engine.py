@@ -135,6 +135,26 @@ def test_prompt_cache_semantics(parts):
     assert_idle(eng)
 
 
+def test_reuse_cache_false_recomputes_the_prompt(parts):
+    """llama-server `cache_prompt: false`: the whole prompt is computed although it is cached,
+    the reply is the same, and what it computed is shared again afterwards."""
+    eng = make_engine(parts)
+    base = prompt(parts, SYSTEM, "Explain the release.")
+    toks1, f1 = collect(run_one(eng, base))
+    toks2, f2 = collect(run_one(eng, base, reuse_cache=False))
+    assert f2.timings.cache_n == 0 and f2.timings.prompt_n == len(base)
+    assert toks2 == toks1
+    toks3, f3 = collect(run_one(eng, base))
+    assert f3.timings.cache_n >= len(base) - 1
+    assert_idle(eng)
+
+
+def run_one(eng: Engine, ids, n=4, **kw):
+    h = submit(eng, ids, n, **kw)
+    eng.run_until_idle()
+    return h
+
+
 def test_donor_unchanged_when_another_session_attaches_mid_generation(parts):
     donor_ids = prompt(parts, SYSTEM, "Describe the repository layout.")
     other_ids = prompt(parts, SYSTEM, "What does the CI run?")

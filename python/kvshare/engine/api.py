@@ -79,6 +79,9 @@ class GenerationRequest:
     # False: keep this request's blocks out of the RAM and disk tiers (nothing could ever reuse
     # them, e.g. under `--cache-scope salt` without a cache_salt: a one-off random salt).
     cache_store: bool = True
+    # False: compute the whole prompt even if a cached prefix exists (llama-server
+    # `cache_prompt: false`); what it computes is still shared with later requests.
+    reuse_cache: bool = True
     # Token position of the first user message's start in a chat prompt (hybrid checkpoints).
     first_user_boundary: int | None = None
     # Token position of a client's cache breakpoint (RenderedChat.cache_point): the full blocks

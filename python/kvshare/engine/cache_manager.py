@@ -100,7 +100,7 @@ class CacheManager:
                 # the other choices fork from the prompt's end: they resume from this one
                 seq.checkpoint_at.append(seq.n_prompt)
             return got
-        if not self.attach_enabled or len(seq.tokens) < 2:
+        if not self.attach_enabled or len(seq.tokens) < 2 or self._recompute(seq):
             return 0
         reusable = len(seq.tokens) - 1
         self.ensure_keys(seq, reusable)
@@ -148,7 +148,7 @@ class CacheManager:
         reusable = len(seq.tokens) - 1
         boundary = seq.request.first_user_boundary
         aligned = self._tiers_on()
-        if not self.attach_enabled or reusable < 1:
+        if not self.attach_enabled or reusable < 1 or self._recompute(seq):
             seq.checkpoint_at = (ck_mgr.plan(seq.n_prompt, 0, 0, boundary, aligned)
                                  if self.attach_enabled else [])
             return 0
@@ -291,12 +291,18 @@ class CacheManager:
         if old is not None and old.key != seq.tail_checkpoint.key:
             self.checkpoints.discard(old.key)
 
+    @staticmethod
+    def _recompute(seq: Sequence) -> bool:
+        """The request asked to compute its prompt afresh (llama-server `cache_prompt: false`);
+        its other choices (n > 1) still fork from the first one's prompt."""
+        return not seq.request.reuse_cache and seq.choice == 0
+
     def reattach(self, seq: Sequence) -> int:
         """Mid-prefill: if blocks for the next positions appeared since admission (a donor
         finished computing them), take them instead of recomputing. Returns tokens gained."""
         bs = self.block_size
         if (not self.attach_enabled or self.checkpoints is not None or seq.n_computed % bs
-                or len(seq.block_table) * bs != seq.n_computed):
+                or len(seq.block_table) * bs != seq.n_computed or self._recompute(seq)):
             return 0
         reusable = len(seq.tokens) - 1
         self.ensure_keys(seq, reusable)
@@ -314,7 +320,8 @@ class CacheManager:
     def next_key(self, seq: Sequence) -> bytes | None:
         """Key of the block the sequence would compute next, if it starts a block."""
         bs = self.block_size
-        if not self.attach_enabled or self.checkpoints is not None or seq.n_computed % bs:
+        if (not self.attach_enabled or self.checkpoints is not None or seq.n_computed % bs
+                or self._recompute(seq)):
             return None
         j = seq.n_computed // bs
         self.ensure_keys(seq, len(seq.tokens) - 1)

@@ -471,7 +471,7 @@ class KVShareServer:
         return RequestContext(
             model_name=self.engine.model_name, ctx_size=self.engine.ctx_size,
             vocab_size=self.vocab_size, max_n=self.max_n, tenant=tenant,
-            tenant_id=tenant.ident.hex() if tenant is not None else "")
+            tenant_id=tenant.ident.hex() if tenant is not None else "", engine=self.engine)
 
     # ------------------------------------------------------------------ completions
     async def chat(self, request: Request) -> Response:
@@ -485,6 +485,22 @@ class KVShareServer:
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, None)
+
+    def _prompt_tokens(self, pieces: list[str | int]) -> list[int]:
+        """A raw prompt of text pieces and token ids (llama-server's mixed prompts): each text
+        tokenized with special tokens parsed, BOS only before a leading text piece."""
+        ctx = self.engine.ctx_size
+        total = sum(len(p) for p in pieces if isinstance(p, str))
+        self.bounds.check_text(total, ctx, "prompt")
+        ids = [p for p in pieces if not isinstance(p, str)]
+        P.check_token_ids(ids, self.vocab_size, "prompt")
+        out: list[int] = []
+        for i, p in enumerate(pieces):
+            if isinstance(p, str):
+                out += self.engine.tokenize(p, i == 0, True)
+            else:
+                out.append(p)
+        return out
 
     async def _completion_prompt(self, request: Request, body: dict,
                                  heavy: bool) -> tuple[list[int], str]:
@@ -530,10 +546,16 @@ class KVShareServer:
                 opts, model, param = creq.opts, creq.model or ctx.model_name, "messages"
                 output_c = creq.output
                 rec.stream = opts.stream
-                rendered = await limits.run_heavy(request, heavy, self._render_chat, creq.chat,
-                                                  limits.body_size(request), creq.cache_point)
-                tokens, boundary = rendered.tokens, rendered.first_user_boundary
-                cache_point = rendered.cache_point
+                if creq.chat is not None:
+                    rendered = await limits.run_heavy(
+                        request, heavy, self._render_chat, creq.chat, limits.body_size(request),
+                        creq.cache_point)
+                    tokens, boundary = rendered.tokens, rendered.first_user_boundary
+                    cache_point = rendered.cache_point
+                else:
+                    param = "prompt"
+                    tokens = await limits.run_heavy(request, heavy, self._prompt_tokens,
+                                                    creq.prompt or [])
             else:
                 model = P.requested_model(body, self.engine.model_name)
                 opts = P.parse_common(body, ctx_size=ctx_size, chat=False, max_n=self.max_n,
@@ -568,7 +590,8 @@ class KVShareServer:
                 cache_salt=self.tenancy.salt(tenant, opts.cache_salt),
                 cache_store=self.tenancy.stores(opts.cache_salt),
                 public_prefix_tokens=self.tenancy.public_prefix_tokens(tokens),
-                first_user_boundary=boundary, cache_point=cache_point, request_id=rid,
+                first_user_boundary=boundary, cache_point=cache_point,
+                reuse_cache=creq.reuse_cache if creq is not None else True, request_id=rid,
                 n=opts.n, grammar=grammar,
                 special_text=(rules is not None and rules.tool_format is not None
                               and self.tool_calls.name in ToolCalls.SPECIAL_MARKERS),

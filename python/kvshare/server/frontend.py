@@ -66,11 +66,16 @@ class CachePoint:
 class ChatRequest:
     """One API request in the pipeline's terms."""
 
-    chat: P.ChatInput
+    chat: P.ChatInput | None  # None: a raw prompt (`prompt`), no chat template
     opts: P.CommonOptions
     output: P.OutputConstraint | None = None
     model: str = ""
     cache_point: CachePoint | None = None
+    # A raw prompt when `chat` is None: text pieces and token ids in order (llama-server's
+    # mixed prompts); the first piece, when text, gets the model's BOS.
+    prompt: list[str | int] | None = None
+    # False: compute the whole prompt even if cached (llama-server `cache_prompt: false`).
+    reuse_cache: bool = True
     # Opaque to the pipeline: what the front end needs again when formatting (e.g. the
     # Responses API's stored conversation and request echo).
     extra: dict[str, Any] = field(default_factory=dict)
@@ -86,6 +91,8 @@ class RequestContext:
     max_n: int
     tenant: Any = None  # tenancy.Tenant or None (no API keys configured)
     tenant_id: str = ""  # stable identity for binding stored objects (key name, or "")
+    # The engine (EngineClient), for front ends that tokenize themselves (e.g. FIM prompts).
+    engine: Any = None
 
 
 @dataclass(frozen=True)
