@@ -48,3 +48,21 @@ class ServerSettings:
     response_ttl_s: float | None = 259200.0
     # Request bodies over 1 MiB buffered at once, all requests together; more wait unread.
     body_budget_bytes: int = 256 * 1024 * 1024
+    # llama-server `-n/--n-predict`: max_tokens of a request that gives none (max_tokens,
+    # max_completion_tokens, n_predict, max_output_tokens); None (-1): until the context is
+    # full. A request's own limit always wins.
+    default_max_tokens: int | None = None
+    # llama-server `--reasoning-format`: reasoning_format of a request that gives none
+    # ("none", "auto", "deepseek" or "deepseek-legacy").
+    reasoning_format: str = "auto"
+    # CORS (server/cors.py): origins allowed besides the loopback ones (`--cors-origins`;
+    # "*": any), the methods a preflight allows, the headers it allows (None: those the
+    # browser asks for).
+    cors_origins: list[str] = field(default_factory=list)
+    cors_methods: str = "GET, POST, DELETE, OPTIONS"
+    cors_headers: str | None = None
+    # GET /slots served (`--slots`, the default) or 501 (`--no-slots`), as llama-server.
+    slots_endpoint: bool = True
+    # llama-server `--slot-save-path`: directory of `POST /slots/{id}?action=save|restore`
+    # files; None: those actions are refused.
+    slot_save_path: str | None = None
