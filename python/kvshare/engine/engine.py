@@ -255,15 +255,16 @@ class Engine:
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, *,
                     add_generation_prompt: bool = True, template_kwargs: dict | None = None,
-                    cache_after: int | None = None):
+                    cache_after: int | None = None, continue_final: bool = False):
         """A chat request as final token ids, rendered and tokenized once (the server's
         `frontend.EngineClient.chat_prompt`): the first-user boundary when the cache uses it
         (hybrid checkpoints, the RAM tier's pinned prefix entry), and the token position of a
-        cache breakpoint at the end of messages[cache_after] (-1: the first-user boundary)."""
+        cache breakpoint at the end of messages[cache_after] (-1: the first-user boundary).
+        `continue_final`: the prompt continues the last message (an assistant prefill)."""
         chat = self.chat_template.apply(
             self.tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
             boundary=self.wants_user_boundary, cache_after=cache_after,
-            **(template_kwargs or {}))
+            continue_final=continue_final, **(template_kwargs or {}))
         return RenderedChat(list(chat.ids), chat.first_user_token, chat.cache_point)
 
     # ---- requests ---------------------------------------------------------------------

@@ -389,13 +389,43 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Any] | None = None,
                add_generation_prompt: bool = True, strip_bos: bool | None = None,
-               **kwargs: Any) -> str:
+               continue_final: bool = False, **kwargs: Any) -> str:
         """The prompt text for `messages` (OpenAI chat format) and `tools` (OpenAI tool
         definitions). Extra keyword arguments (e.g. `enable_thinking`) are template variables.
         With `strip_bos` (default: the tokenizer adds BOS) a leading BOS text is removed, and a
-        trailing EOS text when the tokenizer adds EOS, as llama.cpp does."""
-        return self._render(normalize_messages(messages), tools, add_generation_prompt,
-                            strip_bos, kwargs)
+        trailing EOS text when the tokenizer adds EOS, as llama.cpp does. `continue_final`:
+        the prompt continues the last message (an assistant prefill, see `_continued`);
+        `add_generation_prompt` is then ignored."""
+        msgs = normalize_messages(messages)
+        if continue_final:
+            return self._continued(msgs, tools, strip_bos, kwargs)
+        return self._render(msgs, tools, add_generation_prompt, strip_bos, kwargs)
+
+    def _continued(self, msgs: list[dict[str, Any]], tools: Any, strip_bos: bool | None,
+                   kwargs: Mapping[str, Any]) -> str:
+        """The prompt that continues the last message (llama-server's assistant prefill, vLLM's
+        `continue_final_message`): the conversation rendered without a generation prompt, cut
+        right after the last message's content (found with a sentinel, `_message_end`), so the
+        reply goes on from its text inside its still-open turn. Whitespace a template trims off
+        the content's end is put back (the reply continues after it). When the template does
+        not print the content verbatim: the conversation before it with a generation prompt,
+        then the content (llama.cpp's own construction)."""
+        if not msgs:
+            raise ChatTemplateError("there is no final message to continue")
+        k = len(msgs) - 1
+        content = msgs[k]["content"]
+        text = self._render(msgs, tools, False, strip_bos, kwargs)
+        end = self._message_end(msgs, k, text, tools, False, kwargs, strip_bos)
+        core = content.strip()
+        if end is not None:
+            head = text[:end]
+            body = content.rstrip()
+            if not head.endswith(content) and body and head.endswith(body):
+                head += content[len(body):]
+            if not core or head.rstrip().endswith(core):
+                return head
+        before = self._render(msgs[:k], tools, True, strip_bos, kwargs) if k else ""
+        return before + content
 
     def _render(self, msgs: list[dict[str, Any]], tools: Any, add_generation_prompt: bool,
                 strip_bos: bool | None, kwargs: Mapping[str, Any]) -> str:
@@ -480,7 +510,7 @@ class ChatTemplate:
     def apply(self, tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *,
               tools: Sequence[Any] | None = None, add_generation_prompt: bool = True,
               boundary: bool = True, cache_after: int | None = None,
-              **kwargs: Any) -> ChatPrompt:
+              continue_final: bool = False, **kwargs: Any) -> ChatPrompt:
         """Render, tokenize (BOS per the model, special tokens parsed, as llama-server does)
         and, with `boundary`, locate the first-user-message boundary as a token position:
         the token count of the prompt up to that character, checked to be a prefix of the
@@ -490,9 +520,14 @@ class ChatTemplate:
 
         This is the one place BOS is settled: the template's own BOS text is stripped when
         the tokenizer adds one (`_render`), and a template whose BOS text does not match the
-        tokenizer's spelling still yields a single BOS id."""
+        tokenizer's spelling still yields a single BOS id. `continue_final`: the prompt
+        continues the last message (`_continued`; no generation prompt)."""
         msgs = normalize_messages(messages)
-        text = self._render(msgs, tools, add_generation_prompt, None, kwargs)
+        if continue_final:
+            add_generation_prompt = False
+            text = self._continued(msgs, tools, None, kwargs)
+        else:
+            text = self._render(msgs, tools, add_generation_prompt, None, kwargs)
         ids = tokenizer.encode(text, add_special=True, parse_special=True)
         shift = 0
         bos = tokenizer.bos_id
@@ -521,7 +556,8 @@ class ChatTemplate:
             char = tok = None
         return ChatPrompt(text, ids, char, tok, point)
 
-    def _message_end(self, msgs, k, prompt, tools, add_generation_prompt, kwargs) -> int | None:
+    def _message_end(self, msgs, k, prompt, tools, add_generation_prompt, kwargs,
+                     strip_bos: bool | None = None) -> int | None:
         """Character offset in `prompt` just after messages[k]'s content: a sentinel appended
         to the content shows where it lands; None when the template prints something
         message-dependent before it, or does not print the content verbatim."""
@@ -531,7 +567,7 @@ class ChatTemplate:
         probe = [dict(m) for m in msgs]
         probe[k]["content"] = msgs[k]["content"] + sentinel
         try:
-            marked = self._render(probe, tools, add_generation_prompt, None, kwargs)
+            marked = self._render(probe, tools, add_generation_prompt, strip_bos, kwargs)
         except ChatTemplateError:
             return None
         b = marked.find(sentinel)
