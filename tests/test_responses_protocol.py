@@ -886,3 +886,24 @@ def test_reasoning_is_not_stored():
         {0: ("<think>plan</think>Answer.", [], fin())}, fin())
     assert store.get("resp_r", req.extra["owner"]).messages[-1] == {
         "role": "assistant", "content": "Answer."}
+
+
+def test_stored_messages_are_shared_not_copied_nor_mutated():
+    store = R.ResponseStore()
+    a = api(store)
+    req1 = _stored(a, "resp_1")
+    rec1 = store.get("resp_1", req1.extra["owner"])
+    snapshot = copy.deepcopy(rec1.messages)
+    # a continuation starting with a call item makes a message of its own
+    req2 = a.parse(body(previous_response_id="resp_1", input=[
+        {"type": "function_call", "call_id": "call_9", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_9", "output": "ok"}]), CTX)
+    assert rec1.messages == snapshot
+    assert req2.chat.messages[:2] == snapshot and req2.chat.messages[0] is rec1.messages[0]
+    assert req2.chat.messages[2] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_9", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    a.make_format("resp_2", req2, RULES, PromptInfo(10)).response(
+        {0: ("done", token_events("done"), fin())}, fin())
+    rec2 = store.get("resp_2", req2.extra["owner"])
+    assert rec2.messages[0] is rec1.messages[0] and rec1.messages == snapshot
+    assert len(rec2.messages) == len(rec1.messages) + 3

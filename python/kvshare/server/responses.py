@@ -115,7 +115,10 @@ def _owner(ctx: RequestContext, cache_salt: bytes | None) -> str:
 class ResponseRecord:
     """One stored response: the object as returned to the client, and its conversation as
     OpenAI chat messages (the input without the instructions, plus this response's output as
-    an assistant message), with the instructions and tools (Responses shape) it used."""
+    an assistant message), with the instructions and tools (Responses shape) it used.
+
+    The message dicts are shared with the records of the responses that continue this one
+    (a chain of N turns holds each message once, not N times) and are never mutated."""
 
     response: dict
     messages: list[dict]
@@ -512,7 +515,7 @@ class ResponsesApi:
                 raise APIError(404, f"Previous response with id '{prev_id}' not found.",
                                param="previous_response_id",
                                code="previous_response_not_found")
-            stored = copy.deepcopy(rec.messages)
+            stored = list(rec.messages)  # the message dicts are shared, never mutated
         messages: list[dict] = []
         if instructions:
             messages.append({"role": "system", "content": instructions})
@@ -795,7 +798,7 @@ class ResponsesFormat(ApiFormat):
             conv = list(self.extra.get("conversation") or [])
             conv.append(self._items.assistant_message())
             self.store.put(self.rid, self.extra.get("owner", ""), ResponseRecord(
-                response=copy.deepcopy(resp), messages=copy.deepcopy(conv),
+                response=copy.deepcopy(resp), messages=conv,
                 instructions=self.extra.get("instructions"), tools=self.extra.get("tools")))
         return resp, events
 
