@@ -28,17 +28,23 @@ BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
 
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("Model and device", ("--model", "--model-cache", "--device", "--threads")),
-    ("Network and auth", ("--host", "--port", "--root-path", "--api-key", "--api-key-file")),
+    ("Network and auth", ("--host", "--port", "--root-path", "--api-key", "--api-key-file",
+                          "--cors-origins", "--cors-methods", "--cors-headers")),
     ("Prefix cache: sharing, tiers, checkpoints, scope",
      ("--no-slot-attach", "--cache-ram", "--cache-ram-pin", "--cache-dir", "--cache-disk-max",
       "--cache-ttl", "--cache-min-tokens", "--checkpoint-min-step", "--ctx-checkpoints",
       "--cache-scope", "--public-prefix")),
     ("Engine: batch, context, KV pool",
-     ("--parallel", "--ctx-size", "--kv-mem", "--kv-blocks", "--block-size", "--kv-dtype",
-      "--prefill-chunk")),
+     ("--parallel", "--ctx-size", "--n-predict", "--kv-mem", "--kv-blocks", "--block-size",
+      "--kv-dtype", "--prefill-chunk")),
     ("Limits", ("--max-n", "--max-body-mib", "--body-timeout", "--max-connections",
                 "--queue-timeout", "--graceful-timeout")),
-    ("API behaviour and logging", ("--alias", "--tool-parser", "--log-level")),
+    ("API behaviour and logging", ("--alias", "--chat-template", "--chat-template-file",
+                                   "--reasoning-format", "--tool-parser", "--slots",
+                                   "--slot-save-path", "--log-level")),
+    # accepted for llama-server command lines; kvshare already behaves that way
+    ("llama-server compatibility (accepted, no effect)",
+     ("--jinja", "--metrics", "--cont-batching", "--no-webui")),
 ]
 
 
@@ -66,6 +72,18 @@ def _defaults() -> dict[str, str]:
         "--tool-parser": "from the chat template",
         # Model._default_kv_dtype: float16 on a GPU backend, float32 otherwise
         "--kv-dtype": "`f16`",
+        # ServerSettings.default_max_tokens None: the request's max_tokens, else the context
+        "--n-predict": "`-1` (until the context is full)",
+        "--chat-template": "the model file's (built-in chatml or gemma3 when it has none)",
+        "--chat-template-file": "none",
+        "--cors-origins": "loopback origins only",  # cors.is_loopback_origin
+        "--cors-headers": "the headers the preflight asks for",
+        "--slots": "on (`--no-slots`: off)",
+        "--slot-save-path": "none (save/restore off)",
+        "--jinja": "on (always)",
+        "--metrics": "on (always)",
+        "--cont-batching": "on (always)",
+        "--no-webui": "no web UI",
     }
 
 

@@ -3,6 +3,12 @@
 Every flag can also come from an environment variable `KVSHARE_<FLAG>` (dashes as
 underscores, e.g. `KVSHARE_PORT=9000`, `KVSHARE_API_KEY=...`, `KVSHARE_NO_SLOT_ATTACH=1`);
 a flag on the command line wins over the environment.
+
+llama-server command lines start kvshare unchanged (docs/llama-server.md): its short and long
+flag names for what kvshare has (`-m`, `-c`, `-np`, `-t`, `-n`, `-a`, `--jinja`, ...), its
+`LLAMA_ARG_*` environment variables as fallbacks (after `KVSHARE_*`), and flags without a
+subcommand (`kvshare -m FILE ...`) mean `kvshare serve`. A flag kvshare does not implement is
+refused with one line naming it (exit 2), never ignored.
 """
 
 from __future__ import annotations
@@ -14,8 +20,8 @@ import sys
 from typing import Any, Callable, Sequence
 
 ENV_PREFIX = "KVSHARE_"
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+_TRUE = {"1", "true", "yes", "on", "enabled"}
+_FALSE = {"0", "false", "no", "off", "disabled", ""}
 
 
 def _env_name(flag: str) -> str:
@@ -82,6 +88,49 @@ def _kv_dtype(s: str) -> str:
 
 
 _kv_dtype.__name__ = "KV dtype (f32, f16 or q8_0)"
+
+
+def _ctx_size(s: str) -> int:
+    v = int(s)
+    if v < 0:
+        raise ValueError(s)
+    return v
+
+
+_ctx_size.__name__ = "context size (0: the model's trained context)"
+
+
+def _threads(s: str) -> int | None:
+    v = int(s)
+    return v if v > 0 else None  # llama-server: <= 0 means one per core
+
+
+_threads.__name__ = "thread count"
+
+
+def _n_predict(s: str) -> int:
+    v = int(s)
+    if v == 0 or v < -2:
+        raise ValueError(s)
+    return -1 if v < 0 else v
+
+
+_n_predict.__name__ = "token count (-1: until the context is full)"
+
+REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
+
+
+def _reasoning_format(s: str) -> str:
+    v = s.strip().lower()
+    if v not in REASONING_FORMATS:
+        raise ValueError(s)
+    return v
+
+
+_reasoning_format.__name__ = "reasoning format (none, auto, deepseek or deepseek-legacy)"
+
+# `type` of an OPTIONS entry that is a `--flag` / `--no-flag` pair (a boolean, default on).
+TOGGLE = "toggle"
 _non_negative_int.__name__ = "non-negative integer"
 _port.__name__ = "port"
 
@@ -96,7 +145,12 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--host", str, "127.0.0.1", "address to listen on"),
     ("--port", _port, 8080, "port to listen on (0: any free port)"),
     ("--parallel", _positive_int, 4, "sequences decoded together"),
-    ("--ctx-size", _positive_int, None, "context size per sequence in tokens (default: 8192)"),
+    ("--ctx-size", _ctx_size, None,
+     "context size per sequence in tokens, each from the shared KV pool (llama-server splits "
+     "-c across its -np slots; 0: the model's trained context) (default: 8192)"),
+    ("--n-predict", _n_predict, None,
+     "max_tokens of a request that gives none (-1: until the context is full; a request's "
+     "own limit wins)"),
     ("--kv-mem", _positive_int, None, "KV pool size in MiB"),
     ("--kv-blocks", _positive_int, None, "KV pool size in blocks (instead of --kv-mem)"),
     ("--block-size", _positive_int, None, "tokens per KV block (default: 16)"),
@@ -111,6 +165,15 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--alias", str, None,
      "name(s) /v1/models lists for the loaded model (repeatable or comma-separated); any "
      "requested model name is served by the loaded model and echoed back"),
+    ("--chat-template", str, None,
+     "chat template: a built-in name (chatml, gemma) or an inline Jinja template (default: "
+     "the model file's)"),
+    ("--chat-template-file", str, None, "chat template: a Jinja template file"),
+    ("--jinja", None, False,
+     "accepted: kvshare always renders chat templates with Jinja (--no-jinja is refused)"),
+    ("--reasoning-format", _reasoning_format, "auto",
+     "reasoning_format of a request that gives none: none (thoughts stay in content), auto or "
+     "deepseek (thoughts in reasoning_content), deepseek-legacy"),
     ("--tool-parser", str, None,
      "tool-call format: hermes, qwen35, lfm2 or llama3 (default: detected from the chat "
      "template)"),
@@ -144,8 +207,21 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
      "{\"messages\": [...], \"tools\": [...]} rendered by the chat template, or a text file "
      "of prompt text"),
     ("--device", str, "cpu", "cpu or cuda"),
-    ("--threads", _positive_int, None, "CPU threads for the model runtime"),
+    ("--threads", _threads, None, "CPU threads for the model runtime (<= 0: one per core)"),
     ("--root-path", str, "", "mount prefix behind a reverse proxy, e.g. /kvshare"),
+    ("--cors-origins", str, None,
+     "origins browsers may call the API from, besides the loopback ones (comma-separated or "
+     "repeated; *: any origin) (default: loopback origins only)"),
+    ("--cors-methods", str, "GET, POST, DELETE, OPTIONS", "methods a CORS preflight allows"),
+    ("--cors-headers", str, None,
+     "request headers a CORS preflight allows (default: those the browser asks for)"),
+    ("--slots", TOGGLE, True, "serve GET /slots (--no-slots: 501, as llama-server)"),
+    ("--slot-save-path", str, None,
+     "directory of the files POST /slots/{id}?action=save|restore writes and reads (default: "
+     "off)"),
+    ("--metrics", None, False, "accepted: kvshare always serves /metrics"),
+    ("--cont-batching", None, False, "accepted: kvshare always batches continuously"),
+    ("--no-webui", None, False, "accepted: kvshare has no web UI"),
     ("--max-body-mib", _positive_int, 16, "largest request body in MiB (larger: 413)"),
     ("--body-timeout", _positive_float, 30.0,
      "seconds a client gets to send a request's headers, and the longest gap while it sends "
@@ -161,7 +237,58 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
 
 # Flags that may be given several times: the values are joined with this separator (a value
 # from the environment is replaced, not extended, by the flags on the command line).
-REPEATABLE = {"--api-key": ",", "--public-prefix": os.pathsep, "--alias": ","}
+REPEATABLE = {"--api-key": ",", "--public-prefix": os.pathsep, "--alias": ",",
+              "--cors-origins": ","}
+
+# llama-server's names for kvshare's flags (tools/server/README.md, common/arg.cpp): flag ->
+# (other flag names, llama-server's environment variable, read after KVSHARE_<FLAG>).
+LLAMA_NAMES: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "--model": (("-m",), "LLAMA_ARG_MODEL"),
+    "--host": ((), "LLAMA_ARG_HOST"),
+    "--port": ((), "LLAMA_ARG_PORT"),
+    "--parallel": (("-np",), "LLAMA_ARG_N_PARALLEL"),
+    "--ctx-size": (("-c",), "LLAMA_ARG_CTX_SIZE"),
+    "--n-predict": (("-n", "--predict"), "LLAMA_ARG_N_PREDICT"),
+    "--threads": (("-t",), "LLAMA_ARG_THREADS"),
+    "--alias": (("-a",), "LLAMA_ARG_ALIAS"),
+    "--api-key": ((), "LLAMA_API_KEY"),
+    "--api-key-file": ((), "LLAMA_ARG_API_KEY_FILE"),
+    "--cache-ram": (("-cram",), "LLAMA_ARG_CACHE_RAM"),
+    "--ctx-checkpoints": (("-ctxcp", "--swa-checkpoints"), "LLAMA_ARG_CTX_CHECKPOINTS"),
+    "--checkpoint-min-step": (("-cms",), "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT"),
+    "--body-timeout": (("-to", "--timeout"), "LLAMA_ARG_TIMEOUT"),
+    "--chat-template": ((), "LLAMA_ARG_CHAT_TEMPLATE"),
+    "--chat-template-file": ((), "LLAMA_ARG_CHAT_TEMPLATE_FILE"),
+    "--jinja": ((), "LLAMA_ARG_JINJA"),
+    "--reasoning-format": ((), "LLAMA_ARG_THINK"),
+    "--cors-origins": ((), "LLAMA_ARG_CORS_ORIGINS"),
+    "--cors-methods": ((), "LLAMA_ARG_CORS_METHODS"),
+    "--cors-headers": ((), "LLAMA_ARG_CORS_HEADERS"),
+    "--slots": ((), "LLAMA_ARG_ENDPOINT_SLOTS"),
+    "--metrics": ((), "LLAMA_ARG_ENDPOINT_METRICS"),
+    "--cont-batching": (("-cb",), "LLAMA_ARG_CONT_BATCHING"),
+    "--no-webui": (("--no-ui",), None),
+    "--slot-save-path": ((), None),
+}
+
+# llama-server flags kvshare refuses, with the reason (or what to use instead) in the one-line
+# error. Any other unknown flag is refused too, just without a reason.
+REFUSED = {
+    "--no-jinja": "kvshare renders chat templates with Jinja only",
+    "--no-cont-batching": "kvshare always batches continuously",
+    "-nocb": "kvshare always batches continuously",
+    "-ngl": "kvshare runs every layer on --device (cpu or cuda)",
+    "--n-gpu-layers": "kvshare runs every layer on --device (cpu or cuda)",
+    "--gpu-layers": "kvshare runs every layer on --device (cpu or cuda)",
+    "-dev": "use --device cpu or cuda",
+    "-ctk": "use --kv-dtype", "--cache-type-k": "use --kv-dtype",
+    "-ctv": "use --kv-dtype", "--cache-type-v": "use --kv-dtype",
+    "-b": "use --prefill-chunk", "--batch-size": "use --prefill-chunk",
+    "-ub": "use --prefill-chunk", "--ubatch-size": "use --prefill-chunk",
+    "-v": "use --log-level debug", "--verbose": "use --log-level debug",
+    "-hf": "use --model with a catalog name or a GGUF file",
+    "--hf-repo": "use --model with a catalog name or a GGUF file",
+}
 
 
 class _FromEnv(str):
@@ -180,13 +307,34 @@ class _EnvError(Exception):
     pass
 
 
-def _env_default(flag: str, typ: Callable[[str], Any] | None, default: Any,
+class _Toggle(argparse.Action):
+    """`--flag` sets True, `--no-flag` False."""
+
+    def __init__(self, option_strings, dest, default=None, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, not option_string.startswith("--no-"))
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors are one line on stderr (`kvshare: error: ...`), exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"kvshare: error: {message}\n")
+
+
+def _env_default(flag: str, typ: Callable[[str], Any] | str | None, default: Any,
                  environ: dict[str, str]) -> Any:
     name = _env_name(flag)
     raw = environ.get(name)
+    if raw is None:  # llama-server's variable, if it has one
+        llama = LLAMA_NAMES.get(flag, ((), None))[1]
+        if llama is not None and llama in environ:
+            name, raw = llama, environ[llama]
     if raw is None:
         return default
-    if typ is None:
+    if typ is None or typ == TOGGLE:
         low = raw.strip().lower()
         if low in _TRUE:
             return True
@@ -204,30 +352,42 @@ CATALOG_OPTIONS = ("--model-cache",)
 
 
 def _add_options(parser: argparse.ArgumentParser, sub: argparse.ArgumentParser,
-                 options: list[tuple[str, Callable[[str], Any] | None, Any, str]],
+                 options: list[tuple[str, Callable[[str], Any] | str | None, Any, str]],
                  environ: dict[str, str]) -> None:
     for flag, typ, default, help_ in options:
         try:
             d = _env_default(flag, typ, default, environ)
         except _EnvError as e:
             parser.error(str(e))
-        h = f"{help_} [env {_env_name(flag)}]"
-        if typ is None:
-            sub.add_argument(flag, action="store_true", default=d, help=h)
+        aliases, llama_env = LLAMA_NAMES.get(flag, ((), None))
+        also = [*aliases] + ([f"env {llama_env}"] if llama_env else [])
+        h = help_ + (f" (llama-server: {', '.join(also)})" if also else "")
+        h = f"{h} [env {_env_name(flag)}]"
+        names = [flag, *aliases]
+        if typ == TOGGLE:
+            sub.add_argument(*names, "--no-" + flag[2:], action=_Toggle, default=d, help=h,
+                             dest=flag[2:].replace("-", "_"))
+        elif typ is None:
+            sub.add_argument(*names, action="store_true", default=d, help=h)
         elif flag in REPEATABLE:
-            sub.add_argument(flag, type=typ, action=_Repeat, help=h,
+            sub.add_argument(*names, type=typ, action=_Repeat, help=h,
                              default=_FromEnv(d) if d is not None else None)
         else:
-            sub.add_argument(flag, type=typ, default=d, help=h)
+            sub.add_argument(*names, type=typ, default=d, help=h)
 
 
 def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
     environ = dict(os.environ if environ is None else environ)
-    parser = argparse.ArgumentParser(
-        prog="kvshare", description="OpenAI-compatible LLM server that shares prompt prefixes")
+    parser = _Parser(
+        prog="kvshare", description="OpenAI-compatible LLM server that shares prompt prefixes",
+        epilog="Flags without a command mean `kvshare serve` (a llama-server command line "
+               "works as is).")
     sub = parser.add_subparsers(dest="command", required=True)
     epilog = "Every flag can also be set with KVSHARE_<FLAG>, e.g. KVSHARE_PORT=9000."
-    serve = sub.add_parser("serve", help="serve a model over HTTP", epilog=epilog)
+    serve = sub.add_parser(
+        "serve", help="serve a model over HTTP", allow_abbrev=False,
+        epilog=epilog + " llama-server's flag names and LLAMA_ARG_* variables work too "
+                        "(docs/llama-server.md).")
     _add_options(parser, serve, OPTIONS, environ)
     catalog_opts = [o for o in OPTIONS if o[0] in CATALOG_OPTIONS]
     pull = sub.add_parser(
@@ -242,12 +402,66 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
     return parser
 
 
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
+
+
+def unsupported_flags(sub: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """The flags in `argv` that `sub` does not have, exactly as written (no abbreviations, no
+    value glued to a short flag: llama-server has neither, and `-ngl` must not read as
+    `-n gl`). The tokens after a known flag that takes a value are its value."""
+    takes_value = {s: a.nargs != 0 for a in sub._actions for s in a.option_strings}
+    out: list[str] = []
+    it = iter(argv)
+    for tok in it:
+        if tok == "--":
+            break
+        if not tok.startswith("-") or tok == "-" or _is_number(tok):
+            continue
+        name, eq, _ = tok.partition("=") if tok.startswith("--") else (tok, "", "")
+        if name in takes_value:
+            if takes_value[name] and not eq:
+                next(it, None)
+        elif name not in out:
+            out.append(name)
+    return out
+
+
+def _unsupported_message(flags: list[str]) -> str:
+    named = ", ".join(f"{f} ({REFUSED[f]})" if f in REFUSED else f for f in flags)
+    return (f"unsupported flag(s): {named}; `kvshare serve --help` lists kvshare's flags, "
+            "docs/llama-server.md maps llama-server's")
+
+
+def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
 def parse_args(argv: Sequence[str] | None = None,
                environ: dict[str, str] | None = None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["serve", *argv]  # a llama-server command line: flags, no command
     parser = build_parser(environ)
+    if argv and argv[0] == "serve":
+        unknown = unsupported_flags(_serve_parser(parser), argv[1:])
+        if unknown:
+            parser.error(_unsupported_message(unknown))
     args = parser.parse_args(argv)
     if args.command != "serve":
         return args
+    if not args.jinja and "LLAMA_ARG_JINJA" in (os.environ if environ is None else environ):
+        low = (os.environ if environ is None else environ)["LLAMA_ARG_JINJA"].strip().lower()
+        if low in _FALSE:
+            parser.error(f"LLAMA_ARG_JINJA={low!r}: kvshare renders chat templates with Jinja "
+                         "only")
+    if args.chat_template is not None and args.chat_template_file is not None:
+        parser.error("use either --chat-template or --chat-template-file, not both")
     if args.kv_mem is not None and args.kv_blocks is not None:
         parser.error("use either --kv-mem or --kv-blocks, not both")
     if args.device not in ("cpu", "cuda"):
@@ -268,7 +482,7 @@ def parse_args(argv: Sequence[str] | None = None,
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {"parallel": args.parallel, "slot_attach": not args.no_slot_attach,
                           "device": args.device}
-    for name, value in (("ctx_size", args.ctx_size), ("kv_blocks", args.kv_blocks),
+    for name, value in (("ctx_size", args.ctx_size or None), ("kv_blocks", args.kv_blocks),
                         ("kv_mem_mib", args.kv_mem), ("block_size", args.block_size),
                         ("prefill_chunk", args.prefill_chunk), ("threads", args.threads),
                         ("kv_dtype", args.kv_dtype),
@@ -283,6 +497,24 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None:
             kw[name] = value
     return kw
+
+
+def llama_settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ServerSettings fields of llama-server's flags (-n, --reasoning-format, CORS,
+    --slots, --slot-save-path)."""
+    from .cors import parse_origins
+
+    n = getattr(args, "n_predict", None)
+    return {
+        "default_max_tokens": n if n is not None and n > 0 else None,
+        "reasoning_format": args.reasoning_format,
+        "cors_origins": parse_origins(args.cors_origins),
+        "cors_methods": args.cors_methods,
+        "cors_headers": args.cors_headers,
+        "slots_endpoint": args.slots,
+        "slot_save_path": (os.path.abspath(args.slot_save_path)
+                           if args.slot_save_path is not None else None),
+    }
 
 
 def _model_errors() -> tuple[type[BaseException], ...]:
@@ -369,7 +601,60 @@ def _describe_file(path: str, label: str) -> None:
          f"{_mib(os.path.getsize(path))}, block formats {formats})")
 
 
-def _load_engine(args: argparse.Namespace, path: str, label: str):
+# `--chat-template NAME`: kvshare's built-in templates (kvshare.model.chat_template), under
+# llama.cpp's names for them.
+BUILTIN_TEMPLATES = {"chatml": "CHATML_TEMPLATE", "gemma": "GEMMA3_TEMPLATE",
+                     "gemma3": "GEMMA3_TEMPLATE"}
+
+
+class _TemplateError(Exception):
+    pass
+
+
+def chat_template_override(args: argparse.Namespace) -> tuple[str, str] | None:
+    """(Jinja source, name) of `--chat-template` / `--chat-template-file`, checked to compile;
+    None: the model file's template. `_TemplateError` (one line) when unusable."""
+    from kvshare.model import chat_template as ct
+
+    file = getattr(args, "chat_template_file", None)
+    value = getattr(args, "chat_template", None)
+    if file is not None:
+        try:
+            with open(file, encoding="utf-8") as f:
+                source = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise _TemplateError(f"cannot read --chat-template-file {file}: "
+                                 f"{getattr(e, 'strerror', None) or e}") from e
+        flag, name = f"--chat-template-file {file}", f"from {os.path.basename(file)}"
+    elif value is not None:
+        key = value.strip().lower()
+        flag = "--chat-template"
+        if key in BUILTIN_TEMPLATES:
+            source, name = getattr(ct, BUILTIN_TEMPLATES[key]), "gemma3" if "gemma" in key else key
+        elif "{{" in value or "{%" in value:
+            source, name = value, "inline"
+        else:
+            raise _TemplateError(
+                f"--chat-template {value!r} is neither a template kvshare has built in "
+                f"({', '.join(BUILTIN_TEMPLATES)}) nor a Jinja template")
+    else:
+        return None
+    try:
+        ct.ChatTemplate(source)
+    except ct.ChatTemplateError as e:
+        msg = str(e).splitlines()[0] if str(e) else "empty chat template"
+        raise _TemplateError(f"cannot use {flag}: {msg}") from e
+    return source, name
+
+
+def _trained_context(model) -> int | None:
+    n = getattr(getattr(model, "config", None), "context_length", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def _load_engine(args: argparse.Namespace, path: str, label: str,
+                 template_override: tuple[str, str] | None = None):
+    import dataclasses
     from pathlib import Path
 
     from tqdm import tqdm
@@ -383,17 +668,34 @@ def _load_engine(args: argparse.Namespace, path: str, label: str):
     _describe_file(path, label)
     tty = sys.stderr.isatty()
     model = load_model(path, device=args.device, progress=True if tty else None)
+    if getattr(args, "ctx_size", None) == 0:  # llama-server's -c 0: the trained context
+        n_ctx = _trained_context(model)
+        if n_ctx is not None:
+            config = dataclasses.replace(config, ctx_size=n_ctx)
     with tqdm(total=2, desc="loading tokenizer", unit="step", leave=False, file=sys.stderr,
               disable=not tty) as bar:
         tokenizer = Tokenizer.from_gguf(path)
         bar.update()
-        template = ChatTemplate.from_gguf(path, tokenizer)
+        if template_override is None:
+            template = ChatTemplate.from_gguf(path, tokenizer)
+        else:  # --chat-template / --chat-template-file, with the model's BOS/EOS handling
+            source, tname = template_override
+            template = ChatTemplate(source, bos_token=tokenizer.bos_token,
+                                    eos_token=tokenizer.eos_token, add_bos=tokenizer.add_bos,
+                                    add_eos=tokenizer.add_eos,
+                                    name=tname if tname in BUILTIN_TEMPLATES else "custom")
         bar.update()
     md = getattr(model, "metadata", {}) or {}
     tname = getattr(template, "name", "?")
+    if template_override is not None:
+        what = f"{template_override[1]} (from --chat-template" + (
+            "-file)" if getattr(args, "chat_template_file", None) else ")")
+    elif tname == "gguf":
+        what = "from the file"
+    else:
+        what = f"{tname} (built in: the file has none)"
     _say(f"tokenizer {md.get('tokenizer.ggml.model', '?')} "
-         f"({len(md.get('tokenizer.ggml.tokens') or ())} tokens), chat template "
-         + ("from the file" if tname == "gguf" else f"{tname} (built in: the file has none)"))
+         f"({len(md.get('tokenizer.ggml.tokens') or ())} tokens), chat template {what}")
     try:
         engine = Engine(model, tokenizer, template, bytes.fromhex(model.fingerprint), config,
                         model_name=label if label else Path(path).stem)
@@ -457,6 +759,14 @@ def serve(args: argparse.Namespace) -> int:
         if problem:
             return _fail(f"cannot use --cache-dir {args.cache_dir}: {problem}", 2)
 
+    if args.slot_save_path is not None and not os.path.isdir(args.slot_save_path):
+        return _fail(f"cannot use --slot-save-path {args.slot_save_path}: it is not a "
+                     "directory", 2)
+    try:
+        template_override = chat_template_override(args)
+    except _TemplateError as e:
+        return _fail(str(e), 2)
+
     from .tenancy import TenancyError, settings_from_args
 
     try:  # API keys, cache scope, public prefix files: before the slow model load
@@ -487,7 +797,8 @@ def serve(args: argparse.Namespace) -> int:
         sock.close()
         return _fail("interrupted while fetching the model", 130)
     try:
-        engine = _load_engine(args, path, name or os.path.splitext(os.path.basename(path))[0])
+        engine = _load_engine(args, path, name or os.path.splitext(os.path.basename(path))[0],
+                              template_override)
     except CacheIoError as e:  # e.g. the cache dir is locked by another running kvshare
         sock.close()
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -516,7 +827,8 @@ def serve(args: argparse.Namespace) -> int:
                               body_timeout=args.body_timeout,
                               max_connections=args.max_connections,
                               **({} if args.cache_ttl is None
-                                 else {"response_ttl_s": args.cache_ttl}), **tenancy_kw)
+                                 else {"response_ttl_s": args.cache_ttl}),
+                              **llama_settings_kwargs(args), **tenancy_kw)
     raise_fd_limit(args.max_connections + 256)  # a descriptor per connection, and files
 
     def ready() -> None:
