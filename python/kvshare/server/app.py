@@ -42,6 +42,7 @@ from .frontend import (ApiFormat, CachePoint, ChatRequest, FrontEnd, PromptInfo,
                        RequestContext)
 from .responses import ResponsesApi, ResponseStore, owner_of
 from .limits import read_json
+from .cors import CORSMiddleware, CORSPolicy
 from .metrics import ServerMetrics
 from .settings import ServerSettings
 from .tenancy import KeyRing, Tenant, TenantMetrics, build_tenancy
@@ -447,11 +448,12 @@ class KVShareServer:
                      cache_point: CachePoint | None = None) -> RenderedChat:
         kwargs = dict(chat.template_kwargs)
         agp = kwargs.pop("add_generation_prompt", True)
+        more = {"continue_final": True} if chat.continue_final else {}
         try:
             return self.engine.chat_prompt(
                 chat.messages, P.template_tools(chat.tools), add_generation_prompt=bool(agp),
                 template_kwargs=kwargs,
-                cache_after=cache_point.message if cache_point is not None else None)
+                cache_after=cache_point.message if cache_point is not None else None, **more)
         except APIError:
             raise
         except (ValueError, TypeError) as e:
@@ -942,6 +944,9 @@ def create_app(engine, settings: ServerSettings | None = None, *,
     middleware = []
     if settings.root_path:
         middleware.append(Middleware(RootPathMiddleware, root_path=settings.root_path))
+    # CORS (cors.py) outside the auth: a browser's preflight carries no key
+    middleware.append(Middleware(CORSMiddleware, policy=CORSPolicy(
+        settings.cors_origins, settings.cors_methods, settings.cors_headers)))
     # connection limit and body deadline (limits.py), before anything reads the body
     middleware.append(Middleware(limits.EdgeMiddleware, limits=srv.edge,
                                  exempt=OPEN_PATHS | {"/metrics"}, route_path=route_path))

@@ -194,6 +194,30 @@ def parse_logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, flo
     return tuple(out)
 
 
+def parse_stop(body: dict) -> list[str]:
+    """`stop`: a string or an array of strings (empty ones dropped), within the limits."""
+    stop_v = body.get("stop")
+    if stop_v is None:
+        stop: list[str] = []
+    elif isinstance(stop_v, str):
+        stop = [stop_v]
+    elif isinstance(stop_v, list) and all(isinstance(s, str) for s in stop_v):
+        stop = list(stop_v)
+    else:
+        raise bad_request("'stop' must be a string or an array of strings", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are supported", "stop")
+    longest = max((len(s) for s in stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise bad_request(f"a stop string has {longest} characters; at most "
+                          f"{MAX_STOP_CHARS} are supported", "stop")
+    total = sum(len(s) for s in stop)
+    if total > MAX_STOP_TOTAL_CHARS:
+        raise bad_request(f"the stop strings have {total} characters together; at most "
+                          f"{MAX_STOP_TOTAL_CHARS} are supported", "stop")
+    return [s for s in stop if s]
+
+
 def parse_common(body: dict, *, ctx_size: int, chat: bool, max_n: int = 8,
                  vocab_size: int | None = None) -> CommonOptions:
     # max_tokens: more than fits is clamped to what fits (finish_reason "length"), as
@@ -240,27 +264,7 @@ def parse_common(body: dict, *, ctx_size: int, chat: bool, max_n: int = 8,
         logit_bias=logit_bias,
     )
 
-    # stop --------------------------------------------------------------------------------
-    stop_v = body.get("stop")
-    if stop_v is None:
-        stop: list[str] = []
-    elif isinstance(stop_v, str):
-        stop = [stop_v]
-    elif isinstance(stop_v, list) and all(isinstance(s, str) for s in stop_v):
-        stop = list(stop_v)
-    else:
-        raise bad_request("'stop' must be a string or an array of strings", "stop")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are supported", "stop")
-    longest = max((len(s) for s in stop), default=0)
-    if longest > MAX_STOP_CHARS:
-        raise bad_request(f"a stop string has {longest} characters; at most "
-                          f"{MAX_STOP_CHARS} are supported", "stop")
-    total = sum(len(s) for s in stop)
-    if total > MAX_STOP_TOTAL_CHARS:
-        raise bad_request(f"the stop strings have {total} characters together; at most "
-                          f"{MAX_STOP_TOTAL_CHARS} are supported", "stop")
-    stop = [s for s in stop if s]
+    stop = parse_stop(body)
 
     # streaming ---------------------------------------------------------------------------
     stream = get_bool(body, "stream", False)
@@ -315,6 +319,9 @@ class ChatInput:
     # llama-server's reasoning_format: "none" keeps <think>...</think> in content; "auto" /
     # "deepseek" split it into reasoning_content when the template thinks
     reasoning_format: str = "auto"
+    # The prompt continues the last (assistant) message instead of opening a new turn:
+    # llama-server's assistant prefill, vLLM's `continue_final_message`.
+    continue_final: bool = False
 
 
 @dataclass(frozen=True)
@@ -409,7 +416,14 @@ def _content_text(content: Any, i: int) -> str | None:
                       param)
 
 
-def parse_chat(body: dict) -> ChatInput:
+def parse_chat(body: dict, *, reasoning_format: str | None = None) -> ChatInput:
+    """A chat request's messages, tools and template options. `reasoning_format`: the
+    default when the request gives none (the server's `--reasoning-format`).
+
+    A final assistant message is continued (llama-server's assistant prefill: the prompt ends
+    inside its turn, the reply goes on from its text) unless `continue_final_message` is
+    false; vLLM's `continue_final_message` / `add_generation_prompt` are honoured (both true
+    is a 400, and continuing needs a final assistant message without tool calls)."""
     messages = body.get("messages")
     if messages is None:
         raise bad_request("'messages' is required", "messages")
@@ -446,7 +460,7 @@ def parse_chat(body: dict) -> ChatInput:
     tools = _parse_tools(body.get("tools"))
     tool_choice = _parse_tool_choice(body.get("tool_choice"), tools)
     parallel = get_bool(body, "parallel_tool_calls", True)
-    reasoning_format = get_str(body, "reasoning_format", "auto")
+    reasoning_format = get_str(body, "reasoning_format", reasoning_format or "auto")
     if reasoning_format not in ("none", "auto", "deepseek", "deepseek-legacy"):
         raise bad_request("'reasoning_format' must be 'none', 'auto' or 'deepseek'",
                           "reasoning_format")
@@ -457,8 +471,54 @@ def parse_chat(body: dict) -> ChatInput:
     if not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     kwargs = {k: v for k, v in kwargs.items() if k not in ("messages", "tools")}
+    continue_final = _continuation(body, out, kwargs)
     return ChatInput(messages=out, tools=tools, template_kwargs=kwargs, tool_choice=tool_choice,
-                     parallel_tool_calls=parallel, reasoning_format=reasoning_format)
+                     parallel_tool_calls=parallel, reasoning_format=reasoning_format,
+                     continue_final=continue_final)
+
+
+def _continuation(body: dict, messages: list[dict], kwargs: dict) -> bool:
+    """Whether the prompt continues the final message (see `parse_chat`); sets
+    kwargs["add_generation_prompt"] from the request's top-level field."""
+    agp = body.get("add_generation_prompt")
+    if agp is not None and not isinstance(agp, bool):
+        raise bad_request(f"'add_generation_prompt' must be a boolean, got {_json_type(agp)}",
+                          "add_generation_prompt")
+    cfm = body.get("continue_final_message")
+    if cfm == "content":  # llama-server's spelling of true
+        cfm = True
+    elif isinstance(cfm, str):
+        raise bad_request("'continue_final_message' must be a boolean (or \"content\"); "
+                          "continuing reasoning_content is not supported",
+                          "continue_final_message")
+    elif cfm is not None and not isinstance(cfm, bool):
+        raise bad_request(f"'continue_final_message' must be a boolean, got {_json_type(cfm)}",
+                          "continue_final_message")
+    last = messages[-1]
+    if cfm is None:  # llama-server: a final assistant message is a prefill
+        cont = last["role"] == "assistant"
+        if cont and len(messages) >= 2 and messages[-2]["role"] == "assistant":
+            raise bad_request("Cannot have 2 or more assistant messages at the end of the list.",
+                              "messages")
+    elif cfm:
+        if agp is True:
+            raise bad_request("Cannot set both add_generation_prompt and continue_final_message "
+                              "to true.", "continue_final_message")
+        if last["role"] != "assistant":
+            raise bad_request("'continue_final_message' needs a final assistant message to "
+                              f"continue (the last message is {last['role']!r})",
+                              "continue_final_message")
+        cont = True
+    else:
+        cont = False
+    if cont:
+        if last.get("tool_calls"):
+            raise bad_request("Cannot continue an assistant message that contains tool calls.",
+                              "messages")
+        kwargs["add_generation_prompt"] = False
+    elif agp is not None:
+        kwargs["add_generation_prompt"] = agp
+    return cont
 
 
 _TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
