@@ -1,12 +1,17 @@
 """Prometheus metrics. Each app owns its `CollectorRegistry` (several apps in one process, e.g.
 in tests, never collide). Request counters and histograms are updated by the server; the KV pool
-and token counters are read from `engine.snapshot()` at scrape time by `EngineCollector`."""
+and token counters are read from `engine.snapshot()` at scrape time by `EngineCollector`.
+
+/metrics also carries llama-server's `llamacpp:*` metrics (same names, types and help texts as
+llama.cpp's tools/server/server-task.cpp), computed from the same snapshot as their `kvshare_*`
+twins, so dashboards built for llama-server work unchanged (`LlamaCppMetrics`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import logging
+import threading
 from collections import Counter as _Tally
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
@@ -20,20 +25,65 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
+def _num(v: Any) -> float:
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
+
+
+def _slots(snap: dict) -> list[dict]:
+    slots = snap.get("slots")
+    return [s for s in slots if isinstance(s, dict)] if isinstance(slots, list) else []
+
+
+def processing_slots(snap: dict) -> int:
+    """Sequences being computed (prefill or decode): llama-server's busy slots."""
+    return sum(1 for s in _slots(snap) if str(s.get("state", "")) not in ("waiting", "finished"))
+
+
+def queued_requests(snap: dict) -> int:
+    """Sequences waiting to be admitted: llama-server's deferred requests."""
+    faults = snap.get("faults") or {}
+    if "queued" in faults:
+        return int(faults["queued"])
+    return sum(1 for s in _slots(snap) if str(s.get("state", "")) == "waiting")
+
+
 class EngineCollector(Collector):
     """Gauges and counters read from `engine.snapshot()` when /metrics is scraped."""
 
     def __init__(self, engine):
         self.engine = engine
+        # the snapshot `ServerMetrics.render` took for the scrape in progress (the kvshare_*
+        # and llamacpp:* figures of one scrape come from one snapshot)
+        self.pinned: dict | None = None
+        self._max_lock = threading.Lock()
+        self._tokens_max = 0
 
     def describe(self):
         return []  # dynamic: no pre-registration checks
 
-    def collect(self):
+    def snapshot(self) -> dict | None:
+        if self.pinned is not None:
+            return self.pinned
         try:
-            snap = self.engine.snapshot()
+            return self.engine.snapshot()
         except Exception:  # a scrape must never fail because the engine is busy or stopping
             log.debug("engine.snapshot() failed during a scrape", exc_info=True)
+            return None
+
+    def tokens_max(self, snap: dict) -> int:
+        """Longest sequence seen (prompt + generated tokens): the engine's `seq_tokens_max`
+        counter when it keeps one, and the live sequences of every scrape (never decreases)."""
+        counters = snap.get("counters", {}) or {}
+        live = max((int(_num(s.get("n_prompt"))) + int(_num(s.get("n_generated")))
+                    for s in _slots(snap)), default=0)
+        with self._max_lock:
+            self._tokens_max = max(self._tokens_max, live,
+                                   int(_num(counters.get("seq_tokens_max"))))
+            return self._tokens_max
+
+    def collect(self):
+        snap = self.snapshot()
+        if snap is None:
             return
         pool = snap.get("pool", {}) or {}
         counters = snap.get("counters", {}) or {}
@@ -63,6 +113,26 @@ class EngineCollector(Collector):
         ):
             if key in counters:
                 yield CounterMetricFamily(name, doc, value=counters[key])
+        if "prompt_tokens_total" in counters:
+            yield CounterMetricFamily(
+                "kvshare_prompt_tokens_computed", "Prompt tokens computed (not reused from the "
+                "cache): kvshare_prompt_tokens - kvshare_prompt_tokens_cached",
+                value=computed_prompt_tokens(counters))
+        for key, name, doc in (
+            ("steps", "kvshare_forward_steps", "Model forward steps (batches computed)"),
+            ("busy_slots_total", "kvshare_step_sequences",
+             "Sequences busy (prefill or decode) at each forward step, summed over steps; "
+             "divided by kvshare_forward_steps: the mean batch"),
+            ("prompt_seconds_total", "kvshare_prompt_seconds",
+             "Time spent computing prompts, summed over requests"),
+            ("generation_seconds_total", "kvshare_generation_seconds",
+             "Time spent generating tokens, summed over requests"),
+        ):
+            if key in counters:
+                yield CounterMetricFamily(name, doc, value=counters[key])
+        yield GaugeMetricFamily("kvshare_sequence_tokens_max",
+                                "Longest sequence seen (prompt + generated tokens)",
+                                value=self.tokens_max(snap))
 
         slots = snap.get("slots")
         if isinstance(slots, list):
@@ -147,6 +217,112 @@ def _tier_metrics(tiers: dict):
         yield evictions
 
 
+def computed_prompt_tokens(counters: dict) -> int:
+    return max(0, int(_num(counters.get("prompt_tokens_total")))
+               - int(_num(counters.get("prompt_tokens_cached_total"))))
+
+
+# llama-server's /metrics, in its order: name (after "llamacpp:"), type, help text. Copied from
+# llama.cpp tools/server/server-task.cpp, server_task_result_metrics::to_metrics() (the
+# labelled spec_decode_num_accepted_tokens_per_pos_total is left out, as llama-server does
+# when speculative decoding is off).
+LLAMACPP_METRICS: tuple[tuple[str, str, str], ...] = (
+    ("prompt_tokens_total", "counter",
+     "Number of prompt tokens processed, excluding cached tokens"),
+    ("prompt_tokens_cached_total", "counter", "Number of prompt tokens reused from the cache"),
+    ("prompt_seconds_total", "counter", "Total time spent processing prompts"),
+    ("tokens_predicted_total", "counter", "Number of generation tokens processed"),
+    ("tokens_predicted_seconds_total", "counter", "Total time spent generating tokens"),
+    ("n_decode_total", "counter",
+     "Total number of llama_decode() calls, excluding speculative decoding and multimodal "
+     "decoding"),
+    ("n_tokens_max", "counter", "Largest observed sequence length (prompt + generation)"),
+    ("spec_decode_num_draft_tokens_total", "counter",
+     "Speculative: Total draft tokens generated"),
+    ("spec_decode_num_accepted_tokens_total", "counter",
+     "Speculative: Total draft tokens accepted by the target model"),
+    ("spec_decode_num_drafts_total", "counter",
+     "Speculative: Total speculative decoding verification steps"),
+    ("prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s"),
+    ("predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s"),
+    ("requests_processing", "gauge", "Number of requests processing"),
+    ("requests_deferred", "gauge", "Number of requests deferred"),
+    ("n_busy_slots_per_decode", "gauge", "Average number of busy slots per llama_decode() call"),
+)
+
+
+class LlamaCppMetrics:
+    """llama-server's `llamacpp:*` metrics from an engine snapshot, each equal to its kvshare
+    figure:
+
+    prompt_tokens_total             kvshare_prompt_tokens_computed_total
+    prompt_tokens_cached_total      kvshare_prompt_tokens_cached_total
+    prompt_seconds_total            kvshare_prompt_seconds_total (0 until the engine counts it)
+    tokens_predicted_total          kvshare_generated_tokens_total
+    tokens_predicted_seconds_total  kvshare_generation_seconds_total (0 until the engine counts it)
+    n_decode_total                  kvshare_forward_steps_total
+    n_tokens_max                    kvshare_sequence_tokens_max
+    spec_decode_*                   0 (kvshare does not decode speculatively)
+    prompt_tokens_seconds           computed prompt tokens / prompt seconds since the last scrape
+    predicted_tokens_seconds        generated tokens / generation seconds since the last scrape
+    requests_processing             kvshare_sequences{state="prefill"|"decode"}, summed
+    requests_deferred               kvshare_requests_queued
+    n_busy_slots_per_decode         kvshare_step_sequences_total / kvshare_forward_steps_total
+
+    The two throughput gauges are averaged over the window between two scrapes, as
+    llama-server's (which resets its buckets at each /metrics)."""
+
+    def __init__(self, collector: EngineCollector):
+        self.collector = collector
+        self._lock = threading.Lock()
+        self._last: tuple[float, float, float, float] | None = None
+
+    def values(self, snap: dict) -> dict[str, float]:
+        c = snap.get("counters", {}) or {}
+        prompt_n, prompt_s = computed_prompt_tokens(c), float(_num(c.get("prompt_seconds_total")))
+        gen_n = int(_num(c.get("generated_tokens_total")))
+        gen_s = float(_num(c.get("generation_seconds_total")))
+        with self._lock:  # the rate window: since the previous scrape
+            last = self._last or (0, 0.0, 0, 0.0)
+            self._last = (prompt_n, prompt_s, gen_n, gen_s)
+
+        def rate(n: float, s: float, n0: float, s0: float) -> float:
+            return (n - n0) / (s - s0) if s - s0 > 0 and n >= n0 else 0.0
+
+        steps = int(_num(c.get("steps")))
+        return {
+            "prompt_tokens_total": prompt_n,
+            "prompt_tokens_cached_total": int(_num(c.get("prompt_tokens_cached_total"))),
+            "prompt_seconds_total": prompt_s,
+            "tokens_predicted_total": gen_n,
+            "tokens_predicted_seconds_total": gen_s,
+            "n_decode_total": steps,
+            "n_tokens_max": self.collector.tokens_max(snap),
+            "spec_decode_num_draft_tokens_total": 0,
+            "spec_decode_num_accepted_tokens_total": 0,
+            "spec_decode_num_drafts_total": 0,
+            "prompt_tokens_seconds": rate(prompt_n, prompt_s, last[0], last[1]),
+            "predicted_tokens_seconds": rate(gen_n, gen_s, last[2], last[3]),
+            "requests_processing": processing_slots(snap),
+            "requests_deferred": queued_requests(snap),
+            "n_busy_slots_per_decode": _num(c.get("busy_slots_total")) / max(steps, 1),
+        }
+
+    def render(self, snap: dict) -> bytes:
+        vals = self.values(snap)
+        out = []
+        for name, kind, doc in LLAMACPP_METRICS:
+            out.append(f"# HELP llamacpp:{name} {doc}\n# TYPE llamacpp:{name} {kind}\n"
+                       f"llamacpp:{name} {_fmt(vals[name])}\n")
+        return "".join(out).encode()
+
+
+def _fmt(v: float) -> str:
+    if isinstance(v, int) or float(v).is_integer():
+        return str(int(v))
+    return repr(float(v))
+
+
 class ServerMetrics:
     content_type = CONTENT_TYPE_LATEST
 
@@ -166,7 +342,23 @@ class ServerMetrics:
                                   buckets=DURATION_BUCKETS, registry=r)
         self.in_flight = Gauge("kvshare_requests_in_flight", "Completion requests in progress",
                                registry=r)
-        r.register(EngineCollector(engine))
+        self.engine_collector = EngineCollector(engine)
+        r.register(self.engine_collector)
+        self.llamacpp = LlamaCppMetrics(self.engine_collector)
+        self._render_lock = threading.Lock()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The Prometheus text: kvshare's metrics, then llama-server's `llamacpp:*` ones, both
+        from one engine snapshot."""
+        with self._render_lock:
+            ec = self.engine_collector
+            ec.pinned = None
+            snap = ec.snapshot()
+            ec.pinned = snap
+            try:
+                text = generate_latest(self.registry)
+            finally:
+                ec.pinned = None
+            if snap is not None:
+                text += self.llamacpp.render(snap)
+            return text
