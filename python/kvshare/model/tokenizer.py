@@ -489,6 +489,10 @@ class Tokenizer:
         if ids["eom"] is None:
             ids["eom"] = find(_EOM_TEXTS)
         fim = {k: find(v) for k, v in _FIM_TEXTS.items()}
+        for k in fim:  # the GGUF's own ids win over the text-based detection
+            v = meta.get(f"tokenizer.ggml.fim_{k}_token_id")
+            if v is not None and 0 <= int(v) < n:
+                fim[k] = int(v)
         for i, t in enumerate(texts):
             if attrs[i] & ATTR_CONTROL and "unused" in t:
                 attrs[i] |= ATTR_UNUSED
@@ -519,6 +523,8 @@ class Tokenizer:
         self.eom_id: int | None = ids["eom"]
         self.unk_id: int | None = ids["unk"]
         self.pad_id: int | None = ids["pad"]
+        # fill-in-the-middle tokens ("pre", "suf", "mid", "pad", "rep", "sep" -> id or None)
+        self.fim_ids: dict[str, int | None] = dict(fim)
         self.stop_ids: frozenset[int] = frozenset(eog)
         self.add_bos: bool = add_bos
         self.add_eos: bool = add_eos

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
@@ -26,7 +27,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvshare.engine.api import (FinishEvent, GenerationRequest, RenderedChat, RequestRejected,
-                               TokenEvent)
+                               SamplingParams, TokenEvent)
 from kvshare.engine.faults import HEADER as FAULT_HEADER
 from kvshare.engine.faults import injection_enabled
 
@@ -40,6 +41,7 @@ from .errors import HTTP_CODES, APIError, bad_request, error_body
 from .anthropic import MessagesApi, count_tokens_request
 from .frontend import (ApiFormat, CachePoint, ChatRequest, FrontEnd, PromptInfo,
                        RequestContext)
+from . import llama_native as N
 from .responses import ResponsesApi, ResponseStore, owner_of
 from .limits import read_json
 from .cors import CORSMiddleware, CORSPolicy
@@ -75,10 +77,23 @@ def is_anthropic_path(path: str) -> bool:
     return path.rstrip("/") in _ANTHROPIC_PATHS
 
 
+# llama-server's own endpoints: its error shape ({"error": {"code", "message", "type"}})
+# (GET /slots keeps kvshare's OpenAI-shaped 401, as before it took llama-server's shape)
+_NATIVE_PATHS = frozenset({"/completion", "/completions", "/infill", "/props",
+                           "/apply-template"})
+
+
+def is_native_path(path: str) -> bool:
+    p = path.rstrip("/")
+    return p in _NATIVE_PATHS or p.startswith("/slots/")
+
+
 def error_json(path: str, err: APIError) -> dict:
     """An error body in the shape the API at `path` uses (Anthropic's on /v1/messages,
-    OpenAI's elsewhere)."""
-    return _ANTHROPIC_ERRORS.error_body(err) if is_anthropic_path(path) else err.body()
+    llama-server's on its native endpoints, OpenAI's elsewhere)."""
+    if is_anthropic_path(path):
+        return _ANTHROPIC_ERRORS.error_body(err)
+    return N.llama_error_body(err) if is_native_path(path) else err.body()
 
 
 class RootPathMiddleware:
@@ -184,6 +199,7 @@ class _Format(ApiFormat):
     the request's usage and timings."""
 
     object_full = object_chunk = ""
+    system_fingerprint: str | None = None  # set per server (KVShareServer.system_fingerprint)
 
     def __init__(self, rid: str, model: str, opts: P.CommonOptions,
                  rules: OutputRules | None = None, prompt: PromptInfo | None = None):
@@ -227,7 +243,7 @@ class _Format(ApiFormat):
 
     def _base(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": None}
+                "system_fingerprint": self.system_fingerprint}
 
     def final_extras(self, total: FinishEvent, chunk: dict) -> dict:
         """The last choice's finish chunk carries the request's usage and timings."""
@@ -303,20 +319,29 @@ class ChatFormat(_Format):
 
 
 class ChatCompletionsApi:
-    """`/v1/chat/completions` as a front end (frontend.FrontEnd)."""
+    """`/v1/chat/completions` as a front end (frontend.FrontEnd). `reasoning_format`: the
+    default of a request that gives none; `system_fingerprint`: what responses carry."""
 
     endpoint, id_prefix = "chat", "chatcmpl-"
+
+    def __init__(self, reasoning_format: str | None = None,
+                 system_fingerprint: str | None = None):
+        self.reasoning_format = reasoning_format
+        self.system_fingerprint = system_fingerprint
 
     def parse(self, body: dict, ctx: RequestContext) -> ChatRequest:
         model = P.requested_model(body, ctx.model_name)
         opts = P.parse_common(body, ctx_size=ctx.ctx_size, chat=True, max_n=ctx.max_n,
                               vocab_size=ctx.vocab_size)
         output = P.parse_output_constraint(body, chat=True)
-        return ChatRequest(chat=P.parse_chat(body), opts=opts, output=output, model=model)
+        chat = P.parse_chat(body, reasoning_format=self.reasoning_format)
+        return ChatRequest(chat=chat, opts=opts, output=output, model=model)
 
     def make_format(self, rid: str, req: ChatRequest, rules: OutputRules | None,
                     prompt: PromptInfo) -> ApiFormat:
-        return ChatFormat(rid, req.model, req.opts, rules, prompt)
+        fmt = ChatFormat(rid, req.model, req.opts, rules, prompt)
+        fmt.system_fingerprint = self.system_fingerprint
+        return fmt
 
     def error_body(self, err: APIError) -> dict:
         return err.body()
@@ -386,6 +411,29 @@ class SSEResponse(StreamingResponse):
 
 # --------------------------------------------------------------------------- the server
 
+def _early_stop(fmt: ApiFormat, ev: FinishEvent) -> FinishEvent:
+    """The cancellation a format asked for (`stop_requested`: llama-server's n_indent,
+    t_max_predict_ms) is a normal end at the limit."""
+    if ev.reason == "cancelled" and getattr(fmt, "stop_requested", False):
+        return replace(ev, reason="length")
+    return ev
+
+
+def _system_fingerprint(engine) -> str:
+    """`system_fingerprint` of OpenAI responses: kvshare's version and the model weights'
+    fingerprint (what decides the outputs), e.g. "kvshare-0.1.0-3f2a9c1b"."""
+    try:
+        from kvshare import __version__ as version
+    except ImportError:  # pragma: no cover - a build without the extension
+        version = "unknown"
+    fp = None
+    try:
+        fp = getattr(getattr(engine, "model", None), "fingerprint", None)
+    except Exception:  # noqa: BLE001 - a model without a file (tests)
+        fp = None
+    return f"kvshare-{version}" + (f"-{fp[:8]}" if isinstance(fp, str) and fp else "")
+
+
 class KVShareServer:
     def __init__(self, engine, settings: ServerSettings):
         self.engine = engine
@@ -405,9 +453,16 @@ class KVShareServer:
         self.max_n = getattr(getattr(engine, "config", None), "max_n", 8)
         # the chat APIs (frontend.FrontEnd): one pipeline, three request and response shapes
         self.response_store = ResponseStore(ttl_s=settings.response_ttl_s)
+        self.system_fingerprint = _system_fingerprint(engine)
         self.apis: dict[str, FrontEnd] = {
-            "chat": ChatCompletionsApi(), "messages": MessagesApi(),
-            "responses": ResponsesApi(self.response_store)}
+            "chat": ChatCompletionsApi(getattr(settings, "reasoning_format", None),
+                                       self.system_fingerprint),
+            "messages": MessagesApi(), "responses": ResponsesApi(self.response_store),
+            # llama-server's native /completion and /infill (llama_native.py)
+            "completion": N.NativeCompletionApi(settings), "infill": N.InfillApi(settings)}
+        # llama-server's slots, emulated over the shared pool (llama_native.SlotTable)
+        parallel = getattr(getattr(engine, "config", None), "parallel", 0)
+        self.slot_table = N.SlotTable(parallel if isinstance(parallel, int) else 0)
         # the model's tool-call format (kvshare.toolcalls); None for an engine without a
         # chat template (test fakes)
         template = getattr(engine, "chat_template", None)
@@ -571,11 +626,19 @@ class KVShareServer:
             if n == 0:
                 raise bad_request("the prompt is empty", param)
             if n >= ctx_size:
-                raise bad_request(
+                err = bad_request(
                     f"This model's maximum context length is {ctx_size} tokens, but the prompt "
                     f"has {n} tokens (at least one token must be left for the completion)",
                     param, "context_length_exceeded")
-            max_tokens = min(opts.max_tokens or ctx_size, ctx_size - n)
+                err.details = {"n_prompt_tokens": n, "n_ctx": ctx_size}  # llama-server's
+                raise err
+            if creq is not None and getattr(api, "wants_prompt_tokens", False):
+                creq.extra["prompt_tokens"] = tokens
+                creq.extra["slot_of"] = lambda: self.slot_table.slot_of(rid)
+            default_max = getattr(self.settings, "default_max_tokens", None)
+            if not isinstance(default_max, int) or default_max <= 0:
+                default_max = None  # -1 / None: until the context is full
+            max_tokens = min(opts.max_tokens or default_max or ctx_size, ctx_size - n)
             chat_in = creq.chat if creq is not None else None
             rules = None
             if chat_in is not None and self.tool_calls is not None:
@@ -604,11 +667,14 @@ class KVShareServer:
                 fmt: ApiFormat = api.make_format(rid, creq, rules, PromptInfo(n, pinned))
             else:
                 fmt = CompletionFormat(rid, model, opts, echo_text)
+                fmt.system_fingerprint = self.system_fingerprint
             try:
                 handle = self.engine.submit(greq)
             except RequestRejected as e:
                 raise bad_request(str(e), param, e.code) from None
             self.active[rid] = handle
+            self.slot_table.acquire(rid, greq, creq.extra.get("settings") if creq else None,
+                               creq.extra.get("id_slot", -1) if creq else -1)
             if opts.stream:
                 handed_off = True
 
@@ -653,6 +719,7 @@ class KVShareServer:
         if rec.done:
             return
         rec.done = True
+        self.slot_table.release(rec.id, rec.finish)
         m = self.metrics
         m.in_flight.dec()
         m.requests.labels(rec.endpoint, str(rec.status)).inc()
@@ -680,16 +747,25 @@ class KVShareServer:
         watcher = asyncio.ensure_future(watch())
         choices: dict[int, tuple[list[str], list[TokenEvent]]] = {}
         fins: dict[int, FinishEvent] = {}
+        # a format that may end the generation early (llama-server's n_indent)
+        observe = getattr(fmt, "watch", None)
         try:
             async for ev in handle:
                 if isinstance(ev, FinishEvent):
-                    fins[ev.index] = ev
+                    fins[ev.index] = ev = _early_stop(fmt, ev)
                     if ev.reason in ("error", "cancelled"):
                         break
                     continue
+                self.slot_table.feed(rec.id, ev)
+                if getattr(fmt, "stop_requested", False):
+                    continue  # generated before the stop took effect
                 texts, events = choices.setdefault(ev.index, ([], []))
                 texts.append(ev.text)
                 events.append(ev)
+                if observe is not None:
+                    observe(ev)
+                    if getattr(fmt, "stop_requested", False):
+                        handle.cancel()
         finally:
             watcher.cancel()
         failed = [f for f in fins.values() if f.reason in ("error", "cancelled")]
@@ -728,6 +804,7 @@ class KVShareServer:
             failed: FinishEvent | None = None
             async for ev in handle:
                 if isinstance(ev, FinishEvent):
+                    ev = _early_stop(fmt, ev)
                     if ev.reason in ("error", "cancelled"):
                         failed = ev
                         break
@@ -735,8 +812,12 @@ class KVShareServer:
                     for c in fmt.stream_finish(ev):
                         yield c
                     continue
+                self.slot_table.feed(rec.id, ev)
+                stopped = getattr(fmt, "stop_requested", False)
                 for c in fmt.stream_token(ev):
                     yield c
+                if not stopped and getattr(fmt, "stop_requested", False):
+                    handle.cancel()
             rec.finish = failed or (P.merge_finishes(fins) if fins else None)
             if rec.finish is None:
                 raise RuntimeError("the engine ended the request without a FinishEvent")
@@ -798,11 +879,16 @@ class KVShareServer:
         } for name in names]})
 
     async def health(self, request: Request) -> Response:
+        """llama-server's /health ({"status": "ok"}; a 503 carries its error object), with
+        kvshare's reasons to be unhealthy (shutting down, an engine step that hangs)."""
         if self.shutting_down:
-            return JSONResponse({"status": "shutting down"}, status_code=503)
+            return JSONResponse({"status": "shutting down", "error": N.error_object(
+                503, "The server is shutting down")}, status_code=503)
         stalled = getattr(self.engine, "stalled_for", lambda: 0.0)()
         if stalled > STALL_LIMIT_S:  # one step should take well under a second or two
-            return JSONResponse({"status": "engine stalled", "step_seconds": round(stalled, 1)},
+            return JSONResponse({"status": "engine stalled", "step_seconds": round(stalled, 1),
+                                 "error": N.error_object(
+                                     503, f"An engine step has run for {stalled:.0f} s")},
                                 status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -810,9 +896,202 @@ class KVShareServer:
         data = await run_in_threadpool(self.metrics.render)
         return Response(data, media_type=self.metrics.content_type)
 
+    # ------------------------------------------------------------------ llama-server native
+    async def native_completion(self, request: Request) -> Response:
+        """llama-server's `/completion` (and `/completions`), llama_native.py."""
+        return await self._generate(request, self.apis["completion"])
+
+    async def infill(self, request: Request) -> Response:
+        """llama-server's `/infill` (fill-in-the-middle), llama_native.py."""
+        return await self._generate(request, self.apis["infill"])
+
+    @staticmethod
+    def _llama_error(status: int, message: str, type: str | None = None) -> Response:
+        return JSONResponse({"error": N.error_object(status, message, type)},
+                            status_code=status)
+
+    def _model_id(self) -> str:
+        """What slot files are bound to: the weights' fingerprint (the model name without)."""
+        try:
+            fp = getattr(getattr(self.engine, "model", None), "fingerprint", None)
+        except Exception:  # noqa: BLE001 - a model without a file (tests)
+            fp = None
+        return fp if isinstance(fp, str) and fp else self.engine.model_name
+
+    async def props(self, request: Request) -> Response:
+        """llama-server's `GET /props`."""
+        e = self.engine
+        tok = getattr(e, "tokenizer", None)
+        template = getattr(e, "chat_template", None)
+        path = getattr(getattr(e, "model", None), "path", None)
+        tools = self.tool_calls is not None and self.tool_calls.name is not None
+        try:
+            from kvshare import __version__ as version
+        except ImportError:  # pragma: no cover
+            version = "unknown"
+        default_max = getattr(self.settings, "default_max_tokens", None)
+        return JSONResponse({
+            "default_generation_settings": {"params": N.default_settings(default_max),
+                                            "n_ctx": e.ctx_size},
+            "total_slots": len(self.slot_table),
+            "model_alias": (self.settings.aliases or [e.model_name])[0],
+            "model_path": str(path) if path else e.model_name,
+            "modalities": {"vision": False, "video": False, "audio": False},
+            "endpoint_slots": bool(getattr(self.settings, "slots_endpoint", True)),
+            "endpoint_props": False,
+            "endpoint_metrics": True,
+            "ui": False,
+            "chat_template": getattr(template, "source", None) or "",
+            "chat_template_caps": {"supports_tools": tools, "supports_tool_calls": tools,
+                                   "supports_parallel_tool_calls": tools,
+                                   "supports_system_role": True,
+                                   "supports_string_content": True},
+            "bos_token": getattr(tok, "bos_token", "") or "",
+            "eos_token": getattr(tok, "eos_token", "") or "",
+            "build_info": f"kvshare-{version}",
+            "is_sleeping": False,
+            "kvshare": {"version": version, "system_fingerprint": self.system_fingerprint,
+                        "block_size": self.block_size},
+        })
+
+    async def post_props(self, request: Request) -> Response:
+        """llama-server answers this only when started with `--props`; kvshare has no global
+        properties to change."""
+        return self._llama_error(501, "This server does not support changing global "
+                                      "properties. Start it with `--props`")
+
+    def _template_text(self, chat: P.ChatInput) -> str:
+        kwargs = dict(chat.template_kwargs)
+        agp = bool(kwargs.pop("add_generation_prompt", True))
+        tools = P.template_tools(chat.tools)
+        template = getattr(self.engine, "chat_template", None)
+        try:
+            if template is not None and hasattr(template, "render"):
+                more = {"continue_final": True} if chat.continue_final else {}
+                return template.render(chat.messages, tools=tools, add_generation_prompt=agp,
+                                       **more, **kwargs)
+            return self.engine.apply_chat_template(chat.messages, tools, agp, **kwargs)[0]
+        except APIError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise bad_request(f"chat template error: {e}", "messages", "invalid_messages") from None
+
+    async def apply_template(self, request: Request) -> Response:
+        """llama-server's `/apply-template`: the chat rendered by the model's template (as the
+        chat endpoints render it, assistant prefill included), not tokenized."""
+        try:
+            body = await read_json(request, self.settings)
+            chat = P.parse_chat(body, reasoning_format=getattr(self.settings,
+                                                               "reasoning_format", None))
+            self.bounds.check_chat(chat, self.engine.ctx_size, limits.body_size(request))
+            heavy = limits.body_size(request) > limits.HEAVY_BYTES
+            text = await limits.run_heavy(request, heavy, self._template_text, chat)
+            return JSONResponse({"prompt": text})
+        except APIError as e:
+            return JSONResponse(N.llama_error_body(e), status_code=e.status, headers=e.headers)
+
+    async def chat_input_tokens(self, request: Request) -> Response:
+        """llama-server's `/v1/chat/completions/input_tokens`: the prompt's token count as
+        `/v1/chat/completions` would render it."""
+        try:
+            body = await read_json(request, self.settings)
+            chat = P.parse_chat(body, reasoning_format=getattr(self.settings,
+                                                               "reasoning_format", None))
+            heavy = limits.body_size(request) > limits.HEAVY_BYTES
+            rendered = await limits.run_heavy(request, heavy, self._render_chat, chat,
+                                              limits.body_size(request))
+            return JSONResponse({"input_tokens": len(rendered.tokens),
+                                 "object": "response.input_tokens"})
+        except APIError as e:
+            return e.response()
+
     async def slots(self, request: Request) -> Response:
+        """llama-server's `GET /slots` (llama_native.SlotTable); 501 with `--no-slots`."""
+        if not getattr(self.settings, "slots_endpoint", True):
+            return self._llama_error(501, "This server does not support slots endpoint. Start "
+                                          "it with `--slots`")
         snap = await run_in_threadpool(self.engine.snapshot)
-        return JSONResponse(snap.get("slots", []))
+        live: dict[str, list[dict]] = {}
+        for q in snap.get("slots", []):
+            live.setdefault(str(q.get("request_id", q.get("id"))), []).append(q)
+        if request.query_params.get("fail_on_no_slot") and \
+                all(s.rid is not None for s in self.slot_table.slots):
+            return self._llama_error(503, "no slot available")
+        text = None
+        if self.tenancy.keyring is None:  # tenants must not read each other's prompts
+            text = self.engine.detokenize
+        data = await run_in_threadpool(self.slot_table.to_json, self.engine.ctx_size, live, text)
+        return JSONResponse(data)
+
+    async def slot_action(self, request: Request) -> Response:
+        """llama-server's `POST /slots/{id}?action=save|restore|erase` (see llama_native's
+        docstring for what they mean over kvshare's shared cache)."""
+        try:
+            directory = getattr(self.settings, "slot_save_path", None)
+            if not directory:
+                return self._llama_error(501, "This server does not support slots action. "
+                                              "Start it with `--slot-save-path`")
+            try:
+                slot = self.slot_table.get(int(request.path_params["id_slot"]))
+            except ValueError:
+                slot = None
+            if slot is None:
+                raise bad_request("Invalid slot ID", "id_slot")
+            action = request.query_params.get("action")
+            if action not in ("save", "restore", "erase"):
+                raise bad_request("Invalid action", "action")
+            if action == "erase":
+                await self.slot_table.wait_idle(slot)
+                n = len(slot.tokens)
+                slot.prompt, slot.generated = [], []
+                return JSONResponse({"id_slot": slot.id, "n_erased": n})
+            body = await read_json(request, self.settings)
+            filename = N.check_filename(body.get("filename"))
+            path = os.path.join(directory, filename)
+            await self.slot_table.wait_idle(slot)
+            t0 = time.perf_counter()
+            if action == "save":
+                tokens = slot.tokens
+                nbytes = await run_in_threadpool(N.save_slot_file, path, tokens, self._model_id())
+                return JSONResponse({"id_slot": slot.id, "filename": filename,
+                                     "n_saved": len(tokens), "n_written": nbytes,
+                                     "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}})
+            tokens, nread = await run_in_threadpool(N.load_slot_file, path, self._model_id(),
+                                                    self.vocab_size)
+            if len(tokens) >= self.engine.ctx_size:
+                raise bad_request("Unable to restore slot: Restored prompt does not fit in the "
+                                  "slot context", "filename")
+            if tokens:
+                await self._warm(request, tokens)
+            slot.prompt, slot.generated = list(tokens), []
+            return JSONResponse({"id_slot": slot.id, "filename": filename,
+                                 "n_restored": len(tokens), "n_read": nread,
+                                 "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}})
+        except APIError as e:
+            return JSONResponse(N.llama_error_body(e), status_code=e.status, headers=e.headers)
+        except OSError as e:
+            return self._llama_error(500, f"Unable to access the slot file: {e.strerror or e}")
+
+    async def _warm(self, request: Request, tokens: list[int]) -> None:
+        """Compute `tokens` into the cache (one generated token, discarded): a restored slot's
+        conversation is then a cached prefix for the tenant that restored it."""
+        tenant = self.request_context(request).tenant
+        rid = "slot-restore-" + uuid.uuid4().hex[:16]
+        greq = GenerationRequest(
+            prompt_tokens=list(tokens), max_tokens=1, sampling=SamplingParams(temperature=0.0),
+            cache_salt=self.tenancy.salt(tenant, None), cache_store=self.tenancy.stores(None),
+            public_prefix_tokens=self.tenancy.public_prefix_tokens(tokens), request_id=rid)
+        try:
+            handle = self.engine.submit(greq)
+        except RequestRejected as e:
+            raise bad_request(f"Unable to restore slot: {e}", "filename", e.code) from None
+        fin = None
+        async for ev in handle:
+            if isinstance(ev, FinishEvent):
+                fin = ev
+        if fin is None or fin.reason in ("error", "cancelled"):
+            raise APIError(500, "Unable to restore slot: computing its tokens failed"
+                                + (f" ({fin.error})" if fin is not None and fin.error else ""))
 
     async def cache(self, request: Request) -> Response:
         snap = await run_in_threadpool(self.engine.snapshot)
@@ -927,7 +1206,16 @@ def create_app(engine, settings: ServerSettings | None = None, *,
 
     routes = [
         *both("/chat/completions", srv.chat, ["POST"]),
-        *both("/completions", srv.completions, ["POST"]),
+        *both("/chat/completions/input_tokens", srv.chat_input_tokens, ["POST"]),
+        # /v1/completions is OpenAI's; /completions and /completion are llama-server's own
+        Route("/v1/completions", srv.completions, methods=["POST"]),
+        Route("/completions", srv.native_completion, methods=["POST"]),
+        Route("/completion", srv.native_completion, methods=["POST"]),
+        Route("/infill", srv.infill, methods=["POST"]),
+        Route("/props", srv.props, methods=["GET"]),
+        Route("/props", srv.post_props, methods=["POST"]),
+        Route("/apply-template", srv.apply_template, methods=["POST"]),
+        Route("/slots/{id_slot}", srv.slot_action, methods=["POST"]),
         *both("/messages", srv.messages, ["POST"]),
         *both("/messages/count_tokens", srv.count_tokens, ["POST"]),
         *both("/responses", srv.responses, ["POST"]),
