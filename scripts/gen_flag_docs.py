@@ -29,7 +29,8 @@ BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("Model and device", ("--model", "--model-cache", "--device", "--threads")),
     ("Network and auth", ("--host", "--port", "--root-path", "--api-key", "--api-key-file",
-                          "--cors-origins", "--cors-methods", "--cors-headers")),
+                          "--cors-origins", "--cors-methods", "--cors-headers",
+                          "--cors-credentials")),
     ("Prefix cache: sharing, tiers, checkpoints, scope",
      ("--no-slot-attach", "--cache-ram", "--cache-ram-pin", "--cache-dir", "--cache-disk-max",
       "--cache-ttl", "--cache-min-tokens", "--checkpoint-min-step", "--ctx-checkpoints",
@@ -79,6 +80,7 @@ def _defaults() -> dict[str, str]:
         "--cors-origins": "loopback origins only",  # cors.is_loopback_origin
         "--cors-headers": "the headers the preflight asks for",
         "--slots": "on (`--no-slots`: off)",
+        "--cors-credentials": "on (`--no-cors-credentials`: off)",
         "--slot-save-path": "none (save/restore off)",
         "--jinja": "on (always)",
         "--metrics": "on (always)",

@@ -178,3 +178,16 @@ def test_cli_flags_reach_the_settings():
     assert kw["cors_headers"] == "Authorization"
     a = cli.parse_args(["serve"], {"LLAMA_ARG_CORS_ORIGINS": "*"})
     assert cli.llama_settings_kwargs(a)["cors_origins"] == ["*"]
+
+
+def test_no_cors_credentials():
+    a = cli.parse_args(["serve", "--no-cors-credentials"], {})
+    assert cli.llama_settings_kwargs(a)["cors_credentials"] is False
+    assert cli.parse_args(["serve"], {"LLAMA_ARG_CORS_CREDENTIALS": "false"}).cors_credentials \
+        is False
+    with client(cors_credentials=False) as c:
+        r = preflight(c, "http://localhost:3000")
+        assert r.status_code == 204 and "access-control-allow-credentials" not in r.headers
+        r = c.get("/health", headers={"Origin": "http://localhost:3000"})
+        assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "access-control-allow-credentials" not in r.headers

@@ -1017,11 +1017,7 @@ class KVShareServer:
         if request.query_params.get("fail_on_no_slot") and \
                 all(s.rid is not None for s in self.slot_table.slots):
             return self._llama_error(503, "no slot available")
-        text = None
-        if self.tenancy.keyring is None:  # tenants must not read each other's prompts
-            text = self.engine.detokenize
-        data = await run_in_threadpool(self.slot_table.to_json, self.engine.ctx_size, live, text)
-        return JSONResponse(data)
+        return JSONResponse(self.slot_table.to_json(self.engine.ctx_size, live))
 
     async def slot_action(self, request: Request) -> Response:
         """llama-server's `POST /slots/{id}?action=save|restore|erase` (see llama_native's
@@ -1234,7 +1230,8 @@ def create_app(engine, settings: ServerSettings | None = None, *,
         middleware.append(Middleware(RootPathMiddleware, root_path=settings.root_path))
     # CORS (cors.py) outside the auth: a browser's preflight carries no key
     middleware.append(Middleware(CORSMiddleware, policy=CORSPolicy(
-        settings.cors_origins, settings.cors_methods, settings.cors_headers)))
+        settings.cors_origins, settings.cors_methods, settings.cors_headers,
+        settings.cors_credentials)))
     # connection limit and body deadline (limits.py), before anything reads the body
     middleware.append(Middleware(limits.EdgeMiddleware, limits=srv.edge,
                                  exempt=OPEN_PATHS | {"/metrics"}, route_path=route_path))

@@ -215,6 +215,9 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--cors-methods", str, "GET, POST, DELETE, OPTIONS", "methods a CORS preflight allows"),
     ("--cors-headers", str, None,
      "request headers a CORS preflight allows (default: those the browser asks for)"),
+    ("--cors-credentials", TOGGLE, True,
+     "CORS responses to allowed origins say Access-Control-Allow-Credentials: true "
+     "(--no-cors-credentials: they do not)"),
     ("--slots", TOGGLE, True, "serve GET /slots (--no-slots: 501, as llama-server)"),
     ("--slot-save-path", str, None,
      "directory of the files POST /slots/{id}?action=save|restore writes and reads (default: "
@@ -264,6 +267,7 @@ LLAMA_NAMES: dict[str, tuple[tuple[str, ...], str | None]] = {
     "--cors-origins": ((), "LLAMA_ARG_CORS_ORIGINS"),
     "--cors-methods": ((), "LLAMA_ARG_CORS_METHODS"),
     "--cors-headers": ((), "LLAMA_ARG_CORS_HEADERS"),
+    "--cors-credentials": ((), "LLAMA_ARG_CORS_CREDENTIALS"),
     "--slots": ((), "LLAMA_ARG_ENDPOINT_SLOTS"),
     "--metrics": ((), "LLAMA_ARG_ENDPOINT_METRICS"),
     "--cont-batching": (("-cb",), "LLAMA_ARG_CONT_BATCHING"),
@@ -511,6 +515,7 @@ def llama_settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "cors_origins": parse_origins(args.cors_origins),
         "cors_methods": args.cors_methods,
         "cors_headers": args.cors_headers,
+        "cors_credentials": args.cors_credentials,
         "slots_endpoint": args.slots,
         "slot_save_path": (os.path.abspath(args.slot_save_path)
                            if args.slot_save_path is not None else None),

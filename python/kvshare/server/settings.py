@@ -57,10 +57,11 @@ class ServerSettings:
     reasoning_format: str = "auto"
     # CORS (server/cors.py): origins allowed besides the loopback ones (`--cors-origins`;
     # "*": any), the methods a preflight allows, the headers it allows (None: those the
-    # browser asks for).
+    # browser asks for), and whether allowed origins get `Access-Control-Allow-Credentials`.
     cors_origins: list[str] = field(default_factory=list)
     cors_methods: str = "GET, POST, DELETE, OPTIONS"
     cors_headers: str | None = None
+    cors_credentials: bool = True
     # GET /slots served (`--slots`, the default) or 501 (`--no-slots`), as llama-server.
     slots_endpoint: bool = True
     # llama-server `--slot-save-path`: directory of `POST /slots/{id}?action=save|restore`
