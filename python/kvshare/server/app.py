@@ -1017,7 +1017,11 @@ class KVShareServer:
         if request.query_params.get("fail_on_no_slot") and \
                 all(s.rid is not None for s in self.slot_table.slots):
             return self._llama_error(503, "no slot available")
-        return JSONResponse(self.slot_table.to_json(self.engine.ctx_size, live))
+        text = None
+        if self.tenancy.keyring is None:  # tenants must not read each other's prompts
+            text = self.engine.detokenize
+        data = await run_in_threadpool(self.slot_table.to_json, self.engine.ctx_size, live, text)
+        return JSONResponse(data)
 
     async def slot_action(self, request: Request) -> Response:
         """llama-server's `POST /slots/{id}?action=save|restore|erase` (see llama_native's
