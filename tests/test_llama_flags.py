@@ -5,14 +5,12 @@ replacing the model's template, and the README's command line starting a real se
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
