@@ -966,11 +966,12 @@ class KVShareServer:
         tools = P.template_tools(chat.tools)
         template = getattr(self.engine, "chat_template", None)
         try:
+            more = {"continue_final": True} if chat.continue_final else {}
             if template is not None and hasattr(template, "render"):
-                more = {"continue_final": True} if chat.continue_final else {}
                 return template.render(chat.messages, tools=tools, add_generation_prompt=agp,
                                        **more, **kwargs)
-            return self.engine.apply_chat_template(chat.messages, tools, agp, **kwargs)[0]
+            return self.engine.apply_chat_template(chat.messages, tools, agp, **more,
+                                                   **kwargs)[0]
         except APIError:
             raise
         except (ValueError, TypeError) as e:
@@ -1017,11 +1018,7 @@ class KVShareServer:
         if request.query_params.get("fail_on_no_slot") and \
                 all(s.rid is not None for s in self.slot_table.slots):
             return self._llama_error(503, "no slot available")
-        text = None
-        if self.tenancy.keyring is None:  # tenants must not read each other's prompts
-            text = self.engine.detokenize
-        data = await run_in_threadpool(self.slot_table.to_json, self.engine.ctx_size, live, text)
-        return JSONResponse(data)
+        return JSONResponse(self.slot_table.to_json(self.engine.ctx_size, live))
 
     async def slot_action(self, request: Request) -> Response:
         """llama-server's `POST /slots/{id}?action=save|restore|erase` (see llama_native's

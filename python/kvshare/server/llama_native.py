@@ -51,10 +51,9 @@ the prefix cache is global — so `--parallel` slots are emulated for llama-serv
 a request takes the lowest idle slot when it is submitted (the one `id_slot` names if that is
 idle; beyond `--parallel` requests wait in order for one to free), and a slot remembers its
 last request (settings, counts, prompt and generated token ids) as llama-server's does.
-`GET /slots` lists them in llama-server's shape plus `kvshare` figures of a running sequence
-(cached / computed prompt tokens, blocks, blocks shared with other sequences); the prompt and
-generated text are shown only when no API keys are configured (tenants must not read each
-other's prompts). `POST /slots/{id}?action=save` writes the slot's token ids (its last
+`GET /slots` lists them in llama-server's shape (as its GET /slots shows them: settings and
+counts, no prompt text) plus `kvshare` figures of a running sequence (cached / computed prompt
+tokens, blocks, blocks shared with other sequences). `POST /slots/{id}?action=save` writes the slot's token ids (its last
 prompt plus what it generated) to a JSON file under `--slot-save-path` — not the KV bytes:
 those live in kvshare's shared cache (and its disk tier with `--cache-dir`), addressed by
 content; `restore` reads such a file and computes those tokens into the cache (one request
@@ -452,6 +451,15 @@ def generation_settings(sampling: SamplingParams, *, n_predict: int, stop: list[
     }
 
 
+# what llama-server leaves out of settings shown in /props and /slots (to_json(only_metrics))
+_NOT_METRICS = ("dry_sequence_breakers", "stop", "logit_bias", "grammar", "grammar_lazy",
+                "grammar_triggers", "preserved_tokens")
+
+
+def metrics_only(settings: dict) -> dict:
+    return {k: v for k, v in settings.items() if k not in _NOT_METRICS}
+
+
 def default_settings(default_max_tokens: int | None) -> dict:
     """`/props` default_generation_settings.params: a native request that sets nothing."""
     n = default_max_tokens if default_max_tokens and default_max_tokens > 0 else -1
@@ -459,7 +467,7 @@ def default_settings(default_max_tokens: int | None) -> dict:
                        top_p=DEFAULT_TOP_P, min_p=DEFAULT_MIN_P,
                        penalty_last_n=DEFAULT_REPEAT_LAST_N,
                        repetition_penalty=DEFAULT_REPEAT_PENALTY)
-    return generation_settings(s, n_predict=n)
+    return metrics_only(generation_settings(s, n_predict=n))
 
 
 def request_settings(req: GenerationRequest) -> dict:
@@ -971,11 +979,10 @@ class SlotTable:
     def get(self, id_slot: int) -> Slot | None:
         return self.slots[id_slot] if 0 <= id_slot < len(self.slots) else None
 
-    def to_json(self, ctx_size: int, live: dict[str, list[dict]], text: Callable | None
-                ) -> list[dict]:
-        """llama-server's /slots array (server_slot::to_json) with `kvshare` figures of a
-        running slot's sequences (`live`: engine snapshot slots by request id). `text`:
-        detokenize, to show the prompt and generated text (None: left out)."""
+    def to_json(self, ctx_size: int, live: dict[str, list[dict]]) -> list[dict]:
+        """llama-server's /slots array (server_slot::to_json(only_metrics), as its GET /slots
+        shows it: no prompt text) with `kvshare` figures of a running slot's sequences
+        (`live`: engine snapshot slots by request id)."""
         out = []
         for s in self.slots:
             d: dict[str, Any] = {"id": s.id, "n_ctx": ctx_size, "speculative": False,
@@ -991,14 +998,11 @@ class SlotTable:
                 d["n_prompt_tokens"] = s.n_prompt
                 d["n_prompt_tokens_processed"] = n_processed
                 d["n_prompt_tokens_cache"] = n_cache
-                d["params"] = s.params
+                d["params"] = metrics_only(s.params or {})
                 d["next_token"] = [{"has_next_token": s.rid is not None,
                                     "has_new_line": s.has_new_line,
                                     "n_remain": s.n_remain if s.rid is not None else -1,
                                     "n_decoded": s.n_decoded}]
-                if text is not None:
-                    d["prompt"] = text(s.prompt)
-                    d["generated"] = text(s.generated)
             if seqs:
                 d["kvshare"] = {
                     "request_id": s.rid,

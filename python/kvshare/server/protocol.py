@@ -416,6 +416,10 @@ def _content_text(content: Any, i: int) -> str | None:
                       param)
 
 
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "continue_final", "strip_bos",
+                                       "boundary", "cache_after", "tokenizer"})
+
+
 def parse_chat(body: dict, *, reasoning_format: str | None = None) -> ChatInput:
     """A chat request's messages, tools and template options. `reasoning_format`: the
     default when the request gives none (the server's `--reasoning-format`).
@@ -470,7 +474,8 @@ def parse_chat(body: dict, *, reasoning_format: str | None = None) -> ChatInput:
         kwargs = {}
     if not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("messages", "tools")}
+    # names the renderer takes for itself are not template variables
+    kwargs = {k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
     continue_final = _continuation(body, out, kwargs)
     return ChatInput(messages=out, tools=tools, template_kwargs=kwargs, tool_choice=tool_choice,
                      parallel_tool_calls=parallel, reasoning_format=reasoning_format,
