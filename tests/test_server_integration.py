@@ -436,11 +436,11 @@ def test_64_concurrent_clients(server):
     deadline = time.time() + 30
     while time.time() < deadline:
         cache = httpx.get(server.url + "/cache").json()
-        if cache["pool"]["used"] == 0 and httpx.get(server.url + "/slots").json() == []:
+        if cache["pool"]["used"] == 0 and cache["sequences"] == 0:
             break
         time.sleep(0.2)
     assert cache["pool"]["used"] == 0, cache
-    assert httpx.get(server.url + "/slots").json() == []
+    assert httpx.get(server.url + "/cache").json()["sequences"] == 0
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     metrics = httpx.get(server.url + "/metrics").text
     assert "kvshare_requests_in_flight 0.0" in metrics

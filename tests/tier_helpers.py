@@ -306,8 +306,8 @@ class Server:
         them after the reply). Call it with no request in flight; see `wait_disk_idle`."""
         deadline = time.monotonic() + timeout
         while True:
-            released = self.client.get("/slots").json() == []
-            r = self.tier("ram")
+            c = self.cache()  # one engine snapshot: sequences first, then the tiers
+            released, r = c["sequences"] == 0, c["tiers"]["ram"]
             if released and r["saves_pending"] == 0:
                 return r
             if time.monotonic() > deadline:
@@ -317,13 +317,13 @@ class Server:
     def wait_disk_idle(self, timeout: float = 60.0) -> dict:
         """Until every finished request's entry is written (committed, skipped or dropped).
         Call it with no request in flight. No timing window: the engine hands a sequence's
-        save to the tiers after its reply and before it releases the sequence, so once `/slots`
-        is empty every save has been handed over; `queued` counts a save from then until the
-        writer is done with it (saves not yet given to the writer included)."""
+        save to the tiers after its reply and before it releases the sequence, so once `/cache`
+        reports no sequences every save has been handed over; `queued` counts a save from then
+        until the writer is done with it (saves not yet given to the writer included)."""
         deadline = time.monotonic() + timeout
         while True:
-            released = self.client.get("/slots").json() == []
-            d = self.tier("disk")  # read after /slots: covers every save handed over by then
+            c = self.cache()  # one engine snapshot: the tiers are read after the sequences,
+            released, d = c["sequences"] == 0, c["tiers"]["disk"]  # so every save is covered
             if released and d["queued"] == 0:
                 return d
             if time.monotonic() > deadline:

@@ -124,8 +124,11 @@ class Engine:
         self._open_choices: dict[str, int] = {}  # request id -> choices not finished yet
         self._seqs: dict[str, Sequence] = {}  # Sequence.key -> sequence
         self._assemblers: dict[int, TextAssembler] = {}
+        # llama-server's /metrics figures come from these too (server/metrics.py)
         self.counters = {"prompt_tokens_total": 0, "prompt_tokens_cached_total": 0,
-                         "generated_tokens_total": 0, "steps": 0, "preemptions": 0}
+                         "generated_tokens_total": 0, "steps": 0, "preemptions": 0,
+                         "prompt_seconds_total": 0.0, "generation_seconds_total": 0.0,
+                         "busy_slots_total": 0, "seq_tokens_max": 0}
         self.peak_tokens_used = 0
         self._step_started: float | None = None  # perf_counter while a step runs
         self._grammar_lock = threading.Lock()
@@ -410,6 +413,7 @@ class Engine:
             self._forward_failed(plan, exc)
             return
         self.counters["steps"] += 1
+        self.counters["busy_slots_total"] += len(self.scheduler.running)
         allowed = masks.wait() if masks is not None else {}
         for item, out in zip(plan, logits):
             item.seq.suspect = False
@@ -419,6 +423,8 @@ class Engine:
                 self._fail(item.seq, exc)
         used = self.pool.stats()["tokens_held"]
         self.peak_tokens_used = max(self.peak_tokens_used, used)
+        self.counters["seq_tokens_max"] = max(self.counters["seq_tokens_max"],
+                                              max(len(i.seq.tokens) for i in plan))
 
     def _forward_failed(self, plan: list[Planned], exc: Exception) -> None:
         """A forward step raised. Alone, its sequence fails. In a batch the culprit is not
@@ -610,6 +616,9 @@ class Engine:
         )
         self.counters["prompt_tokens_total"] += seq.n_prompt
         self.counters["prompt_tokens_cached_total"] += seq.n_cached
+        if seq.choice == 0:  # n > 1: the prompt is computed once, for the first choice
+            self.counters["prompt_seconds_total"] += timings.prompt_ms / 1e3
+        self.counters["generation_seconds_total"] += timings.predicted_ms / 1e3
         ttft = (seq.first_token_at - seq.arrival) if seq.first_token_at else 0.0
         if seq.restore_s:
             log.debug("%s: restored from tiers in %.1f ms (prompt %.1f ms)", req.request_id,
@@ -658,6 +667,7 @@ class Engine:
         }
         faults = {"queued": len(self.scheduler.waiting), "failed": dict(self.failures),
                   "recovered": dict(self.recovered + self.cache.counters)}
-        return {"slots": slots, "pool": pool, "counters": dict(self.counters), "faults": faults,
+        return {"slots": slots, "sequences": len(slots), "pool": pool,
+                "counters": dict(self.counters), "faults": faults,
                 "tiers": self.tiers.snapshot(),
                 "checkpoints": self.checkpoints.snapshot() if self.checkpoints else None}
