@@ -23,7 +23,12 @@ turns them on or off, it cannot reorder them; dry / typ_p / xtc / top_n_sigma / 
 adaptive_p are accepted by name and do nothing, and a non-default `mirostat`, `typical_p`,
 `dry_multiplier`, `xtc_probability`, `top_n_sigma`, `dynatemp_range`, `lora`, or
 `grammar_lazy` is a 400 (their samplers do not exist here). `n_cmpl` / `n` above 1 is a 400
-(use `/v1/completions` with `n`).
+(use `/v1/completions` with `n`). Accepted and without effect: `n_keep`, `n_discard`,
+`n_cache_reuse` (kvshare reuses any cached prefix by itself), `t_max_prompt_ms` (llama-server
+does not implement it either), `min_keep`, `return_progress`, `sse_ping_interval`,
+`timings_per_token` (the final object carries the timings; the chunks do not), `verbose`.
+`model` in responses is the request's model name or the served model's name (llama-server
+answers its alias or file path; `/props` has the path).
 
 The response is llama-server's object: `content`, `tokens`, `id_slot`, `stop`, `model`,
 `tokens_predicted`, `tokens_evaluated`, `generation_settings` (the effective settings under
