@@ -262,6 +262,29 @@ def test_slots_while_streaming(server):
     assert len(slots) == 2 and not any(s["is_processing"] for s in slots)
 
 
+def test_interrupted_stream_frees_its_slot(server):
+    """A client that goes away mid-stream: the generation is cancelled, its slot is idle and
+    the engine holds none of its blocks (what kvshare's other tests can poll for instead of
+    an empty /slots list, which llama-server's shape never is)."""
+    import time
+
+    body = {"prompt": f"{nonce()} Write a very long story.", "n_predict": 200, "stream": True,
+            **GREEDY}
+    with server.client.stream("POST", "/completion", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break
+    deadline = time.monotonic() + 60
+    while True:
+        slots = server.client.get("/slots").json()
+        used = server.client.get("/cache").json()["pool"]["used"]
+        if not any(s["is_processing"] for s in slots) and used == 0:
+            break
+        assert time.monotonic() < deadline, (slots, used)
+        time.sleep(0.05)
+    assert slots[0]["next_token"][0]["n_decoded"] < 200
+
+
 def test_slot_save_restore_erase(server, slot_dir):
     prompt = f"{nonce()} {LONG}"
     d = complete(server, {"prompt": prompt, "n_predict": 3, "id_slot": 0, **GREEDY})
