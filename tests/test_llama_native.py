@@ -310,6 +310,12 @@ def test_stop_types(client, engine):
     engine.stop_string = "STOP"
     d = client.post("/completion", json={"prompt": "x", "n_predict": 5, "stop": ["STOP"]}).json()
     assert d["stop_type"] == "word" and d["stopping_word"] == "STOP"
+    # llama-server leaves the stop word's tokens out of the probabilities
+    engine.reply = "abST"
+    engine.stop_string = "ST"
+    d = client.post("/completion", json={"prompt": "x", "n_predict": 9, "stop": ["ST"],
+                                         "n_probs": 1}).json()
+    assert [p["token"] for p in d["completion_probabilities"]] == ["a", "b"]
     engine.reply = "a\nb"
     d = client.post("/completion", json={"prompt": "x", "n_predict": 2}).json()
     assert d["stop_type"] == "limit" and d["has_new_line"] is True

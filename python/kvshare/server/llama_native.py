@@ -700,7 +700,12 @@ class NativeFormat(ApiFormat):
             "timings": fin.timings.as_dict(),
         }
         if not stream and self.probs:
-            res["completion_probabilities"] = self.probs
+            probs = self.probs
+            if stop_type == "word" and self.engine is not None:
+                # llama-server leaves out the stop word's tokens (as many as it tokenizes to)
+                n = len(self.engine.tokenize(fin.stop_string, False, False))
+                probs = probs[:max(0, len(probs) - n)]
+            res["completion_probabilities"] = probs
         return select_fields(res, self.native.response_fields)
 
 
