@@ -441,6 +441,23 @@ def test_infill_prompt_layout(client, engine):
     assert eng.requests[-1].prompt_tokens == [*snippet, 69, BOS, PRE, 97, 66, SUF, MID]
 
 
+def test_infill_accepts_what_llama_vim_sends(client, engine):
+    """llama.vim's request: infill sampler, time limits, response_fields."""
+    d = client.post("/infill", json={
+        "input_prefix": "def f(x):\n", "input_suffix": "\n", "prompt": "    ",
+        "input_extra": [{"filename": "u.py", "text": "import os\n"}], "n_predict": 5,
+        "n_indent": 4, "top_k": 40, "top_p": 0.90, "samplers": ["top_k", "top_p", "infill"],
+        "stream": False, "cache_prompt": True, "t_max_prompt_ms": 500,
+        "t_max_predict_ms": 1000, "response_fields": [
+            "content", "timings/prompt_n", "timings/predicted_n", "timings/predicted_ms",
+            "truncated", "tokens_cached"]}).json()
+    assert set(d) == {"content", "timings/prompt_n", "timings/predicted_n",
+                      "timings/predicted_ms", "truncated", "tokens_cached"}
+    assert d["content"] == REPLY[:5]
+    s = engine.requests[-1].sampling
+    assert s.top_k == 40 and s.top_p == 0.9 and s.min_p == 0.0
+
+
 def test_infill_repo_level_pattern():
     class Tok:
         def tokenize(self, text, add_special, parse_special):
