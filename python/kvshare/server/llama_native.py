@@ -1047,6 +1047,7 @@ def check_filename(name: Any) -> str:
 def save_slot_file(path: str, tokens: list[int], model: str) -> int:
     data = json.dumps({"format": SLOT_FILE_FORMAT, "model": model, "tokens": tokens},
                       separators=(",", ":")).encode()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(data)
