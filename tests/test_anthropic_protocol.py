@@ -671,3 +671,15 @@ def test_tool_input_fallbacks():
     assert A.tool_input("{broken") == {"_raw": "{broken"}
     assert A.tool_use_id("call_0123456789abcdef01234567") == "toolu_0123456789abcdef01234567"
     assert A.tool_use_id(None).startswith("toolu_")
+
+
+def test_final_assistant_text_is_a_prefill_but_a_tool_use_turn_is_not():
+    r = parse(messages=[{"role": "user", "content": "Name a colour."},
+                        {"role": "assistant", "content": "The colour is"}])
+    assert r.chat.continue_final and r.chat.template_kwargs["add_generation_prompt"] is False
+    r = parse(messages=[{"role": "user", "content": "Weather?"},
+                        {"role": "assistant", "content": [
+                            {"type": "tool_use", "id": "toolu_1", "name": "w", "input": {}}]}],
+              tools=[{"name": "w", "input_schema": {"type": "object"}}])
+    assert not r.chat.continue_final and "add_generation_prompt" not in r.chat.template_kwargs
+    assert not parse().chat.continue_final

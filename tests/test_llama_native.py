@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 from starlette.testclient import TestClient
 
-from kvshare.engine.api import FinishEvent, GenerationRequest, RequestRejected
+from kvshare.engine.api import GenerationRequest, RequestRejected
 from kvshare.server import llama_native as N
 from kvshare.server import protocol as P
 from kvshare.server.app import create_app

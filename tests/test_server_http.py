@@ -594,8 +594,17 @@ def test_max_tokens_beyond_context_is_clamped(client, engine):
 
 def test_wrong_content_type_is_415(client):
     r = client.post("/v1/chat/completions", content=json.dumps(CHAT),
-                    headers={"content-type": "text/plain"})
+                    headers={"content-type": "image/png"})
     assert_error(r, 415, code="unsupported_media_type")
+    # `curl -d` labels JSON as a form: read as JSON (as llama-server does), but not when a
+    # browser page sent it (an Origin: the "simple" types skip the CORS preflight)
+    for ctype in ("application/x-www-form-urlencoded", "text/plain"):
+        r = client.post("/v1/chat/completions", content=json.dumps(CHAT),
+                        headers={"content-type": ctype})
+        assert r.status_code == 200, r.text
+        r = client.post("/v1/chat/completions", content=json.dumps(CHAT),
+                        headers={"content-type": ctype, "origin": "https://evil.example"})
+        assert_error(r, 415, code="unsupported_media_type")
     # application/json with parameters, and a missing content type, are fine
     r = client.post("/v1/chat/completions", content=json.dumps(CHAT),
                     headers={"content-type": "application/json; charset=utf-8"})

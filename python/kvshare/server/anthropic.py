@@ -14,8 +14,9 @@ Translation (Anthropic -> OpenAI chat):
   turn becomes one assistant message: its text blocks joined, its `tool_use` blocks as
   `tool_calls` (`arguments` = the input as JSON text). `thinking` / `redacted_thinking` blocks
   in the history are dropped (chat templates drop past reasoning; the signature cannot be
-  verified here). A final assistant message is rendered as a past turn, not continued
-  (no prefill).
+  verified here). A final assistant message (text, no tool_use) is a prefill, as in
+  Anthropic's API: its turn is left open and the reply continues its text (the response holds
+  only the continuation).
 - A `tool_result` with `is_error: true` reads "Error: <content>" (the tool message has no error
   flag, and the model should see that the call failed). Its `tool_use_id` must name a
   `tool_use` of an earlier assistant message (400 otherwise; Anthropic asks for the one just
@@ -529,8 +530,16 @@ def _parse(body: Any, ctx: RequestContext, *, generate: bool) -> ChatRequest:
     kwargs: dict = {}
     if thinking is not None:
         kwargs["enable_thinking"] = thinking != "disabled"
+    # A final assistant message is a prefill: the reply continues its text (Anthropic's
+    # semantics), unless it holds tool calls (then it is a past turn awaiting results).
+    last = tr.out[-1] if tr.out else None
+    prefill = (last is not None and last["role"] == "assistant" and not last.get("tool_calls")
+               and bool(last.get("content")))
+    if prefill:
+        kwargs["add_generation_prompt"] = False
     chat = P.ChatInput(messages=tr.out, tools=tools, template_kwargs=kwargs,
-                       tool_choice=tool_choice, parallel_tool_calls=parallel)
+                       tool_choice=tool_choice, parallel_tool_calls=parallel,
+                       continue_final=prefill)
 
     if generate:
         max_tokens = _int(body, "max_tokens", lo=1, required=True)

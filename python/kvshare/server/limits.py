@@ -361,6 +361,18 @@ def _is_json_type(content_type: str | None) -> bool:
     return mt == "application/json" or (mt.startswith("application/") and mt.endswith("+json"))
 
 
+_SIMPLE_TYPES = frozenset({"application/x-www-form-urlencoded", "text/plain"})
+
+
+def _curl_form(content_type: str | None, request: Request) -> bool:
+    """`curl -d '{...}'` labels JSON as a form (llama-server reads it anyway): taken as JSON
+    when no `Origin` header came with it. A browser page sends these "simple" types to any
+    origin without a CORS preflight, and always with an Origin: refusing them then keeps a
+    page from driving a keyless local server behind its user's back."""
+    mt = (content_type or "").split(";", 1)[0].strip().lower()
+    return mt in _SIMPLE_TYPES and "origin" not in request.headers
+
+
 def _timeout_error(limit: float | None) -> APIError:
     return APIError(408, f"The request body stopped arriving (nothing for {limit:g} s, or "
                          f"not complete after {BODY_TOTAL_FACTOR * (limit or 0):g} s)",
@@ -372,7 +384,7 @@ async def read_json(request: Request, settings: Any) -> dict:
     or a chunked body that grows past it, gets 413 without being held in memory; a body that
     does not arrive within the body timeout gets 408; see the module doc for the rest."""
     content_type = request.headers.get("content-type")
-    if not _is_json_type(content_type):
+    if not _is_json_type(content_type) and not _curl_form(content_type, request):
         raise APIError(415, f"Content-Type must be application/json, not {content_type!r} "
                             "(with curl, add -H 'Content-Type: application/json')",
                        code="unsupported_media_type")
