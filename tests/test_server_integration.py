@@ -358,7 +358,11 @@ def test_bad_input_matrix(server):
     err = assert_openai_error(post(server, "/v1/completions", {"prompt": "hello " * (CTX + 50)}))
     assert err["code"] == "context_length_exceeded"
     r = httpx.post(server.url + "/v1/chat/completions", content="hi",
-                   headers={"content-type": "text/plain"})
+                   headers={"content-type": "image/png"})
+    assert_openai_error(r, 415)
+    # what a browser page may send cross-origin without a preflight
+    r = httpx.post(server.url + "/v1/chat/completions", content="{}",
+                   headers={"content-type": "text/plain", "origin": "https://evil.example"})
     assert_openai_error(r, 415)
     big = b'{"prompt": "' + b"a" * (50 * 1024 * 1024) + b'"}'
     r = httpx.post(server.url + "/v1/completions", content=big,
