@@ -33,8 +33,9 @@ from .errors import APIError
 # --------------------------------------------------------------------------- engine side
 
 class EngineClient(Protocol):
-    """What the API layers need from the engine (kvshare.engine.Engine implements it; tests
-    use fakes)."""
+    """What the server needs from the engine (kvshare.engine.Engine implements it; tests use
+    fakes). Optional extras are read with getattr: `vocab_size`, `config` (block_size, max_n,
+    parallel), `chat_template`, `model` (fingerprint), `stalled_for()`."""
 
     model_name: str
     ctx_size: int
@@ -47,7 +48,15 @@ class EngineClient(Protocol):
 
     def detokenize(self, tokens: list[int]) -> str: ...
 
-    def submit(self, req: GenerationRequest): ...
+    def token_piece(self, token_id: int) -> str: ...
+
+    def submit(self, req: GenerationRequest): ...  # -> engine.handle.RequestHandle
+
+    def snapshot(self) -> dict: ...  # the pool, tiers, counters and live sequences
+
+    def start(self) -> None: ...
+
+    def shutdown(self, timeout: float = 10.0) -> None: ...
 
 
 # --------------------------------------------------------------------------- API side
@@ -101,6 +110,11 @@ class PromptInfo:
 
     n_tokens: int
     cache_point_tokens: int = 0  # block-aligned tokens pinned at the breakpoint (0: none)
+
+
+def json_bytes(obj: Any) -> bytes:
+    """What JSONResponse would send (built off the event loop for large responses)."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def sse_data(obj: Any) -> bytes:
