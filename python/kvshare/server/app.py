@@ -635,33 +635,23 @@ class KVShareServer:
     async def count_tokens(self, request: Request) -> Response:
         """Anthropic `/v1/messages/count_tokens`: the prompt's tokens as `/v1/messages` would
         render them."""
-        api = self.apis["messages"]
-        try:
-            body = await read_json(request, self.settings)
-            creq = count_tokens_request(body, self.request_context(request))
-            heavy = limits.body_size(request) > limits.HEAVY_BYTES
-            rendered = await limits.run_heavy(request, heavy, self._render_chat, creq.chat,
-                                              limits.body_size(request))
-            return JSONResponse({"input_tokens": len(rendered.tokens)})
-        except APIError as e:
-            return JSONResponse(api.error_body(e), status_code=e.status, headers=e.headers)
+        body = await read_json(request, self.settings)
+        creq = count_tokens_request(body, self.request_context(request))
+        heavy = limits.body_size(request) > limits.HEAVY_BYTES
+        rendered = await limits.run_heavy(request, heavy, self._render_chat, creq.chat,
+                                          limits.body_size(request))
+        return JSONResponse({"input_tokens": len(rendered.tokens)})
 
     def _response_owner(self, request: Request) -> str:
         return owner_of(self.request_context(request), request.query_params.get("cache_salt"))
 
     async def get_response(self, request: Request) -> Response:
-        try:
-            return JSONResponse(self.apis["responses"].get_response(
-                request.path_params["response_id"], self._response_owner(request)))
-        except APIError as e:
-            return e.response()
+        return JSONResponse(self.apis["responses"].get_response(
+            request.path_params["response_id"], self._response_owner(request)))
 
     async def delete_response(self, request: Request) -> Response:
-        try:
-            return JSONResponse(self.apis["responses"].delete_response(
-                request.path_params["response_id"], self._response_owner(request)))
-        except APIError as e:
-            return e.response()
+        return JSONResponse(self.apis["responses"].delete_response(
+            request.path_params["response_id"], self._response_owner(request)))
 
     async def models(self, request: Request) -> Response:
         e = self.engine
@@ -773,31 +763,25 @@ class KVShareServer:
     async def apply_template(self, request: Request) -> Response:
         """llama-server's `/apply-template`: the chat rendered by the model's template (as the
         chat endpoints render it, assistant prefill included), not tokenized."""
-        try:
-            body = await read_json(request, self.settings)
-            chat = P.parse_chat(body, reasoning_format=getattr(self.settings,
-                                                               "reasoning_format", None))
-            self.bounds.check_chat(chat, self.engine.ctx_size, limits.body_size(request))
-            heavy = limits.body_size(request) > limits.HEAVY_BYTES
-            text = await limits.run_heavy(request, heavy, self._template_text, chat)
-            return JSONResponse({"prompt": text})
-        except APIError as e:
-            return JSONResponse(N.llama_error_body(e), status_code=e.status, headers=e.headers)
+        body = await read_json(request, self.settings)
+        chat = P.parse_chat(body, reasoning_format=getattr(self.settings,
+                                                           "reasoning_format", None))
+        self.bounds.check_chat(chat, self.engine.ctx_size, limits.body_size(request))
+        heavy = limits.body_size(request) > limits.HEAVY_BYTES
+        text = await limits.run_heavy(request, heavy, self._template_text, chat)
+        return JSONResponse({"prompt": text})
 
     async def chat_input_tokens(self, request: Request) -> Response:
         """llama-server's `/v1/chat/completions/input_tokens`: the prompt's token count as
         `/v1/chat/completions` would render it."""
-        try:
-            body = await read_json(request, self.settings)
-            chat = P.parse_chat(body, reasoning_format=getattr(self.settings,
-                                                               "reasoning_format", None))
-            heavy = limits.body_size(request) > limits.HEAVY_BYTES
-            rendered = await limits.run_heavy(request, heavy, self._render_chat, chat,
-                                              limits.body_size(request))
-            return JSONResponse({"input_tokens": len(rendered.tokens),
-                                 "object": "response.input_tokens"})
-        except APIError as e:
-            return e.response()
+        body = await read_json(request, self.settings)
+        chat = P.parse_chat(body, reasoning_format=getattr(self.settings,
+                                                           "reasoning_format", None))
+        heavy = limits.body_size(request) > limits.HEAVY_BYTES
+        rendered = await limits.run_heavy(request, heavy, self._render_chat, chat,
+                                          limits.body_size(request))
+        return JSONResponse({"input_tokens": len(rendered.tokens),
+                             "object": "response.input_tokens"})
 
     async def slots(self, request: Request) -> Response:
         """llama-server's `GET /slots` (llama_native.SlotTable); 501 with `--no-slots`."""
@@ -857,8 +841,6 @@ class KVShareServer:
             return JSONResponse({"id_slot": slot.id, "filename": filename,
                                  "n_restored": len(tokens), "n_read": nread,
                                  "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}})
-        except APIError as e:
-            return JSONResponse(N.llama_error_body(e), status_code=e.status, headers=e.headers)
         except OSError as e:
             return self._llama_error(500, f"Unable to access the slot file: {e.strerror or e}")
 
@@ -962,8 +944,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:
+    """An APIError an endpoint raised, in the shape of the API at its path (`error_json`)."""
     assert isinstance(exc, APIError)
-    return exc.response()
+    return JSONResponse(error_json(route_path(request.scope), exc), status_code=exc.status,
+                        headers=exc.headers)
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
