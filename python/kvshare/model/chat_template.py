@@ -528,17 +528,15 @@ class ChatTemplate:
             text = self._continued(msgs, tools, None, kwargs)
         else:
             text = self._render(msgs, tools, add_generation_prompt, None, kwargs)
-        ids = tokenizer.encode(text, add_special=True, parse_special=True)
-        shift = 0
+        encoded = tokenizer.encode(text, add_special=True, parse_special=True)
         bos = tokenizer.bos_id
-        if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
-            ids, shift = ids[1:], 1
+        shift = int(bos is not None and encoded[:2] == [bos, bos])
+        ids = encoded[shift:]
 
         def tokens_at(char: int | None) -> int | None:
             if char is None:
                 return None
-            return max(0, prefix_token_count(tokenizer, text, char, [*([bos] * shift), *ids])
-                       - shift)
+            return max(0, prefix_token_count(tokenizer, text, char, encoded) - shift)
 
         char = tok = None
         u = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)

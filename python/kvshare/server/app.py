@@ -356,17 +356,12 @@ class KVShareServer:
                                  heavy: bool) -> tuple[list[int], str]:
         """/v1/completions: the prompt's token ids and the echo text."""
         comp = P.parse_completion(body, self.vocab_size)
+        pieces: list[str | int] = list(comp.tokens) if comp.tokens is not None else [comp.text]
+        tokens = await limits.run_heavy(request, heavy, self._prompt_tokens, pieces)
         echo_text = ""
-        if comp.tokens is not None:
-            tokens = list(comp.tokens)
-            if comp.echo:
-                echo_text = await run_in_threadpool(self.engine.detokenize, tokens)
-        else:
-            self.bounds.check_text(len(comp.text), self.engine.ctx_size, "prompt")
-            tokens = await limits.run_heavy(request, heavy, self.engine.tokenize,
-                                            comp.text, True, True)
-            if comp.echo:
-                echo_text = comp.text or ""
+        if comp.echo:
+            echo_text = (comp.text or "" if comp.tokens is None
+                         else await run_in_threadpool(self.engine.detokenize, tokens))
         return tokens, echo_text
 
     async def _generate(self, request: Request, api: FrontEnd | None) -> Response:
