@@ -294,14 +294,21 @@ class KVShareServer:
 
     def _chat_prompt(self, chat: P.ChatInput,
                      cache_point: CachePoint | None = None) -> RenderedChat:
+        cache_after = cache_point.message if cache_point is not None else None
+        return self._with_template(chat, lambda msgs, tools, agp, kwargs, more: (
+            self.engine.chat_prompt(msgs, tools, add_generation_prompt=agp,
+                                    template_kwargs=kwargs, cache_after=cache_after, **more)))
+
+    @staticmethod
+    def _with_template(chat: P.ChatInput, call):
+        """`call(messages, tools, add_generation_prompt, template_kwargs, options)` with the
+        chat's template arguments (tools as the template sees them, `continue_final` as an
+        option); a template that rejects the chat is a 400."""
         kwargs = dict(chat.template_kwargs)
-        agp = kwargs.pop("add_generation_prompt", True)
+        agp = bool(kwargs.pop("add_generation_prompt", True))
         more = {"continue_final": True} if chat.continue_final else {}
         try:
-            return self.engine.chat_prompt(
-                chat.messages, P.template_tools(chat.tools), add_generation_prompt=bool(agp),
-                template_kwargs=kwargs,
-                cache_after=cache_point.message if cache_point is not None else None, **more)
+            return call(chat.messages, P.template_tools(chat.tools), agp, kwargs, more)
         except APIError:
             raise
         except (ValueError, TypeError) as e:
@@ -739,21 +746,15 @@ class KVShareServer:
                                       "properties. Start it with `--props`")
 
     def _template_text(self, chat: P.ChatInput) -> str:
-        kwargs = dict(chat.template_kwargs)
-        agp = bool(kwargs.pop("add_generation_prompt", True))
-        tools = P.template_tools(chat.tools)
         template = getattr(self.engine, "chat_template", None)
-        try:
-            more = {"continue_final": True} if chat.continue_final else {}
+
+        def render(msgs, tools, agp, kwargs, more) -> str:
             if template is not None and hasattr(template, "render"):
-                return template.render(chat.messages, tools=tools, add_generation_prompt=agp,
-                                       **more, **kwargs)
-            return self.engine.apply_chat_template(chat.messages, tools, agp, **more,
-                                                   **kwargs)[0]
-        except APIError:
-            raise
-        except (ValueError, TypeError) as e:
-            raise bad_request(f"chat template error: {e}", "messages", "invalid_messages") from None
+                return template.render(msgs, tools=tools, add_generation_prompt=agp, **more,
+                                       **kwargs)
+            return self.engine.apply_chat_template(msgs, tools, agp, **more, **kwargs)[0]
+
+        return self._with_template(chat, render)
 
     async def apply_template(self, request: Request) -> Response:
         """llama-server's `/apply-template`: the chat rendered by the model's template (as the
