@@ -1,0 +1,1 @@
+"""`kvshare route`: a prefix-aware reverse proxy in front of kvshare replicas."""
