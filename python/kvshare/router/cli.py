@@ -1,0 +1,198 @@
+"""`kvshare route`: the command line of the prefix-aware reverse proxy (router/app.py).
+
+Flags follow `kvshare serve`'s conventions: each can also come from `KVSHARE_<FLAG>` (the
+command line wins), errors are one line with exit status 2. `--backend` also reads
+`KVSHARE_BACKENDS` (comma-separated), the name a deployment sets for the whole list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+DEFAULT_MAX_BODY = 32 * 1024 * 1024
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _port(s: str) -> int:
+    v = int(s)
+    if not 0 <= v <= 65535:
+        raise ValueError(s)
+    return v
+
+
+def _positive_float(s: str) -> float:
+    v = float(s)
+    if not 0 < v < float("inf"):  # also refuses nan
+        raise ValueError(s)
+    return v
+
+
+def _factor(s: str) -> float:
+    v = float(s)
+    if not 1.0 <= v < float("inf"):  # PrefixPolicy refuses factors below 1
+        raise ValueError(s)
+    return v
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise ValueError(s)
+    return v
+
+
+_port.__name__ = "port"
+_positive_float.__name__ = "positive number"
+_factor.__name__ = "number >= 1"
+_positive_int.__name__ = "positive integer"
+
+
+class _FromEnv(list):
+    """A repeatable flag's values taken from the environment (the first flag replaces them)."""
+
+
+class _Append(argparse.Action):
+    """A repeatable, comma-separable flag: the first one on the command line replaces the
+    environment's list, later ones extend it (as `kvshare serve`'s repeatable flags do)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        cur = getattr(namespace, self.dest)
+        cur = [] if isinstance(cur, _FromEnv) else list(cur)
+        setattr(namespace, self.dest, [*cur, *_split(values)])
+
+
+def _split(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _env(environ: dict[str, str], name: str, typ: Callable[[str], Any], default: Any) -> Any:
+    raw = environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return typ(raw)
+    except ValueError:
+        print(f"kvshare: error: {name}={raw!r} is not a valid "
+              f"{getattr(typ, '__name__', 'value')}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def add_route_parser(sub: Any, environ: dict[str, str]) -> argparse.ArgumentParser:
+    """Add the `route` subcommand to `sub` (the `kvshare` parser's subparsers)."""
+    p = sub.add_parser(
+        "route", help="a prefix-aware reverse proxy in front of kvshare replicas",
+        allow_abbrev=False,
+        description="Send each request to the replica that already holds its shared prefix "
+                    "(system prompt and tools), by consistent hashing with bounded load; "
+                    "fall back to the least-loaded healthy replica (docs/router.md).",
+        epilog="Every flag can also be set with KVSHARE_<FLAG>, e.g. KVSHARE_PORT=8080; "
+               "--backend also with KVSHARE_BACKENDS=URL,URL.")
+    backends = _split(environ.get("KVSHARE_BACKENDS", environ.get("KVSHARE_BACKEND", "")))
+    keys = _split(environ.get("KVSHARE_API_KEY", ""))
+    p.add_argument("--backend", action=_Append, default=_FromEnv(backends), metavar="URL",
+                   help="a replica's base URL, e.g. http://10.0.0.5:8080 (repeatable or "
+                        "comma-separated; at least one) [env KVSHARE_BACKENDS]")
+    p.add_argument("--host", default=environ.get("KVSHARE_HOST", "127.0.0.1"),
+                   help="address to listen on [env KVSHARE_HOST]")
+    p.add_argument("--port", type=_port, default=_env(environ, "KVSHARE_PORT", _port, 8080),
+                   help="port to listen on (0: any free port) [env KVSHARE_PORT]")
+    p.add_argument("--api-key", action=_Append, default=_FromEnv(keys), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (all but "
+                        "/health); repeatable or comma-separated. The headers still go to the "
+                        "backends unchanged [env KVSHARE_API_KEY]")
+    p.add_argument("--health-interval", type=_positive_float,
+                   default=_env(environ, "KVSHARE_HEALTH_INTERVAL", _positive_float, 2.0),
+                   help="seconds between health checks (GET /health) of each backend "
+                        "[env KVSHARE_HEALTH_INTERVAL]")
+    p.add_argument("--load-factor", type=_factor,
+                   default=_env(environ, "KVSHARE_LOAD_FACTOR", _factor, 1.0),
+                   help="a backend takes a new prefix while it holds fewer than this x the "
+                        "mean number of active prefixes (>= 1) [env KVSHARE_LOAD_FACTOR]")
+    p.add_argument("--overload-factor", type=_factor,
+                   default=_env(environ, "KVSHARE_OVERLOAD_FACTOR", _factor, 2.0),
+                   help="a backend with more than this x the mean requests in flight is "
+                        "overloaded: its prefixes' requests spill to the least-loaded one "
+                        "(>= 1) [env KVSHARE_OVERLOAD_FACTOR]")
+    p.add_argument("--timeout", type=_positive_float,
+                   default=_env(environ, "KVSHARE_TIMEOUT", _positive_float, 600.0),
+                   help="seconds to wait for a backend's next bytes (read timeout) "
+                        "[env KVSHARE_TIMEOUT]")
+    p.add_argument("--max-body", type=_positive_int,
+                   default=_env(environ, "KVSHARE_MAX_BODY", _positive_int, DEFAULT_MAX_BODY),
+                   help="largest request body in bytes (larger: 413) [env KVSHARE_MAX_BODY]")
+    p.add_argument("--root-path", default=environ.get("KVSHARE_ROOT_PATH", ""),
+                   help="mount prefix behind another proxy, e.g. /kvshare; stripped before "
+                        "routing, not passed to the backends [env KVSHARE_ROOT_PATH]")
+    p.add_argument("--log-level", default=environ.get("KVSHARE_LOG_LEVEL", "info"),
+                   help="debug, info, warning or error [env KVSHARE_LOG_LEVEL]")
+    return p
+
+
+def check_backend(url: str) -> str:
+    """`url` normalised (no trailing slash); ValueError with the reason when unusable."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"--backend {url!r} is not an http(s) URL (e.g. http://host:8080)")
+    if parts.query or parts.fragment:
+        raise ValueError(f"--backend {url!r} has a query or fragment")
+    try:
+        parts.port  # noqa: B018 - a bad port raises here
+    except ValueError:
+        raise ValueError(f"--backend {url!r} has an invalid port") from None
+    return url.rstrip("/")
+
+
+def _fail(msg: str, code: int) -> int:
+    print(f"kvshare: error: {msg}", file=sys.stderr, flush=True)
+    return code
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    """The router's settings from parsed flags; ValueError (one line) on a bad one."""
+    from .app import RouterSettings
+
+    if not args.backend:
+        raise ValueError("give at least one --backend URL (or KVSHARE_BACKENDS)")
+    backends = list(dict.fromkeys(check_backend(b) for b in args.backend))
+    if args.root_path and not args.root_path.startswith("/"):
+        raise ValueError("--root-path must start with '/'")
+    if args.log_level.upper() not in LOG_LEVELS:
+        raise ValueError(f"unknown --log-level {args.log_level!r}")
+    return RouterSettings(backends=backends, api_keys=tuple(args.api_key or ()),
+                          health_interval=args.health_interval, load_factor=args.load_factor,
+                          overload_factor=args.overload_factor, timeout=args.timeout,
+                          max_body=args.max_body, root_path=args.root_path.rstrip("/"))
+
+
+def route(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+    except ValueError as e:
+        return _fail(str(e), 2)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvshare.server.launcher import bind_socket, run, socket_url
+
+    from .app import create_app
+
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}", 2)
+    url = socket_url(sock, settings.root_path)
+
+    def ready() -> None:
+        print(f"kvshare: routing at {url} to {len(settings.backends)} backend(s): "
+              f"{', '.join(settings.backends)}", flush=True)
+
+    app = create_app(settings, on_startup=ready)
+    # no graceful drain of long streams beyond Hypercorn's: the replicas own the generations
+    run(app, sock, root_path=settings.root_path, graceful_timeout=10.0,
+        log_level=args.log_level)
+    print("kvshare: stopped", flush=True)
+    return 0
+
