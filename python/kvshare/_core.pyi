@@ -277,6 +277,20 @@ class DiskStore:
     def stats(self) -> dict[str, int]: ...
     def entries(self) -> list[dict[str, object]]: ...
 
+# --- shared (remote) tier values (kvshare_core::remote) ---
+
+def remote_value(kind: Literal["block", "checkpoint"], fingerprint: bytes, key: bytes,
+                 payload: Buffer, position: int = 0, layout: str = "") -> bytes:
+    """One checksummed value of the shared tier: `payload` stored under `key` for the model
+    `fingerprint` (32 bytes each)."""
+def remote_value_into(value: Buffer, kind: Literal["block", "checkpoint"], fingerprint: bytes,
+                      key: bytes, out: Buffer) -> tuple[int, str]:
+    """Checks `value` and copies its payload into writable `out` (exactly its length);
+    `(position, layout)`. CorruptEntry for any damage, FingerprintMismatch for another model."""
+def remote_value_open(value: Buffer, kind: Literal["block", "checkpoint"], fingerprint: bytes,
+                      key: bytes) -> tuple[int, str, bytes]:
+    """Checks `value`; `(position, layout, payload)`. Errors as `remote_value_into`."""
+
 # --- compute kernels (crates/kvshare-kernels) ---
 
 def qmatmul_t(

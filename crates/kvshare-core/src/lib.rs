@@ -9,6 +9,7 @@
 //! - [`checkpoint`]: immutable `Arc`-shared recurrent-state snapshots and their store.
 //! - [`ram_tier`]: content-addressed host-memory tier under a byte budget.
 //! - [`disk`]: crash-safe on-disk store with a background writer.
+//! - [`remote`]: the checksummed value format of the shared (Redis) tier.
 
 pub mod checkpoint;
 pub mod disk;
@@ -16,5 +17,6 @@ pub mod error;
 pub mod hash;
 pub mod pool;
 pub mod ram_tier;
+pub mod remote;
 
 pub use error::{CoreError, Result};

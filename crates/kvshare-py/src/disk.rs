@@ -46,12 +46,12 @@ const PYBUF_SIMPLE: c_int = 0; // contiguous bytes, no shape/strides
 const PYBUF_WRITABLE: c_int = 1;
 
 /// A held buffer export; released (with the GIL held) on drop.
-struct Buffer {
+pub(crate) struct Buffer {
     view: Box<RawBuffer>,
 }
 
 impl Buffer {
-    fn get(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<Buffer> {
+    pub(crate) fn get(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<Buffer> {
         let mut view = Box::new(RawBuffer {
             buf: std::ptr::null_mut(),
             obj: std::ptr::null_mut(),
@@ -79,7 +79,7 @@ impl Buffer {
         Ok(Buffer { view })
     }
 
-    fn raw(&self) -> RawSlice {
+    pub(crate) fn raw(&self) -> RawSlice {
         RawSlice(self.view.buf as *mut u8, self.view.len.max(0) as usize)
     }
 }
@@ -94,13 +94,13 @@ impl Drop for Buffer {
 
 /// Pointer + length of a held buffer, usable without the GIL while the `Buffer` lives.
 #[derive(Clone, Copy)]
-struct RawSlice(*mut u8, usize);
+pub(crate) struct RawSlice(*mut u8, usize);
 // SAFETY: the memory stays exported (and so alive) while its `Buffer` is held by the caller.
 unsafe impl Send for RawSlice {}
 
 impl RawSlice {
     /// SAFETY: the owning `Buffer` must outlive the slice.
-    unsafe fn bytes<'a>(self) -> &'a [u8] {
+    pub(crate) unsafe fn bytes<'a>(self) -> &'a [u8] {
         if self.1 == 0 {
             &[]
         } else {
@@ -108,7 +108,7 @@ impl RawSlice {
         }
     }
     /// SAFETY: as `bytes`, and the buffer was obtained writable.
-    unsafe fn bytes_mut<'a>(self) -> &'a mut [u8] {
+    pub(crate) unsafe fn bytes_mut<'a>(self) -> &'a mut [u8] {
         if self.1 == 0 {
             &mut []
         } else {
@@ -119,7 +119,7 @@ impl RawSlice {
 
 // --- conversions ---------------------------------------------------------------------------
 
-fn key_of(obj: &Bound<'_, PyAny>) -> PyResult<Key> {
+pub(crate) fn key_of(obj: &Bound<'_, PyAny>) -> PyResult<Key> {
     let b: &[u8] = obj.extract()?;
     b.try_into().map_err(|_| {
         to_py(CoreError::InvalidArgument(format!(

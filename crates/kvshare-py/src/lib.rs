@@ -14,12 +14,14 @@ mod errors;
 mod kernels;
 mod pool;
 mod ram;
+mod remote;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     pool::register(m)?;
     disk::register(m)?;
+    remote::register(m)?;
     kernels::register(m)?;
     blocks::register(m)?;
     constrain::register(m)?;

@@ -65,6 +65,8 @@ class EngineConfig:
     cache_disk_max_mib: int = 10240
     cache_ttl_s: float = 259200.0
     cache_min_tokens: int = 256
+    cache_redis: str | None = None  # shared tier: redis:// (or rediss://, unix://) URL; None: off
+    cache_redis_timeout_s: float = 0.5  # per Redis command; a slower one is a miss
     checkpoint_min_step: int = 1024  # hybrids: a checkpoint every this many prompt tokens
     ctx_checkpoints: int = 8  # hybrids: at most this many checkpoints per sequence
     checkpoint_mem_mib: int = 1024  # hybrids: budget of unique checkpoint bytes
@@ -177,7 +179,17 @@ class Engine:
             disk = _core.DiskStore(config.cache_dir, disk_fp, int(config.cache_disk_max_mib) * 2**20,
                                    config.cache_ttl_s if config.cache_ttl_s > 0 else None,
                                    int(config.cache_min_tokens))
-        return TierManager(self.pool, self.kv, config.block_size, ram, disk)
+        remote = None
+        if config.cache_redis:
+            from kvshare.engine.remote_tier import RemoteTier
+
+            # bound like the disk tier's entries: model, KV dtype and block size
+            remote_fp = _core.root_key(fingerprint, self.kv_dtype, config.block_size, None)
+            remote = RemoteTier(config.cache_redis, remote_fp,
+                                config.cache_ttl_s if config.cache_ttl_s > 0 else None,
+                                timeout_s=config.cache_redis_timeout_s)
+        return TierManager(self.pool, self.kv, config.block_size, ram, disk, remote,
+                           int(config.cache_min_tokens))
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:

@@ -1,10 +1,12 @@
-"""Prefixes that outlive sessions: the RAM tier and the disk tier behind the device block pool.
+"""Prefixes that outlive sessions: the RAM tier, the disk tier and the shared (Redis) tier behind
+the device block pool.
 
-Lookups fall through device pool -> RAM -> disk, always by chain key, so a restored block is
+Lookups fall through device pool -> RAM -> disk -> Redis (`engine/remote_tier.py`), always by
+chain key, so a restored block is
 exactly the KV of this prompt's tokens (and salt, and model). When a sequence finishes, its
 full blocks (prompt + reply, as the client's next turn will present them) are copied to the
-RAM tier (same content stored once) and queued for the disk writer; the writer skips blocks
-already on disk, so a returning conversation only adds its new turn.
+RAM tier (same content stored once) and queued for the disk writer and the Redis writer; the
+writers skip blocks already stored, so a returning conversation only adds its new turn.
 
 Prefix entries: the full blocks of a chat prompt up to its first user message (tools + system
 prompt, what every session of an agent starts with) are pinned in the RAM tier as soon as they
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvshare import _core
+from kvshare.engine.remote_tier import RemoteTier
 
 log = logging.getLogger("kvshare.tiers")
 
@@ -62,14 +65,18 @@ class TierCounters:
 
 class TierManager:
     def __init__(self, pool, kv, block_size: int, ram: "_core.RamTier | None",
-                 disk: "_core.DiskStore | None"):
+                 disk: "_core.DiskStore | None", remote: "RemoteTier | None" = None,
+                 remote_min_tokens: int = 0):
         self.pool = pool
         self.kv = kv
         self.block_size = block_size
         self.ram = ram
         self.disk = disk
+        self.remote = remote
+        self.remote_min_tokens = remote_min_tokens  # shorter sequences are not sent to Redis
         self.ram_counters = TierCounters()
         self.disk_counters = TierCounters()
+        self.remote_counters = TierCounters()
         self._staging: list[np.ndarray] = []  # reused chunk buffers (restore)
         self._readers: ThreadPoolExecutor | None = None
         self._saver: ThreadPoolExecutor | None = None
@@ -77,7 +84,7 @@ class TierManager:
 
     @property
     def enabled(self) -> bool:
-        return self.ram is not None or self.disk is not None
+        return self.ram is not None or self.disk is not None or self.remote is not None
 
     # ---- restore -----------------------------------------------------------------------
     def restore(self, tokens: list[int], keys: list[bytes], start: int, root: bytes,
@@ -107,6 +114,19 @@ class TierManager:
                                            self.disk_counters, depth=DISK_DEPTH, split=split)
                 self._count(self.disk_counters, len(ids), time.perf_counter() - t0)
                 got += ids
+                if len(ids) < n:
+                    return got
+        pos = start + len(got)
+        if self.remote is not None and pos < len(keys):
+            t0 = time.perf_counter()
+            n = self.remote.present(keys[pos:])
+            if n:
+                ids = self._restore_chunks(self.remote.read_blocks, tokens, keys, pos, n, root,
+                                           self.remote_counters, depth=DISK_DEPTH, split=split)
+                got += ids
+            else:
+                ids = []
+            self._count(self.remote_counters, len(ids), time.perf_counter() - t0)
         return got
 
     def _count(self, c: TierCounters, n_blocks: int, seconds: float) -> None:
@@ -225,16 +245,26 @@ class TierManager:
         keys = list(keys[:n_full])
         ram_missing = self._ram_missing(keys) if self.ram is not None else []
         stored = self.disk.stored_prefix(keys) if self.disk is not None else n_full
-        first = min(ram_missing[0] if ram_missing else n_full, stored)
+        remote_from = self._remote_from(keys, n_full)
+        first = min(ram_missing[0] if ram_missing else n_full, stored, remote_from)
         host = self.kv.read_blocks(block_table[first:n_full]) if first < n_full else None
         n_prefix = min(prefix_tokens // self.block_size, n_full)
         to_disk = self.disk is not None and stored < n_full
         self._submit_save(lambda: self._save_job(keys, first, host, ram_missing, stored,
-                                                 n_prefix), to_disk)
+                                                 n_prefix, remote_from), to_disk)
+
+    def _remote_from(self, keys: list[bytes], n_full: int) -> int:
+        """The first block the shared tier may lack (n_full: nothing to send)."""
+        if self.remote is None or n_full * self.block_size < self.remote_min_tokens:
+            return n_full
+        return self.remote.first_unknown(keys)
 
     def _save_job(self, keys: list[bytes], first: int, host: np.ndarray | None,
-                  ram_missing: list[int], stored: int, n_prefix: int) -> None:
+                  ram_missing: list[int], stored: int, n_prefix: int,
+                  remote_from: int | None = None) -> None:
         n_full = len(keys)
+        if self.remote is not None and remote_from is not None and remote_from < n_full:
+            self.remote.submit(keys[remote_from:], host[remote_from - first:])
         if self.ram is not None:
             self._put_ram(keys, ram_missing, lambda j: host[j - first])
             if n_prefix:
@@ -325,6 +355,12 @@ class TierManager:
             prefix = next((c for c in cks if prefix_tokens and c.position == prefix_tokens), None)
             if prefix is not None:
                 self.pin_checkpoint(keys, prefix)
+        if self.remote is not None and n * bs >= self.remote_min_tokens:
+            rf = self.remote.first_unknown(list(keys[:n]))
+            blocks = self.kv.read_blocks(block_table[rf:n]) if rf < n else None
+            self.remote.submit(list(keys[rf:n]), blocks,
+                               [(keys[c.position // bs - 1], c.position, c.layout, np.asarray(c))
+                                for c in cks])
         if self.disk is not None:
             stored = self.disk.stored_prefix(keys[:n])
             payload = self.kv.read_blocks(block_table[stored:n]).reshape(-1).view(np.uint8)
@@ -365,10 +401,28 @@ class TierManager:
             if info is not None and info[0] > floor:
                 pos, key = int(info[0]), bytes(info[1])
                 best = (pos, "disk", lambda: self._load_disk_checkpoint(root, tokens[:pos], key, account))
+        if self.remote is not None:
+            floor = best[0] if best else deeper_than
+            top = min(len(keys), max_position // bs)
+            cands = [(j * bs, keys[j - 1]) for j in range(floor // bs + 1, top + 1)]
+            found = self.remote.find_checkpoint(cands)
+            if found is not None:
+                rpos, bkey = found
+                best = (rpos, "remote",
+                        lambda: self._load_remote_checkpoint(root, tokens[:rpos], bkey, account))
         return best
 
     def checkpoint_served(self, tier: str) -> None:
-        (self.ram_counters if tier == "ram" else self.disk_counters).checkpoints_served += 1
+        counters = {"ram": self.ram_counters, "disk": self.disk_counters,
+                    "remote": self.remote_counters}[tier]
+        counters.checkpoints_served += 1
+
+    def _load_remote_checkpoint(self, root, tokens, block_key, account):
+        got = self.remote.read_checkpoint(block_key, len(tokens))
+        if got is None:
+            return None
+        layout, data = got
+        return _core.Checkpoint.at(root, tokens, self.block_size, data, layout, None, account)
 
     def _load_disk_checkpoint(self, root, tokens, key, account):
         try:
@@ -394,7 +448,13 @@ class TierManager:
             out["disk"] = {**self.disk.stats(), **vars(self.disk_counters)}
             # saves not yet handed to the writer count as queued writes
             out["disk"]["queued"] += self._pending_disk_saves()
+        if self.remote is not None:
+            out["remote"] = {**self.remote.stats(), **vars(self.remote_counters)}
+            out["remote"]["queued"] += self._pending_saves()
         return out
+
+    def _pending_saves(self) -> int:
+        return sum(1 for fut, _ in list(self._saves) if not fut.done())
 
     def close(self) -> None:
         self.flush()
@@ -404,3 +464,5 @@ class TierManager:
             self._readers.shutdown(wait=True)
         if self.disk is not None:
             self.disk.close()
+        if self.remote is not None:
+            self.remote.close()

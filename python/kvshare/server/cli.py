@@ -57,6 +57,19 @@ def _cache_scope(s: str) -> str:
 
 
 _cache_scope.__name__ = "cache scope (global, key or salt)"
+
+
+def _redis_url(s: str) -> str:
+    from urllib.parse import urlsplit
+
+    u = urlsplit(s)
+    if u.scheme not in ("redis", "rediss", "unix", "valkey", "valkeys") or not (u.netloc or u.path):
+        raise ValueError(s)
+    # redis-py speaks the same protocol to Valkey; it knows only the redis schemes
+    return s.replace("valkey", "redis", 1) if u.scheme.startswith("valkey") else s
+
+
+_redis_url.__name__ = "Redis URL (redis://host:port/db, rediss://..., unix:///path)"
 def _positive_float(s: str) -> float:
     v = float(s)
     if not v > 0 or v == float("inf"):
@@ -187,7 +200,13 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--cache-ttl", _non_negative_float, None,
      "seconds a disk entry lives unused, and a stored Responses API response lives "
      "(default 259200 = 3 days; 0: no limit)"),
-    ("--cache-min-tokens", _non_negative_int, None, "shortest prompt written to disk (default 256)"),
+    ("--cache-min-tokens", _non_negative_int, None,
+     "shortest prompt written to disk or Redis (default 256)"),
+    ("--cache-redis", _redis_url, None,
+     "shared tier on Redis or Valkey, e.g. redis://127.0.0.1:6379/0: replicas pointing at one "
+     "server share computed prefixes (default: off; docs/replicas.md)"),
+    ("--cache-redis-timeout", _positive_float, None,
+     "seconds one Redis command may take before it counts as a miss (default 0.5)"),
     ("--checkpoint-min-step", _positive_int, None,
      "hybrid models: a state checkpoint every N prompt tokens (default 1024)"),
     ("--ctx-checkpoints", _non_negative_int, None,
@@ -403,6 +422,9 @@ def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentPars
         "models", help="list the catalog models: name, size, cached or not, what it is for",
         epilog=epilog)
     _add_options(parser, models, catalog_opts, environ)
+    from kvshare.router.cli import add_route_parser
+
+    add_route_parser(sub, environ)
     return parser
 
 
@@ -495,6 +517,8 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                         ("cache_dir", args.cache_dir),
                         ("cache_disk_max_mib", args.cache_disk_max), ("cache_ttl_s", args.cache_ttl),
                         ("cache_min_tokens", args.cache_min_tokens),
+                        ("cache_redis", args.cache_redis),
+                        ("cache_redis_timeout_s", args.cache_redis_timeout),
                         ("checkpoint_min_step", args.checkpoint_min_step),
                         ("max_n", args.max_n),
                         ("ctx_checkpoints", args.ctx_checkpoints)):
@@ -714,6 +738,12 @@ def _load_engine(args: argparse.Namespace, path: str, label: str,
          f"{engine.n_blocks} blocks of {config.block_size} tokens) + RAM tier "
          + (f"up to {_mib(ram)}" if ram else "off")
          + f" = {_mib(w + kv + ram)} at most")
+    remote = getattr(engine.tiers, "remote", None)
+    if remote is not None:
+        ok = remote.ping()
+        _say(f"shared tier: Redis at {remote.display_url} "
+             + ("(reachable)" if ok else "(not reachable now: local tiers only until it "
+                                         "answers; requests are not affected)"))
     return engine
 
 
@@ -897,6 +927,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return pull(args)
     if args.command == "models":
         return models(args)
+    if args.command == "route":
+        from kvshare.router.cli import route
+
+        return route(args)
     return 2
 
 

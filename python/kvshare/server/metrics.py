@@ -172,7 +172,7 @@ class EngineCollector(Collector):
                                     value=ckpt["live_bytes"])
 
 
-# (snapshot key, metric suffix, kind, help) for each cache tier (RAM, disk).
+# (snapshot key, metric suffix, kind, help) for each cache tier (RAM, disk, remote).
 _TIER_FIELDS = [
     ("entries", "entries", "gauge", "Entries held"),
     ("bytes", "bytes", "gauge", "Bytes held"),
@@ -189,7 +189,17 @@ _TIER_FIELDS = [
      "Time spent restoring blocks from the tier into the KV pool"),
     ("bytes_read", "read_bytes", "counter", "Bytes read"),
     ("bytes_written", "written_bytes", "counter", "Bytes written"),
-    ("dropped_writes", "dropped_writes", "counter", "Writes dropped because the queue was full"),
+    ("dropped_writes", "dropped_writes", "counter",
+     "Writes dropped (queue full; the shared tier: also while its breaker is open)"),
+    # the shared (Redis) tier
+    ("failures", "failures", "counter", "Commands to the tier's server that failed or timed out"),
+    ("corrupt", "corrupt_values", "counter", "Values that failed their checks (deleted)"),
+    ("breaker_open", "breaker_open", "gauge",
+     "1 while the circuit breaker keeps the tier off after repeated failures"),
+    ("breaker_trips", "breaker_trips", "counter", "Times the circuit breaker opened"),
+    ("blocks_written", "blocks_written", "counter", "KV blocks written to the tier"),
+    ("blocks_skipped", "blocks_skipped", "counter",
+     "KV blocks not written because the tier already held them"),
 ]
 _EVICTIONS = {"evictions": "budget", "evictions_ttl": "ttl", "evictions_budget": "budget",
               "evictions_corrupt": "corrupt"}
