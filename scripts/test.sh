@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs kvshare with its test extras (building the Rust extension; no GPU packages), checks
+# Installs kvshare with its test extras (building the Rust extension; no GPU packages) and
+# redis-server where missing (apt-get), checks
 # lint and formatting (`ruff check`, `cargo fmt --check`, `cargo clippy -D warnings`), then runs
 # every test: `cargo test --workspace`, then pytest. Exit code is non-zero on any finding or
 # failure, and pytest's "no tests collected" (exit 5) counts as a failure. Arguments go to pytest.
@@ -9,6 +10,12 @@ step() { echo "== $* (at ${SECONDS} s)" >&2; }
 step "install"
 python3 -m pip install -q --upgrade pip
 python3 -m pip install -q -e ".[test]"
+# the shared-tier tests start a real redis-server (Debian's package) on a loopback port
+if ! command -v redis-server >/dev/null; then
+    sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q redis-server >/dev/null
+fi
+export KVSHARE_REQUIRE_REDIS=1  # from here a missing redis-server fails those tests
 step "ruff check"
 python3 -m ruff check .
 step "cargo fmt --check"
