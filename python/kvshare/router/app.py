@@ -1,0 +1,493 @@
+"""`kvshare route`'s ASGI app: a reverse proxy that sends each request to the replica holding
+its shared prefix.
+
+It renders nothing: per request it reads the body (bounded), computes the prefix key
+(prefix.py), asks `PrefixPolicy` (policy.py) for a backend among the healthy ones
+(backends.py), forwards the request and passes the answer back as it arrives (an SSE stream is
+never buffered). What it answers itself:
+- GET /health: its own health (200 while any backend is healthy) and each backend's;
+- GET /v1/models: the union of the healthy backends' model lists;
+- GET /metrics: its own metrics (metrics.py), not a replica's;
+- its own failures, in the error shape of the API at the request's path (the replicas' own
+  `error_json`): 401 bad key, 413 body too big, 503 nothing healthy, 502 the backend failed.
+Everything else, whatever the method or path, is proxied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import anyio
+import httpx
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from kvshare.server.app import error_json, is_anthropic_path
+from kvshare.server.errors import APIError
+from kvshare.server.llama_native import error_object
+
+from .backends import Backend, BackendSet
+from .metrics import RouterMetrics
+from .policy import Choice, PrefixPolicy
+from .prefix import RESPONSES_PATHS, prefix_key, strip_root
+from .sticky import IdPeeker, ResponseOwners, response_id_in_path
+
+log = logging.getLogger("kvshare.router")
+
+OPEN_PATHS = frozenset({"/health", "/v1/health"})  # as `kvshare serve`: no key needed
+MODELS_PATHS = frozenset({"/v1/models", "/models"})
+METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
+# Hop-by-hop headers (RFC 9110 7.6.1) concern one connection, not the request: never
+# forwarded either way. Host and Content-Length are set anew for the backend's connection.
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "upgrade",
+                        "trailer", "host", "content-length"})
+# Hypercorn adds its own Date and Server to every response; the backend's would repeat them.
+RESPONSE_DROP = frozenset({"date", "server"})
+DISCARD_LIMIT = 8 * 1024 * 1024  # a too-big body up to this much more is read and dropped
+PARSE_OFF_LOOP = 256 * 1024  # bodies bigger than this are parsed on a worker thread
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    backends: list[str]
+    api_keys: tuple[str, ...] = ()
+    health_interval: float = 2.0
+    load_factor: float = 1.0
+    overload_factor: float = 2.0
+    timeout: float = 600.0  # upstream read timeout: the longest silence of a replica
+    connect_timeout: float = 5.0
+    max_body: int = 32 * 1024 * 1024
+    root_path: str = ""
+    response_owners: int = 100_000  # response ids remembered for previous_response_id
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _error(path: str, status: int, message: str, code: str,
+           headers: dict[str, str] | None = None, type: str | None = None) -> JSONResponse:
+    """An error the router itself produces, in the shape of the API at `path`."""
+    err = APIError(status, message, code=code, type=type)
+    return JSONResponse(error_json(path, err), status_code=status, headers=headers)
+
+
+def _drop_hop_by_hop(headers: Iterable[tuple[bytes, bytes]],
+                     also: frozenset[str] = frozenset()) -> list[tuple[bytes, bytes]]:
+    """`headers` minus the hop-by-hop ones, Proxy-*, those the Connection header names and
+    `also`."""
+    headers = list(headers)
+    named = {t.strip().lower() for k, v in headers if k.lower() == b"connection"
+             for t in v.decode("latin-1").split(",")}
+    out = []
+    for k, v in headers:
+        name = k.decode("latin-1").lower()
+        if name in HOP_BY_HOP or name in named or name in also or name.startswith("proxy-"):
+            continue
+        out.append((k, v))
+    return out
+
+
+class _Passthrough:
+    """An ASGI response that passes an upstream (streamed) response on chunk by chunk, as it
+    arrives. The upstream response is closed when it ends, when the client disconnects, or
+    when passing it on fails; `on_done` runs once in every case."""
+
+    def __init__(self, upstream: httpx.Response, headers: list[tuple[bytes, bytes]],
+                 on_chunk: Callable[[bytes], None] | None,
+                 on_done: Callable[[str | None], None]):
+        self.upstream = upstream
+        self.headers = headers
+        self.on_chunk = on_chunk
+        self.on_done = on_done
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        failure: str | None = None
+        try:
+            await send({"type": "http.response.start", "status": self.upstream.status_code,
+                        "headers": self.headers})
+            async with anyio.create_task_group() as tg:
+                async def watch_disconnect() -> None:
+                    # the request body was read already: the next message is the disconnect
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    tg.cancel_scope.cancel()  # stops the copy below: the stream is closed
+
+                tg.start_soon(watch_disconnect)
+                try:
+                    async for chunk in self.upstream.aiter_raw():
+                        if self.on_chunk is not None:
+                            self.on_chunk(chunk)
+                        await send({"type": "http.response.body", "body": chunk,
+                                    "more_body": True})
+                except httpx.HTTPError as e:
+                    failure = f"{type(e).__name__}: {e}"
+                else:
+                    await send({"type": "http.response.body", "body": b"",
+                                "more_body": False})
+                tg.cancel_scope.cancel()
+            # On a failure the response is left incomplete: the server then closes the
+            # connection, so the client sees a cut stream rather than a short one that looks
+            # whole.
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.upstream.aclose()
+            self.on_done(failure)
+
+
+class Router:
+    def __init__(self, settings: RouterSettings):
+        self.settings = settings
+        self.policy = PrefixPolicy(settings.backends, load_factor=settings.load_factor,
+                                   overload_factor=settings.overload_factor)
+        self.metrics = RouterMetrics(self.policy.backends)
+        self.owners = ResponseOwners(settings.response_owners)
+        self._keys = [k.encode() for k in settings.api_keys]
+        self.client: httpx.AsyncClient | None = None
+        self.backends = BackendSet(self.policy.backends, client=None,  # type: ignore[arg-type]
+                                   interval=settings.health_interval,
+                                   on_change=self._on_change)
+        self._health_task: asyncio.Task | None = None
+
+    # ---- lifecycle
+    async def start(self) -> None:
+        s = self.settings
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(s.timeout, connect=s.connect_timeout),
+            # no pool limit: the replicas' own admission control bounds concurrency, and a
+            # proxy that queues requests in its pool hides that load from the policy
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            follow_redirects=False, trust_env=False)
+        # httpx's default request headers would change the request: without Accept-Encoding
+        # from the client, a backend must not compress what is passed back unchanged
+        for name in ("accept", "accept-encoding", "user-agent"):
+            self.client.headers.pop(name, None)
+        self.backends.client = self.client
+        await self.backends.check_all()  # the first answer from /health is a real one
+        self._health_task = asyncio.create_task(self.backends.run())
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            try:
+                await self._health_task
+            except asyncio.CancelledError:
+                pass
+        if self.client is not None:
+            await self.client.aclose()
+
+    def _on_change(self, b: Backend) -> None:
+        self.metrics.up.labels(b.url).set(1 if b.healthy else 0)
+
+    # ---- request entry
+    def path_of(self, scope: Scope) -> str:
+        return strip_root(scope.get("path", ""), self.settings.root_path or
+                          scope.get("root_path", ""))
+
+    async def handle(self, request: Request) -> Any:
+        path = self.path_of(request.scope)
+        method = request.method
+        if path in OPEN_PATHS and method in ("GET", "HEAD"):
+            return self.health()
+        denied = self.check_auth(request, path)
+        if denied is not None:
+            return denied
+        if method in ("GET", "HEAD") and path in MODELS_PATHS:
+            return await self.models(request, path)
+        if method in ("GET", "HEAD") and path == "/metrics":
+            data = await run_in_threadpool(self.metrics.render)
+            return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
+        try:
+            body = await self.read_body(request)
+        except _BodyTooLarge:
+            return _error(path, 413, "Request body is larger than the limit of "
+                          f"{self.settings.max_body} bytes", "request_too_large",
+                          headers={"Connection": "close"})
+        except ClientDisconnect:
+            return Response(status_code=400)  # nobody is listening
+        return await self.forward(request, path, body)
+
+    def check_auth(self, request: Request, path: str) -> Response | None:
+        """None when no keys are configured or the request carries one of them (as `kvshare
+        serve` checks: Authorization: Bearer, else x-api-key); else the 401."""
+        if not self._keys:
+            return None
+        given: bytes | None = None
+        auth = request.headers.get("authorization")
+        if auth is not None:
+            scheme, _, value = auth.partition(" ")
+            if scheme.lower() == "bearer":
+                given = value.strip().encode()
+        if given is None and "x-api-key" in request.headers:
+            given = request.headers["x-api-key"].encode()
+        if given is not None:
+            ok = False
+            for k in self._keys:  # every key compared: the time does not tell which matched
+                ok |= hmac.compare_digest(given, k)
+            if ok:
+                return None
+        msg = ("Missing API key: send 'Authorization: Bearer <key>'" if given is None
+               else "Invalid API key")
+        return _error(path, 401, msg, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+                      type="authentication_error" if is_anthropic_path(path) else None)
+
+    async def read_body(self, request: Request) -> bytes:
+        """The whole request body, at most `max_body` bytes (else _BodyTooLarge, after reading
+        and dropping up to DISCARD_LIMIT more so the client gets to read the 413)."""
+        limit = self.settings.max_body
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            if int(declared) <= limit + DISCARD_LIMIT:
+                async for _ in request.stream():
+                    pass
+            raise _BodyTooLarge
+        chunks: list[bytes] = []
+        n = 0
+        too_big = False
+        async for chunk in request.stream():  # one pass: a request's stream reads once
+            n += len(chunk)
+            if too_big or n > limit:
+                too_big = True
+                chunks.clear()
+                if n > limit + DISCARD_LIMIT:
+                    break
+                continue
+            chunks.append(chunk)
+        if too_big:
+            raise _BodyTooLarge
+        return b"".join(chunks)
+
+    # ---- routing
+    @staticmethod
+    def _json(request: Request, body: bytes) -> dict | None:
+        ctype = request.headers.get("content-type", "").lower()
+        # curl -d sends x-www-form-urlencoded; the replicas read such a body as JSON too
+        if "json" not in ctype and body[:64].lstrip()[:1] != b"{":
+            return None
+        try:
+            value = json.loads(body)
+        except (ValueError, RecursionError):
+            return None  # the backend answers it with its own 400
+        return value if isinstance(value, dict) else None
+
+    async def parse(self, request: Request, body: bytes) -> dict | None:
+        if not body:
+            return None
+        if len(body) > PARSE_OFF_LOOP:  # a 32 MiB body takes the event loop ~0.1 s
+            return await run_in_threadpool(self._json, request, body)
+        return self._json(request, body)
+
+    def choose(self, method: str, path: str, doc: dict | None,
+               exclude: frozenset[str] = frozenset()) -> tuple[Choice | None, bool]:
+        """(where the request goes, whether it had a prefix key); (None, _) when nothing is
+        healthy."""
+        healthy = [u for u in self.backends.healthy() if u not in exclude]
+        # a stored response lives on the replica that produced it: follow-ups go there
+        rid = response_id_in_path(path)
+        if rid is None and doc is not None and path.rstrip("/") in RESPONSES_PATHS:
+            prev = doc.get("previous_response_id")
+            rid = prev if isinstance(prev, str) else None
+        if rid is not None:
+            owner = self.owners.get(rid)
+            if owner is not None and owner in healthy:
+                return Choice(owner, "response"), False
+        key = prefix_key(path, doc) if doc is not None else None
+        choice = self.policy.choose(key, self.backends.inflight(), healthy,
+                                    now=time.monotonic())
+        return choice, key is not None
+
+    def _upstream_headers(self, request: Request) -> list[tuple[bytes, bytes]]:
+        headers = _drop_hop_by_hop(request.scope.get("headers") or [],
+                                   frozenset({"x-forwarded-for", "x-forwarded-proto",
+                                              "x-forwarded-host"}))
+        client = request.client.host if request.client else None
+        prior = request.headers.get("x-forwarded-for")
+        if client is not None:
+            headers.append((b"x-forwarded-for",
+                            (f"{prior}, {client}" if prior else client).encode("latin-1")))
+        elif prior:
+            headers.append((b"x-forwarded-for", prior.encode("latin-1")))
+        proto = request.headers.get("x-forwarded-proto") or request.url.scheme
+        headers.append((b"x-forwarded-proto", proto.encode("latin-1")))
+        host = request.headers.get("x-forwarded-host") or request.headers.get("host")
+        if host:
+            headers.append((b"x-forwarded-host", host.encode("latin-1")))
+        return headers
+
+    def _target(self, request: Request, backend: str) -> str:
+        # the path as the client sent it (percent-encoding kept), less the router's mount
+        raw = request.scope.get("raw_path")
+        path = (raw.decode("latin-1") if raw else quote(request.scope.get("path", "/")))
+        path = strip_root(path, self.settings.root_path or request.scope.get("root_path", ""))
+        query = request.scope.get("query_string") or b""
+        return backend + path + (f"?{query.decode('latin-1')}" if query else "")
+
+    async def forward(self, request: Request, path: str, body: bytes) -> Any:
+        assert self.client is not None, "the router has not started"
+        doc = await self.parse(request, body)
+        headers = self._upstream_headers(request)
+        method = request.method
+        tried: set[str] = set()
+        for _attempt in range(2):  # the first choice, and once more after a connect error
+            choice, keyed = self.choose(method, path, doc, frozenset(tried))
+            if choice is None:
+                return self._unavailable(path)
+            backend = choice.backend
+            tried.add(backend)
+            upstream_req = self.client.build_request(
+                method, self._target(request, backend), headers=headers,
+                content=body if body else None)
+            self.backends.begin(backend)
+            self.metrics.inflight.labels(backend).inc()
+            t0 = time.perf_counter()
+            try:
+                upstream = await self.client.send(upstream_req, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                # nothing reached the backend: it is down, and the request may go elsewhere
+                self._done(backend)
+                self.metrics.error(backend, "connect")
+                self.backends.mark_down(backend, f"{type(e).__name__}: {e}")
+                continue
+            except httpx.HTTPError as e:
+                # the request was (maybe) sent: repeating it could run it twice
+                self._done(backend)
+                self.metrics.error(backend, "upstream")
+                log.warning("%s %s via %s failed: %s: %s", method, path, backend,
+                            type(e).__name__, e)
+                return _error(path, 502, f"The backend failed: {type(e).__name__}",
+                              "bad_gateway")
+            except BaseException:
+                self._done(backend)
+                raise
+            self.metrics.latency.labels(backend).observe(time.perf_counter() - t0)
+            self.metrics.routed(backend, choice.reason, keyed, choice.at_home)
+            if upstream.status_code >= 500:
+                self.metrics.error(backend, "status_5xx")
+            return self._passthrough(upstream, backend, method, path)
+        if not self.backends.healthy():  # both tries found their backend down: now none is up
+            return self._unavailable(path)
+        return _error(path, 502, "No backend could be reached", "bad_gateway")
+
+    def _unavailable(self, path: str) -> JSONResponse:
+        self.metrics.error("none", "no_backend")
+        n = len(self.backends.backends)
+        return _error(path, 503, f"No healthy backend (of {n}) can take the request",
+                      "service_unavailable", headers={"Retry-After": str(max(1, math.ceil(
+                          self.settings.health_interval)))})
+
+    def _done(self, backend: str) -> None:
+        self.backends.end(backend)
+        self.metrics.inflight.labels(backend).dec()
+
+    def _passthrough(self, upstream: httpx.Response, backend: str, method: str,
+                     path: str) -> _Passthrough:
+        on_chunk = None
+        if (method == "POST" and path.rstrip("/") in RESPONSES_PATHS
+                and upstream.status_code == 200):
+            peeker = IdPeeker()
+
+            def on_chunk(chunk: bytes) -> None:
+                if not peeker.done and peeker.feed(chunk):
+                    self.owners.put(peeker.found, backend)  # type: ignore[arg-type]
+
+        def on_done(failure: str | None) -> None:
+            self._done(backend)
+            if failure is not None:
+                self.metrics.error(backend, "stream")
+                log.warning("%s %s via %s: the response broke off: %s", method, path, backend,
+                            failure)
+
+        # ASGI wants lower-case header names; duplicates (Set-Cookie) are kept
+        headers = [(k.lower(), v) for k, v in _drop_hop_by_hop(upstream.headers.raw,
+                                                                RESPONSE_DROP)]
+        return _Passthrough(upstream, headers, on_chunk, on_done)
+
+    # ---- router-owned endpoints
+    def health(self) -> JSONResponse:
+        backends = [{"url": b.url, "healthy": b.healthy, "inflight": b.inflight}
+                    for b in self.backends.backends.values()]
+        if any(b["healthy"] for b in backends):
+            return JSONResponse({"status": "ok", "backends": backends})
+        return JSONResponse({"status": "unavailable", "backends": backends,
+                             "error": error_object(503, "No backend is healthy")},
+                            status_code=503)
+
+    async def models(self, request: Request, path: str) -> Response:
+        """The union by `id` of the healthy backends' model lists (first listed wins)."""
+        assert self.client is not None
+        healthy = self.backends.healthy()
+        if not healthy:
+            return self._unavailable(path)
+        headers = self._upstream_headers(request)
+
+        async def ask(url: str) -> httpx.Response | None:
+            try:
+                return await self.client.get(f"{url}/v1/models", headers=headers,
+                                             timeout=max(5.0, self.backends.check_timeout))
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                self.metrics.error(url, "connect")
+                self.backends.mark_down(url, f"{type(e).__name__}: {e}")
+            except httpx.HTTPError:
+                self.metrics.error(url, "upstream")
+            return None
+
+        answers = await asyncio.gather(*(ask(u) for u in healthy))
+        data: dict[str, Any] = {}
+        refused: httpx.Response | None = None
+        answered = False
+        for r in answers:
+            if r is None:
+                continue
+            if r.status_code != 200:
+                refused = refused or r
+                continue
+            try:
+                items = r.json().get("data")
+            except (ValueError, AttributeError):
+                continue
+            answered = True
+            for m in items if isinstance(items, list) else ():
+                if isinstance(m, dict) and isinstance(m.get("id"), str):
+                    data.setdefault(m["id"], m)
+        if not answered and refused is not None:  # e.g. every backend wants a key: say so
+            return Response(refused.content, status_code=refused.status_code,
+                            headers={k: v for k, v in refused.headers.items()
+                                     if k.lower() in ("content-type", "www-authenticate")})
+        if not answered:
+            return _error(path, 502, "No backend answered /v1/models", "bad_gateway")
+        return JSONResponse({"object": "list", "data": list(data.values())})
+
+
+def create_app(settings: RouterSettings, on_startup: Callable[[], None] | None = None
+               ) -> Starlette:
+    router = Router(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        await router.start()
+        if on_startup is not None:
+            on_startup()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = Starlette(routes=[Route("/{path:path}", router.handle, methods=METHODS)],
+                    lifespan=lifespan)
+    app.state.router = router
+    return app
