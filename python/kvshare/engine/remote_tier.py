@@ -103,7 +103,8 @@ class CircuitBreaker:
             self._failures, self._open_until, self._probing = 0, None, False
 
     def failure(self) -> bool:
-        """Count a failure; True when this one opened the breaker."""
+        """Count a failure; True when this one opened a closed breaker (a failed probe opens
+        it again: the same outage, not a new trip)."""
         with self._lock:
             self._failures += 1
             was_open = self._open_until is not None
