@@ -365,6 +365,29 @@ def test_sse_passes_through_incrementally(two, cluster):
     wait_for(lambda: r.router.backends.inflight() == {u: 0 for u in cluster.states})
 
 
+def test_an_overloaded_home_spills_without_moving_the_prefix(cluster):
+    a, b = cluster.backend("a"), cluster.backend("b")
+    # overload factor 1: a backend with more than its even share in flight is overloaded
+    r = cluster.router([a, b], overload_factor=1.0)
+    with httpx.Client(base_url=r.url, timeout=10) as client:
+        body = chat_body("You are popular.", stream=True, gated=True, events=2)
+        with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            home = resp.headers["x-backend"]
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: ")  # in flight at its home now
+            other = client.post("/v1/chat/completions", json=chat_body("You are popular."))
+            assert other.headers["x-backend"] != home
+            cluster.states[cluster.by_name[home]].gate.set()
+            assert "data: [DONE]" in list(lines)
+        wait_for(lambda: r.router.backends.inflight() == {u: 0 for u in cluster.states})
+        again = client.post("/v1/chat/completions", json=chat_body("You are popular."))
+        assert again.headers["x-backend"] == home  # the prefix stayed where it was
+        text = client.get("/metrics").text
+        assert metric(text, "kvshare_router_requests_total", backend=cluster.by_name[
+            "b" if home == "a" else "a"], reason="spill") == 1
+        assert metric(text, "kvshare_router_home_routed_ratio") == pytest.approx(2 / 3)
+
+
 def test_stream_cut_by_the_backend_is_cut_for_the_client(two, cluster):
     r, client = two
     with pytest.raises(httpx.RemoteProtocolError):

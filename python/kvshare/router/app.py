@@ -153,7 +153,8 @@ class _Passthrough:
 class Router:
     def __init__(self, settings: RouterSettings):
         self.settings = settings
-        self.policy = PrefixPolicy(settings.backends, load_factor=settings.load_factor,
+        urls = [u.rstrip("/") for u in settings.backends]  # a path is appended to each
+        self.policy = PrefixPolicy(urls, load_factor=settings.load_factor,
                                    overload_factor=settings.overload_factor)
         self.metrics = RouterMetrics(self.policy.backends)
         self.owners = ResponseOwners(settings.response_owners)
@@ -312,9 +313,11 @@ class Router:
         return choice, key is not None
 
     def _upstream_headers(self, request: Request) -> list[tuple[bytes, bytes]]:
+        # X-Forwarded-* are set below; Expect: 100-continue was for the router, which has
+        # the whole body already
         headers = _drop_hop_by_hop(request.scope.get("headers") or [],
                                    frozenset({"x-forwarded-for", "x-forwarded-proto",
-                                              "x-forwarded-host"}))
+                                              "x-forwarded-host", "expect"}))
         client = request.client.host if request.client else None
         prior = request.headers.get("x-forwarded-for")
         if client is not None:
@@ -376,6 +379,8 @@ class Router:
                 raise
             self.metrics.latency.labels(backend).observe(time.perf_counter() - t0)
             self.metrics.routed(backend, choice.reason, keyed, choice.at_home)
+            log.debug("%s %s -> %s (%s) %d", method, path, backend, choice.reason,
+                      upstream.status_code)
             if upstream.status_code >= 500:
                 self.metrics.error(backend, "status_5xx")
             return self._passthrough(upstream, backend, method, path)
