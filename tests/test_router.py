@@ -639,6 +639,16 @@ def test_cli_flags_and_environment():
     assert args.max_body == 32 * 1024 * 1024 and args.timeout == 600
     with pytest.raises(SystemExit):
         parse(["--load-factor", "0.5"])
+    # a bad value in the environment is refused when `route` runs, and only then
+    with pytest.raises(SystemExit):
+        parse([], {"KVSHARE_HEALTH_INTERVAL": "soon"})
+    assert parse(["--health-interval", "1"], {"KVSHARE_HEALTH_INTERVAL": "soon"}
+                 ).health_interval == 1.0
+    parser = argparse.ArgumentParser(prog="kvshare")
+    sub = parser.add_subparsers(dest="command")
+    add_route_parser(sub, {"KVSHARE_HEALTH_INTERVAL": "soon"})
+    sub.add_parser("serve")
+    assert parser.parse_args(["serve"]).command == "serve"
 
 
 @pytest.mark.parametrize("argv, message", [

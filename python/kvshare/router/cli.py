@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 DEFAULT_MAX_BODY = 32 * 1024 * 1024
@@ -69,20 +69,12 @@ def _split(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def _env(environ: dict[str, str], name: str, typ: Callable[[str], Any], default: Any) -> Any:
-    raw = environ.get(name)
-    if raw is None:
-        return default
-    try:
-        return typ(raw)
-    except ValueError:
-        print(f"kvshare: error: {name}={raw!r} is not a valid "
-              f"{getattr(typ, '__name__', 'value')}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
-
-
 def add_route_parser(sub: Any, environ: dict[str, str]) -> argparse.ArgumentParser:
-    """Add the `route` subcommand to `sub` (the `kvshare` parser's subparsers)."""
+    """Add the `route` subcommand to `sub` (the `kvshare` parser's subparsers).
+
+    A value from the environment is left a string here: argparse converts a string default
+    with the flag's type only when `route` is the command, so a bad KVSHARE_HEALTH_INTERVAL
+    cannot break `kvshare serve`."""
     p = sub.add_parser(
         "route", help="a prefix-aware reverse proxy in front of kvshare replicas",
         allow_abbrev=False,
@@ -98,31 +90,31 @@ def add_route_parser(sub: Any, environ: dict[str, str]) -> argparse.ArgumentPars
                         "comma-separated; at least one) [env KVSHARE_BACKENDS]")
     p.add_argument("--host", default=environ.get("KVSHARE_HOST", "127.0.0.1"),
                    help="address to listen on [env KVSHARE_HOST]")
-    p.add_argument("--port", type=_port, default=_env(environ, "KVSHARE_PORT", _port, 8080),
+    p.add_argument("--port", type=_port, default=environ.get("KVSHARE_PORT", 8080),
                    help="port to listen on (0: any free port) [env KVSHARE_PORT]")
     p.add_argument("--api-key", action=_Append, default=_FromEnv(keys), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (all but "
                         "/health); repeatable or comma-separated. The headers still go to the "
                         "backends unchanged [env KVSHARE_API_KEY]")
     p.add_argument("--health-interval", type=_positive_float,
-                   default=_env(environ, "KVSHARE_HEALTH_INTERVAL", _positive_float, 2.0),
+                   default=environ.get("KVSHARE_HEALTH_INTERVAL", 2.0),
                    help="seconds between health checks (GET /health) of each backend "
                         "[env KVSHARE_HEALTH_INTERVAL]")
     p.add_argument("--load-factor", type=_factor,
-                   default=_env(environ, "KVSHARE_LOAD_FACTOR", _factor, 1.0),
+                   default=environ.get("KVSHARE_LOAD_FACTOR", 1.0),
                    help="a backend takes a new prefix while it holds fewer than this x the "
                         "mean number of active prefixes (>= 1) [env KVSHARE_LOAD_FACTOR]")
     p.add_argument("--overload-factor", type=_factor,
-                   default=_env(environ, "KVSHARE_OVERLOAD_FACTOR", _factor, 2.0),
+                   default=environ.get("KVSHARE_OVERLOAD_FACTOR", 2.0),
                    help="a backend with more than this x the mean requests in flight is "
                         "overloaded: its prefixes' requests spill to the least-loaded one "
                         "(>= 1) [env KVSHARE_OVERLOAD_FACTOR]")
     p.add_argument("--timeout", type=_positive_float,
-                   default=_env(environ, "KVSHARE_TIMEOUT", _positive_float, 600.0),
+                   default=environ.get("KVSHARE_TIMEOUT", 600.0),
                    help="seconds to wait for a backend's next bytes (read timeout) "
                         "[env KVSHARE_TIMEOUT]")
     p.add_argument("--max-body", type=_positive_int,
-                   default=_env(environ, "KVSHARE_MAX_BODY", _positive_int, DEFAULT_MAX_BODY),
+                   default=environ.get("KVSHARE_MAX_BODY", DEFAULT_MAX_BODY),
                    help="largest request body in bytes (larger: 413) [env KVSHARE_MAX_BODY]")
     p.add_argument("--root-path", default=environ.get("KVSHARE_ROOT_PATH", ""),
                    help="mount prefix behind another proxy, e.g. /kvshare; stripped before "
