@@ -475,6 +475,21 @@ def test_one_failed_check_is_not_down():
     assert bs.healthy() == ["http://x"]
 
 
+def test_a_backend_down_at_startup_is_down_until_it_answers(cluster):
+    a = cluster.backend("a")
+    cluster.states[a].healthy = False
+    b = "http://127.0.0.1:9"  # nothing listens (discard port)
+    r = cluster.router([a, b], health_interval=0.05)
+    with httpx.Client(base_url=r.url, timeout=10) as client:
+        health = client.get("/health")
+        assert health.status_code == 503  # at once, no request needed to find out
+        assert client.post("/v1/chat/completions", json=chat_body("x")).status_code == 503
+        cluster.states[a].healthy = True
+        wait_for(lambda: client.get("/health").status_code == 200)
+        assert client.post("/v1/chat/completions",
+                           json=chat_body("x")).headers["x-backend"] == "a"
+
+
 def test_all_down_is_503_in_each_apis_shape(cluster):
     a, b = cluster.backend("a"), cluster.backend("b")
     r = cluster.router([a, b], health_interval=30)

@@ -179,7 +179,9 @@ class Router:
         for name in ("accept", "accept-encoding", "user-agent"):
             self.client.headers.pop(name, None)
         self.backends.client = self.client
-        await self.backends.check_all()  # the first answer from /health is a real one
+        # before serving: a backend that does not answer yet is down from the start, not
+        # found out by the first requests sent to it
+        await self.backends.check_all(first=True)
         self._health_task = asyncio.create_task(self.backends.run())
 
     async def stop(self) -> None:

@@ -29,8 +29,7 @@ DOWN_AFTER = 2  # failed health checks in a row
 @dataclass
 class Backend:
     url: str
-    # Optimistic until told otherwise: a backend that is not up yet fails its first request
-    # with a connection error (then it is down, and the request goes elsewhere).
+    # Up until the startup check says otherwise (BackendSet.check_all(first=True)).
     healthy: bool = True
     failures: int = 0  # failed health checks in a row
     inflight: int = 0
@@ -106,21 +105,27 @@ class BackendSet:
         else:
             b.last_error = reason
 
-    async def check(self, url: str) -> bool:
-        """One health check of `url` (recorded); True when it answered 200."""
+    async def check(self, url: str, first: bool = False) -> bool:
+        """One health check of `url` (recorded); True when it answered 200. `first`: the
+        check at startup, where a failure means down at once (there is no record of it ever
+        serving, e.g. a replica still loading its model)."""
         try:
             r = await self.client.get(f"{url}/health", timeout=self.check_timeout)
             await r.aclose()
         except httpx.HTTPError as e:
-            self.record_check(url, False, f"{type(e).__name__}: {e}" if str(e)
-                              else type(e).__name__)
-            return False
-        ok = r.status_code == 200
-        self.record_check(url, ok, None if ok else f"/health answered {r.status_code}")
+            reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            ok = False
+        else:
+            ok = r.status_code == 200
+            reason = None if ok else f"/health answered {r.status_code}"
+        if first and not ok:
+            self.mark_down(url, reason or "health check failed")
+        else:
+            self.record_check(url, ok, reason)
         return ok
 
-    async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(u) for u in self.backends))
+    async def check_all(self, first: bool = False) -> None:
+        await asyncio.gather(*(self.check(u, first) for u in self.backends))
 
     async def run(self) -> None:
         """Check every backend every `interval` seconds, until cancelled."""
