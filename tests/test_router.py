@@ -368,7 +368,7 @@ def test_sse_passes_through_incrementally(two, cluster):
 def test_an_overloaded_home_spills_without_moving_the_prefix(cluster):
     a, b = cluster.backend("a"), cluster.backend("b")
     # overload factor 1: a backend with more than its even share in flight is overloaded
-    r = cluster.router([a, b], overload_factor=1.0)
+    r = cluster.router([a, b], overload_factor=1.0, spill_min=1)
     with httpx.Client(base_url=r.url, timeout=10) as client:
         body = chat_body("You are popular.", stream=True, gated=True, events=2)
         with client.stream("POST", "/v1/chat/completions", json=body) as resp:

@@ -68,7 +68,8 @@ class RouterSettings:
     api_keys: tuple[str, ...] = ()
     health_interval: float = 2.0
     load_factor: float = 1.0
-    overload_factor: float = 2.0
+    overload_factor: float = 1.5
+    spill_min: int = 8  # a backend with fewer requests in flight is never overloaded
     timeout: float = 600.0  # upstream read timeout: the longest silence of a replica
     connect_timeout: float = 5.0
     max_body: int = 32 * 1024 * 1024
@@ -155,7 +156,8 @@ class Router:
         self.settings = settings
         urls = [u.rstrip("/") for u in settings.backends]  # a path is appended to each
         self.policy = PrefixPolicy(urls, load_factor=settings.load_factor,
-                                   overload_factor=settings.overload_factor)
+                                   overload_factor=settings.overload_factor,
+                                   spill_min=settings.spill_min)
         self.metrics = RouterMetrics(self.policy.backends)
         self.owners = ResponseOwners(settings.response_owners)
         self._keys = [k.encode() for k in settings.api_keys]

@@ -105,10 +105,14 @@ def add_route_parser(sub: Any, environ: dict[str, str]) -> argparse.ArgumentPars
                    help="a backend takes a new prefix while it holds fewer than this x the "
                         "mean number of active prefixes (>= 1) [env KVSHARE_LOAD_FACTOR]")
     p.add_argument("--overload-factor", type=_factor,
-                   default=environ.get("KVSHARE_OVERLOAD_FACTOR", 2.0),
-                   help="a backend with more than this x the mean requests in flight is "
-                        "overloaded: its prefixes' requests spill to the least-loaded one "
-                        "(>= 1) [env KVSHARE_OVERLOAD_FACTOR]")
+                   default=environ.get("KVSHARE_OVERLOAD_FACTOR", 1.5),
+                   help="a backend with more than this x the mean requests in flight (and at "
+                        "least --spill-min) is overloaded: its prefixes' requests spill to the "
+                        "least-loaded one (>= 1) [env KVSHARE_OVERLOAD_FACTOR]")
+    p.add_argument("--spill-min", type=_positive_int,
+                   default=environ.get("KVSHARE_SPILL_MIN", 8),
+                   help="a backend with fewer requests in flight is never overloaded "
+                        "[env KVSHARE_SPILL_MIN]")
     p.add_argument("--timeout", type=_positive_float,
                    default=environ.get("KVSHARE_TIMEOUT", 600.0),
                    help="seconds to wait for a backend's next bytes (read timeout) "
@@ -156,7 +160,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         raise ValueError(f"unknown --log-level {args.log_level!r}")
     return RouterSettings(backends=backends, api_keys=tuple(args.api_key or ()),
                           health_interval=args.health_interval, load_factor=args.load_factor,
-                          overload_factor=args.overload_factor, timeout=args.timeout,
+                          overload_factor=args.overload_factor, spill_min=args.spill_min,
+                          timeout=args.timeout,
                           max_body=args.max_body, root_path=args.root_path.rstrip("/"))
 
 

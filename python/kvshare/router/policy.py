@@ -10,8 +10,10 @@ both drive this one policy, so what the simulation measures is what the router d
   and system prompt) goes where that prefix already lives, so its KV is computed once in the
   cluster and every later session attaches to it:
   1. *affinity*: the backend this prefix was assigned to, while it is healthy and not
-     overloaded (load above `overload_factor` x the mean; another backend then takes the
-     request without moving the prefix);
+     overloaded (at least `spill_min` requests in flight and above `overload_factor` x the
+     mean; another backend then takes the request without moving the prefix). The floor
+     keeps a burst of a new tenant's sessions together: a replica runs several sequences at
+     once, and queueing a few there costs less than computing the prefix again elsewhere;
   2. *ring*: otherwise (first sight, or its backend is down) the prefix is assigned by walking
      the ring from its hash to the first healthy, not overloaded backend that holds fewer than
      ceil(`load_factor` x (active prefixes + 1) / n) active prefixes (Mirrokni et al.,
@@ -20,7 +22,7 @@ both drive this one policy, so what the simulation measures is what the router d
      assignment sticks, so a tenant's concurrent sessions do not scatter while its first one
      is still computing the prefix; a prefix not seen for `active_s` is forgotten;
   3. *least_loaded*: no prefix key (or every backend over its bound): the least-loaded healthy
-     backend (ties: ring order of the key, else the first listed).
+     backend (ties: ring order of the key; without a key, in turn).
   In-flight load is what the caller reports (the router: requests in flight per backend).
 """
 
@@ -80,18 +82,20 @@ class Choice:
 
 class PrefixPolicy:
     def __init__(self, backends: Iterable[str], load_factor: float = 1.0,
-                 overload_factor: float = 2.0, active_s: float = 600.0, vnodes: int = 160,
-                 max_prefixes: int = 65536):
-        if load_factor < 1.0 or overload_factor < 1.0:
-            raise ValueError("load_factor and overload_factor must be >= 1")
+                 overload_factor: float = 1.5, spill_min: int = 8, active_s: float = 600.0,
+                 vnodes: int = 160, max_prefixes: int = 65536):
+        if load_factor < 1.0 or overload_factor < 1.0 or spill_min < 1:
+            raise ValueError("load_factor and overload_factor must be >= 1, spill_min >= 1")
         self.ring = HashRing(backends, vnodes)
         self.load_factor = load_factor
         self.overload_factor = overload_factor
+        self.spill_min = spill_min
         self.active_s = active_s
         self.max_prefixes = max_prefixes
         # active prefix key -> (backend, last seen); oldest first
         self._assigned: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
         self._prefixes: Counter[str] = Counter()  # backend -> active prefixes assigned to it
+        self._turn = 0
 
     @property
     def backends(self) -> list[str]:
@@ -124,11 +128,16 @@ class PrefixPolicy:
                  if b in allowed]
 
         def least_loaded() -> str:
-            return min(order, key=lambda b: inflight.get(b, 0))  # min keeps the first of ties
+            low = min(inflight.get(b, 0) for b in order)
+            ties = [b for b in order if inflight.get(b, 0) == low]
+            if key is not None:
+                return ties[0]  # ring order: the same prefix prefers the same backend
+            self._turn += 1  # no key: rotate among equals, so idle backends all get work
+            return ties[self._turn % len(ties)]
 
         if key is None:
             return Choice(least_loaded(), "least_loaded")
-        overload = self._bound(self.overload_factor, inflight, ok)
+        overload = max(self.spill_min, self._bound(self.overload_factor, inflight, ok))
         home = self.assigned(key)
         if home in allowed:
             self._assigned[key] = (home, now)
