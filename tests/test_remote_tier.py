@@ -48,10 +48,13 @@ def test_blocks_round_trip_with_ttl_and_skip_what_redis_holds(redis_server):
         np.testing.assert_array_equal(out[:4], data[:4])
         rc = redis_server.client()
         assert 3500 < rc.ttl(tier._block_key(keys[0])) <= 3600
-        # a second writer (another replica) skips what is there and sends only the rest
+        # a second writer (another replica) skips what is there and sends only the rest; what
+        # it skips it still uses, so its TTL is refreshed
+        rc.expire(tier._block_key(keys[1]), 100)
         other = RemoteTier(redis_server.url, FP, ttl_s=3600)
         assert other.submit(keys, data) and other.flush()
         assert other.stats_.blocks_skipped == 4 and other.stats_.blocks_written == 2
+        assert rc.ttl(tier._block_key(keys[1])) > 3500
         other.close()
         assert tier.present(keys) == 6
         # a missing block in the middle ends the prefix there

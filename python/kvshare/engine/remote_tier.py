@@ -18,7 +18,8 @@ Keys and values:
 
 Never slower, never wrong, never an error to a client:
 - Writes are queued (bounded in bytes; a full queue drops the write and counts it) and sent by
-  one writer thread; a pipelined EXISTS first skips blocks another replica already wrote.
+  one writer thread; a pipelined EXISTS first skips blocks another replica already wrote (and
+  refreshes their LRU age and TTL: this replica still uses them).
 - Reads are pipelined: one round trip probes how many leading blocks Redis holds, then chunks
   are fetched on the tier manager's reader threads while the engine installs earlier ones.
 - Every command has a socket timeout and no retries. Failures feed a circuit breaker: after
@@ -345,13 +346,27 @@ class RemoteTier:
             batch = keys[b0:b0 + WRITE_BATCH]
             there = self._run(lambda p: [p.exists(self._block_key(k)) for k in batch])
             todo = [(b0 + i, k) for i, (k, t) in enumerate(zip(batch, there)) if not t]
-            self.stats_.blocks_skipped += len(batch) - len(todo)
-            if todo:
-                values = [(self._block_key(k), _core.remote_value(
-                    "block", self.fingerprint, k, blocks[j])) for j, k in todo]
-                self._run(lambda p: [p.set(rk, v, ex=ex, nx=True) for rk, v in values])
-                self.stats_.blocks_written += len(values)
-                self.stats_.bytes_written += sum(len(v) for _, v in values)
+            held = [self._block_key(k) for k, t in zip(batch, there) if t]
+            self.stats_.blocks_skipped += len(held)
+            values = [(self._block_key(k), _core.remote_value(
+                "block", self.fingerprint, k, blocks[j])) for j, k in todo]
+
+            def fill(p, values=values, held=held) -> None:
+                for rk, v in values:
+                    p.set(rk, v, ex=ex, nx=True)
+                # EXISTS does not count as a use for Redis's LRU: a prefix that every replica
+                # holds locally is never read from Redis and would age out there, just when a
+                # replica without it needs it. Refresh what this replica still uses.
+                if held:
+                    p.touch(*held)
+                    if ex:
+                        for rk in held:
+                            p.expire(rk, ex)
+
+            if values or held:
+                self._run(fill)
+            self.stats_.blocks_written += len(values)
+            self.stats_.bytes_written += sum(len(v) for _, v in values)
             self._remember(batch)
         for key, position, layout, data in cks:
             value = _core.remote_value("checkpoint", self.fingerprint, key, data,
