@@ -37,15 +37,16 @@ block, `--shared-cache` tokens of `maxmemory`, default 2M: as much as the 16 rep
 fall through local -> shared, continuing from where the local run stopped (as the tier manager
 does); a block read (GETEX) is *restored* (counted apart from recomputed tokens) and refreshed;
 every finished request offers its blocks and the missing ones are written (EXISTS, then SET
-NX): a probe or a skipped write does not refresh a block (EXISTS does not touch), so a prefix
-that every replica holds locally ages out of Redis unless someone reads it.
+NX); a probe does not refresh a block (EXISTS does not touch) but a skipped write does (the
+writer TOUCHes what it skips), so a prefix that every replica holds locally stays in Redis.
 
 Policies (routing key: the tenant's prefix key, a hash as the router computes one):
 - `round_robin`: request i goes to replica i mod N;
 - `consistent_hash`: `HashRing.home(key)`, no load bound;
 - `prefix_aware`: `PrefixPolicy.choose(key, in-flight per replica, healthy = all, now = clock)`
   with the policy's defaults (prefixes spread by a bound on active prefixes per replica,
-  sticky, spill to the least loaded replica past 2x the mean in-flight load).
+  sticky, spill to the least loaded replica past 1.5x the mean in-flight load and at least
+  8 requests in flight).
 
 Metrics per (policy, shared tier, N): prefix hit rate (prompt tokens served from a cache, local
 or shared), recomputed tokens (prompt tokens computed), restored tokens (what crossed the
@@ -271,8 +272,8 @@ class BlockLRU:
 
 class SharedLRU:
     """The shared tier as `engine/remote_tier.py` uses Redis (`allkeys-lru`, one value per
-    block): a probe (EXISTS) does not refresh a block; a read (GETEX) does; a write stores only
-    the blocks missing (EXISTS, then SET NX), so a block already there keeps its age. One
+    block): a probe (EXISTS) does not refresh a block; a read (GETEX) does; a write stores the
+    blocks missing (EXISTS, then SET NX) and refreshes those already there (TOUCH). One
     pipelined batch is one LRU tick (Redis's LRU clock has a 1 s resolution); within a tick the
     deepest blocks go first. An owner's held blocks (absolute block indices) are a few disjoint
     runs, each with its tick: a chain whose head was evicted keeps its deep blocks (unreachable
@@ -308,8 +309,10 @@ class SharedLRU:
         self._rebuild(owner, a, b, tick, fill=False)
 
     def write(self, owner: int, a: int, b: int, tick: int) -> None:
-        """Blocks [a, b) were offered: the missing ones are stored."""
+        """Blocks [a, b) were offered: the missing ones are stored and the held ones refreshed
+        (the writer TOUCHes what it skips: this replica still uses it)."""
         if a < b:
+            self._rebuild(owner, a, b, tick, fill=False)
             self._rebuild(owner, a, b, tick, fill=True)
 
     def _rebuild(self, owner: int, a: int, b: int, tick: int, fill: bool) -> None:

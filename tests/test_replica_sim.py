@@ -187,7 +187,7 @@ class RefRedis:
 
     def write(self, owner, a, b, tick):
         for i in range(a, b):
-            self.blocks.setdefault((owner, i), tick)
+            self.blocks[(owner, i)] = tick
         while len(self.blocks) > self.cap:
             k = min(self.blocks, key=lambda k: (self.blocks[k], -k[0], -k[1]))
             del self.blocks[k]
