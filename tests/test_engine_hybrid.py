@@ -123,3 +123,42 @@ def test_concurrent_sessions_match_solo_runs_and_count_checkpoints_once(parts):
     assert all(f.timings.cache_n >= sessions[0][1] for f in later)
     eng.pool.check_invariants()
     assert eng.pool.stats()["used"] == 0
+
+
+@pytest.mark.parametrize("min_step,split_at", [(1024, 1124), (1024, 1432), (1024, 3000),
+                                               (4096, 3100)])
+def test_divergence_checkpoint_placed_by_cost(parts, min_step, split_at):
+    """Three prompts that split at one place 100 to 3,100 tokens past the checkpoint the second
+    resumes at (periodic every `min_step`, or none): the second places a checkpoint at the
+    split (it saves >= 64 tokens), and the third computes only its private tail (+ 32)."""
+    tok = parts[1]
+    eng = make_engine(parts, checkpoint_min_step=min_step)
+    cold = make_engine(parts, slot_attach=False)
+    dates = ("Monday", "Tuesday", "Wednesday")
+    # shared text after the split keeps it ~200 tokens before the first user message (the
+    # block-aligned checkpoint there must not be what C resumes at)
+    rules = " ".join(f"rule {i}: cite sources." for i in range(40))
+
+    def make(n):
+        return [chat(eng, system_prompt(tok, n, d) + " " + rules, "What is on the schedule?")
+                for d in dates]
+
+    first = make(split_at)
+    prompts = make(split_at - (common_len(first[0][0], first[1][0]) - split_at))
+    (a, ba), (b, bb), (c, bc) = prompts
+    split = common_len(a, b)
+    assert abs(split - split_at) <= 16 and common_len(a, c) == split == common_len(b, c)
+    assert bc is not None and bc > split + 150  # well before the first user message
+    for ids, bnd in prompts[:2]:
+        assert run(eng, ids, bnd)[0] == run(cold, ids, bnd)[0]
+    got, fin, _ = run(eng, c, bc)
+    assert got == run(cold, c, bc)[0]
+    tail = len(c) - split
+    assert fin.timings.prompt_n <= tail + 32, (fin.timings.prompt_n, tail)
+    # the control: without divergence checkpoints (a gain no split reaches) C resumes at the
+    # last periodic checkpoint, or computes everything
+    eng2 = make_engine(parts, checkpoint_min_step=min_step, checkpoint_min_gain=10**6)
+    for ids, bnd in prompts[:2]:
+        run(eng2, ids, bnd)
+    _, fin2, _ = run(eng2, c, bc)
+    assert fin2.timings.prompt_n >= tail + (split - split // min_step * min_step) - 16

@@ -8,9 +8,14 @@ and the RAM tier hold the same object, never a copy, and the account counts each
 Where checkpoints are taken (all chosen at admission, prefill pauses exactly there):
 - the first-user-message boundary of chat prompts (what sessions with the same system prompt
   and tools share);
-- the divergence point: when the longest cached match ends before the first user message, at
-  least 1,024 tokens in and more than 512 tokens past where the request resumes (the next
-  prompt that diverges at the same place resumes exactly there);
+- the divergence point: where the prompt splits from a cached one (the end of the longest
+  cached match), before the first user message, when the recomputation it saves is worth its
+  bytes: it saves at least `min_gain` tokens (`--checkpoint-min-gain`, default 64) over the
+  deepest checkpoint the next prompt splitting there would otherwise resume at (the one this
+  request resumes at, or one it plans below the split). The next prompt that diverges at the
+  same place resumes exactly there. A checkpoint costs its state's bytes (tiny-qwen35: tens of
+  KiB; a 0.8B Qwen3.5 a few MiB) once, however many sessions share it; recomputing 64 tokens
+  costs more than reading that back, so the default is low;
 - the end of the prompt (a returning conversation resumes there);
 - every `min_step` tokens of long prompts, at most `max_per_seq` per sequence;
 - with the RAM or disk tier on, also at the block boundary at or before the first user message
@@ -30,16 +35,17 @@ import numpy as np
 
 from kvshare import _core
 
-DIVERGENCE_MIN_POSITION = 1024
-DIVERGENCE_MIN_GAIN = 512
+DIVERGENCE_MIN_GAIN = 64  # default --checkpoint-min-gain
 
 
 class CheckpointManager:
     def __init__(self, kv, block_size: int, n_slots: int, min_step: int = 1024,
-                 max_per_seq: int = 8, budget_bytes: int = 1 << 30):
+                 max_per_seq: int = 8, budget_bytes: int = 1 << 30,
+                 min_gain: int = DIVERGENCE_MIN_GAIN):
         self.kv = kv
         self.block_size = block_size
         self.min_step = min_step
+        self.min_gain = max(1, int(min_gain))
         self.max_per_seq = max_per_seq
         self.budget_bytes = budget_bytes
         self.account = _core.CheckpointAccount()
@@ -150,11 +156,13 @@ class CheckpointManager:
             points.add(n_prompt - n_prompt % bs)
             if boundary is not None and boundary <= n_prompt:
                 points.add(boundary - boundary % bs)
-        before_user = boundary is None or match_len < boundary
-        if (before_user and match_len >= DIVERGENCE_MIN_POSITION
-                and match_len - resume > DIVERGENCE_MIN_GAIN and match_len < n_prompt):
-            points.add(match_len)
         periodic = [p for p in range(self.min_step, n_prompt, self.min_step) if p > resume]
+        before_user = boundary is None or match_len < boundary
+        if before_user and resume < match_len < n_prompt:
+            # what a later prompt splitting here would resume at without this checkpoint
+            below = max([resume] + [p for p in (*points, *periodic) if p < match_len])
+            if match_len - below >= self.min_gain:
+                points.add(match_len)
         room = max(0, self.max_per_seq - len(points))
         points.update(periodic[-room:] if room else [])
         return sorted(p for p in points if p > resume and p > 0)

@@ -68,6 +68,7 @@ class EngineConfig:
     cache_redis: str | None = None  # shared tier: redis:// (or rediss://, unix://) URL; None: off
     cache_redis_timeout_s: float = 0.5  # per Redis command; a slower one is a miss
     checkpoint_min_step: int = 1024  # hybrids: a checkpoint every this many prompt tokens
+    checkpoint_min_gain: int = 64  # hybrids: a divergence checkpoint saves at least this many
     ctx_checkpoints: int = 8  # hybrids: at most this many checkpoints per sequence
     checkpoint_mem_mib: int = 1024  # hybrids: budget of unique checkpoint bytes
     queue_timeout_s: float = 600.0  # a request waiting longer to be admitted ends with a 503
@@ -106,7 +107,8 @@ class Engine:
         self.kv_dtype = getattr(self.kv, "kv_dtype_name", None) or _kv_dtype_name(self.kv.kv_dtype)
         self.checkpoints = CheckpointManager(
             self.kv, config.block_size, config.parallel, config.checkpoint_min_step,
-            config.ctx_checkpoints, int(config.checkpoint_mem_mib) * 2**20) if self.hybrid else None
+            config.ctx_checkpoints, int(config.checkpoint_mem_mib) * 2**20,
+            config.checkpoint_min_gain) if self.hybrid else None
         self.pool = _core.BlockPool(n_blocks, config.block_size)
         self.tiers = self._make_tiers(config, fingerprint)
         self.cache = CacheManager(self.pool, self.kv, config.block_size, fingerprint, self.kv_dtype,

@@ -209,6 +209,9 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
      "seconds one Redis command may take before it counts as a miss (default 0.5)"),
     ("--checkpoint-min-step", _positive_int, None,
      "hybrid models: a state checkpoint every N prompt tokens (default 1024)"),
+    ("--checkpoint-min-gain", _positive_int, None,
+     "hybrid models: a checkpoint where a prompt splits from a cached one (before the first "
+     "user message) when it saves at least N tokens of recomputation (default 64)"),
     ("--ctx-checkpoints", _non_negative_int, None,
      "hybrid models: at most N checkpoints per sequence (default 8)"),
     ("--api-key", str, None,
@@ -520,6 +523,7 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                         ("cache_redis", args.cache_redis),
                         ("cache_redis_timeout_s", args.cache_redis_timeout),
                         ("checkpoint_min_step", args.checkpoint_min_step),
+                        ("checkpoint_min_gain", args.checkpoint_min_gain),
                         ("max_n", args.max_n),
                         ("ctx_checkpoints", args.ctx_checkpoints)):
         if value is not None:
