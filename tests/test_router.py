@@ -698,3 +698,17 @@ def test_kvshare_route_command(cluster):
         out, err = proc.communicate(timeout=20)
     assert proc.returncode == 0, err
     assert "kvshare: stopped" in out
+
+
+def test_cli_api_key_file_is_the_replicas_key_file(tmp_path, capsys):
+    from kvshare.router.cli import settings_from_args
+
+    f = tmp_path / "keys"
+    f.write_text("# tenants\nkey-one team-a\nkey-two\n")
+    f.chmod(0o600)
+    s = settings_from_args(parse(["--backend", "http://a:1", "--api-key", "k0",
+                                  "--api-key-file", str(f)]))
+    assert s.api_keys == ("k0", "key-one", "key-two")
+    assert route(parse(["--backend", "http://a:1", "--api-key-file", str(tmp_path / "no")])) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvshare: error: ")

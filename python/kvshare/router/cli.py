@@ -96,6 +96,10 @@ def add_route_parser(sub: Any, environ: dict[str, str]) -> argparse.ArgumentPars
                    help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (all but "
                         "/health); repeatable or comma-separated. The headers still go to the "
                         "backends unchanged [env KVSHARE_API_KEY]")
+    p.add_argument("--api-key-file", default=environ.get("KVSHARE_API_KEY_FILE"), metavar="FILE",
+                   help="the keys of a `kvshare serve --api-key-file` (one per line, an optional "
+                        "tenant name after it): the router accepts the replicas' keys "
+                        "[env KVSHARE_API_KEY_FILE]")
     p.add_argument("--health-interval", type=_positive_float,
                    default=environ.get("KVSHARE_HEALTH_INTERVAL", 2.0),
                    help="seconds between health checks (GET /health) of each backend "
@@ -158,7 +162,15 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         raise ValueError("--root-path must start with '/'")
     if args.log_level.upper() not in LOG_LEVELS:
         raise ValueError(f"unknown --log-level {args.log_level!r}")
-    return RouterSettings(backends=backends, api_keys=tuple(args.api_key or ()),
+    keys = list(args.api_key or ())
+    if args.api_key_file:
+        from kvshare.server.tenancy import TenancyError, read_key_file
+
+        try:
+            keys += [k.key for k in read_key_file(args.api_key_file)]
+        except TenancyError as e:
+            raise ValueError(str(e)) from None
+    return RouterSettings(backends=backends, api_keys=tuple(keys),
                           health_interval=args.health_interval, load_factor=args.load_factor,
                           overload_factor=args.overload_factor, spill_min=args.spill_min,
                           timeout=args.timeout,
