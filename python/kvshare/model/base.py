@@ -67,13 +67,23 @@ class Model(ABC):
         """Per-slot shapes of the recurrent-state arrays (none for attention-only models)."""
         return []
 
-    def kv_bytes_per_token(self, kv_dtype: Any = None) -> int:
-        """Bytes of paged KV one token takes (all attention layers, K and V)."""
+    def kv_bytes_per_token(self, kv_dtype: Any = None, group: int | None = None) -> int:
+        """Bytes of paged KV one token takes (K and V): of all attention layers (`group`
+        None), of the full-attention ones (0) or of the sliding-window ones (1)."""
         from kvshare.model.cache import kv_dtype_of  # noqa: PLC0415
 
         dt = kv_dtype_of(kv_dtype if kv_dtype is not None else self._default_kv_dtype())
         c = self.config
-        return c.n_attn_layers * max(c.n_head_kv, 1) * (c.head_dim + c.head_dim_v) * dt.itemsize
+        n = c.n_attn_layers
+        if group is not None:
+            n_win = self.n_window_layers()
+            n = n_win if group == 1 else n - n_win
+        return n * max(c.n_head_kv, 1) * (c.head_dim + c.head_dim_v) * dt.itemsize
+
+    def n_window_layers(self) -> int:
+        """Attention layers with a sliding window (their K/V can live in a window group)."""
+        c = self.config
+        return sum(1 for w, k in zip(c.layer_windows or (), c.attn_layer_index) if w and k >= 0)
 
     def _default_kv_dtype(self) -> Any:
         # f16 on every backend: half the pool's bytes and reads (llama.cpp's default too); the
@@ -81,14 +91,16 @@ class Model(ABC):
         return np.float16
 
     def new_cache(self, n_blocks: int, block_size: int = 16, n_state_slots: int = 0,
-                  kv_dtype: Any = None) -> ModelCache:
+                  kv_dtype: Any = None, n_win_blocks: int | None = None) -> ModelCache:
         """A KV pool of `n_blocks` blocks of `block_size` tokens (`kv_dtype`: a dtype or "f32" /
-        "f16"; default f16) plus `n_state_slots` recurrent-state slots (hybrid models only)."""
+        "f16"; default f16) plus `n_state_slots` recurrent-state slots (hybrid models only).
+        `n_win_blocks`: the sliding-window layers get their own pool of that many blocks
+        (`ModelCache.split`)."""
         if kv_dtype is None:
             kv_dtype = self._default_kv_dtype()
         return ModelCache(self.config, n_blocks, block_size, n_state_slots=n_state_slots,
                           kv_dtype=kv_dtype, backend=self.backend,
-                          state_shapes=self.state_shapes())
+                          state_shapes=self.state_shapes(), n_win_blocks=n_win_blocks)
 
     @abstractmethod
     def forward(self, chunks: Sequence[SeqChunk], cache: ModelCache) -> list[np.ndarray | None]:
@@ -111,6 +123,14 @@ class BatchPlan:
     rope: dict[tuple[float, float], tuple[Any, Any]] = field(default_factory=dict)
     masks: dict = field(default_factory=dict)
     row_parts: int = 1  # CPU: >1 runs the token-wise work as row-parallel parts (ops.parallel)
+    win_block_tables: np.ndarray | None = None  # the window group's (split caches)
+    win_slots: np.ndarray | None = None
+
+    def group(self, g: int) -> tuple[np.ndarray, np.ndarray]:
+        """(block tables, KV slots) of layer group `g` (ModelCache.group_of)."""
+        if g == 1:
+            return self.win_block_tables, self.win_slots
+        return self.block_tables, self.slots
 
 
 def make_plan(chunks: Sequence[SeqChunk], block_size: int, config: ModelConfig) -> BatchPlan:
@@ -139,8 +159,14 @@ def make_plan(chunks: Sequence[SeqChunk], block_size: int, config: ModelConfig) 
         elif c.logits == "all":
             rows.append(np.arange(r0, r0 + c.n))
     logit_rows = np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64)
-    return BatchPlan(chunks, tokens, positions, q_starts, start, tables, slots, logit_rows,
+    plan = BatchPlan(chunks, tokens, positions, q_starts, start, tables, slots, logit_rows,
                      [c.state_slot for c in chunks])
+    if any(c.win_block_table is not None for c in chunks):
+        if any(c.win_block_table is None for c in chunks):
+            raise ValueError("a split cache needs every chunk's win_block_table")
+        plan.win_block_tables = pad_block_tables([c.win_block_table for c in chunks])
+        plan.win_slots = kv_slots(plan.win_block_tables, q_starts, start, block_size)
+    return plan
 
 
 @dataclass
@@ -239,13 +265,16 @@ class DecoderModel(Model):
         n = x.shape[0]
         cos, sin = self._rope(plan, L.rope_base, L.rope_scale)
         kc, vc = cache.layer_kv(L.attn_index)
+        tables, slots = plan.group(cache.group_of(L.attn_index))
+        if tables is None:
+            raise ValueError("the cache keeps window layers apart: chunks need win_block_table")
         parts = split_rows(n, plan.row_parts) if plan.row_parts > 1 else None
         # every layer stores its K/V, even the last one of a step that wants no logits
         if parts is None:
-            q = self._project_qkv(L, x, cos, sin, plan.slots, kc, vc)
+            q = self._project_qkv(L, x, cos, sin, slots, kc, vc)
         else:
             q = np.concatenate(ROWS.run(
-                lambda sl: self._project_qkv(L, x[sl], cos[sl], sin[sl], plan.slots[sl], kc, vc),
+                lambda sl: self._project_qkv(L, x[sl], cos[sl], sin[sl], slots[sl], kc, vc),
                 parts))
         rows = None
         if last:
@@ -255,12 +284,12 @@ class DecoderModel(Model):
                 rows = plan.logit_rows
                 parts = None
         if rows is None:
-            attn = paged_attention(q, kc, vc, plan.block_tables, plan.q_starts,
+            attn = paged_attention(q, kc, vc, tables, plan.q_starts,
                                    plan.start_positions, scale=cfg.q_scale, window=L.window,
                                    backend=be, mask_cache=plan.masks, parts=plan.row_parts)
         else:
             # only the requested rows: attend per chunk with its selected queries
-            attn = self._attention_rows(q, kc, vc, plan, L.window, rows)
+            attn = self._attention_rows(q, kc, vc, plan, L.window, rows, tables)
             x = x[rows]
         attn = attn.reshape(attn.shape[0], -1)
         if parts is None:
@@ -310,7 +339,7 @@ class DecoderModel(Model):
         x += y
 
     def _attention_rows(self, q: Any, kc: Any, vc: Any, plan: BatchPlan, window: int,
-                        rows: np.ndarray) -> Any:
+                        rows: np.ndarray, tables: np.ndarray) -> Any:
         """Attention output of the query rows `rows` only (the last layer, when only some
         positions' logits are wanted): each row keeps its own position and sequence."""
         seq_of_row = np.searchsorted(plan.q_starts, rows, side="right") - 1
@@ -318,7 +347,7 @@ class DecoderModel(Model):
         # every selected row becomes a one-token "sequence" at its own position
         qs = np.arange(len(rows) + 1, dtype=np.int64)
         sel = q[self.backend.asarray(rows) if self.backend.is_gpu else rows]
-        return paged_attention(sel, kc, vc, plan.block_tables[seq_of_row], qs, pos,
+        return paged_attention(sel, kc, vc, tables[seq_of_row], qs, pos,
                                scale=self.config.q_scale, window=window, backend=self.backend)
 
     def _logits(self, x: Any, plan: BatchPlan) -> list[np.ndarray | None]:

@@ -20,6 +20,8 @@ class SeqChunk:
     `logits`: "none" (prefill chunk whose logits nobody reads), "last" (one row, the logits
     after the chunk's last token) or "all" (one row per token). `state_slot`: the sequence's
     recurrent-state slot in the cache (hybrid models only; None for attention-only models).
+    `win_block_table`: the sliding-window layers' table in a split cache (`ModelCache.split`;
+    same indexing, entries before the window may be any valid block: they are never read).
     """
 
     tokens: np.ndarray
@@ -27,11 +29,15 @@ class SeqChunk:
     block_table: np.ndarray
     logits: LogitsMode = "last"
     state_slot: int | None = None
+    win_block_table: np.ndarray | None = None
     n: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.tokens = np.ascontiguousarray(self.tokens, dtype=np.int32).reshape(-1)
         self.block_table = np.ascontiguousarray(self.block_table, dtype=np.int32).reshape(-1)
+        if self.win_block_table is not None:
+            self.win_block_table = np.ascontiguousarray(self.win_block_table,
+                                                        dtype=np.int32).reshape(-1)
         self.start_pos = int(self.start_pos)
         self.n = int(self.tokens.size)
         if self.n == 0:

@@ -7,6 +7,12 @@ the single-array layout). Python owns the memory; the Rust block pool owns which
 free, shared or cached. A block holds `block_size` consecutive positions of one sequence in
 every attention layer, so `read_block` / `write_block` move one block's bytes between tiers.
 
+Layer groups (`n_win_blocks` given): a model with sliding-window layers keeps their K/V in a
+second array `kv_win[n_window_layers, 2, n_win_blocks, ...]` with its own block ids (the
+engine's second block pool): those layers only ever read the last W positions, so a sequence
+holds only its window there (docs/architecture.md, "KV by layer kind"). `kv` then holds the
+full-attention layers only. `layer_kv` hides which array a layer lives in; `group_of` says.
+
 Recurrent state (filled in by the hybrid-model work): `states` is a list with one array per
 recurrent-state tensor kind, each shaped `[n_state_slots, ...]`; attention-only models have
 `n_state_slots == 0` and no state arrays.
@@ -44,7 +50,8 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 class ModelCache:
     def __init__(self, config: ModelConfig, n_blocks: int, block_size: int = 16, *,
                  n_state_slots: int = 0, kv_dtype: Any = np.float32,
-                 backend: Backend = CPU, state_shapes: list[tuple[int, ...]] | None = None):
+                 backend: Backend = CPU, state_shapes: list[tuple[int, ...]] | None = None,
+                 n_win_blocks: int | None = None):
         if n_blocks < 1 or block_size < 1:
             raise ValueError("n_blocks and block_size must be >= 1")
         if config.head_dim_v != config.head_dim:
@@ -56,38 +63,62 @@ class ModelCache:
         self.kv_dtype = kv_dtype_of(kv_dtype)
         self.n_attn_layers = config.n_attn_layers
         xp = backend.xp
-        shape = (self.n_attn_layers, 2, self.n_blocks, self.block_size,
-                 max(config.n_head_kv, 1), config.head_dim)
+        # which attention layers are sliding-window ones (their attn_index order)
+        windows = [w for w, k in zip(config.layer_windows or [0] * config.n_layers,
+                                     config.attn_layer_index) if k >= 0]
+        self.split = n_win_blocks is not None and any(windows)
+        # attn_index -> (group, index in the group's array): 0 = kv, 1 = kv_win
+        self._where: list[tuple[int, int]] = []
+        counts = [0, 0]
+        for w in windows:
+            g = 1 if (self.split and w) else 0
+            self._where.append((g, counts[g]))
+            counts[g] += 1
+        self.n_win_blocks = int(n_win_blocks) if self.split else 0
+        tail = (self.block_size, max(config.n_head_kv, 1), config.head_dim)
+        shape = (counts[0], 2, self.n_blocks, *tail)
         self._mapping: mmap.mmap | None = None
+        self._win_mapping: mmap.mmap | None = None
         self.prefaulted: bool | None = None  # None: not tried; False: unsupported here
-        if backend.is_gpu:
-            self.kv = xp.zeros(shape, dtype=self.kv_dtype)
-        else:
-            # an anonymous mapping (zero-filled) rather than np.zeros: `prefault` can populate
-            # its pages ahead of use without touching their contents
-            count = int(np.prod(shape))
-            self._mapping = mmap.mmap(-1, max(1, count * self.kv_dtype.itemsize))
-            self.kv = np.frombuffer(self._mapping, dtype=self.kv_dtype, count=count).reshape(shape)
+        self.kv, self._mapping = self._alloc(shape)
+        self.kv_win, self._win_mapping = (self._alloc((counts[1], 2, self.n_win_blocks, *tail))
+                                          if self.split else (None, None))
         self.n_state_slots = int(n_state_slots)
         self.states: list[Any] = [
             xp.zeros((self.n_state_slots, *shape), dtype=np.float32)
             for shape in (state_shapes or [])
         ] if self.n_state_slots else []
 
+    def _alloc(self, shape) -> tuple[Any, mmap.mmap | None]:
+        if self.backend.is_gpu:
+            return self.backend.xp.zeros(shape, dtype=self.kv_dtype), None
+        # an anonymous mapping (zero-filled) rather than np.zeros: `prefault` can populate
+        # its pages ahead of use without touching their contents
+        count = int(np.prod(shape))
+        mapping = mmap.mmap(-1, max(1, count * self.kv_dtype.itemsize))
+        return np.frombuffer(mapping, dtype=self.kv_dtype, count=count).reshape(shape), mapping
+
+    def group_of(self, attn_index: int) -> int:
+        """0: the layer's K/V is in `kv` (full attention, or every layer when not split);
+        1: in `kv_win` (a sliding-window layer of a split cache)."""
+        return self._where[attn_index][0]
+
     def prefault(self, wait: bool = False) -> threading.Thread | None:
         """Populate the host KV pool's pages in the background (Linux MADV_POPULATE_WRITE:
         contents are left as they are, so the engine may write KV meanwhile). Without it the
         first long request after start-up pays the page faults of every block it touches
         (~0.25 s per 300 MB). Sets `prefaulted` (False where the kernel lacks the call)."""
-        mapping = self._mapping
-        if mapping is None:
+        mappings = [m for m in (self._mapping, self._win_mapping) if m is not None]
+        if not mappings:
             return None
 
         def run() -> None:
             step = 64 << 20  # a multiple of the page size; short holds of the mm lock
             try:
-                for off in range(0, len(mapping), step):
-                    mapping.madvise(_MADV_POPULATE_WRITE, off, min(step, len(mapping) - off))
+                for mapping in mappings:
+                    for off in range(0, len(mapping), step):
+                        mapping.madvise(_MADV_POPULATE_WRITE, off,
+                                        min(step, len(mapping) - off))
             except (OSError, ValueError):
                 self.prefaulted = False
                 return
@@ -113,7 +144,20 @@ class ModelCache:
 
     @property
     def nbytes(self) -> int:
-        return self.n_blocks * self.block_nbytes + sum(int(s.nbytes) for s in self.states)
+        return (self.n_blocks * self.block_nbytes + self.n_win_blocks * self.win_block_nbytes
+                + sum(int(s.nbytes) for s in self.states))
+
+    @property
+    def win_block_shape(self) -> tuple[int, ...]:
+        s = self.kv_win.shape
+        return (s[0], s[1], s[3], s[4], s[5])
+
+    @property
+    def win_block_nbytes(self) -> int:
+        """Bytes of one block of the sliding-window group (0 when not split)."""
+        if not self.split:
+            return 0
+        return int(np.prod(self.win_block_shape)) * self.kv_dtype.itemsize
 
     def capacity_tokens(self) -> int:
         return self.n_blocks * self.block_size
@@ -121,46 +165,59 @@ class ModelCache:
     # --- per-layer views -----------------------------------------------------------------
     def layer_kv(self, attn_index: int) -> tuple[Any, Any]:
         """(K, V) of one attention layer, each `[n_blocks, block_size, n_kv_heads, head_dim]`
-        (views, not copies)."""
-        return self.kv[attn_index, 0], self.kv[attn_index, 1]
+        (views, not copies; `n_win_blocks` of them for a window layer of a split cache)."""
+        g, i = self._where[attn_index]
+        arr = self.win_group(g)
+        return arr[i, 0], arr[i, 1]
+
+    def win_group(self, group: int) -> Any:
+        return self.kv_win if group == 1 else self.kv
 
     # --- block moves ---------------------------------------------------------------------
-    def _check(self, block: int) -> int:
+    def _check(self, block: int, group: int = 0) -> int:
         block = int(block)
-        if not 0 <= block < self.n_blocks:
-            raise IndexError(f"block {block} out of range [0, {self.n_blocks})")
+        n = self.n_win_blocks if group == 1 else self.n_blocks
+        if not 0 <= block < n:
+            raise IndexError(f"block {block} out of range [0, {n})")
         return block
 
-    def copy_block(self, src: int, dst: int, n_tokens: int | None = None) -> None:
+    def copy_block(self, src: int, dst: int, n_tokens: int | None = None, group: int = 0) -> None:
         """Copy the first `n_tokens` positions (all, by default) of block `src` into `dst` in
-        every attention layer: the copy of copy-on-write."""
-        src, dst = self._check(src), self._check(dst)
+        every attention layer of `group`: the copy of copy-on-write."""
+        src, dst = self._check(src, group), self._check(dst, group)
         n = self.block_size if n_tokens is None else int(n_tokens)
         if not 0 <= n <= self.block_size:
             raise ValueError(f"n_tokens {n} not in [0, {self.block_size}]")
+        arr = self.win_group(group)
         if n and src != dst:
-            self.kv[:, :, dst, :n] = self.kv[:, :, src, :n]
+            arr[:, :, dst, :n] = arr[:, :, src, :n]
 
-    def read_block(self, block: int) -> np.ndarray:
-        """A host copy of one block: `[n_attn_layers, 2, block_size, n_kv_heads, head_dim]`."""
-        block = self._check(block)
-        return np.ascontiguousarray(self.backend.to_host(self.kv[:, :, block]))
+    def group_block_shape(self, group: int = 0) -> tuple[int, ...]:
+        return self.win_block_shape if group == 1 else self.block_shape
 
-    def read_blocks(self, blocks: list[int]) -> np.ndarray:
+    def read_block(self, block: int, group: int = 0) -> np.ndarray:
+        """A host copy of one block: `[n_attn_layers, 2, block_size, n_kv_heads, head_dim]`
+        (the group's layers)."""
+        block = self._check(block, group)
+        return np.ascontiguousarray(self.backend.to_host(self.win_group(group)[:, :, block]))
+
+    def read_blocks(self, blocks: list[int], group: int = 0) -> np.ndarray:
         """Host copies of several blocks as one contiguous array `[len(blocks), *block_shape]`
         (one copy per block; the tiers' save payload)."""
-        out = np.empty((len(blocks), *self.block_shape), dtype=self.kv_dtype)
+        arr = self.win_group(group)
+        out = np.empty((len(blocks), *self.group_block_shape(group)), dtype=self.kv_dtype)
         for i, block in enumerate(blocks):
-            out[i] = self.backend.to_host(self.kv[:, :, self._check(block)])
+            out[i] = self.backend.to_host(arr[:, :, self._check(block, group)])
         return out
 
-    def write_block(self, block: int, data: np.ndarray) -> None:
+    def write_block(self, block: int, data: np.ndarray, group: int = 0) -> None:
         """Overwrite one block with `data` shaped like `read_block`'s result."""
-        block = self._check(block)
+        block = self._check(block, group)
         data = np.asarray(data)
-        if tuple(data.shape) != self.block_shape:
-            raise ValueError(f"block data shape {data.shape} != {self.block_shape}")
-        self.kv[:, :, block] = self.backend.asarray(data, dtype=self.kv_dtype)
+        want = self.group_block_shape(group)
+        if tuple(data.shape) != want:
+            raise ValueError(f"block data shape {data.shape} != {want}")
+        self.win_group(group)[:, :, block] = self.backend.asarray(data, dtype=self.kv_dtype)
 
     # --- recurrent state (hybrid models) ---------------------------------------------------
     def copy_state(self, src_slot: int, dst_slot: int) -> None:
