@@ -339,7 +339,7 @@ class DecoderModel(Model):
         x += y
 
     def _attention_rows(self, q: Any, kc: Any, vc: Any, plan: BatchPlan, window: int,
-                        rows: np.ndarray, tables: np.ndarray) -> Any:
+                        rows: np.ndarray, tables: np.ndarray | None = None) -> Any:
         """Attention output of the query rows `rows` only (the last layer, when only some
         positions' logits are wanted): each row keeps its own position and sequence."""
         seq_of_row = np.searchsorted(plan.q_starts, rows, side="right") - 1
@@ -347,6 +347,7 @@ class DecoderModel(Model):
         # every selected row becomes a one-token "sequence" at its own position
         qs = np.arange(len(rows) + 1, dtype=np.int64)
         sel = q[self.backend.asarray(rows) if self.backend.is_gpu else rows]
+        tables = plan.block_tables if tables is None else tables
         return paged_attention(sel, kc, vc, tables[seq_of_row], qs, pos,
                                scale=self.config.q_scale, window=window, backend=self.backend)
 
