@@ -46,7 +46,7 @@ Policies (routing key: the tenant's prefix key, a hash as the router computes on
 - `prefix_aware`: `PrefixPolicy.choose(key, in-flight per replica, healthy = all, now = clock)`
   with the policy's defaults (prefixes spread by a bound on active prefixes per replica,
   sticky, spill to the least loaded replica past 1.5x the mean in-flight load and at least
-  8 requests in flight).
+  32 requests in flight).
 
 Metrics per (policy, shared tier, N): prefix hit rate (prompt tokens served from a cache, local
 or shared), recomputed tokens (prompt tokens computed), restored tokens (what crossed the

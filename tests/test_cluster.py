@@ -151,8 +151,11 @@ def test_eight_tenants_four_sessions_two_replicas(launcher):
             ids = [prompt_ids(replicas[0], first_turn(t, s), tools_of(t)) for s in range(SESSIONS)]
             distinct += common_prefix(ids)
         computed_first = sum(int(r["timings"]["prompt_n"]) for r in firsts)
+        reasons = re.findall(r'^kvshare_router_requests_total\{(.*)\} (\S+)$',
+                             router.client.get("/metrics").text, re.M)
         assert computed_first <= 1.1 * distinct, (
-            f"first turns computed {computed_first} tokens for {distinct} distinct prefix tokens")
+            f"first turns computed {computed_first} tokens for {distinct} distinct prefix "
+            f"tokens; routed {reasons}; per request {[r['timings']['prompt_n'] for r in firsts]}")
 
         loads = routed(router)
         work = [computed(r) for r in replicas]

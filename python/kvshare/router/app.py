@@ -69,7 +69,7 @@ class RouterSettings:
     health_interval: float = 2.0
     load_factor: float = 1.0
     overload_factor: float = 1.5
-    spill_min: int = 8  # a backend with fewer requests in flight is never overloaded
+    spill_min: int = 32  # a backend with fewer requests in flight is never overloaded
     timeout: float = 600.0  # upstream read timeout: the longest silence of a replica
     connect_timeout: float = 5.0
     max_body: int = 32 * 1024 * 1024

@@ -114,7 +114,7 @@ def add_route_parser(sub: Any, environ: dict[str, str]) -> argparse.ArgumentPars
                         "least --spill-min) is overloaded: its prefixes' requests spill to the "
                         "least-loaded one (>= 1) [env KVSHARE_OVERLOAD_FACTOR]")
     p.add_argument("--spill-min", type=_positive_int,
-                   default=environ.get("KVSHARE_SPILL_MIN", 8),
+                   default=environ.get("KVSHARE_SPILL_MIN", 32),
                    help="a backend with fewer requests in flight is never overloaded "
                         "[env KVSHARE_SPILL_MIN]")
     p.add_argument("--timeout", type=_positive_float,

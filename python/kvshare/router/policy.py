@@ -12,8 +12,8 @@ both drive this one policy, so what the simulation measures is what the router d
   1. *affinity*: the backend this prefix was assigned to, while it is healthy and not
      overloaded (at least `spill_min` requests in flight and above `overload_factor` x the
      mean; another backend then takes the request without moving the prefix). The floor
-     keeps a burst of a new tenant's sessions together: a replica runs several sequences at
-     once, and queueing a few there costs less than computing the prefix again elsewhere;
+     keeps a burst of sessions together: a replica runs several sequences at once and queues
+     the rest, and queueing there costs less than computing the prefix again elsewhere;
   2. *ring*: otherwise (first sight, or its backend is down) the prefix is assigned by walking
      the ring from its hash to the first healthy, not overloaded backend that holds fewer than
      ceil(`load_factor` x (active prefixes + 1) / n) active prefixes (Mirrokni et al.,
@@ -82,7 +82,7 @@ class Choice:
 
 class PrefixPolicy:
     def __init__(self, backends: Iterable[str], load_factor: float = 1.0,
-                 overload_factor: float = 1.5, spill_min: int = 8, active_s: float = 600.0,
+                 overload_factor: float = 1.5, spill_min: int = 32, active_s: float = 600.0,
                  vnodes: int = 160, max_prefixes: int = 65536):
         if load_factor < 1.0 or overload_factor < 1.0 or spill_min < 1:
             raise ValueError("load_factor and overload_factor must be >= 1, spill_min >= 1")
