@@ -156,11 +156,32 @@ def three_sessions(url: str, prefix: str, salt: int) -> dict:
             "s1_decode_tps_during_arrivals": during}
 
 
-def kv_peak(url: str) -> int | None:
+def kv_peak(url: str) -> dict:
+    """kvshare's peak KV tokens, peak bytes of KV blocks held by sequences (both layer groups),
+    and its block bytes per token (main pool, window pool) for llama.cpp's estimate."""
     try:
-        return httpx.get(url + "/cache", timeout=5).json()["pool"]["peak_tokens_used"]
+        pool = httpx.get(url + "/cache", timeout=5).json()["pool"]
     except Exception:
+        return {}
+    bs = pool["block_size"]
+    win = pool.get("window") or {}
+    return {"peak_kv_tokens": pool["peak_tokens_used"],
+            "peak_kv_bytes_held": pool.get("peak_kv_bytes_held"),
+            "main_bytes_per_token": pool.get("block_bytes", 0) / bs,
+            "window_bytes_per_token": win.get("block_bytes", 0) / bs,
+            "window": win.get("size", 0)}
+
+
+def llama_cpp_bytes(run: dict, peak: dict, n_seq: int = 3, n_ubatch: int = 512) -> int | None:
+    """What llama.cpp holds for the same sessions, from its cache layout at its defaults
+    (llama_kv_cache_iswa, no --swa-full): every session's own cells of the full-attention
+    layers (no sharing across sequences), and for the sliding-window layers a cache of
+    min(n_ctx, n_swa * n_seq + n_ubatch) cells. Both f16, as kvshare's default."""
+    if not peak.get("window"):
         return None
+    cells = sum((s.get("prompt_tokens") or 0) + GEN_TOKENS for s in run["sessions"])
+    swa_cells = peak["window"] * n_seq + n_ubatch
+    return int(cells * peak["main_bytes_per_token"] + swa_cells * peak["window_bytes_per_token"])
 
 
 def run_config(name: str, extra: list[str] | None, prefix: str, ctx: int, peer: str | None = None) -> dict:
@@ -171,7 +192,7 @@ def run_config(name: str, extra: list[str] | None, prefix: str, ctx: int, peer: 
     server = Server(extra or [], ctx)
     try:
         res = three_sessions(server.url, prefix, salt=1)
-        res["peak_kv_tokens"] = kv_peak(server.url)
+        res.update(kv_peak(server.url))
     finally:
         server.close()
     res["config"] = name
@@ -192,7 +213,7 @@ def main() -> None:
     prefix = agent_prefix(args.prefix_tokens)
     results = {"prefix_tokens_target": args.prefix_tokens, "gen_tokens": GEN_TOKENS, "runs": []}
     configs = [("kvshare (sharing)", []), ("kvshare --no-slot-attach", ["--no-slot-attach"])]
-    for name, extra in configs:
+    for name, extra in configs + [("kvshare --swa-full", ["--swa-full"])]:
         results["runs"].append(run_config(name, extra, prefix, ctx))
     if args.peer_url:
         results["runs"].append(run_config(f"peer {args.peer_url}", None, prefix, ctx, peer=args.peer_url))
@@ -203,13 +224,26 @@ def main() -> None:
         for i, s in enumerate(run["sessions"]):
             print(f"{run['config']:28} {i + 1:>4} {s.get('prompt_tokens') or 0:>7} {s.get('cache_n') or 0:>7} "
                   f"{s['ttft_s'] or float('nan'):>8.2f} {s['decode_tps'] or float('nan'):>10.1f}")
-        print(f"{'':28} peak KV tokens {run.get('peak_kv_tokens')}, session-1 decode solo "
+        held = run.get("peak_kv_bytes_held")
+        print(f"{'':28} peak KV tokens {run.get('peak_kv_tokens')}, peak KV held "
+              f"{held / 2**20 if held else float('nan'):.1f} MiB, session-1 decode solo "
               f"{run['solo_decode_tps']:.1f} t/s, during arrivals {run['s1_decode_tps_during_arrivals']:.1f} t/s")
     share, noshare = results["runs"][0], results["runs"][1]
     t3s, t3n = share["sessions"][2]["ttft_s"], noshare["sessions"][2]["ttft_s"]
     prompt = share["sessions"][0]["prompt_tokens"] or 0
     private = sum((s["prompt_tokens"] or 0) - (s["cache_n"] or 0) for s in share["sessions"][1:])
+    llama = llama_cpp_bytes(share, share)
+    full = next(r for r in results["runs"] if r["config"] == "kvshare --swa-full")
+    if llama:
+        print(f"KV held at peak, three sessions: kvshare {share['peak_kv_bytes_held'] / 2**20:.1f} MiB, "
+              f"kvshare --swa-full {full['peak_kv_bytes_held'] / 2**20:.1f} MiB, llama.cpp "
+              f"{llama / 2**20:.1f} MiB (computed from its cache layout): "
+              f"{share['peak_kv_bytes_held'] / llama:.2f}x llama.cpp")
     results["summary"] = {
+        "peak_kv_bytes_held": share.get("peak_kv_bytes_held"),
+        "peak_kv_bytes_held_swa_full": full.get("peak_kv_bytes_held"),
+        "llama_cpp_kv_bytes_computed": llama,
+        "kv_held_over_llama_cpp": share["peak_kv_bytes_held"] / llama if llama else None,
         "ttft3_ratio_share_over_noshare": t3s / t3n if t3s and t3n else None,
         "peak_kv_tokens_share": share.get("peak_kv_tokens"),
         "peak_kv_bound_1_1x": 1.1 * (prompt + private + 3 * GEN_TOKENS),

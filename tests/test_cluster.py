@@ -155,7 +155,8 @@ def test_eight_tenants_four_sessions_two_replicas(launcher):
                              router.client.get("/metrics").text, re.M)
         assert computed_first <= 1.1 * distinct, (
             f"first turns computed {computed_first} tokens for {distinct} distinct prefix "
-            f"tokens; routed {reasons}; per request {[r['timings']['prompt_n'] for r in firsts]}")
+            f"tokens; routed {reasons}; per request {[r['timings']['prompt_n'] for r in firsts]}; "
+            f"replicas {[r.cache()['counters'] for r in replicas]}")
 
         loads = routed(router)
         work = [computed(r) for r in replicas]

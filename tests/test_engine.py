@@ -80,12 +80,16 @@ def test_sharing_on_and_off_give_identical_tokens(parts):
     assert outs[True][1][1].timings.cache_n >= common - 16
 
 
-def test_concurrent_sessions_share_a_new_prefix_after_a_partial_attach(parts):
+@pytest.mark.parametrize("swa_full", [True, False])
+def test_concurrent_sessions_share_a_new_prefix_after_a_partial_attach(parts, swa_full):
     """An earlier, unrelated request leaves the chat template's opening tokens cached, so new
     prompts attach to part of a block (a copy-on-write of a few tokens) and start computing
     mid-block. Two such sessions arriving together on one new prefix must still compute it
-    once: the second waits for the first's blocks instead of computing them too."""
-    eng = make_engine(parts)
+    once: the second waits for the first's blocks instead of computing them too. With the
+    sliding-window layers in their own pool (`swa_full` False) the partial block is copied in
+    both pools, and the second session takes the first one's window blocks with its
+    main-pool blocks."""
+    eng = make_engine(parts, swa_full=swa_full)
     h0 = submit(eng, prompt(parts, "Be brief.", "Say OK."), 2)
     eng.run_until_idle()
     collect(h0)
@@ -96,6 +100,7 @@ def test_concurrent_sessions_share_a_new_prefix_after_a_partial_attach(parts):
     (ta, fa), (tb, fb) = collect(ha), collect(hb)
     common = len(_common_prefix(a, b))
     assert common > 4 * 64  # several chunks of the first session
+    assert (eng.windows is None) == swa_full
     assert 0 < fa.timings.cache_n < 16  # the partial match of the template's opening
     # the second session computes at most the rest of its partial block and its own tail
     assert fb.timings.cache_n >= common - 2 * 16, (fb.timings.cache_n, common)

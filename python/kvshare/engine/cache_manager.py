@@ -24,6 +24,8 @@ import logging
 import time
 from collections import Counter
 
+import numpy as np
+
 from kvshare import _core
 from kvshare.engine.faults import injected, maybe_inject
 from kvshare.engine.sequence import Sequence
@@ -33,7 +35,8 @@ log = logging.getLogger("kvshare.cache")
 
 class CacheManager:
     def __init__(self, pool: "_core.BlockPool", kv_cache, block_size: int, fingerprint: bytes,
-                 kv_dtype: str, attach: bool, tiers=None, checkpoints=None):
+                 kv_dtype: str, attach: bool, tiers=None, checkpoints=None, windows=None,
+                 min_gain: int = 64):
         self.pool = pool
         self.kv = kv_cache
         self.block_size = block_size
@@ -43,6 +46,10 @@ class CacheManager:
         self.tiers = tiers  # engine.tiers.TierManager or None: RAM and disk behind the pool
         # engine.checkpoints.CheckpointManager for hybrid models (None: attention only)
         self.checkpoints = checkpoints
+        # engine.windows.WindowGroup when sliding-window layers keep only their windows: such
+        # a sequence resumes only where a kept window ends (as a hybrid at a checkpoint)
+        self.windows = windows
+        self.min_gain = min_gain
         self._roots: dict[bytes | None, bytes] = {}
         self.counters: Counter[str] = Counter()  # recovered faults: restore_failed, cow_no_room
 
@@ -100,6 +107,8 @@ class CacheManager:
                 # the other choices fork from the prompt's end: they resume from this one
                 seq.checkpoint_at.append(seq.n_prompt)
             return got
+        if self.windows is not None:
+            return self._attach_windowed(seq)
         if not self.attach_enabled or len(seq.tokens) < 2 or self._recompute(seq):
             return 0
         reusable = len(seq.tokens) - 1
@@ -120,6 +129,141 @@ class CacheManager:
                     matched += n
         seq.n_computed = matched
         return matched
+
+    def _attach_windowed(self, seq: Sequence) -> int:
+        """Sliding-window groups: resume at the deepest block-aligned position p within the
+        main pool's match whose window the window pool still has (engine/windows.py)."""
+        bs = self.block_size
+        seq.win_table = []
+        seq.block_table = []
+        seq.n_computed = 0
+        if seq.prefill_started is None:
+            seq.prefill_started = time.perf_counter()
+        reusable = len(seq.tokens) - 1
+        if not self.attach_enabled or reusable < 1 or self._recompute(seq):
+            return 0
+        self.ensure_keys(seq, reusable)
+        keys = seq.block_keys[: reusable // bs]
+        ids = list(self.pool.match_prefix(keys)[0])
+        if self._tiers_on() and len(ids) < len(keys):
+            try:
+                got = self._resume_windowed_from_tiers(seq, keys, ids)
+            except Exception:  # noqa: BLE001 - a failed tier lookup or read is a miss
+                self.counters["restore_failed"] += 1
+                log.exception("tier window restore for %s failed; recomputing",
+                              seq.request.request_id)
+                self.release(seq)
+                seq.n_computed = 0
+                got = 0
+            if got:
+                return got
+        got = self._resume_windowed(seq, keys, ids, 0)
+        if got == len(ids) * bs and got < reusable:
+            got += self._extend_windowed(seq, min(reusable - got, bs))
+        return got
+
+    def _resume_windowed_from_tiers(self, seq: Sequence, keys: list[bytes],
+                                    ids: list[int]) -> int:
+        """Resume deeper than the pool alone allows: at the deepest block-aligned p past the
+        pool's match where the main blocks before p and the window blocks ending at p are each
+        in the pool or a tier. Returns p (0: none, nothing held)."""
+        bs, win, tiers = self.block_size, self.windows, self.tiers
+        m = len(ids) + tiers.available_prefix(keys[len(ids):])
+        t0 = time.perf_counter()
+        try:
+            for p in range(m * bs, len(ids) * bs, -bs):
+                r = win.window_blocks(p)
+                have = [win.pool.lookup(keys[j]) for j in r]
+                if any(h is None and not tiers.has_window_block(keys[j])
+                       for j, h in zip(reversed(r), reversed(have))):
+                    continue
+                n_main = p // bs
+                self.pool.acquire(ids)
+                seq.block_table = list(ids)
+                if n_main > len(ids):
+                    seq.block_table += self._restore(seq, keys[:n_main], len(ids))
+                wids = self._restore_window(seq, keys, r, have) if len(seq.block_table) == n_main else None
+                if wids is None:
+                    self.pool.release(seq.block_table)
+                    seq.block_table = []
+                    return 0
+                seq.win_table = [win.null] * r.start + wids
+                seq.n_computed = p
+                return p
+            return 0
+        finally:
+            seq.restore_s += time.perf_counter() - t0
+
+    def _restore_window(self, seq: Sequence, keys: list[bytes], r: range,
+                        have: list) -> list[int] | None:
+        """Window blocks `r`: the pool's (acquired) or read from a tier into fresh blocks
+        registered under their chain keys. None (nothing held) if one cannot be had."""
+        win, bs = self.windows, self.block_size
+        got: list[int] = []
+        try:
+            for j, h in zip(r, have):
+                if h is not None:
+                    win.pool.acquire([h])
+                    got.append(h)
+                    continue
+                data = np.empty(self.kv.win_block_shape, dtype=self.kv.kv_dtype)
+                if not self.tiers.read_window_block(keys[j], data):
+                    raise LookupError("window block missing")
+                block = win.pool.allocate(self.parent_key(seq, j))
+                got.append(block)
+                self.kv.write_block(block, data, group=1)
+                win.pool.append_tokens(block, seq.tokens[j * bs:(j + 1) * bs])
+                other = win.pool.register(block, keys[j])
+                if other != block:  # registered meanwhile: share that one
+                    win.pool.acquire([other])
+                    win.pool.release([block])
+                    got[-1] = other
+        except (LookupError, _core.OutOfBlocks):
+            win.release_ids(got)
+            return None
+        return got
+
+    def _extend_windowed(self, seq: Sequence, rest: int) -> int:
+        """Past a block-aligned resume point: the longest partial match of the next block in
+        both pools (the main pool's and the window pool's copies of it), copied-on-write into
+        fresh blocks of each. Returns the tokens gained (0: none, nothing changed)."""
+        p = seq.n_computed
+        j = p // self.block_size
+        parent = self.parent_key(seq, j)
+        nxt = seq.tokens[p: p + rest]
+        hit = self.pool.extend_match(parent, nxt)
+        whit = self.windows.pool.extend_match(parent, nxt)
+        n = min(hit[1], whit[1], rest) if hit is not None and whit is not None else 0
+        if n <= 0:
+            return 0
+        if not self._copy_partial(seq, hit[0], n):
+            return 0
+        wdst = self.windows.copy_partial(seq, whit[0], n, self.kv)
+        if wdst is None:  # no room in the window pool: take the main pool's copy back
+            self.pool.release([seq.block_table.pop()])
+            return 0
+        seq.n_computed = p + n
+        return n
+
+    def _resume_windowed(self, seq: Sequence, keys: list[bytes], ids: list[int],
+                         start: int) -> int:
+        """Move the sequence (holding blocks [0, start) of the main pool) to the deepest
+        block-aligned p in (start, start + len(ids) blocks] whose window is in the window
+        pool: `ids` are the main pool's blocks from `start` on (a peek). Returns the tokens
+        gained."""
+        bs, win = self.block_size, self.windows
+        j0 = start // bs
+        for p in range((j0 + len(ids)) * bs, start, -bs):
+            wids = win.match_at(keys, p)
+            if wids is None:
+                continue
+            take = ids[: p // bs - j0]
+            self.pool.acquire(take)
+            seq.block_table.extend(take)
+            win.attach(seq, wids, p)
+            seq.n_computed = p
+            return p - start
+        return 0
 
     def _restore(self, seq: Sequence, keys: list[bytes], start: int) -> list[int]:
         """Blocks keys[start:] from the tiers; a restore that fails is a miss (logged,
@@ -301,8 +445,9 @@ class CacheManager:
         """Mid-prefill: if blocks for the next positions appeared since admission (a donor
         finished computing them), take them instead of recomputing. Returns tokens gained."""
         bs = self.block_size
-        if (not self.attach_enabled or self.checkpoints is not None or seq.n_computed % bs
-                or len(seq.block_table) * bs != seq.n_computed or self._recompute(seq)):
+        if (not self.attach_enabled or self.checkpoints is not None
+                or seq.n_computed % bs or len(seq.block_table) * bs != seq.n_computed
+                or self._recompute(seq)):
             return 0
         reusable = len(seq.tokens) - 1
         self.ensure_keys(seq, reusable)
@@ -310,6 +455,9 @@ class CacheManager:
         want = seq.block_keys[start : reusable // bs]
         if not want:
             return 0
+        if self.windows is not None:
+            return self._resume_windowed(seq, seq.block_keys, list(self.pool.match_prefix(want)[0]),
+                                         seq.n_computed)
         ids = list(self.pool.acquire_prefix(want)[0])
         if not ids:
             return 0
@@ -320,8 +468,8 @@ class CacheManager:
     def next_key(self, seq: Sequence) -> bytes | None:
         """Key of the block the sequence would compute next, if it starts a block."""
         bs = self.block_size
-        if (not self.attach_enabled or self.checkpoints is not None or seq.n_computed % bs
-                or self._recompute(seq)):
+        if (not self.attach_enabled or self.checkpoints is not None
+                or seq.n_computed % bs or self._recompute(seq)):
             return None
         j = seq.n_computed // bs
         self.ensure_keys(seq, len(seq.tokens) - 1)
@@ -354,7 +502,8 @@ class CacheManager:
         """Give the sequence blocks covering positions [0, end). False (having allocated
         nothing) if the pool cannot supply them all: the scheduler waits or preempts."""
         n_new = self.blocks_needed(seq, end)
-        if n_new == 0:
+        win = self.windows
+        if n_new == 0 and (win is None or len(seq.win_table) * self.block_size >= end):
             return True
         self.ensure_keys(seq, end)
         got: list[int] = []
@@ -365,6 +514,13 @@ class CacheManager:
             if got:
                 self.pool.release(got)
             return False
+        if win is not None:
+            wgot = win.allocate(seq, end, lambda j: self.parent_key(seq, j))
+            if wgot is None:
+                if got:
+                    self.pool.release(got)
+                return False
+            seq.win_table.extend(wgot)
         seq.block_table.extend(got)
         return True
 
@@ -382,6 +538,8 @@ class CacheManager:
                 self.ensure_keys(seq, stop)
                 self.pool.register(block, seq.block_keys[j])
             pos = stop
+        if self.windows is not None:
+            self.windows.record(seq, start, end, seq.block_keys)
         seq.n_computed = end
 
     def _prefix_tokens(self, seq: Sequence) -> int:
@@ -421,6 +579,8 @@ class CacheManager:
         if n:
             self.ensure_keys(seq, n)
             tiers.pin_prefix(seq.block_keys, seq.block_table, n // self.block_size)
+            if self.windows is not None:
+                self._save_window(seq, n, pin=True)
 
     def save_to_tiers(self, seq: Sequence) -> None:
         """Copy a finishing sequence's computed full blocks out to the RAM and disk tiers (its
@@ -435,10 +595,39 @@ class CacheManager:
             return
         self.tiers.save(seq.tokens, seq.block_keys, seq.block_table, seq.n_computed,
                         self._pinned_tokens(seq))
+        if self.windows is not None:
+            # the windows the next session resumes at: where the prefix entry ends (pinned
+            # with it in RAM, see pin_prefix) and where the conversation ends (its next turn)
+            n = self._pinned_tokens(seq)
+            if n:
+                self._save_window(seq, n, pin=self.tiers.ram is not None)
+            self._save_window(seq, seq.n_computed)
+
+    def _save_window(self, seq: Sequence, p: int, pin: bool = False) -> None:
+        """The window blocks ending at block-aligned p (of `p`) to the tiers, when the window
+        pool still has them all (held by the sequence, or cached)."""
+        bs, win = self.block_size, self.windows
+        p -= p % bs
+        if p < bs:
+            return
+        r = win.window_blocks(p)
+        table = seq.win_table
+        ids = []
+        for j in r:
+            b = table[j] if j < len(table) and table[j] != win.null else None
+            if b is None:
+                b = win.pool.lookup(seq.block_keys[j])
+            if b is None:
+                return
+            ids.append(b)
+        host = self.kv.read_blocks(ids, group=1)
+        self.tiers.save_window([seq.block_keys[j] for j in r], host, pin)
 
     def release(self, seq: Sequence) -> None:
         """Hand the sequence's blocks back (last block first); cached ones stay findable.
         A hybrid sequence also gives back its state slot and its checkpoint references."""
+        if self.windows is not None and seq.win_table:
+            self.windows.release(seq)
         if seq.block_table:
             self.pool.release(seq.block_table)
         seq.block_table = []

@@ -69,6 +69,7 @@ class EngineConfig:
     cache_redis_timeout_s: float = 0.5  # per Redis command; a slower one is a miss
     checkpoint_min_step: int = 1024  # hybrids: a checkpoint every this many prompt tokens
     checkpoint_min_gain: int = 64  # hybrids: a divergence checkpoint saves at least this many
+    swa_full: bool = False  # sliding-window layers keep every position, as full layers do
     ctx_checkpoints: int = 8  # hybrids: at most this many checkpoints per sequence
     checkpoint_mem_mib: int = 1024  # hybrids: budget of unique checkpoint bytes
     queue_timeout_s: float = 600.0  # a request waiting longer to be admitted ends with a 503
@@ -98,10 +99,16 @@ class Engine:
         # grammar masks beside the forward pass only where it leaves the CPU free (see
         # engine/grammar_masks.py)
         self._overlap_masks = bool(getattr(model.backend, "is_gpu", False))
-        n_blocks = self.n_blocks = self._pool_blocks(config)
         self.hybrid = bool(model.state_shapes())
+        # sliding-window layers in their own pool, holding windows only (engine/windows.py)
+        n_win = getattr(model, "n_window_layers", lambda: 0)()
+        self.window = (int(model.config.sliding_window)
+                       if n_win and not self.hybrid and not config.swa_full else 0)
+        n_blocks = self.n_blocks = self._pool_blocks(config)
+        self.n_win_blocks = self._win_pool_blocks(config) if self.window else None
         self.kv = model.new_cache(n_blocks, config.block_size, kv_dtype=config.kv_dtype,
-                                  n_state_slots=config.parallel if self.hybrid else 0)
+                                  n_state_slots=config.parallel if self.hybrid else 0,
+                                  n_win_blocks=self.n_win_blocks)
         self.kv.prefault()  # host pool: map its pages in the background, not on first use
         # the pool's dtype by name: part of every cache key (a block means its bytes in it)
         self.kv_dtype = getattr(self.kv, "kv_dtype_name", None) or _kv_dtype_name(self.kv.kv_dtype)
@@ -110,9 +117,16 @@ class Engine:
             config.ctx_checkpoints, int(config.checkpoint_mem_mib) * 2**20,
             config.checkpoint_min_gain) if self.hybrid else None
         self.pool = _core.BlockPool(n_blocks, config.block_size)
+        self.windows = None
+        if self.window:
+            from kvshare.engine.windows import WindowGroup
+
+            self.windows = WindowGroup(_core.BlockPool(self.n_win_blocks, config.block_size),
+                                       self.window, config.block_size)
         self.tiers = self._make_tiers(config, fingerprint)
         self.cache = CacheManager(self.pool, self.kv, config.block_size, fingerprint, self.kv_dtype,
-                                  config.slot_attach, self.tiers, self.checkpoints)
+                                  config.slot_attach, self.tiers, self.checkpoints, self.windows,
+                                  config.checkpoint_min_gain)
         self.scheduler = Scheduler(self.cache, config.parallel, config.prefill_chunk)
         self.stop_ids = set(getattr(tokenizer, "stop_ids", ()) or ())
         eos = getattr(tokenizer, "eos_id", None)
@@ -134,6 +148,7 @@ class Engine:
                          "prompt_seconds_total": 0.0, "generation_seconds_total": 0.0,
                          "busy_slots_total": 0, "seq_tokens_max": 0}
         self.peak_tokens_used = 0
+        self.peak_kv_bytes = 0  # KV bytes in blocks sequences hold (both groups), at most
         self._step_started: float | None = None  # perf_counter while a step runs
         self._grammar_lock = threading.Lock()
         self._grammar_vocab = None  # kvshare.constrain.TokenVocab, built on first use
@@ -158,14 +173,37 @@ class Engine:
         return cls(model, tokenizer, template, fingerprint, config, model_name=Path(path).stem)
 
     def _pool_blocks(self, config: EngineConfig) -> int:
+        """Blocks of the main pool (every attention layer, or the full-attention ones when
+        sliding-window layers have their own pool: that pool's bytes come off `--kv-mem`)."""
         if config.kv_blocks:
             return int(config.kv_blocks)
-        per_block = self.model.kv_bytes_per_token(config.kv_dtype) * config.block_size
+        group = 0 if self.window else None
+        per_block = max(1, self.model.kv_bytes_per_token(config.kv_dtype, group)
+                        * config.block_size)
         if config.kv_mem_mib:
-            return max(4, int(config.kv_mem_mib) * 2**20 // per_block)
+            budget = int(config.kv_mem_mib) * 2**20
+            if self.window:
+                budget = max(per_block * 4, budget - self._win_pool_blocks(config)
+                             * self._win_block_bytes(config))
+            return max(4, budget // per_block)
         want = config.parallel * -(-config.ctx_size // config.block_size)
         cap = 1536 * 2**20 // per_block  # default: at most 1.5 GiB of KV
         return max(4, min(want, cap))
+
+    def _win_block_bytes(self, config: EngineConfig) -> int:
+        return self.model.kv_bytes_per_token(config.kv_dtype, 1) * config.block_size
+
+    def _win_pool_blocks(self, config: EngineConfig) -> int:
+        """The window pool: every running sequence's window and the chunk it computes
+        (ceil((W + chunk) / bs) + 1 blocks), twice over: as much again for kept windows
+        (shared prefixes' windows stay findable while they fit), plus the null block. Under
+        `--kv-mem` at most half of it."""
+        bs = config.block_size
+        per_seq = -(-(self.window + config.prefill_chunk) // bs) + 1
+        n = 2 * config.parallel * per_seq + 1
+        if config.kv_mem_mib and not config.kv_blocks:
+            n = min(n, int(config.kv_mem_mib) * 2**20 // 2 // self._win_block_bytes(config))
+        return max(n, per_seq + 2)
 
     def _make_tiers(self, config: EngineConfig, fingerprint: bytes) -> TierManager:
         ram = None
@@ -414,6 +452,8 @@ class Engine:
                 block_table=np.asarray(item.seq.block_table, dtype=np.int32),
                 logits="last" if item.wants_logits else "none",
                 state_slot=item.seq.state_slot,
+                win_block_table=(np.asarray(item.seq.win_table, dtype=np.int32)
+                                 if self.windows is not None else None),
             ))
         constrained = [i.seq for i in plan if i.wants_logits and i.seq.matcher is not None]
         masks = MaskJob(constrained, overlap=self._overlap_masks) if constrained else None
@@ -437,6 +477,7 @@ class Engine:
                 self._fail(item.seq, exc)
         used = self.pool.stats()["tokens_held"]
         self.peak_tokens_used = max(self.peak_tokens_used, used)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_held())
         self.counters["seq_tokens_max"] = max(self.counters["seq_tokens_max"],
                                               max(len(i.seq.tokens) for i in plan))
 
@@ -662,6 +703,13 @@ class Engine:
             log.exception("releasing %s failed", req.request_id)
 
     # ---- introspection ----------------------------------------------------------------
+    def kv_bytes_held(self) -> int:
+        """Bytes of the KV blocks that sequences hold now (referenced, not merely cached)."""
+        n = int(self.pool.stats()["used"]) * self.kv.block_nbytes
+        if self.windows is not None:
+            n += self.windows.used_blocks() * self.kv.win_block_nbytes
+        return n
+
     def snapshot(self) -> dict:
         stats = dict(self.pool.stats())
         slots = []
@@ -678,6 +726,12 @@ class Engine:
             "total": stats["total"], "used": stats["used"], "free": stats["free"],
             "cached": stats["cached"], "shared": stats["shared"], "tokens_used": stats["tokens_held"],
             "block_size": self.config.block_size, "peak_tokens_used": self.peak_tokens_used,
+            "kv_bytes_held": self.kv_bytes_held(), "peak_kv_bytes_held": self.peak_kv_bytes,
+            "block_bytes": self.kv.block_nbytes,
+            "window": ({"size": self.window, "blocks": self.n_win_blocks,
+                        "used": self.windows.used_blocks(),
+                        "block_bytes": self.kv.win_block_nbytes}
+                       if self.windows is not None else None),
         }
         faults = {"queued": len(self.scheduler.waiting), "failed": dict(self.failures),
                   "recovered": dict(self.recovered + self.cache.counters)}

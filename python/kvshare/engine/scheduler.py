@@ -140,9 +140,13 @@ class Scheduler:
             if seq.state == SeqState.DECODE:
                 plan.append(Planned(seq, seq.n_computed, len(seq.tokens)))
         pending: set[bytes] = set()  # keys of prompt blocks that earlier sequences will compute
-        for seq in candidates:
-            if seq.state != SeqState.PREFILL:
-                continue
+        # Prefills furthest along first (admission order among equals): a session that shares
+        # a prefix with one further along always finds that one's blocks pending and waits for
+        # them, whichever was admitted first (a request that reaches the server a moment
+        # before its donor, or a donor re-admitted after a preemption).
+        prefills = sorted((s for s in candidates if s.state == SeqState.PREFILL),
+                          key=lambda s: -s.n_computed)
+        for seq in prefills:
             try:
                 budget = self._plan_prefill(seq, budget, pending, plan)
             except Exception as exc:  # noqa: BLE001 - this sequence's fault alone

@@ -437,6 +437,71 @@ class TierManager:
         ck = _core.Checkpoint.at(root, tokens, self.block_size, data, layout, None, account)
         return ck if ck.key == key else None
 
+    # ---- sliding-window layer groups (engine/windows.py) ------------------------------------
+    # The main pool's blocks go to the tiers as always; the window pool's blocks only for the
+    # windows a sequence resumes at (its prefix entry, its end), under keys of their own
+    # (`window_key`): a window block is a different payload for the same chain key.
+    @staticmethod
+    def window_key(key: bytes) -> bytes:
+        return _core.chain_key(key, [], b"kvshare/window-block")
+
+    def available_prefix(self, keys: list[bytes]) -> int:
+        """How many leading `keys` (main-pool blocks) a tier holds (nothing read)."""
+        n = self.ram.match_prefix(keys) if self.ram is not None and keys else 0
+        if self.disk is not None and n < len(keys):
+            n += int(self.disk.lookup(keys[n:])[0])
+        if self.remote is not None and n < len(keys):
+            n += self.remote.present(keys[n:])
+        return n
+
+    def has_window_block(self, key: bytes) -> bool:
+        wk = self.window_key(key)
+        if self.ram is not None and self.ram.contains_block(wk):
+            return True
+        if self.disk is not None and self.disk.lookup([wk])[0]:
+            return True
+        return self.remote is not None and self.remote.present([wk]) == 1
+
+    def read_window_block(self, key: bytes, out: np.ndarray) -> bool:
+        """Window block `key` into `out` (its shape), verified; False if no tier has it whole."""
+        wk = self.window_key(key)
+        if self.ram is not None and self.ram.get_block_into(wk, out):
+            return True
+        if self.disk is not None and self.disk.lookup([wk])[0]:
+            try:
+                if self.disk.read_blocks([wk], out.reshape(-1).view(np.uint8)) == 1:
+                    return True
+            except (_core.CorruptEntry, _core.CacheIoError) as exc:
+                log.warning("disk window block unreadable, recomputing: %s", exc)
+                self.disk_counters.errors += 1
+        if self.remote is not None:
+            return self.remote.read_blocks([wk], out.reshape(1, *out.shape)) == 1
+        return False
+
+    def save_window(self, keys: list[bytes], host: np.ndarray, pin: bool = False) -> None:
+        """Window blocks (chain `keys`, payload `host[i]`, already copied out of the pool) to
+        the tiers, on the saver thread; pinned in RAM with a prefix entry."""
+        tkeys = [self.window_key(k) for k in keys]
+        n = len(tkeys)
+        ram_missing = self._ram_missing(tkeys) if self.ram is not None else []
+        stored = self.disk.stored_prefix(tkeys) if self.disk is not None else n
+        rf = self.remote.first_unknown(tkeys) if self.remote is not None else n
+        nbytes = int(host[0].nbytes) if n else 0
+
+        def job() -> None:
+            if self.ram is not None:
+                self._put_ram(tkeys, ram_missing, lambda j: host[j])
+                if pin:
+                    self.ram.pin_blocks(tkeys)
+            if self.disk is not None and stored < n:
+                self.disk.submit(tkeys, host[stored:].reshape(-1).view(np.uint8), nbytes,
+                                 n * self.block_size, None, stored)
+            if self.remote is not None and rf < n:
+                self.remote.submit(tkeys[rf:], host[rf:])
+
+        if n:
+            self._submit_save(job, self.disk is not None and stored < n)
+
     # ---- introspection -----------------------------------------------------------------
     def snapshot(self) -> dict:
         out: dict = {}

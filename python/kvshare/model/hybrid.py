@@ -40,10 +40,10 @@ class HybridModel(DecoderModel):
         raise NotImplementedError
 
     def new_cache(self, n_blocks: int, block_size: int = 16, n_state_slots: int = 1,
-                  kv_dtype: Any = None) -> ModelCache:
+                  kv_dtype: Any = None, n_win_blocks: int | None = None) -> ModelCache:
         """As `Model.new_cache`; hybrid models need at least one state slot (default 1)."""
         return super().new_cache(n_blocks, block_size, n_state_slots=n_state_slots,
-                                 kv_dtype=kv_dtype)
+                                 kv_dtype=kv_dtype, n_win_blocks=n_win_blocks)
 
     def state_nbytes(self) -> int:
         """Bytes of one sequence's recurrent state (one slot: every kind, every layer)."""

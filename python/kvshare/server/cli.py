@@ -175,6 +175,9 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
      "seconds a request may wait to be admitted before it gets 503 with Retry-After "
      "(default 600; 0: no limit)"),
     ("--no-slot-attach", None, False, "turn cross-session prefix sharing off"),
+    ("--swa-full", None, False,
+     "sliding-window layers keep K/V of every position, as full-attention layers do (default: "
+     "only each sequence's window, in a pool of their own; docs/architecture.md)"),
     ("--alias", str, None,
      "name(s) /v1/models lists for the loaded model (repeatable or comma-separated); any "
      "requested model name is served by the loaded model and echoed back"),
@@ -279,6 +282,7 @@ LLAMA_NAMES: dict[str, tuple[tuple[str, ...], str | None]] = {
     "--api-key": ((), "LLAMA_API_KEY"),
     "--api-key-file": ((), "LLAMA_ARG_API_KEY_FILE"),
     "--cache-ram": (("-cram",), "LLAMA_ARG_CACHE_RAM"),
+    "--swa-full": ((), "LLAMA_ARG_SWA_FULL"),
     "--ctx-checkpoints": (("-ctxcp", "--swa-checkpoints"), "LLAMA_ARG_CTX_CHECKPOINTS"),
     "--checkpoint-min-step": (("-cms",), "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT"),
     "--body-timeout": (("-to", "--timeout"), "LLAMA_ARG_TIMEOUT"),
@@ -510,6 +514,7 @@ def parse_args(argv: Sequence[str] | None = None,
 
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {"parallel": args.parallel, "slot_attach": not args.no_slot_attach,
+                          "swa_full": bool(args.swa_full),
                           "device": args.device}
     for name, value in (("ctx_size", args.ctx_size or None), ("kv_blocks", args.kv_blocks),
                         ("kv_mem_mib", args.kv_mem), ("block_size", args.block_size),
