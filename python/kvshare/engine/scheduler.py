@@ -181,8 +181,8 @@ class Scheduler:
         (`next_key`) nor pick up blocks that appeared since (`reattach`): two concurrent
         sessions on one new prefix would each compute all of it. So a chunk that starts
         mid-block ends on a block boundary (unless it ends the prompt), and ends with that
-        very block when an earlier session is computing the next one, so that this sequence
-        then waits for it instead of computing it too."""
+        very block when an earlier session is computing the next one (or has computed it), so
+        that this sequence then waits for it (or attaches to it) instead of computing it too."""
         cache = self.cache
         bs = cache.block_size
         start = seq.n_computed
@@ -192,7 +192,9 @@ class Scheduler:
         if end < len(seq.tokens) and end % bs and end - end % bs > start:
             end -= end % bs
         ahead = cache.uncomputed_keys(seq)  # [the block being completed, the next, ...]
-        if len(ahead) > 1 and ahead[1] in pending:
+        # the next block is being computed by an earlier session, or is already there (a
+        # donor finished it): end with this block, then wait for it or attach to it
+        if len(ahead) > 1 and (ahead[1] in pending or cache.pool.lookup(ahead[1]) is not None):
             end = min(end, start - start % bs + bs)
         return end - start
 

@@ -211,6 +211,12 @@ class Router:
             return self.health()
         denied = self.check_auth(request, path)
         if denied is not None:
+            # read the body first: answered with its body unread, the connection would be
+            # closed under a client that reuses it for its next request
+            try:
+                await self.read_body(request)
+            except (_BodyTooLarge, ClientDisconnect):
+                denied.headers["Connection"] = "close"
             return denied
         if method in ("GET", "HEAD") and path in MODELS_PATHS:
             return await self.models(request, path)

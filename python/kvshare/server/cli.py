@@ -514,7 +514,6 @@ def parse_args(argv: Sequence[str] | None = None,
 
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = {"parallel": args.parallel, "slot_attach": not args.no_slot_attach,
-                          "swa_full": bool(args.swa_full),
                           "device": args.device}
     for name, value in (("ctx_size", args.ctx_size or None), ("kv_blocks", args.kv_blocks),
                         ("kv_mem_mib", args.kv_mem), ("block_size", args.block_size),
@@ -533,6 +532,8 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                         ("ctx_checkpoints", args.ctx_checkpoints)):
         if value is not None:
             kw[name] = value
+    if args.swa_full:
+        kw["swa_full"] = True
     return kw
 
 
