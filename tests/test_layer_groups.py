@@ -188,3 +188,23 @@ def test_windows_go_to_the_tiers_and_come_back(model, prompts, tmp_path):
     assert per_token < 0.75 * model.kv_bytes_per_token(None), per_token
     b.shutdown()
     _idle(b)
+
+
+def test_windows_come_back_from_the_ram_tier(model, prompts):
+    """A main pool that holds about one conversation: the second conversation pushes the
+    first one's blocks out, and its next turn comes back from the RAM tier, windows included,
+    with the tokens of a cold run."""
+    prefix, ps = prompts
+    turn2 = ps[0] + [7, 8, 9]
+    cold = _engine(model, slot_attach=False)
+    ref = _run(cold, [turn2])[0][0]
+    eng = _engine(model, cache_ram_mib=256, kv_blocks=72)
+    rng = np.random.default_rng(9)
+    other = list(rng.integers(100, model.config.vocab_size - 100, 1000))
+    _run(eng, [ps[0], other])
+    eng.tiers.flush()
+    got = _run(eng, [turn2])[0]
+    assert got[0] == ref
+    ram = eng.snapshot()["tiers"]["ram"]
+    assert ram["tokens_served"] > 0 and got[1].cache_n >= len(ps[0]) + 5 - 16, (ram, got[1])
+    _idle(eng)
