@@ -14,6 +14,27 @@ def launcher():
     la.close()
 
 
+@pytest.fixture(scope="module")
+def cold(launcher):
+    """Reference outputs from a `kvshare serve` with every cache off (tier_helpers.ColdRuns)."""
+    from tier_helpers import COLD_ARGS, ColdRuns, Server
+
+    s = Server(launcher, *COLD_ARGS)
+    yield ColdRuns(s)
+    s.kill9()
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A real `redis-server` on a loopback port for one test module (redis_helpers)."""
+    from redis_helpers import RedisServer, require_redis
+
+    require_redis()
+    r = RedisServer()
+    yield r
+    r.close()
+
+
 def _have_gpu() -> bool:
     try:
         import cupy  # noqa: F401

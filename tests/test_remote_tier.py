@@ -21,14 +21,6 @@ from redis_helpers import RedisServer, require_redis
 FP = bytes(range(32))
 
 
-@pytest.fixture(scope="module")
-def redis_server():
-    require_redis()
-    r = RedisServer()
-    yield r
-    r.close()
-
-
 def blocks(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, 2, 4, 8)).astype(np.float16)
 

@@ -25,22 +25,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from redis_helpers import RedisServer, require_redis
-from tier_helpers import (COLD_ARGS, TINY_MODEL, ColdRuns, Server, assert_same_output, cache_n,
+from tier_helpers import (COLD_ARGS, TINY_MODEL, Server, assert_same_output, cache_n,
                           conversation, next_turn, reply_text, text)
 
 pytestmark = pytest.mark.skipif(not TINY_MODEL.exists(), reason="run tests/data/make_tiny_qwen3_chat.py")
 
 TINY_HYBRID = TINY_MODEL.parent / "tiny-qwen35.gguf"
 REPLICA = ("--parallel", "2", "--cache-min-tokens", "64")
-
-
-@pytest.fixture(scope="module")
-def redis_server():
-    require_redis()
-    r = RedisServer()
-    yield r
-    r.close()
 
 
 @pytest.fixture(autouse=True)
@@ -64,13 +55,6 @@ def servers(launcher):
     for s in started:
         if s.rc is None:
             s.kill9()
-
-
-@pytest.fixture(scope="module")
-def cold(launcher):
-    s = Server(launcher, *COLD_ARGS)
-    yield ColdRuns(s)
-    s.kill9()
 
 
 def wait_remote_idle(server: Server, timeout: float = 60.0) -> dict:

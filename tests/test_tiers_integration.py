@@ -59,13 +59,6 @@ def servers(launcher):
             s.kill9()
 
 
-@pytest.fixture(scope="module")
-def cold(launcher):
-    s = Server(launcher, *COLD_ARGS)
-    yield ColdRuns(s)
-    s.kill9()
-
-
 def in_pairs(server: Server, jobs: list[tuple]) -> list[dict]:
     """Send chat requests two at a time (as many as --parallel 2 runs), in order."""
     out: list[dict] = []

@@ -134,11 +134,7 @@ class CacheManager:
         """Sliding-window groups: resume at the deepest block-aligned position p within the
         main pool's match whose window the window pool still has (engine/windows.py)."""
         bs = self.block_size
-        seq.win_table = []
-        seq.block_table = []
-        seq.n_computed = 0
-        if seq.prefill_started is None:
-            seq.prefill_started = time.perf_counter()
+        seq.win_table = []  # (attach has reset the rest)
         reusable = len(seq.tokens) - 1
         if not self.attach_enabled or reusable < 1 or self._recompute(seq):
             return 0

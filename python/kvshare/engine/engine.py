@@ -104,8 +104,8 @@ class Engine:
         n_win = getattr(model, "n_window_layers", lambda: 0)()
         self.window = (int(model.config.sliding_window)
                        if n_win and not self.hybrid and not config.swa_full else 0)
-        n_blocks = self.n_blocks = self._pool_blocks(config)
         self.n_win_blocks = self._win_pool_blocks(config) if self.window else None
+        n_blocks = self.n_blocks = self._pool_blocks(config)
         self.kv = model.new_cache(n_blocks, config.block_size, kv_dtype=config.kv_dtype,
                                   n_state_slots=config.parallel if self.hybrid else 0,
                                   n_win_blocks=self.n_win_blocks)
@@ -183,7 +183,7 @@ class Engine:
         if config.kv_mem_mib:
             budget = int(config.kv_mem_mib) * 2**20
             if self.window:
-                budget = max(per_block * 4, budget - self._win_pool_blocks(config)
+                budget = max(per_block * 4, budget - self.n_win_blocks
                              * self._win_block_bytes(config))
             return max(4, budget // per_block)
         want = config.parallel * -(-config.ctx_size // config.block_size)
@@ -206,6 +206,9 @@ class Engine:
         return max(n, per_seq + 2)
 
     def _make_tiers(self, config: EngineConfig, fingerprint: bytes) -> TierManager:
+        # What a stored block means: the model, and the kv dtype and block size of its bytes
+        # (the disk and Redis tiers bind their entries to it).
+        bound_fp = _core.root_key(fingerprint, self.kv_dtype, config.block_size, None)
         ram = None
         if config.cache_ram_mib > 0:
             budget = int(config.cache_ram_mib * 2**20)
@@ -214,18 +217,14 @@ class Engine:
         disk = None
         if config.cache_dir:
             Path(config.cache_dir).mkdir(parents=True, exist_ok=True)
-            # The kv dtype and block size are part of what a stored block means.
-            disk_fp = _core.root_key(fingerprint, self.kv_dtype, config.block_size, None)
-            disk = _core.DiskStore(config.cache_dir, disk_fp, int(config.cache_disk_max_mib) * 2**20,
+            disk = _core.DiskStore(config.cache_dir, bound_fp, int(config.cache_disk_max_mib) * 2**20,
                                    config.cache_ttl_s if config.cache_ttl_s > 0 else None,
                                    int(config.cache_min_tokens))
         remote = None
         if config.cache_redis:
             from kvshare.engine.remote_tier import RemoteTier
 
-            # bound like the disk tier's entries: model, KV dtype and block size
-            remote_fp = _core.root_key(fingerprint, self.kv_dtype, config.block_size, None)
-            remote = RemoteTier(config.cache_redis, remote_fp,
+            remote = RemoteTier(config.cache_redis, bound_fp,
                                 config.cache_ttl_s if config.cache_ttl_s > 0 else None,
                                 timeout_s=config.cache_redis_timeout_s)
         return TierManager(self.pool, self.kv, config.block_size, ram, disk, remote,
@@ -475,9 +474,9 @@ class Engine:
                 self._after_forward(item, out, allowed.get(item.seq.seq_id))
             except Exception as exc:  # noqa: BLE001 - this sequence's fault alone
                 self._fail(item.seq, exc)
-        used = self.pool.stats()["tokens_held"]
-        self.peak_tokens_used = max(self.peak_tokens_used, used)
-        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_held())
+        stats = self.pool.stats()
+        self.peak_tokens_used = max(self.peak_tokens_used, stats["tokens_held"])
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_held(stats))
         self.counters["seq_tokens_max"] = max(self.counters["seq_tokens_max"],
                                               max(len(i.seq.tokens) for i in plan))
 
@@ -703,9 +702,10 @@ class Engine:
             log.exception("releasing %s failed", req.request_id)
 
     # ---- introspection ----------------------------------------------------------------
-    def kv_bytes_held(self) -> int:
-        """Bytes of the KV blocks that sequences hold now (referenced, not merely cached)."""
-        n = int(self.pool.stats()["used"]) * self.kv.block_nbytes
+    def kv_bytes_held(self, pool_stats: dict | None = None) -> int:
+        """Bytes of the KV blocks that sequences hold now (referenced, not merely cached);
+        `pool_stats`: the main pool's `stats()` when the caller has them."""
+        n = int((pool_stats or self.pool.stats())["used"]) * self.kv.block_nbytes
         if self.windows is not None:
             n += self.windows.used_blocks() * self.kv.win_block_nbytes
         return n

@@ -13,22 +13,11 @@ import sys
 from typing import Any
 from urllib.parse import urlsplit
 
+# the same number checks (and error wording) as `kvshare serve`'s flags
+from kvshare.server.cli import _port, _positive_float, _positive_int
+
 DEFAULT_MAX_BODY = 32 * 1024 * 1024
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-def _port(s: str) -> int:
-    v = int(s)
-    if not 0 <= v <= 65535:
-        raise ValueError(s)
-    return v
-
-
-def _positive_float(s: str) -> float:
-    v = float(s)
-    if not 0 < v < float("inf"):  # also refuses nan
-        raise ValueError(s)
-    return v
 
 
 def _factor(s: str) -> float:
@@ -38,17 +27,7 @@ def _factor(s: str) -> float:
     return v
 
 
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise ValueError(s)
-    return v
-
-
-_port.__name__ = "port"
-_positive_float.__name__ = "positive number"
 _factor.__name__ = "number >= 1"
-_positive_int.__name__ = "positive integer"
 
 
 class _FromEnv(list):

@@ -70,6 +70,8 @@ def _redis_url(s: str) -> str:
 
 
 _redis_url.__name__ = "Redis URL (redis://host:port/db, rediss://..., unix:///path)"
+
+
 def _positive_float(s: str) -> float:
     v = float(s)
     if not v > 0 or v == float("inf"):
