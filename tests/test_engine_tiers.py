@@ -65,7 +65,7 @@ def test_ram_tier_serves_an_evicted_conversation(parts):  # noqa: F811
 def test_disk_tier_survives_a_restart_and_resident_blocks_cost_no_reads(parts, tmp_path,  # noqa: F811
                                                                         monkeypatch, chunk_blocks):
     # chunk_blocks 2: the restore runs as a pipeline of many chunk reads (tiers.DISK_DEPTH)
-    import kvshare.engine.tiers as T
+    import kvshare.engine.cache.tiers as T
 
     monkeypatch.setattr(T, "CHUNK_BLOCKS", chunk_blocks)
     first = prompt(parts, SYSTEM, "What does the CI do?")
@@ -95,7 +95,7 @@ def test_disk_tier_survives_a_restart_and_resident_blocks_cost_no_reads(parts, t
 def test_corrupt_disk_entry_is_recomputed_not_served(parts, tmp_path, monkeypatch,  # noqa: F811
                                                      chunk_blocks):
     # chunk_blocks 2: the bad byte sits in a middle chunk while later ones are being read
-    import kvshare.engine.tiers as T
+    import kvshare.engine.cache.tiers as T
 
     monkeypatch.setattr(T, "CHUNK_BLOCKS", chunk_blocks)
     first = prompt(parts, SYSTEM, "Name one file.")

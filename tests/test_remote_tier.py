@@ -1,4 +1,4 @@
-"""The shared tier's client (`kvshare.engine.remote_tier.RemoteTier`) against a real
+"""The shared tier's client (`kvshare.engine.cache.remote_tier.RemoteTier`) against a real
 `redis-server`, and against Redis servers that are down, slow (a socket that never answers) or
 full (`maxmemory` with `noeviction`): reads are misses and writes are dropped within the
 command timeout, the circuit breaker opens and recovers, and nothing raises to the caller.
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvshare import _core
-from kvshare.engine.remote_tier import CircuitBreaker, RemoteTier
+from kvshare.engine.cache.remote_tier import CircuitBreaker, RemoteTier
 from redis_helpers import RedisServer, require_redis
 
 FP = bytes(range(32))

@@ -24,19 +24,16 @@ from pathlib import Path
 
 import numpy as np
 
-from kvshare import _core
 from kvshare.backend import set_cpu_threads
 from kvshare.engine.api import (FinishEvent, GenerationRequest, RenderedChat, RequestRejected,
                                Timings, TokenEvent, TokenLogprob)
-from kvshare.engine.cache_manager import CacheManager
-from kvshare.engine.checkpoints import CheckpointManager
+from kvshare.engine.cache import build_cache
 from kvshare.engine.faults import SequenceFault, injected, maybe_inject
 from kvshare.engine.grammar_masks import MaskJob, compute_mask
 from kvshare.engine.handle import RequestHandle
 from kvshare.engine.output import TextAssembler
 from kvshare.engine.sampling import Sampler, top_logprobs
 from kvshare.engine.scheduler import Planned, Scheduler
-from kvshare.engine.tiers import TierManager
 from kvshare.engine.sequence import Sequence, SeqState
 
 log = logging.getLogger("kvshare.engine")
@@ -76,15 +73,6 @@ class EngineConfig:
     max_n: int = 8  # most choices (OpenAI `n`) one request may ask for
 
 
-def _kv_dtype_name(dtype) -> str:
-    """The name a KV pool dtype goes by in cache keys and flags ("f32", "f16", ...)."""
-    names = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}
-    try:
-        return names.get(np.dtype(dtype), str(dtype))
-    except TypeError:
-        return str(dtype)
-
-
 class Engine:
     def __init__(self, model, tokenizer, chat_template, fingerprint: bytes, config: EngineConfig,
                  model_name: str = "model"):
@@ -99,34 +87,15 @@ class Engine:
         # grammar masks beside the forward pass only where it leaves the CPU free (see
         # engine/grammar_masks.py)
         self._overlap_masks = bool(getattr(model.backend, "is_gpu", False))
-        self.hybrid = bool(model.state_shapes())
-        # sliding-window layers in their own pool, holding windows only (engine/windows.py)
-        n_win = getattr(model, "n_window_layers", lambda: 0)()
-        self.window = (int(model.config.sliding_window)
-                       if n_win and not self.hybrid and not config.swa_full else 0)
-        self.n_win_blocks = self._win_pool_blocks(config) if self.window else None
-        n_blocks = self.n_blocks = self._pool_blocks(config)
-        self.kv = model.new_cache(n_blocks, config.block_size, kv_dtype=config.kv_dtype,
-                                  n_state_slots=config.parallel if self.hybrid else 0,
-                                  n_win_blocks=self.n_win_blocks)
-        self.kv.prefault()  # host pool: map its pages in the background, not on first use
-        # the pool's dtype by name: part of every cache key (a block means its bytes in it)
-        self.kv_dtype = getattr(self.kv, "kv_dtype_name", None) or _kv_dtype_name(self.kv.kv_dtype)
-        self.checkpoints = CheckpointManager(
-            self.kv, config.block_size, config.parallel, config.checkpoint_min_step,
-            config.ctx_checkpoints, int(config.checkpoint_mem_mib) * 2**20,
-            config.checkpoint_min_gain) if self.hybrid else None
-        self.pool = _core.BlockPool(n_blocks, config.block_size)
-        self.windows = None
-        if self.window:
-            from kvshare.engine.windows import WindowGroup
-
-            self.windows = WindowGroup(_core.BlockPool(self.n_win_blocks, config.block_size),
-                                       self.window, config.block_size)
-        self.tiers = self._make_tiers(config, fingerprint)
-        self.cache = CacheManager(self.pool, self.kv, config.block_size, fingerprint, self.kv_dtype,
-                                  config.slot_attach, self.tiers, self.checkpoints, self.windows,
-                                  config.checkpoint_min_gain)
+        self.cache = build_cache(model, config, fingerprint)
+        # the cache's parts, by name (tests, /cache, the forward pass)
+        self.kv, self.pool, self.tiers = self.cache.kv, self.cache.pool, self.cache.tiers
+        self.kv_dtype = self.cache.keys.kv_dtype
+        self.n_blocks = int(self.pool.stats()["total"])
+        self.windows = self.cache.group("sliding_window")
+        recurrent = self.cache.group("recurrent")
+        self.checkpoints = recurrent.checkpoints if recurrent is not None else None
+        self.hybrid = recurrent is not None
         self.scheduler = Scheduler(self.cache, config.parallel, config.prefill_chunk)
         self.stop_ids = set(getattr(tokenizer, "stop_ids", ()) or ())
         eos = getattr(tokenizer, "eos_id", None)
@@ -171,64 +140,6 @@ class Engine:
         template = ChatTemplate.from_gguf(path, tokenizer)
         fingerprint = bytes.fromhex(model.fingerprint)
         return cls(model, tokenizer, template, fingerprint, config, model_name=Path(path).stem)
-
-    def _pool_blocks(self, config: EngineConfig) -> int:
-        """Blocks of the main pool (every attention layer, or the full-attention ones when
-        sliding-window layers have their own pool: that pool's bytes come off `--kv-mem`)."""
-        if config.kv_blocks:
-            return int(config.kv_blocks)
-        group = 0 if self.window else None
-        per_block = max(1, self.model.kv_bytes_per_token(config.kv_dtype, group)
-                        * config.block_size)
-        if config.kv_mem_mib:
-            budget = int(config.kv_mem_mib) * 2**20
-            if self.window:
-                budget = max(per_block * 4, budget - self.n_win_blocks
-                             * self._win_block_bytes(config))
-            return max(4, budget // per_block)
-        want = config.parallel * -(-config.ctx_size // config.block_size)
-        cap = 1536 * 2**20 // per_block  # default: at most 1.5 GiB of KV
-        return max(4, min(want, cap))
-
-    def _win_block_bytes(self, config: EngineConfig) -> int:
-        return self.model.kv_bytes_per_token(config.kv_dtype, 1) * config.block_size
-
-    def _win_pool_blocks(self, config: EngineConfig) -> int:
-        """The window pool: every running sequence's window and the chunk it computes
-        (ceil((W + chunk) / bs) + 1 blocks), twice over: as much again for kept windows
-        (shared prefixes' windows stay findable while they fit), plus the null block. Under
-        `--kv-mem` at most half of it."""
-        bs = config.block_size
-        per_seq = -(-(self.window + config.prefill_chunk) // bs) + 1
-        n = 2 * config.parallel * per_seq + 1
-        if config.kv_mem_mib and not config.kv_blocks:
-            n = min(n, int(config.kv_mem_mib) * 2**20 // 2 // self._win_block_bytes(config))
-        return max(n, per_seq + 2)
-
-    def _make_tiers(self, config: EngineConfig, fingerprint: bytes) -> TierManager:
-        # What a stored block means: the model, and the kv dtype and block size of its bytes
-        # (the disk and Redis tiers bind their entries to it).
-        bound_fp = _core.root_key(fingerprint, self.kv_dtype, config.block_size, None)
-        ram = None
-        if config.cache_ram_mib > 0:
-            budget = int(config.cache_ram_mib * 2**20)
-            pin = None if config.cache_ram_pin_mib is None else int(config.cache_ram_pin_mib * 2**20)
-            ram = _core.RamTier(budget, None, pin)
-        disk = None
-        if config.cache_dir:
-            Path(config.cache_dir).mkdir(parents=True, exist_ok=True)
-            disk = _core.DiskStore(config.cache_dir, bound_fp, int(config.cache_disk_max_mib) * 2**20,
-                                   config.cache_ttl_s if config.cache_ttl_s > 0 else None,
-                                   int(config.cache_min_tokens))
-        remote = None
-        if config.cache_redis:
-            from kvshare.engine.remote_tier import RemoteTier
-
-            remote = RemoteTier(config.cache_redis, bound_fp,
-                                config.cache_ttl_s if config.cache_ttl_s > 0 else None,
-                                timeout_s=config.cache_redis_timeout_s)
-        return TierManager(self.pool, self.kv, config.block_size, ram, disk, remote,
-                           int(config.cache_min_tokens))
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -423,11 +334,20 @@ class Engine:
             self.step()
 
     def step(self) -> None:
-        """One model step: schedule, allocate, forward, record, sample, emit. A sequence
-        whose part of this fails is failed alone; the others go on."""
-        from kvshare.model.batch import SeqChunk
-
+        """One model step: schedule (admission and blocks), forward, post-process (the cache
+        records what was computed; sample, emit). A sequence whose part of this fails is
+        failed alone; the others go on."""
         sched = self.scheduler.schedule()
+        self._end_unscheduled(sched)
+        plan = sched.planned
+        if not plan:
+            return
+        done = self._forward(plan)
+        if done is not None:
+            self._postprocess(plan, *done)
+
+    def _end_unscheduled(self, sched) -> None:
+        """Sequences the scheduler could not plan: failed ones, and those that do not fit."""
         self.counters["preemptions"] = self.scheduler.n_preemptions
         for seq, exc in sched.failed:
             self._fail(seq, exc)
@@ -437,9 +357,12 @@ class Engine:
             else:
                 self._fail(seq, SequenceFault("the request does not fit in the KV pool",
                                               status=503, cause="kv_pool_full"))
-        plan = sched.planned
-        if not plan:
-            return
+
+    def _forward(self, plan: list[Planned]):
+        """Run the model over the planned chunks (grammar masks computed beside it). Returns
+        (logits per chunk, masks by sequence id), or None when the step failed."""
+        from kvshare.model.batch import SeqChunk
+
         now = time.perf_counter()
         chunks = []
         for item in plan:
@@ -464,19 +387,28 @@ class Engine:
             if masks is not None:
                 masks.wait()
             self._forward_failed(plan, exc)
-            return
+            return None
         self.counters["steps"] += 1
         self.counters["busy_slots_total"] += len(self.scheduler.running)
-        allowed = masks.wait() if masks is not None else {}
+        return logits, (masks.wait() if masks is not None else {})
+
+    def _postprocess(self, plan: list[Planned], logits, allowed: dict) -> None:
+        """Each planned sequence: the cache records its chunk (scheduler.commit), then its
+        logits, if it asked for them, are sampled."""
         for item, out in zip(plan, logits):
             item.seq.suspect = False
             try:
-                self._after_forward(item, out, allowed.get(item.seq.seq_id))
+                self.scheduler.commit(item)
+                if item.wants_logits:
+                    row = np.asarray(out)[-1]
+                    if injected(item.seq.request, "logits_nan"):
+                        row = np.full_like(row, np.nan)
+                    self._on_logits(item.seq, row, allowed.get(item.seq.seq_id))
             except Exception as exc:  # noqa: BLE001 - this sequence's fault alone
                 self._fail(item.seq, exc)
         stats = self.pool.stats()
         self.peak_tokens_used = max(self.peak_tokens_used, stats["tokens_held"])
-        self.peak_kv_bytes = max(self.peak_kv_bytes, self.kv_bytes_held(stats))
+        self.peak_kv_bytes = max(self.peak_kv_bytes, self.cache.kv_bytes_held(stats))
         self.counters["seq_tokens_max"] = max(self.counters["seq_tokens_max"],
                                               max(len(i.seq.tokens) for i in plan))
 
@@ -494,24 +426,8 @@ class Engine:
         self.recovered["forward_batch_split"] += 1
         for item in plan:
             item.seq.suspect = True
-            if self.hybrid and item.seq in self.scheduler.running:
+            if self.cache.stateful and item.seq in self.scheduler.running:
                 self.scheduler.preempt(item.seq)
-
-    def _after_forward(self, item: Planned, out, allowed=None) -> None:
-        seq = item.seq
-        self.cache.record(seq, item.start, item.end)
-        self._after_record(seq)
-        if item.end in seq.checkpoint_at and item.end <= seq.n_prompt:
-            try:
-                self.cache.save_checkpoint(seq)
-            except Exception:  # noqa: BLE001 - a missing checkpoint costs a future hit only
-                self.recovered["checkpoint_save_failed"] += 1
-                log.exception("checkpoint of %s failed", seq.request.request_id)
-        if item.wants_logits:
-            row = np.asarray(out)[-1]
-            if injected(seq.request, "logits_nan"):
-                row = np.full_like(row, np.nan)
-            self._on_logits(seq, row, allowed)
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
         """End one sequence with an error naming the cause; never raises."""
@@ -532,18 +448,6 @@ class Engine:
         except Exception:  # noqa: BLE001
             log.exception("finishing failed sequence %s", seq.request.request_id)
 
-    def _after_record(self, seq: Sequence) -> None:
-        """Tier bookkeeping once new tokens are computed: pin the prompt's prefix entry in
-        RAM; hybrids keep a checkpoint at the reply's latest block boundary."""
-        try:
-            self.cache.pin_prefix(seq)
-            if self.hybrid:
-                self.cache.checkpoint_reply(seq)
-        except Exception:  # a failed pin or snapshot costs a future cache hit, never this request
-            seq.prefix_pinned = True
-            self.recovered["tier_pin_failed"] += 1
-            log.exception("tier bookkeeping for %s failed", seq.request.request_id)
-
     def _on_logits(self, seq: Sequence, row: np.ndarray, allowed=None) -> None:
         """The logits after the sequence's last token: sample, emit, maybe finish. `allowed`:
         its grammar mask computed during the forward pass (or the exception that raised)."""
@@ -559,7 +463,7 @@ class Engine:
         """OpenAI `n`: the prompt is computed once. The other choices start here, each with its
         own sampler (seed + choice) and grammar matcher, drawing its first token from these same
         logits; then each waits at the head of the queue and, admitted, attaches to the
-        prompt's blocks (full blocks shared, the partial last one copied: cache_manager), so a
+        prompt's blocks (full blocks shared, the partial last one copied: engine/cache), so a
         choice computes only what it generates. Hybrids resume from the checkpoint the parent
         saved at the prompt's end."""
         req = parent.request
@@ -690,14 +594,8 @@ class Engine:
             for other in self._choices_of(rid):
                 if other is not seq and other.state != SeqState.FINISHED:
                     self._finish(other, "cancelled")
-        if reason != "error":
-            try:
-                self.cache.save_to_tiers(seq)
-            except Exception:  # a failed save costs a future cache hit, never this request
-                self.recovered["tier_save_failed"] += 1
-                log.exception("saving %s to the cache tiers failed", req.request_id)
-        try:
-            self.scheduler.finish(seq)
+        try:  # the cache saves to the tiers what later sessions resume from, then releases
+            self.scheduler.finish(seq, save=reason != "error")
         except Exception:  # noqa: BLE001 - the request is answered; its blocks may leak
             log.exception("releasing %s failed", req.request_id)
 
@@ -705,10 +603,7 @@ class Engine:
     def kv_bytes_held(self, pool_stats: dict | None = None) -> int:
         """Bytes of the KV blocks that sequences hold now (referenced, not merely cached);
         `pool_stats`: the main pool's `stats()` when the caller has them."""
-        n = int((pool_stats or self.pool.stats())["used"]) * self.kv.block_nbytes
-        if self.windows is not None:
-            n += self.windows.used_blocks() * self.kv.win_block_nbytes
-        return n
+        return self.cache.kv_bytes_held(pool_stats)
 
     def snapshot(self) -> dict:
         stats = dict(self.pool.stats())
@@ -720,7 +615,7 @@ class Engine:
                 "n_prompt": seq.n_prompt, "n_cached": seq.n_cached, "n_computed": seq.n_computed,
                 "n_generated": seq.n_generated, "blocks": len(table),
                 "restore_ms": 1e3 * seq.restore_s,
-                "shared_blocks": sum(1 for b in table if self.pool.ref_count(b) > 1),
+                "shared_blocks": self.cache.shared_blocks(seq),
             })
         pool = {
             "total": stats["total"], "used": stats["used"], "free": stats["free"],
@@ -728,10 +623,7 @@ class Engine:
             "block_size": self.config.block_size, "peak_tokens_used": self.peak_tokens_used,
             "kv_bytes_held": self.kv_bytes_held(), "peak_kv_bytes_held": self.peak_kv_bytes,
             "block_bytes": self.kv.block_nbytes,
-            "window": ({"size": self.window, "blocks": self.n_win_blocks,
-                        "used": self.windows.used_blocks(),
-                        "block_bytes": self.kv.win_block_nbytes}
-                       if self.windows is not None else None),
+            "window": self.windows.stats() if self.windows is not None else None,
         }
         faults = {"queued": len(self.scheduler.waiting), "failed": dict(self.failures),
                   "recovered": dict(self.recovered + self.cache.counters)}

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvshare.engine.cache_manager import CacheManager
+from kvshare.engine.cache import KVCacheManager
 from kvshare.engine.sequence import Sequence, SeqState
 
 log = logging.getLogger("kvshare.scheduler")
@@ -49,7 +49,7 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_running: int, prefill_budget: int):
+    def __init__(self, cache: KVCacheManager, max_running: int, prefill_budget: int):
         self.cache = cache
         self.max_running = max_running
         self.prefill_budget = prefill_budget
@@ -81,7 +81,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.waits_for_room = None
             try:
-                reused = self.cache.attach(seq)
+                reused = self.cache.admit(seq)
             except Exception as exc:  # noqa: BLE001 - this sequence's fault alone
                 self._drop(seq)
                 failed.append((seq, exc))
@@ -111,8 +111,13 @@ class Scheduler:
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        self.cache.release(seq)
+    def commit(self, item: Planned) -> None:
+        """Post-process: the forward pass wrote the item's chunk; the cache records it."""
+        self.cache.commit(item.seq, item.start, item.end)
+
+    def finish(self, seq: Sequence, save: bool = True) -> None:
+        """The sequence ended: the cache saves it to the tiers (`save`) and releases it."""
+        self.cache.finish(seq, save)
         seq.state = SeqState.FINISHED
         self.released += 1
         if seq in self.running:
@@ -186,7 +191,7 @@ class Scheduler:
         cache = self.cache
         bs = cache.block_size
         start = seq.n_computed
-        if not start % bs or not cache.attach_enabled or cache.checkpoints is not None:
+        if not start % bs or not cache.waits_for_donors:
             return n
         end = start + n
         if end < len(seq.tokens) and end % bs and end - end % bs > start:
@@ -194,7 +199,7 @@ class Scheduler:
         ahead = cache.uncomputed_keys(seq)  # [the block being completed, the next, ...]
         # the next block is being computed by an earlier session, or is already there (a
         # donor finished it): end with this block, then wait for it or attach to it
-        if len(ahead) > 1 and (ahead[1] in pending or cache.pool.lookup(ahead[1]) is not None):
+        if len(ahead) > 1 and (ahead[1] in pending or cache.has_block(ahead[1])):
             end = min(end, start - start % bs + bs)
         return end - start
 
@@ -207,7 +212,7 @@ class Scheduler:
         for item in plan:
             while item.seq in self.running:
                 try:
-                    ok = self.cache.allocate_for(item.seq, item.end)
+                    ok = self.cache.allocate(item.seq, item.end)
                 except Exception as exc:  # noqa: BLE001 - this sequence's fault alone
                     self._drop(item.seq)
                     out.failed.append((item.seq, exc))

@@ -1,7 +1,7 @@
 """Prefixes that outlive sessions: the RAM tier, the disk tier and the shared (Redis) tier behind
 the device block pool.
 
-Lookups fall through device pool -> RAM -> disk -> Redis (`engine/remote_tier.py`), always by
+Lookups fall through device pool -> RAM -> disk -> Redis (`remote_tier.py`), always by
 chain key, so a restored block is
 exactly the KV of this prompt's tokens (and salt, and model). When a sequence finishes, its
 full blocks (prompt + reply, as the client's next turn will present them) are copied to the
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvshare import _core
-from kvshare.engine.remote_tier import RemoteTier
+from kvshare.engine.cache.remote_tier import RemoteTier
 
 log = logging.getLogger("kvshare.tiers")
 
@@ -92,7 +92,7 @@ class TierManager:
         """Bring blocks `keys[start:]` (as many leading ones as a tier holds) into the pool.
         Returns the new pool block ids (each holding one reference for the caller). Block 0
         chains from `root`; `split` = (p, parent) gives block p another parent (the first
-        block after a public prefix, see CacheManager.chain)."""
+        block after a public prefix, see keys.BlockKeys.chain)."""
         got: list[int] = []
         if self.ram is not None and start < len(keys):
             n = self.ram.match_prefix(keys[start:])
@@ -437,7 +437,7 @@ class TierManager:
         ck = _core.Checkpoint.at(root, tokens, self.block_size, data, layout, None, account)
         return ck if ck.key == key else None
 
-    # ---- sliding-window layer groups (engine/windows.py) ------------------------------------
+    # ---- sliding-window layer groups (sliding_window.py) ------------------------------------
     # The main pool's blocks go to the tiers as always; the window pool's blocks only for the
     # windows a sequence resumes at (its prefix entry, its end), under keys of their own
     # (`window_key`): a window block is a different payload for the same chain key.

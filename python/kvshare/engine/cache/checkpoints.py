@@ -21,7 +21,7 @@ Where checkpoints are taken (all chosen at admission, prefill pauses exactly the
 - with the RAM or disk tier on, also at the block boundary at or before the first user message
   and at or before the end of the prompt, and at the reply's latest block boundary (the
   previous one is discarded): the tiers hold full blocks only, so they keep only block-aligned
-  checkpoints (see engine/tiers.py).
+  checkpoints (see tiers.py).
 Restoring copies the snapshot into the sequence's own state slot; donors and checkpoints stay
 untouched, and a checkpoint just restored is kept (a byte-identical save returns it).
 """

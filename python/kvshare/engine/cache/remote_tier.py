@@ -7,7 +7,7 @@ instead of recomputing them, and a replica restarted with empty local tiers stil
 Keys and values:
 - A block lives under `<namespace>:<model>:b:<hex chain key>`, a checkpoint under
   `<namespace>:<model>:c:<hex chain key of the block it ends at>`. Chain keys already bind the
-  model fingerprint, KV dtype, block size and cache salt (`CacheManager.root_key`): another
+  model fingerprint, KV dtype, block size and cache salt (`keys.BlockKeys.root_key`): another
   tenant's salt or another model can never name the same key.
 - Values are `kvshare_core::remote` values: checksummed and bound to the fingerprint and the
   key. A value that fails its checks is deleted and counted; the restore stops there and the
