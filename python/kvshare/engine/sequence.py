@@ -33,16 +33,13 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # Chain keys of this sequence's full blocks, in order (block i covers tokens[i*bs:(i+1)*bs]).
     block_keys: list[bytes] = field(default_factory=list)
-    # sliding-window layer group (engine/cache/sliding_window.py): its table (the null block before the
-    # window)
+    # The sliding-window group's table (engine/cache/sliding_window.py): the null block before
+    # the window.
     win_table: list[int] = field(default_factory=list)
-    # How this sequence's chain of keys starts (engine/cache/keys.py, BlockKeys.chain): (root of block 0, index
-    # of its first private block, that block's parent key); set on first use.
+    # How this sequence's chain of keys starts (engine/cache/keys.py, BlockKeys.chain): (root
+    # of block 0, index of its first private block, that block's parent key); set on first use.
     chain: tuple | None = None
-    # How many leading tokens of each block are already recorded in the pool.
-    n_recorded: int = 0
     generated: list[int] = field(default_factory=list)
-    emitted_text: str = ""
     # Hybrid models: the sequence's own recurrent-state slot, the positions where prefill
     # pauses to save a checkpoint, and the checkpoints it holds (shared, never copied).
     state_slot: int | None = None
