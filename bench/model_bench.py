@@ -2,7 +2,7 @@
 batch 1/4/8 (short context) and batch 1 at ~6K context, and peak RSS.
 
     python bench/model_bench.py [--model PATH] [--device cpu] [--chunk N] [--quick]
-                                [--llama-bench PATH/TO/llama-bench]
+                                [--kv-dtype f16|f32|q8_0] [--llama-bench PATH/TO/llama-bench]
 
 Prints a table and writes bench/out/model_bench.json. With `--llama-bench`, llama.cpp's
 benchmark binary (built by you; not part of this project) runs the same prompt sizes and
@@ -65,11 +65,11 @@ def prefill(model, cache, tokens, table, chunk, cpu=None):
     return time.perf_counter() - t0
 
 
-def bench_prefill(model, n, chunk, repeat, block_size=16):
+def bench_prefill(model, n, chunk, repeat, block_size=16, kv_dtype=None):
     rng = np.random.default_rng(n)
     tokens = rng.integers(1000, model.config.vocab_size - 1, n).astype(np.int32)
     nb = -(-n // block_size) + 1
-    cache = model.new_cache(nb, block_size)
+    cache = model.new_cache(nb, block_size, kv_dtype=kv_dtype)
     table = np.arange(nb, dtype=np.int32)
     cpu: list[float] = []
     best = min(prefill(model, cache, tokens, table, chunk, cpu) for _ in range(repeat))
@@ -77,12 +77,12 @@ def bench_prefill(model, n, chunk, repeat, block_size=16):
     return n / best, best, n / min(cpu)
 
 
-def bench_decode(model, batch, context, steps, repeat, chunk, block_size=16):
+def bench_decode(model, batch, context, steps, repeat, chunk, block_size=16, kv_dtype=None):
     """`batch` sequences, each with `context` tokens already prefilled; time `steps` decode
     steps (one token per sequence per step, logits 'last' for all)."""
     rng = np.random.default_rng(batch * 7919 + context)
     per_seq = -(-(context + steps * repeat + 1) // block_size)
-    cache = model.new_cache(per_seq * batch, block_size)
+    cache = model.new_cache(per_seq * batch, block_size, kv_dtype=kv_dtype)
     tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(batch)]
     hi = min(200000, model.config.vocab_size - 1)
     prompts = [rng.integers(1000, hi, context).astype(np.int32) for _ in range(batch)]
@@ -131,6 +131,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="1K prefill and batch 1/4 only")
     ap.add_argument("--only", choices=["prefill", "decode"], default=None)
+    ap.add_argument("--kv-dtype", choices=["f16", "f32", "q8_0"], default=None,
+                    help="KV pool element type (default: the model's, f16)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "model_bench.json"))
     ap.add_argument("--llama-bench", default=None,
                     help="llama.cpp's llama-bench binary, to measure it side by side")
@@ -151,7 +153,7 @@ def main() -> None:
     if args.only == "decode":
         prefill_sizes = []
     for n in prefill_sizes:
-        tps, secs, tpc = bench_prefill(model, n, args.chunk, args.repeat)
+        tps, secs, tpc = bench_prefill(model, n, args.chunk, args.repeat, kv_dtype=args.kv_dtype)
         rows.append({"test": f"prefill {n}", "tokens_per_s": tps, "seconds": secs,
                      "tokens_per_cpu_s": tpc})
         print(f"prefill {n:>5}: {tps:8.1f} tok/s ({secs:.2f} s; {tpc:.1f} tok per CPU-s)",
@@ -162,7 +164,7 @@ def main() -> None:
         decode_cases = []
     for batch, ctx in decode_cases:
         tps, step_s, tpc = bench_decode(model, batch, ctx, steps=16, repeat=args.repeat,
-                                        chunk=args.chunk)
+                                        chunk=args.chunk, kv_dtype=args.kv_dtype)
         rows.append({"test": f"decode batch {batch} @ctx {ctx}", "tokens_per_s": tps,
                      "step_ms": step_s * 1e3, "tokens_per_cpu_s": tpc})
         print(f"decode batch {batch} ctx {ctx:>5}: {tps:8.1f} tok/s ({step_s * 1e3:.1f} ms/step;"
@@ -186,6 +188,7 @@ def main() -> None:
     rss_bound = file_mib * 1.1 + 300
     result = {
         "model": str(path), "device": args.device, "chunk": args.chunk,
+        "kv_dtype": args.kv_dtype or "f16",
         "load_seconds": load_s, "rss_after_load_mib": rss_loaded,
         "rss_after_first_forward_mib": rss_used,
         "peak_rss_mib": peak_rss_mib(), "batch4_over_batch1": d4 / d1,

@@ -369,20 +369,17 @@ def test_kv_dtype_flag():
         assert e.value.code == 2
 
 
-def test_unsupported_kv_dtype_is_one_line_exit_2():
-    from kvshare.model.cache import kv_dtype_of
-
-    try:
-        kv_dtype_of("q8_0")
-    except (ValueError, TypeError):
-        pass
-    else:  # the pool holds q8_0 now: nothing to refuse
-        assert cli._kv_dtype_problem("q8_0") is None
-        return
-    p = _kvshare("serve", "--port", "0", "--kv-dtype", "q8_0")
+def test_q8_0_kv_is_refused_on_the_gpu_only_one_line_exit_2():
+    """The CPU pool holds q8_0 (tests/test_kv_q8_0.py); the CUDA attention kernels read f16 or
+    f32 only, so `--device cuda --kv-dtype q8_0` stops at start, before loading anything."""
+    assert cli._kv_dtype_problem("q8_0") is None
+    assert cli._kv_dtype_problem("q8_0", "cpu") is None
+    assert cli._kv_dtype_problem("f16", "cuda") is None
+    p = _kvshare("serve", "--port", "0", "--device", "cuda", "--kv-dtype", "q8_0")
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvshare: error: cannot use --kv-dtype q8_0")
+    assert "CPU-only" in lines[0], lines[0]
 
 
 # --------------------------------------------------------------------------- end to end
@@ -461,3 +458,17 @@ def test_default_model_answers_a_chat_question(tmp_path, smol_path):
     finally:
         srv.stop()
     assert f"({other}, " in _memory_line((tmp_path / "server2.log").read_text())
+
+
+def test_server_serves_with_a_q8_0_pool(tmp_path, smol_path):
+    """`--kv-dtype q8_0` on the CPU: the pool holds ggml Q8_0 blocks (34 bytes per 32 values)
+    and the chat-tuned default model still answers. (Not the France question: its first
+    token is a near-tie, "The" 0.08 logit ahead of "L", and q8_0's rounding flips it to
+    "L'Étoile, ..."; these two lead by >= 0.6 at every step.)"""
+    srv = _Server("--kv-dtype", "q8_0", log=tmp_path / "server.log")
+    try:
+        assert "Tokyo" in srv.chat("What is the capital of Japan?")
+        assert "4" in srv.chat("What is 2+2?")
+    finally:
+        srv.stop()
+    assert "(q8_0, " in _memory_line((tmp_path / "server.log").read_text())

@@ -16,7 +16,16 @@
 //! tile, and only the keys a tile can see are scored. Tiles are dealt out to threads
 //! largest first.
 //!
-//! Layout (as `ops/attention.py`): `k`, `v`: `[n_blocks, block_size, n_kv, hd]` f32 or f16; query
+//! KV element types (`KvElem`): f32, f16 (`F16`) and q8_0 (`Q8Block`: ggml's Q8_0 blocks of 32
+//! values, an f16 scale and 32 int8, as llama.cpp's `-ctk q8_0 -ctv q8_0` caches hold them).
+//! f32 rows are read in place, decode rows read f16 in place too (converted eight values at a
+//! time in registers); q8_0 decode rows are converted to f32 32 rows at a time into a small
+//! buffer, and prefill tiles convert each key block's f16 or q8_0 rows to f32 once (every
+//! query vector of the tile, and the AVX-512 products, then read those).
+//! `quantize_q8_0` is ggml's `quantize_row_q8_0_ref` (what `ops/attention.py` writes).
+//!
+//! Layout (as `ops/attention.py`): `k`, `v`: `[n_blocks, block_size, n_kv, hd]` values (f32, f16,
+//! or `hd / 32` Q8_0 blocks); query
 //! rows `[n_tok, n_head, hd]`; sequence `s` owns rows `q_starts[s]..q_starts[s + 1]` at
 //! positions `start_positions[s] + i`; query head `h` reads KV head `h / (n_head / n_kv)`. A
 //! query at position `qp` sees keys `kp <= qp` with `qp - kp < window` when `window > 0`.
@@ -34,18 +43,34 @@ pub const DECODE_ROWS: usize = 4;
 const TILE_VECS: usize = 64;
 /// Keys per step of a prefill tile (their scores: `KEY_BLOCK x TILE_VECS` f32).
 const KEY_BLOCK: usize = 32;
+/// q8_0 rows a decode task converts to f32 at a time (`as_f32_rows`).
+const DQ_ROWS: usize = 32;
 
-/// An element type of the KV pool: f32, or IEEE half precision (`F16`, the pool's f16 mode).
+/// An element type of the KV pool: f32, IEEE half precision (`F16`, the pool's f16 mode) or
+/// a ggml Q8_0 block of 32 values (`Q8Block`, the pool's q8_0 mode). A row of `head_dim`
+/// values is `head_dim / VALS` elements.
 pub trait KvElem: Copy + Sync + 'static {
     /// Whether the type is f32 itself (read without conversion).
     const IS_F32: bool = false;
-    fn to_f32(self) -> f32;
+    /// Values one element holds: 1, or 32 for a Q8_0 block.
+    const VALS: usize = 1;
+    /// Value `i` of a row of elements.
+    fn value(row: &[Self], i: usize) -> f32;
+    /// A row of elements as f32 values (`out.len()` of them).
+    fn row_to_f32(row: &[Self], out: &mut [f32]) {
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = Self::value(row, i);
+        }
+    }
 }
 
 impl KvElem for f32 {
     const IS_F32: bool = true;
-    fn to_f32(self) -> f32 {
-        self
+    fn value(row: &[Self], i: usize) -> f32 {
+        row[i]
+    }
+    fn row_to_f32(row: &[Self], out: &mut [f32]) {
+        out.copy_from_slice(&row[..out.len()]);
     }
 }
 
@@ -54,8 +79,9 @@ impl KvElem for f32 {
 #[repr(transparent)]
 pub struct F16(pub u16);
 
-impl KvElem for F16 {
-    fn to_f32(self) -> f32 {
+impl F16 {
+    /// The value as f32 (exact).
+    pub fn to_f32(self) -> f32 {
         let h = self.0 as u32;
         let sign = (h & 0x8000) << 16;
         let exp = (h >> 10) & 0x1f;
@@ -72,6 +98,140 @@ impl KvElem for F16 {
         };
         f32::from_bits(bits)
     }
+
+    /// The half nearest to `x` (ties to even; overflow to infinity), as ggml's
+    /// `GGML_FP32_TO_FP16` and F16C's `vcvtps2ph` round.
+    pub fn from_f32(x: f32) -> F16 {
+        let b = x.to_bits();
+        let sign = ((b >> 16) & 0x8000) as u16;
+        let exp = ((b >> 23) & 0xff) as i32;
+        let man = b & 0x7f_ffff;
+        if exp == 0xff {
+            // infinity, or NaN (kept quiet and non-zero)
+            let nan = if man != 0 {
+                0x200 | (man >> 13) as u16
+            } else {
+                0
+            };
+            return F16(sign | 0x7c00 | nan);
+        }
+        let e = exp - 127 + 15; // the half's biased exponent
+        if e >= 31 {
+            return F16(sign | 0x7c00);
+        }
+        // the value as an integer count of the half's last place (2^-24 for subnormals),
+        // with `shift` bits below it rounded off
+        let (m, shift) = if e <= 0 {
+            if e < -10 {
+                return F16(sign); // below half the smallest subnormal: zero
+            }
+            (man | 0x80_0000, (14 - e) as u32)
+        } else {
+            (man, 13)
+        };
+        let half = 1u32 << (shift - 1);
+        let rest = m & ((1u32 << shift) - 1);
+        let mut q = m >> shift;
+        if rest > half || (rest == half && q & 1 == 1) {
+            q += 1; // may carry into the exponent: still the right bits
+        }
+        let bits = if e <= 0 { q } else { ((e as u32) << 10) + q };
+        F16(sign | bits as u16)
+    }
+}
+
+impl KvElem for F16 {
+    fn value(row: &[Self], i: usize) -> f32 {
+        row[i].to_f32()
+    }
+}
+
+/// Values per Q8_0 block.
+pub const Q8_VALS: usize = 32;
+/// Bytes of a Q8_0 block: an f16 scale, then 32 int8 values.
+pub const Q8_BYTES: usize = 34;
+
+/// One ggml Q8_0 block (`block_q8_0`): value `j` is `d * qs[j]`, `d` an f16 stored
+/// little-endian. 34 bytes, alignment 1: a pool row of `head_dim` values is `head_dim / 32`
+/// of them, `head_dim / 32 * 34` bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct Q8Block {
+    pub d: [u8; 2],
+    pub qs: [i8; 32],
+}
+
+const _: () = assert!(std::mem::size_of::<Q8Block>() == Q8_BYTES);
+const _: () = assert!(std::mem::align_of::<Q8Block>() == 1);
+
+impl Q8Block {
+    /// The scale as f32.
+    pub fn scale(&self) -> f32 {
+        F16(u16::from_le_bytes(self.d)).to_f32()
+    }
+
+    /// Bytes (a multiple of 34 of them) viewed as blocks; None otherwise.
+    pub fn from_bytes(b: &[u8]) -> Option<&[Q8Block]> {
+        if !b.len().is_multiple_of(Q8_BYTES) {
+            return None;
+        }
+        // SAFETY: Q8Block is repr(C) of byte arrays (size 34, alignment 1, every bit
+        // pattern valid), and the slice covers exactly b's bytes.
+        Some(unsafe {
+            std::slice::from_raw_parts(b.as_ptr() as *const Q8Block, b.len() / Q8_BYTES)
+        })
+    }
+
+    /// Mutable bytes (a multiple of 34 of them) viewed as blocks; None otherwise.
+    pub fn from_bytes_mut(b: &mut [u8]) -> Option<&mut [Q8Block]> {
+        if !b.len().is_multiple_of(Q8_BYTES) {
+            return None;
+        }
+        // SAFETY: as in `from_bytes`; the borrow is exclusive.
+        Some(unsafe {
+            std::slice::from_raw_parts_mut(b.as_mut_ptr() as *mut Q8Block, b.len() / Q8_BYTES)
+        })
+    }
+}
+
+impl KvElem for Q8Block {
+    const VALS: usize = Q8_VALS;
+    fn value(row: &[Self], i: usize) -> f32 {
+        let b = &row[i / Q8_VALS];
+        b.scale() * b.qs[i % Q8_VALS] as f32
+    }
+    fn row_to_f32(row: &[Self], out: &mut [f32]) {
+        for (b, o) in row.iter().zip(out.chunks_exact_mut(Q8_VALS)) {
+            let d = b.scale();
+            for (x, &q) in o.iter_mut().zip(&b.qs) {
+                *x = d * q as f32;
+            }
+        }
+    }
+}
+
+/// ggml's `quantize_row_q8_0_ref`: `x` (a multiple of 32 values) into Q8_0 blocks. Per
+/// block: `d = amax / 127`, `q = round(x * (1 / d))` (halves away from zero; 0 when d is 0),
+/// `d` stored as the nearest f16.
+pub fn quantize_q8_0(x: &[f32], out: &mut [Q8Block]) -> Result<(), KernelError> {
+    if !x.len().is_multiple_of(Q8_VALS) || out.len() != x.len() / Q8_VALS {
+        return shape_err(format!(
+            "{} values need a multiple of 32 values and {} blocks, got {}",
+            x.len(),
+            x.len() / Q8_VALS,
+            out.len()
+        ));
+    }
+    for (xs, b) in x.chunks_exact(Q8_VALS).zip(out.iter_mut()) {
+        let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        b.d = F16::from_f32(d).0.to_le_bytes();
+        for (q, &v) in b.qs.iter_mut().zip(xs) {
+            *q = (v * id).round() as i8;
+        }
+    }
+    Ok(())
 }
 
 /// A borrowed layer of the block pool.
@@ -128,7 +288,13 @@ fn check<T: KvElem>(
     out: &[f32],
 ) -> Result<usize, KernelError> {
     let (nb, bs, n_kv, hd) = (kv.n_blocks, kv.block_size, kv.n_kv, kv.head_dim);
-    let size = nb * bs * n_kv * hd;
+    if !hd.is_multiple_of(T::VALS) {
+        return shape_err(format!(
+            "head_dim {hd} must be a multiple of {} for this KV type",
+            T::VALS
+        ));
+    }
+    let size = nb * bs * n_kv * (hd / T::VALS);
     if kv.k.len() != size || kv.v.len() != size {
         return shape_err(format!("k/v must have {nb} x {bs} x {n_kv} x {hd} values"));
     }
@@ -504,6 +670,7 @@ fn tile<T: KvElem>(
     wide: bool,
 ) -> Vec<f32> {
     let (bs, n_kv, hd) = (kv.block_size, kv.n_kv, kv.head_dim);
+    let rl = hd / T::VALS; // elements per row
     let g = qs.n_head / n_kv;
     let rows = t.r1 - t.r0;
     let m = rows * g; // query vectors: row r, head h at r * g + h
@@ -538,9 +705,9 @@ fn tile<T: KvElem>(
     let mut offs = Vec::with_capacity(KEY_BLOCK);
     let mut kbuf = vec![0f32; KEY_BLOCK * hd];
     let dense_offs: Vec<usize> = (0..KEY_BLOCK).map(|j| j * hd).collect();
-    // an f32 pool is read in place; f16 rows are converted once per block (not once per
-    // four query vectors), as is everything on the portable path
-    let in_place = T::IS_F32 || !simd;
+    // an f32 pool is read in place; f16 and q8_0 rows are converted once per block (not once
+    // per four query vectors); the portable path reads f16 in place too
+    let in_place = T::IS_F32 || (!simd && T::VALS == 1);
     let as_f32 = |x: &[T]| -> &[f32] {
         debug_assert!(T::IS_F32);
         // SAFETY: T is f32 (IS_F32 is only true for f32).
@@ -552,7 +719,7 @@ fn tile<T: KvElem>(
         let j1 = (j0 + KEY_BLOCK).min(t.hi);
         let nk = j1 - j0;
         offs.clear();
-        offs.extend((j0..j1).map(|p| ((table[p / bs] as usize * bs + p % bs) * n_kv + t.kvh) * hd));
+        offs.extend((j0..j1).map(|p| ((table[p / bs] as usize * bs + p % bs) * n_kv + t.kvh) * rl));
         let sc = &mut sc[..nk * mp];
         if !in_place {
             to_f32_rows(kv.k, &offs, hd, &mut kbuf, simd);
@@ -630,7 +797,7 @@ fn wide_ok(hd: usize) -> bool {
     }
 }
 
-/// `dst[j * hd..][..hd] = src[offs[j]..][..hd]` as f32.
+/// `dst[j * hd..][..hd]` = the row at element offset `offs[j]` of `src`, as f32.
 fn to_f32_rows<T: KvElem>(src: &[T], offs: &[usize], hd: usize, dst: &mut [f32], simd: bool) {
     #[cfg(target_arch = "x86_64")]
     {
@@ -640,10 +807,9 @@ fn to_f32_rows<T: KvElem>(src: &[T], offs: &[usize], hd: usize, dst: &mut [f32],
             return unsafe { avx2::to_f32_rows(src, offs, hd, dst) };
         }
     }
+    let rl = hd / T::VALS;
     for (d, &o) in dst.chunks_exact_mut(hd).zip(offs) {
-        for (a, b) in d.iter_mut().zip(&src[o..o + hd]) {
-            *a = b.to_f32();
-        }
+        T::row_to_f32(&src[o..o + rl], d);
     }
 }
 
@@ -713,17 +879,24 @@ fn partial<T: KvElem>(
     simd: bool,
 ) -> Partial {
     let (bs, n_kv, hd) = (kv.block_size, kv.n_kv, kv.head_dim);
+    let rl = hd / T::VALS; // elements per row
     let g = qs.n_head / n_kv;
     let table = &qs.tables[t.seq * qs.width..(t.seq + 1) * qs.width];
-    // offset of each key's row (this KV head) in k / v
+    // offset of each key's row (this KV head) in k / v, in elements
     let rows: Vec<usize> = (t.lo..t.hi)
-        .map(|p| ((table[p / bs] as usize * bs + p % bs) * n_kv + t.kvh) * hd)
+        .map(|p| ((table[p / bs] as usize * bs + p % bs) * n_kv + t.kvh) * rl)
         .collect();
     let q0 = (t.row * qs.n_head + t.kvh * g) * hd;
     let q: Vec<f32> = qs.q[q0..q0 + g * hd].iter().map(|x| x * scale).collect();
     let n = rows.len();
     let mut sc = vec![0f32; n * g]; // [key, head]
-    scores(kv.k, &rows, &q, g, hd, &mut sc, simd);
+    if T::VALS == 1 {
+        scores(kv.k, &rows, &q, g, hd, &mut sc, simd);
+    } else {
+        as_f32_rows(kv.k, &rows, hd, simd, g, &mut sc, |k, r, sc| {
+            scores(k, r, &q, g, hd, sc, simd)
+        });
+    }
     let mut max = vec![f32::NEG_INFINITY; g];
     for j in 0..n {
         for h in 0..g {
@@ -739,8 +912,35 @@ fn partial<T: KvElem>(
         }
     }
     let mut acc = vec![0f32; g * hd];
-    weighted_values(kv.v, &rows, &sc, g, hd, &mut acc, simd);
+    if T::VALS == 1 {
+        weighted_values(kv.v, &rows, &sc, g, hd, &mut acc, simd);
+    } else {
+        as_f32_rows(kv.v, &rows, hd, simd, g, &mut sc, |v, r, p| {
+            weighted_values(v, r, p, g, hd, &mut acc, simd)
+        });
+    }
     Partial { max, sum, acc }
+}
+
+/// The decode path's q8_0 rows: `f(f32 rows, their offsets, their part of sc)` over the rows
+/// `DQ_ROWS` at a time, converted to f32 first (a few KiB, read back from L1). At 6K context
+/// this made a decode row ~30% faster than converting eight values in registers inside every
+/// product (`avx2::load8`), and faster than reading f16 in place.
+fn as_f32_rows<T: KvElem>(
+    src: &[T],
+    rows: &[usize],
+    hd: usize,
+    simd: bool,
+    g: usize,
+    sc: &mut [f32],
+    mut f: impl FnMut(&[f32], &[usize], &mut [f32]),
+) {
+    let mut buf = vec![0f32; DQ_ROWS * hd];
+    let dense: Vec<usize> = (0..DQ_ROWS).map(|j| j * hd).collect();
+    for (r, s) in rows.chunks(DQ_ROWS).zip(sc.chunks_mut(DQ_ROWS * g)) {
+        to_f32_rows(src, r, hd, &mut buf[..r.len() * hd], simd);
+        f(&buf[..r.len() * hd], &dense[..r.len()], s);
+    }
 }
 
 /// Whether the AVX2 path can run (every AVX2 CPU also has F16C, which f16 pools use).
@@ -752,7 +952,7 @@ fn simd_ok(hd: usize) -> bool {
         && std::is_x86_feature_detected!("f16c")
 }
 
-/// `sc[j * g + h] = q[h] . k[rows[j]]`.
+/// `sc[j * g + h] = q[h] . k[rows[j]]` (`rows`: element offsets of whole rows).
 fn scores<T: KvElem>(
     k: &[T],
     rows: &[usize],
@@ -801,13 +1001,15 @@ fn portable_scores<T: KvElem>(
     hd: usize,
     sc: &mut [f32],
 ) {
+    let rl = hd / T::VALS;
+    let mut kr = vec![0f32; hd];
     for (j, &r) in rows.iter().enumerate() {
-        let kr = &k[r..r + hd];
+        T::row_to_f32(&k[r..r + rl], &mut kr);
         for h in 0..g {
             sc[j * g + h] = q[h * hd..(h + 1) * hd]
                 .iter()
-                .zip(kr)
-                .map(|(a, b)| a * b.to_f32())
+                .zip(&kr)
+                .map(|(a, b)| a * b)
                 .sum();
         }
     }
@@ -821,15 +1023,20 @@ fn portable_weighted_values<T: KvElem>(
     hd: usize,
     acc: &mut [f32],
 ) {
+    let rl = hd / T::VALS;
+    let mut vr = vec![0f32; hd];
     for (j, &r) in rows.iter().enumerate() {
-        let vr = &v[r..r + hd];
+        if (0..g).all(|h| p[j * g + h] == 0.0) {
+            continue;
+        }
+        T::row_to_f32(&v[r..r + rl], &mut vr);
         for h in 0..g {
             let w = p[j * g + h];
             if w == 0.0 {
                 continue;
             }
-            for (a, b) in acc[h * hd..(h + 1) * hd].iter_mut().zip(vr) {
-                *a += w * b.to_f32();
+            for (a, b) in acc[h * hd..(h + 1) * hd].iter_mut().zip(&vr) {
+                *a += w * b;
             }
         }
     }
@@ -837,20 +1044,22 @@ fn portable_weighted_values<T: KvElem>(
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{KvElem, F16};
+    use super::{KvElem, Q8Block, F16, Q8_VALS};
     use crate::x86::hsum;
     use std::any::TypeId;
     use std::arch::x86_64::*;
 
-    /// 8 consecutive elements as f32 (f16 through F16C's `vcvtph2ps`).
+    /// Values `c..c + 8` of the row at `p` as f32 (f16 through F16C's `vcvtph2ps`). f32 and
+    /// f16 rows only: q8_0 rows are converted by `to_f32_rows` before any product.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn load8<T: KvElem>(p: *const T) -> __m256 {
+    unsafe fn load8<T: KvElem>(p: *const T, c: usize) -> __m256 {
+        debug_assert!(T::VALS == 1);
         unsafe {
             if TypeId::of::<T>() == TypeId::of::<F16>() {
-                _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+                _mm256_cvtph_ps(_mm_loadu_si128(p.add(c) as *const __m128i))
             } else {
-                _mm256_loadu_ps(p as *const f32)
+                _mm256_loadu_ps((p as *const f32).add(c))
             }
         }
     }
@@ -903,8 +1112,8 @@ mod avx2 {
             let mut c = 0;
             while c < hd {
                 unsafe {
-                    let k0 = load8(ka.add(c));
-                    let k1 = load8(kb.add(c));
+                    let k0 = load8(ka, c);
+                    let k1 = load8(kb, c);
                     for h in 0..H {
                         let qv = _mm256_loadu_ps(qp.add(h * hd + c));
                         a[h] = _mm256_fmadd_ps(qv, k0, a[h]);
@@ -926,8 +1135,8 @@ mod avx2 {
             let mut c = 0;
             while c < hd {
                 unsafe {
-                    let k0 = load8(kr.add(c));
-                    let k1 = load8(kr.add(c + 8));
+                    let k0 = load8(kr, c);
+                    let k1 = load8(kr, c + 8);
                     for h in 0..H {
                         a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(h * hd + c)), k0, a0[h]);
                         a1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(h * hd + c + 8)), k1, a1[h]);
@@ -1010,8 +1219,8 @@ mod avx2 {
             }
             for (j, &r) in rows.iter().enumerate() {
                 unsafe {
-                    let v0 = load8(vp.add(r + c));
-                    let v1 = load8(vp.add(r + c + 8));
+                    let v0 = load8(vp.add(r), c);
+                    let v1 = load8(vp.add(r), c + 8);
                     for h in 0..H {
                         let w = _mm256_set1_ps(*p.get_unchecked(j * g + h0 + h));
                         a0[h] = _mm256_fmadd_ps(w, v0, a0[h]);
@@ -1037,14 +1246,44 @@ mod avx2 {
         hd: usize,
         dst: &mut [f32],
     ) {
+        if TypeId::of::<T>() == TypeId::of::<Q8Block>() {
+            // SAFETY: T is Q8Block.
+            let src =
+                unsafe { std::slice::from_raw_parts(src.as_ptr() as *const Q8Block, src.len()) };
+            return unsafe { q8_rows(src, offs, hd, dst) };
+        }
         for (j, &o) in offs.iter().enumerate() {
             let mut c = 0;
             while c < hd {
                 unsafe {
-                    let v = load8(src.as_ptr().add(o + c));
+                    let v = load8(src.as_ptr().add(o), c);
                     _mm256_storeu_ps(dst.as_mut_ptr().add(j * hd + c), v);
                 }
                 c += 8;
+            }
+        }
+    }
+
+    /// Q8_0 rows as f32, a block (one scale, 32 values) at a time.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q8_rows(src: &[Q8Block], offs: &[usize], hd: usize, dst: &mut [f32]) {
+        let nb = hd / Q8_VALS;
+        for (j, &o) in offs.iter().enumerate() {
+            let row = &src[o..o + nb];
+            for (i, b) in row.iter().enumerate() {
+                unsafe {
+                    let d = _mm256_cvtph_ps(_mm_set1_epi16(i16::from_le_bytes(b.d)));
+                    let q = _mm256_loadu_si256(b.qs.as_ptr() as *const __m256i);
+                    let (lo, hi) = (_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+                    let out = dst.as_mut_ptr().add(j * hd + i * Q8_VALS);
+                    for (k, part) in [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)]
+                        .into_iter()
+                        .enumerate()
+                    {
+                        let x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part));
+                        _mm256_storeu_ps(out.add(8 * k), _mm256_mul_ps(x, d));
+                    }
+                }
             }
         }
     }

@@ -1,9 +1,12 @@
 //! `paged_attention` (SIMD where available, split over threads) against a float64 dense
 //! reference over random block tables, windows, head groupings and sequence mixes, and
-//! against the portable path; bad tables and shapes are typed errors.
+//! against the portable path; bad tables and shapes are typed errors. q8_0 pools: ggml's
+//! quantization bit for bit, attention equal to f32 attention over the dequantized K/V.
 
 use kvshare_kernels::attention::{paged_attention_avx2, paged_attention_portable};
-use kvshare_kernels::{paged_attention, KernelError, KvElem, PagedKv, Queries, F16};
+use kvshare_kernels::{
+    paged_attention, quantize_q8_0, KernelError, KvElem, PagedKv, Q8Block, Queries, F16,
+};
 use proptest::prelude::*;
 
 struct Rng(u64);
@@ -393,4 +396,282 @@ fn prefill_rows_past_max_rows_are_left_alone_and_uncovered_tables_fail() {
     c.tables[c.width + 8] = -1;
     let e = paged_attention(&c.kv(), &c.queries(), 0.25, 0, 10, &mut out, 2).unwrap_err();
     assert!(matches!(e, KernelError::Uncovered(_)), "{e}");
+}
+
+// ---- q8_0 ------------------------------------------------------------------------------------
+
+/// The f16 nearest to a finite `x` (ties to the even bits), found by search over the halves'
+/// exact values: independent of `F16::from_f32`'s bit arithmetic.
+fn f16_nearest(x: f32) -> u16 {
+    let sign = if x.is_sign_negative() { 0x8000 } else { 0 };
+    let a = x.abs() as f64;
+    // largest non-negative half h with value(h) <= a (values ascend with the bits up to inf)
+    let (mut lo, mut hi) = (0u16, 0x7c00u16);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if F16(mid).to_f32() as f64 <= a {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let (vl, vh) = (F16(lo).to_f32() as f64, F16(hi).to_f32() as f64);
+    // past the largest half, IEEE rounds as if the next value were 2^16 (so 65520 and up
+    // become infinity)
+    let vh = if hi == 0x7c00 { 65536.0 } else { vh };
+    let pick = if a - vl < vh - a || (a - vl == vh - a && lo & 1 == 0) {
+        lo
+    } else {
+        hi
+    };
+    sign | pick
+}
+
+#[test]
+fn f16_from_f32_rounds_to_nearest_even() {
+    let mut rng = Rng(99);
+    let mut xs: Vec<f32> = Vec::new();
+    // every half, and every midpoint between neighbours (the ties), and just off them
+    for h in 0..0x7c00u16 {
+        let a = F16(h).to_f32();
+        let b = F16(h + 1).to_f32();
+        let mid = ((a as f64 + b as f64) / 2.0) as f32;
+        xs.extend([
+            a,
+            mid,
+            f32::from_bits(mid.to_bits() + 1),
+            f32::from_bits(mid.to_bits() - 1),
+        ]);
+    }
+    for _ in 0..100_000 {
+        xs.push(f32::from_bits(rng.next() as u32 & 0x7fff_ffff) % 70000.0);
+    }
+    xs.extend([65504.0, 65519.99, 65520.0, 1e-8, 2.9e-8, 3.0e-8, 0.0]);
+    for &x in &xs {
+        for v in [x, -x] {
+            if !v.is_finite() {
+                continue;
+            }
+            assert_eq!(F16::from_f32(v).0, f16_nearest(v), "{v:e}");
+        }
+    }
+    assert_eq!(F16::from_f32(f32::INFINITY).0, 0x7c00);
+    assert_eq!(F16::from_f32(1e6).0, 0x7c00);
+    assert!(F16::from_f32(f32::NAN).to_f32().is_nan());
+}
+
+/// ggml's `quantize_row_q8_0_ref`, transcribed: amax, d = amax / 127, id = 1/d, roundf.
+fn ggml_q8_0_ref(x: &[f32]) -> Vec<Q8Block> {
+    x.chunks_exact(32)
+        .map(|xs| {
+            let mut amax = 0.0f32;
+            for &v in xs {
+                amax = if amax > v.abs() { amax } else { v.abs() };
+            }
+            let d = amax / ((1 << 7) - 1) as f32;
+            let id = if d != 0.0 { 1.0f32 / d } else { 0.0 };
+            let mut qs = [0i8; 32];
+            for (q, &v) in qs.iter_mut().zip(xs) {
+                let x0 = v * id;
+                // C's roundf: halves away from zero
+                let r = x0.trunc()
+                    + if (x0 - x0.trunc()).abs() >= 0.5 {
+                        x0.signum()
+                    } else {
+                        0.0
+                    };
+                *q = r as i8;
+            }
+            Q8Block {
+                d: f16_nearest(d).to_le_bytes(),
+                qs,
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn quantize_q8_0_is_ggml_bit_for_bit() {
+    let mut rng = Rng(5);
+    let mut x: Vec<f32> = (0..32 * 4000)
+        .map(|i| {
+            let scale = [1e-6f32, 1e-3, 0.1, 1.0, 30.0, 1e4][(i / 32) % 6];
+            rng.unit() * scale
+        })
+        .collect();
+    x[..32].fill(0.0); // d = 0: every q 0
+                       // exact halves after scaling: amax 127 gives d = 1, id = 1
+    for (j, v) in x[32..64].iter_mut().enumerate() {
+        *v = j as f32 - 16.5;
+    }
+    x[63] = 127.0;
+    let mut got = vec![
+        Q8Block {
+            d: [0; 2],
+            qs: [0; 32]
+        };
+        x.len() / 32
+    ];
+    quantize_q8_0(&x, &mut got).unwrap();
+    let want = ggml_q8_0_ref(&x);
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(a, b, "block {i}");
+    }
+    assert_eq!(got[1].qs[0], -17); // -16.5 rounds away from zero
+    assert_eq!(got[1].qs[1], -16); // -15.5
+    assert!(got[0].qs.iter().all(|&q| q == 0) && got[0].d == [0, 0]);
+    // shapes: not a multiple of 32, or the wrong number of blocks
+    assert!(quantize_q8_0(&x[..31], &mut got[..0]).is_err());
+    assert!(quantize_q8_0(&x[..64], &mut got[..1]).is_err());
+    // values: d * q, as ggml's dequantize_row_q8_0
+    let row = &got[2..4];
+    let mut out = vec![0f32; 64];
+    Q8Block::row_to_f32(row, &mut out);
+    for (i, o) in out.iter().enumerate() {
+        let b = &row[i / 32];
+        assert_eq!(
+            *o,
+            F16(u16::from_le_bytes(b.d)).to_f32() * b.qs[i % 32] as f32
+        );
+        assert_eq!(*o, Q8Block::value(row, i));
+    }
+}
+
+/// A case's K/V as q8_0 blocks; the case's own f32 K/V replaced by their dequantized values,
+/// so its dense reference sees what the pool holds.
+fn to_q8(c: &mut Case) -> (Vec<Q8Block>, Vec<Q8Block>) {
+    let blank = Q8Block {
+        d: [0; 2],
+        qs: [0; 32],
+    };
+    let mut kq = vec![blank; c.k.len() / 32];
+    let mut vq = vec![blank; c.v.len() / 32];
+    quantize_q8_0(&c.k, &mut kq).unwrap();
+    quantize_q8_0(&c.v, &mut vq).unwrap();
+    Q8Block::row_to_f32(&kq, &mut c.k);
+    Q8Block::row_to_f32(&vq, &mut c.v);
+    (kq, vq)
+}
+
+/// Every path (SIMD with AVX-512 tiles where present, AVX2 tiles, portable) on a q8_0 pool
+/// against the dense f64 reference over the dequantized K/V.
+fn check_q8(c: &Case, kq: &[Q8Block], vq: &[Q8Block], scale: f32, window: usize, threads: usize) {
+    let want = c.reference(scale as f64, window);
+    let kv = PagedKv {
+        k: kq,
+        v: vq,
+        n_blocks: c.n_blocks,
+        block_size: c.bs,
+        n_kv: c.n_kv,
+        head_dim: c.hd,
+    };
+    let n = c.q.len();
+    let (mut out, mut narrow, mut port) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+    paged_attention(
+        &kv,
+        &c.queries(),
+        scale,
+        window,
+        usize::MAX,
+        &mut out,
+        threads,
+    )
+    .unwrap();
+    paged_attention_avx2(
+        &kv,
+        &c.queries(),
+        scale,
+        window,
+        usize::MAX,
+        &mut narrow,
+        threads,
+    )
+    .unwrap();
+    paged_attention_portable(&kv, &c.queries(), scale, window, usize::MAX, &mut port).unwrap();
+    assert_close(&out, &want, "q8_0 simd");
+    assert_close(&narrow, &want, "q8_0 avx2");
+    assert_close(&port, &want, "q8_0 portable");
+    // and equal to the f32 kernel over the dequantized pool
+    let mut f = vec![0f32; n];
+    paged_attention(
+        &c.kv(),
+        &c.queries(),
+        scale,
+        window,
+        usize::MAX,
+        &mut f,
+        threads,
+    )
+    .unwrap();
+    for (i, (a, b)) in out.iter().zip(&f).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-5 + 1e-5 * b.abs(),
+            "vs f32 kernel: {i}: {a} vs {b}"
+        );
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    /// Decode rows (<= DECODE_ROWS) and prefill chunks mixed, ragged lengths, GQA ratios,
+    /// windows, block sizes, threads.
+    #[test]
+    fn q8_0_pool_matches_dense_reference(
+        seed in any::<u64>(),
+        lens in prop::collection::vec((0usize..300, prop_oneof![1usize..5, 5usize..70]), 1..4),
+        bs in prop::sample::select(vec![1usize, 4, 16]),
+        n_kv in 1usize..3,
+        g in 1usize..6,
+        hd in prop::sample::select(vec![32usize, 64, 96]),
+        window in prop::sample::select(vec![0usize, 1, 7, 40, 100]),
+        threads in 1usize..4,
+    ) {
+        let mut c = case(seed, &lens, bs, n_kv, g, hd);
+        // K/V of varied size per block of 32 (each block gets its own scale)
+        let mut rng = Rng(seed | 1);
+        for blk in c.k.chunks_exact_mut(32).chain(c.v.chunks_exact_mut(32)) {
+            let f = [0.25f32, 0.5, 1.0, 2.0][(rng.next() % 4) as usize];
+            blk.iter_mut().for_each(|x| *x *= f);
+        }
+        let (kq, vq) = to_q8(&mut c);
+        check_q8(&c, &kq, &vq, 1.0 / (hd as f32).sqrt(), window, threads);
+    }
+}
+
+#[test]
+fn q8_0_gemma_shape_long_context() {
+    // Gemma 3 270M: 4 query heads on one KV head, head_dim 256; decode rows at 3,000 keys (split
+    // over threads) beside a 300-row prefill chunk, full and windowed
+    let mut c = case(13, &[(3000, 1), (700, 300), (40, 2)], 16, 1, 4, 256);
+    let (kq, vq) = to_q8(&mut c);
+    for window in [0, 512] {
+        for threads in [1, 3] {
+            check_q8(&c, &kq, &vq, 0.0625, window, threads);
+        }
+    }
+}
+
+#[test]
+fn q8_0_head_dim_not_a_multiple_of_32_is_an_error() {
+    let c = case(5, &[(40, 1)], 4, 1, 2, 48);
+    let blank = Q8Block {
+        d: [0; 2],
+        qs: [0; 32],
+    };
+    let k = vec![blank; c.k.len() / 32];
+    let kv = PagedKv {
+        k: &k,
+        v: &k,
+        n_blocks: c.n_blocks,
+        block_size: c.bs,
+        n_kv: c.n_kv,
+        head_dim: c.hd,
+    };
+    let mut out = vec![0f32; c.q.len()];
+    let e = paged_attention(&kv, &c.queries(), 1.0, 0, usize::MAX, &mut out, 1).unwrap_err();
+    assert!(
+        matches!(e, KernelError::Shape(ref m) if m.contains("multiple of 32")),
+        "{e}"
+    );
 }

@@ -1,11 +1,14 @@
 //! Binding of kvshare-kernels: `qmatmul_t`, the quantized matrix product of the CPU decode
-//! path, and `paged_attention` for decode rows and prefill chunks. Arrays are borrowed in place and the GIL is
+//! path, `paged_attention` for decode rows and prefill chunks (f32, f16 or q8_0 pools) and
+//! `quantize_q8_0` (what a q8_0 pool stores). Arrays are borrowed in place and the GIL is
 //! released while they run.
 
 use crate::convert::{invalid, typed_array, TypedArray};
+use kvshare_kernels::attention::{Q8_BYTES, Q8_VALS};
 use kvshare_kernels::{
-    paged_attention as core_paged_attention, qmatmul_t as core_qmatmul_t, KernelError, KvElem,
-    PagedKv, QMatrix, Queries, F16,
+    paged_attention as core_paged_attention, qmatmul_t as core_qmatmul_t,
+    quantize_q8_0 as core_quantize_q8_0, KernelError, KvElem, PagedKv, Q8Block, QMatrix, Queries,
+    F16,
 };
 use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
@@ -91,21 +94,37 @@ fn paged_attention(
     threads: usize,
 ) -> PyResult<()> {
     let qa = typed_array(q, b'f', 4, false, "q")?;
-    // the pool is f32 or f16 (NumPy float16: IEEE half)
+    // the pool is f32, f16 (NumPy float16: IEEE half) or q8_0 (uint8: rows of 34-byte blocks)
     let itemsize = match k_cache.getattr("dtype").and_then(|d| d.getattr("itemsize")) {
-        Ok(n) if n.extract::<usize>().ok() == Some(2) => 2,
+        Ok(n) => match n.extract::<usize>().ok() {
+            Some(2) => 2,
+            Some(1) => 1,
+            _ => 4,
+        },
         _ => 4,
     };
-    let ka = typed_array(k_cache, b'f', itemsize, false, "k_cache")?;
-    let va = typed_array(v_cache, b'f', itemsize, false, "v_cache")?;
+    let kind = if itemsize == 1 { b'u' } else { b'f' };
+    let ka = typed_array(k_cache, kind, itemsize, false, "k_cache")?;
+    let va = typed_array(v_cache, kind, itemsize, false, "v_cache")?;
     let ta = typed_array(block_tables, b'i', 4, false, "block_tables")?;
     let sa = typed_array(q_starts, b'i', 8, false, "q_starts")?;
     let pa = typed_array(start_positions, b'i', 8, false, "start_positions")?;
     let oa = typed_array(out, b'f', 4, true, "out")?;
-    let &[n_blocks, block_size, n_kv, head_dim] = ka.shape.as_slice() else {
+    let &[n_blocks, block_size, n_kv, row] = ka.shape.as_slice() else {
         return Err(invalid(
             "k_cache must be [n_blocks, block_size, n_kv_heads, head_dim]",
         ));
+    };
+    // a q8_0 row holds head_dim / 32 blocks of 34 bytes
+    let head_dim = if itemsize == 1 {
+        if row % Q8_BYTES != 0 {
+            return Err(invalid(format!(
+                "a q8_0 k_cache row is a multiple of {Q8_BYTES} bytes, got {row}"
+            )));
+        }
+        row / Q8_BYTES * Q8_VALS
+    } else {
+        row
     };
     if va.shape != ka.shape {
         return Err(invalid("v_cache must have k_cache's shape"));
@@ -155,7 +174,22 @@ fn paged_attention(
         start_positions: pv,
     };
     let threads = threads.max(1);
-    let res = if itemsize == 2 {
+    let res = if itemsize == 1 {
+        // SAFETY: as above (bytes; Q8Block has alignment 1)
+        let (kb, vb) = unsafe { (ka.as_slice::<u8>(), va.as_slice::<u8>()) };
+        let (Some(k), Some(v)) = (Q8Block::from_bytes(kb), Q8Block::from_bytes(vb)) else {
+            return Err(invalid("q8_0 k_cache/v_cache must be whole 34-byte blocks"));
+        };
+        let cache = PagedKv {
+            k,
+            v,
+            n_blocks,
+            block_size,
+            n_kv,
+            head_dim,
+        };
+        py.detach(|| core_paged_attention(&cache, &queries, scale, window, max_rows, ov, threads))
+    } else if itemsize == 2 {
         // SAFETY: as above
         let cache = unsafe { paged_kv::<F16>(&ka, &va, n_blocks, block_size, n_kv, head_dim) };
         py.detach(|| core_paged_attention(&cache, &queries, scale, window, max_rows, ov, threads))
@@ -168,6 +202,31 @@ fn paged_attention(
         KernelError::Uncovered(m) => PyIndexError::new_err(m),
         e => invalid(e.to_string()),
     })
+}
+
+/// `out[..., :]` = the rows of `x` (float32 `[..., head_dim]`, head_dim a multiple of 32) as
+/// ggml Q8_0 blocks (uint8 `[..., head_dim / 32 * 34]`), exactly as ggml's
+/// `quantize_row_q8_0_ref`.
+#[pyfunction]
+fn quantize_q8_0(py: Python<'_>, x: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>) -> PyResult<()> {
+    let xa = typed_array(x, b'f', 4, false, "x")?;
+    let oa = typed_array(out, b'u', 1, true, "out")?;
+    let (Some((&hd, xlead)), Some((&ob, olead))) = (xa.shape.split_last(), oa.shape.split_last())
+    else {
+        return Err(invalid("x and out must have at least one dimension"));
+    };
+    if hd % Q8_VALS != 0 || xlead != olead || ob != hd / Q8_VALS * Q8_BYTES {
+        return Err(invalid(format!(
+            "x [..., {hd}] needs a multiple of {Q8_VALS} values per row and out [..., {}]",
+            hd / Q8_VALS * Q8_BYTES
+        )));
+    }
+    refuse_overlap(oa.span(1), [xa.span(4)])?;
+    // SAFETY: dtypes checked by typed_array; out overlaps no input; both stay referenced.
+    let (xs, os) = unsafe { (xa.as_slice::<f32>(), oa.as_mut_slice::<u8>()) };
+    let blocks = Q8Block::from_bytes_mut(os).ok_or_else(|| invalid("out: whole blocks"))?;
+    py.detach(|| core_quantize_q8_0(xs, blocks))
+        .map_err(|e| invalid(e.to_string()))
 }
 
 /// The pool layer's K and V arrays as the kernel's view.
@@ -206,5 +265,6 @@ fn refuse_overlap(
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(qmatmul_t, m)?)?;
+    m.add_function(wrap_pyfunction!(quantize_q8_0, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention, m)?)
 }

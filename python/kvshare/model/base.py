@@ -69,16 +69,18 @@ class Model(ABC):
 
     def kv_bytes_per_token(self, kv_dtype: Any = None, group: int | None = None) -> int:
         """Bytes of paged KV one token takes (K and V): of all attention layers (`group`
-        None), of the full-attention ones (0) or of the sliding-window ones (1)."""
-        from kvshare.model.cache import kv_dtype_of  # noqa: PLC0415
+        None), of the full-attention ones (0) or of the sliding-window ones (1). q8_0: 34 bytes
+        per 32 values."""
+        from kvshare.model.cache import kv_row_bytes  # noqa: PLC0415
 
-        dt = kv_dtype_of(kv_dtype if kv_dtype is not None else self._default_kv_dtype())
+        dt = kv_dtype if kv_dtype is not None else self._default_kv_dtype()
         c = self.config
         n = c.n_attn_layers
         if group is not None:
             n_win = self.n_window_layers()
             n = n_win if group == 1 else n - n_win
-        return n * max(c.n_head_kv, 1) * (c.head_dim + c.head_dim_v) * dt.itemsize
+        return n * max(c.n_head_kv, 1) * (kv_row_bytes(c.head_dim, dt)
+                                           + kv_row_bytes(c.head_dim_v, dt))
 
     def n_window_layers(self) -> int:
         """Attention layers with a sliding window (their K/V can live in a window group)."""
@@ -93,7 +95,8 @@ class Model(ABC):
     def new_cache(self, n_blocks: int, block_size: int = 16, n_state_slots: int = 0,
                   kv_dtype: Any = None, n_win_blocks: int | None = None) -> ModelCache:
         """A KV pool of `n_blocks` blocks of `block_size` tokens (`kv_dtype`: a dtype or "f32" /
-        "f16"; default f16) plus `n_state_slots` recurrent-state slots (hybrid models only).
+        "f16" / "q8_0" (CPU only); default f16) plus `n_state_slots` recurrent-state slots
+        (hybrid models only).
         `n_win_blocks`: the sliding-window layers get their own pool of that many blocks
         (`ModelCache.split`)."""
         if kv_dtype is None:

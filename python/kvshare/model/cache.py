@@ -13,6 +13,11 @@ engine's second block pool): those layers only ever read the last W positions, s
 holds only its window there (docs/architecture.md, "KV by layer kind"). `kv` then holds the
 full-attention layers only. `layer_kv` hides which array a layer lives in; `group_of` says.
 
+q8_0 pools (`kv_dtype="q8_0"`, CPU only): each K/V row of `head_dim` values is ggml Q8_0
+blocks (`kvshare.ops.kv_q8_0`), so the arrays are uint8 with a last axis of
+`head_dim / 32 * 34` bytes instead of `head_dim` values; `kv_dtype` is then uint8 (what the
+tiers view their bytes as) and `kv_dtype_name` says "q8_0". Blocks move as bytes like any other.
+
 Recurrent state (filled in by the hybrid-model work): `states` is a list with one array per
 recurrent-state tensor kind, each shaped `[n_state_slots, ...]`; attention-only models have
 `n_state_slots == 0` and no state arrays.
@@ -28,20 +33,41 @@ import numpy as np
 
 from kvshare.backend import CPU, Backend
 from kvshare.model.config import ModelConfig
+from kvshare.ops import kv_q8_0 as q8
 
 
 _DTYPE_NAMES = {"f32": np.float32, "float32": np.float32, "f16": np.float16,
-                "float16": np.float16, "half": np.float16}
+                "float16": np.float16, "half": np.float16, "q8_0": np.uint8}
+_NAME_OF = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.uint8): "q8_0"}
 
 
 def kv_dtype_of(kv_dtype: Any) -> np.dtype:
-    """A KV dtype from a NumPy dtype or a name ("f32", "f16", "float32", "float16")."""
+    """The pool's array dtype from a NumPy dtype or a name ("f32", "f16", "float32",
+    "float16", "q8_0"). q8_0 rows are bytes: its array dtype is uint8 (and uint8 means q8_0)."""
     if isinstance(kv_dtype, str) and kv_dtype.lower() in _DTYPE_NAMES:
         return np.dtype(_DTYPE_NAMES[kv_dtype.lower()])
     dt = np.dtype(kv_dtype)
-    if dt not in (np.dtype(np.float32), np.dtype(np.float16)):
-        raise ValueError(f"KV dtype {kv_dtype!r} not supported (f32 or f16)")
+    if dt not in _NAME_OF:
+        raise ValueError(f"KV dtype {kv_dtype!r} not supported (f32, f16 or q8_0)")
     return dt
+
+
+def kv_dtype_name(kv_dtype: Any) -> str:
+    """The name of a KV dtype ("f32", "f16" or "q8_0"), as cache keys and flags spell it."""
+    return _NAME_OF[kv_dtype_of(kv_dtype)]
+
+
+def kv_row_bytes(head_dim: int, kv_dtype: Any) -> int:
+    """Bytes of one K or V row of `head_dim` values in a pool of `kv_dtype` (q8_0: 34 per 32
+    values; ValueError when head_dim is not a multiple of 32)."""
+    dt = kv_dtype_of(kv_dtype)
+    if dt == np.uint8:
+        try:
+            return q8.row_bytes(head_dim)
+        except ValueError:
+            raise ValueError(f"q8_0 KV needs a head_dim that is a multiple of {q8.VALS}; this "
+                             f"model's head_dim is {head_dim} (use f16)") from None
+    return head_dim * dt.itemsize
 
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
@@ -61,6 +87,12 @@ class ModelCache:
         self.n_blocks = int(n_blocks)
         self.block_size = int(block_size)
         self.kv_dtype = kv_dtype_of(kv_dtype)
+        self.kv_dtype_name = kv_dtype_name(self.kv_dtype)
+        # elements of one K/V row: head_dim values, or its q8_0 bytes
+        row = kv_row_bytes(config.head_dim, self.kv_dtype) // self.kv_dtype.itemsize
+        if self.kv_dtype_name == "q8_0" and backend.is_gpu:
+            raise ValueError("q8_0 KV is CPU-only: the GPU attention kernels read f16 or f32 "
+                             "(use f16)")
         self.n_attn_layers = config.n_attn_layers
         xp = backend.xp
         # which attention layers are sliding-window ones (their attn_index order)
@@ -75,7 +107,7 @@ class ModelCache:
             self._where.append((g, counts[g]))
             counts[g] += 1
         self.n_win_blocks = int(n_win_blocks) if self.split else 0
-        tail = (self.block_size, max(config.n_head_kv, 1), config.head_dim)
+        tail = (self.block_size, max(config.n_head_kv, 1), row)
         shape = (counts[0], 2, self.n_blocks, *tail)
         self._mapping: mmap.mmap | None = None
         self._win_mapping: mmap.mmap | None = None

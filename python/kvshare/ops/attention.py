@@ -9,6 +9,10 @@ Masks (llama.cpp's, `llama_hparams::is_masked_swa` with LLAMA_SWA_TYPE_STANDARD)
 position `qp` sees a key at position `kp` iff `kp <= qp` and, with a window `W > 0`,
 `qp - kp < W` (the window counts the query's own token: it sees itself and W-1 earlier ones).
 Query head h reads KV head `h // (n_head // n_kv_heads)`.
+
+q8_0 pools (uint8 caches, `kvshare.ops.kv_q8_0`): the last axis is a row's Q8_0 blocks
+(`head_dim / 32 * 34` bytes); `write_kv` quantizes, the kernel reads the blocks from the pool
+(converting them to f32 a few rows at a time), the NumPy tiles read dequantized copies.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 
 from kvshare import _core
 from kvshare.backend import CPU, CPU_THREADS, Backend
+from kvshare.ops import kv_q8_0 as q8
 from kvshare.ops._dispatch import gpu_op
 from kvshare.ops.parallel import ROWS
 
@@ -36,7 +41,8 @@ _TILE_ROWS = 128
 # pool dtypes and as the tests' oracle (set this to 0 to take it).
 KERNEL_MAX_ROWS = 1 << 62
 _DECODE_ROWS = 4  # the kernel's DECODE_ROWS: more rows per sequence take its tiled path
-_KERNEL_KV_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+_KERNEL_KV_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.uint8))
+_Q8 = np.dtype(np.uint8)  # a q8_0 pool's array dtype
 
 
 def pad_block_tables(tables: Sequence[np.ndarray]) -> np.ndarray:
@@ -67,10 +73,14 @@ def write_kv(k_cache: Any, v_cache: Any, slots: Any, k: Any, v: Any, *,
              backend: Backend = CPU) -> None:
     """Store K and V of N tokens: `k_cache.reshape(-1, n_kv, hd)[slots] = k` (same for v).
     k, v: float32 `[N, n_kv_heads, head_dim]` (views allowed); slots: int `[N]` from
-    `kv_slots`; converts to the cache dtype (f32 or f16)."""
+    `kv_slots`; converts to the cache dtype (f32 or f16; q8_0 caches: quantized)."""
     if backend.is_gpu:
         return gpu_op("write_kv")(k_cache, v_cache, slots, k, v)
     nb, bs = k_cache.shape[:2]
+    if k_cache.dtype == _Q8:
+        k_cache.reshape(nb * bs, *k_cache.shape[2:])[slots] = q8.quantize(k)
+        v_cache.reshape(nb * bs, *v_cache.shape[2:])[slots] = q8.quantize(v)
+        return None
     k_cache.reshape(nb * bs, *k_cache.shape[2:])[slots] = k
     v_cache.reshape(nb * bs, *v_cache.shape[2:])[slots] = v
     return None
@@ -97,13 +107,17 @@ def _block_runs(blocks: np.ndarray) -> list[tuple[int, int]] | None:
 def _pieces(cache: np.ndarray, blocks: np.ndarray, runs: list[tuple[int, int]] | None
             ) -> list[tuple[int, np.ndarray]]:
     """The rows of `blocks` as `(first row, rows [len, n_kv, hd])` pieces: a view per run, or
-    one gathered copy (`runs` None)."""
+    one gathered copy (`runs` None); a q8_0 cache's rows dequantized (copies)."""
     bs = cache.shape[1]
     tail = cache.shape[2:]
     if runs is None:
-        return [(0, cache[blocks].reshape(len(blocks) * bs, *tail))]
-    return [(a * bs, cache[blocks[a] : blocks[e - 1] + 1].reshape((e - a) * bs, *tail))
-            for a, e in runs]
+        out = [(0, cache[blocks].reshape(len(blocks) * bs, *tail))]
+    else:
+        out = [(a * bs, cache[blocks[a] : blocks[e - 1] + 1].reshape((e - a) * bs, *tail))
+               for a, e in runs]
+    if cache.dtype == _Q8:
+        out = [(first, q8.dequantize(rows)) for first, rows in out]
+    return out
 
 
 def _key_blocks(block_tables: Any, s: int, p0: int, n: int, window: int, bs: int
@@ -144,7 +158,8 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     n_tok, n_head, hd = q.shape
     bs = k_cache.shape[1]
     if out is None:
-        out = np.empty((n_tok, n_head, v_cache.shape[3]), np.float32)
+        hd_v = hd if v_cache.dtype == _Q8 else v_cache.shape[3]  # q8_0: bytes, and hd_v == hd
+        out = np.empty((n_tok, n_head, hd_v), np.float32)
     q_starts = np.asarray(q_starts)
     start_positions = np.asarray(start_positions)
     if mask_cache is None:

@@ -170,8 +170,9 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--kv-blocks", _positive_int, None, "KV pool size in blocks (instead of --kv-mem)"),
     ("--block-size", _positive_int, None, "tokens per KV block (default: 16)"),
     ("--kv-dtype", _kv_dtype, None,
-     "element type of the KV cache: f16 (the default, as llama.cpp) or f32 (twice the "
-     "memory); q8_0 is not supported yet (a clear error)"),
+     "element type of the KV cache: f16 (the default, as llama.cpp), f32 (twice the memory) "
+     "or q8_0 (ggml's Q8_0 blocks as llama.cpp's -ctk/-ctv q8_0: 34 bytes per 32 values, "
+     "0.53x f16; CPU only, head_dim a multiple of 32)"),
     ("--prefill-chunk", _positive_int, None, "prompt tokens computed per step (default: 512)"),
     ("--queue-timeout", _non_negative_float, None,
      "seconds a request may wait to be admitted before it gets 503 with Retry-After "
@@ -763,17 +764,21 @@ class _KvDtypeError(Exception):
     pass
 
 
-def _kv_dtype_problem(kv_dtype: str | None) -> str | None:
-    """Why the KV pool cannot hold `kv_dtype` (asked of kvshare.model.cache.kv_dtype_of, which
-    every pool allocation goes through), or None."""
+def _kv_dtype_problem(kv_dtype: str | None, device: str = "cpu") -> str | None:
+    """Why the KV pool cannot hold `kv_dtype` on `device` (asked of
+    kvshare.model.cache.kv_dtype_of, which every pool allocation goes through), or None.
+    q8_0 is CPU-only (the CUDA attention kernels read f16 or f32)."""
     if kv_dtype is None:
         return None
-    from kvshare.model.cache import kv_dtype_of
+    from kvshare.model.cache import kv_dtype_name, kv_dtype_of
 
     try:
         kv_dtype_of(kv_dtype)
     except (ValueError, TypeError) as e:
         return f"the KV pool does not support it yet ({str(e).splitlines()[0] if str(e) else e})"
+    if device != "cpu" and kv_dtype_name(kv_dtype) == "q8_0":
+        return (f"q8_0 KV is CPU-only (--device {device}: the GPU attention kernels read f16 "
+                "or f32; use --kv-dtype f16)")
     return None
 
 
@@ -798,7 +803,7 @@ def serve(args: argparse.Namespace) -> int:
 
     if not catalog.is_known(args.model):  # before anything slow: a typo is one line
         return _fail(catalog.not_found_message(args.model), 2)
-    problem = _kv_dtype_problem(args.kv_dtype)
+    problem = _kv_dtype_problem(args.kv_dtype, args.device)
     if problem:
         return _fail(f"cannot use --kv-dtype {args.kv_dtype}: {problem}", 2)
     if args.cache_dir:
