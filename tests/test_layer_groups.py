@@ -5,6 +5,8 @@ whatever the window group's block ids are and whatever it holds before each quer
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -208,3 +210,22 @@ def test_windows_come_back_from_the_ram_tier(model, prompts):
     ram = eng.snapshot()["tiers"]["ram"]
     assert ram["tokens_served"] > 0 and got[1].cache_n >= len(ps[0]) + 5 - 16, (ram, got[1])
     _idle(eng)
+
+
+def test_the_model_declares_its_layer_kinds_and_the_cache_follows_them(model):
+    """Gemma 3 270M: 15 sliding-window layers (window 512) and 3 full ones; the engine's cache
+    gets a manager per kind, the window group leading; --swa-full keeps one group."""
+    from kvshare.model.base import LayerKinds
+    from kvshare.model.loader import load_model
+
+    assert model.layer_kinds() == LayerKinds(full_attention=3, sliding_window=15, window=512)
+    eng = _engine(model)
+    assert [g.kind for g in eng.cache.groups] == ["full_attention", "sliding_window"]
+    assert eng.cache.lead.kind == "sliding_window" and eng.cache.waits_for_donors
+    eng = _engine(model, swa_full=True)
+    assert [g.kind for g in eng.cache.groups] == ["full_attention"]
+    hybrid = load_model(str(Path(__file__).parent / "data" / "models" / "tiny-qwen35.gguf"))
+    assert hybrid.layer_kinds() == LayerKinds(full_attention=1, recurrent=3)
+    eng = _engine(hybrid)
+    assert [g.kind for g in eng.cache.groups] == ["full_attention", "recurrent"]
+    assert eng.cache.stateful and not eng.cache.waits_for_donors

@@ -36,6 +36,17 @@ from kvshare.ops.parallel import ROWS, split_rows
 from kvshare.ops.rope import apply_rope, rope_cos_sin
 
 
+
+@dataclass(frozen=True)
+class LayerKinds:
+    """A model's layers by kind: full attention (K/V of every position), sliding window (K/V of
+    the last `window` positions), recurrent (one state per sequence)."""
+
+    full_attention: int
+    sliding_window: int = 0
+    window: int = 0
+    recurrent: int = 0
+
 class Model(ABC):
     """A loaded model on one backend.
 
@@ -86,6 +97,15 @@ class Model(ABC):
         """Attention layers with a sliding window (their K/V can live in a window group)."""
         c = self.config
         return sum(1 for w, k in zip(c.layer_windows or (), c.attn_layer_index) if w and k >= 0)
+
+    def layer_kinds(self) -> "LayerKinds":
+        """How many layers of each kind the model has, as the engine's cache groups them
+        (engine/cache: one manager per kind)."""
+        c = self.config
+        n_win = self.n_window_layers()
+        return LayerKinds(full_attention=c.n_attn_layers - n_win, sliding_window=n_win,
+                          window=int(c.sliding_window) if n_win else 0,
+                          recurrent=c.n_layers - c.n_attn_layers if self.state_shapes() else 0)
 
     def _default_kv_dtype(self) -> Any:
         # f16 on every backend: half the pool's bytes and reads (llama.cpp's default too); the

@@ -44,13 +44,14 @@ def kv_dtype_name(kv) -> str:
 
 
 def build_cache(model, config, fingerprint: bytes) -> KVCacheManager:
-    """The cache for `model` under `config` (engine.EngineConfig): the model's layer kinds
-    decide the groups (hybrid: full attention + recurrent; sliding-window layers, unless
-    `swa_full`: full attention + sliding window; else full attention alone)."""
-    hybrid = bool(model.state_shapes())
-    n_win = getattr(model, "n_window_layers", lambda: 0)()
-    window = (int(model.config.sliding_window)
-              if n_win and not hybrid and not config.swa_full else 0)
+    """The cache for `model` under `config` (engine.EngineConfig). The layer kinds the model
+    declares (`Model.layer_kinds`) decide the groups: recurrent layers (hybrids): full
+    attention + recurrent; sliding-window layers, unless `swa_full`: full attention + sliding
+    window; else full attention alone. (Hybrids with sliding-window layers keep them in the
+    main pool.)"""
+    kinds = model.layer_kinds()
+    hybrid = kinds.recurrent > 0
+    window = kinds.window if kinds.sliding_window and not hybrid and not config.swa_full else 0
     n_win_blocks = win_pool_blocks(model, config, window) if window else None
     n_blocks = pool_blocks(model, config, window, n_win_blocks)
     kv = model.new_cache(n_blocks, config.block_size, kv_dtype=config.kv_dtype,
