@@ -26,7 +26,7 @@ from kvshare import _core
 from kvshare.backend import CPU_THREADS
 
 # Most rows of x for the block kernel (it quantizes the activations once and reads each weight
-# block once per 4 rows); larger products dequantize tiles + BLAS.
+# block once per 8 rows); larger products dequantize tiles + BLAS.
 BLOCK_KERNEL_MAX = 16
 # f32 values per dequantized tile of the large-batch path (8 MB)
 _TILE_VALUES = 1 << 21

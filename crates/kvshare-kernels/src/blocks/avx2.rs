@@ -18,6 +18,10 @@ use std::arch::x86_64::*;
 macro_rules! by_rows {
     ($f:ident, $rows:expr, $($arg:expr),*) => {
         match $rows {
+            8 => $f::<8>($($arg),*),
+            7 => $f::<7>($($arg),*),
+            6 => $f::<6>($($arg),*),
+            5 => $f::<5>($($arg),*),
             4 => $f::<4>($($arg),*),
             3 => $f::<3>($($arg),*),
             2 => $f::<2>($($arg),*),
@@ -26,7 +30,7 @@ macro_rules! by_rows {
     };
 }
 
-/// Dot products of weight row `row` with activation rows `[r0, r0 + rows)` (`rows` <= 4)
+/// Dot products of weight row `row` with activation rows `[r0, r0 + rows)` (`rows` <= 8)
 /// into `out`; false when this type has no AVX2 kernel (the caller then takes the portable
 /// one).
 ///

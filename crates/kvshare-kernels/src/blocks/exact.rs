@@ -123,6 +123,10 @@ mod avx2 {
     macro_rules! by_rows {
         ($f:ident, $rows:expr, $($arg:expr),*) => {
             match $rows {
+                8 => $f::<8, 1>($($arg),*),
+                7 => $f::<7, 1>($($arg),*),
+                6 => $f::<6, 1>($($arg),*),
+                5 => $f::<5, 1>($($arg),*),
                 4 => $f::<4, 2>($($arg),*),
                 3 => $f::<3, 2>($($arg),*),
                 2 => $f::<2, 4>($($arg),*),
@@ -135,6 +139,10 @@ mod avx2 {
     macro_rules! by_rows_t {
         ($f:ident, $t:ident, $rows:expr, $($arg:expr),*) => {
             match $rows {
+                8 => $f::<8, 1, { $t as u32 }>($($arg),*),
+                7 => $f::<7, 1, { $t as u32 }>($($arg),*),
+                6 => $f::<6, 1, { $t as u32 }>($($arg),*),
+                5 => $f::<5, 1, { $t as u32 }>($($arg),*),
                 4 => $f::<4, 2, { $t as u32 }>($($arg),*),
                 3 => $f::<3, 2, { $t as u32 }>($($arg),*),
                 2 => $f::<2, 4, { $t as u32 }>($($arg),*),
@@ -144,7 +152,7 @@ mod avx2 {
     }
 
     /// See `super::row_dot`. SAFETY: AVX2, FMA and F16C; `row` a whole row of quantized
-    /// `ty` for `k`; rows `r0..r0 + rows` (`rows` <= 4) of `x` (`[_, k]`) exist.
+    /// `ty` for `k`; rows `r0..r0 + rows` (`rows` <= 8) of `x` (`[_, k]`) exist.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn row_dot(
         ty: BlockType,

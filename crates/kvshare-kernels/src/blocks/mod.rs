@@ -30,8 +30,11 @@ pub const MAX_ROWS: usize = 16;
 const TILE: usize = 32;
 /// Least bytes of weights read per part worth handing to another thread (~25 us).
 const BYTES_PER_THREAD: usize = 1 << 17;
-/// Activation rows processed together against one weight row.
-const ROW_BLOCK: usize = 4;
+/// Activation rows processed together against one weight row: each weight block is unpacked
+/// once per 8 rows. With 4, a batch of 8 unpacked every block twice; 8 made one pass of
+/// Gemma 3 270M's block weights at 8 rows 15-20% faster (125 / 117 ms vs 157 / 140 ms,
+/// alternating runs on 2 cores) and left 1 and 4 rows unchanged.
+const ROW_BLOCK: usize = 8;
 /// Activation values per scale of the quantized activations.
 pub const ACT_BLOCK: usize = 32;
 
