@@ -95,7 +95,7 @@ class Engine:
         self.windows = self.cache.group("sliding_window")
         recurrent = self.cache.group("recurrent")
         self.checkpoints = recurrent.checkpoints if recurrent is not None else None
-        self.hybrid = recurrent is not None
+        self.hybrid = self.cache.stateful
         self.scheduler = Scheduler(self.cache, config.parallel, config.prefill_chunk)
         self.stop_ids = set(getattr(tokenizer, "stop_ids", ()) or ())
         eos = getattr(tokenizer, "eos_id", None)

@@ -36,7 +36,6 @@ from kvshare.ops.parallel import ROWS, split_rows
 from kvshare.ops.rope import apply_rope, rope_cos_sin
 
 
-
 @dataclass(frozen=True)
 class LayerKinds:
     """A model's layers by kind: full attention (K/V of every position), sliding window (K/V of
@@ -46,6 +45,7 @@ class LayerKinds:
     sliding_window: int = 0
     window: int = 0
     recurrent: int = 0
+
 
 class Model(ABC):
     """A loaded model on one backend.

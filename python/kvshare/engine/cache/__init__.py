@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from kvshare import _core
 from kvshare.engine.cache.base import CacheContext, LayerGroupManager
 from kvshare.engine.cache.checkpoints import CheckpointManager
@@ -28,19 +26,7 @@ from kvshare.engine.cache.remote_tier import RemoteTier
 from kvshare.engine.cache.sliding_window import SlidingWindowManager
 from kvshare.engine.cache.tiers import TierManager
 
-__all__ = ["KVCacheManager", "LayerGroupManager", "build_cache", "kv_dtype_name"]
-
-
-def kv_dtype_name(kv) -> str:
-    """The name the KV pool's dtype goes by in cache keys and flags ("f32", "f16", ...)."""
-    name = getattr(kv, "kv_dtype_name", None)
-    if name:
-        return name
-    names = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}
-    try:
-        return names.get(np.dtype(kv.kv_dtype), str(kv.kv_dtype))
-    except TypeError:
-        return str(kv.kv_dtype)
+__all__ = ["KVCacheManager", "LayerGroupManager", "build_cache"]
 
 
 def build_cache(model, config, fingerprint: bytes) -> KVCacheManager:
@@ -58,7 +44,7 @@ def build_cache(model, config, fingerprint: bytes) -> KVCacheManager:
                          n_state_slots=config.parallel if hybrid else 0,
                          n_win_blocks=n_win_blocks)
     kv.prefault()  # host pool: map its pages in the background, not on first use
-    dtype = kv_dtype_name(kv)  # part of every cache key (a block means its bytes in it)
+    dtype = kv.kv_dtype_name  # part of every cache key (a block means its bytes in it)
     pool = _core.BlockPool(n_blocks, config.block_size)
     tiers = make_tiers(config, fingerprint, dtype, pool, kv)
     ctx = CacheContext(kv, BlockKeys(fingerprint, dtype, config.block_size,

@@ -72,6 +72,9 @@ def prefix_entry_tokens(seq: Sequence, block_size: int) -> int:
 
 class LayerGroupManager(ABC):
     kind: str = ""
+    # a forward pass advances per-sequence state in place (recurrent layers): a sequence
+    # resumes only from a snapshot, never from blocks a concurrent one is computing
+    stateful: bool = False
 
     @abstractmethod
     def admit(self, seq: Sequence) -> int:
@@ -145,3 +148,20 @@ def record_tokens(pool, table: list[int], seq: Sequence, start: int, end: int, k
                 keys.ensure(seq, stop)
                 pool.register(block, seq.block_keys[j])
         pos = stop
+
+
+def allocate_blocks(pool, keys: BlockKeys, seq: Sequence, js: range, null: int | None = None,
+                    null_before: int = 0) -> list[int] | None:
+    """Fresh blocks of `pool` for the sequence's blocks `js`, each chained from its parent key
+    (entries before `null_before` are the `null` block instead: not held). None, having taken
+    nothing, when the pool runs out."""
+    got: list[int] = []
+    try:
+        for j in js:
+            got.append(null if j < null_before else pool.allocate(keys.parent(seq, j)))
+    except _core.OutOfBlocks:
+        taken = [b for b in got if b != null]
+        if taken:
+            pool.release(taken)
+        return None
+    return got

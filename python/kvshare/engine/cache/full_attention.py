@@ -24,8 +24,9 @@ import logging
 import time
 
 from kvshare import _core
-from kvshare.engine.cache.base import (CacheContext, LayerGroupManager, full_blocks_before,
-                                       prefix_entry_tokens, recomputes, record_tokens)
+from kvshare.engine.cache.base import (CacheContext, LayerGroupManager, allocate_blocks,
+                                       copy_on_write, full_blocks_before, prefix_entry_tokens,
+                                       recomputes, record_tokens)
 from kvshare.engine.faults import injected, maybe_inject
 from kvshare.engine.sequence import Sequence
 
@@ -123,18 +124,12 @@ class FullAttentionManager(LayerGroupManager):
         """Copy-on-write: the first n tokens of a (possibly shared) block into a fresh block
         that ends the sequence's table; `src` is never written. False (nothing changed) when
         no block is free: the caller computes those tokens instead."""
-        try:
-            if injected(seq.request, "cow"):
-                raise _core.OutOfBlocks("injected: no block for the copy-on-write")
-            dst = self.pool.cow(src, n)
-        except _core.OutOfBlocks:
+        # the fault hook stands for a pool with no free block
+        no_room = injected(seq.request, "cow")
+        dst = None if no_room else copy_on_write(self.pool, self.ctx.kv, src, n)
+        if dst is None:
             self.ctx.counters["cow_no_room"] += 1
             return False
-        try:
-            self.ctx.kv.copy_block(src, dst, n)
-        except BaseException:
-            self.pool.release([dst])
-            raise
         seq.block_table.append(dst)
         return True
 
@@ -148,14 +143,8 @@ class FullAttentionManager(LayerGroupManager):
         if n_new == 0:
             return []
         self.keys.ensure(seq, end)
-        got: list[int] = []
-        try:
-            for j in range(len(seq.block_table), len(seq.block_table) + n_new):
-                got.append(self.pool.allocate(self.keys.parent(seq, j)))
-        except _core.OutOfBlocks:
-            self.cancel(got)
-            return None
-        return got
+        start = len(seq.block_table)
+        return allocate_blocks(self.pool, self.keys, seq, range(start, start + n_new))
 
     def install(self, seq: Sequence, ids: list[int]) -> None:
         seq.block_table.extend(ids)

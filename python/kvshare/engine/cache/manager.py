@@ -38,16 +38,16 @@ class KVCacheManager:
         return self.ctx.attach
 
     @property
-    def waits_for_donors(self) -> bool:
-        """A sequence may wait for (and attach to) blocks a concurrent one is computing: not
-        for hybrids, which resume only at checkpoints."""
-        return self.ctx.attach and self.lead.kind != "recurrent"
-
-    @property
     def stateful(self) -> bool:
         """A forward pass advances per-sequence state in place (recurrent layers): a failed
         one cannot just be computed again, the sequence must resume from a checkpoint."""
-        return self.lead.kind == "recurrent"
+        return any(g.stateful for g in self.groups)
+
+    @property
+    def waits_for_donors(self) -> bool:
+        """A sequence may wait for (and attach to) blocks a concurrent one is computing: not
+        when it has state, which resumes only at checkpoints."""
+        return self.ctx.attach and not self.stateful
 
     def root_key(self, salt: bytes | None) -> bytes:
         return self.keys.root_key(salt)

@@ -26,6 +26,7 @@ log = logging.getLogger("kvshare.cache")
 
 class RecurrentStateManager(LayerGroupManager):
     kind = "recurrent"
+    stateful = True
 
     def __init__(self, checkpoints: CheckpointManager, full: FullAttentionManager,
                  ctx: CacheContext):

@@ -32,8 +32,8 @@ import time
 import numpy as np
 
 from kvshare import _core
-from kvshare.engine.cache.base import (CacheContext, LayerGroupManager, copy_on_write,
-                                       recomputes, record_tokens)
+from kvshare.engine.cache.base import (CacheContext, LayerGroupManager, allocate_blocks,
+                                       copy_on_write, recomputes, record_tokens)
 from kvshare.engine.cache.full_attention import FullAttentionManager
 from kvshare.engine.sequence import Sequence
 
@@ -227,15 +227,8 @@ class SlidingWindowManager(LayerGroupManager):
         if start >= need:
             return []
         self.keys.ensure(seq, end)
-        skip = self.first_needed(seq.n_computed)
-        got: list[int] = []
-        try:
-            for j in range(start, need):
-                got.append(self.null if j < skip else self.pool.allocate(self.keys.parent(seq, j)))
-        except _core.OutOfBlocks:
-            self.cancel(got)
-            return None
-        return got
+        return allocate_blocks(self.pool, self.keys, seq, range(start, need), self.null,
+                               self.first_needed(seq.n_computed))
 
     def install(self, seq: Sequence, ids: list[int]) -> None:
         seq.win_table.extend(ids)
