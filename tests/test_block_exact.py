@@ -107,3 +107,70 @@ def test_checks_raise_value_error():
     with pytest.raises(ValueError):  # out overlaps x
         _core.block_matmul_t_f32(buf[:256].reshape(1, 256), raw, int(Q.Q4_K),
                                  buf[1:3].reshape(1, 2))
+
+
+HAS_AVX512 = "avx512f" in open("/proc/cpuinfo").read() if __import__("os").path.exists(
+    "/proc/cpuinfo") else False
+
+
+@pytest.mark.parametrize("specs", [
+    [(Q.Q5_0, 40), (Q.Q5_0, 9), (Q.Q8_0, 9)],  # Gemma 3's Q/K/V
+    [(Q.Q4_K, 70), (Q.Q6_K, 33)],
+    [(Q.Q4_1, 5), (Q.Q3_K, 31), (Q.F16, 3), (Q.Q5_K, 64)],  # types without AVX-512 kernels
+], ids=["q5_0-q8_0", "q4_k-q6_k", "mixed"])
+def test_parts_in_one_call_equal_each_part_alone(specs, path):
+    """`block_matmul_t_f32_parts` (fused Q/K/V, gate/up in one call) gives, column for column,
+    bit for bit what each part gives alone."""
+    rng = np.random.default_rng(31)
+    k = 512
+    raws = [make_raw(t, n, k, rng) for t, n in specs]
+    for m in (1, 2, 3, 5, 8, 16):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        alone = []
+        for (t, n), raw in zip(specs, raws):
+            o = np.empty((m, n), np.float32)
+            _core.block_matmul_t_f32(x, raw, int(t), o, threads=2)
+            alone.append(o)
+        out = np.full((m, sum(n for _, n in specs)), np.nan, np.float32)
+        _core.block_matmul_t_f32_parts(x, raws, [int(t) for t, _ in specs], out, threads=2)
+        np.testing.assert_array_equal(out, np.concatenate(alone, axis=1))
+
+
+@pytest.mark.skipif(not HAS_AVX512, reason="batch invariance is a property of the AVX-512 path")
+@pytest.mark.parametrize("t", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K],
+                         ids=lambda t: t.name)
+def test_a_row_does_not_depend_on_its_batch(t):
+    """On the AVX-512 path every (weight row, activation row) pair sums in one order whatever
+    the batch: a sequence decoded alone or beside 15 others gets the same bits."""
+    rng = np.random.default_rng(3)
+    k, n = 768, 203  # n: groups of 8, 4 and 2 weight rows and a tail of 1
+    raw = make_raw(t, n, k, rng)
+    x = rng.standard_normal((16, k)).astype(np.float32)
+    alone = np.empty((16, n), np.float32)
+    for r in range(16):
+        _core.block_matmul_t_f32(x[r : r + 1], raw, int(t), alone[r : r + 1], threads=1)
+    for m in (2, 3, 4, 7, 16):
+        out = np.empty((m, n), np.float32)
+        _core.block_matmul_t_f32(x[:m], raw, int(t), out, threads=2)
+        np.testing.assert_array_equal(out, alone[:m])
+
+
+def test_parts_checks_raise_value_error():
+    raw4k = np.zeros((2, 144), np.uint8)
+    raw8 = np.zeros((3, 272), np.uint8)  # Q8_0 rows of 256
+    x = np.zeros((1, 256), np.float32)
+    _core.block_matmul_t_f32_parts(x, [raw4k, raw8], [int(Q.Q4_K), int(Q.Q8_0)],
+                                   np.zeros((1, 5), np.float32))
+    with pytest.raises(ValueError):  # no parts
+        _core.block_matmul_t_f32_parts(x, [], [], np.zeros((1, 0), np.float32))
+    with pytest.raises(ValueError):  # one type short
+        _core.block_matmul_t_f32_parts(x, [raw4k, raw8], [int(Q.Q4_K)],
+                                       np.zeros((1, 5), np.float32))
+    with pytest.raises(ValueError):  # out is not [m, sum of rows]
+        _core.block_matmul_t_f32_parts(x, [raw4k, raw8], [int(Q.Q4_K), int(Q.Q8_0)],
+                                       np.zeros((1, 4), np.float32))
+    with pytest.raises(ValueError):  # a part's rows do not hold k values
+        _core.block_matmul_t_f32_parts(x, [raw4k, np.zeros((3, 136), np.uint8)],
+                                       [int(Q.Q4_K), int(Q.Q8_0)], np.zeros((1, 5), np.float32))
+    with pytest.raises(ValueError):  # unknown type
+        _core.block_matmul_t_f32_parts(x, [raw4k], [99], np.zeros((1, 2), np.float32))

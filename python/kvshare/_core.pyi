@@ -445,3 +445,15 @@ def block_matmul_t_f32(
     activations themselves for every type (no 8-bit rounding): the weights are formed in
     registers with ggml's dequantization arithmetic, so `out` equals
     `x @ dequantize(raw).T` up to f32 summation order. GIL released."""
+
+def block_matmul_t_f32_parts(
+    x: npt.NDArray[np.float32],
+    raws: list[npt.NDArray[np.uint8]],
+    qtypes: list[int],
+    out: npt.NDArray[np.float32],
+    threads: int = 1,
+) -> None:
+    """`block_matmul_t_f32` of several weights with the same `k` at once (fused Q/K/V or
+    gate/up, whose parts may differ in type): part `p` fills the columns of `out`
+    (`[M, sum of the parts' rows]`) after those of the parts before it. One pass over the
+    kernel threads for all parts. Same checks and ValueErrors. GIL released."""

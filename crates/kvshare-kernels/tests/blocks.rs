@@ -804,3 +804,97 @@ fn f32_special_f16_scales() {
         }
     }
 }
+
+use kvshare_kernels::blocks::block_matmul_t_f32_parts;
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    /// Fused weights in one call: each part's columns equal that part's own product, bit for
+    /// bit, and the f64 product within summation error.
+    #[test]
+    fn f32_parts_equal_each_part_alone(
+        seed in any::<u64>(),
+        m in 1usize..=16,
+        picks in proptest::collection::vec((0usize..15, 1usize..45), 1..4),
+    ) {
+        let mut rng = Rng(seed);
+        let k = 512;
+        let specs: Vec<(BlockType, usize)> =
+            picks.iter().map(|&(t, n)| (BlockType::ALL[t], n)).collect();
+        let raws: Vec<Vec<u8>> = specs.iter().map(|&(ty, n)| random_rows(ty, n, k, &mut rng)).collect();
+        let ws: Vec<BlockMatrix<'_>> = specs
+            .iter()
+            .zip(&raws)
+            .map(|(&(ty, n), raw)| BlockMatrix { raw, ty, n, k })
+            .collect();
+        let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
+        let ld: usize = specs.iter().map(|s| s.1).sum();
+        let mut out = vec![f32::NAN; m * ld];
+        block_matmul_t_f32_parts(&x, m, &ws, &mut out, 2).unwrap();
+        let mut col = 0;
+        for (w, raw) in ws.iter().zip(&raws) {
+            let mut alone = vec![0f32; m * w.n];
+            block_matmul_t_f32(&x, m, w, &mut alone, 2).unwrap();
+            let mut mine = vec![0f32; m * w.n];
+            for r in 0..m {
+                mine[r * w.n..(r + 1) * w.n].copy_from_slice(&out[r * ld + col..r * ld + col + w.n]);
+            }
+            prop_assert_eq!(&mine, &alone);
+            check_exact(w.ty, &x, &reference_rows(w.ty, raw), m, w.n, k, &mine);
+            col += w.n;
+        }
+    }
+}
+
+#[test]
+fn f32_parts_bad_shapes_are_errors() {
+    let raw = vec![0u8; 2 * 144];
+    let w = BlockMatrix {
+        raw: &raw,
+        ty: BlockType::Q4_K,
+        n: 2,
+        k: 256,
+    };
+    let short = BlockMatrix {
+        raw: &raw[..144],
+        ty: BlockType::Q4_K,
+        n: 1,
+        k: 128,
+    };
+    let x = vec![0f32; 256];
+    let mut out = vec![0f32; 4];
+    assert!(block_matmul_t_f32_parts(&x, 1, &[w, w], &mut out, 1).is_ok());
+    let shape_err = |r: Result<(), KernelError>| matches!(r, Err(KernelError::Shape(_)));
+    assert!(shape_err(block_matmul_t_f32_parts(&x, 1, &[], &mut out, 1)));
+    assert!(shape_err(block_matmul_t_f32_parts(
+        &x,
+        1,
+        &[w, short],
+        &mut out,
+        1
+    )));
+    assert!(shape_err(block_matmul_t_f32_parts(
+        &x,
+        1,
+        &[w],
+        &mut out,
+        1
+    )));
+    assert!(shape_err(block_matmul_t_f32_parts(
+        &x[..255],
+        1,
+        &[w, w],
+        &mut out,
+        1
+    )));
+    let big = vec![0f32; 17 * 256];
+    let mut big_out = vec![0f32; 17 * 4];
+    assert!(shape_err(block_matmul_t_f32_parts(
+        &big,
+        17,
+        &[w, w],
+        &mut big_out,
+        1
+    )));
+}

@@ -58,6 +58,7 @@ BLOCK_TYPES: dict[int, tuple[int, int]] = {
 # logits depend on chunking by ~1-3%).
 ACTIVATIONS = ("f32", "q8")
 HAVE_F32_KERNEL = hasattr(_core, "block_matmul_t_f32")
+HAVE_PARTS_KERNEL = hasattr(_core, "block_matmul_t_f32_parts")
 
 # float weights: the kernels multiply them with f32 activations (no 8-bit quantization)
 FLOAT_TYPES = frozenset({0, 1, 30})
@@ -229,9 +230,16 @@ class BlockWeight:
         if M <= BLOCK_KERNEL_MAX:
             x = np.ascontiguousarray(x, dtype=np.float32)
             threads = CPU_THREADS.kernel_threads
-            if len(self.parts) == 1 and out.flags.c_contiguous and out.dtype == np.float32:
+            direct = out.flags.c_contiguous and out.dtype == np.float32
+            if len(self.parts) == 1 and direct:
                 p = self.parts[0]
                 self._kernel(x, p.raw, p.qtype, out, threads)
+                return out
+            if direct and self.activations == "f32" and HAVE_PARTS_KERNEL:
+                # fused Q/K/V, gate/up: all parts in one call (one hand-off to the kernel
+                # threads, rows split by bytes across parts, no per-part copies)
+                _core.block_matmul_t_f32_parts(x, [p.raw for p in self.parts],
+                                               [p.qtype for p in self.parts], out, threads)
                 return out
             for p in self.parts:
                 tmp = np.empty((M, p.rows), np.float32)

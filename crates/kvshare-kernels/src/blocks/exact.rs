@@ -20,12 +20,18 @@
 //! FMA'd with the f32 activations of each row. Types without a kernel of their own (Q2_K,
 //! Q3_K, IQ4_NL, IQ4_XS) are dequantized block by block into a stack buffer by the portable
 //! code and then take the same FMA loop; F32/F16/BF16 take `block_matmul_t`'s f32 dot.
+//!
+//! Where AVX-512 runs, the types that carry most of a model's bytes (Q8_0, Q4_0/Q4_1, Q5_0/Q5_1,
+//! Q4_K/Q5_K, Q6_K) take `exact512` instead: the same weight arithmetic, 16 lanes, several
+//! weight rows at once, and one summation order whatever the batch.
 
 // loops index several arrays per row (accumulators, activation pointers)
 #![allow(clippy::needless_range_loop)]
 
 use super::portable::dequantize_row_unchecked;
-use super::{check_sizes, for_each_row_block, use_avx2, Acts, BlockMatrix, BlockType, ROW_BLOCK};
+use super::{
+    check_sizes, for_each_row_block, use_avx2, Acts, BlockMatrix, BlockType, MAX_ROWS, ROW_BLOCK,
+};
 use crate::qmatmul::KernelError;
 
 /// Largest block (elements) of a quantized type: the stack buffer of the generic path.
@@ -44,9 +50,70 @@ pub(super) fn matmul(
         return Ok(());
     }
     let simd = use_avx2(portable);
+    #[cfg(target_arch = "x86_64")]
+    if simd && super::exact512::supports(w.ty) && super::exact512::available() {
+        super::exact512::matmul_parts(x, m, std::slice::from_ref(w), out, threads);
+        return Ok(());
+    }
     for_each_row_block(m, w, out, threads, &|row, r, res| {
         row_dot(simd, w.ty, row, x, w.k, r, res.len(), res)
     });
+    Ok(())
+}
+
+/// `out[m, sum n_p]`: the products with each of `ws` side by side (see
+/// `block_matmul_t_f32_parts`).
+pub(super) fn matmul_parts(
+    x: &[f32],
+    m: usize,
+    ws: &[BlockMatrix<'_>],
+    out: &mut [f32],
+    threads: usize,
+    portable: bool,
+) -> Result<(), KernelError> {
+    let ld: usize = ws.iter().map(|w| w.n).sum();
+    if ws.is_empty() || ws.iter().any(|w| w.k != ws[0].k) {
+        return Err(KernelError::Shape(
+            "parts must be one or more weights with the same k".into(),
+        ));
+    }
+    for w in ws {
+        w.check()?;
+    }
+    let k = ws[0].k;
+    if m > MAX_ROWS || x.len() != m * k {
+        return Err(KernelError::Shape(format!(
+            "x has {} values, expected m x {k} with m <= {MAX_ROWS}",
+            x.len()
+        )));
+    }
+    if out.len() != m * ld {
+        return Err(KernelError::Shape(format!(
+            "out has {} values, expected {m} x {ld}",
+            out.len()
+        )));
+    }
+    if m == 0 || ld == 0 {
+        return Ok(());
+    }
+    #[cfg(target_arch = "x86_64")]
+    if use_avx2(portable)
+        && ws.iter().all(|w| super::exact512::supports(w.ty))
+        && super::exact512::available()
+    {
+        super::exact512::matmul_parts(x, m, ws, out, threads);
+        return Ok(());
+    }
+    // one product per part, its columns copied into place
+    let mut col = 0;
+    for w in ws {
+        let mut tmp = vec![0f32; m * w.n];
+        matmul(x, m, w, &mut tmp, threads, portable)?;
+        for r in 0..m {
+            out[r * ld + col..r * ld + col + w.n].copy_from_slice(&tmp[r * w.n..(r + 1) * w.n]);
+        }
+        col += w.n;
+    }
     Ok(())
 }
 
@@ -111,7 +178,7 @@ fn portable_row_dot(
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(super) mod avx2 {
     use super::super::portable::{dequantize_row_unchecked, f16_to_f32, scale_min_k4};
     use super::super::BlockType;
     use super::MAX_BLOCK;
@@ -202,7 +269,7 @@ mod avx2 {
     /// inserts the half into whatever register is free (`vpinsrw`), often an accumulator,
     /// which chains each block's conversion to the previous block's last FMA.
     #[inline(always)]
-    unsafe fn f16(p: *const u8) -> f32 {
+    pub(in crate::blocks) unsafe fn f16(p: *const u8) -> f32 {
         let h = unsafe { (p as *const u16).read_unaligned() } as u32;
         let exp = (h >> 10) & 0x1f;
         if exp != 0 && exp != 31 {
@@ -216,7 +283,7 @@ mod avx2 {
     /// 16 bytes at `p` as 32 nibbles: bytes 0..15 the low nibbles, 16..31 the high ones.
     #[target_feature(enable = "avx2")]
     #[inline]
-    unsafe fn nibbles(p: *const u8) -> __m256i {
+    pub(in crate::blocks) unsafe fn nibbles(p: *const u8) -> __m256i {
         let t = unsafe { _mm_loadu_si128(p as *const __m128i) };
         let b = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
         _mm256_and_si256(b, _mm256_set1_epi8(0x0F))
@@ -225,7 +292,7 @@ mod avx2 {
     /// The 32 bits at `p` as bytes 0x10 (bit set) / 0: Q5_0/Q5_1's fifth bits.
     #[target_feature(enable = "avx2")]
     #[inline]
-    unsafe fn fifth_bits(p: *const u8) -> __m256i {
+    pub(in crate::blocks) unsafe fn fifth_bits(p: *const u8) -> __m256i {
         let x = unsafe { (p as *const u32).read_unaligned() };
         let shuf = _mm256_set_epi64x(
             0x0303_0303_0303_0303,

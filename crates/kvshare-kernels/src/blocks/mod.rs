@@ -17,6 +17,8 @@
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 mod exact;
+#[cfg(target_arch = "x86_64")]
+mod exact512;
 mod portable;
 
 use crate::qmatmul::KernelError;
@@ -329,6 +331,19 @@ pub fn block_matmul_t_f32(
     threads: usize,
 ) -> Result<(), KernelError> {
     exact::matmul(x, m, w, out, threads, false)
+}
+
+/// `block_matmul_t_f32` of several weights with the same `k` at once (fused Q/K/V, gate/up:
+/// parts of different types): `out` is `[m, sum n_p]` and part `p` fills the columns after
+/// those of the parts before it. One pass over the thread pool for all parts.
+pub fn block_matmul_t_f32_parts(
+    x: &[f32],
+    m: usize,
+    ws: &[BlockMatrix<'_>],
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), KernelError> {
+    exact::matmul_parts(x, m, ws, out, threads, false)
 }
 
 /// `block_matmul_t_f32` on the portable code.

@@ -1,0 +1,471 @@
+//! AVX-512 form of [`super::exact`]'s products (f32 activations, weights formed with ggml's
+//! own f32 operations), for the types that carry most of a model's bytes: Q8_0, Q4_0, Q4_1,
+//! Q5_0, Q5_1, Q4_K, Q5_K, Q6_K.
+//!
+//! Why a second form: with Gemma 3 270M's 640-wide rows a weight row is 20 blocks, and the
+//! AVX2 form's per-row work (a dispatch, a horizontal sum, scattered stores) cost about as
+//! much as the row's products; a decode step ran at ~6 GB/s of weights on one core, half of
+//! what the memory delivers. Here `W` weight rows are walked together against `R` activation
+//! rows (`W * R <= 8`), 16 lanes at a time, so the per-row costs are shared by W rows and the
+//! unpacking of a weight block by R activation rows.
+//!
+//! Every (weight row, activation row) pair accumulates in the same order whatever `W` and
+//! `R` are (two 16-lane accumulators, for the first and last 16 of each 32 weights, summed at
+//! the end), so a row's result does not depend on the batch it is computed in, on how the
+//! rows are split between threads, or on whether it falls in a group of W or in the tail.
+
+// loops index several arrays per row (accumulators, activation pointers)
+#![allow(clippy::needless_range_loop)]
+
+use super::{BlockMatrix, BlockType, OutPtr, BYTES_PER_THREAD, TILE};
+use std::arch::x86_64::*;
+
+/// How far ahead of the rows being multiplied their bytes are prefetched.
+const PREFETCH_AHEAD: usize = 8192;
+
+/// Whether the CPU runs these kernels (AVX-512F next to the AVX2 + FMA + F16C that the
+/// unpacking uses).
+pub(super) fn available() -> bool {
+    std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma")
+        && std::is_x86_feature_detected!("f16c")
+}
+
+/// Whether `ty` has a kernel here.
+pub(super) fn supports(ty: BlockType) -> bool {
+    use BlockType::*;
+    matches!(ty, Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q4_K | Q5_K | Q6_K)
+}
+
+/// The f16 at `p` (unaligned) as f32, by F16C. Broadcast (`vpbroadcastw`) rather than
+/// inserted: LLVM inserts a lone half with `vpinsrw` into whatever register is free, often
+/// the previous row's scale, which chained every block's conversion to the row before it
+/// (~15 cycles a link, W links per block: it bounded the kernel at ~6 G weights/s).
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn f16(p: *const u8) -> f32 {
+    let h = unsafe { (p as *const i16).read_unaligned() };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(h)))
+}
+
+/// The f16 at `p` in all 16 lanes (see `f16`).
+#[target_feature(enable = "avx512f,avx2,f16c")]
+#[inline]
+unsafe fn f16x16(p: *const u8) -> __m512 {
+    let h = unsafe { (p as *const i16).read_unaligned() };
+    _mm512_cvtph_ps(_mm256_set1_epi16(h))
+}
+
+/// For each weight `ws[p]` (`[n_p, k]`, all `supports`ed), `out[:, c_p..c_p + n_p] =
+/// x[m, k] @ dequantize(ws[p]).T` with `c_p` the rows of the weights before it and `out`
+/// `[m, sum n_p]` (sizes checked by the caller, `m <= 16`, `available()`). One pass over
+/// the pool for all of them: fused Q/K/V or gate/up of different types cost one hand-off to
+/// the workers, and their rows are split between threads by bytes, whatever part they are in.
+pub(super) fn matmul_parts(
+    x: &[f32],
+    m: usize,
+    ws: &[BlockMatrix<'_>],
+    out: &mut [f32],
+    threads: usize,
+) {
+    let ptr = OutPtr(out.as_mut_ptr());
+    let ld: usize = ws.iter().map(|w| w.n).sum();
+    // tiles of TILE rows (a multiple of every W: groups never straddle two threads), as
+    // (part, first row, end row, first column), and the bytes before each
+    let mut tiles = Vec::new();
+    let mut col = 0;
+    for (p, w) in ws.iter().enumerate() {
+        for lo in (0..w.n).step_by(TILE) {
+            tiles.push((p, lo, (lo + TILE).min(w.n), col));
+        }
+        col += w.n;
+    }
+    let bytes = |t: &(usize, usize, usize, usize)| (t.2 - t.1) * ws[t.0].row_bytes();
+    let total: usize = tiles.iter().map(bytes).sum();
+    let parts = threads
+        .min(crate::pool::max_parts())
+        .min(tiles.len())
+        .min(total * m.div_ceil(8) / BYTES_PER_THREAD)
+        .max(1);
+    // thread t takes the tiles that start in its 1/parts share of the bytes
+    let mut bounds = vec![0; parts + 1];
+    let mut seen = 0;
+    for (i, t) in tiles.iter().enumerate() {
+        let share = (seen * parts / total.max(1)).min(parts - 1);
+        for b in bounds.iter_mut().skip(share + 1) {
+            *b = i + 1;
+        }
+        seen += bytes(t);
+    }
+    bounds[parts] = tiles.len();
+    crate::pool::run(parts, &|t| {
+        for &(p, lo, hi, col) in &tiles[bounds[t]..bounds[t + 1]] {
+            // SAFETY: the tile's rows and columns are inside the checked sizes; each tile,
+            // so each output column, belongs to one thread
+            unsafe { tile(x, m, &ws[p], lo, hi, ptr, col, ld) };
+        }
+    });
+}
+
+/// Rows `lo..hi` of `w` times all `m` activation rows, into columns `col + (lo..hi)` of
+/// `out` (`[m, ld]`). SAFETY: as `dispatch`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile(
+    x: &[f32],
+    m: usize,
+    w: &BlockMatrix<'_>,
+    lo: usize,
+    hi: usize,
+    out: OutPtr,
+    col: usize,
+    ld: usize,
+) {
+    let (rb, nb) = (w.row_bytes(), w.k / w.ty.block_size());
+    let mut r = 0;
+    while r < m {
+        // activation rows per pass, and weight rows walked together for that many
+        let (rows, wr) = match m - r {
+            1 => (1, 8),
+            2 => (2, 4),
+            3 | 4 => (m - r, 2),
+            n => (n.min(8), 1),
+        };
+        let xs = x.as_ptr().wrapping_add(r * w.k);
+        let mut n = lo;
+        while n < hi {
+            let g = if hi - n >= wr { wr } else { 1 };
+            let rows_at = w.raw.as_ptr().wrapping_add(n * rb);
+            // ask for the bytes PREFETCH_AHEAD past this group now: one core's hardware
+            // prefetchers kept too few lines in flight for these short streams (1-2 MB per
+            // matrix), and the kernel waited on memory at ~4 GB/s
+            let ahead = rows_at.wrapping_add(PREFETCH_AHEAD);
+            let end = w.raw.as_ptr().wrapping_add(w.raw.len());
+            let mut pf = ahead;
+            while pf < end && pf < ahead.wrapping_add(g * rb) {
+                // SAFETY: a prefetch never faults; pf is inside the weight's bytes
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(pf as *const i8) };
+                pf = pf.wrapping_add(64);
+            }
+            // SAFETY: available() checked by the caller; weight rows n..n + g < w.n and
+            // activation rows r..r + rows < m exist (sizes checked by the caller); the
+            // outputs written are columns col + n..col + n + g of rows r..r + rows.
+            unsafe { dispatch(w.ty, g, rows, rows_at, rb, nb, xs, w.k, out, r, col + n, ld) };
+            n += g;
+        }
+        r += rows;
+    }
+}
+
+/// Run `dot::<T, W, R>` for the runtime `(ty, w, r)` (`w * r <= 8`).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn dispatch(
+    ty: BlockType,
+    w: usize,
+    r: usize,
+    rows: *const u8,
+    rb: usize,
+    nb: usize,
+    xs: *const f32,
+    k: usize,
+    out: OutPtr,
+    r0: usize,
+    n0: usize,
+    n: usize,
+) {
+    macro_rules! by_type {
+        ($w:literal, $r:literal) => {{
+            use BlockType::*;
+            let a = (rows, rb, nb, xs, k, out, r0, n0, n);
+            unsafe {
+                match ty {
+                    Q8_0 => dot::<{ Q8_0 as u32 }, $w, $r>(a),
+                    Q4_0 => dot::<{ Q4_0 as u32 }, $w, $r>(a),
+                    Q4_1 => dot::<{ Q4_1 as u32 }, $w, $r>(a),
+                    Q5_0 => dot::<{ Q5_0 as u32 }, $w, $r>(a),
+                    Q5_1 => dot::<{ Q5_1 as u32 }, $w, $r>(a),
+                    Q4_K => dot::<{ Q4_K as u32 }, $w, $r>(a),
+                    Q5_K => dot::<{ Q5_K as u32 }, $w, $r>(a),
+                    _ => dot::<{ Q6_K as u32 }, $w, $r>(a),
+                }
+            }
+        }};
+    }
+    match (w, r) {
+        (8, 1) => by_type!(8, 1),
+        (4, 2) => by_type!(4, 2),
+        (2, 3) => by_type!(2, 3),
+        (2, 4) => by_type!(2, 4),
+        (_, 1) => by_type!(1, 1),
+        (_, 2) => by_type!(1, 2),
+        (_, 3) => by_type!(1, 3),
+        (_, 4) => by_type!(1, 4),
+        (_, 5) => by_type!(1, 5),
+        (_, 6) => by_type!(1, 6),
+        (_, 7) => by_type!(1, 7),
+        _ => by_type!(1, 8),
+    }
+}
+
+/// `dot`'s arguments: weight rows at `rows` (`rb` bytes, `nb` blocks each), activation rows
+/// at `xs` (`k` values each), the output (`[_, n]`), first activation row `r0` and first
+/// weight row `n0` (the output's row and column).
+type Args = (
+    *const u8,
+    usize,
+    usize,
+    *const f32,
+    usize,
+    OutPtr,
+    usize,
+    usize,
+    usize,
+);
+
+/// 16 weights of codes `q` (i32 lanes, zero point already subtracted), value `q * s (+ o)`
+/// (a multiply, then an add, as ggml dequantizes), FMA'd with activations `e..e + 16` of
+/// each row into `acc`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn fma16<const R: usize, const OFF: bool>(
+    q: __m512i,
+    s: __m512,
+    o: __m512,
+    xs: &[*const f32; R],
+    e: usize,
+    acc: &mut [__m512; R],
+) {
+    let mut wv = _mm512_mul_ps(_mm512_cvtepi32_ps(q), s);
+    if OFF {
+        wv = _mm512_add_ps(wv, o);
+    }
+    for i in 0..R {
+        // SAFETY: e + 16 <= k values of activation row i (the caller)
+        let xv = unsafe { _mm512_loadu_ps(xs[i].add(e)) };
+        acc[i] = _mm512_fmadd_ps(wv, xv, acc[i]);
+    }
+}
+
+/// The 16 bytes at `p` as i32 lanes (zero-extended).
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn bytes16(p: *const u8) -> __m512i {
+    _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(p as *const __m128i) })
+}
+
+/// `a | (b & 0x10)` (Q5 formats' fifth bit), one instruction.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn or_bit4(a: __m512i, b: __m512i) -> __m512i {
+    _mm512_ternarylogic_epi32::<0xF8>(a, b, _mm512_set1_epi32(0x10))
+}
+
+/// The 8 sub-block scales `d * sc` and offsets `-(dmin * m)` of the Q4_K/Q5_K block at `p`,
+/// as ggml computes them (`get_scale_min_k4`, unpacked for all 8 at once as ggml-cpu's
+/// AVX2 code does; f32 products, so the same values as the scalar form). Kept in memory so
+/// that each is broadcast by a load, not by a shuffle.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn k4_scales(p: *const u8) -> ([f32; 8], [f32; 8]) {
+    const KMASK1: u32 = 0x3f3f_3f3f;
+    const KMASK2: u32 = 0x0f0f_0f0f;
+    const KMASK3: u32 = 0x0303_0303;
+    let w = |i: usize| unsafe { (p.add(4 + 4 * i) as *const u32).read_unaligned() };
+    let (u0, u1, u2) = (w(0), w(1), w(2));
+    let scales =
+        (u0 & KMASK1) as u64 | ((((u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4)) as u64) << 32);
+    let mins = (u1 & KMASK1) as u64
+        | (((((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4)) as u64) << 32);
+    let to_f32 = |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
+    let (d, dmin) = unsafe { (f16(p), f16(p.add(2))) };
+    let sc = _mm256_mul_ps(_mm256_set1_ps(d), to_f32(scales));
+    // -(dmin * m): the product, then the sign flipped (exact)
+    let mn = _mm256_xor_ps(
+        _mm256_mul_ps(_mm256_set1_ps(dmin), to_f32(mins)),
+        _mm256_set1_ps(-0.0),
+    );
+    let (mut a, mut b) = ([0f32; 8], [0f32; 8]);
+    unsafe {
+        _mm256_storeu_ps(a.as_mut_ptr(), sc);
+        _mm256_storeu_ps(b.as_mut_ptr(), mn);
+    }
+    (a, b)
+}
+
+/// The 16 scales `d * sc` (sc i8) of the Q6_K block at `p`, as ggml computes them.
+#[target_feature(enable = "avx512f,avx2,f16c")]
+#[inline]
+unsafe fn q6k_scales(p: *const u8) -> [f32; 16] {
+    let d = unsafe { f16x16(p.add(208)) };
+    let raw = unsafe { _mm_loadu_si128(p.add(192) as *const __m128i) };
+    let mut out = [0f32; 16];
+    let v = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)));
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), v) };
+    out
+}
+
+/// W weight rows of type `T` (ggml id) times R activation rows.
+///
+/// Codes are unpacked in 32-bit lanes straight from memory (`vpmovzxbd`, then shifts, masks
+/// and `vpternlogd`), not in bytes and widened afterwards: the byte shuffles and lane
+/// extracts of the widening all compete for one port, which bounded the byte form.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn dot<const T: u32, const W: usize, const R: usize>(a: Args) {
+    const fn is(t: u32, ty: BlockType) -> bool {
+        t == ty as u32
+    }
+    use BlockType::*;
+    let (rows, rb, nb, x0, k, out, r0, n0, n) = a;
+    let xs: [*const f32; R] = std::array::from_fn(|i| x0.wrapping_add(i * k));
+    let mut acc = [[[_mm512_setzero_ps(); R]; 2]; W];
+    let m4 = _mm512_set1_epi32(0x0F);
+    let zero = _mm512_setzero_ps();
+    // lane j of the low (high) 16 elements of a Q5_0/Q5_1 block takes bit j (j + 16) of qh
+    // to bit 4: rotate left by 4 - j (mod 32)
+    let rot_lo = _mm512_setr_epi32(4, 3, 2, 1, 0, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21);
+    let rot_hi = _mm512_setr_epi32(20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5);
+    for bi in 0..nb {
+        for j in 0..W {
+            let [acc0, acc1] = &mut acc[j];
+            // SAFETY (whole body): block bi of weight row j lies inside the row (the caller's
+            // sizes); activation offsets stay below k.
+            unsafe {
+                match T {
+                    _ if is(T, Q8_0) => {
+                        let p = rows.add(j * rb + 34 * bi);
+                        let d = f16x16(p);
+                        for h in 0..2 {
+                            let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                p.add(2 + 16 * h) as *const __m128i
+                            ));
+                            let acc = if h == 0 { &mut *acc0 } else { &mut *acc1 };
+                            fma16::<R, false>(q, d, zero, &xs, 32 * bi + 16 * h, acc);
+                        }
+                    }
+                    _ if is(T, Q4_0) || is(T, Q4_1) => {
+                        let one = is(T, Q4_1);
+                        let p = rows.add(j * rb + if one { 20 } else { 18 } * bi);
+                        let d = f16x16(p);
+                        let v = bytes16(p.add(if one { 4 } else { 2 }));
+                        let (lo, hi) = (_mm512_and_si512(v, m4), _mm512_srli_epi32::<4>(v));
+                        let e = 32 * bi;
+                        if one {
+                            let m = f16x16(p.add(2));
+                            fma16::<R, true>(lo, d, m, &xs, e, acc0);
+                            fma16::<R, true>(hi, d, m, &xs, e + 16, acc1);
+                        } else {
+                            let c8 = _mm512_set1_epi32(8);
+                            let (lo, hi) = (_mm512_sub_epi32(lo, c8), _mm512_sub_epi32(hi, c8));
+                            fma16::<R, false>(lo, d, zero, &xs, e, acc0);
+                            fma16::<R, false>(hi, d, zero, &xs, e + 16, acc1);
+                        }
+                    }
+                    _ if is(T, Q5_0) || is(T, Q5_1) => {
+                        let one = is(T, Q5_1);
+                        let p = rows.add(j * rb + if one { 24 } else { 22 } * bi);
+                        let d = f16x16(p);
+                        let o = if one { 4 } else { 2 };
+                        let qh = _mm512_set1_epi32((p.add(o) as *const i32).read_unaligned());
+                        let v = bytes16(p.add(o + 4));
+                        let lo = or_bit4(_mm512_and_si512(v, m4), _mm512_rolv_epi32(qh, rot_lo));
+                        let hi = or_bit4(_mm512_srli_epi32::<4>(v), _mm512_rolv_epi32(qh, rot_hi));
+                        let e = 32 * bi;
+                        if one {
+                            let m = f16x16(p.add(2));
+                            fma16::<R, true>(lo, d, m, &xs, e, acc0);
+                            fma16::<R, true>(hi, d, m, &xs, e + 16, acc1);
+                        } else {
+                            let c16 = _mm512_set1_epi32(16);
+                            let (lo, hi) = (_mm512_sub_epi32(lo, c16), _mm512_sub_epi32(hi, c16));
+                            fma16::<R, false>(lo, d, zero, &xs, e, acc0);
+                            fma16::<R, false>(hi, d, zero, &xs, e + 16, acc1);
+                        }
+                    }
+                    _ if is(T, Q4_K) || is(T, Q5_K) => {
+                        let five = is(T, Q5_K);
+                        let p = rows.add(j * rb + if five { 176 } else { 144 } * bi);
+                        let (sc, mn) = k4_scales(p);
+                        let qs = p.add(if five { 48 } else { 16 });
+                        // Q5_K's fifth bits: bit `sub` of qh[l] is element l of sub-block sub
+                        let qh = [bytes16(p.add(16)), bytes16(p.add(32))];
+                        for jj in 0..4 {
+                            let v = [bytes16(qs.add(32 * jj)), bytes16(qs.add(32 * jj + 16))];
+                            for part in 0..2 {
+                                let sub = 2 * jj + part;
+                                let (s, o) = (_mm512_set1_ps(sc[sub]), _mm512_set1_ps(mn[sub]));
+                                for g in 0..2 {
+                                    let mut q = if part == 0 {
+                                        _mm512_and_si512(v[g], m4)
+                                    } else {
+                                        _mm512_srli_epi32::<4>(v[g])
+                                    };
+                                    if five {
+                                        // bit `sub` to bit 4
+                                        let r = _mm512_set1_epi32((4 - sub as i32).rem_euclid(32));
+                                        q = or_bit4(q, _mm512_rolv_epi32(qh[g], r));
+                                    }
+                                    let e = 256 * bi + 32 * sub + 16 * g;
+                                    let acc = if g == 0 { &mut *acc0 } else { &mut *acc1 };
+                                    fma16::<R, true>(q, s, o, &xs, e, acc);
+                                }
+                            }
+                        }
+                    }
+                    _ => {
+                        // Q6_K: value = (d * sc) * (code - 32), sc per 16 weights
+                        let p = rows.add(j * rb + 210 * bi);
+                        let sc = q6k_scales(p);
+                        let (c30, c32) = (_mm512_set1_epi32(0x30), _mm512_set1_epi32(32));
+                        for half in 0..2 {
+                            for g in 0..2 {
+                                let a = bytes16(p.add(64 * half + 16 * g));
+                                let b = bytes16(p.add(64 * half + 32 + 16 * g));
+                                let h = bytes16(p.add(128 + 32 * half + 16 * g));
+                                // the 4 quarters of 32: low bits, and qh's bits 0-1, 2-3,
+                                // 4-5, 6-7 moved to bits 4-5
+                                let q = [
+                                    _mm512_ternarylogic_epi32::<0xF8>(
+                                        _mm512_and_si512(a, m4),
+                                        _mm512_slli_epi32::<4>(h),
+                                        c30,
+                                    ),
+                                    _mm512_ternarylogic_epi32::<0xF8>(
+                                        _mm512_and_si512(b, m4),
+                                        _mm512_slli_epi32::<2>(h),
+                                        c30,
+                                    ),
+                                    _mm512_ternarylogic_epi32::<0xF8>(
+                                        _mm512_srli_epi32::<4>(a),
+                                        h,
+                                        c30,
+                                    ),
+                                    _mm512_ternarylogic_epi32::<0xF8>(
+                                        _mm512_srli_epi32::<4>(b),
+                                        _mm512_srli_epi32::<2>(h),
+                                        c30,
+                                    ),
+                                ];
+                                for (c, q) in q.into_iter().enumerate() {
+                                    let grp = 8 * half + 2 * c + g;
+                                    let s = _mm512_set1_ps(sc[grp]);
+                                    let q = _mm512_sub_epi32(q, c32);
+                                    let e = 256 * bi + 128 * half + 32 * c + 16 * g;
+                                    let acc = if g == 0 { &mut *acc0 } else { &mut *acc1 };
+                                    fma16::<R, false>(q, s, zero, &xs, e, acc);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for j in 0..W {
+        for i in 0..R {
+            let v = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][0][i], acc[j][1][i]));
+            // SAFETY: row r0 + i < m, column n0 + j < n: this part's own output (caller)
+            unsafe { *out.at((r0 + i) * n + n0 + j) = v };
+        }
+    }
+}
