@@ -71,6 +71,19 @@ pub(super) fn matmul_parts(
 ) {
     let ptr = OutPtr(out.as_mut_ptr());
     let ld: usize = ws.iter().map(|w| w.n).sum();
+    // the K-quants' offset terms take each row's sums per 32 activations (once per call)
+    let k = ws[0].k;
+    let sums: Vec<f32> = if ws
+        .iter()
+        .any(|w| matches!(w.ty, BlockType::Q4_K | BlockType::Q5_K))
+    {
+        x[..m * k]
+            .chunks_exact(32)
+            .map(|c| c.iter().sum())
+            .collect()
+    } else {
+        Vec::new()
+    };
     // tiles of TILE rows (a multiple of every W: groups never straddle two threads), as
     // (part, first row, end row, first column), and the bytes before each
     let mut tiles = Vec::new();
@@ -103,7 +116,7 @@ pub(super) fn matmul_parts(
         for &(p, lo, hi, col) in &tiles[bounds[t]..bounds[t + 1]] {
             // SAFETY: the tile's rows and columns are inside the checked sizes; each tile,
             // so each output column, belongs to one thread
-            unsafe { tile(x, m, &ws[p], lo, hi, ptr, col, ld) };
+            unsafe { tile(x, &sums, m, &ws[p], lo, hi, ptr, col, ld) };
         }
     });
 }
@@ -113,6 +126,7 @@ pub(super) fn matmul_parts(
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile(
     x: &[f32],
+    sums: &[f32],
     m: usize,
     w: &BlockMatrix<'_>,
     lo: usize,
@@ -150,34 +164,31 @@ unsafe fn tile(
             // SAFETY: available() checked by the caller; weight rows n..n + g < w.n and
             // activation rows r..r + rows < m exist (sizes checked by the caller); the
             // outputs written are columns col + n..col + n + g of rows r..r + rows.
-            unsafe { dispatch(w.ty, g, rows, rows_at, rb, nb, xs, w.k, out, r, col + n, ld) };
+            let a = Args {
+                rows: rows_at,
+                rb,
+                nb,
+                xs,
+                sums: sums.as_ptr().wrapping_add(r * (w.k / 32)),
+                k: w.k,
+                out,
+                r0: r,
+                n0: col + n,
+                ld,
+            };
+            unsafe { dispatch(w.ty, g, rows, a) };
             n += g;
         }
         r += rows;
     }
 }
 
-/// Run `dot::<T, W, R>` for the runtime `(ty, w, r)` (`w * r <= 8`).
-#[allow(clippy::too_many_arguments)]
+/// Run `dot::<T, W, R>` (`dot_k4` for Q4_K/Q5_K) for the runtime `(ty, w, r)` (`w * r <= 8`).
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn dispatch(
-    ty: BlockType,
-    w: usize,
-    r: usize,
-    rows: *const u8,
-    rb: usize,
-    nb: usize,
-    xs: *const f32,
-    k: usize,
-    out: OutPtr,
-    r0: usize,
-    n0: usize,
-    n: usize,
-) {
+unsafe fn dispatch(ty: BlockType, w: usize, r: usize, a: Args) {
     macro_rules! by_type {
         ($w:literal, $r:literal) => {{
             use BlockType::*;
-            let a = (rows, rb, nb, xs, k, out, r0, n0, n);
             unsafe {
                 match ty {
                     Q8_0 => dot::<{ Q8_0 as u32 }, $w, $r>(a),
@@ -185,8 +196,8 @@ unsafe fn dispatch(
                     Q4_1 => dot::<{ Q4_1 as u32 }, $w, $r>(a),
                     Q5_0 => dot::<{ Q5_0 as u32 }, $w, $r>(a),
                     Q5_1 => dot::<{ Q5_1 as u32 }, $w, $r>(a),
-                    Q4_K => dot::<{ Q4_K as u32 }, $w, $r>(a),
-                    Q5_K => dot::<{ Q5_K as u32 }, $w, $r>(a),
+                    Q4_K => dot_k4::<false, $w, $r>(a),
+                    Q5_K => dot_k4::<true, $w, $r>(a),
                     _ => dot::<{ Q6_K as u32 }, $w, $r>(a),
                 }
             }
@@ -208,20 +219,22 @@ unsafe fn dispatch(
     }
 }
 
-/// `dot`'s arguments: weight rows at `rows` (`rb` bytes, `nb` blocks each), activation rows
-/// at `xs` (`k` values each), the output (`[_, n]`), first activation row `r0` and first
-/// weight row `n0` (the output's row and column).
-type Args = (
-    *const u8,
-    usize,
-    usize,
-    *const f32,
-    usize,
-    OutPtr,
-    usize,
-    usize,
-    usize,
-);
+/// Where `dot` reads and writes: weight rows at `rows` (`rb` bytes, `nb` blocks each),
+/// activation rows at `xs` (`k` values each) with their sums per 32 values at `sums` (K-quant
+/// offsets; `k / 32` per row), the output `[_, ld]` from row `r0` and column `n0`.
+#[derive(Clone, Copy)]
+struct Args {
+    rows: *const u8,
+    rb: usize,
+    nb: usize,
+    xs: *const f32,
+    sums: *const f32,
+    k: usize,
+    out: OutPtr,
+    r0: usize,
+    n0: usize,
+    ld: usize,
+}
 
 /// 16 weights of codes `q` (i32 lanes, zero point already subtracted), value `q * s (+ o)`
 /// (a multiply, then an add, as ggml dequantizes), FMA'd with activations `e..e + 16` of
@@ -316,7 +329,18 @@ unsafe fn dot<const T: u32, const W: usize, const R: usize>(a: Args) {
         t == ty as u32
     }
     use BlockType::*;
-    let (rows, rb, nb, x0, k, out, r0, n0, n) = a;
+    let Args {
+        rows,
+        rb,
+        nb,
+        xs: x0,
+        k,
+        out,
+        r0,
+        n0,
+        ld: n,
+        ..
+    } = a;
     let xs: [*const f32; R] = std::array::from_fn(|i| x0.wrapping_add(i * k));
     let mut acc = [[[_mm512_setzero_ps(); R]; 2]; W];
     let m4 = _mm512_set1_epi32(0x0F);
@@ -382,36 +406,6 @@ unsafe fn dot<const T: u32, const W: usize, const R: usize>(a: Args) {
                             fma16::<R, false>(hi, d, zero, &xs, e + 16, acc1);
                         }
                     }
-                    _ if is(T, Q4_K) || is(T, Q5_K) => {
-                        let five = is(T, Q5_K);
-                        let p = rows.add(j * rb + if five { 176 } else { 144 } * bi);
-                        let (sc, mn) = k4_scales(p);
-                        let qs = p.add(if five { 48 } else { 16 });
-                        // Q5_K's fifth bits: bit `sub` of qh[l] is element l of sub-block sub
-                        let qh = [bytes16(p.add(16)), bytes16(p.add(32))];
-                        for jj in 0..4 {
-                            let v = [bytes16(qs.add(32 * jj)), bytes16(qs.add(32 * jj + 16))];
-                            for part in 0..2 {
-                                let sub = 2 * jj + part;
-                                let (s, o) = (_mm512_set1_ps(sc[sub]), _mm512_set1_ps(mn[sub]));
-                                for g in 0..2 {
-                                    let mut q = if part == 0 {
-                                        _mm512_and_si512(v[g], m4)
-                                    } else {
-                                        _mm512_srli_epi32::<4>(v[g])
-                                    };
-                                    if five {
-                                        // bit `sub` to bit 4
-                                        let r = _mm512_set1_epi32((4 - sub as i32).rem_euclid(32));
-                                        q = or_bit4(q, _mm512_rolv_epi32(qh[g], r));
-                                    }
-                                    let e = 256 * bi + 32 * sub + 16 * g;
-                                    let acc = if g == 0 { &mut *acc0 } else { &mut *acc1 };
-                                    fma16::<R, true>(q, s, o, &xs, e, acc);
-                                }
-                            }
-                        }
-                    }
                     _ => {
                         // Q6_K: value = (d * sc) * (code - 32), sc per 16 weights
                         let p = rows.add(j * rb + 210 * bi);
@@ -466,6 +460,84 @@ unsafe fn dot<const T: u32, const W: usize, const R: usize>(a: Args) {
             let v = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][0][i], acc[j][1][i]));
             // SAFETY: row r0 + i < m, column n0 + j < n: this part's own output (caller)
             unsafe { *out.at((r0 + i) * n + n0 + j) = v };
+        }
+    }
+}
+
+/// W Q4_K (`FIVE`: Q5_K) weight rows times R activation rows, in the factored form
+/// `sum_sub s_sub * (sum q x) + sum_sub o_sub * (sum x)` (`s = d * sc`, `o = -(dmin * m)`):
+/// per 16 weights a conversion and a multiply-add, against a conversion, a multiply, an add
+/// and a multiply-add for forming each weight. Exact up to float rounding order like the
+/// rest (one-hot activations still give each weight bit for bit: `s * q + o`), and batch
+/// invariant: the activation sums are each row's own, in one order.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn dot_k4<const FIVE: bool, const W: usize, const R: usize>(a: Args) {
+    let Args {
+        rows,
+        rb,
+        nb,
+        xs: x0,
+        sums,
+        k,
+        out,
+        r0,
+        n0,
+        ld,
+    } = a;
+    let xs: [*const f32; R] = std::array::from_fn(|i| x0.wrapping_add(i * k));
+    let ss: [*const f32; R] = std::array::from_fn(|i| sums.wrapping_add(i * (k / 32)));
+    let mut acc = [[_mm512_setzero_ps(); R]; W];
+    let mut off = [[_mm256_setzero_ps(); R]; W];
+    let m4 = _mm512_set1_epi32(0x0F);
+    for bi in 0..nb {
+        for j in 0..W {
+            // SAFETY (whole body): block bi of weight row j lies inside the row (the caller's
+            // sizes); activation offsets stay below k, sum offsets below k / 32.
+            unsafe {
+                let p = rows.add(j * rb + if FIVE { 176 } else { 144 } * bi);
+                let (sc, mn) = k4_scales(p);
+                let qs = p.add(if FIVE { 48 } else { 16 });
+                let qh = [bytes16(p.add(16)), bytes16(p.add(32))];
+                for jj in 0..4 {
+                    let v = [bytes16(qs.add(32 * jj)), bytes16(qs.add(32 * jj + 16))];
+                    for part in 0..2 {
+                        let sub = 2 * jj + part;
+                        let f: [__m512; 2] = std::array::from_fn(|g| {
+                            let mut q = if part == 0 {
+                                _mm512_and_si512(v[g], m4)
+                            } else {
+                                _mm512_srli_epi32::<4>(v[g])
+                            };
+                            if FIVE {
+                                // bit `sub` of qh to bit 4
+                                let r = _mm512_set1_epi32((4 - sub as i32).rem_euclid(32));
+                                q = or_bit4(q, _mm512_rolv_epi32(qh[g], r));
+                            }
+                            _mm512_cvtepi32_ps(q)
+                        });
+                        let s = _mm512_set1_ps(sc[sub]);
+                        let e = 256 * bi + 32 * sub;
+                        for i in 0..R {
+                            let t = _mm512_mul_ps(f[0], _mm512_loadu_ps(xs[i].add(e)));
+                            let t = _mm512_fmadd_ps(f[1], _mm512_loadu_ps(xs[i].add(e + 16)), t);
+                            acc[j][i] = _mm512_fmadd_ps(t, s, acc[j][i]);
+                        }
+                    }
+                }
+                let o = _mm256_loadu_ps(mn.as_ptr());
+                for i in 0..R {
+                    let xsum = _mm256_loadu_ps(ss[i].add(8 * bi));
+                    off[j][i] = _mm256_fmadd_ps(o, xsum, off[j][i]);
+                }
+            }
+        }
+    }
+    for j in 0..W {
+        for i in 0..R {
+            // SAFETY: the features are enabled on this function
+            let v = _mm512_reduce_add_ps(acc[j][i]) + unsafe { crate::x86::hsum(off[j][i]) };
+            // SAFETY: row r0 + i < m, column n0 + j < ld: this part's own output (caller)
+            unsafe { *out.at((r0 + i) * ld + n0 + j) = v };
         }
     }
 }
