@@ -138,13 +138,7 @@ unsafe fn tile(
     let (rb, nb) = (w.row_bytes(), w.k / w.ty.block_size());
     let mut r = 0;
     while r < m {
-        // activation rows per pass, and weight rows walked together for that many
-        let (rows, wr) = match m - r {
-            1 => (1, 8),
-            2 => (2, 4),
-            3 | 4 => (m - r, 2),
-            n => (n.min(8), 1),
-        };
+        let (rows, wr) = pass_shape(w.ty, m - r);
         let xs = x.as_ptr().wrapping_add(r * w.k);
         let mut n = lo;
         while n < hi {
@@ -183,6 +177,22 @@ unsafe fn tile(
     }
 }
 
+/// Activation rows per pass and weight rows walked together for them, with `left` rows to go.
+/// Q4_K/Q5_K (`dot_k4`, which keeps a second set of accumulators for the offsets) run several
+/// activation rows one weight row at a time: with 2-4 weight rows their loop outgrew the
+/// registers (a batch of 4 took 1.7x longer per row than one weight row at a time).
+fn pass_shape(ty: BlockType, left: usize) -> (usize, usize) {
+    let k_quant = matches!(ty, BlockType::Q4_K | BlockType::Q5_K);
+    match left {
+        _ if ty == BlockType::Q6_K => (left.min(8), 1),
+        1 => (1, if k_quant { 4 } else { 8 }),
+        _ if k_quant => (left.min(8), 1),
+        2 => (2, 4),
+        3 | 4 => (left, 2),
+        n => (n.min(8), 1),
+    }
+}
+
 /// Run `dot::<T, W, R>` (`dot_k4` for Q4_K/Q5_K) for the runtime `(ty, w, r)` (`w * r <= 8`).
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 unsafe fn dispatch(ty: BlockType, w: usize, r: usize, a: Args) {
@@ -205,6 +215,7 @@ unsafe fn dispatch(ty: BlockType, w: usize, r: usize, a: Args) {
     }
     match (w, r) {
         (8, 1) => by_type!(8, 1),
+        (4, 1) => by_type!(4, 1),
         (4, 2) => by_type!(4, 2),
         (2, 3) => by_type!(2, 3),
         (2, 4) => by_type!(2, 4),
