@@ -311,9 +311,11 @@ def _bar(total: int, desc: str, enabled: bool):
     from tqdm import tqdm  # noqa: PLC0415
 
     tty = sys.stderr.isatty()
+    # kept when done (leave): to a file or a pipe a bar that clears itself leaves its last
+    # state without a newline, and the next log line ran on after it
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
                 file=sys.stderr, disable=not enabled, mininterval=0.2 if tty else 5.0,
-                leave=tty)
+                leave=True)
 
 
 def _download_wheel(w: Wheel, into: Path, progress: bool) -> Path:
