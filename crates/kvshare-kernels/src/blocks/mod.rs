@@ -494,11 +494,19 @@ pub fn dequantize_rows(
         .min(rows * w.k / (1 << 20))
         .max(1);
     let per = rows.div_ceil(parts);
+    #[cfg(target_arch = "x86_64")]
+    let wide = use_avx2(false) && exact512::supports(w.ty) && exact512::available();
     crate::pool::run(parts, &|t| {
         let (lo, hi) = (t * per, ((t + 1) * per).min(rows));
         for i in lo..hi {
             // SAFETY: row i of out (i < rows) belongs to this part alone; checked above.
             let o = unsafe { std::slice::from_raw_parts_mut(ptr.at(i * w.k), w.k) };
+            #[cfg(target_arch = "x86_64")]
+            if wide {
+                // SAFETY: AVX-512 checked; the row holds w.k / block whole blocks (checked)
+                unsafe { exact512::dequantize_row(w.ty, w.row(start + i), o) };
+                continue;
+            }
             portable::dequantize_row_unchecked(w.ty, w.row(start + i), o);
         }
     });
