@@ -247,27 +247,26 @@ struct Args {
     ld: usize,
 }
 
-/// 16 weights of codes `q` (i32 lanes, zero point already subtracted), value `q * s (+ o)`
-/// (a multiply, then an add, as ggml dequantizes), FMA'd with activations `e..e + 16` of
-/// each row into `acc`.
+/// The values of 16 codes `q` (i32 lanes, zero point already subtracted): `q * s`, then
+/// `+ o` where the format has an offset; a multiply, then an add, as ggml dequantizes.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn fma16<const R: usize, const OFF: bool>(
-    q: __m512i,
-    s: __m512,
-    o: __m512,
-    xs: &[*const f32; R],
-    e: usize,
-    acc: &mut [__m512; R],
-) {
-    let mut wv = _mm512_mul_ps(_mm512_cvtepi32_ps(q), s);
-    if OFF {
-        wv = _mm512_add_ps(wv, o);
+fn weights16(q: __m512i, s: __m512, o: Option<__m512>) -> __m512 {
+    let w = _mm512_mul_ps(_mm512_cvtepi32_ps(q), s);
+    match o {
+        Some(o) => _mm512_add_ps(w, o),
+        None => w,
     }
+}
+
+/// 16 weights `w` FMA'd with activations `e..e + 16` of each row into `acc`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn fma16<const R: usize>(w: __m512, xs: &[*const f32; R], e: usize, acc: &mut [__m512; R]) {
     for i in 0..R {
         // SAFETY: e + 16 <= k values of activation row i (the caller)
         let xv = unsafe { _mm512_loadu_ps(xs[i].add(e)) };
-        acc[i] = _mm512_fmadd_ps(wv, xv, acc[i]);
+        acc[i] = _mm512_fmadd_ps(w, xv, acc[i]);
     }
 }
 
@@ -329,17 +328,159 @@ unsafe fn q6k_scales(p: *const u8) -> [f32; 16] {
     out
 }
 
-/// W weight rows of type `T` (ggml id) times R activation rows.
+/// The codes of 16 elements of Q4_K/Q5_K sub-block `sub` from their bytes `v` (i32 lanes):
+/// the low nibbles for an even `sub`, the high ones for an odd one, and with `five` (Q5_K)
+/// bit `sub` of `qh` (the bytes of the block's high bits) moved to bit 4.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn k4_codes(v: __m512i, qh: __m512i, sub: usize, five: bool) -> __m512i {
+    let q = if sub.is_multiple_of(2) {
+        _mm512_and_si512(v, _mm512_set1_epi32(0x0F))
+    } else {
+        _mm512_srli_epi32::<4>(v)
+    };
+    if !five {
+        return q;
+    }
+    let r = _mm512_set1_epi32((4 - sub as i32).rem_euclid(32));
+    or_bit4(q, _mm512_rolv_epi32(qh, r))
+}
+
+/// The weights of the block at `p` of type `T` (a ggml id that `supports` takes), 16 at a
+/// time: `f(q, s, o, e)` with codes `q` (i32 lanes, zero point already subtracted) whose
+/// values are `q * s`, plus `o` for the formats with an offset (a multiply, then an add:
+/// ggml's arithmetic), for elements `e..e + 16` of the block. The one unpacking that `dot`
+/// (which multiplies) and `dequantize_row` (which stores) share.
 ///
 /// Codes are unpacked in 32-bit lanes straight from memory (`vpmovzxbd`, then shifts, masks
 /// and `vpternlogd`), not in bytes and widened afterwards: the byte shuffles and lane
 /// extracts of the widening all compete for one port, which bounded the byte form.
+///
+/// SAFETY: `p` points at a whole block of `T`.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn dot<const T: u32, const W: usize, const R: usize>(a: Args) {
+#[inline]
+unsafe fn block_groups<const T: u32>(
+    p: *const u8,
+    mut f: impl FnMut(__m512i, __m512, Option<__m512>, usize),
+) {
     const fn is(t: u32, ty: BlockType) -> bool {
         t == ty as u32
     }
     use BlockType::*;
+    let m4 = _mm512_set1_epi32(0x0F);
+    // SAFETY (whole body): every read lies inside the block (the caller)
+    unsafe {
+        match T {
+            _ if is(T, Q8_0) => {
+                let d = f16x16(p);
+                for h in 0..2 {
+                    let q = _mm_loadu_si128(p.add(2 + 16 * h) as *const __m128i);
+                    f(_mm512_cvtepi8_epi32(q), d, None, 16 * h);
+                }
+            }
+            _ if is(T, Q4_0) || is(T, Q4_1) => {
+                let one = is(T, Q4_1);
+                let d = f16x16(p);
+                let v = bytes16(p.add(if one { 4 } else { 2 }));
+                let (lo, hi) = (_mm512_and_si512(v, m4), _mm512_srli_epi32::<4>(v));
+                if one {
+                    let m = f16x16(p.add(2));
+                    f(lo, d, Some(m), 0);
+                    f(hi, d, Some(m), 16);
+                } else {
+                    let c8 = _mm512_set1_epi32(8);
+                    f(_mm512_sub_epi32(lo, c8), d, None, 0);
+                    f(_mm512_sub_epi32(hi, c8), d, None, 16);
+                }
+            }
+            _ if is(T, Q5_0) || is(T, Q5_1) => {
+                let one = is(T, Q5_1);
+                let d = f16x16(p);
+                let o = if one { 4 } else { 2 };
+                // lane j of the low (high) 16 elements takes bit j (j + 16) of qh to bit 4:
+                // rotate left by 4 - j (mod 32)
+                let rot_lo =
+                    _mm512_setr_epi32(4, 3, 2, 1, 0, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21);
+                let rot_hi =
+                    _mm512_setr_epi32(20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5);
+                let qh = _mm512_set1_epi32((p.add(o) as *const i32).read_unaligned());
+                let v = bytes16(p.add(o + 4));
+                let lo = or_bit4(_mm512_and_si512(v, m4), _mm512_rolv_epi32(qh, rot_lo));
+                let hi = or_bit4(_mm512_srli_epi32::<4>(v), _mm512_rolv_epi32(qh, rot_hi));
+                if one {
+                    let m = f16x16(p.add(2));
+                    f(lo, d, Some(m), 0);
+                    f(hi, d, Some(m), 16);
+                } else {
+                    let c16 = _mm512_set1_epi32(16);
+                    f(_mm512_sub_epi32(lo, c16), d, None, 0);
+                    f(_mm512_sub_epi32(hi, c16), d, None, 16);
+                }
+            }
+            _ if is(T, Q4_K) || is(T, Q5_K) => {
+                let five = is(T, Q5_K);
+                let (sc, mn) = k4_scales(p);
+                let qs = p.add(if five { 48 } else { 16 });
+                let qh = [bytes16(p.add(16)), bytes16(p.add(32))];
+                for jj in 0..4 {
+                    let v = [bytes16(qs.add(32 * jj)), bytes16(qs.add(32 * jj + 16))];
+                    for sub in [2 * jj, 2 * jj + 1] {
+                        let (s, m) = (_mm512_set1_ps(sc[sub]), _mm512_set1_ps(mn[sub]));
+                        for g in 0..2 {
+                            f(
+                                k4_codes(v[g], qh[g], sub, five),
+                                s,
+                                Some(m),
+                                32 * sub + 16 * g,
+                            );
+                        }
+                    }
+                }
+            }
+            _ => {
+                // Q6_K: value = (d * sc) * (code - 32), sc per 16 weights
+                let sc = q6k_scales(p);
+                let (c30, c32) = (_mm512_set1_epi32(0x30), _mm512_set1_epi32(32));
+                for half in 0..2 {
+                    for g in 0..2 {
+                        let a = bytes16(p.add(64 * half + 16 * g));
+                        let b = bytes16(p.add(64 * half + 32 + 16 * g));
+                        let h = bytes16(p.add(128 + 32 * half + 16 * g));
+                        // the 4 quarters of 32: low bits, and qh's bits 0-1, 2-3, 4-5, 6-7
+                        // moved to bits 4-5
+                        let q = [
+                            _mm512_ternarylogic_epi32::<0xF8>(
+                                _mm512_and_si512(a, m4),
+                                _mm512_slli_epi32::<4>(h),
+                                c30,
+                            ),
+                            _mm512_ternarylogic_epi32::<0xF8>(
+                                _mm512_and_si512(b, m4),
+                                _mm512_slli_epi32::<2>(h),
+                                c30,
+                            ),
+                            _mm512_ternarylogic_epi32::<0xF8>(_mm512_srli_epi32::<4>(a), h, c30),
+                            _mm512_ternarylogic_epi32::<0xF8>(
+                                _mm512_srli_epi32::<4>(b),
+                                _mm512_srli_epi32::<2>(h),
+                                c30,
+                            ),
+                        ];
+                        for (c, q) in q.into_iter().enumerate() {
+                            let s = _mm512_set1_ps(sc[8 * half + 2 * c + g]);
+                            let e = 128 * half + 32 * c + 16 * g;
+                            f(_mm512_sub_epi32(q, c32), s, None, e);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// W weight rows of type `T` (ggml id) times R activation rows.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn dot<const T: u32, const W: usize, const R: usize>(a: Args) {
     let Args {
         rows,
         rb,
@@ -352,118 +493,21 @@ unsafe fn dot<const T: u32, const W: usize, const R: usize>(a: Args) {
         ld: n,
         ..
     } = a;
+    let (bs, bb) = (k / nb, rb / nb);
     let xs: [*const f32; R] = std::array::from_fn(|i| x0.wrapping_add(i * k));
     let mut acc = [[[_mm512_setzero_ps(); R]; 2]; W];
-    let m4 = _mm512_set1_epi32(0x0F);
-    let zero = _mm512_setzero_ps();
-    // lane j of the low (high) 16 elements of a Q5_0/Q5_1 block takes bit j (j + 16) of qh
-    // to bit 4: rotate left by 4 - j (mod 32)
-    let rot_lo = _mm512_setr_epi32(4, 3, 2, 1, 0, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21);
-    let rot_hi = _mm512_setr_epi32(20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5);
     for bi in 0..nb {
         for j in 0..W {
-            let [acc0, acc1] = &mut acc[j];
-            // SAFETY (whole body): block bi of weight row j lies inside the row (the caller's
-            // sizes); activation offsets stay below k.
+            let acc = &mut acc[j];
+            let base = bs * bi;
+            // SAFETY: block bi of weight row j lies inside the row and activation offsets
+            // stay below k (the caller's sizes)
             unsafe {
-                match T {
-                    _ if is(T, Q8_0) => {
-                        let p = rows.add(j * rb + 34 * bi);
-                        let d = f16x16(p);
-                        for h in 0..2 {
-                            let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(
-                                p.add(2 + 16 * h) as *const __m128i
-                            ));
-                            let acc = if h == 0 { &mut *acc0 } else { &mut *acc1 };
-                            fma16::<R, false>(q, d, zero, &xs, 32 * bi + 16 * h, acc);
-                        }
-                    }
-                    _ if is(T, Q4_0) || is(T, Q4_1) => {
-                        let one = is(T, Q4_1);
-                        let p = rows.add(j * rb + if one { 20 } else { 18 } * bi);
-                        let d = f16x16(p);
-                        let v = bytes16(p.add(if one { 4 } else { 2 }));
-                        let (lo, hi) = (_mm512_and_si512(v, m4), _mm512_srli_epi32::<4>(v));
-                        let e = 32 * bi;
-                        if one {
-                            let m = f16x16(p.add(2));
-                            fma16::<R, true>(lo, d, m, &xs, e, acc0);
-                            fma16::<R, true>(hi, d, m, &xs, e + 16, acc1);
-                        } else {
-                            let c8 = _mm512_set1_epi32(8);
-                            let (lo, hi) = (_mm512_sub_epi32(lo, c8), _mm512_sub_epi32(hi, c8));
-                            fma16::<R, false>(lo, d, zero, &xs, e, acc0);
-                            fma16::<R, false>(hi, d, zero, &xs, e + 16, acc1);
-                        }
-                    }
-                    _ if is(T, Q5_0) || is(T, Q5_1) => {
-                        let one = is(T, Q5_1);
-                        let p = rows.add(j * rb + if one { 24 } else { 22 } * bi);
-                        let d = f16x16(p);
-                        let o = if one { 4 } else { 2 };
-                        let qh = _mm512_set1_epi32((p.add(o) as *const i32).read_unaligned());
-                        let v = bytes16(p.add(o + 4));
-                        let lo = or_bit4(_mm512_and_si512(v, m4), _mm512_rolv_epi32(qh, rot_lo));
-                        let hi = or_bit4(_mm512_srli_epi32::<4>(v), _mm512_rolv_epi32(qh, rot_hi));
-                        let e = 32 * bi;
-                        if one {
-                            let m = f16x16(p.add(2));
-                            fma16::<R, true>(lo, d, m, &xs, e, acc0);
-                            fma16::<R, true>(hi, d, m, &xs, e + 16, acc1);
-                        } else {
-                            let c16 = _mm512_set1_epi32(16);
-                            let (lo, hi) = (_mm512_sub_epi32(lo, c16), _mm512_sub_epi32(hi, c16));
-                            fma16::<R, false>(lo, d, zero, &xs, e, acc0);
-                            fma16::<R, false>(hi, d, zero, &xs, e + 16, acc1);
-                        }
-                    }
-                    _ => {
-                        // Q6_K: value = (d * sc) * (code - 32), sc per 16 weights
-                        let p = rows.add(j * rb + 210 * bi);
-                        let sc = q6k_scales(p);
-                        let (c30, c32) = (_mm512_set1_epi32(0x30), _mm512_set1_epi32(32));
-                        for half in 0..2 {
-                            for g in 0..2 {
-                                let a = bytes16(p.add(64 * half + 16 * g));
-                                let b = bytes16(p.add(64 * half + 32 + 16 * g));
-                                let h = bytes16(p.add(128 + 32 * half + 16 * g));
-                                // the 4 quarters of 32: low bits, and qh's bits 0-1, 2-3,
-                                // 4-5, 6-7 moved to bits 4-5
-                                let q = [
-                                    _mm512_ternarylogic_epi32::<0xF8>(
-                                        _mm512_and_si512(a, m4),
-                                        _mm512_slli_epi32::<4>(h),
-                                        c30,
-                                    ),
-                                    _mm512_ternarylogic_epi32::<0xF8>(
-                                        _mm512_and_si512(b, m4),
-                                        _mm512_slli_epi32::<2>(h),
-                                        c30,
-                                    ),
-                                    _mm512_ternarylogic_epi32::<0xF8>(
-                                        _mm512_srli_epi32::<4>(a),
-                                        h,
-                                        c30,
-                                    ),
-                                    _mm512_ternarylogic_epi32::<0xF8>(
-                                        _mm512_srli_epi32::<4>(b),
-                                        _mm512_srli_epi32::<2>(h),
-                                        c30,
-                                    ),
-                                ];
-                                for (c, q) in q.into_iter().enumerate() {
-                                    let grp = 8 * half + 2 * c + g;
-                                    let s = _mm512_set1_ps(sc[grp]);
-                                    let q = _mm512_sub_epi32(q, c32);
-                                    let e = 256 * bi + 128 * half + 32 * c + 16 * g;
-                                    let acc = if g == 0 { &mut *acc0 } else { &mut *acc1 };
-                                    fma16::<R, false>(q, s, zero, &xs, e, acc);
-                                }
-                            }
-                        }
-                    }
-                }
-            }
+                block_groups::<T>(rows.add(j * rb + bb * bi), |q, s, o, e| {
+                    // the first and last 16 of every 32 weights sum apart (two chains)
+                    fma16::<R>(weights16(q, s, o), &xs, base + e, &mut acc[(e / 16) % 2]);
+                })
+            };
         }
     }
     for j in 0..W {
@@ -499,7 +543,6 @@ unsafe fn dot_k4<const FIVE: bool, const W: usize, const R: usize>(a: Args) {
     let ss: [*const f32; R] = std::array::from_fn(|i| sums.wrapping_add(i * (k / 32)));
     let mut acc = [[_mm512_setzero_ps(); R]; W];
     let mut off = [[_mm256_setzero_ps(); R]; W];
-    let m4 = _mm512_set1_epi32(0x0F);
     for bi in 0..nb {
         for j in 0..W {
             // SAFETY (whole body): block bi of weight row j lies inside the row (the caller's
@@ -511,20 +554,9 @@ unsafe fn dot_k4<const FIVE: bool, const W: usize, const R: usize>(a: Args) {
                 let qh = [bytes16(p.add(16)), bytes16(p.add(32))];
                 for jj in 0..4 {
                     let v = [bytes16(qs.add(32 * jj)), bytes16(qs.add(32 * jj + 16))];
-                    for part in 0..2 {
-                        let sub = 2 * jj + part;
+                    for sub in [2 * jj, 2 * jj + 1] {
                         let f: [__m512; 2] = std::array::from_fn(|g| {
-                            let mut q = if part == 0 {
-                                _mm512_and_si512(v[g], m4)
-                            } else {
-                                _mm512_srli_epi32::<4>(v[g])
-                            };
-                            if FIVE {
-                                // bit `sub` of qh to bit 4
-                                let r = _mm512_set1_epi32((4 - sub as i32).rem_euclid(32));
-                                q = or_bit4(q, _mm512_rolv_epi32(qh[g], r));
-                            }
-                            _mm512_cvtepi32_ps(q)
+                            _mm512_cvtepi32_ps(k4_codes(v[g], qh[g], sub, FIVE))
                         });
                         let s = _mm512_set1_ps(sc[sub]);
                         let e = 256 * bi + 32 * sub;
@@ -554,8 +586,8 @@ unsafe fn dot_k4<const FIVE: bool, const W: usize, const R: usize>(a: Args) {
 }
 
 /// Row `row` of `ty` (`supports(ty)`) as f32 into `out` (`out.len()` values, a whole number
-/// of blocks), exactly as ggml's `dequantize_row_*` computes them: the same unpacking and
-/// weight arithmetic as `dot` (a multiply, then an add), stored instead of multiplied. The
+/// of blocks), exactly as ggml's `dequantize_row_*` computes them: `block_groups`' unpacking
+/// and weight arithmetic (a multiply, then an add), stored instead of multiplied. The
 /// prefill GEMMs dequantize tiles of weights with this; the portable code reached 0.5-1.4 G
 /// values/s, a third of a 160-token prefill chunk's product time.
 ///
@@ -564,134 +596,33 @@ unsafe fn dot_k4<const FIVE: bool, const W: usize, const R: usize>(a: Args) {
 pub(super) unsafe fn dequantize_row(ty: BlockType, row: &[u8], out: &mut [f32]) {
     use BlockType::*;
     let (bs, bb) = (ty.block_size(), ty.block_bytes());
-    let nb = out.len() / bs;
-    debug_assert!(row.len() >= nb * bb);
+    debug_assert!(row.len() >= out.len() / bs * bb);
+    // SAFETY: the caller's
+    unsafe {
+        match ty {
+            Q8_0 => dequantize_blocks::<{ Q8_0 as u32 }>(row, bs, bb, out),
+            Q4_0 => dequantize_blocks::<{ Q4_0 as u32 }>(row, bs, bb, out),
+            Q4_1 => dequantize_blocks::<{ Q4_1 as u32 }>(row, bs, bb, out),
+            Q5_0 => dequantize_blocks::<{ Q5_0 as u32 }>(row, bs, bb, out),
+            Q5_1 => dequantize_blocks::<{ Q5_1 as u32 }>(row, bs, bb, out),
+            Q4_K => dequantize_blocks::<{ Q4_K as u32 }>(row, bs, bb, out),
+            Q5_K => dequantize_blocks::<{ Q5_K as u32 }>(row, bs, bb, out),
+            _ => dequantize_blocks::<{ Q6_K as u32 }>(row, bs, bb, out),
+        }
+    }
+}
+
+/// `dequantize_row` for type `T` (blocks of `bs` elements, `bb` bytes).
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn dequantize_blocks<const T: u32>(row: &[u8], bs: usize, bb: usize, out: &mut [f32]) {
     let o = out.as_mut_ptr();
-    let m4 = _mm512_set1_epi32(0x0F);
-    let rot_lo = _mm512_setr_epi32(4, 3, 2, 1, 0, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21);
-    let rot_hi = _mm512_setr_epi32(20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5);
-    // value = q * s (+ off), stored at element e
-    let put = |q: __m512i, s: __m512, off: Option<__m512>, e: usize| {
-        let mut v = _mm512_mul_ps(_mm512_cvtepi32_ps(q), s);
-        if let Some(off) = off {
-            v = _mm512_add_ps(v, off);
-        }
-        // SAFETY: e + 16 <= out.len() (whole blocks)
-        unsafe { _mm512_storeu_ps(o.add(e), v) };
-    };
-    for bi in 0..nb {
-        // SAFETY (whole body): block bi lies inside `row` (the caller's sizes)
+    for bi in 0..out.len() / bs {
+        // SAFETY: block bi lies inside `row`, elements bi * bs + e + 16 <= out.len() (whole
+        // blocks; the caller)
         unsafe {
-            let p = row.as_ptr().add(bi * bb);
-            let e = bi * bs;
-            match ty {
-                Q8_0 => {
-                    let d = f16x16(p);
-                    for h in 0..2 {
-                        let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(
-                            p.add(2 + 16 * h) as *const __m128i
-                        ));
-                        put(q, d, None, e + 16 * h);
-                    }
-                }
-                Q4_0 | Q4_1 => {
-                    let one = ty == Q4_1;
-                    let d = f16x16(p);
-                    let v = bytes16(p.add(if one { 4 } else { 2 }));
-                    let (lo, hi) = (_mm512_and_si512(v, m4), _mm512_srli_epi32::<4>(v));
-                    if one {
-                        let m = f16x16(p.add(2));
-                        put(lo, d, Some(m), e);
-                        put(hi, d, Some(m), e + 16);
-                    } else {
-                        let c8 = _mm512_set1_epi32(8);
-                        put(_mm512_sub_epi32(lo, c8), d, None, e);
-                        put(_mm512_sub_epi32(hi, c8), d, None, e + 16);
-                    }
-                }
-                Q5_0 | Q5_1 => {
-                    let one = ty == Q5_1;
-                    let d = f16x16(p);
-                    let off = if one { 4 } else { 2 };
-                    let qh = _mm512_set1_epi32((p.add(off) as *const i32).read_unaligned());
-                    let v = bytes16(p.add(off + 4));
-                    let lo = or_bit4(_mm512_and_si512(v, m4), _mm512_rolv_epi32(qh, rot_lo));
-                    let hi = or_bit4(_mm512_srli_epi32::<4>(v), _mm512_rolv_epi32(qh, rot_hi));
-                    if one {
-                        let m = f16x16(p.add(2));
-                        put(lo, d, Some(m), e);
-                        put(hi, d, Some(m), e + 16);
-                    } else {
-                        let c16 = _mm512_set1_epi32(16);
-                        put(_mm512_sub_epi32(lo, c16), d, None, e);
-                        put(_mm512_sub_epi32(hi, c16), d, None, e + 16);
-                    }
-                }
-                Q4_K | Q5_K => {
-                    let five = ty == Q5_K;
-                    let (sc, mn) = k4_scales(p);
-                    let qs = p.add(if five { 48 } else { 16 });
-                    let qh = [bytes16(p.add(16)), bytes16(p.add(32))];
-                    for jj in 0..4 {
-                        let v = [bytes16(qs.add(32 * jj)), bytes16(qs.add(32 * jj + 16))];
-                        for part in 0..2 {
-                            let sub = 2 * jj + part;
-                            let (s, m) = (_mm512_set1_ps(sc[sub]), _mm512_set1_ps(mn[sub]));
-                            for g in 0..2 {
-                                let mut q = if part == 0 {
-                                    _mm512_and_si512(v[g], m4)
-                                } else {
-                                    _mm512_srli_epi32::<4>(v[g])
-                                };
-                                if five {
-                                    let r = _mm512_set1_epi32((4 - sub as i32).rem_euclid(32));
-                                    q = or_bit4(q, _mm512_rolv_epi32(qh[g], r));
-                                }
-                                put(q, s, Some(m), e + 32 * sub + 16 * g);
-                            }
-                        }
-                    }
-                }
-                _ => {
-                    // Q6_K
-                    let sc = q6k_scales(p);
-                    let (c30, c32) = (_mm512_set1_epi32(0x30), _mm512_set1_epi32(32));
-                    for half in 0..2 {
-                        for g in 0..2 {
-                            let a = bytes16(p.add(64 * half + 16 * g));
-                            let b = bytes16(p.add(64 * half + 32 + 16 * g));
-                            let h = bytes16(p.add(128 + 32 * half + 16 * g));
-                            let q = [
-                                _mm512_ternarylogic_epi32::<0xF8>(
-                                    _mm512_and_si512(a, m4),
-                                    _mm512_slli_epi32::<4>(h),
-                                    c30,
-                                ),
-                                _mm512_ternarylogic_epi32::<0xF8>(
-                                    _mm512_and_si512(b, m4),
-                                    _mm512_slli_epi32::<2>(h),
-                                    c30,
-                                ),
-                                _mm512_ternarylogic_epi32::<0xF8>(
-                                    _mm512_srli_epi32::<4>(a),
-                                    h,
-                                    c30,
-                                ),
-                                _mm512_ternarylogic_epi32::<0xF8>(
-                                    _mm512_srli_epi32::<4>(b),
-                                    _mm512_srli_epi32::<2>(h),
-                                    c30,
-                                ),
-                            ];
-                            for (c, q) in q.into_iter().enumerate() {
-                                let s = _mm512_set1_ps(sc[8 * half + 2 * c + g]);
-                                let q = _mm512_sub_epi32(q, c32);
-                                put(q, s, None, e + 128 * half + 32 * c + 16 * g);
-                            }
-                        }
-                    }
-                }
-            }
-        }
+            block_groups::<T>(row.as_ptr().add(bi * bb), |q, s, off, e| {
+                _mm512_storeu_ps(o.add(bi * bs + e), weights16(q, s, off))
+            })
+        };
     }
 }
