@@ -677,6 +677,40 @@ fn f32_threads_split_rows_without_changing_results() {
 }
 
 #[test]
+fn f32_results_do_not_depend_on_the_activations_alignment() {
+    // the AVX-512 kernels copy the activations to a 64-byte-aligned buffer first (split
+    // cache-line loads halved batch products); every offset of the caller's slice must give
+    // the same bits
+    let mut rng = Rng(17);
+    for ty in [BlockType::Q8_0, BlockType::Q4_K, BlockType::Q6_K, BlockType::Q5_0] {
+        let (m, n, k) = (8, 37, 512);
+        let raw = random_rows(ty, n, k, &mut rng);
+        let w = BlockMatrix {
+            raw: &raw,
+            ty,
+            n,
+            k,
+        };
+        let base: Vec<f32> = (0..m * k + 16).map(|_| rng.unit()).collect();
+        let mut first: Option<Vec<f32>> = None;
+        for off in 0..16 {
+            let mut shifted = vec![0f32; m * k + 16];
+            shifted[off..off + m * k].copy_from_slice(&base[..m * k]);
+            let mut out = vec![0f32; m * n];
+            block_matmul_t_f32(&shifted[off..off + m * k], m, &w, &mut out, 1).unwrap();
+            match &first {
+                None => {
+                    let wf = reference_rows(ty, &raw);
+                    check_exact(ty, &base[..m * k], &wf, m, n, k, &out);
+                    first = Some(out);
+                }
+                Some(f) => assert_eq!(f, &out, "{ty:?} offset {off}"),
+            }
+        }
+    }
+}
+
+#[test]
 fn f32_float_weights_take_any_k_and_zero_acts_give_zero() {
     let mut rng = Rng(13);
     for ty in [BlockType::F32, BlockType::F16, BlockType::BF16] {
