@@ -174,3 +174,61 @@ def test_parts_checks_raise_value_error():
                                        [int(Q.Q4_K), int(Q.Q8_0)], np.zeros((1, 5), np.float32))
     with pytest.raises(ValueError):  # unknown type
         _core.block_matmul_t_f32_parts(x, [raw4k], [99], np.zeros((1, 2), np.float32))
+
+
+GEMM = pytest.mark.skipif(not _core.block_gemm_available(),
+                          reason="block_gemm_f32 needs AVX-512")
+
+
+@GEMM
+@pytest.mark.parametrize("t", [t for t in TYPES if t not in (Q.F32, Q.F16, Q.BF16)],
+                         ids=lambda t: t.name)
+def test_gemm_equals_dequantized_f32_product(t):
+    """`_core.block_gemm_f32`, the prefill product: `x @ dequantize(raw).T` into its columns
+    of a wider out, for chunk sizes around its 32-row blocks and 12-row panels."""
+    rng = np.random.default_rng(int(t))
+    k, n = 512, 29
+    raw = make_raw(t, n, k, rng)
+    w = dequantized(raw, t).astype(np.float64)
+    for m in (17, 40, 97):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        out = np.full((m, n + 7), np.nan, np.float32)
+        _core.block_gemm_f32(x, raw, int(t), out, col0=5, threads=2)
+        want = x.astype(np.float64) @ w.T
+        tol = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w).T) + 1e-30
+        assert (np.abs(out[:, 5 : 5 + n] - want) <= tol).all()
+        assert np.isnan(out[:, :5]).all() and np.isnan(out[:, 5 + n :]).all()
+
+
+@GEMM
+@pytest.mark.parametrize("t", [Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda t: t.name)
+def test_gemm_rows_do_not_depend_on_the_chunk(t):
+    """Every output sums its k products in one order whatever the chunk: a prompt's token
+    gets the same bits whether its chunk is 17 or 120 tokens long, and wherever it falls."""
+    rng = np.random.default_rng(5)
+    k, n, m = 768, 61, 120
+    raw = make_raw(t, n, k, rng)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    whole = np.empty((m, n), np.float32)
+    _core.block_gemm_f32(x, raw, int(t), whole, threads=2)
+    for lo, hi in ((0, 17), (17, 50), (50, 120), (3, 4)):
+        part = np.empty((hi - lo, n), np.float32)
+        _core.block_gemm_f32(x[lo:hi], raw, int(t), part, threads=1)
+        np.testing.assert_array_equal(part, whole[lo:hi])
+
+
+@GEMM
+def test_gemm_checks_raise_value_error():
+    raw = np.zeros((2, 144), np.uint8)  # Q4_K rows of 256
+    x = np.zeros((20, 256), np.float32)
+    _core.block_gemm_f32(x, raw, int(Q.Q4_K), np.zeros((20, 2), np.float32))
+    with pytest.raises(ValueError):  # columns past out's width
+        _core.block_gemm_f32(x, raw, int(Q.Q4_K), np.zeros((20, 2), np.float32), col0=1)
+    with pytest.raises(ValueError):  # rows differ
+        _core.block_gemm_f32(x, raw, int(Q.Q4_K), np.zeros((19, 2), np.float32))
+    with pytest.raises(ValueError):  # float weights take BLAS
+        _core.block_gemm_f32(x, np.zeros((2, 512), np.uint8), int(Q.F16),
+                             np.zeros((20, 2), np.float32))
+    with pytest.raises(ValueError):  # x's k is not the rows' k
+        _core.block_gemm_f32(np.zeros((20, 512), np.float32), raw, int(Q.Q4_K),
+                             np.zeros((20, 2), np.float32))

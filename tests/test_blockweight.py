@@ -226,3 +226,30 @@ def test_bad_input_raises_value_error():
 def test_type_table_matches_gguf():
     for t in TYPES:
         assert BLOCK_TYPES[int(t)] == tuple(GGML_QUANT_SIZES[t])
+
+
+@pytest.mark.parametrize("gemm", [True, False], ids=["block-gemm", "tiles+blas"])
+def test_f32_large_batches_of_fused_parts(gemm, monkeypatch):
+    """Prefill products with f32 activations: `_core.block_gemm_f32` per quantized part (where
+    AVX-512 runs it), BLAS on dequantized tiles otherwise; F16 parts always BLAS. Both equal
+    `x @ dequantize(w).T` to f32 summation order, into contiguous or strided outputs."""
+    import kvshare.ops.blockweight as bw
+    if gemm and not _core.block_gemm_available():
+        pytest.skip("block_gemm_f32 needs AVX-512")
+    monkeypatch.setattr(bw, "USE_GEMM", gemm)
+    rng = np.random.default_rng(11)
+    k = 512
+    specs = [(Q.Q4_K, 40), (Q.Q8_0, 17), (Q.F16, 9), (Q.Q6_K, 33)]
+    parts = [(make_raw(t, n, k, rng), int(t), k) for t, n in specs]
+    w = BlockWeight.concat([BlockWeight(*p) for p in parts])
+    wf = np.concatenate([oracle(r, Q(t)) for r, t, _ in parts]).astype(np.float64)
+    for M in (BLOCK_KERNEL_MAX + 1, 75):
+        x = rng.standard_normal((M, k)).astype(np.float32)
+        ref = x.astype(np.float64) @ wf.T
+        tol = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(wf).T)
+        got = w.matmul_t(x)
+        assert (np.abs(got - ref) <= tol).all()
+        big = np.zeros((M, 120), np.float32)
+        w.matmul_t(x, out=big[:, 10:109])
+        np.testing.assert_array_equal(big[:, 10:109], got)
+        assert not big[:, :10].any() and not big[:, 109:].any()

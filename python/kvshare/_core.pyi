@@ -446,6 +446,25 @@ def block_matmul_t_f32(
     registers with ggml's dequantization arithmetic, so `out` equals
     `x @ dequantize(raw).T` up to f32 summation order. GIL released."""
 
+def block_gemm_available() -> bool:
+    """Whether `block_gemm_f32` runs on this CPU (AVX-512) with the SIMD code switched on
+    (`block_force_portable(True)` switches it off)."""
+
+def block_gemm_f32(
+    x: npt.NDArray[np.float32],
+    raw: npt.NDArray[np.uint8],
+    qtype: int,
+    out: npt.NDArray[np.float32],
+    col0: int = 0,
+    threads: int = 1,
+) -> None:
+    """`out[:, col0:col0 + n] = x @ dequantize(raw).T` for a block-quantized `raw` (uint8
+    `[n, row_bytes]`; F32/F16/BF16 are refused) and `x` f32 `[m, k]` of any m (a prefill
+    chunk); `out` C-contiguous f32 `[m, ld]`, its other columns untouched. Panels of weight
+    rows are dequantized as ggml does and multiplied by an f32 micro-kernel; each output sums
+    its k products in order from zero, so a row's result does not depend on m or the threads.
+    ValueError on bad shapes, overlap or when AVX-512 is absent. GIL released."""
+
 def block_matmul_t_f32_parts(
     x: npt.NDArray[np.float32],
     raws: list[npt.NDArray[np.uint8]],

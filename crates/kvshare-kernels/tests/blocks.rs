@@ -682,7 +682,12 @@ fn f32_results_do_not_depend_on_the_activations_alignment() {
     // cache-line loads halved batch products); every offset of the caller's slice must give
     // the same bits
     let mut rng = Rng(17);
-    for ty in [BlockType::Q8_0, BlockType::Q4_K, BlockType::Q6_K, BlockType::Q5_0] {
+    for ty in [
+        BlockType::Q8_0,
+        BlockType::Q4_K,
+        BlockType::Q6_K,
+        BlockType::Q5_0,
+    ] {
         let (m, n, k) = (8, 37, 512);
         let raw = random_rows(ty, n, k, &mut rng);
         let w = BlockMatrix {
@@ -931,4 +936,134 @@ fn f32_parts_bad_shapes_are_errors() {
         &mut big_out,
         1
     )));
+}
+
+use kvshare_kernels::blocks::{block_gemm_f32, gemm_available};
+
+/// `block_gemm_f32` of `x` (`[m, k]`) into columns `col0..col0 + n` of a NaN-filled `[m, ld]`,
+/// returned as `[m, n]`; the other columns must stay NaN.
+fn gemm_cols(
+    x: &[f32],
+    m: usize,
+    w: &BlockMatrix<'_>,
+    ld: usize,
+    col0: usize,
+    th: usize,
+) -> Vec<f32> {
+    let mut out = vec![f32::NAN; m * ld];
+    block_gemm_f32(x, m, w, &mut out, ld, col0, th).unwrap();
+    let mut got = Vec::with_capacity(m * w.n);
+    for r in 0..m {
+        for c in 0..ld {
+            let v = out[r * ld + c];
+            if (col0..col0 + w.n).contains(&c) {
+                got.push(v);
+            } else {
+                assert!(
+                    v.is_nan(),
+                    "{:?}: column {c} outside {col0}..{} written",
+                    w.ty,
+                    col0 + w.n
+                );
+            }
+        }
+    }
+    got
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(40))]
+
+    // every quantized type, ragged m (not a multiple of the 32-row blocks; 16 or fewer rows
+    // take the half-width kernel) and n (not a multiple of the 12-row panels)
+    #[test]
+    fn gemm_matches_dequantized_f64(
+        seed in any::<u64>(),
+        m in 1usize..75,
+        n in 1usize..30,
+        kb in 1usize..3,
+        col0 in 0usize..5,
+        th in 1usize..4,
+    ) {
+        if !gemm_available() {
+            return Ok(());
+        }
+        let mut rng = Rng(seed);
+        for ty in BlockType::ALL {
+            if ty.is_float() {
+                continue;
+            }
+            let k = 256 * kb;
+            let raw = random_rows(ty, n, k, &mut rng);
+            let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
+            let w = BlockMatrix { raw: &raw, ty, n, k };
+            let got = gemm_cols(&x, m, &w, n + col0 + 3, col0, th);
+            check_exact(ty, &x, &reference_rows(ty, &raw), m, n, k, &got);
+        }
+    }
+}
+
+#[test]
+fn gemm_rows_do_not_depend_on_the_batch_or_threads() {
+    if !gemm_available() {
+        return;
+    }
+    let mut rng = Rng(23);
+    for ty in [
+        BlockType::Q4_K,
+        BlockType::Q8_0,
+        BlockType::Q6_K,
+        BlockType::Q5_0,
+    ] {
+        let (m, n, k) = (70, 53, 512);
+        let raw = random_rows(ty, n, k, &mut rng);
+        let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
+        let w = BlockMatrix {
+            raw: &raw,
+            ty,
+            n,
+            k,
+        };
+        let all = gemm_cols(&x, m, &w, n, 0, 1);
+        assert_eq!(all, gemm_cols(&x, m, &w, n, 0, 3), "{ty:?}: threads");
+        // each row alone, and inside other batches (another place in the 32-row blocks)
+        for (lo, hi) in [(5, 6), (5, 40), (33, 70), (0, 17)] {
+            let part = gemm_cols(&x[lo * k..hi * k], hi - lo, &w, n, 0, 2);
+            assert_eq!(&all[lo * n..hi * n], &part[..], "{ty:?}: rows {lo}..{hi}");
+        }
+    }
+}
+
+#[test]
+fn gemm_refuses_float_weights_and_bad_shapes() {
+    if !gemm_available() {
+        return;
+    }
+    let mut rng = Rng(29);
+    let (m, n, k) = (3, 4, 256);
+    let x = vec![0.5f32; m * k];
+    let raw = random_rows(BlockType::F16, n, k, &mut rng);
+    let w = BlockMatrix {
+        raw: &raw,
+        ty: BlockType::F16,
+        n,
+        k,
+    };
+    let mut out = vec![0f32; m * n];
+    assert!(matches!(
+        block_gemm_f32(&x, m, &w, &mut out, n, 0, 1),
+        Err(KernelError::Shape(_))
+    ));
+    let raw = random_rows(BlockType::Q4_K, n, k, &mut rng);
+    let w = BlockMatrix {
+        raw: &raw,
+        ty: BlockType::Q4_K,
+        n,
+        k,
+    };
+    // columns past ld, a short out, a short x
+    assert!(block_gemm_f32(&x, m, &w, &mut out, n, 1, 1).is_err());
+    assert!(block_gemm_f32(&x, m, &w, &mut out[1..], n, 0, 1).is_err());
+    assert!(block_gemm_f32(&x[1..], m, &w, &mut out, n, 0, 1).is_err());
+    assert!(block_gemm_f32(&x, m, &w, &mut out, n, 0, 1).is_ok());
 }

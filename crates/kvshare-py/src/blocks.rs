@@ -180,7 +180,63 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(block_act_round_trip, m)?)?;
     m.add_function(wrap_pyfunction!(block_force_portable, m)?)?;
     m.add_function(wrap_pyfunction!(block_matmul_t_f32, m)?)?;
-    m.add_function(wrap_pyfunction!(block_matmul_t_f32_parts, m)?)
+    m.add_function(wrap_pyfunction!(block_matmul_t_f32_parts, m)?)?;
+    m.add_function(wrap_pyfunction!(block_gemm_f32, m)?)?;
+    m.add_function(wrap_pyfunction!(block_gemm_available, m)?)
+}
+
+/// Whether `block_gemm_f32` runs on this CPU (AVX-512) with the SIMD code switched on.
+#[pyfunction]
+fn block_gemm_available() -> bool {
+    kvshare_kernels::blocks::gemm_available()
+}
+
+/// `out[:, col0:col0 + n] = x @ dequantize(raw).T` for `raw` uint8 `[n, row_bytes]` of a
+/// block-quantized GGML type and `x` f32 `[m, k]` (any m: a prefill chunk): weight panels are
+/// dequantized into a cache-sized buffer and multiplied by an f32 micro-kernel; each output
+/// sums its k products in order, whatever m. `out` is C-contiguous f32 `[m, ld]`.
+#[pyfunction]
+#[pyo3(signature = (x, raw, qtype, out, col0 = 0, threads = 1))]
+fn block_gemm_f32(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    raw: &Bound<'_, PyAny>,
+    qtype: u32,
+    out: &Bound<'_, PyAny>,
+    col0: usize,
+    threads: usize,
+) -> PyResult<()> {
+    let err = |e| as_value_error(py, e);
+    let ty = block_type(qtype)?;
+    let xa = typed_array(x, b'f', 4, false, "x").map_err(err)?;
+    let ra = typed_array(raw, b'u', 1, false, "raw").map_err(err)?;
+    let oa = typed_array(out, b'f', 4, true, "out").map_err(err)?;
+    let &[m, k] = xa.shape.as_slice() else {
+        return Err(value_error("x must be 2-D float32 [m, k]"));
+    };
+    let n = check_raw(&ra.shape, ty, k)?;
+    let &[om, ld] = oa.shape.as_slice() else {
+        return Err(value_error("out must be 2-D float32 [m, ld]"));
+    };
+    if om != m || col0.checked_add(n).is_none_or(|e| e > ld) {
+        return Err(value_error(format!(
+            "out must have {m} rows and at least {col0} + {n} columns, got ({om}, {ld})"
+        )));
+    }
+    if overlaps(oa.span(4), xa.span(4)) || overlaps(oa.span(4), ra.span(1)) {
+        return Err(value_error("out must not overlap an input"));
+    }
+    // SAFETY: as in run_product
+    let (xs, rs, os) = unsafe {
+        (
+            xa.as_slice::<f32>(),
+            ra.as_slice::<u8>(),
+            oa.as_mut_slice::<f32>(),
+        )
+    };
+    let w = BlockMatrix { raw: rs, ty, n, k };
+    py.detach(|| kvshare_kernels::blocks::block_gemm_f32(xs, m, &w, os, ld, col0, threads.max(1)))
+        .map_err(|e| value_error(e.to_string()))
 }
 
 /// `out[m, n] = sum_k x[m, k] * w[n, k]` as `block_matmul_t`, with the f32 activations

@@ -9,14 +9,17 @@ x.shape[0] <= BLOCK_KERNEL_MAX rows a Rust kernel (AVX2) computes on the blocks 
 - activations "q8": `_core.block_matmul_t` quantizes the activations to 8 bits per 32 values
   and takes integer dot products, as ggml-cpu's `vec_dot` does (~0.5% of sum |w x| per
   product, llama.cpp's approximation). Results then depend on how a prompt was chunked.
-Larger batches (prefill) dequantize tiles of rows into a reusable f32 buffer
-(`_core.block_dequantize`, exact as ggml) and multiply them with OpenBLAS.
+Larger batches (prefill) with f32 activations run `_core.block_gemm_f32` where AVX-512 is
+present (panels of weight rows dequantized into a cache-sized buffer, an f32 micro-kernel);
+otherwise they dequantize tiles of rows into a reusable f32 buffer (`_core.block_dequantize`,
+exact as ggml) and multiply them with OpenBLAS.
 
 Fused weights (Q/K/V, gate/up) are `BlockWeight.concat` of parts whose types may differ; each
 part keeps its own bytes and fills its own columns of the output.
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import Iterable
 
@@ -24,6 +27,7 @@ import numpy as np
 
 from kvshare import _core
 from kvshare.backend import CPU_THREADS
+from kvshare.ops.parallel import ROWS
 
 # Most rows of x for the block kernel (it quantizes the activations once and reads each weight
 # block once per 8 rows); larger products dequantize tiles + BLAS.
@@ -59,6 +63,12 @@ BLOCK_TYPES: dict[int, tuple[int, int]] = {
 ACTIVATIONS = ("f32", "q8")
 HAVE_F32_KERNEL = hasattr(_core, "block_matmul_t_f32")
 HAVE_PARTS_KERNEL = hasattr(_core, "block_matmul_t_f32_parts")
+# The prefill GEMM on the blocks (`_core.block_gemm_f32`, AVX-512): panels of weight rows are
+# dequantized into an L1/L2-sized buffer and multiplied by a register-tiled f32 micro-kernel,
+# each output summing its k products in order from zero (so a row's result does not depend on
+# the chunk's size). Elsewhere, or with KVSHARE_BLOCK_GEMM=0, tiles are dequantized for BLAS.
+USE_GEMM = (hasattr(_core, "block_gemm_available") and _core.block_gemm_available()
+            and os.environ.get("KVSHARE_BLOCK_GEMM", "1") != "0")
 
 # float weights: the kernels multiply them with f32 activations (no 8-bit quantization)
 FLOAT_TYPES = frozenset({0, 1, 30})
@@ -252,6 +262,21 @@ class BlockWeight:
         if self.activations == "q8" and any(p.qtype not in FLOAT_TYPES for p in self.parts):
             xq = np.array(x, dtype=np.float32, order="C", copy=True)
             _core.block_act_round_trip(xq)
+        if USE_GEMM and self.activations == "f32":
+            # inside a row-parallel part the other parts hold the other cores
+            threads = 1 if ROWS.inside() else CPU_THREADS.kernel_threads
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            direct = out.flags.c_contiguous and out.dtype == np.float32
+            dst = out if direct else np.empty((M, N), np.float32)
+            for p in self.parts:
+                if p.qtype in FLOAT_TYPES:
+                    np.matmul(x, self.dequantize(p.start, p.start + p.rows).T,
+                              out=dst[:, p.start : p.start + p.rows])
+                else:
+                    _core.block_gemm_f32(x, p.raw, p.qtype, dst, p.start, threads)
+            if not direct:
+                out[...] = dst
+            return out
         tile = max(32, min(N, _TILE_VALUES // self.k))
         buf = _tile_buffer(min(tile, N) * self.k)
         for p in self.parts:

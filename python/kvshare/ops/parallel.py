@@ -24,9 +24,15 @@ class RowParallel:
         self._workers = 0
         self._lock = threading.Lock()
 
+    def inside(self) -> bool:
+        """Whether the calling thread is running a part of a `run` with several parts (its
+        kernels should then use one thread: the other parts hold the other cores)."""
+        return getattr(_PART, "active", False)
+
     def run(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
         if len(items) <= 1:
             return [fn(it) for it in items]
+        fn = _as_part(fn)
         with self._lock:
             if self._pool is None or self._workers < len(items) - 1:
                 if self._pool is not None:
@@ -40,6 +46,20 @@ class RowParallel:
         finally:
             rest = [f.result() for f in futures]  # wait for all, even when ours failed
         return [first, *rest]
+
+
+_PART = threading.local()
+
+
+def _as_part(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def part(item: Any) -> Any:
+        was = getattr(_PART, "active", False)
+        _PART.active = True
+        try:
+            return fn(item)
+        finally:
+            _PART.active = was
+    return part
 
 
 def split_rows(n: int, parts: int) -> list[slice]:

@@ -144,9 +144,7 @@ fn aligned_copy(x: &[f32]) -> Aligned {
     // SAFETY: an all-zero __m512 is a valid value
     let mut lines = vec![unsafe { std::mem::zeroed::<__m512>() }; x.len().div_ceil(16)];
     // SAFETY: the lines hold x.len().div_ceil(16) * 16 >= x.len() f32s; they do not overlap x
-    unsafe {
-        std::ptr::copy_nonoverlapping(x.as_ptr(), lines.as_mut_ptr() as *mut f32, x.len())
-    };
+    unsafe { std::ptr::copy_nonoverlapping(x.as_ptr(), lines.as_mut_ptr() as *mut f32, x.len()) };
     Aligned {
         lines,
         len: x.len(),

@@ -19,6 +19,8 @@ mod avx2;
 mod exact;
 #[cfg(target_arch = "x86_64")]
 mod exact512;
+#[cfg(target_arch = "x86_64")]
+mod gemm512;
 mod portable;
 
 use crate::qmatmul::KernelError;
@@ -344,6 +346,81 @@ pub fn block_matmul_t_f32_parts(
     threads: usize,
 ) -> Result<(), KernelError> {
     exact::matmul_parts(x, m, ws, out, threads, false)
+}
+
+/// Whether `block_gemm_f32` runs here: AVX-512 present and the SIMD code not switched off
+/// (`set_force_portable`). Elsewhere callers dequantize tiles and use BLAS.
+pub fn gemm_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use_avx2(false) && gemm512::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `out[r, col0 + j] = sum_k x[r, k] * dequantize(w)[j, k]` for all `m` rows of `x` (`[m, k]`)
+/// and rows `j` of a quantized `w`, with `out` `[m, ld]`: the product of a prefill chunk.
+/// Weight panels are dequantized (bit-exact with ggml) into a cache-sized buffer and
+/// multiplied by a register-tiled f32 micro-kernel; every output sums its `k` products in
+/// order from zero, so a row's result does not depend on `m`, the threads or the tiling.
+/// Needs `gemm_available()`; float weights (F32/F16/BF16) are refused (BLAS takes them).
+#[allow(clippy::too_many_arguments)]
+pub fn block_gemm_f32(
+    x: &[f32],
+    m: usize,
+    w: &BlockMatrix<'_>,
+    out: &mut [f32],
+    ld: usize,
+    col0: usize,
+    threads: usize,
+) -> Result<(), KernelError> {
+    w.check()?;
+    if matches!(w.ty, BlockType::F32 | BlockType::F16 | BlockType::BF16) {
+        return Err(KernelError::Shape(format!(
+            "{:?} weights are not block-quantized",
+            w.ty
+        )));
+    }
+    if x.len() != m * w.k {
+        return Err(KernelError::Shape(format!(
+            "x has {} values, expected {m} x {}",
+            x.len(),
+            w.k
+        )));
+    }
+    if col0.checked_add(w.n).is_none_or(|e| e > ld) || out.len() != m * ld {
+        return Err(KernelError::Shape(format!(
+            "out has {} values, expected {m} x {ld} with columns {col0}..{} inside",
+            out.len(),
+            col0.saturating_add(w.n)
+        )));
+    }
+    if !gemm_available() {
+        return Err(KernelError::Shape(
+            "block_gemm_f32 needs AVX-512 (see gemm_available)".into(),
+        ));
+    }
+    if m == 0 || w.n == 0 {
+        return Ok(());
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let wide = exact512::supports(w.ty) && exact512::available();
+        let ty = w.ty;
+        let deq = move |row: &[u8], o: &mut [f32]| {
+            if wide {
+                // SAFETY: AVX-512 checked; the row holds whole blocks (w.check)
+                unsafe { exact512::dequantize_row(ty, row, o) };
+            } else {
+                portable::dequantize_row_unchecked(ty, row, o);
+            }
+        };
+        gemm512::gemm(x, m, w, out, ld, col0, threads, &deq);
+    }
+    Ok(())
 }
 
 /// `block_matmul_t_f32` on the portable code.

@@ -1,0 +1,201 @@
+//! AVX-512 products of many activation rows (prefill chunks) with block weights: each thread
+//! dequantizes a panel of `NR` weight rows into an L1/L2-sized f32 buffer (the packing copy
+//! any GEMM makes, here also the dequantization) and multiplies it with every activation row
+//! in a register-tiled micro-kernel. OpenBLAS reached 28-35 G multiply-adds/s per core on
+//! these shapes (80-160 token rows per call, k = 640-2048), and its thread-split callers
+//! dequantized every weight tile once per thread.
+//!
+//! Layout. The activations are packed once per call, transposed in blocks of `MR` = 32 rows
+//! (`[k][32]`: two vectors per `k`); a weight panel is `NR` dequantized rows interleaved in
+//! chunks of 16 values (`[k / 16][NR][16]`), so the micro-kernel reads every weight at a
+//! constant offset from one pointer. Per `k` it loads two activation vectors and broadcasts
+//! each of the `NR` weights into two FMAs: 24 accumulators, 24 FMAs per 14 loads.
+//!
+//! Summation order. Every output is `fma(x[m, k], w[n, k], acc)` for `k = 0, 1, ..` from
+//! zero, so a row's result does not depend on the batch, on where it falls in a block of
+//! 32 (pad rows are zeros and are not stored), on the thread split or on the panel.
+
+#![allow(clippy::needless_range_loop)]
+
+use super::{BlockMatrix, OutPtr};
+use std::arch::x86_64::*;
+
+/// Activation rows per micro-kernel call (two 16-lane vectors).
+const MR: usize = 32;
+/// Weight rows per panel (24 accumulators of the 32 registers).
+const NR: usize = 12;
+/// Values of one weight row per interleaved chunk.
+const KC: usize = 16;
+
+/// Whether the CPU runs this GEMM (AVX-512F; the dequantization brings its own checks).
+pub(super) fn available() -> bool {
+    std::is_x86_feature_detected!("avx512f")
+}
+
+/// 64-byte-aligned f32 storage.
+struct Lines(Vec<__m512>);
+
+impl Lines {
+    fn zeroed(values: usize) -> Lines {
+        // SAFETY: an all-zero __m512 is a valid value
+        Lines(vec![
+            unsafe { std::mem::zeroed::<__m512>() };
+            values.div_ceil(16)
+        ])
+    }
+    fn ptr(&mut self) -> *mut f32 {
+        self.0.as_mut_ptr() as *mut f32
+    }
+    fn as_slice_mut(&mut self, len: usize) -> &mut [f32] {
+        assert!(len <= self.0.len() * 16);
+        // SAFETY: len f32s lie inside the vector (checked)
+        unsafe { std::slice::from_raw_parts_mut(self.ptr(), len) }
+    }
+}
+
+/// Writes one weight row's `k` values as f32, with ggml's arithmetic.
+pub(super) type Dequantize<'a> = &'a (dyn Fn(&[u8], &mut [f32]) + Sync);
+
+/// `out[r, col0 + j] = sum_k x[r, k] * dequantize(w)[j, k]` for every row `r < m` and weight
+/// row `j < w.n`; `out` has `ld` columns. Sizes checked by the caller (`x` holds `m * w.k`,
+/// `out` `m * ld`, `col0 + w.n <= ld`); `available()`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemm(
+    x: &[f32],
+    m: usize,
+    w: &BlockMatrix<'_>,
+    out: &mut [f32],
+    ld: usize,
+    col0: usize,
+    threads: usize,
+    dequantize: Dequantize<'_>,
+) {
+    let k = w.k;
+    let blocks = m.div_ceil(MR);
+    // the activations, transposed in blocks of MR rows; rows past m stay zero
+    let mut xp = Lines::zeroed(blocks * MR * k);
+    {
+        let xs = xp.as_slice_mut(blocks * MR * k);
+        for r in 0..m {
+            let (b, i) = (r / MR, r % MR);
+            let dst = &mut xs[b * MR * k..(b + 1) * MR * k];
+            for (kk, &v) in x[r * k..(r + 1) * k].iter().enumerate() {
+                dst[kk * MR + i] = v;
+            }
+        }
+    }
+    let xp_ptr = XPtr(xp.ptr());
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    let panels = w.n.div_ceil(NR);
+    let parts = threads
+        .min(crate::pool::max_parts())
+        .min(panels)
+        // a part below ~2M multiply-adds costs more to hand off than it saves
+        .min((m * w.n * k / (1 << 21)).max(1))
+        .max(1);
+    let per = panels.div_ceil(parts);
+    let rb = w.row_bytes();
+    let (n_all, raw) = (w.n, w.raw);
+    crate::pool::run(parts, &|t| {
+        let mut panel = Lines::zeroed(NR * k);
+        let mut row = Lines::zeroed(k);
+        let pp = panel.ptr();
+        for p in t * per..((t + 1) * per).min(panels) {
+            let n0 = p * NR;
+            let rows = NR.min(n_all - n0);
+            for j in 0..NR {
+                if j < rows {
+                    let r = row.as_slice_mut(k);
+                    dequantize(&raw[(n0 + j) * rb..(n0 + j + 1) * rb], r);
+                }
+                let src = row.ptr();
+                for c in 0..k / KC {
+                    // SAFETY: chunk c of row j lies inside the NR * k panel, chunk c of the
+                    // row inside its k values; the features are checked by the caller
+                    unsafe { copy16(src.add(c * KC), pp.add((c * NR + j) * KC), j < rows) };
+                }
+            }
+            for b in 0..blocks {
+                let live = MR.min(m - b * MR);
+                let mut tile = [0f32; MR * NR];
+                // SAFETY: the packed block and the panel hold k values per row; features
+                // checked by the caller (available())
+                unsafe {
+                    if live > 16 {
+                        micro::<2>(xp_ptr.at(b * MR * k), pp, k, &mut tile)
+                    } else {
+                        micro::<1>(xp_ptr.at(b * MR * k), pp, k, &mut tile)
+                    }
+                };
+                for i in 0..live {
+                    // SAFETY: row b * MR + i < m, columns col0 + n0 .. + rows <= col0 + w.n
+                    // <= ld; each panel's columns belong to one part
+                    let o = out_ptr.at((b * MR + i) * ld + col0 + n0);
+                    for j in 0..rows {
+                        unsafe { *o.add(j) = tile[j * MR + i] };
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// 16 values from `src` to `dst` (zeros when `!live`).
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn copy16(src: *const f32, dst: *mut f32, live: bool) {
+    let v = if live {
+        // SAFETY: 16 values at src (the caller)
+        unsafe { _mm512_loadu_ps(src) }
+    } else {
+        _mm512_setzero_ps()
+    };
+    // SAFETY: 16 values at dst (the caller)
+    unsafe { _mm512_storeu_ps(dst, v) };
+}
+
+#[derive(Clone, Copy)]
+struct XPtr(*mut f32);
+// SAFETY: the packed activations are only read while the parts run
+unsafe impl Send for XPtr {}
+unsafe impl Sync for XPtr {}
+
+impl XPtr {
+    /// A method, so closures capture the whole `Sync` wrapper.
+    fn at(self, i: usize) -> *const f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
+/// One block of MR packed activation rows (`xp`, `[k][MR]`; the first `16 * H` used) times
+/// one panel (`wp`, `[k / KC][NR][KC]`) into `tile` (`[NR][MR]`).
+#[target_feature(enable = "avx512f")]
+unsafe fn micro<const H: usize>(
+    xp: *const f32,
+    wp: *const f32,
+    k: usize,
+    tile: &mut [f32; MR * NR],
+) {
+    let mut acc = [[_mm512_setzero_ps(); H]; NR];
+    for c in 0..k / KC {
+        let w = unsafe { wp.add(c * NR * KC) };
+        let x = unsafe { xp.add(c * KC * MR) };
+        for i in 0..KC {
+            // SAFETY: k index c * KC + i < k of the packed block and panel
+            let xv: [__m512; H] =
+                std::array::from_fn(|h| unsafe { _mm512_load_ps(x.add(i * MR + 16 * h)) });
+            for j in 0..NR {
+                let b = _mm512_set1_ps(unsafe { *w.add(j * KC + i) });
+                for h in 0..H {
+                    acc[j][h] = _mm512_fmadd_ps(xv[h], b, acc[j][h]);
+                }
+            }
+        }
+    }
+    for j in 0..NR {
+        for h in 0..H {
+            // SAFETY: tile holds NR * MR values
+            unsafe { _mm512_storeu_ps(tile.as_mut_ptr().add(j * MR + 16 * h), acc[j][h]) };
+        }
+    }
+}
