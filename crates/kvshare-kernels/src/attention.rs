@@ -30,6 +30,7 @@
 //! positions `start_positions[s] + i`; query head `h` reads KV head `h / (n_head / n_kv)`. A
 //! query at position `qp` sees keys `kp <= qp` with `qp - kp < window` when `window > 0`.
 
+use crate::aligned::AlignedF32;
 use crate::qmatmul::KernelError;
 
 /// Least number of keys worth a task of its own on another thread.
@@ -677,7 +678,7 @@ fn tile<T: KvElem>(
     let wide = wide && simd && wide_ok(hd);
     // AVX-512 works on 16 query vectors at a time: zero vectors pad the tile (never output)
     let mp = if wide { m.next_multiple_of(16) } else { m };
-    let mut q = vec![0f32; mp * hd];
+    let mut q = AlignedF32::zeros(mp * hd);
     for row in t.r0..t.r1 {
         let q0 = (row * qs.n_head + t.kvh * g) * hd;
         let d = (row - t.r0) * g * hd;
@@ -686,8 +687,8 @@ fn tile<T: KvElem>(
         }
     }
     // the wide path scores with the queries transposed, `qt[d * mp + i]`
-    let qt: Vec<f32> = if wide {
-        let mut qt = vec![0f32; hd * mp];
+    let qt = if wide {
+        let mut qt = AlignedF32::zeros(hd * mp);
         for (i, qr) in q.chunks_exact(hd).enumerate() {
             for (d, &x) in qr.iter().enumerate() {
                 qt[d * mp + i] = x;
@@ -695,15 +696,16 @@ fn tile<T: KvElem>(
         }
         qt
     } else {
-        Vec::new()
+        AlignedF32::zeros(0)
     };
     let table = &qs.tables[t.seq * qs.width..(t.seq + 1) * qs.width];
-    let mut mx = vec![f32::NEG_INFINITY; mp];
-    let mut sum = vec![0f32; mp];
-    let mut acc = vec![0f32; mp * hd];
-    let mut sc = vec![0f32; KEY_BLOCK * mp]; // [key, query vector]
+    // 64-byte aligned (`crate::aligned`): the AVX-512 products load 16 values at a time
+    let mut mx = AlignedF32::filled(mp, f32::NEG_INFINITY);
+    let mut sum = AlignedF32::zeros(mp);
+    let mut acc = AlignedF32::zeros(mp * hd);
+    let mut sc = AlignedF32::zeros(KEY_BLOCK * mp); // [key, query vector]
     let mut offs = Vec::with_capacity(KEY_BLOCK);
-    let mut kbuf = vec![0f32; KEY_BLOCK * hd];
+    let mut kbuf = AlignedF32::zeros(KEY_BLOCK * hd);
     let dense_offs: Vec<usize> = (0..KEY_BLOCK).map(|j| j * hd).collect();
     // an f32 pool is read in place; f16 and q8_0 rows are converted once per block (not once
     // per four query vectors); the portable path reads f16 in place too
@@ -776,12 +778,12 @@ fn tile<T: KvElem>(
         }
         j0 = j1;
     }
-    acc.truncate(m * hd);
-    for (a, s) in acc.chunks_exact_mut(hd).zip(&sum) {
+    let mut out = acc[..m * hd].to_vec();
+    for (a, s) in out.chunks_exact_mut(hd).zip(sum.iter()) {
         let inv = 1.0 / s;
         a.iter_mut().for_each(|x| *x *= inv);
     }
-    acc
+    out
 }
 
 /// Whether the prefill tiles can use AVX-512 (`avx512`).

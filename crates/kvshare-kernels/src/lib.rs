@@ -8,6 +8,7 @@
 //! portable fallback, and split their work over `pool`'s threads. Activations stay f32, so
 //! results equal the f32 computation up to summation order.
 
+mod aligned;
 pub mod attention;
 pub mod blocks;
 pub mod pool;

@@ -18,6 +18,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::{BlockMatrix, BlockType, OutPtr, BYTES_PER_THREAD, TILE};
+use crate::aligned::AlignedF32;
 use std::arch::x86_64::*;
 
 /// How far ahead of the rows being multiplied their bytes are prefetched.
@@ -76,8 +77,8 @@ pub(super) fn matmul_parts(
     // values (and rows are k values, a multiple of 32), so a 64-byte-aligned copy makes
     // every load one cache line. NumPy's buffers are 16-byte aligned: there three loads in
     // four split two lines, and a batch of 8 ran at 17-19 against 29-30 G weight-rows/s.
-    let aligned = aligned_copy(&x[..m * k]);
-    let x = aligned.as_slice();
+    let aligned = AlignedF32::copy_of(&x[..m * k]);
+    let x = &aligned[..];
     // the K-quants' offset terms take each row's sums per 32 activations (once per call)
     let sums: Vec<f32> = if ws
         .iter()
@@ -125,30 +126,6 @@ pub(super) fn matmul_parts(
             unsafe { tile(x, &sums, m, &ws[p], lo, hi, ptr, col, ld) };
         }
     });
-}
-
-/// `x` in a 64-byte-aligned buffer (a cache line: see `matmul_parts`).
-struct Aligned {
-    lines: Vec<__m512>,
-    len: usize,
-}
-
-impl Aligned {
-    fn as_slice(&self) -> &[f32] {
-        // SAFETY: `lines` holds at least `len` initialized f32s (16 per line)
-        unsafe { std::slice::from_raw_parts(self.lines.as_ptr() as *const f32, self.len) }
-    }
-}
-
-fn aligned_copy(x: &[f32]) -> Aligned {
-    // SAFETY: an all-zero __m512 is a valid value
-    let mut lines = vec![unsafe { std::mem::zeroed::<__m512>() }; x.len().div_ceil(16)];
-    // SAFETY: the lines hold x.len().div_ceil(16) * 16 >= x.len() f32s; they do not overlap x
-    unsafe { std::ptr::copy_nonoverlapping(x.as_ptr(), lines.as_mut_ptr() as *mut f32, x.len()) };
-    Aligned {
-        lines,
-        len: x.len(),
-    }
 }
 
 /// Rows `lo..hi` of `w` times all `m` activation rows, into columns `col + (lo..hi)` of

@@ -18,6 +18,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::{BlockMatrix, OutPtr};
+use crate::aligned::AlignedF32;
 use std::arch::x86_64::*;
 
 /// Activation rows per micro-kernel call (two 16-lane vectors).
@@ -30,27 +31,6 @@ const KC: usize = 16;
 /// Whether the CPU runs this GEMM (AVX-512F; the dequantization brings its own checks).
 pub(super) fn available() -> bool {
     std::is_x86_feature_detected!("avx512f")
-}
-
-/// 64-byte-aligned f32 storage.
-struct Lines(Vec<__m512>);
-
-impl Lines {
-    fn zeroed(values: usize) -> Lines {
-        // SAFETY: an all-zero __m512 is a valid value
-        Lines(vec![
-            unsafe { std::mem::zeroed::<__m512>() };
-            values.div_ceil(16)
-        ])
-    }
-    fn ptr(&mut self) -> *mut f32 {
-        self.0.as_mut_ptr() as *mut f32
-    }
-    fn as_slice_mut(&mut self, len: usize) -> &mut [f32] {
-        assert!(len <= self.0.len() * 16);
-        // SAFETY: len f32s lie inside the vector (checked)
-        unsafe { std::slice::from_raw_parts_mut(self.ptr(), len) }
-    }
 }
 
 /// Writes one weight row's `k` values as f32, with ggml's arithmetic.
@@ -73,9 +53,9 @@ pub(super) fn gemm(
     let k = w.k;
     let blocks = m.div_ceil(MR);
     // the activations, transposed in blocks of MR rows; rows past m stay zero
-    let mut xp = Lines::zeroed(blocks * MR * k);
+    let mut xp = AlignedF32::zeros(blocks * MR * k);
     {
-        let xs = xp.as_slice_mut(blocks * MR * k);
+        let xs = &mut xp[..];
         for r in 0..m {
             let (b, i) = (r / MR, r % MR);
             let dst = &mut xs[b * MR * k..(b + 1) * MR * k];
@@ -84,7 +64,7 @@ pub(super) fn gemm(
             }
         }
     }
-    let xp_ptr = XPtr(xp.ptr());
+    let xp_ptr = XPtr(xp.as_mut_ptr());
     let out_ptr = OutPtr(out.as_mut_ptr());
     let panels = w.n.div_ceil(NR);
     let parts = threads
@@ -97,18 +77,17 @@ pub(super) fn gemm(
     let rb = w.row_bytes();
     let (n_all, raw) = (w.n, w.raw);
     crate::pool::run(parts, &|t| {
-        let mut panel = Lines::zeroed(NR * k);
-        let mut row = Lines::zeroed(k);
-        let pp = panel.ptr();
+        let mut panel = AlignedF32::zeros(NR * k);
+        let mut row = AlignedF32::zeros(k);
+        let pp = panel.as_mut_ptr();
         for p in t * per..((t + 1) * per).min(panels) {
             let n0 = p * NR;
             let rows = NR.min(n_all - n0);
             for j in 0..NR {
                 if j < rows {
-                    let r = row.as_slice_mut(k);
-                    dequantize(&raw[(n0 + j) * rb..(n0 + j + 1) * rb], r);
+                    dequantize(&raw[(n0 + j) * rb..(n0 + j + 1) * rb], &mut row);
                 }
-                let src = row.ptr();
+                let src = row.as_ptr();
                 for c in 0..k / KC {
                     // SAFETY: chunk c of row j lies inside the NR * k panel, chunk c of the
                     // row inside its k values; the features are checked by the caller
