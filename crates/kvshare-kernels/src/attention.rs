@@ -1047,7 +1047,7 @@ fn portable_weighted_values<T: KvElem>(
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{KvElem, Q8Block, F16, Q8_VALS};
-    use crate::x86::hsum;
+    use crate::x86::{exp8, hsum};
     use std::any::TypeId;
     use std::arch::x86_64::*;
 
@@ -1307,41 +1307,6 @@ mod avx2 {
         for j in i..n {
             x[j] = (x[j] - sub[j]).exp();
         }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn exp8(x: __m256) -> __m256 {
-        let keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0), _CMP_GE_OQ);
-        let x = _mm256_min_ps(x, _mm256_set1_ps(88.0));
-        let x = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
-        let fx = _mm256_floor_ps(_mm256_fmadd_ps(
-            x,
-            _mm256_set1_ps(std::f32::consts::LOG2_E),
-            _mm256_set1_ps(0.5),
-        ));
-        let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693_359_4), x);
-        let x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.121_944_4e-4), x);
-        let mut y = _mm256_set1_ps(1.987_569_1e-4);
-        for c in [
-            1.398_199_9e-3,
-            8.333_452e-3,
-            4.166_579_6e-2,
-            0.166_666_65,
-            0.5,
-        ] {
-            y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
-        }
-        let y = _mm256_fmadd_ps(
-            y,
-            _mm256_mul_ps(x, x),
-            _mm256_add_ps(x, _mm256_set1_ps(1.0)),
-        );
-        let e = _mm256_slli_epi32(
-            _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)),
-            23,
-        );
-        _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep)
     }
 }
 

@@ -13,6 +13,7 @@ pub mod attention;
 pub mod blocks;
 pub mod pool;
 pub mod qmatmul;
+pub mod rowops;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

@@ -263,7 +263,101 @@ fn refuse_overlap(
     Ok(())
 }
 
+fn value_err(msg: impl Into<String>) -> PyErr {
+    pyo3::exceptions::PyValueError::new_err(msg.into())
+}
+
+/// The row ops raise ValueError for every bad argument (as the block kernels do).
+fn as_value(e: PyErr) -> PyErr {
+    Python::attach(|py| value_err(e.value(py).to_string()))
+}
+
+/// `out = x / sqrt(mean(x**2, -1) + eps) * weight` over the last axis of a C-contiguous f32
+/// `x` (`weight`: f32 `[d]` or None); `out` is `x` itself (in place) or a C-contiguous f32
+/// array of x's shape not overlapping it. ggml's formula: squares summed in f64, the scale in
+/// f32, the same for every number of rows.
+#[pyfunction]
+#[pyo3(signature = (x, weight, eps, out))]
+fn rms_norm(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    weight: Option<&Bound<'_, PyAny>>,
+    eps: f32,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let oa = typed_array(out, b'f', 4, true, "out").map_err(as_value)?;
+    let d = *oa
+        .shape
+        .last()
+        .ok_or_else(|| value_err("x must have at least one axis"))?;
+    let wa = weight
+        .map(|w| typed_array(w, b'f', 4, false, "weight").map_err(as_value))
+        .transpose()?;
+    // SAFETY: dtype checked; the weight is only read and does not alias out (checked below)
+    let w: &[f32] = match &wa {
+        Some(w) => unsafe { w.as_slice() },
+        None => &[],
+    };
+    if let Some(wa) = &wa {
+        if wa.shape != [d] {
+            return Err(value_err(format!("weight must have shape ({d},)")));
+        }
+        let (a, b) = (wa.span(4), oa.span(4));
+        if a.0 < b.1 && b.0 < a.1 {
+            return Err(value_err("out must not overlap weight"));
+        }
+    }
+    let err = |e: KernelError| value_err(e.to_string());
+    if x.is(out) {
+        // SAFETY: dtype, contiguity and writability checked; no other slice of it is alive
+        let os = unsafe { oa.as_mut_slice::<f32>() };
+        return py
+            .detach(|| kvshare_kernels::rowops::rms_norm_in_place(os, d, w, eps))
+            .map_err(err);
+    }
+    let xa = typed_array(x, b'f', 4, false, "x").map_err(as_value)?;
+    if xa.shape != oa.shape {
+        return Err(value_err("out must have x's shape"));
+    }
+    let (a, b) = (xa.span(4), oa.span(4));
+    if a.0 < b.1 && b.0 < a.1 {
+        return Err(value_err("out must be x itself or not overlap it"));
+    }
+    // SAFETY: dtypes checked; out overlaps neither input; all stay referenced for the call
+    let (xs, os) = unsafe { (xa.as_slice::<f32>(), oa.as_mut_slice::<f32>()) };
+    py.detach(|| kvshare_kernels::rowops::rms_norm(xs, d, w, eps, os))
+        .map_err(err)
+}
+
+/// In place on a C-contiguous f32 `gu` `[N, 2 * ff]` (a fused gate|up projection):
+/// `gu[:, :ff] = act(gu[:, :ff]) * gu[:, ff:]` with `act` "gelu_tanh" or "silu".
+#[pyfunction]
+fn glu_in_place(py: Python<'_>, gu: &Bound<'_, PyAny>, kind: &str) -> PyResult<()> {
+    use kvshare_kernels::rowops::Glu;
+    let kind = match kind {
+        "gelu_tanh" => Glu::GeluTanh,
+        "silu" => Glu::Silu,
+        other => return Err(value_err(format!("unknown activation {other:?}"))),
+    };
+    let ga = typed_array(gu, b'f', 4, true, "gu").map_err(as_value)?;
+    let &[_, w] = ga.shape.as_slice() else {
+        return Err(value_err("gu must be 2-D [N, 2 * ff]"));
+    };
+    if w % 2 != 0 {
+        return Err(value_err("gu's width must be even (gate | up)"));
+    }
+    // SAFETY: dtype, contiguity and writability checked; no other slice of it is alive
+    let gs = unsafe { ga.as_mut_slice::<f32>() };
+    if gs.is_empty() {
+        return Ok(());
+    }
+    py.detach(|| kvshare_kernels::rowops::glu_in_place(gs, w / 2, kind))
+        .map_err(|e| value_err(e.to_string()))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(glu_in_place, m)?)?;
     m.add_function(wrap_pyfunction!(qmatmul_t, m)?)?;
     m.add_function(wrap_pyfunction!(quantize_q8_0, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention, m)?)

@@ -27,7 +27,7 @@ from kvshare.backend import CPU, CPU_THREADS, Backend
 from kvshare.model.batch import SeqChunk
 from kvshare.model.cache import ModelCache
 from kvshare.model.config import ATTENTION, RECURRENT, ModelConfig
-from kvshare.ops.activation import geglu_tanh, swiglu
+from kvshare.ops.activation import glu
 from kvshare.ops.attention import kv_slots, pad_block_tables, paged_attention, write_kv
 from kvshare.ops.embedding import embedding
 from kvshare.ops.linear import linear
@@ -249,7 +249,7 @@ class DecoderModel(Model):
     def __init__(self, config: ModelConfig, backend: Backend = CPU):
         self.config = config
         self.backend = backend
-        self._act = geglu_tanh if config.activation == "gelu_tanh" else swiglu
+        self._act = "gelu_tanh" if config.activation == "gelu_tanh" else "silu"
 
     # ------------------------------------------------------------------------------------
     def forward(self, chunks: Sequence[SeqChunk], cache: ModelCache) -> list[np.ndarray | None]:
@@ -354,8 +354,7 @@ class DecoderModel(Model):
         x += o
         h = rms_norm(x, L.ffn_norm, eps, backend=be)
         gu = linear(h, L.w_gate_up, backend=be)
-        ff = gu.shape[1] // 2
-        a = self._act(gu[:, :ff], gu[:, ff:], backend=be, out=gu[:, :ff])
+        a = glu(gu, self._act, backend=be)
         y = linear(a, L.w_down, backend=be)
         if L.post_ffn_norm is not None:
             rms_norm(y, L.post_ffn_norm, eps, backend=be, out=y)

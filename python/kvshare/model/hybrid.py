@@ -28,7 +28,7 @@ import numpy as np
 from kvshare.model.base import BatchPlan, DecoderModel, RecurrentLayer
 from kvshare.model.batch import SeqChunk
 from kvshare.model.cache import ModelCache
-from kvshare.ops.activation import swiglu
+from kvshare.ops.activation import glu
 from kvshare.ops.linear import linear
 from kvshare.ops.norm import rms_norm
 
@@ -75,8 +75,7 @@ class HybridModel(DecoderModel):
         be = self.backend
         h = rms_norm(x, norm, self.config.norm_eps, backend=be)
         gu = linear(h, w_gate_up, backend=be)
-        ff = gu.shape[1] // 2
-        a = swiglu(gu[:, :ff], gu[:, ff:], backend=be, out=gu[:, :ff])
+        a = glu(gu, "silu", backend=be)
         x += linear(a, w_down, backend=be)
         return x
 

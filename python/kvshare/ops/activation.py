@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from kvshare import _core
 from kvshare.backend import CPU, Backend
 from kvshare.ops._dispatch import gpu_op
 
@@ -57,3 +58,24 @@ def swiglu(gate: Any, up: Any, *, backend: Backend = CPU, out: Any | None = None
     out = np.divide(gate, t, out=out if out is not None else t)
     out *= up
     return out
+
+
+# The compiled form (kvshare-kernels' rowops): one pass per row instead of NumPy's 5-7
+# whole-array passes over strided halves (~1 ms per 160 x 2048 GeGLU call in a prefill).
+_KINDS = {"gelu_tanh": geglu_tanh, "silu": swiglu}
+
+
+def glu(gu: Any, kind: str, *, backend: Backend = CPU) -> Any:
+    """The gated activation of a fused gate|up projection `gu` (`[N, 2 * n_ff]` float32):
+    `act(gu[:, :n_ff]) * gu[:, n_ff:]` with `act` "gelu_tanh" (`geglu_tanh`) or "silu"
+    (`swiglu`), written over the gate half and returned as that view `[N, n_ff]`."""
+    if kind not in _KINDS:
+        raise ValueError(f"unknown activation {kind!r}")
+    ff = gu.shape[1] // 2
+    gate, up = gu[:, :ff], gu[:, ff:]
+    if (not backend.is_gpu and hasattr(_core, "glu_in_place") and gu.dtype == np.float32
+            and gu.flags.c_contiguous and gu.ndim == 2 and gu.shape[1] % 2 == 0):
+        if gu.size:
+            _core.glu_in_place(gu, kind)
+        return gate
+    return _KINDS[kind](gate, up, backend=backend, out=gate)
