@@ -11,9 +11,10 @@
 //! constant offset from one pointer. Per `k` it loads two activation vectors and broadcasts
 //! each of the `NR` weights into two FMAs: 24 accumulators, 24 FMAs per 14 loads.
 //!
-//! Summation order. Every output is `fma(x[m, k], w[n, k], acc)` for `k = 0, 1, ..` from
-//! zero, so a row's result does not depend on the batch, on where it falls in a block of
-//! 32 (pad rows are zeros and are not stored), on the thread split or on the panel.
+//! Summation order. Every output sums `fma(x[m, k], w[n, k], acc)` over each span of
+//! `SPAN` values of k in order from zero, and adds the spans in order, so a row's result
+//! does not depend on the batch, on where it falls in a block of 32 (pad rows are zeros and
+//! are not stored), on the thread split or on the panel.
 
 #![allow(clippy::needless_range_loop)]
 
@@ -27,6 +28,8 @@ const MR: usize = 32;
 const NR: usize = 12;
 /// Values of one weight row per interleaved chunk.
 const KC: usize = 16;
+/// Values of k summed in registers before being added to the tile (a multiple of KC).
+const SPAN: usize = 64;
 
 /// Whether the CPU runs this GEMM (AVX-512F; the dequantization brings its own checks).
 pub(super) fn available() -> bool {
@@ -155,26 +158,37 @@ unsafe fn micro<const H: usize>(
     k: usize,
     tile: &mut [f32; MR * NR],
 ) {
-    let mut acc = [[_mm512_setzero_ps(); H]; NR];
-    for c in 0..k / KC {
-        let w = unsafe { wp.add(c * NR * KC) };
-        let x = unsafe { xp.add(c * KC * MR) };
-        for i in 0..KC {
-            // SAFETY: k index c * KC + i < k of the packed block and panel
-            let xv: [__m512; H] =
-                std::array::from_fn(|h| unsafe { _mm512_load_ps(x.add(i * MR + 16 * h)) });
-            for j in 0..NR {
-                let b = _mm512_set1_ps(unsafe { *w.add(j * KC + i) });
-                for h in 0..H {
-                    acc[j][h] = _mm512_fmadd_ps(xv[h], b, acc[j][h]);
+    // registers sum SPAN values of k, then the tile adds the span's sum: one chain over all of
+    // k erred 2e-8 of sum |x w| on average, against OpenBLAS's 1.0-1.5e-8; spans of 64 err
+    // 4.9-7.6e-9 (k = 2048 / 640)
+    let mut c0 = 0;
+    while c0 < k / KC {
+        let c1 = (c0 + SPAN / KC).min(k / KC);
+        let mut acc = [[_mm512_setzero_ps(); H]; NR];
+        for c in c0..c1 {
+            let w = unsafe { wp.add(c * NR * KC) };
+            let x = unsafe { xp.add(c * KC * MR) };
+            for i in 0..KC {
+                // SAFETY: k index c * KC + i < k of the packed block and panel
+                let xv: [__m512; H] =
+                    std::array::from_fn(|h| unsafe { _mm512_load_ps(x.add(i * MR + 16 * h)) });
+                for j in 0..NR {
+                    let b = _mm512_set1_ps(unsafe { *w.add(j * KC + i) });
+                    for h in 0..H {
+                        acc[j][h] = _mm512_fmadd_ps(xv[h], b, acc[j][h]);
+                    }
                 }
             }
         }
-    }
-    for j in 0..NR {
-        for h in 0..H {
-            // SAFETY: tile holds NR * MR values
-            unsafe { _mm512_storeu_ps(tile.as_mut_ptr().add(j * MR + 16 * h), acc[j][h]) };
+        for j in 0..NR {
+            for h in 0..H {
+                // SAFETY: tile holds NR * MR values
+                unsafe {
+                    let t = tile.as_mut_ptr().add(j * MR + 16 * h);
+                    _mm512_storeu_ps(t, _mm512_add_ps(_mm512_loadu_ps(t), acc[j][h]));
+                }
+            }
         }
+        c0 = c1;
     }
 }
