@@ -239,7 +239,15 @@ class Server:
                 self.kill9()
                 raise RuntimeError(f"server not up after {STARTUP_TIMEOUT} s:\n{self.log()}")
             time.sleep(0.01)
-        self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(300.0, connect=5.0))
+        # The server closes a keep-alive connection idle for --body-timeout (30 s by default).
+        # A pooled connection reused just as the server closes it fails with "Server
+        # disconnected without sending a response" (seen once in CI, after a ~30 s gap
+        # between two requests): drop idle connections well before the server does.
+        body_timeout = 30.0
+        if "--body-timeout" in args:
+            body_timeout = float(args[list(args).index("--body-timeout") + 1])
+        self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(300.0, connect=5.0),
+                                   limits=httpx.Limits(keepalive_expiry=body_timeout / 3))
         while True:
             try:
                 if self.client.get("/health").status_code == 200:
