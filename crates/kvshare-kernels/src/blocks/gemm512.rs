@@ -67,7 +67,8 @@ pub(super) fn gemm(
             }
         }
     }
-    let xp_ptr = XPtr(xp.as_mut_ptr());
+    // the packed activations are only read while the parts run
+    let xp_ptr = OutPtr(xp.as_mut_ptr());
     let out_ptr = OutPtr(out.as_mut_ptr());
     let panels = w.n.div_ceil(NR);
     let parts = threads
@@ -134,19 +135,6 @@ unsafe fn copy16(src: *const f32, dst: *mut f32, live: bool) {
     };
     // SAFETY: 16 values at dst (the caller)
     unsafe { _mm512_storeu_ps(dst, v) };
-}
-
-#[derive(Clone, Copy)]
-struct XPtr(*mut f32);
-// SAFETY: the packed activations are only read while the parts run
-unsafe impl Send for XPtr {}
-unsafe impl Sync for XPtr {}
-
-impl XPtr {
-    /// A method, so closures capture the whole `Sync` wrapper.
-    fn at(self, i: usize) -> *const f32 {
-        self.0.wrapping_add(i)
-    }
 }
 
 /// One block of MR packed activation rows (`xp`, `[k][MR]`; the first `16 * H` used) times
