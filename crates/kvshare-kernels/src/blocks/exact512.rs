@@ -601,34 +601,58 @@ unsafe fn dot_k4<const FIVE: bool, const W: usize, const R: usize>(a: Args) {
 /// SAFETY: `available()`; `row` holds `out.len() / block` whole blocks of `ty`.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 pub(super) unsafe fn dequantize_row(ty: BlockType, row: &[u8], out: &mut [f32]) {
-    use BlockType::*;
-    let (bs, bb) = (ty.block_size(), ty.block_bytes());
-    debug_assert!(row.len() >= out.len() / bs * bb);
-    // SAFETY: the caller's
-    unsafe {
-        match ty {
-            Q8_0 => dequantize_blocks::<{ Q8_0 as u32 }>(row, bs, bb, out),
-            Q4_0 => dequantize_blocks::<{ Q4_0 as u32 }>(row, bs, bb, out),
-            Q4_1 => dequantize_blocks::<{ Q4_1 as u32 }>(row, bs, bb, out),
-            Q5_0 => dequantize_blocks::<{ Q5_0 as u32 }>(row, bs, bb, out),
-            Q5_1 => dequantize_blocks::<{ Q5_1 as u32 }>(row, bs, bb, out),
-            Q4_K => dequantize_blocks::<{ Q4_K as u32 }>(row, bs, bb, out),
-            Q5_K => dequantize_blocks::<{ Q5_K as u32 }>(row, bs, bb, out),
-            _ => dequantize_blocks::<{ Q6_K as u32 }>(row, bs, bb, out),
-        }
-    }
+    // SAFETY: the caller's; out holds the n values written 16 after 16
+    unsafe { dequantize_row_chunks(ty, row, out.len(), out.as_mut_ptr(), 16) }
 }
 
-/// `dequantize_row` for type `T` (blocks of `bs` elements, `bb` bytes).
+/// `dequantize_row` of the first `n` values (whole blocks) of `row`, with values `16 * c ..
+/// 16 * c + 16` written at `out + c * stride`: a GEMM panel interleaves its rows in chunks of
+/// 16, and writing them in place saves a copy of every value.
+///
+/// SAFETY: `available()`; `row` holds `n / block` whole blocks of `ty`; `out + c * stride`
+/// is valid for 16 writes for every `c < n / 16`.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn dequantize_blocks<const T: u32>(row: &[u8], bs: usize, bb: usize, out: &mut [f32]) {
-    let o = out.as_mut_ptr();
-    for bi in 0..out.len() / bs {
-        // SAFETY: block bi lies inside `row`, elements bi * bs + e + 16 <= out.len() (whole
-        // blocks; the caller)
+pub(super) unsafe fn dequantize_row_chunks(
+    ty: BlockType,
+    row: &[u8],
+    n: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    use BlockType::*;
+    let (bs, bb) = (ty.block_size(), ty.block_bytes());
+    debug_assert!(row.len() >= n / bs * bb);
+    let f = match ty {
+        Q8_0 => dequantize_blocks::<{ Q8_0 as u32 }>,
+        Q4_0 => dequantize_blocks::<{ Q4_0 as u32 }>,
+        Q4_1 => dequantize_blocks::<{ Q4_1 as u32 }>,
+        Q5_0 => dequantize_blocks::<{ Q5_0 as u32 }>,
+        Q5_1 => dequantize_blocks::<{ Q5_1 as u32 }>,
+        Q4_K => dequantize_blocks::<{ Q4_K as u32 }>,
+        Q5_K => dequantize_blocks::<{ Q5_K as u32 }>,
+        _ => dequantize_blocks::<{ Q6_K as u32 }>,
+    };
+    // SAFETY: the caller's
+    unsafe { f(row, bs, bb, n, out, stride) }
+}
+
+/// `dequantize_row_chunks` for type `T` (blocks of `bs` elements, `bb` bytes).
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn dequantize_blocks<const T: u32>(
+    row: &[u8],
+    bs: usize,
+    bb: usize,
+    n: usize,
+    out: *mut f32,
+    stride: usize,
+) {
+    for bi in 0..n / bs {
+        // SAFETY: block bi lies inside `row`; its chunks (bi * bs + e) / 16 < n / 16 are
+        // writable at out + chunk * stride (the caller)
         unsafe {
             block_groups::<T>(row.as_ptr().add(bi * bb), |q, s, off, e| {
-                _mm512_storeu_ps(o.add(bi * bs + e), weights16(q, s, off))
+                let chunk = (bi * bs + e) / 16;
+                _mm512_storeu_ps(out.add(chunk * stride), weights16(q, s, off))
             })
         };
     }

@@ -7,9 +7,15 @@
 //!
 //! Layout. The activations are packed once per call, transposed in blocks of `MR` = 32 rows
 //! (`[k][32]`: two vectors per `k`); a weight panel is `NR` dequantized rows interleaved in
-//! chunks of 16 values (`[k / 16][NR][16]`), so the micro-kernel reads every weight at a
-//! constant offset from one pointer. Per `k` it loads two activation vectors and broadcasts
-//! each of the `NR` weights into two FMAs: 24 accumulators, 24 FMAs per 14 loads.
+//! chunks of 16 values (`[k / 16][NR][16]`, written in place by the dequantization), so the
+//! micro-kernel reads every weight at a constant offset from one pointer. Per `k` it loads
+//! two activation vectors and broadcasts each of the `NR` weights into two FMAs: 24
+//! accumulators, 24 FMAs per 14 loads.
+//!
+//! Blocking. A thread takes its panels in groups of `GROUP` and `k` in chunks of `KCH`: for
+//! each chunk it dequantizes the group's slices (L2), then passes every block of activations
+//! (its chunk slice in L1) over all of them, keeping one tile per (panel, block) until the
+//! last chunk. Without it each panel streamed all the packed activations from L3.
 //!
 //! Summation order. Every output sums `fma(x[m, k], w[n, k], acc)` over each span of
 //! `SPAN` values of k in order from zero, and adds the spans in order, so a row's result
@@ -30,14 +36,24 @@ const NR: usize = 12;
 const KC: usize = 16;
 /// Values of k summed in registers before being added to the tile (a multiple of KC).
 const SPAN: usize = 64;
+/// Panels multiplied together per chunk of k: every block of activations is read once per
+/// group of panels instead of once per panel.
+const GROUP: usize = 16;
+/// Values of k per chunk (a multiple of SPAN and of every block size, and at most a
+/// dequantization's stack buffer): a block's activations for one chunk, 256 x 32 f32 = 32
+/// KiB, stay in L1 while the group's panels pass them (the panels' slices, 16 x 12 KiB, in
+/// L2). Chunks of 1024 / 512 / 256 ran a 256 x 2048 x 6144 Q4_K product at 43-44 / 43 /
+/// 49-57 G multiply-adds/s on one core (alternating runs; 45-52 before the chunks).
+pub(super) const KCH: usize = 256;
 
 /// Whether the CPU runs this GEMM (AVX-512F; the dequantization brings its own checks).
 pub(super) fn available() -> bool {
     std::is_x86_feature_detected!("avx512f")
 }
 
-/// Writes one weight row's `k` values as f32, with ggml's arithmetic.
-pub(super) type Dequantize<'a> = &'a (dyn Fn(&[u8], &mut [f32]) + Sync);
+/// `f(bytes, n, dst, stride)` writes the `n` values of the whole blocks `bytes` as f32, with
+/// ggml's arithmetic, values `16 * c..16 * c + 16` at `dst + c * stride` (a panel's layout).
+pub(super) type Dequantize<'a> = &'a (dyn Fn(&[u8], usize, *mut f32, usize) + Sync);
 
 /// `out[r, col0 + j] = sum_k x[r, k] * dequantize(w)[j, k]` for every row `r < m` and weight
 /// row `j < w.n`; `out` has `ld` columns. Sizes checked by the caller (`x` holds `m * w.k`,
@@ -79,73 +95,96 @@ pub(super) fn gemm(
         .max(1);
     let per = panels.div_ceil(parts);
     let rb = w.row_bytes();
+    let (bs, bb) = (w.ty.block_size(), w.ty.block_bytes());
     let (n_all, raw) = (w.n, w.raw);
+    let tile_len = MR * NR;
     crate::pool::run(parts, &|t| {
-        let mut panel = AlignedF32::zeros(NR * k);
-        let mut row = AlignedF32::zeros(k);
+        let (first, end) = (t * per, ((t + 1) * per).min(panels));
+        let mut panel = AlignedF32::zeros(GROUP * NR * KCH);
+        let mut tiles = vec![0f32; GROUP * blocks * tile_len];
         let pp = panel.as_mut_ptr();
-        for p in t * per..((t + 1) * per).min(panels) {
-            let n0 = p * NR;
-            let rows = NR.min(n_all - n0);
-            for j in 0..NR {
-                if j < rows {
-                    dequantize(&raw[(n0 + j) * rb..(n0 + j + 1) * rb], &mut row);
-                }
-                let src = row.as_ptr();
-                for c in 0..k / KC {
-                    // SAFETY: chunk c of row j lies inside the NR * k panel, chunk c of the
-                    // row inside its k values; the features are checked by the caller
-                    unsafe { copy16(src.add(c * KC), pp.add((c * NR + j) * KC), j < rows) };
-                }
-            }
-            for b in 0..blocks {
-                let live = MR.min(m - b * MR);
-                let mut tile = [0f32; MR * NR];
-                // SAFETY: the packed block and the panel hold k values per row; features
-                // checked by the caller (available())
-                unsafe {
-                    if live > 16 {
-                        micro::<2>(xp_ptr.at(b * MR * k), pp, k, &mut tile)
-                    } else {
-                        micro::<1>(xp_ptr.at(b * MR * k), pp, k, &mut tile)
-                    }
-                };
-                for i in 0..live {
-                    // SAFETY: row b * MR + i < m, columns col0 + n0 .. + rows <= col0 + w.n
-                    // <= ld; each panel's columns belong to one part
-                    let o = out_ptr.at((b * MR + i) * ld + col0 + n0);
-                    for j in 0..rows {
-                        unsafe { *o.add(j) = tile[j * MR + i] };
+        let mut g0 = first;
+        while g0 < end {
+            let g1 = (g0 + GROUP).min(end);
+            tiles.fill(0.0);
+            // k in chunks: the chunk's slices of the group's panels stay in L2 while every
+            // block of activations passes them, and each block's slice is read from L3 once
+            // per group, not once per panel
+            let mut k0 = 0;
+            while k0 < k {
+                let k1 = (k0 + KCH).min(k);
+                let kl = k1 - k0;
+                for (g, p) in (g0..g1).enumerate() {
+                    let n0 = p * NR;
+                    let rows = NR.min(n_all - n0);
+                    for j in 0..NR {
+                        // row j of panel g, chunk c at (c * NR + j) * KC
+                        let dst = pp.wrapping_add(g * NR * KCH + j * KC);
+                        if j < rows {
+                            let at = (n0 + j) * rb;
+                            let bytes = &raw[at + k0 / bs * bb..at + k1 / bs * bb];
+                            dequantize(bytes, kl, dst, NR * KC);
+                        } else {
+                            for c in 0..kl / KC {
+                                // SAFETY: chunk c of row j lies inside panel g's NR * KCH
+                                // values; the features are checked by the caller
+                                unsafe { zero16(dst.add(c * NR * KC)) };
+                            }
+                        }
                     }
                 }
+                for b in 0..blocks {
+                    let live = MR.min(m - b * MR);
+                    let xb = xp_ptr.at(b * MR * k + k0 * MR);
+                    for g in 0..g1 - g0 {
+                        let tile = &mut tiles[(g * blocks + b) * tile_len..][..tile_len];
+                        // SAFETY: the packed block holds k values per row from k0, the
+                        // panel kl; features checked by the caller (available())
+                        unsafe {
+                            let wp = pp.add(g * NR * KCH);
+                            if live > 16 {
+                                micro::<2>(xb, wp, kl, tile)
+                            } else {
+                                micro::<1>(xb, wp, kl, tile)
+                            }
+                        };
+                    }
+                }
+                k0 = k1;
             }
+            for (g, p) in (g0..g1).enumerate() {
+                let n0 = p * NR;
+                let rows = NR.min(n_all - n0);
+                for b in 0..blocks {
+                    let tile = &tiles[(g * blocks + b) * tile_len..][..tile_len];
+                    for i in 0..MR.min(m - b * MR) {
+                        // SAFETY: row b * MR + i < m, columns col0 + n0 .. + rows <= col0 +
+                        // w.n <= ld; each panel's columns belong to one part
+                        let o = out_ptr.at((b * MR + i) * ld + col0 + n0);
+                        for j in 0..rows {
+                            unsafe { *o.add(j) = tile[j * MR + i] };
+                        }
+                    }
+                }
+            }
+            g0 = g1;
         }
     });
 }
 
-/// 16 values from `src` to `dst` (zeros when `!live`).
+/// 16 zeros at `dst` (a panel's rows past the weight's last row).
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn copy16(src: *const f32, dst: *mut f32, live: bool) {
-    let v = if live {
-        // SAFETY: 16 values at src (the caller)
-        unsafe { _mm512_loadu_ps(src) }
-    } else {
-        _mm512_setzero_ps()
-    };
+unsafe fn zero16(dst: *mut f32) {
     // SAFETY: 16 values at dst (the caller)
-    unsafe { _mm512_storeu_ps(dst, v) };
+    unsafe { _mm512_storeu_ps(dst, _mm512_setzero_ps()) };
 }
 
 /// One block of MR packed activation rows (`xp`, `[k][MR]`; the first `16 * H` used) times
 /// one panel (`wp`, `[k / KC][NR][KC]`) into `tile` (`[NR][MR]`).
 #[target_feature(enable = "avx512f")]
-unsafe fn micro<const H: usize>(
-    xp: *const f32,
-    wp: *const f32,
-    k: usize,
-    tile: &mut [f32; MR * NR],
-) {
+unsafe fn micro<const H: usize>(xp: *const f32, wp: *const f32, k: usize, tile: &mut [f32]) {
+    debug_assert!(tile.len() >= MR * NR);
     // registers sum SPAN values of k, then the tile adds the span's sum: one chain over all of
     // k erred 2e-8 of sum |x w| on average, against OpenBLAS's 1.0-1.5e-8; spans of 64 err
     // 4.9-7.6e-9 (k = 2048 / 640)

@@ -410,12 +410,20 @@ pub fn block_gemm_f32(
     {
         let wide = exact512::supports(w.ty) && exact512::available();
         let ty = w.ty;
-        let deq = move |row: &[u8], o: &mut [f32]| {
+        let deq = move |bytes: &[u8], n: usize, dst: *mut f32, stride: usize| {
             if wide {
-                // SAFETY: AVX-512 checked; the row holds whole blocks (w.check)
-                unsafe { exact512::dequantize_row(ty, row, o) };
+                // SAFETY: AVX-512 checked; the bytes hold n / block whole blocks (w.check and
+                // gemm's chunks), dst's chunks are inside its panel (gemm)
+                unsafe { exact512::dequantize_row_chunks(ty, bytes, n, dst, stride) };
             } else {
-                portable::dequantize_row_unchecked(ty, row, o);
+                let mut tmp = [0f32; gemm512::KCH];
+                portable::dequantize_row_unchecked(ty, bytes, &mut tmp[..n]);
+                for (c, chunk) in tmp[..n].chunks_exact(16).enumerate() {
+                    // SAFETY: as above
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(chunk.as_ptr(), dst.add(c * stride), 16)
+                    };
+                }
             }
         };
         gemm512::gemm(x, m, w, out, ld, col0, threads, &deq);
