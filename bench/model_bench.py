@@ -11,7 +11,9 @@ its numbers and our ratio to them (the issue's targets are ratios to llama.cpp o
 machine, which is shared and whose speed drifts from day to day). Prompts are random token ids (the
 forward pass cost does not depend on which tokens). Prefill runs in chunks of `--chunk`
 tokens (default: the engine's prefill budget), asking for the last logits only, like a server does.
-Each number is the best of `--repeat` runs (other processes share this machine's cores).
+Each number is the best of `--repeat` runs (other processes share this machine's cores);
+the decode cases run in interleaved rounds (each case once per round), so the batch-8 /
+batch-1 ratio compares runs seconds apart rather than minutes.
 "tok/CPU-s" divides by the process's CPU time instead of wall time: with
 OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 it is the single-core throughput, which other
 processes on the machine disturb far less than wall time (with more threads, spinning
@@ -77,30 +79,52 @@ def bench_prefill(model, n, chunk, repeat, block_size=16, kv_dtype=None):
     return n / best, best, n / min(cpu)
 
 
-def bench_decode(model, batch, context, steps, repeat, chunk, block_size=16, kv_dtype=None):
-    """`batch` sequences, each with `context` tokens already prefilled; time `steps` decode
-    steps (one token per sequence per step, logits 'last' for all)."""
-    rng = np.random.default_rng(batch * 7919 + context)
-    per_seq = -(-(context + steps * repeat + 1) // block_size)
-    cache = model.new_cache(per_seq * batch, block_size, kv_dtype=kv_dtype)
-    tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32) for i in range(batch)]
-    hi = min(200000, model.config.vocab_size - 1)
-    prompts = [rng.integers(1000, hi, context).astype(np.int32) for _ in range(batch)]
-    for p, t in zip(prompts, tables):
-        prefill(model, cache, p, t, chunk)
-    pos = context
-    best = best_cpu = float("inf")
-    for _ in range(repeat):
+class DecodeCase:
+    """`batch` sequences, each with `context` tokens already prefilled, stepped one token per
+    sequence per step (logits 'last' for all)."""
+
+    def __init__(self, model, batch, context, steps, repeat, chunk, block_size=16,
+                 kv_dtype=None):
+        self.model, self.batch, self.context, self.steps = model, batch, context, steps
+        self.rng = np.random.default_rng(batch * 7919 + context)
+        per_seq = -(-(context + steps * repeat + 1) // block_size)
+        self.cache = model.new_cache(per_seq * batch, block_size, kv_dtype=kv_dtype)
+        self.tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32)
+                       for i in range(batch)]
+        self.hi = min(200000, model.config.vocab_size - 1)
+        for t in self.tables:
+            prefill(model, self.cache, self.rng.integers(1000, self.hi, context)
+                    .astype(np.int32), t, chunk)
+        self.pos = context
+        self.best = self.best_cpu = float("inf")
+
+    def round(self) -> None:
+        """Time `steps` decode steps; keep the best round."""
         t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            toks = rng.integers(1000, hi, batch)
-            model.forward([SeqChunk([toks[i]], pos, tables[i], logits="last")
-                           for i in range(batch)], cache)
-            pos += 1
-        best = min(best, time.perf_counter() - t0)
-        best_cpu = min(best_cpu, time.process_time() - c0)
-    del cache
-    return batch * steps / best, best / steps, batch * steps / best_cpu
+        for _ in range(self.steps):
+            toks = self.rng.integers(1000, self.hi, self.batch)
+            self.model.forward([SeqChunk([toks[i]], self.pos, self.tables[i], logits="last")
+                                for i in range(self.batch)], self.cache)
+            self.pos += 1
+        self.best = min(self.best, time.perf_counter() - t0)
+        self.best_cpu = min(self.best_cpu, time.process_time() - c0)
+
+    def result(self) -> tuple[float, float, float]:
+        """tokens/s, seconds per step and tokens per CPU-second of the best round."""
+        n = self.batch * self.steps
+        return n / self.best, self.best / self.steps, n / self.best_cpu
+
+
+def bench_decode(model, cases, steps, repeat, chunk, kv_dtype=None):
+    """Each `(batch, context)` case's decode rate. The cases run in interleaved rounds (every
+    case once per round, `repeat` rounds, best round each) so that the batch-8 / batch-1
+    ratio compares rounds run within seconds of each other on this shared machine, not
+    minutes apart."""
+    runs = [DecodeCase(model, b, c, steps, repeat, chunk, kv_dtype=kv_dtype) for b, c in cases]
+    for _ in range(repeat):
+        for r in runs:
+            r.round()
+    return [r.result() for r in runs]
 
 
 def llama_bench(binary: str, model: str, threads: int, prefill_sizes: list[int],
@@ -162,9 +186,9 @@ def main() -> None:
     file_mib = os.path.getsize(path) / 2**20
     if args.only == "prefill":
         decode_cases = []
-    for batch, ctx in decode_cases:
-        tps, step_s, tpc = bench_decode(model, batch, ctx, steps=16, repeat=args.repeat,
-                                        chunk=args.chunk, kv_dtype=args.kv_dtype)
+    results = bench_decode(model, decode_cases, steps=16, repeat=args.repeat, chunk=args.chunk,
+                           kv_dtype=args.kv_dtype)
+    for (batch, ctx), (tps, step_s, tpc) in zip(decode_cases, results):
         rows.append({"test": f"decode batch {batch} @ctx {ctx}", "tokens_per_s": tps,
                      "step_ms": step_s * 1e3, "tokens_per_cpu_s": tpc})
         print(f"decode batch {batch} ctx {ctx:>5}: {tps:8.1f} tok/s ({step_s * 1e3:.1f} ms/step;"
