@@ -229,3 +229,36 @@ def test_seeded_sampling_is_reproducible_and_stop_strings_cut(parts):
     text2 = "".join(t.text for t in toks2)
     assert fin2.reason == "stop"
     assert stop not in text2 and full.startswith(text2)
+
+
+def test_concurrent_prompts_get_their_first_tokens_one_step_after_another(parts):
+    """Four ~150-token prompts at once (agent sessions sending their next turn): a step that
+    finishes one prompt takes no other once it holds FINISHED_STEP_TOKENS prompt tokens, so
+    the first tokens come one step after another instead of all at the end of one large
+    step; short prompts still share a step."""
+    from kvshare.engine.scheduler import FINISHED_STEP_TOKENS
+
+    _, tok, _, _ = parts
+    eng = make_engine(parts, prefill_chunk=512, parallel=4)
+    long_prompts = [prompt(parts, f"Session {i} of the fleet. " + SYSTEM * 2, f"Task {i}: list the files.")
+                    for i in range(4)]
+    assert all(FINISHED_STEP_TOKENS <= len(p) <= 512 // 2 for p in long_prompts)
+    handles = [submit(eng, ids, n=4) for ids in long_prompts]
+    started = []
+    for _ in range(4):
+        eng._drain_inbox()
+        eng.step()
+        started.append(sum(not h._sync.empty() for h in handles))
+    assert started == [1, 2, 3, 4]
+    eng.run_until_idle()
+    for ids, h in zip(long_prompts, handles):
+        assert collect(h)[0] == solo(parts, ids, n=4)[0]
+
+    short = [tok.encode(f"Question {i}: what is {i} plus {i}?") for i in range(4)]
+    assert all(len(p) < FINISHED_STEP_TOKENS // 4 for p in short)
+    handles = [submit(eng, ids, n=2) for ids in short]
+    eng._drain_inbox()
+    eng.step()
+    assert all(not h._sync.empty() for h in handles)
+    eng.run_until_idle()
+    assert_idle(eng)

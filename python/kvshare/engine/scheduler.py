@@ -2,7 +2,9 @@
 
 Every running sequence that is decoding computes its one pending token each step; the rest of
 a per-step token budget goes to prefill chunks of sequences in admission order, so a long
-prefill never stalls other sessions' decoding. When the pool runs out of blocks, the youngest
+prefill never stalls other sessions' decoding. A step that finishes a prompt stops taking
+prompts once it holds `FINISHED_STEP_TOKENS` of them, so concurrent short prompts get their
+first tokens one after another rather than all at the end of one large step. When the pool runs out of blocks, the youngest
 running sequence is preempted (its blocks released, it goes back to the front of the queue and
 later resumes by re-attaching to whatever of its prefix is still cached) instead of failing.
 The youngest may be the sequence asking. Either way the preempted one waits at the head of the
@@ -24,6 +26,14 @@ from kvshare.engine.cache import KVCacheManager
 from kvshare.engine.sequence import Sequence, SeqState
 
 log = logging.getLogger("kvshare.scheduler")
+
+# A step in which a prompt finishes takes no further prompt once it holds this many prompt
+# tokens: the rest of the budget waits for the next step. Several agent sessions sending their
+# next turn (~150 new tokens each on a cached prefix) at once then get their first tokens one
+# step after another (the first after ~1/4 of the work) instead of all at the end of one big
+# step; below this size a step's fixed cost (the layer loop) would dominate, so short prompts
+# still share steps.
+FINISHED_STEP_TOKENS = 128
 
 
 @dataclass
@@ -151,12 +161,19 @@ class Scheduler:
         # before its donor, or a donor re-admitted after a preemption).
         prefills = sorted((s for s in candidates if s.state == SeqState.PREFILL),
                           key=lambda s: -s.n_computed)
+        prompt_tokens, finished = 0, False
         for seq in prefills:
+            if finished and prompt_tokens >= FINISHED_STEP_TOKENS:
+                break
             try:
                 budget = self._plan_prefill(seq, budget, pending, plan)
             except Exception as exc:  # noqa: BLE001 - this sequence's fault alone
                 self._drop(seq)
                 out.failed.append((seq, exc))
+                continue
+            if plan and plan[-1].seq is seq and seq.state == SeqState.PREFILL:
+                prompt_tokens += plan[-1].end - plan[-1].start
+                finished = finished or plan[-1].wants_logits
         out.planned = self._allocate(plan, out)
         return out
 
