@@ -359,6 +359,28 @@ fn k4_codes(v: __m512i, qh: __m512i, sub: usize, five: bool) -> __m512i {
     or_bit4(q, _mm512_rolv_epi32(qh, r))
 }
 
+/// `k4_codes` as f32, by table lookup (`vpermps` reads the low 4 bits of each lane, 5 for
+/// the two-table `vpermt2ps` of Q5_K) instead of a mask and a conversion: the conversions
+/// competed with the multiply-adds for one port. The table holds the integers as f32, so
+/// the values are the same as the conversion's.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn codes_f32<const FIVE: bool>(v: __m512i, qh: __m512i, sub: usize) -> __m512 {
+    let lo = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    );
+    if FIVE {
+        let hi = _mm512_add_ps(lo, _mm512_set1_ps(16.0));
+        return _mm512_permutex2var_ps(lo, k4_codes(v, qh, sub, true), hi);
+    }
+    let idx = if sub.is_multiple_of(2) {
+        v
+    } else {
+        _mm512_srli_epi32::<4>(v)
+    };
+    _mm512_permutexvar_ps(idx, lo)
+}
+
 /// The weights of the block at `p` of type `T` (a ggml id that `supports` takes), 16 at a
 /// time: `f(q, s, o, e)` with codes `q` (i32 lanes, zero point already subtracted) whose
 /// values are `q * s`, plus `o` for the formats with an offset (a multiply, then an add:
@@ -651,7 +673,7 @@ unsafe fn dot_k4<const FIVE: bool, const W: usize, const R: usize>(a: Args) {
                     let v = [bytes16(qs.add(32 * jj)), bytes16(qs.add(32 * jj + 16))];
                     for sub in [2 * jj, 2 * jj + 1] {
                         let f: [__m512; 2] = std::array::from_fn(|g| {
-                            _mm512_cvtepi32_ps(k4_codes(v[g], qh[g], sub, FIVE))
+                            codes_f32::<FIVE>(v[g], qh[g], sub)
                         });
                         let s = _mm512_set1_ps(sc[sub]);
                         let e = 256 * bi + 32 * sub;
