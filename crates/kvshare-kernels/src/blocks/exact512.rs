@@ -260,12 +260,12 @@ struct Args {
     ld: usize,
 }
 
-/// The values of 16 codes `q` (i32 lanes, zero point already subtracted): `q * s`, then
+/// The values of 16 codes `q` (as f32, zero point already subtracted): `q * s`, then
 /// `+ o` where the format has an offset; a multiply, then an add, as ggml dequantizes.
 #[target_feature(enable = "avx512f")]
 #[inline]
-fn weights16(q: __m512i, s: __m512, o: Option<__m512>) -> __m512 {
-    let w = _mm512_mul_ps(_mm512_cvtepi32_ps(q), s);
+fn weights16(q: __m512, s: __m512, o: Option<__m512>) -> __m512 {
+    let w = _mm512_mul_ps(q, s);
     match o {
         Some(o) => _mm512_add_ps(w, o),
         None => w,
@@ -359,6 +359,14 @@ fn k4_codes(v: __m512i, qh: __m512i, sub: usize, five: bool) -> __m512i {
     or_bit4(q, _mm512_rolv_epi32(qh, r))
 }
 
+/// 0.0, 1.0, ... 15.0: the lookup table of 4-bit codes (`vpermps` reads the low 4 bits of
+/// each index lane, so a lane needs no mask).
+const TABLE16: __m512 = unsafe {
+    std::mem::transmute::<[f32; 16], __m512>([
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    ])
+};
+
 /// `k4_codes` as f32, by table lookup (`vpermps` reads the low 4 bits of each lane, 5 for
 /// the two-table `vpermt2ps` of Q5_K) instead of a mask and a conversion: the conversions
 /// competed with the multiply-adds for one port. The table holds the integers as f32, so
@@ -366,9 +374,7 @@ fn k4_codes(v: __m512i, qh: __m512i, sub: usize, five: bool) -> __m512i {
 #[target_feature(enable = "avx512f")]
 #[inline]
 fn codes_f32<const FIVE: bool>(v: __m512i, qh: __m512i, sub: usize) -> __m512 {
-    let lo = _mm512_setr_ps(
-        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
-    );
+    let lo = TABLE16;
     if FIVE {
         let hi = _mm512_add_ps(lo, _mm512_set1_ps(16.0));
         return _mm512_permutex2var_ps(lo, k4_codes(v, qh, sub, true), hi);
@@ -396,7 +402,7 @@ fn codes_f32<const FIVE: bool>(v: __m512i, qh: __m512i, sub: usize) -> __m512 {
 #[inline]
 unsafe fn block_groups<const T: u32>(
     p: *const u8,
-    mut f: impl FnMut(__m512i, __m512, Option<__m512>, usize),
+    mut f: impl FnMut(__m512, __m512, Option<__m512>, usize),
 ) {
     const fn is(t: u32, ty: BlockType) -> bool {
         t == ty as u32
@@ -410,23 +416,24 @@ unsafe fn block_groups<const T: u32>(
                 let d = f16x16(p);
                 for h in 0..2 {
                     let q = _mm_loadu_si128(p.add(2 + 16 * h) as *const __m128i);
-                    f(_mm512_cvtepi8_epi32(q), d, None, 16 * h);
+                    f(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d, None, 16 * h);
                 }
             }
             _ if is(T, Q4_0) || is(T, Q4_1) => {
                 let one = is(T, Q4_1);
                 let d = f16x16(p);
                 let v = bytes16(p.add(if one { 4 } else { 2 }));
-                let (lo, hi) = (_mm512_and_si512(v, m4), _mm512_srli_epi32::<4>(v));
-                if one {
-                    let m = f16x16(p.add(2));
-                    f(lo, d, Some(m), 0);
-                    f(hi, d, Some(m), 16);
+                // the low nibble of each lane indexes the table: codes minus the zero point
+                let table = if one {
+                    TABLE16
                 } else {
-                    let c8 = _mm512_set1_epi32(8);
-                    f(_mm512_sub_epi32(lo, c8), d, None, 0);
-                    f(_mm512_sub_epi32(hi, c8), d, None, 16);
-                }
+                    _mm512_sub_ps(TABLE16, _mm512_set1_ps(8.0))
+                };
+                let lo = _mm512_permutexvar_ps(v, table);
+                let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), table);
+                let m = if one { Some(f16x16(p.add(2))) } else { None };
+                f(lo, d, m, 0);
+                f(hi, d, m, 16);
             }
             _ if is(T, Q5_0) || is(T, Q5_1) => {
                 let one = is(T, Q5_1);
@@ -440,17 +447,23 @@ unsafe fn block_groups<const T: u32>(
                     _mm512_setr_epi32(20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5);
                 let qh = _mm512_set1_epi32((p.add(o) as *const i32).read_unaligned());
                 let v = bytes16(p.add(o + 4));
-                let lo = or_bit4(_mm512_and_si512(v, m4), _mm512_rolv_epi32(qh, rot_lo));
-                let hi = or_bit4(_mm512_srli_epi32::<4>(v), _mm512_rolv_epi32(qh, rot_hi));
-                if one {
-                    let m = f16x16(p.add(2));
-                    f(lo, d, Some(m), 0);
-                    f(hi, d, Some(m), 16);
-                } else {
-                    let c16 = _mm512_set1_epi32(16);
-                    f(_mm512_sub_epi32(lo, c16), d, None, 0);
-                    f(_mm512_sub_epi32(hi, c16), d, None, 16);
-                }
+                // bits 0-3 from the nibble, bit 4 (and bits the lookup ignores) from qh
+                let nib = _mm512_set1_epi32(0x0F);
+                let lo = _mm512_ternarylogic_epi32::<0xE4>(v, _mm512_rolv_epi32(qh, rot_lo), nib);
+                let hi = _mm512_ternarylogic_epi32::<0xE4>(
+                    _mm512_srli_epi32::<4>(v),
+                    _mm512_rolv_epi32(qh, rot_hi),
+                    nib,
+                );
+                // the 5-bit codes index two tables: codes minus the zero point
+                let zero = if one { 0.0 } else { 16.0 };
+                let (ta, tb) = (
+                    _mm512_sub_ps(TABLE16, _mm512_set1_ps(zero)),
+                    _mm512_sub_ps(TABLE16, _mm512_set1_ps(zero - 16.0)),
+                );
+                let m = if one { Some(f16x16(p.add(2))) } else { None };
+                f(_mm512_permutex2var_ps(ta, lo, tb), d, m, 0);
+                f(_mm512_permutex2var_ps(ta, hi, tb), d, m, 16);
             }
             _ if is(T, Q4_K) || is(T, Q5_K) => {
                 let five = is(T, Q5_K);
@@ -462,12 +475,12 @@ unsafe fn block_groups<const T: u32>(
                     for sub in [2 * jj, 2 * jj + 1] {
                         let (s, m) = (_mm512_set1_ps(sc[sub]), _mm512_set1_ps(mn[sub]));
                         for g in 0..2 {
-                            f(
-                                k4_codes(v[g], qh[g], sub, five),
-                                s,
-                                Some(m),
-                                32 * sub + 16 * g,
-                            );
+                            let q = if five {
+                                codes_f32::<true>(v[g], qh[g], sub)
+                            } else {
+                                codes_f32::<false>(v[g], qh[g], sub)
+                            };
+                            f(q, s, Some(m), 32 * sub + 16 * g);
                         }
                     }
                 }
@@ -504,7 +517,7 @@ unsafe fn block_groups<const T: u32>(
                         for (c, q) in q.into_iter().enumerate() {
                             let s = _mm512_set1_ps(sc[8 * half + 2 * c + g]);
                             let e = 128 * half + 32 * c + 16 * g;
-                            f(_mm512_sub_epi32(q, c32), s, None, e);
+                            f(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, c32)), s, None, e);
                         }
                     }
                 }
@@ -672,9 +685,8 @@ unsafe fn dot_k4<const FIVE: bool, const W: usize, const R: usize>(a: Args) {
                 for jj in 0..4 {
                     let v = [bytes16(qs.add(32 * jj)), bytes16(qs.add(32 * jj + 16))];
                     for sub in [2 * jj, 2 * jj + 1] {
-                        let f: [__m512; 2] = std::array::from_fn(|g| {
-                            codes_f32::<FIVE>(v[g], qh[g], sub)
-                        });
+                        let f: [__m512; 2] =
+                            std::array::from_fn(|g| codes_f32::<FIVE>(v[g], qh[g], sub));
                         let s = _mm512_set1_ps(sc[sub]);
                         let e = 256 * bi + 32 * sub;
                         for i in 0..R {
