@@ -52,8 +52,9 @@ pub(super) fn available() -> bool {
 }
 
 /// `f(bytes, n, dst, stride)` writes the `n` values of the whole blocks `bytes` as f32, with
-/// ggml's arithmetic, values `16 * c..16 * c + 16` at `dst + c * stride` (a panel's layout).
-pub(super) type Dequantize<'a> = &'a (dyn Fn(&[u8], usize, *mut f32, usize) + Sync);
+/// ggml's arithmetic, values `16 * c..16 * c + 16` at `dst[c * stride..]` (a panel's layout);
+/// it panics if `dst` is too short for them.
+pub(super) type Dequantize<'a> = &'a (dyn Fn(&[u8], usize, &mut [f32], usize) + Sync);
 
 /// `out[r, col0 + j] = sum_k x[r, k] * dequantize(w)[j, k]` for every row `r < m` and weight
 /// row `j < w.n`; `out` has `ld` columns. Sizes checked by the caller (`x` holds `m * w.k`,
@@ -102,7 +103,6 @@ pub(super) fn gemm(
         let (first, end) = (t * per, ((t + 1) * per).min(panels));
         let mut panel = AlignedF32::zeros(GROUP * NR * KCH);
         let mut tiles = vec![0f32; GROUP * blocks * tile_len];
-        let pp = panel.as_mut_ptr();
         let mut g0 = first;
         while g0 < end {
             let g1 = (g0 + GROUP).min(end);
@@ -119,20 +119,19 @@ pub(super) fn gemm(
                     let rows = NR.min(n_all - n0);
                     for j in 0..NR {
                         // row j of panel g, chunk c at (c * NR + j) * KC
-                        let dst = pp.wrapping_add(g * NR * KCH + j * KC);
+                        let dst = &mut panel[g * NR * KCH + j * KC..];
                         if j < rows {
                             let at = (n0 + j) * rb;
                             let bytes = &raw[at + k0 / bs * bb..at + k1 / bs * bb];
                             dequantize(bytes, kl, dst, NR * KC);
                         } else {
                             for c in 0..kl / KC {
-                                // SAFETY: chunk c of row j lies inside panel g's NR * KCH
-                                // values; the features are checked by the caller
-                                unsafe { zero16(dst.add(c * NR * KC)) };
+                                dst[c * NR * KC..][..KC].fill(0.0);
                             }
                         }
                     }
                 }
+                let pp = panel.as_ptr();
                 for b in 0..blocks {
                     let live = MR.min(m - b * MR);
                     let xb = xp_ptr.at(b * MR * k + k0 * MR);
@@ -170,14 +169,6 @@ pub(super) fn gemm(
             g0 = g1;
         }
     });
-}
-
-/// 16 zeros at `dst` (a panel's rows past the weight's last row).
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn zero16(dst: *mut f32) {
-    // SAFETY: 16 values at dst (the caller)
-    unsafe { _mm512_storeu_ps(dst, _mm512_setzero_ps()) };
 }
 
 /// One block of MR packed activation rows (`xp`, `[k][MR]`; the first `16 * H` used) times

@@ -410,19 +410,23 @@ pub fn block_gemm_f32(
     {
         let wide = exact512::supports(w.ty) && exact512::available();
         let ty = w.ty;
-        let deq = move |bytes: &[u8], n: usize, dst: *mut f32, stride: usize| {
+        let deq = move |bytes: &[u8], n: usize, dst: &mut [f32], stride: usize| {
+            let chunks = n / 16;
+            assert!(
+                n.is_multiple_of(ty.block_size())
+                    && bytes.len() >= n / ty.block_size() * ty.block_bytes()
+                    && (chunks == 0 || (chunks - 1) * stride + 16 <= dst.len()),
+                "a GEMM panel slice too short for its dequantized chunks"
+            );
             if wide {
-                // SAFETY: AVX-512 checked; the bytes hold n / block whole blocks (w.check and
-                // gemm's chunks), dst's chunks are inside its panel (gemm)
-                unsafe { exact512::dequantize_row_chunks(ty, bytes, n, dst, stride) };
+                // SAFETY: AVX-512 checked; the bytes hold n / block whole blocks and dst each
+                // chunk's 16 values (asserted)
+                unsafe { exact512::dequantize_row_chunks(ty, bytes, n, dst.as_mut_ptr(), stride) };
             } else {
                 let mut tmp = [0f32; gemm512::KCH];
                 portable::dequantize_row_unchecked(ty, bytes, &mut tmp[..n]);
                 for (c, chunk) in tmp[..n].chunks_exact(16).enumerate() {
-                    // SAFETY: as above
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(chunk.as_ptr(), dst.add(c * stride), 16)
-                    };
+                    dst[c * stride..][..16].copy_from_slice(chunk);
                 }
             }
         };
