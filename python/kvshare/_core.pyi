@@ -465,6 +465,27 @@ def block_gemm_f32(
     its k products in order from zero, so a row's result does not depend on m or the threads.
     ValueError on bad shapes, overlap or when AVX-512 is absent. GIL released."""
 
+def block_vnni_available() -> bool:
+    """Whether `block_matmul_t_vnni` runs on this CPU (AVX512-VNNI) with the SIMD code
+    switched on (`block_force_portable(True)` switches it off)."""
+
+def block_vnni_supports(qtype: int) -> bool:
+    """Whether `block_matmul_t_vnni` takes weights of GGML type `qtype`."""
+
+def block_matmul_t_vnni(
+    x: npt.NDArray[np.float32],
+    raws: list[npt.NDArray[np.uint8]],
+    qtypes: list[int],
+    out: npt.NDArray[np.float32],
+    threads: int = 1,
+) -> None:
+    """`x` (f32 `[M, k]`, any M) quantized to 8 bits per 32 values (scale amax / 127, ties
+    to even) times the rows of each part `raws[p]` (type `qtypes[p]`, one the kernel
+    supports), in integers; part `p` fills the columns of `out` (`[M, sum of the parts'
+    rows]`) after those of the parts before it. A row's result is the same bits whatever M
+    is and wherever the row sits in `x`. ValueError for bad shapes, dtypes, overlap or an
+    unsupported type. GIL released."""
+
 def block_matmul_t_f32_parts(
     x: npt.NDArray[np.float32],
     raws: list[npt.NDArray[np.uint8]],

@@ -1067,3 +1067,142 @@ fn gemm_refuses_float_weights_and_bad_shapes() {
     assert!(block_gemm_f32(&x[1..], m, &w, &mut out, n, 0, 1).is_err());
     assert!(block_gemm_f32(&x, m, &w, &mut out, n, 0, 1).is_ok());
 }
+
+use kvshare_kernels::blocks::{block_matmul_t_vnni, vnni_available, vnni_supports};
+
+fn vnni_types() -> Vec<BlockType> {
+    BlockType::ALL
+        .into_iter()
+        .filter(|t| vnni_supports(*t))
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(40))]
+
+    // every type with a VNNI kernel, ragged m (tiles of 8 rows) and n (tiles of 32), 1..3
+    // superblocks, 1..3 threads: within the error of 8-bit activations
+    #[test]
+    fn vnni_matches_dequantized_f64(
+        seed in any::<u64>(),
+        m in 1usize..40,
+        n in 1usize..70,
+        kb in 1usize..4,
+        th in 1usize..4,
+    ) {
+        if !vnni_available() {
+            return Ok(());
+        }
+        let mut rng = Rng(seed);
+        for ty in vnni_types() {
+            let k = 256 * kb;
+            let raw = random_rows(ty, n, k, &mut rng);
+            let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
+            let w = BlockMatrix { raw: &raw, ty, n, k };
+            let mut got = vec![f32::NAN; m * n];
+            block_matmul_t_vnni(&x, m, &[w], &mut got, th).unwrap();
+            check_product(ty, &x, &reference_rows(ty, &raw), m, n, k, &got);
+        }
+    }
+}
+
+#[test]
+fn vnni_rows_do_not_depend_on_the_batch_or_threads() {
+    if !vnni_available() {
+        return;
+    }
+    let mut rng = Rng(29);
+    for ty in vnni_types() {
+        let (m, n, k) = (45, 70, 512);
+        let raw = random_rows(ty, n, k, &mut rng);
+        let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
+        let w = BlockMatrix {
+            raw: &raw,
+            ty,
+            n,
+            k,
+        };
+        let run = |lo: usize, hi: usize, th: usize| {
+            let mut out = vec![f32::NAN; (hi - lo) * n];
+            block_matmul_t_vnni(&x[lo * k..hi * k], hi - lo, &[w], &mut out, th).unwrap();
+            out
+        };
+        let all = run(0, m, 1);
+        assert_eq!(all, run(0, m, 3), "{ty:?}: threads");
+        // one row alone (a decode step), and rows in other places of the 8-row tiles
+        for (lo, hi) in [(5, 6), (5, 13), (3, 40), (0, 17), (44, 45)] {
+            let part = run(lo, hi, 2);
+            for (i, (a, b)) in all[lo * n..hi * n].iter().zip(&part).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "{ty:?}: rows {lo}..{hi}, value {i}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn vnni_parts_equal_each_part_alone_and_bad_input_is_an_error() {
+    if !vnni_available() {
+        return;
+    }
+    let mut rng = Rng(31);
+    let (m, k) = (11, 256);
+    let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
+    let raws: Vec<(BlockType, usize, Vec<u8>)> = [
+        (BlockType::Q4_K, 40),
+        (BlockType::Q8_0, 9),
+        (BlockType::Q6_K, 33),
+    ]
+    .into_iter()
+    .map(|(ty, n)| (ty, n, random_rows(ty, n, k, &mut rng)))
+    .collect();
+    let ws: Vec<BlockMatrix<'_>> = raws
+        .iter()
+        .map(|(ty, n, raw)| BlockMatrix {
+            raw,
+            ty: *ty,
+            n: *n,
+            k,
+        })
+        .collect();
+    let ld: usize = ws.iter().map(|w| w.n).sum();
+    let mut all = vec![f32::NAN; m * ld];
+    block_matmul_t_vnni(&x, m, &ws, &mut all, 2).unwrap();
+    let mut col = 0;
+    for w in &ws {
+        let mut one = vec![f32::NAN; m * w.n];
+        block_matmul_t_vnni(&x, m, std::slice::from_ref(w), &mut one, 1).unwrap();
+        for r in 0..m {
+            assert_eq!(
+                &all[r * ld + col..r * ld + col + w.n],
+                &one[r * w.n..(r + 1) * w.n]
+            );
+        }
+        col += w.n;
+    }
+    // a type without a kernel, a short x, a short out, parts of different k
+    let q2 = random_rows(BlockType::Q2_K, 3, k, &mut rng);
+    let bad = BlockMatrix {
+        raw: &q2,
+        ty: BlockType::Q2_K,
+        n: 3,
+        k,
+    };
+    assert!(matches!(
+        block_matmul_t_vnni(&x, m, &[bad], &mut vec![0.0; m * 3], 1),
+        Err(KernelError::Shape(_))
+    ));
+    assert!(block_matmul_t_vnni(&x[..k], m, &ws[..1], &mut vec![0.0; m * 40], 1).is_err());
+    assert!(block_matmul_t_vnni(&x, m, &ws[..1], &mut vec![0.0; m * 39], 1).is_err());
+    let wide = random_rows(BlockType::Q8_0, 2, 2 * k, &mut rng);
+    let other = BlockMatrix {
+        raw: &wide,
+        ty: BlockType::Q8_0,
+        n: 2,
+        k: 2 * k,
+    };
+    assert!(block_matmul_t_vnni(&x, m, &[ws[0], other], &mut vec![0.0; m * 42], 1).is_err());
+}

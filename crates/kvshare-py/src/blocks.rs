@@ -182,7 +182,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(block_matmul_t_f32, m)?)?;
     m.add_function(wrap_pyfunction!(block_matmul_t_f32_parts, m)?)?;
     m.add_function(wrap_pyfunction!(block_gemm_f32, m)?)?;
-    m.add_function(wrap_pyfunction!(block_gemm_available, m)?)
+    m.add_function(wrap_pyfunction!(block_gemm_available, m)?)?;
+    m.add_function(wrap_pyfunction!(block_vnni_available, m)?)?;
+    m.add_function(wrap_pyfunction!(block_vnni_supports, m)?)?;
+    m.add_function(wrap_pyfunction!(block_matmul_t_vnni, m)?)
 }
 
 /// Whether `block_gemm_f32` runs on this CPU (AVX-512) with the SIMD code switched on.
@@ -253,6 +256,79 @@ fn block_matmul_t_f32(
 ) -> PyResult<()> {
     let kernel: BlockProduct = kvshare_kernels::blocks::block_matmul_t_f32;
     run_product(py, kernel, x, raw, qtype, out, threads)
+}
+
+/// Whether `block_matmul_t_vnni` runs on this CPU (AVX512-VNNI) with the SIMD code on.
+#[pyfunction]
+fn block_vnni_available() -> bool {
+    kvshare_kernels::blocks::vnni_available()
+}
+
+/// Whether `block_matmul_t_vnni` takes weights of GGML type `qtype`.
+#[pyfunction]
+fn block_vnni_supports(qtype: u32) -> bool {
+    kvshare_kernels::blocks::BlockType::from_ggml(qtype)
+        .is_some_and(kvshare_kernels::blocks::vnni_supports)
+}
+
+/// `x` (f32 `[m, k]`, any m) quantized to 8 bits per 32 values times the rows of each of
+/// `raws[p]` (uint8 `[n_p, row_bytes]`, GGML type `qtypes[p]`), in integers; part `p` fills
+/// columns `sum(n_q, q < p) ..` of `out` (`[m, sum n_p]`). A row's result does not depend on
+/// `m` or on the row's place in `x`.
+#[pyfunction]
+#[pyo3(signature = (x, raws, qtypes, out, threads = 1))]
+fn block_matmul_t_vnni(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    raws: Vec<Bound<'_, PyAny>>,
+    qtypes: Vec<u32>,
+    out: &Bound<'_, PyAny>,
+    threads: usize,
+) -> PyResult<()> {
+    let err = |e| as_value_error(py, e);
+    if raws.is_empty() || raws.len() != qtypes.len() {
+        return Err(value_error(
+            "raws and qtypes must be non-empty and of one length",
+        ));
+    }
+    let xa = typed_array(x, b'f', 4, false, "x").map_err(err)?;
+    let oa = typed_array(out, b'f', 4, true, "out").map_err(err)?;
+    let &[m, k] = xa.shape.as_slice() else {
+        return Err(value_error("x must be 2-D float32 [m, k]"));
+    };
+    let mut arrays = Vec::with_capacity(raws.len());
+    let mut ld = 0;
+    for (raw, &qtype) in raws.iter().zip(&qtypes) {
+        let ty = block_type(qtype)?;
+        let ra = typed_array(raw, b'u', 1, false, "raw").map_err(err)?;
+        let n = check_raw(&ra.shape, ty, k)?;
+        if overlaps(oa.span(4), ra.span(1)) {
+            return Err(value_error("out must not overlap an input"));
+        }
+        ld += n;
+        arrays.push((ra, ty, n));
+    }
+    if oa.shape != [m, ld] {
+        return Err(value_error(format!("out must have shape ({m}, {ld})")));
+    }
+    if overlaps(oa.span(4), xa.span(4)) {
+        return Err(value_error("out must not overlap an input"));
+    }
+    // SAFETY: dtypes checked by typed_array; `out` overlaps no input; all arrays stay
+    // referenced (so cannot be resized or freed) for this call.
+    let (xs, os) = unsafe { (xa.as_slice::<f32>(), oa.as_mut_slice::<f32>()) };
+    let ws: Vec<BlockMatrix<'_>> = arrays
+        .iter()
+        .map(|(ra, ty, n)| BlockMatrix {
+            // SAFETY: as above
+            raw: unsafe { ra.as_slice::<u8>() },
+            ty: *ty,
+            n: *n,
+            k,
+        })
+        .collect();
+    py.detach(|| kvshare_kernels::blocks::block_matmul_t_vnni(xs, m, &ws, os, threads.max(1)))
+        .map_err(|e| value_error(e.to_string()))
 }
 
 /// `block_matmul_t_f32` of several weights with the same `k` at once: `raws[p]` (uint8

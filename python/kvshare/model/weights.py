@@ -231,13 +231,15 @@ def load_tensor(gf: GGUFFile, name: str, out: np.ndarray | None = None) -> np.nd
     return out.reshape(info.numpy_shape)
 
 
-CPU_WEIGHT_MODES = ("blocks", "blocks-q8", "int8", "f32")
+CPU_WEIGHT_MODES = ("blocks", "blocks-vnni", "blocks-q8", "int8", "f32")
 
 
 def cpu_weight_mode() -> str:
     """How quantized weights are held on the CPU: $KVSHARE_CPU_WEIGHTS, else `blocks` where
     this build has the exact block kernels, else `int8` ($KVSHARE_CPU_Q8=0, the older
-    switch, means `f32`). ValueError for an unknown value."""
+    switch, means `f32`). ValueError for an unknown value. (`blocks-vnni` is opt-in: its
+    products are batch-invariant, but the rest of a forward pass is only so up to float
+    order, and 8-bit rounding amplifies that to ~1% of the logits: docs/model.md.)"""
     import os  # noqa: PLC0415
 
     from kvshare import _core  # noqa: PLC0415
@@ -302,8 +304,9 @@ class WeightLoader:
 
         $KVSHARE_CPU_WEIGHTS picks the form (see `cpu_weight_mode`): `blocks`, a `BlockWeight`
         (the tensors' GGUF blocks as read-only views of the mapped file, so a model costs its
-        file size, multiplied with exact f32 activations); `blocks-q8`, the same with 8-bit
-        activations as llama.cpp does; `int8`, the older `QWeight` (int8 values + f32 group
+        file size, multiplied with exact f32 activations); `blocks-vnni`, the same with 8-bit
+        activations and integer products at every batch size (AVX512-VNNI); `blocks-q8`,
+        8-bit activations in small batches only, as llama.cpp does; `int8`, the older `QWeight` (int8 values + f32 group
         scales). Nothing is dequantized here, so loading never holds a full-size f32 copy."""
         mode = cpu_weight_mode()
         if self.backend.is_gpu or mode == "f32":
@@ -329,7 +332,8 @@ class WeightLoader:
         for info in infos:
             if self._bar is not None:
                 self._bar.update(info.n_bytes)
-        return BlockWeight.concat(parts, activations="q8" if mode == "blocks-q8" else "f32")
+        activations = {"blocks-q8": "q8", "blocks-vnni": "vnni"}.get(mode, "f32")
+        return BlockWeight.concat(parts, activations=activations)
 
     def gpu_block_weight(self, names: list[str]):
         """With $KVSHARE_GPU_WEIGHTS=blocks: tensors `names` as a `GpuBlockWeight` (their GGUF

@@ -60,8 +60,15 @@ BLOCK_TYPES: dict[int, tuple[int, int]] = {
 # integer dot products; larger batches then multiply the values those 8-bit activations stand
 # for, `block_act_round_trip`, but summation order still moves 8-bit rounding boundaries, so
 # logits depend on chunking by ~1-3%).
-ACTIVATIONS = ("f32", "q8")
+#
+# "vnni": 8-bit activations times the blocks in integers for every batch size, prefill
+# included (`_core.block_matmul_t_vnni`, AVX512-VNNI): as fast per product as llama.cpp's
+# `vec_dot` form, and a row's result is the same bits in a batch of any size or a prefill
+# chunk of any shape, so sharing a prefix still changes no output. Types without a VNNI
+# kernel (`_core.block_vnni_supports`) take the "f32" path.
+ACTIVATIONS = ("f32", "q8", "vnni")
 HAVE_F32_KERNEL = hasattr(_core, "block_matmul_t_f32")
+HAVE_VNNI = hasattr(_core, "block_vnni_available") and _core.block_vnni_available()
 HAVE_PARTS_KERNEL = hasattr(_core, "block_matmul_t_f32_parts")
 # The prefill GEMM on the blocks (`_core.block_gemm_f32`, AVX-512): panels of weight rows are
 # dequantized into an L1/L2-sized buffer and multiplied by a register-tiled f32 micro-kernel,
@@ -126,6 +133,9 @@ class BlockWeight:
         if activations == "f32" and not HAVE_F32_KERNEL:
             raise ValueError("this build has no f32-activation block kernel "
                              "(_core.block_matmul_t_f32)")
+        if activations == "vnni" and not HAVE_VNNI:
+            raise ValueError("activations 'vnni' need AVX512-VNNI and a build with "
+                             "_core.block_matmul_t_vnni")
         self.activations = activations
         if not parts:
             raise ValueError("a BlockWeight needs at least one part")
@@ -150,6 +160,14 @@ class BlockWeight:
             self.parts.append(_Part(raw, qtype, start))
             start += raw.shape[0]
         self.n = start
+        # with "vnni", parts of a type without a VNNI kernel take the exact f32 path alone
+        self._vnni_all = activations == "vnni" and all(
+            _core.block_vnni_supports(p.qtype) for p in self.parts)
+        self._fallback: dict[int, BlockWeight] = {}
+        if activations == "vnni" and not self._vnni_all:
+            for i, p in enumerate(self.parts):
+                if not _core.block_vnni_supports(p.qtype):
+                    self._fallback[i] = BlockWeight(p.raw, p.qtype, self.k)
 
     @classmethod
     def concat(cls, parts: Iterable["BlockWeight | tuple[np.ndarray, int, int]"],
@@ -237,6 +255,8 @@ class BlockWeight:
             raise ValueError(f"out must be ({M}, {N}), got {out.shape}")
         if M == 0:
             return out
+        if self.activations == "vnni":
+            return self._matmul_vnni(x, out)
         if M <= BLOCK_KERNEL_MAX:
             x = np.ascontiguousarray(x, dtype=np.float32)
             threads = CPU_THREADS.kernel_threads
@@ -286,4 +306,26 @@ class BlockWeight:
                 w = buf[: (e - s) * self.k].reshape(e - s, self.k)
                 self._dequantize_into(s, e, w)
                 np.matmul(xs, w.T, out=out[:, s:e])
+        return out
+
+    def _matmul_vnni(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """`matmul_t` with activations "vnni" (any number of rows)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        M = x.shape[0]
+        # inside a row-parallel part (prefill) the other parts hold the other cores
+        threads = (1 if M > BLOCK_KERNEL_MAX and ROWS.inside()
+                   else CPU_THREADS.kernel_threads)
+        direct = out.flags.c_contiguous and out.dtype == np.float32
+        if self._vnni_all and direct:
+            _core.block_matmul_t_vnni(x, [p.raw for p in self.parts],
+                                      [p.qtype for p in self.parts], out, threads)
+            return out
+        for i, p in enumerate(self.parts):
+            fb = self._fallback.get(i)
+            if fb is not None:
+                tmp = fb.matmul_t(x)
+            else:
+                tmp = np.empty((M, p.rows), np.float32)
+                _core.block_matmul_t_vnni(x, [p.raw], [p.qtype], tmp, threads)
+            out[:, p.start : p.start + p.rows] = tmp
         return out

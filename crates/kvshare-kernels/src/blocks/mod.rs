@@ -22,6 +22,8 @@ mod exact512;
 #[cfg(target_arch = "x86_64")]
 mod gemm512;
 mod portable;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
 
 use crate::qmatmul::KernelError;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -432,6 +434,84 @@ pub fn block_gemm_f32(
         };
         gemm512::gemm(x, m, w, out, ld, col0, threads, &deq);
     }
+    Ok(())
+}
+
+/// Whether `block_matmul_t_vnni` runs here (AVX512-VNNI, the SIMD code not switched off).
+pub fn vnni_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use_avx2(false) && vnni::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether `block_matmul_t_vnni` takes weights of type `ty`.
+pub fn vnni_supports(ty: BlockType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        vnni::supports(ty)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = ty;
+        false
+    }
+}
+
+/// `out[:, c_p..c_p + n_p]` = `x` (`[m, k]`, any `m`) quantized to 8 bits per 32 values
+/// (scale `amax / 127`, ties to even) times the rows of each of `ws` (`c_p`: the rows of the
+/// parts before it; `out` `[m, sum n_p]`), in integers (see `vnni`). A row's result is the
+/// same bits whatever `m` is and wherever the row sits in `x`. Needs `vnni_available()` and
+/// every part `vnni_supports`ed.
+pub fn block_matmul_t_vnni(
+    x: &[f32],
+    m: usize,
+    ws: &[BlockMatrix<'_>],
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), KernelError> {
+    let ld: usize = ws.iter().map(|w| w.n).sum();
+    if ws.is_empty() || ws.iter().any(|w| w.k != ws[0].k) {
+        return Err(KernelError::Shape(
+            "parts must be one or more weights with the same k".into(),
+        ));
+    }
+    for w in ws {
+        w.check()?;
+        if !vnni_supports(w.ty) {
+            return Err(KernelError::Shape(format!(
+                "{:?} weights have no VNNI kernel",
+                w.ty
+            )));
+        }
+    }
+    let k = ws[0].k;
+    if x.len() != m * k {
+        return Err(KernelError::Shape(format!(
+            "x has {} values, expected {m} x {k}",
+            x.len()
+        )));
+    }
+    if out.len() != m * ld {
+        return Err(KernelError::Shape(format!(
+            "out has {} values, expected {m} x {ld}",
+            out.len()
+        )));
+    }
+    if !vnni_available() {
+        return Err(KernelError::Shape(
+            "block_matmul_t_vnni needs AVX512-VNNI (see vnni_available)".into(),
+        ));
+    }
+    if m == 0 || ld == 0 {
+        return Ok(());
+    }
+    #[cfg(target_arch = "x86_64")]
+    vnni::matmul_parts(x, m, ws, out, threads);
     Ok(())
 }
 

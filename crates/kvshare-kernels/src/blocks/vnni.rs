@@ -1,0 +1,924 @@
+//! 8-bit activations times block weights in integers (AVX512-VNNI `vpdpbusd` on 256-bit
+//! vectors), with one result per (weight row, activation row) pair whatever the batch.
+//!
+//! llama.cpp's `vec_dot` quantizes the activations to 8 bits per 32 values and multiplies
+//! them with the weights' codes in integers: 4 products per lane and instruction instead of
+//! one f32 multiply-add per weight, so its decode reaches the memory's rate where the f32
+//! products of `exact512` stay compute-bound (batch 8, the 1.9B model's Q4_K/Q6_K rows). But
+//! its lanes hold weights, so each block's sum needs a horizontal reduction, and its results
+//! move with how a prompt is chunked. Here the lanes hold activation rows instead:
+//!
+//! - activations are quantized once per call (per 32 values of a row: `d = amax / 127`,
+//!   `q = rint(x / d)`, ties to even) and packed in tiles of 8 rows, 4 bytes of each row
+//!   side by side (`Packed`), with each block's scale and sums per 32 and per 16 values;
+//! - a weight block is unpacked to its unsigned codes once per tile, and each 4 codes are
+//!   broadcast to all 8 lanes (`vpshufd`) and multiplied with the 4 matching bytes of the 8
+//!   rows (`vpdpbusd`): a lane sums its own row's products, so a block's integer sum for all
+//!   8 rows needs no reduction, and the zero point (8, 16, 32, or 128 for Q8_0's signed
+//!   bytes shifted to unsigned) comes off with the row's exact integer sum;
+//! - each block's integer sum then takes the same f32 operations in every lane:
+//!   `y = fma(f32(isum) * d_act, d_weight, y)` over the blocks in order (two chains, even and
+//!   odd blocks, added at the end; K-quant minima in a chain of their own).
+//!
+//! A lane's arithmetic never looks at another lane, and the prefill products (any number of
+//! rows) run this same kernel over their tiles, so a token's result is the same bits in a
+//! decode step of 1 or 8 rows and in a prefill chunk of any size or position: prefix sharing,
+//! which moves chunk boundaries, still changes nothing but speed.
+
+use super::{BlockMatrix, BlockType, OutPtr, BYTES_PER_THREAD, TILE};
+use std::arch::x86_64::*;
+
+/// Activation rows per tile: the lanes of a 256-bit vector of i32.
+pub(super) const LANES: usize = 8;
+/// Weight rows walked over all tiles before the next ones (prefill): 16 rows of 2048
+/// Q4_K/Q6_K weights (18-27 KB) stay in L1/L2 while every tile passes them.
+const GROUP: usize = 16;
+/// How far ahead of the row being multiplied a decode call prefetches (see `exact512`).
+const PREFETCH_AHEAD: usize = 8192;
+
+/// Whether the CPU has the instructions (VNNI, and AVX-512BW/VL for the byte masks and
+/// 256-bit forms, next to the AVX2 + FMA + F16C of the rest).
+pub(super) fn available() -> bool {
+    std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512bw")
+        && std::is_x86_feature_detected!("avx512vl")
+        && std::is_x86_feature_detected!("avx512vnni")
+        && std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma")
+        && std::is_x86_feature_detected!("f16c")
+}
+
+/// Whether `ty` has a kernel here.
+pub(super) fn supports(ty: BlockType) -> bool {
+    use BlockType::*;
+    matches!(ty, Q8_0 | Q4_0 | Q5_0 | Q4_K | Q6_K)
+}
+
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// `m` activation rows of `k` values quantized to 8 bits and packed in tiles of `LANES` rows
+/// (rows past `m` are zeros). Tile `t` holds, in order:
+/// - `qs`: i8 `[k / 32][4][2][LANES][4]`: per block of 32, for `g` in 0..4 the 4 values of
+///   group `g` (values `4g..4g + 4`) of each row side by side, then those of group `g + 4`
+///   (a 512-bit vector: the 8 rows' values of two groups);
+/// - `d`: f32 `[k / 32][LANES]`, each block's scale;
+/// - `sum`: f32 `[k / 32][LANES]`, `d * (sum of the block's q)` (the K-quants' minima);
+/// - `isum32`: i32 `[k / 32][LANES]`, the block's sum of q (zero points);
+/// - `isum16`: i32 `[k / 16][LANES]`, the same per 16 values (Q6_K's sub-blocks).
+pub(super) struct Packed {
+    buf: Vec<Line>,
+    k: usize,
+    m: usize,
+    tiles: usize,
+    /// Bytes per tile (a multiple of 32: every load of 8 lanes is one aligned half-line).
+    stride: usize,
+}
+
+/// Where one tile's parts start.
+#[derive(Clone, Copy)]
+struct Tile {
+    qs: *const i8,
+    d: *const f32,
+    sum: *const f32,
+    isum32: *const i32,
+    isum16: *const i32,
+}
+
+/// A pointer the quantizing parts share; each writes its own tiles.
+#[derive(Clone, Copy)]
+struct BufPtr(*mut u8);
+// SAFETY: parts write disjoint tiles of one live buffer.
+unsafe impl Send for BufPtr {}
+unsafe impl Sync for BufPtr {}
+
+impl BufPtr {
+    fn at(self, i: usize) -> *mut u8 {
+        self.0.wrapping_add(i)
+    }
+}
+
+impl Packed {
+    /// Quantize and pack `x` (`[m, k]`, `k` a multiple of 32), on up to `threads` threads.
+    /// SAFETY: `available()`.
+    pub(super) unsafe fn quantize(x: &[f32], m: usize, k: usize, threads: usize) -> Packed {
+        debug_assert!(k.is_multiple_of(32) && x.len() == m * k);
+        let nb = k / 32;
+        let stride = LANES * (k + 20 * nb);
+        let tiles = m.div_ceil(LANES);
+        let buf = vec![Line([0; 64]); (tiles * stride).div_ceil(64)];
+        let mut p = Packed {
+            buf,
+            k,
+            m,
+            tiles,
+            stride,
+        };
+        let base = BufPtr(p.buf.as_mut_ptr() as *mut u8);
+        // ~1 ns per value: parts of at least 64K values
+        let parts = threads
+            .min(crate::pool::max_parts())
+            .min(tiles)
+            .min(m * k / (1 << 16))
+            .max(1);
+        let per = tiles.div_ceil(parts);
+        crate::pool::run(parts, &|part| {
+            for t in part * per..((part + 1) * per).min(tiles) {
+                for lane in 0..LANES.min(m - t * LANES) {
+                    let r = t * LANES + lane;
+                    let tile = base.at(t * stride);
+                    let d = tile.wrapping_add(LANES * k) as *mut f32;
+                    let sum = d.wrapping_add(LANES * nb);
+                    let isum32 = sum.wrapping_add(LANES * nb) as *mut i32;
+                    let o = RowOut {
+                        qs: tile.wrapping_add(4 * lane),
+                        group: 4 * LANES,
+                        paired: true,
+                        d: d.wrapping_add(lane),
+                        sum: sum.wrapping_add(lane),
+                        isum32: isum32.wrapping_add(lane),
+                        isum16: isum32.wrapping_add(LANES * nb + lane),
+                        meta: LANES,
+                    };
+                    // SAFETY: row r < m exists; tile t (< tiles) belongs to this part alone
+                    unsafe { quantize_row(&x[r * k..(r + 1) * k], o, k) };
+                }
+            }
+        });
+        p
+    }
+
+    fn tile(&self, t: usize) -> Tile {
+        let nb = self.k / 32;
+        let base = (self.buf.as_ptr() as *const u8).wrapping_add(t * self.stride);
+        let d = base.wrapping_add(LANES * self.k) as *const f32;
+        let sum = d.wrapping_add(LANES * nb);
+        let isum32 = sum.wrapping_add(LANES * nb) as *const i32;
+        Tile {
+            qs: base as *const i8,
+            d,
+            sum,
+            isum32,
+            isum16: isum32.wrapping_add(LANES * nb),
+        }
+    }
+}
+
+/// Where one quantized row goes: its 4-value groups `group` bytes apart from `qs` (or, with
+/// `paired`, in a tile's order: see `Packed`), its
+/// per-block values `meta` apart in `d`, `sum`, `isum32` and `isum16` (the tile layout of
+/// `Packed`, or a plain row: groups 4 bytes apart, values 1 apart).
+#[derive(Clone, Copy)]
+struct RowOut {
+    qs: *mut u8,
+    group: usize,
+    paired: bool,
+    d: *mut f32,
+    sum: *mut f32,
+    isum32: *mut i32,
+    isum16: *mut i32,
+    meta: usize,
+}
+
+/// Quantize one row of `k` values (the one quantization every kernel here multiplies).
+/// SAFETY: `available()`; `o` has room for `k` values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+unsafe fn quantize_row(x: &[f32], o: RowOut, k: usize) {
+    let nb = k / 32;
+    let abs = _mm512_set1_epi32(0x7FFF_FFFF);
+    for b in 0..nb {
+        unsafe {
+            let v0 = _mm512_loadu_ps(x.as_ptr().add(32 * b));
+            let v1 = _mm512_loadu_ps(x.as_ptr().add(32 * b + 16));
+            let a0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v0), abs));
+            let a1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v1), abs));
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+            let d = amax / 127.0;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            // round to nearest, ties to even (the MXCSR default, as ggml's AVX code)
+            let lim = _mm512_set1_epi32(127);
+            let q = |v| {
+                let q = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(id)));
+                _mm512_max_epi32(
+                    _mm512_min_epi32(q, lim),
+                    _mm512_sub_epi32(_mm512_setzero_si512(), lim),
+                )
+            };
+            let (q0, q1) = (q(v0), q(v1));
+            let (s0, s1) = (_mm512_reduce_add_epi32(q0), _mm512_reduce_add_epi32(q1));
+            let mut bytes = [0u32; 8];
+            _mm_storeu_si128(bytes.as_mut_ptr() as *mut __m128i, _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128(
+                bytes.as_mut_ptr().add(4) as *mut __m128i,
+                _mm512_cvtepi32_epi8(q1),
+            );
+            for (g, v) in bytes.iter().enumerate() {
+                let at = if o.paired {
+                    // groups g and g + 4 of a block side by side (lanes 0..7, 8..15)
+                    b * 8 * o.group + (g % 4) * 2 * o.group + (g / 4) * o.group
+                } else {
+                    (8 * b + g) * o.group
+                };
+                (o.qs.add(at) as *mut u32).write_unaligned(*v);
+            }
+            *o.d.add(b * o.meta) = d;
+            *o.sum.add(b * o.meta) = d * (s0 + s1) as f32;
+            *o.isum32.add(b * o.meta) = s0 + s1;
+            *o.isum16.add(2 * b * o.meta) = s0;
+            *o.isum16.add((2 * b + 1) * o.meta) = s1;
+        }
+    }
+}
+
+/// For each weight `ws[p]` (`[n_p, k]`, all `supports`ed), `out[:, c_p..c_p + n_p]` = the
+/// products of `x` (`[m, k]`, any `m`) quantized to 8 bits with the rows of `ws[p]`, `c_p`
+/// the rows of the weights before it and `out` `[m, sum n_p]` (sizes checked by the caller,
+/// `available()`). Weight rows are split between threads by bytes, whatever part they are in.
+pub(super) fn matmul_parts(
+    x: &[f32],
+    m: usize,
+    ws: &[BlockMatrix<'_>],
+    out: &mut [f32],
+    threads: usize,
+) {
+    if m == 1 {
+        one_row_parts(x, ws, out, threads);
+        return;
+    }
+    let ptr = OutPtr(out.as_mut_ptr());
+    let ld: usize = ws.iter().map(|w| w.n).sum();
+    let k = ws[0].k;
+    // SAFETY: available() checked by the caller
+    let packed = unsafe { Packed::quantize(x, m, k, threads) };
+    let mut tiles = Vec::new();
+    let mut col = 0;
+    for (p, w) in ws.iter().enumerate() {
+        for lo in (0..w.n).step_by(TILE) {
+            tiles.push((p, lo, (lo + TILE).min(w.n), col));
+        }
+        col += w.n;
+    }
+    let bytes = |t: &(usize, usize, usize, usize)| (t.2 - t.1) * ws[t.0].row_bytes();
+    let total: usize = tiles.iter().map(bytes).sum();
+    let parts = threads
+        .min(crate::pool::max_parts())
+        .min(tiles.len())
+        .min(total * packed.tiles / BYTES_PER_THREAD)
+        .max(1);
+    let mut bounds = vec![0; parts + 1];
+    let mut seen = 0;
+    for (i, t) in tiles.iter().enumerate() {
+        let share = (seen * parts / total.max(1)).min(parts - 1);
+        for b in bounds.iter_mut().skip(share + 1) {
+            *b = i + 1;
+        }
+        seen += bytes(t);
+    }
+    bounds[parts] = tiles.len();
+    crate::pool::run(parts, &|t| {
+        for &(p, lo, hi, col) in &tiles[bounds[t]..bounds[t + 1]] {
+            // SAFETY: available(); rows lo..hi of ws[p] exist and their output columns
+            // belong to this thread alone
+            unsafe { weight_rows(&packed, &ws[p], lo, hi, ptr, col, ld) };
+        }
+    });
+}
+
+/// Rows `lo..hi` of `w` times every packed row, into columns `col + (lo..hi)` of `out`
+/// (`[m, ld]`). SAFETY: as `matmul_parts`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn weight_rows(
+    p: &Packed,
+    w: &BlockMatrix<'_>,
+    lo: usize,
+    hi: usize,
+    out: OutPtr,
+    col: usize,
+    ld: usize,
+) {
+    let rb = w.row_bytes();
+    let end = w.raw.as_ptr().wrapping_add(w.raw.len());
+    let mut g0 = lo;
+    while g0 < hi {
+        let g1 = (g0 + GROUP).min(hi);
+        for t in 0..p.tiles {
+            let tile = p.tile(t);
+            let valid = LANES.min(p.m - t * LANES);
+            for n in g0..g1 {
+                let row = w.raw.as_ptr().wrapping_add(n * rb);
+                if p.tiles == 1 {
+                    // one pass over the weights (decode): ask for the bytes ahead now
+                    let mut pf = row.wrapping_add(PREFETCH_AHEAD);
+                    let stop = pf.wrapping_add(rb);
+                    while pf < stop && pf < end {
+                        // SAFETY: a prefetch never faults; pf is inside the weight's bytes
+                        _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
+                        pf = pf.wrapping_add(64);
+                    }
+                }
+                // SAFETY: row n < w.n holds k / block whole blocks; the tile holds k values
+                let y = unsafe { row_dot(w.ty, row, w.k, &tile) };
+                let mut lanes = [0f32; LANES];
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), y) };
+                for (r, v) in lanes[..valid].iter().enumerate() {
+                    // SAFETY: row t * LANES + r < m, column col + n < ld: inside out, and
+                    // the column belongs to this thread
+                    unsafe { *out.at((t * LANES + r) * ld + col + n) = *v };
+                }
+            }
+        }
+        g0 = g1;
+    }
+}
+
+/// The products of weight row `row` (`k` values of `ty`) with the tile's 8 rows, one per lane.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn row_dot(ty: BlockType, row: *const u8, k: usize, t: &Tile) -> __m256 {
+    use BlockType::*;
+    unsafe {
+        match ty {
+            Q8_0 => dot_legacy::<{ Q8_0 as u32 }>(row, k / 32, t),
+            Q4_0 => dot_legacy::<{ Q4_0 as u32 }>(row, k / 32, t),
+            Q5_0 => dot_legacy::<{ Q5_0 as u32 }>(row, k / 32, t),
+            Q4_K => dot_q4_k(row, k / 256, t),
+            _ => dot_q6_k(row, k / 256, t),
+        }
+    }
+}
+
+/// The f16 at `p` (unaligned) in all 8 lanes.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn f16x8(p: *const u8) -> __m256 {
+    let h = unsafe { (p as *const i16).read_unaligned() };
+    _mm256_cvtph_ps(_mm_set1_epi16(h))
+}
+
+/// The f16 at `p` (unaligned) as f32.
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn f16(p: *const u8) -> f32 {
+    _mm256_cvtss_f32(unsafe { f16x8(p) })
+}
+
+/// The 16 bytes at `p` in both halves of a vector.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn bcast128(p: *const u8) -> __m256i {
+    _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(p as *const __m128i) })
+}
+
+#[target_feature(enable = "avx2")]
+#[inline]
+fn low4(v: __m256i) -> __m256i {
+    _mm256_and_si256(v, _mm256_set1_epi8(0x0F))
+}
+
+#[target_feature(enable = "avx2")]
+#[inline]
+fn high4(v: __m256i) -> __m256i {
+    _mm256_and_si256(_mm256_srli_epi16::<4>(v), _mm256_set1_epi8(0x0F))
+}
+
+/// Per lane, the sums of a block's codes times their activations: `c` holds codes 0..15 in
+/// its two low 128-bit quarters and codes 16..31 in its two high ones, `a` the tile's block
+/// (4 vectors: groups g and g + 4 of the 8 rows). Lanes 0..7 sum codes 0..15 of each row,
+/// lanes 8..15 codes 16..31.
+#[target_feature(enable = "avx512f,avx512vnni")]
+#[inline]
+unsafe fn dot32(c: __m512i, a: *const i8) -> __m512i {
+    let ld = |i: usize| unsafe { _mm512_load_si512(a.add(64 * i) as *const _) };
+    let z = _mm512_setzero_si512();
+    let s0 = _mm512_dpbusd_epi32(z, _mm512_shuffle_epi32::<0x00>(c), ld(0));
+    let s1 = _mm512_dpbusd_epi32(z, _mm512_shuffle_epi32::<0x55>(c), ld(1));
+    let s0 = _mm512_dpbusd_epi32(s0, _mm512_shuffle_epi32::<0xAA>(c), ld(2));
+    let s1 = _mm512_dpbusd_epi32(s1, _mm512_shuffle_epi32::<0xFF>(c), ld(3));
+    _mm512_add_epi32(s0, s1)
+}
+
+/// Lanes 0..7 plus lanes 8..15.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn fold(v: __m512i) -> __m256i {
+    _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
+}
+
+/// 32 bytes at `p` as [0..16, 0..16, 16..32, 16..32] (the quarters `dot32` reads).
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn spread32(p: *const u8) -> __m512i {
+    let v = _mm512_castsi256_si512(unsafe { _mm256_loadu_si256(p as *const __m256i) });
+    _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), v)
+}
+
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn low4x(v: __m512i) -> __m512i {
+    _mm512_and_si512(v, _mm512_set1_epi8(0x0F))
+}
+
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+fn high4x(v: __m512i) -> __m512i {
+    _mm512_and_si512(_mm512_srli_epi16::<4>(v), _mm512_set1_epi8(0x0F))
+}
+
+/// Lanes of 8 i32 at `p` (aligned).
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn ld_i32(p: *const i32) -> __m256i {
+    unsafe { _mm256_load_si256(p as *const __m256i) }
+}
+
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn ld_f32(p: *const f32) -> __m256 {
+    unsafe { _mm256_load_ps(p) }
+}
+
+/// Blocks of 32 with one f16 scale and codes whose integer sum with the activations is
+/// `isum`: the shared chain `y[b & 1] = fma(f32(isum) * d_act, d_w, y[b & 1])`.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn scale_block(y: &mut [__m256; 2], b: usize, isum: __m256i, t: &Tile, dw: __m256) {
+    let f = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), unsafe {
+        ld_f32(t.d.add(b * LANES))
+    });
+    y[b & 1] = _mm256_fmadd_ps(f, dw, y[b & 1]);
+}
+
+/// The codes of the Q8_0 / Q4_0 / Q5_0 block at `p` in `dot32`'s order, as unsigned bytes
+/// (Q8_0's signed bytes + 128).
+#[target_feature(enable = "avx512f,avx512bw,avx2")]
+#[inline]
+unsafe fn legacy_codes32(ty: BlockType, p: *const u8) -> __m512i {
+    unsafe {
+        match ty {
+            BlockType::Q8_0 => _mm512_xor_si512(spread32(p.add(2)), _mm512_set1_epi8(-128)),
+            BlockType::Q4_0 => {
+                let c = _mm512_broadcast_i32x4(_mm_loadu_si128(p.add(2) as *const __m128i));
+                _mm512_mask_blend_epi64(0xF0, low4x(c), high4x(c))
+            }
+            _ => {
+                let c = _mm512_broadcast_i32x4(_mm_loadu_si128(p.add(6) as *const __m128i));
+                let qh = (p.add(2) as *const u32).read_unaligned() as u64;
+                let (l, h) = (qh & 0xFFFF, qh >> 16);
+                let bits = l | (l << 16) | (h << 32) | (h << 48);
+                _mm512_or_si512(
+                    _mm512_mask_blend_epi64(0xF0, low4x(c), high4x(c)),
+                    _mm512_maskz_mov_epi8(bits, _mm512_set1_epi8(0x10)),
+                )
+            }
+        }
+    }
+}
+
+/// Q8_0 / Q4_0 / Q5_0: the integer sum less zero point x the row's sum, then the chain.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn dot_legacy<const T: u32>(row: *const u8, nb: usize, t: &Tile) -> __m256 {
+    let (bb, ty) = match T {
+        8 => (34, BlockType::Q8_0),
+        2 => (18, BlockType::Q4_0),
+        _ => (22, BlockType::Q5_0),
+    };
+    let mut y = [_mm256_setzero_ps(); 2];
+    for b in 0..nb {
+        unsafe {
+            let p = row.add(bb * b);
+            let s = fold(dot32(legacy_codes32(ty, p), t.qs.add(b * 8 * LANES * 4)));
+            let z = ld_i32(t.isum32.add(b * LANES));
+            let z = match T {
+                8 => _mm256_slli_epi32::<7>(z),
+                2 => _mm256_slli_epi32::<3>(z),
+                _ => _mm256_slli_epi32::<4>(z),
+            };
+            scale_block(&mut y, b, _mm256_sub_epi32(s, z), t, f16x8(p));
+        }
+    }
+    _mm256_add_ps(y[0], y[1])
+}
+
+/// The 8 sub-block scales and minima (6 bits each) of the Q4_K/Q5_K block at `p`
+/// (ggml's `get_scale_min_k4`).
+#[inline]
+unsafe fn k4_scale_min(p: *const u8) -> ([u8; 8], [u8; 8]) {
+    let q = unsafe { std::slice::from_raw_parts(p.add(4), 12) };
+    let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
+    for j in 0..8 {
+        if j < 4 {
+            sc[j] = q[j] & 63;
+            mn[j] = q[j + 4] & 63;
+        } else {
+            sc[j] = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+            mn[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+        }
+    }
+    (sc, mn)
+}
+
+/// Q4_K: per sub-block `j` of 32, `ys = fma(f32(isum) * d_act, d * sc_j, ys)` and
+/// `ym = fma(d_act * sum(a), dmin * m_j, ym)` (both products of an f16 and a 6-bit integer:
+/// exact in f32); the result `ys - ym`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn dot_q4_k(row: *const u8, nsb: usize, t: &Tile) -> __m256 {
+    let mut ys = _mm256_setzero_ps();
+    let mut ym = _mm256_setzero_ps();
+    for s in 0..nsb {
+        unsafe {
+            let p = row.add(144 * s);
+            let (d, dmin) = (f16(p), f16(p.add(2)));
+            let (sc, mn) = k4_scale_min(p);
+            for i in 0..4 {
+                let q = spread32(p.add(16 + 32 * i));
+                for (half, c) in [low4x(q), high4x(q)].into_iter().enumerate() {
+                    let j = 2 * i + half;
+                    let b = 8 * s + j;
+                    let isum = fold(dot32(c, t.qs.add(b * 8 * LANES * 4)));
+                    let f = _mm256_mul_ps(_mm256_cvtepi32_ps(isum), ld_f32(t.d.add(b * LANES)));
+                    ys = _mm256_fmadd_ps(f, _mm256_set1_ps(d * sc[j] as f32), ys);
+                    ym = _mm256_fmadd_ps(
+                        ld_f32(t.sum.add(b * LANES)),
+                        _mm256_set1_ps(dmin * mn[j] as f32),
+                        ym,
+                    );
+                }
+            }
+        }
+    }
+    _mm256_sub_ps(ys, ym)
+}
+
+/// Q6_K: per 32 values (two sub-blocks of 16 with i8 scales: `dot32`'s two halves), the
+/// integer `sc_0 * (isum_0 - 32 sum_0) + sc_1 * (isum_1 - 32 sum_1)`, then the chain with `d`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn dot_q6_k(row: *const u8, nsb: usize, t: &Tile) -> __m256 {
+    let three = _mm512_set1_epi8(3);
+    let mut y = [_mm256_setzero_ps(); 2];
+    for s in 0..nsb {
+        unsafe {
+            let p = row.add(210 * s);
+            let dw = f16x8(p.add(208));
+            let scales = p.add(192) as *const i8;
+            for n in 0..2 {
+                let ql = p.add(64 * n);
+                let (la, lb) = (spread32(ql), spread32(ql.add(32)));
+                let h = spread32(p.add(128 + 32 * n));
+                for q in 0..4 {
+                    // q1..q4 of ggml's dequantize_row_q6_K: low nibbles of ql[0..32],
+                    // ql[32..64], then their high nibbles; qh bits 2q..2q + 1 on top
+                    let nib = match q {
+                        0 => low4x(la),
+                        1 => low4x(lb),
+                        2 => high4x(la),
+                        _ => high4x(lb),
+                    };
+                    let cnt = _mm_cvtsi32_si128(2 * q as i32);
+                    let top =
+                        _mm512_slli_epi16::<4>(_mm512_and_si512(_mm512_srl_epi16(h, cnt), three));
+                    let b = 8 * s + 4 * n + q;
+                    let raw = dot32(_mm512_or_si512(nib, top), t.qs.add(b * 8 * LANES * 4));
+                    let z = _mm512_slli_epi32::<5>(_mm512_load_si512(
+                        t.isum16.add(2 * b * LANES) as *const _
+                    ));
+                    let sc = _mm512_mask_set1_epi32(
+                        _mm512_set1_epi32(*scales.add(8 * n + 2 * q) as i32),
+                        0xFF00,
+                        *scales.add(8 * n + 2 * q + 1) as i32,
+                    );
+                    let iv = fold(_mm512_mullo_epi32(_mm512_sub_epi32(raw, z), sc));
+                    scale_block(&mut y, b, iv, t, dw);
+                }
+            }
+        }
+    }
+    _mm256_add_ps(y[0], y[1])
+}
+
+/// One activation row quantized as `quantize_row` does, in plain order (a decode step of one
+/// sequence): `q[k]`, and per block `d`, `sum`, `isum32`, per 16 values `isum16`. Each is
+/// followed by zeros (a 64-value chunk or 16 blocks), so a kernel may read a whole vector past
+/// the row's last block.
+pub(super) struct OneRow {
+    q: Vec<Line>,
+    d: Vec<f32>,
+    sum: Vec<f32>,
+    isum32: Vec<i32>,
+    isum16: Vec<i32>,
+}
+
+impl OneRow {
+    /// SAFETY: `available()`; `x.len() == k`, a multiple of 32.
+    unsafe fn quantize(x: &[f32], k: usize) -> OneRow {
+        let nb = k / 32;
+        let mut r = OneRow {
+            q: vec![Line([0; 64]); k.div_ceil(64) + 1],
+            d: vec![0.0; nb + 16],
+            sum: vec![0.0; nb + 16],
+            isum32: vec![0; nb + 16],
+            isum16: vec![0; 2 * nb + 16],
+        };
+        let o = RowOut {
+            qs: r.q.as_mut_ptr() as *mut u8,
+            group: 4,
+            paired: false,
+            d: r.d.as_mut_ptr(),
+            sum: r.sum.as_mut_ptr(),
+            isum32: r.isum32.as_mut_ptr(),
+            isum16: r.isum16.as_mut_ptr(),
+            meta: 1,
+        };
+        // SAFETY: the buffers hold k values and nb blocks
+        unsafe { quantize_row(x, o, k) };
+        r
+    }
+
+    fn q(&self) -> *const i8 {
+        self.q.as_ptr() as *const i8
+    }
+}
+
+/// `out[0, c_p + n]` for one activation row (see `matmul_parts`; `m == 1`).
+fn one_row_parts(x: &[f32], ws: &[BlockMatrix<'_>], out: &mut [f32], threads: usize) {
+    let ptr = OutPtr(out.as_mut_ptr());
+    let k = ws[0].k;
+    // SAFETY: available() checked by the caller; x is one row of k values
+    let one = unsafe { OneRow::quantize(&x[..k], k) };
+    let mut tiles = Vec::new();
+    let mut col = 0;
+    for (p, w) in ws.iter().enumerate() {
+        for lo in (0..w.n).step_by(TILE) {
+            tiles.push((p, lo, (lo + TILE).min(w.n), col));
+        }
+        col += w.n;
+    }
+    let bytes = |t: &(usize, usize, usize, usize)| (t.2 - t.1) * ws[t.0].row_bytes();
+    let total: usize = tiles.iter().map(bytes).sum();
+    let parts = threads
+        .min(crate::pool::max_parts())
+        .min(tiles.len())
+        .min(total / BYTES_PER_THREAD)
+        .max(1);
+    let mut bounds = vec![0; parts + 1];
+    let mut seen = 0;
+    for (i, t) in tiles.iter().enumerate() {
+        let share = (seen * parts / total.max(1)).min(parts - 1);
+        for b in bounds.iter_mut().skip(share + 1) {
+            *b = i + 1;
+        }
+        seen += bytes(t);
+    }
+    bounds[parts] = tiles.len();
+    crate::pool::run(parts, &|t| {
+        for &(p, lo, hi, col) in &tiles[bounds[t]..bounds[t + 1]] {
+            // SAFETY: available(); rows lo..hi of ws[p] exist and their output columns
+            // belong to this thread alone
+            unsafe { one_row_rows(&one, &ws[p], lo, hi, ptr, col) };
+        }
+    });
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn one_row_rows(
+    one: &OneRow,
+    w: &BlockMatrix<'_>,
+    lo: usize,
+    hi: usize,
+    out: OutPtr,
+    col: usize,
+) {
+    let rb = w.row_bytes();
+    let end = w.raw.as_ptr().wrapping_add(w.raw.len());
+    for n in lo..hi {
+        let row = w.raw.as_ptr().wrapping_add(n * rb);
+        let mut pf = row.wrapping_add(PREFETCH_AHEAD);
+        let stop = pf.wrapping_add(rb);
+        while pf < stop && pf < end {
+            // a prefetch never faults; pf is inside the weight's bytes
+            _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
+            pf = pf.wrapping_add(64);
+        }
+        use BlockType::*;
+        // SAFETY: row n < w.n holds k / block whole blocks; `one` holds k values
+        let y = unsafe {
+            match w.ty {
+                Q8_0 | Q4_0 | Q5_0 => one_legacy(w.ty, row, w.k / 32, one),
+                Q4_K => one_q4_k(row, w.k / 256, one),
+                _ => one_q6_k(row, w.k / 256, one),
+            }
+        };
+        // SAFETY: column col + n of the single output row belongs to this thread
+        unsafe { *out.at(col + n) = y };
+    }
+}
+
+/// The 16 sums of the 8-lane halves of `v`, in block order (half `h` of `v[i]` is block
+/// `2i + h`). The sums are of integers: any order gives the same value.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn half_sums(v: [__m512i; 8]) -> __m512i {
+    // per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3]
+    let l1 = |a, b| _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    // per 128-bit lane: the lane sums of a, b, c, d
+    let l2 = |a, b| _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+    let t0 = l2(l1(v[0], v[1]), l1(v[2], v[3]));
+    let t4 = l2(l1(v[4], v[5]), l1(v[6], v[7]));
+    let x = _mm512_shuffle_i32x4::<0b10_00_10_00>(t0, t4);
+    let y = _mm512_shuffle_i32x4::<0b11_01_11_01>(t0, t4);
+    // [v0..v3 half 0, v0..v3 half 1, v4..v7 half 0, v4..v7 half 1]
+    let u = _mm512_add_epi32(x, y);
+    let idx = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    _mm512_permutexvar_epi32(idx, u)
+}
+
+/// The 16 sums of the 128-bit quarters of `v` (4 lanes each), in order (quarter `c` of
+/// `v[i]` is sum `4i + c`).
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn quarter_sums(v: [__m512i; 4]) -> __m512i {
+    let l1 = |a, b| _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    let l2 = |a, b| _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+    // lane 4c + i: quarter c of v[i]
+    let t = l2(l1(v[0], v[1]), l1(v[2], v[3]));
+    let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_permutexvar_epi32(idx, t)
+}
+
+/// The 32 codes of a Q8_0/Q4_0/Q5_0 block at `p` as unsigned bytes in order (Q8_0's signed
+/// bytes + 128).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+#[inline]
+unsafe fn legacy_codes(ty: BlockType, p: *const u8) -> __m256i {
+    unsafe {
+        match ty {
+            BlockType::Q8_0 => _mm256_xor_si256(
+                _mm256_loadu_si256(p.add(2) as *const __m256i),
+                _mm256_set1_epi8(-128),
+            ),
+            BlockType::Q4_0 => {
+                let c = bcast128(p.add(2));
+                _mm256_blend_epi32::<0xF0>(low4(c), high4(c))
+            }
+            _ => {
+                let c = bcast128(p.add(6));
+                let qh = (p.add(2) as *const u32).read_unaligned();
+                _mm256_or_si256(
+                    _mm256_blend_epi32::<0xF0>(low4(c), high4(c)),
+                    _mm256_maskz_mov_epi8(qh, _mm256_set1_epi8(0x10)),
+                )
+            }
+        }
+    }
+}
+
+/// Q8_0 / Q4_0 / Q5_0 with one activation row: blocks two to a vector, 16 blocks' integer
+/// sums at a time, then `dot_q8_0`'s chain in scalars (the same operations, so the same bits).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn one_legacy(ty: BlockType, row: *const u8, nb: usize, one: &OneRow) -> f32 {
+    let (bb, zero_shift) = match ty {
+        BlockType::Q8_0 => (34, 7),
+        BlockType::Q4_0 => (18, 3),
+        _ => (22, 4),
+    };
+    let mut y = [0f32; 2];
+    let mut c0 = 0;
+    while c0 < nb {
+        let cnt = (nb - c0).min(16);
+        let mut v = [_mm512_setzero_si512(); 8];
+        for (i, vi) in v.iter_mut().enumerate().take(cnt.div_ceil(2)) {
+            let b = c0 + 2 * i;
+            unsafe {
+                let lo = legacy_codes(ty, row.add(bb * b));
+                let hi = if 2 * i + 1 < cnt {
+                    legacy_codes(ty, row.add(bb * (b + 1)))
+                } else {
+                    _mm256_setzero_si256()
+                };
+                let w = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                // past the row's end the activations are zeros
+                let a = _mm512_loadu_si512(one.q().add(32 * b) as *const _);
+                *vi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
+            }
+        }
+        let f = unsafe {
+            let z = _mm512_loadu_si512(one.isum32.as_ptr().add(c0) as *const _);
+            let z = match zero_shift {
+                7 => _mm512_slli_epi32::<7>(z),
+                3 => _mm512_slli_epi32::<3>(z),
+                _ => _mm512_slli_epi32::<4>(z),
+            };
+            let isum = _mm512_sub_epi32(half_sums(v), z);
+            _mm512_mul_ps(
+                _mm512_cvtepi32_ps(isum),
+                _mm512_loadu_ps(one.d.as_ptr().add(c0)),
+            )
+        };
+        let mut fs = [0f32; 16];
+        unsafe { _mm512_storeu_ps(fs.as_mut_ptr(), f) };
+        for (j, fj) in fs[..cnt].iter().enumerate() {
+            let b = c0 + j;
+            let dw = unsafe { f16(row.add(bb * b)) };
+            y[b & 1] = fj.mul_add(dw, y[b & 1]);
+        }
+        c0 += cnt;
+    }
+    y[0] + y[1]
+}
+
+/// Q4_K with one activation row: two sub-blocks to a vector (low and high nibbles of 32
+/// bytes), then `dot_q4_k`'s chains in scalars.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn one_q4_k(row: *const u8, nsb: usize, one: &OneRow) -> f32 {
+    let (mut ys, mut ym) = (0f32, 0f32);
+    let mut s0 = 0;
+    while s0 < nsb {
+        let cnt = (nsb - s0).min(2);
+        let mut v = [_mm512_setzero_si512(); 8];
+        for s in 0..cnt {
+            let p = unsafe { row.add(144 * (s0 + s)) };
+            for i in 0..4 {
+                unsafe {
+                    let q = _mm256_loadu_si256(p.add(16 + 32 * i) as *const __m256i);
+                    let w = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low4(q)), high4(q));
+                    let a = _mm512_loadu_si512(one.q().add(256 * (s0 + s) + 64 * i) as *const _);
+                    v[4 * s + i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
+                }
+            }
+        }
+        let f = unsafe {
+            _mm512_mul_ps(
+                _mm512_cvtepi32_ps(half_sums(v)),
+                _mm512_loadu_ps(one.d.as_ptr().add(8 * s0)),
+            )
+        };
+        let mut fs = [0f32; 16];
+        unsafe { _mm512_storeu_ps(fs.as_mut_ptr(), f) };
+        for s in 0..cnt {
+            let p = unsafe { row.add(144 * (s0 + s)) };
+            let (d, dmin) = unsafe { (f16(p), f16(p.add(2))) };
+            let (sc, mn) = unsafe { k4_scale_min(p) };
+            for j in 0..8 {
+                let b = 8 * (s0 + s) + j;
+                ys = fs[8 * s + j].mul_add(d * sc[j] as f32, ys);
+                ym = one.sum[b].mul_add(dmin * mn[j] as f32, ym);
+            }
+        }
+        s0 += cnt;
+    }
+    ys - ym
+}
+
+/// Q6_K with one activation row: 64 codes to a vector, the sums of each 16, scaled and
+/// paired in integers, then `dot_q6_k`'s chain in scalars.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn one_q6_k(row: *const u8, nsb: usize, one: &OneRow) -> f32 {
+    let three = _mm256_set1_epi8(3);
+    let mut y = [0f32; 2];
+    for s in 0..nsb {
+        unsafe {
+            let p = row.add(210 * s);
+            let mut v = [_mm512_setzero_si512(); 4];
+            for n in 0..2 {
+                let ql = p.add(64 * n);
+                let qh = _mm256_loadu_si256(p.add(128 + 32 * n) as *const __m256i);
+                let la = _mm256_loadu_si256(ql as *const __m256i);
+                let lb = _mm256_loadu_si256(ql.add(32) as *const __m256i);
+                let top = |sh: i32| {
+                    let cnt = _mm_cvtsi32_si128(sh);
+                    _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srl_epi16(qh, cnt), three))
+                };
+                let c = [
+                    _mm256_or_si256(low4(la), top(0)),
+                    _mm256_or_si256(low4(lb), top(2)),
+                    _mm256_or_si256(high4(la), top(4)),
+                    _mm256_or_si256(high4(lb), top(6)),
+                ];
+                for h in 0..2 {
+                    let w = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(c[2 * h]), c[2 * h + 1]);
+                    let a = _mm512_loadu_si512(one.q().add(256 * s + 128 * n + 64 * h) as *const _);
+                    v[2 * n + h] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
+                }
+            }
+            let z = _mm512_slli_epi32::<5>(_mm512_loadu_si512(
+                one.isum16.as_ptr().add(16 * s) as *const _
+            ));
+            let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(192) as *const __m128i));
+            let iv = _mm512_mullo_epi32(_mm512_sub_epi32(quarter_sums(v), z), sc);
+            // pairs of sub-blocks: the even lanes hold the 8 blocks' sums
+            let pair = _mm512_add_epi32(iv, _mm512_srli_epi64::<32>(iv));
+            let idx = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+            let iv8 = _mm512_castsi512_si256(_mm512_permutexvar_epi32(idx, pair));
+            let f = _mm256_mul_ps(
+                _mm256_cvtepi32_ps(iv8),
+                _mm256_loadu_ps(one.d.as_ptr().add(8 * s)),
+            );
+            let mut fs = [0f32; 8];
+            _mm256_storeu_ps(fs.as_mut_ptr(), f);
+            let d = f16(p.add(208));
+            for (j, fj) in fs.iter().enumerate() {
+                y[j & 1] = fj.mul_add(d, y[j & 1]);
+            }
+        }
+    }
+    y[0] + y[1]
+}
