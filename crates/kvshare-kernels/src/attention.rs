@@ -531,6 +531,30 @@ pub fn paged_attention_avx2<T: KvElem>(
     attention(kv, qs, scale, window, max_rows, out, threads, true, false)
 }
 
+/// `paged_attention` with every row's result the same bits whatever call computes it: decode
+/// rows take the prefill tiles too (one row's query heads per tile, its keys on one thread),
+/// and a tile's key blocks end at multiples of `KEY_BLOCK`, so a query vector meets the same
+/// blocks, online-softmax steps and products in a tile of any shape. With 8-bit activations
+/// (`blocks::block_matmul_t_vnni`) the float-order differences between the decode and
+/// prefill paths (~1e-6) moved rounding boundaries and changed logits by ~1%.
+pub fn paged_attention_invariant<T: KvElem>(
+    kv: &PagedKv<'_, T>,
+    qs: &Queries<'_>,
+    scale: f32,
+    window: usize,
+    max_rows: usize,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), KernelError> {
+    check(kv, qs, out)?;
+    let prefill = tiles(kv, qs, window, 0, max_rows)?;
+    let threads = threads.min(crate::pool::max_parts()).max(1);
+    if !prefill.is_empty() {
+        prefill_tiles(kv, qs, scale, window, prefill, out, threads, true, true);
+    }
+    Ok(())
+}
+
 #[allow(clippy::too_many_arguments)]
 fn attention<T: KvElem>(
     kv: &PagedKv<'_, T>,
@@ -718,7 +742,9 @@ fn tile<T: KvElem>(
     let q_last = t.qa + rows - 1;
     let mut j0 = t.lo;
     while j0 < t.hi {
-        let j1 = (j0 + KEY_BLOCK).min(t.hi);
+        // blocks end at multiples of KEY_BLOCK (the first may start later, at keys no row
+        // of the tile sees before it), so a row meets the same blocks in any tile
+        let j1 = ((j0 / KEY_BLOCK + 1) * KEY_BLOCK).min(t.hi);
         let nk = j1 - j0;
         offs.clear();
         offs.extend((j0..j1).map(|p| ((table[p / bs] as usize * bs + p % bs) * n_kv + t.kvh) * rl));

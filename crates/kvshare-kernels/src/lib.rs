@@ -17,5 +17,8 @@ pub mod rowops;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use attention::{paged_attention, quantize_q8_0, KvElem, PagedKv, Q8Block, Queries, F16};
+pub use attention::{
+    paged_attention, paged_attention_invariant, quantize_q8_0, KvElem, PagedKv, Q8Block, Queries,
+    F16,
+};
 pub use qmatmul::{qmatmul_t, KernelError, QMatrix};

@@ -675,3 +675,48 @@ fn q8_0_head_dim_not_a_multiple_of_32_is_an_error() {
         "{e}"
     );
 }
+
+/// `paged_attention_invariant`: every row the same bits whether computed in a 40-row chunk, a
+/// chunk cut elsewhere, or alone (a decode step), with and without a window, on 1 or 3
+/// threads; and within the tolerance of the dense reference.
+#[test]
+fn invariant_rows_do_not_depend_on_the_call() {
+    use kvshare_kernels::paged_attention_invariant;
+    for (window, hd, g, threads) in [
+        (0, 32, 4, 1),
+        (64, 32, 2, 3),
+        (0, 256, 4, 2),
+        (37, 16, 1, 1),
+    ] {
+        let (ctx, n) = (150, 40);
+        let c = case(window as u64 + hd as u64, &[(ctx, n)], 16, 1, g, hd);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let row_len = c.n_head * hd;
+        let run = |r0: usize, r1: usize| {
+            let q_starts = [0i64, (r1 - r0) as i64];
+            let starts = [(ctx + r0) as i64];
+            let qs = Queries {
+                q: &c.q[r0 * row_len..r1 * row_len],
+                n_head: c.n_head,
+                tables: &c.tables,
+                width: c.width,
+                q_starts: &q_starts,
+                start_positions: &starts,
+            };
+            let mut out = vec![f32::NAN; (r1 - r0) * row_len];
+            paged_attention_invariant(&c.kv(), &qs, scale, window, usize::MAX, &mut out, threads)
+                .unwrap();
+            out
+        };
+        let all = run(0, n);
+        assert_close(&all, &c.reference(scale as f64, window), "invariant");
+        for (r0, r1) in [(0, 1), (5, 6), (39, 40), (7, 30), (1, 4), (20, 40)] {
+            let part = run(r0, r1);
+            let same = all[r0 * row_len..r1 * row_len]
+                .iter()
+                .zip(&part)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "window {window} hd {hd}: rows {r0}..{r1} differ");
+        }
+    }
+}

@@ -6,9 +6,9 @@
 use crate::convert::{invalid, typed_array, TypedArray};
 use kvshare_kernels::attention::{Q8_BYTES, Q8_VALS};
 use kvshare_kernels::{
-    paged_attention as core_paged_attention, qmatmul_t as core_qmatmul_t,
-    quantize_q8_0 as core_quantize_q8_0, KernelError, KvElem, PagedKv, Q8Block, QMatrix, Queries,
-    F16,
+    paged_attention as core_paged_attention, paged_attention_invariant,
+    qmatmul_t as core_qmatmul_t, quantize_q8_0 as core_quantize_q8_0, KernelError, KvElem, PagedKv,
+    Q8Block, QMatrix, Queries, F16,
 };
 use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
@@ -73,11 +73,31 @@ fn qmatmul_t(
         .map_err(|e| invalid(e.to_string()))
 }
 
+/// `paged_attention` or `paged_attention_invariant` of one pool type.
+#[allow(clippy::too_many_arguments)]
+fn attend<T: KvElem>(
+    invariant: bool,
+    cache: &PagedKv<'_, T>,
+    queries: &Queries<'_>,
+    scale: f32,
+    window: usize,
+    max_rows: usize,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<(), KernelError> {
+    if invariant {
+        paged_attention_invariant(cache, queries, scale, window, max_rows, out, threads)
+    } else {
+        core_paged_attention(cache, queries, scale, window, max_rows, out, threads)
+    }
+}
+
 /// Attention of the query rows of sequences with at most `max_rows` rows (decode rows and
 /// prefill chunks) over the paged cache (see `kvshare_kernels::attention`); other rows of
-/// `out` are left as they are.
+/// `out` are left as they are. With `invariant`, every row takes the tiled path with key
+/// blocks at absolute positions: a row's result is the same bits in any call.
 #[pyfunction]
-#[pyo3(signature = (q, k_cache, v_cache, block_tables, q_starts, start_positions, scale, window, out, max_rows, threads = 1))]
+#[pyo3(signature = (q, k_cache, v_cache, block_tables, q_starts, start_positions, scale, window, out, max_rows, threads = 1, invariant = false))]
 #[allow(clippy::too_many_arguments)]
 fn paged_attention(
     py: Python<'_>,
@@ -92,6 +112,7 @@ fn paged_attention(
     out: &Bound<'_, PyAny>,
     max_rows: usize,
     threads: usize,
+    invariant: bool,
 ) -> PyResult<()> {
     let qa = typed_array(q, b'f', 4, false, "q")?;
     // the pool is f32, f16 (NumPy float16: IEEE half) or q8_0 (uint8: rows of 34-byte blocks)
@@ -188,15 +209,27 @@ fn paged_attention(
             n_kv,
             head_dim,
         };
-        py.detach(|| core_paged_attention(&cache, &queries, scale, window, max_rows, ov, threads))
+        py.detach(|| {
+            attend(
+                invariant, &cache, &queries, scale, window, max_rows, ov, threads,
+            )
+        })
     } else if itemsize == 2 {
         // SAFETY: as above
         let cache = unsafe { paged_kv::<F16>(&ka, &va, n_blocks, block_size, n_kv, head_dim) };
-        py.detach(|| core_paged_attention(&cache, &queries, scale, window, max_rows, ov, threads))
+        py.detach(|| {
+            attend(
+                invariant, &cache, &queries, scale, window, max_rows, ov, threads,
+            )
+        })
     } else {
         // SAFETY: as above
         let cache = unsafe { paged_kv::<f32>(&ka, &va, n_blocks, block_size, n_kv, head_dim) };
-        py.detach(|| core_paged_attention(&cache, &queries, scale, window, max_rows, ov, threads))
+        py.detach(|| {
+            attend(
+                invariant, &cache, &queries, scale, window, max_rows, ov, threads,
+            )
+        })
     };
     res.map_err(|e| match e {
         KernelError::Uncovered(m) => PyIndexError::new_err(m),

@@ -245,6 +245,10 @@ class DecoderModel(Model):
     output_norm: Any
     layers: list[Any]
     rope_freq_factors: Any = None
+    # True when the weights multiply 8-bit activations at every batch size (BlockWeight
+    # "vnni"): attention then takes the kernel's batch-invariant form, so that a row's
+    # activations, and with them their 8-bit rounding, do not depend on the step's batch
+    batch_invariant: bool = False
 
     def __init__(self, config: ModelConfig, backend: Backend = CPU):
         self.config = config
@@ -309,7 +313,8 @@ class DecoderModel(Model):
         if rows is None:
             attn = paged_attention(q, kc, vc, tables, plan.q_starts,
                                    plan.start_positions, scale=cfg.q_scale, window=L.window,
-                                   backend=be, mask_cache=plan.masks, parts=plan.row_parts)
+                                   backend=be, mask_cache=plan.masks, parts=plan.row_parts,
+                                   invariant=self.batch_invariant)
         else:
             # only the requested rows: attend per chunk with its selected queries
             attn = self._attention_rows(q, kc, vc, plan, L.window, rows, tables)
@@ -371,7 +376,8 @@ class DecoderModel(Model):
         sel = q[self.backend.asarray(rows) if self.backend.is_gpu else rows]
         tables = plan.block_tables if tables is None else tables
         return paged_attention(sel, kc, vc, tables[seq_of_row], qs, pos,
-                               scale=self.config.q_scale, window=window, backend=self.backend)
+                               scale=self.config.q_scale, window=window, backend=self.backend,
+                               invariant=self.batch_invariant)
 
     def _logits(self, x: Any, plan: BatchPlan) -> list[np.ndarray | None]:
         be = self.backend
@@ -455,3 +461,5 @@ def load_decoder(model: DecoderModel, ld: Any) -> None:
         model.output = ld.matrix(["output.weight"])
     else:
         model.output = model.tok_embd
+    model.batch_invariant = any(getattr(w, "activations", None) == "vnni"
+                                for w in (model.output, model.tok_embd))

@@ -137,7 +137,8 @@ def _key_blocks(block_tables: Any, s: int, p0: int, n: int, window: int, bs: int
 def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_starts: Any,
                     start_positions: Any, *, scale: float, window: int = 0,
                     backend: Backend = CPU, out: Any | None = None,
-                    mask_cache: dict | None = None, parts: int = 1) -> Any:
+                    mask_cache: dict | None = None, parts: int = 1,
+                    invariant: bool = False) -> Any:
     """Attention of every query token over its own sequence's cached keys and values.
 
     q: float32 `[N, n_head, head_dim]`, the concatenated queries of n_seq sequences;
@@ -150,7 +151,9 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     (into `out` when given). `mask_cache`: an optional dict reused across the layers of one
     forward call to keep the masks (CPU only; the GPU twin may ignore it). `parts` > 1 (CPU):
     spread the query tiles over that many threads (`ops.parallel`; BLAS should be on one
-    thread then).
+    thread then). `invariant` (CPU kernel pools): every row's result is the same bits in any
+    call (decode rows take the prefill tiles, key blocks at absolute positions), at some cost
+    to long-context decode; what 8-bit activations (`BlockWeight` "vnni") need.
     """
     if backend.is_gpu:
         return gpu_op("paged_attention")(q, k_cache, v_cache, block_tables, q_starts,
@@ -180,7 +183,8 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
                                   np.ascontiguousarray(block_tables, dtype=np.int32),
                                   np.ascontiguousarray(q_starts, dtype=np.int64),
                                   np.ascontiguousarray(start_positions, dtype=np.int64),
-                                  float(scale), int(window), res, kernel_rows, threads)
+                                  float(scale), int(window), res, kernel_rows, threads,
+                                  invariant)
         except IndexError:
             # name the first uncovered sequence of the whole batch, as the GPU op does
             for s in range(len(q_starts) - 1):
