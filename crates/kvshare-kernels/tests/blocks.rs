@@ -1070,6 +1070,38 @@ fn gemm_refuses_float_weights_and_bad_shapes() {
 
 use kvshare_kernels::blocks::{block_matmul_t_vnni, vnni_available, vnni_supports};
 
+/// Whether `got` is `x @ w.T` within the error of the VNNI kernels' 8-bit activations:
+/// K-quants per 256 values (as ggml's Q8_K: each value off by at most amax / 254 of its 256),
+/// the others per 32, plus f32 summation slack.
+fn check_vnni(ty: BlockType, x: &[f32], w: &[f32], m: usize, n: usize, k: usize, got: &[f32]) {
+    let block = if matches!(ty, BlockType::Q4_K | BlockType::Q6_K) {
+        256
+    } else {
+        32
+    };
+    for r in 0..m {
+        let xr = &x[r * k..(r + 1) * k];
+        for c in 0..n {
+            let wr = &w[c * k..(c + 1) * k];
+            let (mut exact, mut mag, mut bound) = (0f64, 0f64, 0f64);
+            for (xb, wb) in xr.chunks(block).zip(wr.chunks(block)) {
+                let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs())) as f64;
+                for (a, v) in xb.iter().zip(wb) {
+                    exact += *a as f64 * *v as f64;
+                    mag += (*a as f64 * *v as f64).abs();
+                    bound += (*v as f64).abs() * amax / 254.0;
+                }
+            }
+            let tol = 1.01 * bound + 1e-4 * mag + 1e-6;
+            let g = got[r * n + c] as f64;
+            assert!(
+                (g - exact).abs() <= tol,
+                "{ty:?} row {r} col {c}: got {g}, expected {exact} (tol {tol}, m {m} n {n} k {k})"
+            );
+        }
+    }
+}
+
 fn vnni_types() -> Vec<BlockType> {
     BlockType::ALL
         .into_iter()
@@ -1101,7 +1133,7 @@ proptest! {
             let w = BlockMatrix { raw: &raw, ty, n, k };
             let mut got = vec![f32::NAN; m * n];
             block_matmul_t_vnni(&x, m, &[w], &mut got, th).unwrap();
-            check_product(ty, &x, &reference_rows(ty, &raw), m, n, k, &got);
+            check_vnni(ty, &x, &reference_rows(ty, &raw), m, n, k, &got);
         }
     }
 }

@@ -9,7 +9,7 @@ from kvshare.backend import Backend, get_backend
 from kvshare.model.base import Model
 from kvshare.model.config import config_from_metadata
 from kvshare.model.gguf_file import GGUFError, GGUFFile
-from kvshare.model.weights import WeightLoader
+from kvshare.model.weights import WeightLoader, vnni_eligible
 
 
 class UnsupportedModelError(ValueError):
@@ -69,7 +69,8 @@ def load_model(path: str | Path, device: str | Backend = "cpu", *,
     try:
         check_supported(gf)
         cfg = config_from_metadata(gf.metadata)
-        ld = WeightLoader(gf, backend, progress=progress)
+        ld = WeightLoader(gf, backend, progress=progress,
+                          vnni_model=vnni_eligible(gf, cfg.n_recurrent_layers))
         try:
             model = _ARCHITECTURES[gf.architecture](cfg, ld, backend)
         except KeyError as exc:

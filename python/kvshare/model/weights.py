@@ -234,12 +234,11 @@ def load_tensor(gf: GGUFFile, name: str, out: np.ndarray | None = None) -> np.nd
 CPU_WEIGHT_MODES = ("blocks", "blocks-vnni", "blocks-q8", "int8", "f32")
 
 
-def cpu_weight_mode() -> str:
-    """How quantized weights are held on the CPU: $KVSHARE_CPU_WEIGHTS, else `blocks` where
-    this build has the exact block kernels, else `int8` ($KVSHARE_CPU_Q8=0, the older
-    switch, means `f32`). ValueError for an unknown value. (`blocks-vnni` is opt-in: its
-    products are batch-invariant, but the rest of a forward pass is only so up to float
-    order, and 8-bit rounding amplifies that to ~1% of the logits: docs/model.md.)"""
+def cpu_weight_mode(vnni_model: bool = False) -> str:
+    """How quantized weights are held on the CPU: $KVSHARE_CPU_WEIGHTS, else `blocks-vnni`
+    for a `vnni_model` (see `vnni_eligible`) where the CPU has AVX512-VNNI, else `blocks`
+    where this build has the exact block kernels, else `int8` ($KVSHARE_CPU_Q8=0, the older
+    switch, means `f32`). ValueError for an unknown value."""
     import os  # noqa: PLC0415
 
     from kvshare import _core  # noqa: PLC0415
@@ -248,11 +247,28 @@ def cpu_weight_mode() -> str:
     if not mode:
         if os.environ.get("KVSHARE_CPU_Q8") == "0":
             return "f32"
+        if vnni_model and getattr(_core, "block_vnni_available", lambda: False)():
+            return "blocks-vnni"
         return "blocks" if hasattr(_core, "block_matmul_t_f32") else "int8"
     if mode not in CPU_WEIGHT_MODES:
         raise ValueError(f"KVSHARE_CPU_WEIGHTS={mode!r}: expected one of "
                          f"{', '.join(CPU_WEIGHT_MODES)}")
     return mode
+
+
+def vnni_eligible(gf: GGUFFile, n_recurrent_layers: int) -> bool:
+    """Whether a model takes `blocks-vnni` by default: no recurrent layers and every matrix
+    of a type the VNNI kernel takes. Its products then multiply 8-bit activations at every
+    batch size and its attention takes the batch-invariant kernel, so each token's result is
+    the same bits however prompts are chunked and batched. A matrix on another path (Q4_1,
+    f16, ...) or a recurrent layer's scan computes chunks and single steps in different float
+    orders (~1e-7), which 8-bit rounding would amplify to ~1% of the logits."""
+    from kvshare import _core  # noqa: PLC0415
+
+    if n_recurrent_layers or not hasattr(_core, "block_vnni_supports"):
+        return False
+    return all(_core.block_vnni_supports(int(t.qtype))
+               for t in gf.tensors.values() if len(t.shape) == 2)
 
 
 class WeightLoader:
@@ -263,9 +279,11 @@ class WeightLoader:
     """
 
     def __init__(self, gf: GGUFFile, backend, *, progress: bool | None = None,
-                 gpu_dtype: str = "float16", names: Iterable[str] | None = None):
+                 gpu_dtype: str = "float16", names: Iterable[str] | None = None,
+                 vnni_model: bool = False):
         self.gf = gf
         self.backend = backend
+        self.vnni_model = vnni_model  # cpu_weight_mode's default for this model
         self.gpu_dtype = gpu_dtype
         names = list(gf.tensors if names is None else names)
         total = sum(gf.tensors[n].n_bytes for n in names if n in gf.tensors)
@@ -304,11 +322,12 @@ class WeightLoader:
 
         $KVSHARE_CPU_WEIGHTS picks the form (see `cpu_weight_mode`): `blocks`, a `BlockWeight`
         (the tensors' GGUF blocks as read-only views of the mapped file, so a model costs its
-        file size, multiplied with exact f32 activations); `blocks-vnni`, the same with 8-bit
-        activations and integer products at every batch size (AVX512-VNNI); `blocks-q8`,
+        file size, multiplied with exact f32 activations); `blocks-vnni` (the default for
+        `vnni_eligible` models), the same with 8-bit activations and integer products at every
+        batch size (AVX512-VNNI); `blocks-q8`,
         8-bit activations in small batches only, as llama.cpp does; `int8`, the older `QWeight` (int8 values + f32 group
         scales). Nothing is dequantized here, so loading never holds a full-size f32 copy."""
-        mode = cpu_weight_mode()
+        mode = cpu_weight_mode(self.vnni_model)
         if self.backend.is_gpu or mode == "f32":
             return None
         infos = [self.gf.tensors.get(n) for n in names]

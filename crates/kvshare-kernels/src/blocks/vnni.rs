@@ -8,9 +8,10 @@
 //! its lanes hold weights, so each block's sum needs a horizontal reduction, and its results
 //! move with how a prompt is chunked. Here the lanes hold activation rows instead:
 //!
-//! - activations are quantized once per call (per 32 values of a row: `d = amax / 127`,
-//!   `q = rint(x / d)`, ties to even) and packed in tiles of 8 rows, 4 bytes of each row
-//!   side by side (`Packed`), with each block's scale and sums per 32 and per 16 values;
+//! - activations are quantized once per call (`ActFormat`: per 32 values of a row, or per
+//!   256 for the K-quants as ggml's Q8_K; ties to even) and packed in tiles of 8 rows, 4
+//!   bytes of each row side by side (`Packed`), with each block's scale and sums per 32 and
+//!   per 16 values;
 //! - a weight block is unpacked to its unsigned codes once per tile, and each 4 codes are
 //!   broadcast to all 8 lanes (`vpshufd`) and multiplied with the 4 matching bytes of the 8
 //!   rows (`vpdpbusd`): a lane sums its own row's products, so a block's integer sum for all
@@ -102,7 +103,13 @@ impl BufPtr {
 impl Packed {
     /// Quantize and pack `x` (`[m, k]`, `k` a multiple of 32), on up to `threads` threads.
     /// SAFETY: `available()`.
-    pub(super) unsafe fn quantize(x: &[f32], m: usize, k: usize, threads: usize) -> Packed {
+    pub(super) unsafe fn quantize(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        f: ActFormat,
+        threads: usize,
+    ) -> Packed {
         debug_assert!(k.is_multiple_of(32) && x.len() == m * k);
         let nb = k / 32;
         let stride = LANES * (k + 20 * nb);
@@ -142,7 +149,7 @@ impl Packed {
                         meta: LANES,
                     };
                     // SAFETY: row r < m exists; tile t (< tiles) belongs to this part alone
-                    unsafe { quantize_row(&x[r * k..(r + 1) * k], o, k) };
+                    unsafe { quantize_row(&x[r * k..(r + 1) * k], o, k, f) };
                 }
             }
         });
@@ -181,25 +188,79 @@ struct RowOut {
     meta: usize,
 }
 
-/// Quantize one row of `k` values (the one quantization every kernel here multiplies).
+/// How activations are quantized for a weight type. Measured against llama.cpp's outputs on
+/// Gemma 3 270M Q4_K_M (tests/test_model_gemma3.py, 2,184 positions): per-256 scales for the
+/// K-quants as ggml's `quantize_row_q8_K` and f32 per-32 scales for the others agree best
+/// (top-1 0.9886; per-32 for all types 0.9849; ggml's f16-rounded per-32 `quantize_row_q8_0`
+/// for Q8_0/Q5_0 weights as well 0.9808; f32 activations 0.9853).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum ActFormat {
+    /// Per 32 values `d = amax / 127`, `q = rint(x / d)` (Q8_0 / Q4_0 / Q5_0 weights).
+    Per32,
+    /// ggml's `quantize_row_q8_K` (K-quants): per 256 values, with `max` the first value of
+    /// largest magnitude, `q = rint(x * (-127 / max))` and `d = 1 / (-127 / max)` (each
+    /// 32-value block of the 256 carries that `d`).
+    Q8K,
+}
+
+/// The activation format `ty`'s kernel multiplies.
+pub(super) fn format_of(ty: BlockType) -> ActFormat {
+    if matches!(ty, BlockType::Q4_K | BlockType::Q6_K) {
+        ActFormat::Q8K
+    } else {
+        ActFormat::Per32
+    }
+}
+
+/// Quantize one row of `k` values in format `f` (`k` a multiple of 256 for `Q8K`): the one
+/// quantization every kernel here multiplies. Rounding is to nearest, ties to even (the MXCSR
+/// default, as ggml's AVX code and its `nearest_int`).
 /// SAFETY: `available()`; `o` has room for `k` values.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-unsafe fn quantize_row(x: &[f32], o: RowOut, k: usize) {
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
+unsafe fn quantize_row(x: &[f32], o: RowOut, k: usize, f: ActFormat) {
     let nb = k / 32;
     let abs = _mm512_set1_epi32(0x7FFF_FFFF);
+    let load = |b: usize| unsafe {
+        (
+            _mm512_loadu_ps(x.as_ptr().add(32 * b)),
+            _mm512_loadu_ps(x.as_ptr().add(32 * b + 16)),
+        )
+    };
+    let absv = |v: __m512| _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs));
+    let (mut d, mut scale) = (0f32, 0f32);
     for b in 0..nb {
+        let (v0, v1) = load(b);
+        match f {
+            ActFormat::Q8K if b % 8 == 0 => {
+                let mut amax = 0f32;
+                for i in 0..8 {
+                    let (u0, u1) = load(b + i);
+                    amax = amax.max(_mm512_reduce_max_ps(_mm512_max_ps(absv(u0), absv(u1))));
+                }
+                // the first value of that magnitude, with its sign
+                let max = x[32 * b..32 * b + 256]
+                    .iter()
+                    .copied()
+                    .find(|v| v.abs() == amax)
+                    .unwrap_or(0.0);
+                if amax == 0.0 || max == 0.0 {
+                    (d, scale) = (0.0, 0.0);
+                } else {
+                    scale = -127.0 / max;
+                    d = 1.0 / scale;
+                }
+            }
+            ActFormat::Q8K => {}
+            ActFormat::Per32 => {
+                let amax = _mm512_reduce_max_ps(_mm512_max_ps(absv(v0), absv(v1)));
+                d = amax / 127.0;
+                scale = if d > 0.0 { 1.0 / d } else { 0.0 };
+            }
+        }
         unsafe {
-            let v0 = _mm512_loadu_ps(x.as_ptr().add(32 * b));
-            let v1 = _mm512_loadu_ps(x.as_ptr().add(32 * b + 16));
-            let a0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v0), abs));
-            let a1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v1), abs));
-            let amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
-            let d = amax / 127.0;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            // round to nearest, ties to even (the MXCSR default, as ggml's AVX code)
             let lim = _mm512_set1_epi32(127);
             let q = |v| {
-                let q = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(id)));
+                let q = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(scale)));
                 _mm512_max_epi32(
                     _mm512_min_epi32(q, lim),
                     _mm512_sub_epi32(_mm512_setzero_si512(), lim),
@@ -249,8 +310,19 @@ pub(super) fn matmul_parts(
     let ptr = OutPtr(out.as_mut_ptr());
     let ld: usize = ws.iter().map(|w| w.n).sum();
     let k = ws[0].k;
-    // SAFETY: available() checked by the caller
-    let packed = unsafe { Packed::quantize(x, m, k, threads) };
+    // one quantization per format the parts take
+    let pack = |f: ActFormat| {
+        ws.iter()
+            .any(|w| format_of(w.ty) == f)
+            // SAFETY: available() checked by the caller
+            .then(|| unsafe { Packed::quantize(x, m, k, f, threads) })
+    };
+    let (p32, q8k) = (pack(ActFormat::Per32), pack(ActFormat::Q8K));
+    let packed_for = |ty| match format_of(ty) {
+        ActFormat::Per32 => p32.as_ref().expect("quantized for the parts that take it"),
+        ActFormat::Q8K => q8k.as_ref().expect("quantized for the parts that take it"),
+    };
+    let n_tiles = m.div_ceil(LANES);
     let mut tiles = Vec::new();
     let mut col = 0;
     for (p, w) in ws.iter().enumerate() {
@@ -264,7 +336,7 @@ pub(super) fn matmul_parts(
     let parts = threads
         .min(crate::pool::max_parts())
         .min(tiles.len())
-        .min(total * packed.tiles / BYTES_PER_THREAD)
+        .min(total * n_tiles / BYTES_PER_THREAD)
         .max(1);
     let mut bounds = vec![0; parts + 1];
     let mut seen = 0;
@@ -280,7 +352,7 @@ pub(super) fn matmul_parts(
         for &(p, lo, hi, col) in &tiles[bounds[t]..bounds[t + 1]] {
             // SAFETY: available(); rows lo..hi of ws[p] exist and their output columns
             // belong to this thread alone
-            unsafe { weight_rows(&packed, &ws[p], lo, hi, ptr, col, ld) };
+            unsafe { weight_rows(packed_for(ws[p].ty), &ws[p], lo, hi, ptr, col, ld) };
         }
     });
 }
@@ -609,7 +681,7 @@ pub(super) struct OneRow {
 
 impl OneRow {
     /// SAFETY: `available()`; `x.len() == k`, a multiple of 32.
-    unsafe fn quantize(x: &[f32], k: usize) -> OneRow {
+    unsafe fn quantize(x: &[f32], k: usize, f: ActFormat) -> OneRow {
         let nb = k / 32;
         let mut r = OneRow {
             q: vec![Line([0; 64]); k.div_ceil(64) + 1],
@@ -629,7 +701,7 @@ impl OneRow {
             meta: 1,
         };
         // SAFETY: the buffers hold k values and nb blocks
-        unsafe { quantize_row(x, o, k) };
+        unsafe { quantize_row(x, o, k, f) };
         r
     }
 
@@ -642,8 +714,17 @@ impl OneRow {
 fn one_row_parts(x: &[f32], ws: &[BlockMatrix<'_>], out: &mut [f32], threads: usize) {
     let ptr = OutPtr(out.as_mut_ptr());
     let k = ws[0].k;
-    // SAFETY: available() checked by the caller; x is one row of k values
-    let one = unsafe { OneRow::quantize(&x[..k], k) };
+    let quantize = |f: ActFormat| {
+        ws.iter()
+            .any(|w| format_of(w.ty) == f)
+            // SAFETY: available() checked by the caller; x is one row of k values
+            .then(|| unsafe { OneRow::quantize(&x[..k], k, f) })
+    };
+    let (p32, q8k) = (quantize(ActFormat::Per32), quantize(ActFormat::Q8K));
+    let row_for = |ty| match format_of(ty) {
+        ActFormat::Per32 => p32.as_ref().expect("quantized for the parts that take it"),
+        ActFormat::Q8K => q8k.as_ref().expect("quantized for the parts that take it"),
+    };
     let mut tiles = Vec::new();
     let mut col = 0;
     for (p, w) in ws.iter().enumerate() {
@@ -673,7 +754,7 @@ fn one_row_parts(x: &[f32], ws: &[BlockMatrix<'_>], out: &mut [f32], threads: us
         for &(p, lo, hi, col) in &tiles[bounds[t]..bounds[t + 1]] {
             // SAFETY: available(); rows lo..hi of ws[p] exist and their output columns
             // belong to this thread alone
-            unsafe { one_row_rows(&one, &ws[p], lo, hi, ptr, col) };
+            unsafe { one_row_rows(row_for(ws[p].ty), &ws[p], lo, hi, ptr, col) };
         }
     });
 }
