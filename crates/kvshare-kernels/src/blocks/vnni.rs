@@ -29,8 +29,11 @@
 use super::{BlockMatrix, BlockType, OutPtr, BYTES_PER_THREAD, TILE};
 use std::arch::x86_64::*;
 
-/// Activation rows per tile: the lanes of a 256-bit vector of i32.
+/// Activation rows per tile of a product with at most 8 rows: the lanes of a 256-bit vector
+/// of i32.
 pub(super) const LANES: usize = 8;
+/// Activation rows per tile of a larger product: the lanes of a 512-bit vector.
+const WIDE_LANES: usize = 16;
 /// Weight rows walked over all tiles before the next ones (prefill): 16 rows of 2048
 /// Q4_K/Q6_K weights (18-27 KB) stay in L1/L2 while every tile passes them.
 const GROUP: usize = 16;
@@ -70,6 +73,9 @@ struct Line([u8; 64]);
 /// - `isum16`: i32 `[k / 16][LANES]`, the same per 16 values (Q6_K's sub-blocks).
 pub(super) struct Packed {
     buf: Vec<Line>,
+    /// Rows per tile: 8 (values as i8, groups paired) or 16 (values + 128 as u8, one group
+    /// of the 16 rows per 64 bytes: the `wide_*` kernels).
+    lanes: usize,
     k: usize,
     m: usize,
     tiles: usize,
@@ -108,15 +114,20 @@ impl Packed {
         m: usize,
         k: usize,
         f: ActFormat,
+        lanes: usize,
         threads: usize,
     ) -> Packed {
         debug_assert!(k.is_multiple_of(32) && x.len() == m * k);
         let nb = k / 32;
-        let stride = LANES * (k + 20 * nb);
-        let tiles = m.div_ceil(LANES);
-        let buf = vec![Line([0; 64]); (tiles * stride).div_ceil(64)];
+        let stride = lanes * (k + 20 * nb);
+        let tiles = m.div_ceil(lanes);
+        let wide = lanes == WIDE_LANES;
+        // wide tiles hold q + 128 (u8): rows past m must be 128s too (so that they add 0)
+        let fill = if wide { 0x80 } else { 0 };
+        let buf = vec![Line([fill; 64]); (tiles * stride).div_ceil(64)];
         let mut p = Packed {
             buf,
+            lanes,
             k,
             m,
             tiles,
@@ -132,21 +143,29 @@ impl Packed {
         let per = tiles.div_ceil(parts);
         crate::pool::run(parts, &|part| {
             for t in part * per..((part + 1) * per).min(tiles) {
-                for lane in 0..LANES.min(m - t * LANES) {
-                    let r = t * LANES + lane;
-                    let tile = base.at(t * stride);
-                    let d = tile.wrapping_add(LANES * k) as *mut f32;
-                    let sum = d.wrapping_add(LANES * nb);
-                    let isum32 = sum.wrapping_add(LANES * nb) as *mut i32;
+                let tile = base.at(t * stride);
+                if wide {
+                    // the metadata of padding rows: zeros (d = 0)
+                    // SAFETY: the tile's metadata follows its lanes * k value bytes
+                    unsafe {
+                        std::ptr::write_bytes(tile.wrapping_add(lanes * k), 0, lanes * 20 * nb)
+                    };
+                }
+                for lane in 0..lanes.min(m - t * lanes) {
+                    let r = t * lanes + lane;
+                    let d = tile.wrapping_add(lanes * k) as *mut f32;
+                    let sum = d.wrapping_add(lanes * nb);
+                    let isum32 = sum.wrapping_add(lanes * nb) as *mut i32;
                     let o = RowOut {
                         qs: tile.wrapping_add(4 * lane),
-                        group: 4 * LANES,
-                        paired: true,
+                        group: 4 * lanes,
+                        paired: !wide,
+                        offset: wide,
                         d: d.wrapping_add(lane),
                         sum: sum.wrapping_add(lane),
                         isum32: isum32.wrapping_add(lane),
-                        isum16: isum32.wrapping_add(LANES * nb + lane),
-                        meta: LANES,
+                        isum16: isum32.wrapping_add(lanes * nb + lane),
+                        meta: lanes,
                     };
                     // SAFETY: row r < m exists; tile t (< tiles) belongs to this part alone
                     unsafe { quantize_row(&x[r * k..(r + 1) * k], o, k, f) };
@@ -159,15 +178,15 @@ impl Packed {
     fn tile(&self, t: usize) -> Tile {
         let nb = self.k / 32;
         let base = (self.buf.as_ptr() as *const u8).wrapping_add(t * self.stride);
-        let d = base.wrapping_add(LANES * self.k) as *const f32;
-        let sum = d.wrapping_add(LANES * nb);
-        let isum32 = sum.wrapping_add(LANES * nb) as *const i32;
+        let d = base.wrapping_add(self.lanes * self.k) as *const f32;
+        let sum = d.wrapping_add(self.lanes * nb);
+        let isum32 = sum.wrapping_add(self.lanes * nb) as *const i32;
         Tile {
             qs: base as *const i8,
             d,
             sum,
             isum32,
-            isum16: isum32.wrapping_add(LANES * nb),
+            isum16: isum32.wrapping_add(self.lanes * nb),
         }
     }
 }
@@ -181,6 +200,8 @@ struct RowOut {
     qs: *mut u8,
     group: usize,
     paired: bool,
+    /// Store `q + 128` as u8 (the wide tiles) instead of `q` as i8.
+    offset: bool,
     d: *mut f32,
     sum: *mut f32,
     isum32: *mut i32,
@@ -281,7 +302,8 @@ unsafe fn quantize_row(x: &[f32], o: RowOut, k: usize, f: ActFormat) {
                 } else {
                     (8 * b + g) * o.group
                 };
-                (o.qs.add(at) as *mut u32).write_unaligned(*v);
+                let v = if o.offset { *v ^ 0x8080_8080 } else { *v };
+                (o.qs.add(at) as *mut u32).write_unaligned(v);
             }
             *o.d.add(b * o.meta) = d;
             *o.sum.add(b * o.meta) = d * (s0 + s1) as f32;
@@ -310,19 +332,22 @@ pub(super) fn matmul_parts(
     let ptr = OutPtr(out.as_mut_ptr());
     let ld: usize = ws.iter().map(|w| w.n).sum();
     let k = ws[0].k;
+    // up to 8 rows: one tile of 8 lanes; more: tiles of 16 (Gemma 3 270M's matrices, one
+    // core each of two: 8 rows 43 ms with 8 lanes, 69 with 16; 64 rows 297 and 220 ms)
+    let lanes = if m <= LANES { LANES } else { WIDE_LANES };
     // one quantization per format the parts take
     let pack = |f: ActFormat| {
         ws.iter()
             .any(|w| format_of(w.ty) == f)
             // SAFETY: available() checked by the caller
-            .then(|| unsafe { Packed::quantize(x, m, k, f, threads) })
+            .then(|| unsafe { Packed::quantize(x, m, k, f, lanes, threads) })
     };
     let (p32, q8k) = (pack(ActFormat::Per32), pack(ActFormat::Q8K));
     let packed_for = |ty| match format_of(ty) {
         ActFormat::Per32 => p32.as_ref().expect("quantized for the parts that take it"),
         ActFormat::Q8K => q8k.as_ref().expect("quantized for the parts that take it"),
     };
-    let n_tiles = m.div_ceil(LANES);
+    let n_tiles = m.div_ceil(lanes);
     let mut tiles = Vec::new();
     let mut col = 0;
     for (p, w) in ws.iter().enumerate() {
@@ -371,33 +396,62 @@ unsafe fn weight_rows(
 ) {
     let rb = w.row_bytes();
     let end = w.raw.as_ptr().wrapping_add(w.raw.len());
+    let row_at = |n: usize| w.raw.as_ptr().wrapping_add(n * rb);
     let mut g0 = lo;
     while g0 < hi {
         let g1 = (g0 + GROUP).min(hi);
         for t in 0..p.tiles {
             let tile = p.tile(t);
-            let valid = LANES.min(p.m - t * LANES);
-            for n in g0..g1 {
-                let row = w.raw.as_ptr().wrapping_add(n * rb);
+            let valid = p.lanes.min(p.m - t * p.lanes);
+            let mut n = g0;
+            while n < g1 {
+                let step = if p.lanes == WIDE_LANES && g1 - n >= WIDE_ROWS {
+                    WIDE_ROWS
+                } else {
+                    1
+                };
                 if p.tiles == 1 {
                     // one pass over the weights (decode): ask for the bytes ahead now
-                    let mut pf = row.wrapping_add(PREFETCH_AHEAD);
-                    let stop = pf.wrapping_add(rb);
+                    let mut pf = row_at(n).wrapping_add(PREFETCH_AHEAD);
+                    let stop = pf.wrapping_add(step * rb);
                     while pf < stop && pf < end {
-                        // SAFETY: a prefetch never faults; pf is inside the weight's bytes
+                        // a prefetch never faults; pf is inside the weight's bytes
                         _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
                         pf = pf.wrapping_add(64);
                     }
                 }
-                // SAFETY: row n < w.n holds k / block whole blocks; the tile holds k values
-                let y = unsafe { row_dot(w.ty, row, w.k, &tile) };
-                let mut lanes = [0f32; LANES];
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), y) };
-                for (r, v) in lanes[..valid].iter().enumerate() {
-                    // SAFETY: row t * LANES + r < m, column col + n < ld: inside out, and
-                    // the column belongs to this thread
-                    unsafe { *out.at((t * LANES + r) * ld + col + n) = *v };
+                let mut lanes = [[0f32; 16]; WIDE_ROWS];
+                // SAFETY: rows n..n + step < w.n hold k / block whole blocks; the tile
+                // holds k values per row
+                unsafe {
+                    if step == WIDE_ROWS {
+                        let ys = wide_dot::<WIDE_ROWS>(
+                            w.ty,
+                            std::array::from_fn(|i| row_at(n + i)),
+                            w.k,
+                            &tile,
+                        );
+                        for (l, y) in lanes.iter_mut().zip(ys) {
+                            _mm512_storeu_ps(l.as_mut_ptr(), y);
+                        }
+                    } else if p.lanes == WIDE_LANES {
+                        let [y] = wide_dot::<1>(w.ty, [row_at(n)], w.k, &tile);
+                        _mm512_storeu_ps(lanes[0].as_mut_ptr(), y);
+                    } else {
+                        _mm256_storeu_ps(
+                            lanes[0].as_mut_ptr(),
+                            row_dot(w.ty, row_at(n), w.k, &tile),
+                        );
+                    }
                 }
+                for (i, l) in lanes[..step].iter().enumerate() {
+                    for (r, v) in l[..valid].iter().enumerate() {
+                        // SAFETY: row t * lanes + r < m, column col + n + i < ld: inside
+                        // out, and the column belongs to this thread
+                        unsafe { *out.at((t * p.lanes + r) * ld + col + n + i) = *v };
+                    }
+                }
+                n += step;
             }
         }
         g0 = g1;
@@ -694,6 +748,7 @@ impl OneRow {
             qs: r.q.as_mut_ptr() as *mut u8,
             group: 4,
             paired: false,
+            offset: false,
             d: r.d.as_mut_ptr(),
             sum: r.sum.as_mut_ptr(),
             isum32: r.isum32.as_mut_ptr(),
@@ -1002,4 +1057,223 @@ unsafe fn one_q6_k(row: *const u8, nsb: usize, one: &OneRow) -> f32 {
         }
     }
     y[0] + y[1]
+}
+
+/// Weight rows a wide kernel walks together: each 64-byte load of the tile's activations
+/// feeds `WIDE_ROWS` multiply-adds (one per weight row) instead of one; with one, the
+/// kernels waited on the tile's bytes (16 rows x 2048 values: 32 KB, read from L2 once per
+/// weight row).
+const WIDE_ROWS: usize = 4;
+
+/// The products of weight rows `rows` with a wide tile's 16 rows, one per lane: the same
+/// integers and float operations per lane as `row_dot` and the one-row kernels. The tile
+/// holds `q + 128` (u8) and each block's 32 signed codes (zero point included) are
+/// broadcast 4 at a time into the s8 operand of `vpdpbusd`, so no shuffles are needed;
+/// `128 * sum(codes)` comes off each block's sums.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn wide_dot<const W: usize>(
+    ty: BlockType,
+    rows: [*const u8; W],
+    k: usize,
+    t: &Tile,
+) -> [__m512; W] {
+    use BlockType::*;
+    unsafe {
+        match ty {
+            Q8_0 | Q4_0 | Q5_0 => wide_legacy(ty, rows, k / 32, t),
+            Q4_K => wide_q4_k(rows, k / 256, t),
+            _ => wide_q6_k(rows, k / 256, t),
+        }
+    }
+}
+
+/// The sums of codes 0..15 and 16..31 of `c` (signed bytes).
+#[target_feature(enable = "avx2")]
+#[inline]
+fn code_sums(c: __m256i) -> (i32, i32) {
+    let s = _mm256_sad_epu8(
+        _mm256_xor_si256(c, _mm256_set1_epi8(-128)),
+        _mm256_setzero_si256(),
+    );
+    let mut v = [0i64; 4];
+    unsafe { _mm256_storeu_si256(v.as_mut_ptr() as *mut __m256i, s) };
+    ((v[0] + v[1] - 2048) as i32, (v[2] + v[3] - 2048) as i32)
+}
+
+/// Per weight row `w`, the 16 rows' sums of its block's codes (`cb[w]`: 32 signed codes,
+/// 4 per i32) times the tile's block at `a` (8 groups of 64 bytes): codes 0..15 and 16..31.
+#[target_feature(enable = "avx512f,avx512vnni")]
+#[inline]
+unsafe fn wide32<const W: usize>(cb: &[[i32; 8]; W], a: *const u8) -> [[__m512i; 2]; W] {
+    let mut acc = [[_mm512_setzero_si512(); 2]; W];
+    for g in 0..8 {
+        let av = unsafe { _mm512_load_si512(a.add(64 * g) as *const _) };
+        for w in 0..W {
+            acc[w][g / 4] = _mm512_dpbusd_epi32(acc[w][g / 4], av, _mm512_set1_epi32(cb[w][g]));
+        }
+    }
+    acc
+}
+
+/// The 32 codes of a Q8_0 / Q4_0 / Q5_0 block at `p`, signed (zero point included).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+#[inline]
+unsafe fn signed_codes(ty: BlockType, p: *const u8) -> __m256i {
+    unsafe {
+        match ty {
+            BlockType::Q8_0 => _mm256_loadu_si256(p.add(2) as *const __m256i),
+            BlockType::Q4_0 => _mm256_sub_epi8(legacy_codes(ty, p), _mm256_set1_epi8(8)),
+            _ => _mm256_sub_epi8(legacy_codes(ty, p), _mm256_set1_epi8(16)),
+        }
+    }
+}
+
+/// Store the 32 codes `c` into `cb` and return `128 * (their sums per 16)`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn keep_codes(c: __m256i, cb: &mut [i32; 8]) -> (i32, i32) {
+    unsafe { _mm256_storeu_si256(cb.as_mut_ptr() as *mut __m256i, c) };
+    let (s0, s1) = code_sums(c);
+    (128 * s0, 128 * s1)
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn wide_legacy<const W: usize>(
+    ty: BlockType,
+    rows: [*const u8; W],
+    nb: usize,
+    t: &Tile,
+) -> [__m512; W] {
+    let bb = ty.block_bytes();
+    let mut y = [[_mm512_setzero_ps(); 2]; W];
+    let mut cb = [[0i32; 8]; W];
+    for b in 0..nb {
+        unsafe {
+            let mut corr = [0i32; W];
+            let mut dw = [0f32; W];
+            for w in 0..W {
+                let p = rows[w].add(bb * b);
+                let (z0, z1) = keep_codes(signed_codes(ty, p), &mut cb[w]);
+                corr[w] = z0 + z1;
+                dw[w] = f16(p);
+            }
+            let acc = wide32(&cb, t.qs.add(b * 8 * 64) as *const u8);
+            let da = _mm512_load_ps(t.d.add(16 * b));
+            for w in 0..W {
+                let isum = _mm512_sub_epi32(
+                    _mm512_add_epi32(acc[w][0], acc[w][1]),
+                    _mm512_set1_epi32(corr[w]),
+                );
+                let f = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), da);
+                y[w][b & 1] = _mm512_fmadd_ps(f, _mm512_set1_ps(dw[w]), y[w][b & 1]);
+            }
+        }
+    }
+    std::array::from_fn(|w| _mm512_add_ps(y[w][0], y[w][1]))
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn wide_q4_k<const W: usize>(rows: [*const u8; W], nsb: usize, t: &Tile) -> [__m512; W] {
+    let mut ys = [_mm512_setzero_ps(); W];
+    let mut ym = [_mm512_setzero_ps(); W];
+    let mut cb = [[[0i32; 8]; W]; 8];
+    let mut corr = [[0i32; W]; 8];
+    for s in 0..nsb {
+        unsafe {
+            let mut dsc = [[0f32; W]; 8];
+            let mut dmm = [[0f32; W]; 8];
+            for w in 0..W {
+                let p = rows[w].add(144 * s);
+                let (d, dmin) = (f16(p), f16(p.add(2)));
+                let (sc, mn) = k4_scale_min(p);
+                for i in 0..4 {
+                    let q = _mm256_loadu_si256(p.add(16 + 32 * i) as *const __m256i);
+                    for (half, c) in [low4(q), high4(q)].into_iter().enumerate() {
+                        let j = 2 * i + half;
+                        let (z0, z1) = keep_codes(c, &mut cb[j][w]);
+                        corr[j][w] = z0 + z1;
+                        dsc[j][w] = d * sc[j] as f32;
+                        dmm[j][w] = dmin * mn[j] as f32;
+                    }
+                }
+            }
+            for j in 0..8 {
+                let b = 8 * s + j;
+                let acc = wide32(&cb[j], t.qs.add(b * 8 * 64) as *const u8);
+                let da = _mm512_load_ps(t.d.add(16 * b));
+                let sum = _mm512_load_ps(t.sum.add(16 * b));
+                for w in 0..W {
+                    let isum = _mm512_sub_epi32(
+                        _mm512_add_epi32(acc[w][0], acc[w][1]),
+                        _mm512_set1_epi32(corr[j][w]),
+                    );
+                    let f = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), da);
+                    ys[w] = _mm512_fmadd_ps(f, _mm512_set1_ps(dsc[j][w]), ys[w]);
+                    ym[w] = _mm512_fmadd_ps(sum, _mm512_set1_ps(dmm[j][w]), ym[w]);
+                }
+            }
+        }
+    }
+    std::array::from_fn(|w| _mm512_sub_ps(ys[w], ym[w]))
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn wide_q6_k<const W: usize>(rows: [*const u8; W], nsb: usize, t: &Tile) -> [__m512; W] {
+    let three = _mm256_set1_epi8(3);
+    let mut y = [[_mm512_setzero_ps(); 2]; W];
+    let mut cb = [[[0i32; 8]; W]; 8];
+    let mut corr = [[(0i32, 0i32); W]; 8];
+    for s in 0..nsb {
+        unsafe {
+            let mut dw = [0f32; W];
+            let mut scs = [[(0i32, 0i32); W]; 8];
+            for w in 0..W {
+                let p = rows[w].add(210 * s);
+                dw[w] = f16(p.add(208));
+                let scales = p.add(192) as *const i8;
+                for n in 0..2 {
+                    let ql = p.add(64 * n);
+                    let qh = _mm256_loadu_si256(p.add(128 + 32 * n) as *const __m256i);
+                    let la = _mm256_loadu_si256(ql as *const __m256i);
+                    let lb = _mm256_loadu_si256(ql.add(32) as *const __m256i);
+                    for q in 0..4 {
+                        let nib = match q {
+                            0 => low4(la),
+                            1 => low4(lb),
+                            2 => high4(la),
+                            _ => high4(lb),
+                        };
+                        let cnt = _mm_cvtsi32_si128(2 * q as i32);
+                        let top = _mm256_slli_epi16::<4>(_mm256_and_si256(
+                            _mm256_srl_epi16(qh, cnt),
+                            three,
+                        ));
+                        let c = _mm256_sub_epi8(_mm256_or_si256(nib, top), _mm256_set1_epi8(32));
+                        let j = 4 * n + q;
+                        corr[j][w] = keep_codes(c, &mut cb[j][w]);
+                        scs[j][w] = (
+                            *scales.add(8 * n + 2 * q) as i32,
+                            *scales.add(8 * n + 2 * q + 1) as i32,
+                        );
+                    }
+                }
+            }
+            for j in 0..8 {
+                let b = 8 * s + j;
+                let acc = wide32(&cb[j], t.qs.add(b * 8 * 64) as *const u8);
+                let da = _mm512_load_ps(t.d.add(16 * b));
+                for w in 0..W {
+                    let i0 = _mm512_sub_epi32(acc[w][0], _mm512_set1_epi32(corr[j][w].0));
+                    let i1 = _mm512_sub_epi32(acc[w][1], _mm512_set1_epi32(corr[j][w].1));
+                    let iv = _mm512_add_epi32(
+                        _mm512_mullo_epi32(i0, _mm512_set1_epi32(scs[j][w].0)),
+                        _mm512_mullo_epi32(i1, _mm512_set1_epi32(scs[j][w].1)),
+                    );
+                    let f = _mm512_mul_ps(_mm512_cvtepi32_ps(iv), da);
+                    y[w][b & 1] = _mm512_fmadd_ps(f, _mm512_set1_ps(dw[w]), y[w][b & 1]);
+                }
+            }
+        }
+    }
+    std::array::from_fn(|w| _mm512_add_ps(y[w][0], y[w][1]))
 }
