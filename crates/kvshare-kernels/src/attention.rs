@@ -795,7 +795,7 @@ fn tile<T: KvElem>(
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above; acc is mp x hd.
             unsafe {
-                avx512::weighted_values(vd, vo, sc, mp, hd, &mut acc)
+                avx512::weighted_values(vd, vo, sc, m, mp, hd, &mut acc)
             };
         } else if in_place {
             weighted_values(kv.v, &offs, sc, mp, hd, &mut acc, simd);
@@ -1422,21 +1422,25 @@ mod avx512 {
         }
     }
 
-    /// `acc[i] += sum_j p[j * mp + i] * v[offs[j]]`: six query vectors x 64 dims in 24
-    /// accumulators while walking the block's keys.
+    /// `acc[i] += sum_j p[j * mp + i] * v[offs[j]]` for the `m` query vectors of the tile
+    /// (not the zero ones that pad it to `mp`; a decode row's 4 query heads were padded to
+    /// 16): six query vectors x 64 dims in 24 accumulators while walking the block's keys.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn weighted_values(
         v: &[f32],
         offs: &[usize],
         p: &[f32],
+        m: usize,
         mp: usize,
         hd: usize,
         acc: &mut [f32],
     ) {
+        debug_assert!(m <= mp);
         let mut i = 0;
-        while i < mp {
-            // six query vectors at a time (24 accumulators), then the rest in twos
-            let x = if mp - i >= 6 { 6 } else { 2 };
+        while i < m {
+            // six query vectors at a time (24 accumulators), then the rest in twos (the last
+            // may be a padding vector: mp is a multiple of 16)
+            let x = if m - i >= 6 { 6 } else { 2 };
             let mut c = 0;
             while c < hd {
                 let w = ((hd - c) / 16).min(4);
