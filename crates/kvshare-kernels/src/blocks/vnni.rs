@@ -34,9 +34,6 @@ use std::arch::x86_64::*;
 pub(super) const LANES: usize = 8;
 /// Activation rows per tile of a larger product: the lanes of a 512-bit vector.
 const WIDE_LANES: usize = 16;
-/// Weight rows walked over all tiles before the next ones (prefill): 16 rows of 2048
-/// Q4_K/Q6_K weights (18-27 KB) stay in L1/L2 while every tile passes them.
-const GROUP: usize = 16;
 /// How far ahead of the row being multiplied a decode call prefetches (see `exact512`).
 const PREFETCH_AHEAD: usize = 8192;
 
@@ -397,51 +394,33 @@ unsafe fn weight_rows(
     let rb = w.row_bytes();
     let end = w.raw.as_ptr().wrapping_add(w.raw.len());
     let row_at = |n: usize| w.raw.as_ptr().wrapping_add(n * rb);
-    let mut g0 = lo;
-    while g0 < hi {
-        let g1 = (g0 + GROUP).min(hi);
-        for t in 0..p.tiles {
-            let tile = p.tile(t);
-            let valid = p.lanes.min(p.m - t * p.lanes);
-            let mut n = g0;
-            while n < g1 {
-                let step = if p.lanes == WIDE_LANES && g1 - n >= WIDE_ROWS {
-                    WIDE_ROWS
+    if p.lanes == WIDE_LANES {
+        // WIDE_ROWS weight rows at a time, unpacked once, times every tile
+        let (mut pr4, mut pr1) = (Prepared::<WIDE_ROWS>::new(), Prepared::<1>::new());
+        let mut n = lo;
+        while n < hi {
+            let step = if hi - n >= WIDE_ROWS { WIDE_ROWS } else { 1 };
+            // SAFETY: rows n..n + step < w.n hold k / block whole blocks
+            unsafe {
+                if step == WIDE_ROWS {
+                    prepare(w.ty, std::array::from_fn(|i| row_at(n + i)), w.k, &mut pr4);
                 } else {
-                    1
-                };
-                if p.tiles == 1 {
-                    // one pass over the weights (decode): ask for the bytes ahead now
-                    let mut pf = row_at(n).wrapping_add(PREFETCH_AHEAD);
-                    let stop = pf.wrapping_add(step * rb);
-                    while pf < stop && pf < end {
-                        // a prefetch never faults; pf is inside the weight's bytes
-                        _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
-                        pf = pf.wrapping_add(64);
-                    }
+                    prepare(w.ty, [row_at(n)], w.k, &mut pr1);
                 }
+            }
+            for t in 0..p.tiles {
+                let tile = p.tile(t);
+                let valid = p.lanes.min(p.m - t * p.lanes);
                 let mut lanes = [[0f32; 16]; WIDE_ROWS];
-                // SAFETY: rows n..n + step < w.n hold k / block whole blocks; the tile
-                // holds k values per row
+                // SAFETY: the tile holds k values per row
                 unsafe {
                     if step == WIDE_ROWS {
-                        let ys = wide_dot::<WIDE_ROWS>(
-                            w.ty,
-                            std::array::from_fn(|i| row_at(n + i)),
-                            w.k,
-                            &tile,
-                        );
-                        for (l, y) in lanes.iter_mut().zip(ys) {
+                        for (l, y) in lanes.iter_mut().zip(multiply(w.ty, &pr4, &tile)) {
                             _mm512_storeu_ps(l.as_mut_ptr(), y);
                         }
-                    } else if p.lanes == WIDE_LANES {
-                        let [y] = wide_dot::<1>(w.ty, [row_at(n)], w.k, &tile);
-                        _mm512_storeu_ps(lanes[0].as_mut_ptr(), y);
                     } else {
-                        _mm256_storeu_ps(
-                            lanes[0].as_mut_ptr(),
-                            row_dot(w.ty, row_at(n), w.k, &tile),
-                        );
+                        let [y] = multiply(w.ty, &pr1, &tile);
+                        _mm512_storeu_ps(lanes[0].as_mut_ptr(), y);
                     }
                 }
                 for (i, l) in lanes[..step].iter().enumerate() {
@@ -451,10 +430,31 @@ unsafe fn weight_rows(
                         unsafe { *out.at((t * p.lanes + r) * ld + col + n + i) = *v };
                     }
                 }
-                n += step;
             }
+            n += step;
         }
-        g0 = g1;
+        return;
+    }
+    // at most 8 rows: one tile, one pass over the weights (decode)
+    debug_assert_eq!(p.tiles, 1);
+    let tile = p.tile(0);
+    for n in lo..hi {
+        // ask for the bytes ahead now (see `exact512`)
+        let mut pf = row_at(n).wrapping_add(PREFETCH_AHEAD);
+        let stop = pf.wrapping_add(rb);
+        while pf < stop && pf < end {
+            // a prefetch never faults; pf is inside the weight's bytes
+            _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
+            pf = pf.wrapping_add(64);
+        }
+        let mut lanes = [0f32; LANES];
+        // SAFETY: row n < w.n holds k / block whole blocks; the tile holds k values per row
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), row_dot(w.ty, row_at(n), w.k, &tile)) };
+        for (r, v) in lanes[..p.m].iter().enumerate() {
+            // SAFETY: row r < m, column col + n < ld: inside out, and the column belongs to
+            // this thread
+            unsafe { *out.at(r * ld + col + n) = *v };
+        }
     }
 }
 
@@ -1065,28 +1065,6 @@ unsafe fn one_q6_k(row: *const u8, nsb: usize, one: &OneRow) -> f32 {
 /// weight row).
 const WIDE_ROWS: usize = 4;
 
-/// The products of weight rows `rows` with a wide tile's 16 rows, one per lane: the same
-/// integers and float operations per lane as `row_dot` and the one-row kernels. The tile
-/// holds `q + 128` (u8) and each block's 32 signed codes (zero point included) are
-/// broadcast 4 at a time into the s8 operand of `vpdpbusd`, so no shuffles are needed;
-/// `128 * sum(codes)` comes off each block's sums.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn wide_dot<const W: usize>(
-    ty: BlockType,
-    rows: [*const u8; W],
-    k: usize,
-    t: &Tile,
-) -> [__m512; W] {
-    use BlockType::*;
-    unsafe {
-        match ty {
-            Q8_0 | Q4_0 | Q5_0 => wide_legacy(ty, rows, k / 32, t),
-            Q4_K => wide_q4_k(rows, k / 256, t),
-            _ => wide_q6_k(rows, k / 256, t),
-        }
-    }
-}
-
 /// The sums of codes 0..15 and 16..31 of `c` (signed bytes).
 #[target_feature(enable = "avx2")]
 #[inline]
@@ -1137,143 +1115,175 @@ fn keep_codes(c: __m256i, cb: &mut [i32; 8]) -> (i32, i32) {
     (128 * s0, 128 * s1)
 }
 
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn wide_legacy<const W: usize>(
+/// `W` weight rows unpacked once for all the tiles of a call (`prepare`), then multiplied with
+/// each tile (`multiply`): per block of 32 values its signed codes (4 per i32), `128 *` their
+/// sums per 16, and the float factors of its chain (legacy: `d`; Q4_K: `d * sc`, `dmin * m`;
+/// Q6_K: `d` and the two sub-block scales). Unpacking per tile cost the 1.9B model's Q6_K
+/// rows as much as their products.
+struct Prepared<const W: usize> {
+    codes: Vec<[[i32; 8]; W]>,
+    corr: Vec<[(i32, i32); W]>,
+    fa: Vec<[f32; W]>,
+    fb: Vec<[f32; W]>,
+    sc: Vec<[(i32, i32); W]>,
+}
+
+impl<const W: usize> Prepared<W> {
+    fn new() -> Self {
+        Prepared {
+            codes: Vec::new(),
+            corr: Vec::new(),
+            fa: Vec::new(),
+            fb: Vec::new(),
+            sc: Vec::new(),
+        }
+    }
+
+    /// Room for `nb` blocks of 32.
+    fn reset(&mut self, nb: usize) {
+        self.codes.resize(nb, [[0; 8]; W]);
+        self.corr.resize(nb, [(0, 0); W]);
+        self.fa.resize(nb, [0.0; W]);
+        self.fb.resize(nb, [0.0; W]);
+        self.sc.resize(nb, [(0, 0); W]);
+    }
+}
+
+/// Unpack weight rows `rows` (`k` values of `ty` each) into `pr`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
+unsafe fn prepare<const W: usize>(
     ty: BlockType,
     rows: [*const u8; W],
-    nb: usize,
-    t: &Tile,
-) -> [__m512; W] {
-    let bb = ty.block_bytes();
-    let mut y = [[_mm512_setzero_ps(); 2]; W];
-    let mut cb = [[0i32; 8]; W];
-    for b in 0..nb {
-        unsafe {
-            let mut corr = [0i32; W];
-            let mut dw = [0f32; W];
-            for w in 0..W {
-                let p = rows[w].add(bb * b);
-                let (z0, z1) = keep_codes(signed_codes(ty, p), &mut cb[w]);
-                corr[w] = z0 + z1;
-                dw[w] = f16(p);
-            }
-            let acc = wide32(&cb, t.qs.add(b * 8 * 64) as *const u8);
-            let da = _mm512_load_ps(t.d.add(16 * b));
-            for w in 0..W {
-                let isum = _mm512_sub_epi32(
-                    _mm512_add_epi32(acc[w][0], acc[w][1]),
-                    _mm512_set1_epi32(corr[w]),
-                );
-                let f = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), da);
-                y[w][b & 1] = _mm512_fmadd_ps(f, _mm512_set1_ps(dw[w]), y[w][b & 1]);
-            }
-        }
-    }
-    std::array::from_fn(|w| _mm512_add_ps(y[w][0], y[w][1]))
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn wide_q4_k<const W: usize>(rows: [*const u8; W], nsb: usize, t: &Tile) -> [__m512; W] {
-    let mut ys = [_mm512_setzero_ps(); W];
-    let mut ym = [_mm512_setzero_ps(); W];
-    let mut cb = [[[0i32; 8]; W]; 8];
-    let mut corr = [[0i32; W]; 8];
-    for s in 0..nsb {
-        unsafe {
-            let mut dsc = [[0f32; W]; 8];
-            let mut dmm = [[0f32; W]; 8];
-            for w in 0..W {
-                let p = rows[w].add(144 * s);
-                let (d, dmin) = (f16(p), f16(p.add(2)));
-                let (sc, mn) = k4_scale_min(p);
-                for i in 0..4 {
-                    let q = _mm256_loadu_si256(p.add(16 + 32 * i) as *const __m256i);
-                    for (half, c) in [low4(q), high4(q)].into_iter().enumerate() {
-                        let j = 2 * i + half;
-                        let (z0, z1) = keep_codes(c, &mut cb[j][w]);
-                        corr[j][w] = z0 + z1;
-                        dsc[j][w] = d * sc[j] as f32;
-                        dmm[j][w] = dmin * mn[j] as f32;
-                    }
-                }
-            }
-            for j in 0..8 {
-                let b = 8 * s + j;
-                let acc = wide32(&cb[j], t.qs.add(b * 8 * 64) as *const u8);
-                let da = _mm512_load_ps(t.d.add(16 * b));
-                let sum = _mm512_load_ps(t.sum.add(16 * b));
-                for w in 0..W {
-                    let isum = _mm512_sub_epi32(
-                        _mm512_add_epi32(acc[w][0], acc[w][1]),
-                        _mm512_set1_epi32(corr[j][w]),
-                    );
-                    let f = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), da);
-                    ys[w] = _mm512_fmadd_ps(f, _mm512_set1_ps(dsc[j][w]), ys[w]);
-                    ym[w] = _mm512_fmadd_ps(sum, _mm512_set1_ps(dmm[j][w]), ym[w]);
-                }
-            }
-        }
-    }
-    std::array::from_fn(|w| _mm512_sub_ps(ys[w], ym[w]))
-}
-
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn wide_q6_k<const W: usize>(rows: [*const u8; W], nsb: usize, t: &Tile) -> [__m512; W] {
+    k: usize,
+    pr: &mut Prepared<W>,
+) {
+    let nb = k / 32;
+    pr.reset(nb);
     let three = _mm256_set1_epi8(3);
-    let mut y = [[_mm512_setzero_ps(); 2]; W];
-    let mut cb = [[[0i32; 8]; W]; 8];
-    let mut corr = [[(0i32, 0i32); W]; 8];
-    for s in 0..nsb {
+    for w in 0..W {
         unsafe {
-            let mut dw = [0f32; W];
-            let mut scs = [[(0i32, 0i32); W]; 8];
-            for w in 0..W {
-                let p = rows[w].add(210 * s);
-                dw[w] = f16(p.add(208));
-                let scales = p.add(192) as *const i8;
-                for n in 0..2 {
-                    let ql = p.add(64 * n);
-                    let qh = _mm256_loadu_si256(p.add(128 + 32 * n) as *const __m256i);
-                    let la = _mm256_loadu_si256(ql as *const __m256i);
-                    let lb = _mm256_loadu_si256(ql.add(32) as *const __m256i);
-                    for q in 0..4 {
-                        let nib = match q {
-                            0 => low4(la),
-                            1 => low4(lb),
-                            2 => high4(la),
-                            _ => high4(lb),
-                        };
-                        let cnt = _mm_cvtsi32_si128(2 * q as i32);
-                        let top = _mm256_slli_epi16::<4>(_mm256_and_si256(
-                            _mm256_srl_epi16(qh, cnt),
-                            three,
-                        ));
-                        let c = _mm256_sub_epi8(_mm256_or_si256(nib, top), _mm256_set1_epi8(32));
-                        let j = 4 * n + q;
-                        corr[j][w] = keep_codes(c, &mut cb[j][w]);
-                        scs[j][w] = (
-                            *scales.add(8 * n + 2 * q) as i32,
-                            *scales.add(8 * n + 2 * q + 1) as i32,
-                        );
+            match ty {
+                BlockType::Q4_K => {
+                    for s in 0..k / 256 {
+                        let p = rows[w].add(144 * s);
+                        let (d, dmin) = (f16(p), f16(p.add(2)));
+                        let (sc, mn) = k4_scale_min(p);
+                        for i in 0..4 {
+                            let q = _mm256_loadu_si256(p.add(16 + 32 * i) as *const __m256i);
+                            for (half, c) in [low4(q), high4(q)].into_iter().enumerate() {
+                                let j = 2 * i + half;
+                                let b = 8 * s + j;
+                                pr.corr[b][w] = keep_codes(c, &mut pr.codes[b][w]);
+                                pr.fa[b][w] = d * sc[j] as f32;
+                                pr.fb[b][w] = dmin * mn[j] as f32;
+                            }
+                        }
                     }
                 }
-            }
-            for j in 0..8 {
-                let b = 8 * s + j;
-                let acc = wide32(&cb[j], t.qs.add(b * 8 * 64) as *const u8);
-                let da = _mm512_load_ps(t.d.add(16 * b));
-                for w in 0..W {
-                    let i0 = _mm512_sub_epi32(acc[w][0], _mm512_set1_epi32(corr[j][w].0));
-                    let i1 = _mm512_sub_epi32(acc[w][1], _mm512_set1_epi32(corr[j][w].1));
-                    let iv = _mm512_add_epi32(
-                        _mm512_mullo_epi32(i0, _mm512_set1_epi32(scs[j][w].0)),
-                        _mm512_mullo_epi32(i1, _mm512_set1_epi32(scs[j][w].1)),
-                    );
-                    let f = _mm512_mul_ps(_mm512_cvtepi32_ps(iv), da);
-                    y[w][b & 1] = _mm512_fmadd_ps(f, _mm512_set1_ps(dw[w]), y[w][b & 1]);
+                BlockType::Q6_K => {
+                    for s in 0..k / 256 {
+                        let p = rows[w].add(210 * s);
+                        let d = f16(p.add(208));
+                        let scales = p.add(192) as *const i8;
+                        for n in 0..2 {
+                            let ql = p.add(64 * n);
+                            let qh = _mm256_loadu_si256(p.add(128 + 32 * n) as *const __m256i);
+                            let la = _mm256_loadu_si256(ql as *const __m256i);
+                            let lb = _mm256_loadu_si256(ql.add(32) as *const __m256i);
+                            for q in 0..4 {
+                                let nib = match q {
+                                    0 => low4(la),
+                                    1 => low4(lb),
+                                    2 => high4(la),
+                                    _ => high4(lb),
+                                };
+                                let cnt = _mm_cvtsi32_si128(2 * q as i32);
+                                let top = _mm256_slli_epi16::<4>(_mm256_and_si256(
+                                    _mm256_srl_epi16(qh, cnt),
+                                    three,
+                                ));
+                                let c = _mm256_sub_epi8(
+                                    _mm256_or_si256(nib, top),
+                                    _mm256_set1_epi8(32),
+                                );
+                                let b = 8 * s + 4 * n + q;
+                                pr.corr[b][w] = keep_codes(c, &mut pr.codes[b][w]);
+                                pr.fa[b][w] = d;
+                                pr.sc[b][w] = (
+                                    *scales.add(8 * n + 2 * q) as i32,
+                                    *scales.add(8 * n + 2 * q + 1) as i32,
+                                );
+                            }
+                        }
+                    }
+                }
+                _ => {
+                    let bb = ty.block_bytes();
+                    for b in 0..nb {
+                        let p = rows[w].add(bb * b);
+                        pr.corr[b][w] = keep_codes(signed_codes(ty, p), &mut pr.codes[b][w]);
+                        pr.fa[b][w] = f16(p);
+                    }
                 }
             }
         }
     }
-    std::array::from_fn(|w| _mm512_add_ps(y[w][0], y[w][1]))
+}
+
+/// The prepared rows times a wide tile's 16 rows (the operations of `wide_dot`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn multiply<const W: usize>(ty: BlockType, pr: &Prepared<W>, t: &Tile) -> [__m512; W] {
+    let mut y = [[_mm512_setzero_ps(); 2]; W];
+    for b in 0..pr.codes.len() {
+        unsafe {
+            let acc = wide32(&pr.codes[b], t.qs.add(b * 8 * 64) as *const u8);
+            let da = _mm512_load_ps(t.d.add(16 * b));
+            match ty {
+                BlockType::Q4_K => {
+                    let sum = _mm512_load_ps(t.sum.add(16 * b));
+                    for w in 0..W {
+                        let (c0, c1) = pr.corr[b][w];
+                        let isum = _mm512_sub_epi32(
+                            _mm512_add_epi32(acc[w][0], acc[w][1]),
+                            _mm512_set1_epi32(c0 + c1),
+                        );
+                        let f = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), da);
+                        // y[w][0] holds ys, y[w][1] ym
+                        y[w][0] = _mm512_fmadd_ps(f, _mm512_set1_ps(pr.fa[b][w]), y[w][0]);
+                        y[w][1] = _mm512_fmadd_ps(sum, _mm512_set1_ps(pr.fb[b][w]), y[w][1]);
+                    }
+                }
+                BlockType::Q6_K => {
+                    for w in 0..W {
+                        let (c0, c1) = pr.corr[b][w];
+                        let (s0, s1) = pr.sc[b][w];
+                        let i0 = _mm512_sub_epi32(acc[w][0], _mm512_set1_epi32(c0));
+                        let i1 = _mm512_sub_epi32(acc[w][1], _mm512_set1_epi32(c1));
+                        let iv = _mm512_add_epi32(
+                            _mm512_mullo_epi32(i0, _mm512_set1_epi32(s0)),
+                            _mm512_mullo_epi32(i1, _mm512_set1_epi32(s1)),
+                        );
+                        let f = _mm512_mul_ps(_mm512_cvtepi32_ps(iv), da);
+                        y[w][b & 1] = _mm512_fmadd_ps(f, _mm512_set1_ps(pr.fa[b][w]), y[w][b & 1]);
+                    }
+                }
+                _ => {
+                    for w in 0..W {
+                        let (c0, c1) = pr.corr[b][w];
+                        let isum = _mm512_sub_epi32(
+                            _mm512_add_epi32(acc[w][0], acc[w][1]),
+                            _mm512_set1_epi32(c0 + c1),
+                        );
+                        let f = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), da);
+                        y[w][b & 1] = _mm512_fmadd_ps(f, _mm512_set1_ps(pr.fa[b][w]), y[w][b & 1]);
+                    }
+                }
+            }
+        }
+    }
+    if ty == BlockType::Q4_K {
+        std::array::from_fn(|w| _mm512_sub_ps(y[w][0], y[w][1]))
+    } else {
+        std::array::from_fn(|w| _mm512_add_ps(y[w][0], y[w][1]))
+    }
 }
