@@ -1160,12 +1160,12 @@ unsafe fn prepare<const W: usize>(
     let nb = k / 32;
     pr.reset(nb);
     let three = _mm256_set1_epi8(3);
-    for w in 0..W {
+    for (w, &row) in rows.iter().enumerate() {
         unsafe {
             match ty {
                 BlockType::Q4_K => {
                     for s in 0..k / 256 {
-                        let p = rows[w].add(144 * s);
+                        let p = row.add(144 * s);
                         let (d, dmin) = (f16(p), f16(p.add(2)));
                         let (sc, mn) = k4_scale_min(p);
                         for i in 0..4 {
@@ -1182,7 +1182,7 @@ unsafe fn prepare<const W: usize>(
                 }
                 BlockType::Q6_K => {
                     for s in 0..k / 256 {
-                        let p = rows[w].add(210 * s);
+                        let p = row.add(210 * s);
                         let d = f16(p.add(208));
                         let scales = p.add(192) as *const i8;
                         for n in 0..2 {
@@ -1220,7 +1220,7 @@ unsafe fn prepare<const W: usize>(
                 _ => {
                     let bb = ty.block_bytes();
                     for b in 0..nb {
-                        let p = rows[w].add(bb * b);
+                        let p = row.add(bb * b);
                         pr.corr[b][w] = keep_codes(signed_codes(ty, p), &mut pr.codes[b][w]);
                         pr.fa[b][w] = f16(p);
                     }
