@@ -1,30 +1,32 @@
-//! 8-bit activations times block weights in integers (AVX512-VNNI `vpdpbusd` on 256-bit
-//! vectors), with one result per (weight row, activation row) pair whatever the batch.
+//! 8-bit activations times block weights in integers (AVX512-VNNI `vpdpbusd`), with one
+//! result per (weight row, activation row) pair whatever the batch.
 //!
-//! llama.cpp's `vec_dot` quantizes the activations to 8 bits per 32 values and multiplies
-//! them with the weights' codes in integers: 4 products per lane and instruction instead of
-//! one f32 multiply-add per weight, so its decode reaches the memory's rate where the f32
-//! products of `exact512` stay compute-bound (batch 8, the 1.9B model's Q4_K/Q6_K rows). But
-//! its lanes hold weights, so each block's sum needs a horizontal reduction, and its results
-//! move with how a prompt is chunked. Here the lanes hold activation rows instead:
+//! llama.cpp's `vec_dot` quantizes the activations to 8 bits and multiplies them with the
+//! weights' codes in integers: 4 products per lane and instruction instead of one f32
+//! multiply-add per weight, so its decode reaches the memory's rate where the f32 products of
+//! `exact512` stayed compute-bound (batch 8, the 1.9B model's Q4_K/Q6_K rows). But its
+//! results move with how a prompt is chunked. Here:
 //!
 //! - activations are quantized once per call (`ActFormat`: per 32 values of a row, or per
-//!   256 for the K-quants as ggml's Q8_K; ties to even) and packed in tiles of 8 rows, 4
-//!   bytes of each row side by side (`Packed`), with each block's scale and sums per 32 and
-//!   per 16 values;
-//! - a weight block is unpacked to its unsigned codes once per tile, and each 4 codes are
-//!   broadcast to all 8 lanes (`vpshufd`) and multiplied with the 4 matching bytes of the 8
-//!   rows (`vpdpbusd`): a lane sums its own row's products, so a block's integer sum for all
-//!   8 rows needs no reduction, and the zero point (8, 16, 32, or 128 for Q8_0's signed
-//!   bytes shifted to unsigned) comes off with the row's exact integer sum;
-//! - each block's integer sum then takes the same f32 operations in every lane:
-//!   `y = fma(f32(isum) * d_act, d_weight, y)` over the blocks in order (two chains, even and
-//!   odd blocks, added at the end; K-quant minima in a chain of their own).
+//!   256 for the K-quants as ggml's Q8_K; ties to even);
+//! - one activation row (`OneRow`, `one_*`): weights in lanes, 64 codes per vector, the
+//!   integer sums of 16 blocks at a time by a transposing reduction (`half_sums`), then each
+//!   block's float step in scalars;
+//! - 2-8 rows (`Packed` tiles of 8, `dot_*`): lanes hold rows (4 bytes of each row side by
+//!   side), a block's unsigned codes broadcast 4 at a time (`vpshufd`), the zero point (8,
+//!   16, 32, or 128 for Q8_0's signed bytes shifted to unsigned) taken off with the row's
+//!   exact sum;
+//! - more rows (`Packed` tiles of 16, `prepare` / `multiply`): activations + 128 as u8, each
+//!   block's signed codes broadcast from memory into the s8 operand, 4 weight rows unpacked
+//!   once per call and multiplied with every tile, `128 * sum(codes)` taken off;
+//! - every kernel gives a block the same integer sum (exact, whatever its order) and the same
+//!   f32 operations: `y[b & 1] = fma(f32(isum) * d_act, d_weight, y[b & 1])` over the blocks
+//!   in order, the two chains added at the end (K-quants: a `d * sc` chain and a minima chain).
 //!
-//! A lane's arithmetic never looks at another lane, and the prefill products (any number of
-//! rows) run this same kernel over their tiles, so a token's result is the same bits in a
-//! decode step of 1 or 8 rows and in a prefill chunk of any size or position: prefix sharing,
-//! which moves chunk boundaries, still changes nothing but speed.
+//! A lane's arithmetic never looks at another lane, so a token's result is the same bits in a
+//! decode step of 1 or 8 rows and in a prefill chunk of any size or position: with the
+//! batch-invariant attention (`attention::paged_attention_invariant`), prefix sharing, which
+//! moves chunk boundaries, still changes nothing but speed.
 
 use super::{BlockMatrix, BlockType, OutPtr, BYTES_PER_THREAD, TILE};
 use std::arch::x86_64::*;
