@@ -17,7 +17,7 @@
 // loops index several arrays per row (accumulators, activation pointers)
 #![allow(clippy::needless_range_loop)]
 
-use super::{BlockMatrix, BlockType, OutPtr, BYTES_PER_THREAD, TILE};
+use super::{split_row_tiles, BlockMatrix, BlockType, OutPtr};
 use crate::aligned::AlignedF32;
 use std::arch::x86_64::*;
 
@@ -91,34 +91,8 @@ pub(super) fn matmul_parts(
     } else {
         Vec::new()
     };
-    // tiles of TILE rows (a multiple of every W: groups never straddle two threads), as
-    // (part, first row, end row, first column), and the bytes before each
-    let mut tiles = Vec::new();
-    let mut col = 0;
-    for (p, w) in ws.iter().enumerate() {
-        for lo in (0..w.n).step_by(TILE) {
-            tiles.push((p, lo, (lo + TILE).min(w.n), col));
-        }
-        col += w.n;
-    }
-    let bytes = |t: &(usize, usize, usize, usize)| (t.2 - t.1) * ws[t.0].row_bytes();
-    let total: usize = tiles.iter().map(bytes).sum();
-    let parts = threads
-        .min(crate::pool::max_parts())
-        .min(tiles.len())
-        .min(total * m.div_ceil(8) / BYTES_PER_THREAD)
-        .max(1);
-    // thread t takes the tiles that start in its 1/parts share of the bytes
-    let mut bounds = vec![0; parts + 1];
-    let mut seen = 0;
-    for (i, t) in tiles.iter().enumerate() {
-        let share = (seen * parts / total.max(1)).min(parts - 1);
-        for b in bounds.iter_mut().skip(share + 1) {
-            *b = i + 1;
-        }
-        seen += bytes(t);
-    }
-    bounds[parts] = tiles.len();
+    let (tiles, bounds) = split_row_tiles(ws, m.div_ceil(8), threads);
+    let parts = bounds.len() - 1;
     crate::pool::run(parts, &|t| {
         for &(p, lo, hi, col) in &tiles[bounds[t]..bounds[t + 1]] {
             // SAFETY: the tile's rows and columns are inside the checked sizes; each tile,

@@ -269,6 +269,48 @@ impl QActs {
     }
 }
 
+/// A tile of weight rows: (part, first row, end row, first output column).
+type RowTile = (usize, usize, usize, usize);
+
+/// The rows of weights `ws` (outputs side by side) in tiles of `TILE` rows, as (part, first
+/// row, end row, first column), and the split of those tiles between threads: thread `t`
+/// takes `tiles[bounds[t]..bounds[t + 1]]`, the tiles that start in its share of the bytes.
+/// `passes` is how many times a call reads each weight byte (the number of threads is
+/// bounded by `BYTES_PER_THREAD` of that work). A tile is a multiple of every kernel's group
+/// of weight rows, so groups never straddle two threads.
+fn split_row_tiles(
+    ws: &[BlockMatrix<'_>],
+    passes: usize,
+    threads: usize,
+) -> (Vec<RowTile>, Vec<usize>) {
+    let mut tiles = Vec::new();
+    let mut col = 0;
+    for (p, w) in ws.iter().enumerate() {
+        for lo in (0..w.n).step_by(TILE) {
+            tiles.push((p, lo, (lo + TILE).min(w.n), col));
+        }
+        col += w.n;
+    }
+    let bytes = |t: &RowTile| (t.2 - t.1) * ws[t.0].row_bytes();
+    let total: usize = tiles.iter().map(bytes).sum();
+    let parts = threads
+        .min(crate::pool::max_parts())
+        .min(tiles.len())
+        .min(total * passes / BYTES_PER_THREAD)
+        .max(1);
+    let mut bounds = vec![0; parts + 1];
+    let mut seen = 0;
+    for (i, t) in tiles.iter().enumerate() {
+        let share = (seen * parts / total.max(1)).min(parts - 1);
+        for b in bounds.iter_mut().skip(share + 1) {
+            *b = i + 1;
+        }
+        seen += bytes(t);
+    }
+    bounds[parts] = tiles.len();
+    (tiles, bounds)
+}
+
 /// Raw output pointer shared by the parts; each writes a disjoint set of columns.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);

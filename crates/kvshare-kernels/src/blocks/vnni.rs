@@ -28,7 +28,7 @@
 //! batch-invariant attention (`attention::paged_attention_invariant`), prefix sharing, which
 //! moves chunk boundaries, still changes nothing but speed.
 
-use super::{BlockMatrix, BlockType, OutPtr, BYTES_PER_THREAD, TILE};
+use super::{split_row_tiles, BlockMatrix, BlockType, OutPtr};
 use std::arch::x86_64::*;
 
 /// Activation rows per tile of a product with at most 8 rows: the lanes of a 256-bit vector
@@ -347,31 +347,8 @@ pub(super) fn matmul_parts(
         ActFormat::Q8K => q8k.as_ref().expect("quantized for the parts that take it"),
     };
     let n_tiles = m.div_ceil(lanes);
-    let mut tiles = Vec::new();
-    let mut col = 0;
-    for (p, w) in ws.iter().enumerate() {
-        for lo in (0..w.n).step_by(TILE) {
-            tiles.push((p, lo, (lo + TILE).min(w.n), col));
-        }
-        col += w.n;
-    }
-    let bytes = |t: &(usize, usize, usize, usize)| (t.2 - t.1) * ws[t.0].row_bytes();
-    let total: usize = tiles.iter().map(bytes).sum();
-    let parts = threads
-        .min(crate::pool::max_parts())
-        .min(tiles.len())
-        .min(total * n_tiles / BYTES_PER_THREAD)
-        .max(1);
-    let mut bounds = vec![0; parts + 1];
-    let mut seen = 0;
-    for (i, t) in tiles.iter().enumerate() {
-        let share = (seen * parts / total.max(1)).min(parts - 1);
-        for b in bounds.iter_mut().skip(share + 1) {
-            *b = i + 1;
-        }
-        seen += bytes(t);
-    }
-    bounds[parts] = tiles.len();
+    let (tiles, bounds) = split_row_tiles(ws, n_tiles, threads);
+    let parts = bounds.len() - 1;
     crate::pool::run(parts, &|t| {
         for &(p, lo, hi, col) in &tiles[bounds[t]..bounds[t + 1]] {
             // SAFETY: available(); rows lo..hi of ws[p] exist and their output columns
@@ -782,31 +759,8 @@ fn one_row_parts(x: &[f32], ws: &[BlockMatrix<'_>], out: &mut [f32], threads: us
         ActFormat::Per32 => p32.as_ref().expect("quantized for the parts that take it"),
         ActFormat::Q8K => q8k.as_ref().expect("quantized for the parts that take it"),
     };
-    let mut tiles = Vec::new();
-    let mut col = 0;
-    for (p, w) in ws.iter().enumerate() {
-        for lo in (0..w.n).step_by(TILE) {
-            tiles.push((p, lo, (lo + TILE).min(w.n), col));
-        }
-        col += w.n;
-    }
-    let bytes = |t: &(usize, usize, usize, usize)| (t.2 - t.1) * ws[t.0].row_bytes();
-    let total: usize = tiles.iter().map(bytes).sum();
-    let parts = threads
-        .min(crate::pool::max_parts())
-        .min(tiles.len())
-        .min(total / BYTES_PER_THREAD)
-        .max(1);
-    let mut bounds = vec![0; parts + 1];
-    let mut seen = 0;
-    for (i, t) in tiles.iter().enumerate() {
-        let share = (seen * parts / total.max(1)).min(parts - 1);
-        for b in bounds.iter_mut().skip(share + 1) {
-            *b = i + 1;
-        }
-        seen += bytes(t);
-    }
-    bounds[parts] = tiles.len();
+    let (tiles, bounds) = split_row_tiles(ws, 1, threads);
+    let parts = bounds.len() - 1;
     crate::pool::run(parts, &|t| {
         for &(p, lo, hi, col) in &tiles[bounds[t]..bounds[t + 1]] {
             // SAFETY: available(); rows lo..hi of ws[p] exist and their output columns
