@@ -285,64 +285,22 @@ fn block_matmul_t_vnni(
     out: &Bound<'_, PyAny>,
     threads: usize,
 ) -> PyResult<()> {
-    let err = |e| as_value_error(py, e);
-    if raws.is_empty() || raws.len() != qtypes.len() {
-        return Err(value_error(
-            "raws and qtypes must be non-empty and of one length",
-        ));
-    }
-    let xa = typed_array(x, b'f', 4, false, "x").map_err(err)?;
-    let oa = typed_array(out, b'f', 4, true, "out").map_err(err)?;
-    let &[m, k] = xa.shape.as_slice() else {
-        return Err(value_error("x must be 2-D float32 [m, k]"));
-    };
-    let mut arrays = Vec::with_capacity(raws.len());
-    let mut ld = 0;
-    for (raw, &qtype) in raws.iter().zip(&qtypes) {
-        let ty = block_type(qtype)?;
-        let ra = typed_array(raw, b'u', 1, false, "raw").map_err(err)?;
-        let n = check_raw(&ra.shape, ty, k)?;
-        if overlaps(oa.span(4), ra.span(1)) {
-            return Err(value_error("out must not overlap an input"));
-        }
-        ld += n;
-        arrays.push((ra, ty, n));
-    }
-    if oa.shape != [m, ld] {
-        return Err(value_error(format!("out must have shape ({m}, {ld})")));
-    }
-    if overlaps(oa.span(4), xa.span(4)) {
-        return Err(value_error("out must not overlap an input"));
-    }
-    // SAFETY: dtypes checked by typed_array; `out` overlaps no input; all arrays stay
-    // referenced (so cannot be resized or freed) for this call.
-    let (xs, os) = unsafe { (xa.as_slice::<f32>(), oa.as_mut_slice::<f32>()) };
-    let ws: Vec<BlockMatrix<'_>> = arrays
-        .iter()
-        .map(|(ra, ty, n)| BlockMatrix {
-            // SAFETY: as above
-            raw: unsafe { ra.as_slice::<u8>() },
-            ty: *ty,
-            n: *n,
-            k,
-        })
-        .collect();
-    py.detach(|| kvshare_kernels::blocks::block_matmul_t_vnni(xs, m, &ws, os, threads.max(1)))
-        .map_err(|e| value_error(e.to_string()))
+    parts_product(py, x, raws, qtypes, out, |xs, m, ws, os| {
+        kvshare_kernels::blocks::block_matmul_t_vnni(xs, m, ws, os, threads.max(1))
+    })
 }
 
-/// `block_matmul_t_f32` of several weights with the same `k` at once: `raws[p]` (uint8
-/// `[n_p, row_bytes]`, GGML type `qtypes[p]`) fills columns `sum(n_q, q < p) ..` of `out`
-/// (`[m, sum n_p]`). One pass over the kernel threads for all parts (fused Q/K/V, gate/up).
-#[pyfunction]
-#[pyo3(signature = (x, raws, qtypes, out, threads = 1))]
-fn block_matmul_t_f32_parts(
+/// The checked arguments of a product of several weights side by side (`raws[p]`, uint8
+/// `[n_p, row_bytes]` of type `qtypes[p]`, filling columns `sum(n_q, q < p) ..` of `out`,
+/// `[m, sum n_p]`), passed to `product(x, m, weights, out)` with the GIL released.
+fn parts_product(
     py: Python<'_>,
     x: &Bound<'_, PyAny>,
     raws: Vec<Bound<'_, PyAny>>,
     qtypes: Vec<u32>,
     out: &Bound<'_, PyAny>,
-    threads: usize,
+    product: impl FnOnce(&[f32], usize, &[BlockMatrix<'_>], &mut [f32]) -> Result<(), KernelError>
+        + Send,
 ) -> PyResult<()> {
     let err = |e| as_value_error(py, e);
     if raws.is_empty() || raws.len() != qtypes.len() {
@@ -386,6 +344,24 @@ fn block_matmul_t_f32_parts(
             k,
         })
         .collect();
-    py.detach(|| kvshare_kernels::blocks::block_matmul_t_f32_parts(xs, m, &ws, os, threads.max(1)))
+    py.detach(|| product(xs, m, &ws, os))
         .map_err(|e| value_error(e.to_string()))
+}
+
+/// `block_matmul_t_f32` of several weights with the same `k` at once: `raws[p]` (uint8
+/// `[n_p, row_bytes]`, GGML type `qtypes[p]`) fills columns `sum(n_q, q < p) ..` of `out`
+/// (`[m, sum n_p]`). One pass over the kernel threads for all parts (fused Q/K/V, gate/up).
+#[pyfunction]
+#[pyo3(signature = (x, raws, qtypes, out, threads = 1))]
+fn block_matmul_t_f32_parts(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    raws: Vec<Bound<'_, PyAny>>,
+    qtypes: Vec<u32>,
+    out: &Bound<'_, PyAny>,
+    threads: usize,
+) -> PyResult<()> {
+    parts_product(py, x, raws, qtypes, out, |xs, m, ws, os| {
+        kvshare_kernels::blocks::block_matmul_t_f32_parts(xs, m, ws, os, threads.max(1))
+    })
 }
