@@ -501,7 +501,18 @@ pub fn paged_attention<T: KvElem>(
     out: &mut [f32],
     threads: usize,
 ) -> Result<(), KernelError> {
-    attention(kv, qs, scale, window, max_rows, out, threads, true, true)
+    attention(
+        kv,
+        qs,
+        scale,
+        window,
+        max_rows,
+        out,
+        threads,
+        true,
+        true,
+        DECODE_ROWS,
+    )
 }
 
 /// `paged_attention` on the portable (non-SIMD) code paths, for tests comparing them.
@@ -513,7 +524,18 @@ pub fn paged_attention_portable<T: KvElem>(
     max_rows: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    attention(kv, qs, scale, window, max_rows, out, 1, false, false)
+    attention(
+        kv,
+        qs,
+        scale,
+        window,
+        max_rows,
+        out,
+        1,
+        false,
+        false,
+        DECODE_ROWS,
+    )
 }
 
 /// `paged_attention` without the AVX-512 prefill tiles (the AVX2 ones), for tests on machines
@@ -528,7 +550,18 @@ pub fn paged_attention_avx2<T: KvElem>(
     out: &mut [f32],
     threads: usize,
 ) -> Result<(), KernelError> {
-    attention(kv, qs, scale, window, max_rows, out, threads, true, false)
+    attention(
+        kv,
+        qs,
+        scale,
+        window,
+        max_rows,
+        out,
+        threads,
+        true,
+        false,
+        DECODE_ROWS,
+    )
 }
 
 /// `paged_attention` with every row's result the same bits whatever call computes it: decode
@@ -546,13 +579,7 @@ pub fn paged_attention_invariant<T: KvElem>(
     out: &mut [f32],
     threads: usize,
 ) -> Result<(), KernelError> {
-    check(kv, qs, out)?;
-    let prefill = tiles(kv, qs, window, 0, max_rows)?;
-    let threads = threads.min(crate::pool::max_parts()).max(1);
-    if !prefill.is_empty() {
-        prefill_tiles(kv, qs, scale, window, prefill, out, threads, true, true);
-    }
-    Ok(())
+    attention(kv, qs, scale, window, max_rows, out, threads, true, true, 0)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -566,10 +593,12 @@ fn attention<T: KvElem>(
     threads: usize,
     simd: bool,
     wide: bool,
+    // sequences with at most this many rows take the decode path (0: every row a tile)
+    decode_max: usize,
 ) -> Result<(), KernelError> {
     check(kv, qs, out)?;
-    let decode = tasks(kv, qs, window, 0, max_rows.min(DECODE_ROWS))?;
-    let prefill = tiles(kv, qs, window, DECODE_ROWS, max_rows)?;
+    let decode = tasks(kv, qs, window, 0, max_rows.min(decode_max))?;
+    let prefill = tiles(kv, qs, window, decode_max, max_rows)?;
     let threads = threads.min(crate::pool::max_parts()).max(1);
     if !decode.is_empty() {
         decode_rows(kv, qs, scale, &decode, out, threads, simd);
