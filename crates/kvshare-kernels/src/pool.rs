@@ -1,21 +1,31 @@
-//! A small thread pool whose workers spin for a while before they sleep.
+//! A small thread pool whose workers spin for a while before they sleep, and whose parts go to
+//! whichever thread is running.
 //!
 //! A decode step calls the kernels ~70 times with a few hundred microseconds of NumPy work in
 //! between. Rayon's workers fall asleep in those gaps, and waking one costs ~0.1-0.2 ms on
 //! this project's 2-vCPU virtual machines (measured: a 4M-weight product took 0.58 ms on two
 //! rayon threads, 0.40 ms on one), so the kernels could only use one core for everything but
-//! the output head. Here a worker that finished a part keeps polling for the next one for
+//! the output head. Here a worker that finished a call keeps polling for the next one for
 //! `SPIN` before it parks, so handing work over inside a step costs about a cache-line
 //! transfer. The spinning uses a core that would otherwise idle while the caller runs NumPy.
 //!
-//! `run(parts, f)` calls `f(0)` on the calling thread and `f(1..parts)` on workers, and
-//! returns when all have finished (so `f` may borrow from the caller's stack). One caller at
-//! a time uses the workers; a second concurrent caller (or a forked child, which has no
-//! workers) runs all its parts itself.
+//! Parts are not bound to threads: the caller and the workers it posts claim part indices
+//! from one counter until none are left. A worker the OS has not scheduled (the machine is
+//! shared: another process holds the core) is not waited for: when the caller has run out of
+//! parts it takes back a posting no worker has picked up and returns. With parts bound to
+//! threads, each such call waited for the worker's next time slice (~4 ms measured for a
+//! 0.7 MB product that takes 0.05 ms); now it costs only the absent worker's share of the
+//! work, done by the caller.
+//!
+//! `run(parts, f)` calls `f(i)` once for each `i < parts`, on the calling thread and on up to
+//! `parts - 1` workers, and returns when all have finished (so `f` may borrow from the
+//! caller's stack); `run_on(threads, parts, f)` uses at most `threads` threads. `f` must not
+//! depend on which thread runs a part. One caller at a time uses the workers; a second
+//! concurrent caller (or a forked child, which has no workers) runs all its parts itself.
 
 use std::cell::UnsafeCell;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -24,6 +34,10 @@ use std::time::{Duration, Instant};
 /// says otherwise (0: park at once, as a plain pool would).
 const SPIN: Duration = Duration::from_millis(2);
 
+/// How long the caller spins on a worker that is still in a part before it yields its core
+/// (the worker may be waiting for that very core).
+const WAIT_SPIN: Duration = Duration::from_micros(50);
+
 fn spin_window() -> Duration {
     std::env::var("KVSHARE_KERNEL_SPIN_US")
         .ok()
@@ -31,23 +45,27 @@ fn spin_window() -> Duration {
         .map_or(SPIN, Duration::from_micros)
 }
 
-type Job = *const (dyn Fn(usize) + Sync);
+type Job = *const (dyn Fn() + Sync);
+
+/// A slot's states: no work for it, work posted (not yet picked up), work being run.
+const IDLE: u8 = 0;
+const POSTED: u8 = 1;
+const RUNNING: u8 = 2;
 
 struct Slot {
-    /// Bumped by the caller for each part it posts.
-    posted: AtomicU64,
-    /// Set to `posted` by the worker when the part is finished.
-    done: AtomicU64,
-    /// The posted part: the job and its index (valid while posted != done).
-    task: UnsafeCell<(Option<Job>, usize)>,
-    /// A panic of the part, handed to the caller.
+    /// IDLE -> POSTED (the caller), POSTED -> RUNNING (the worker picks it up) or POSTED ->
+    /// IDLE (the caller takes it back), RUNNING -> IDLE (the worker is done with the job).
+    state: AtomicU8,
+    /// The posted job (valid while the state is POSTED or RUNNING).
+    task: UnsafeCell<Option<Job>>,
+    /// A panic of the job, handed to the caller.
     panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
     sleeping: Mutex<bool>,
     wake: Condvar,
 }
 
-// SAFETY: `task` is written by the caller only while the worker is idle (done == posted) and
-// read by the worker only after it saw the new `posted` (Acquire after the caller's Release).
+// SAFETY: `task` is written by the caller only while the state is IDLE, and read by the
+// worker only after its POSTED -> RUNNING exchange (Acquire after the caller's Release).
 unsafe impl Sync for Slot {}
 unsafe impl Send for Slot {}
 
@@ -68,9 +86,8 @@ fn pool() -> &'static Pool {
         let slots = (0..n)
             .map(|i| {
                 let slot = Arc::new(Slot {
-                    posted: AtomicU64::new(0),
-                    done: AtomicU64::new(0),
-                    task: UnsafeCell::new((None, 0)),
+                    state: AtomicU8::new(IDLE),
+                    task: UnsafeCell::new(None),
                     panic: Mutex::new(None),
                     sleeping: Mutex::new(false),
                     wake: Condvar::new(),
@@ -93,35 +110,41 @@ fn pool() -> &'static Pool {
 }
 
 fn worker(slot: &Slot, spin: Duration) {
-    let mut seen = 0u64;
     loop {
         // poll, then park
         let start = Instant::now();
         let mut polls = 0u32;
-        while slot.posted.load(Ordering::Acquire) == seen {
+        while slot.state.load(Ordering::Acquire) != POSTED {
             std::hint::spin_loop();
             polls += 1;
             if polls.is_multiple_of(256) && start.elapsed() >= spin {
                 let mut sleeping = slot.sleeping.lock().unwrap_or_else(|e| e.into_inner());
                 *sleeping = true;
-                while slot.posted.load(Ordering::Acquire) == seen {
+                while slot.state.load(Ordering::Acquire) != POSTED {
                     sleeping = slot.wake.wait(sleeping).unwrap_or_else(|e| e.into_inner());
                 }
                 *sleeping = false;
                 break;
             }
         }
-        seen = slot.posted.load(Ordering::Acquire);
-        // SAFETY: the caller wrote the task before publishing `posted` and waits for `done`.
-        let (job, part) = unsafe { *slot.task.get() };
-        if let Some(job) = job {
-            // SAFETY: the job outlives this call: the caller does not return before `done`.
+        // the caller may have taken the posting back in the meantime
+        if slot
+            .state
+            .compare_exchange(POSTED, RUNNING, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            continue;
+        }
+        // SAFETY: the caller wrote the task before publishing POSTED and, now that the state
+        // is RUNNING, waits for IDLE before it returns.
+        if let Some(job) = unsafe { *slot.task.get() } {
+            // SAFETY: the job outlives this call (see above).
             let f = unsafe { &*job };
-            if let Err(p) = catch_unwind(AssertUnwindSafe(|| f(part))) {
+            if let Err(p) = catch_unwind(AssertUnwindSafe(f)) {
                 *slot.panic.lock().unwrap_or_else(|e| e.into_inner()) = Some(p);
             }
         }
-        slot.done.store(seen, Ordering::Release);
+        slot.state.store(IDLE, Ordering::Release);
     }
 }
 
@@ -130,43 +153,65 @@ pub fn max_parts() -> usize {
     pool().slots.len() + 1
 }
 
-/// Run `f(0)` here and `f(1)..f(parts - 1)` on the workers (parts beyond the workers run
-/// here too); return when every part has finished. A panic in a part is resumed here.
+/// `f(0)..f(parts - 1)`, each once, on this thread and up to `parts - 1` workers; returns
+/// when every part has finished. A panic in a part is resumed here.
 pub fn run(parts: usize, f: &(dyn Fn(usize) + Sync)) {
+    run_on(parts, parts, f)
+}
+
+/// `f(0)..f(parts - 1)`, each once, on this thread and up to `threads - 1` workers, each
+/// thread claiming the next unclaimed part until none is left; returns when every part has
+/// finished. A panic in a part is resumed here (the other parts still run).
+pub fn run_on(threads: usize, parts: usize, f: &(dyn Fn(usize) + Sync)) {
     let p = pool();
-    let extra = parts.saturating_sub(1).min(p.slots.len());
+    let extra = threads.min(parts).saturating_sub(1).min(p.slots.len());
     if extra == 0 || p.pid != std::process::id() || p.busy.swap(true, Ordering::Acquire) {
         (0..parts).for_each(f);
         return;
     }
-    // SAFETY (lifetime): the job is only used until the workers report `done`, which this
-    // function waits for before returning.
-    let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
-    let mut tickets = Vec::with_capacity(extra);
-    for (i, slot) in p.slots[..extra].iter().enumerate() {
-        // SAFETY: this worker is idle (its previous part is done) and only reads the task
-        // after the Release below.
-        unsafe { *slot.task.get() = (Some(job), i + 1) };
-        let ticket = slot.posted.fetch_add(1, Ordering::AcqRel) + 1;
+    let next = AtomicUsize::new(0);
+    let claim = || loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        if i >= parts {
+            break;
+        }
+        f(i);
+    };
+    let claim: &(dyn Fn() + Sync) = &claim;
+    // SAFETY (lifetime): the job is only used by workers that picked it up (RUNNING), and
+    // this function waits for each of them to finish (IDLE) before returning.
+    let job: Job = unsafe { std::mem::transmute::<&(dyn Fn() + Sync), Job>(claim) };
+    let slots = &p.slots[..extra];
+    for slot in slots {
+        // SAFETY: the slot is IDLE (its previous job is done or was taken back) and the
+        // worker only reads the task after the Release below.
+        unsafe { *slot.task.get() = Some(job) };
+        slot.state.store(POSTED, Ordering::Release);
         let sleeping = slot.sleeping.lock().unwrap_or_else(|e| e.into_inner());
         if *sleeping {
             slot.wake.notify_one();
         }
-        drop(sleeping);
-        tickets.push(ticket);
     }
-    let mine = catch_unwind(AssertUnwindSafe(|| {
-        f(0);
-        for part in extra + 1..parts {
-            f(part);
+    let mine = catch_unwind(AssertUnwindSafe(claim));
+    for slot in slots {
+        // a worker that has not picked the job up by now gets none: its parts are done
+        if slot
+            .state
+            .compare_exchange(POSTED, IDLE, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            continue;
         }
-    }));
-    for (slot, &ticket) in p.slots[..extra].iter().zip(&tickets) {
-        while slot.done.load(Ordering::Acquire) != ticket {
-            std::hint::spin_loop();
+        let start = Instant::now();
+        while slot.state.load(Ordering::Acquire) != IDLE {
+            if start.elapsed() < WAIT_SPIN {
+                std::hint::spin_loop();
+            } else {
+                thread::yield_now();
+            }
         }
     }
-    let theirs: Vec<_> = p.slots[..extra]
+    let theirs: Vec<_> = slots
         .iter()
         .filter_map(|s| s.panic.lock().unwrap_or_else(|e| e.into_inner()).take())
         .collect();

@@ -67,3 +67,43 @@ fn a_panicking_part_reaches_the_caller() {
     });
     assert_eq!(n.load(Ordering::SeqCst), 2);
 }
+
+#[test]
+fn more_parts_than_threads_each_run_once_on_at_most_threads() {
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+    for (threads, parts) in [(1, 5), (2, 9), (3, 4), (8, 40)] {
+        let hits: Vec<AtomicUsize> = (0..parts).map(|_| AtomicUsize::new(0)).collect();
+        let ids = Mutex::new(HashSet::new());
+        kvshare_kernels::pool::run_on(threads, parts, &|i| {
+            hits[i].fetch_add(1, Ordering::SeqCst);
+            ids.lock().unwrap().insert(std::thread::current().id());
+        });
+        assert!(hits.iter().all(|h| h.load(Ordering::SeqCst) == 1));
+        let used = ids.lock().unwrap().len();
+        assert!(
+            used <= threads.min(max_parts()),
+            "{used} threads for {threads}"
+        );
+    }
+    // one thread: all parts here
+    let here = std::thread::current().id();
+    kvshare_kernels::pool::run_on(1, 6, &|_| assert_eq!(std::thread::current().id(), here));
+}
+
+#[test]
+fn many_short_calls_never_lose_or_repeat_a_part() {
+    // most of these calls end before a worker picks its posting up: the caller takes it back
+    // (and must not return while a worker that did pick it up is still running a part)
+    for round in 0..20_000 {
+        let parts = 1 + round % 5;
+        let hits: Vec<AtomicUsize> = (0..parts).map(|_| AtomicUsize::new(0)).collect();
+        run(parts, &|i| {
+            hits[i].fetch_add(1, Ordering::SeqCst);
+        });
+        assert!(
+            hits.iter().all(|h| h.load(Ordering::SeqCst) == 1),
+            "round {round}"
+        );
+    }
+}

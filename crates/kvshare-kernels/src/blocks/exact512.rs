@@ -91,12 +91,11 @@ pub(super) fn matmul_parts(
     } else {
         Vec::new()
     };
-    let (tiles, bounds) = split_row_tiles(ws, m.div_ceil(8), threads);
-    let parts = bounds.len() - 1;
-    crate::pool::run(parts, &|t| {
-        for &(p, lo, hi, col) in &tiles[bounds[t]..bounds[t + 1]] {
+    let (tiles, bounds, threads) = split_row_tiles(ws, m.div_ceil(8), threads);
+    crate::pool::run_on(threads, bounds.len() - 1, &|i| {
+        for &(p, lo, hi, col) in &tiles[bounds[i]..bounds[i + 1]] {
             // SAFETY: the tile's rows and columns are inside the checked sizes; each tile,
-            // so each output column, belongs to one thread
+            // so each output column, belongs to one part
             unsafe { tile(x, &sums, m, &ws[p], lo, hi, ptr, col, ld) };
         }
     });

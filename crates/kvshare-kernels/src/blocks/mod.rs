@@ -36,6 +36,10 @@ pub const MAX_ROWS: usize = 16;
 const TILE: usize = 32;
 /// Least bytes of weights read per part worth handing to another thread (~25 us).
 const BYTES_PER_THREAD: usize = 1 << 17;
+/// Parts per thread of a product split by `split_row_tiles`, and the least bytes of work in
+/// one (each part costs a claim: an atomic add shared between the cores).
+const PARTS_PER_THREAD: usize = 4;
+const BYTES_PER_PART: usize = 1 << 16;
 /// Activation rows processed together against one weight row: each weight block is unpacked
 /// once per 8 rows. With 4, a batch of 8 unpacked every block twice; 8 made one pass of
 /// Gemma 3 270M's block weights at 8 rows 15-20% faster (125 / 117 ms vs 157 / 140 ms,
@@ -273,16 +277,18 @@ impl QActs {
 type RowTile = (usize, usize, usize, usize);
 
 /// The rows of weights `ws` (outputs side by side) in tiles of `TILE` rows, as (part, first
-/// row, end row, first column), and the split of those tiles between threads: thread `t`
-/// takes `tiles[bounds[t]..bounds[t + 1]]`, the tiles that start in its share of the bytes.
-/// `passes` is how many times a call reads each weight byte (the number of threads is
-/// bounded by `BYTES_PER_THREAD` of that work). A tile is a multiple of every kernel's group
-/// of weight rows, so groups never straddle two threads.
+/// row, end row, first column), split into parts of about equal bytes, and the number of
+/// threads to run them on: part `i` is `tiles[bounds[i]..bounds[i + 1]]`. `passes` is how
+/// many times a call reads each weight byte (the threads are bounded by `BYTES_PER_THREAD`
+/// of that work). There are up to `PARTS_PER_THREAD` parts per thread, claimed by whichever
+/// thread is free (`pool::run_on`), so a thread the OS has descheduled holds up only the part
+/// it is in. A tile is a multiple of every kernel's group of weight rows, so groups never
+/// straddle two parts.
 fn split_row_tiles(
     ws: &[BlockMatrix<'_>],
     passes: usize,
     threads: usize,
-) -> (Vec<RowTile>, Vec<usize>) {
+) -> (Vec<RowTile>, Vec<usize>, usize) {
     let mut tiles = Vec::new();
     let mut col = 0;
     for (p, w) in ws.iter().enumerate() {
@@ -293,11 +299,19 @@ fn split_row_tiles(
     }
     let bytes = |t: &RowTile| (t.2 - t.1) * ws[t.0].row_bytes();
     let total: usize = tiles.iter().map(bytes).sum();
-    let parts = threads
+    let threads = threads
         .min(crate::pool::max_parts())
         .min(tiles.len())
         .min(total * passes / BYTES_PER_THREAD)
         .max(1);
+    let parts = if threads == 1 {
+        1
+    } else {
+        (threads * PARTS_PER_THREAD)
+            .min(tiles.len())
+            .min(total * passes / BYTES_PER_PART)
+            .max(threads)
+    };
     let mut bounds = vec![0; parts + 1];
     let mut seen = 0;
     for (i, t) in tiles.iter().enumerate() {
@@ -308,7 +322,7 @@ fn split_row_tiles(
         seen += bytes(t);
     }
     bounds[parts] = tiles.len();
-    (tiles, bounds)
+    (tiles, bounds, threads)
 }
 
 /// Raw output pointer shared by the parts; each writes a disjoint set of columns.

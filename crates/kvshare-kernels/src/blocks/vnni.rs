@@ -347,12 +347,11 @@ pub(super) fn matmul_parts(
         ActFormat::Q8K => q8k.as_ref().expect("quantized for the parts that take it"),
     };
     let n_tiles = m.div_ceil(lanes);
-    let (tiles, bounds) = split_row_tiles(ws, n_tiles, threads);
-    let parts = bounds.len() - 1;
-    crate::pool::run(parts, &|t| {
-        for &(p, lo, hi, col) in &tiles[bounds[t]..bounds[t + 1]] {
+    let (tiles, bounds, threads) = split_row_tiles(ws, n_tiles, threads);
+    crate::pool::run_on(threads, bounds.len() - 1, &|i| {
+        for &(p, lo, hi, col) in &tiles[bounds[i]..bounds[i + 1]] {
             // SAFETY: available(); rows lo..hi of ws[p] exist and their output columns
-            // belong to this thread alone
+            // belong to this part alone
             unsafe { weight_rows(packed_for(ws[p].ty), &ws[p], lo, hi, ptr, col, ld) };
         }
     });
@@ -759,12 +758,11 @@ fn one_row_parts(x: &[f32], ws: &[BlockMatrix<'_>], out: &mut [f32], threads: us
         ActFormat::Per32 => p32.as_ref().expect("quantized for the parts that take it"),
         ActFormat::Q8K => q8k.as_ref().expect("quantized for the parts that take it"),
     };
-    let (tiles, bounds) = split_row_tiles(ws, 1, threads);
-    let parts = bounds.len() - 1;
-    crate::pool::run(parts, &|t| {
-        for &(p, lo, hi, col) in &tiles[bounds[t]..bounds[t + 1]] {
+    let (tiles, bounds, threads) = split_row_tiles(ws, 1, threads);
+    crate::pool::run_on(threads, bounds.len() - 1, &|i| {
+        for &(p, lo, hi, col) in &tiles[bounds[i]..bounds[i + 1]] {
             // SAFETY: available(); rows lo..hi of ws[p] exist and their output columns
-            // belong to this thread alone
+            // belong to this part alone
             unsafe { one_row_rows(row_for(ws[p].ty), &ws[p], lo, hi, ptr, col) };
         }
     });
@@ -781,26 +779,41 @@ unsafe fn one_row_rows(
 ) {
     let rb = w.row_bytes();
     let end = w.raw.as_ptr().wrapping_add(w.raw.len());
-    for n in lo..hi {
-        let row = w.raw.as_ptr().wrapping_add(n * rb);
-        let mut pf = row.wrapping_add(PREFETCH_AHEAD);
-        let stop = pf.wrapping_add(rb);
+    let row_at = |n: usize| w.raw.as_ptr().wrapping_add(n * rb);
+    let mut n = lo;
+    while n < hi {
+        // two rows at a time where the kernel takes two (see `one_legacy`)
+        use BlockType::*;
+        let pair = hi - n >= 2 && matches!(w.ty, Q8_0 | Q4_0 | Q5_0 | Q4_K);
+        let count = if pair { 2 } else { 1 };
+        let mut pf = row_at(n).wrapping_add(PREFETCH_AHEAD);
+        let stop = pf.wrapping_add(count * rb);
         while pf < stop && pf < end {
             // a prefetch never faults; pf is inside the weight's bytes
             _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
             pf = pf.wrapping_add(64);
         }
-        use BlockType::*;
-        // SAFETY: row n < w.n holds k / block whole blocks; `one` holds k values
-        let y = unsafe {
-            match w.ty {
-                Q8_0 | Q4_0 | Q5_0 => one_legacy(w.ty, row, w.k / 32, one),
-                Q4_K => one_q4_k(row, w.k / 256, one),
-                _ => one_q6_k(row, w.k / 256, one),
+        // SAFETY: rows n..n + count < w.n hold k / block whole blocks; `one` holds k values;
+        // columns col + n.. of the single output row belong to this part
+        unsafe {
+            let rows = [row_at(n), row_at(n + 1)];
+            let (nb, nsb) = (w.k / 32, w.k / 256);
+            let y = match (w.ty, pair) {
+                (Q8_0, true) => one_legacy::<{ Q8_0 as u32 }, 2>(rows, nb, one),
+                (Q4_0, true) => one_legacy::<{ Q4_0 as u32 }, 2>(rows, nb, one),
+                (Q5_0, true) => one_legacy::<{ Q5_0 as u32 }, 2>(rows, nb, one),
+                (Q8_0, _) => [one_legacy::<{ Q8_0 as u32 }, 1>([rows[0]], nb, one)[0], 0.0],
+                (Q4_0, _) => [one_legacy::<{ Q4_0 as u32 }, 1>([rows[0]], nb, one)[0], 0.0],
+                (Q5_0, _) => [one_legacy::<{ Q5_0 as u32 }, 1>([rows[0]], nb, one)[0], 0.0],
+                (Q4_K, true) => one_q4_k::<2>(rows, nsb, one),
+                (Q4_K, _) => [one_q4_k::<1>([rows[0]], nsb, one)[0], 0.0],
+                _ => [one_q6_k(rows[0], nsb, one), 0.0],
+            };
+            for (i, v) in y[..count].iter().enumerate() {
+                *out.at(col + n + i) = *v;
             }
-        };
-        // SAFETY: column col + n of the single output row belongs to this thread
-        unsafe { *out.at(col + n) = y };
+        }
+        n += count;
     }
 }
 
@@ -863,101 +876,183 @@ unsafe fn legacy_codes(ty: BlockType, p: *const u8) -> __m256i {
     }
 }
 
-/// Q8_0 / Q4_0 / Q5_0 with one activation row: blocks two to a vector, 16 blocks' integer
-/// sums at a time, then `dot_q8_0`'s chain in scalars (the same operations, so the same bits).
+/// Q8_0 / Q4_0 / Q5_0 (`T`, ggml's type id) with one activation row, `R` weight rows at a
+/// time: blocks two to a vector, 16 blocks' integer sums at a time, their 16 weight scales by
+/// one gather, then `dot_q8_0`'s chain in scalars (the same operations, so the same bits). A
+/// row's chain is a sequence of dependent multiply-adds; the `R` rows' chains are
+/// independent, so the core runs them side by side. The type is a constant and a whole
+/// chunk of 16 blocks a fixed loop, so that the chunk's sums stay in registers with no
+/// branch per block.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn one_legacy(ty: BlockType, row: *const u8, nb: usize, one: &OneRow) -> f32 {
-    let (bb, zero_shift) = match ty {
-        BlockType::Q8_0 => (34, 7),
-        BlockType::Q4_0 => (18, 3),
-        _ => (22, 4),
+unsafe fn one_legacy<const T: u32, const R: usize>(
+    rows: [*const u8; R],
+    nb: usize,
+    one: &OneRow,
+) -> [f32; R] {
+    let (bb, ty) = match T {
+        8 => (34, BlockType::Q8_0),
+        2 => (18, BlockType::Q4_0),
+        _ => (22, BlockType::Q5_0),
     };
-    let mut y = [0f32; 2];
+    // the byte offsets of 16 blocks' scales
+    let at = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(bb as i32),
+    );
+    let mut y = [[0f32; 2]; R];
     let mut c0 = 0;
     while c0 < nb {
         let cnt = (nb - c0).min(16);
-        let mut v = [_mm512_setzero_si512(); 8];
-        for (i, vi) in v.iter_mut().enumerate().take(cnt.div_ceil(2)) {
-            let b = c0 + 2 * i;
-            unsafe {
+        let valid = (((1u32 << cnt) - 1) & 0xFFFF) as u16;
+        let (z, d_act) = unsafe {
+            let z = _mm512_loadu_si512(one.isum32.as_ptr().add(c0) as *const _);
+            let z = match T {
+                8 => _mm512_slli_epi32::<7>(z),
+                2 => _mm512_slli_epi32::<3>(z),
+                _ => _mm512_slli_epi32::<4>(z),
+            };
+            (z, _mm512_loadu_ps(one.d.as_ptr().add(c0)))
+        };
+        let mut fs = [[0f32; 16]; R];
+        let mut dw = [[0f32; 16]; R];
+        for r in 0..R {
+            let row = rows[r];
+            // blocks b and b + 1 (b + 1 < cnt unless `last`) against their activations
+            let pair = |b: usize, last: bool| unsafe {
                 let lo = legacy_codes(ty, row.add(bb * b));
-                let hi = if 2 * i + 1 < cnt {
-                    legacy_codes(ty, row.add(bb * (b + 1)))
-                } else {
+                let hi = if last {
                     _mm256_setzero_si256()
+                } else {
+                    legacy_codes(ty, row.add(bb * (b + 1)))
                 };
                 let w = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
                 // past the row's end the activations are zeros
                 let a = _mm512_loadu_si512(one.q().add(32 * b) as *const _);
-                *vi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
+                _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a)
+            };
+            let mut v = [_mm512_setzero_si512(); 8];
+            if cnt == 16 {
+                for (i, vi) in v.iter_mut().enumerate() {
+                    *vi = pair(c0 + 2 * i, false);
+                }
+            } else {
+                for (i, vi) in v.iter_mut().enumerate().take(cnt.div_ceil(2)) {
+                    *vi = pair(c0 + 2 * i, 2 * i + 1 == cnt);
+                }
+            }
+            unsafe {
+                let isum = _mm512_sub_epi32(half_sums(v), z);
+                let f = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), d_act);
+                _mm512_storeu_ps(fs[r].as_mut_ptr(), f);
+                // each block's f16 scale (the low half of 4 bytes read at its start: inside
+                // the block; blocks past the row's end are masked off)
+                let h = _mm512_mask_i32gather_epi32::<1>(
+                    _mm512_setzero_si512(),
+                    valid,
+                    at,
+                    row.add(bb * c0) as *const _,
+                );
+                let w = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
+                _mm512_storeu_ps(dw[r].as_mut_ptr(), w);
             }
         }
-        let f = unsafe {
-            let z = _mm512_loadu_si512(one.isum32.as_ptr().add(c0) as *const _);
-            let z = match zero_shift {
-                7 => _mm512_slli_epi32::<7>(z),
-                3 => _mm512_slli_epi32::<3>(z),
-                _ => _mm512_slli_epi32::<4>(z),
-            };
-            let isum = _mm512_sub_epi32(half_sums(v), z);
-            _mm512_mul_ps(
-                _mm512_cvtepi32_ps(isum),
-                _mm512_loadu_ps(one.d.as_ptr().add(c0)),
-            )
-        };
-        let mut fs = [0f32; 16];
-        unsafe { _mm512_storeu_ps(fs.as_mut_ptr(), f) };
-        for (j, fj) in fs[..cnt].iter().enumerate() {
-            let b = c0 + j;
-            let dw = unsafe { f16(row.add(bb * b)) };
-            y[b & 1] = fj.mul_add(dw, y[b & 1]);
+        // c0 is even: block c0 + j goes to chain j & 1 (kept in registers: the index is a
+        // constant in this loop)
+        for r in 0..R {
+            let [mut even, mut odd] = y[r];
+            for j in (0..cnt).step_by(2) {
+                even = fs[r][j].mul_add(dw[r][j], even);
+                if j + 1 < cnt {
+                    odd = fs[r][j + 1].mul_add(dw[r][j + 1], odd);
+                }
+            }
+            y[r] = [even, odd];
         }
         c0 += cnt;
     }
-    y[0] + y[1]
+    y.map(|y| y[0] + y[1])
 }
 
-/// Q4_K with one activation row: two sub-blocks to a vector (low and high nibbles of 32
-/// bytes), then `dot_q4_k`'s chains in scalars.
+/// The 8 sub-block scales and minima (6 bits each) of the Q4_K block at `p`, as the bytes of
+/// two `u64`s: `k4_scale_min` in a few word operations (ggml's `utmp` masks in its AVX2
+/// `vec_dot_q4_K_q8_K`).
+#[inline]
+unsafe fn k4_scale_min_words(p: *const u8) -> (u64, u64) {
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    let q = unsafe { p.add(4) } as *const u32;
+    let (u0, u1, u2) = unsafe {
+        (
+            q.read_unaligned(),
+            q.add(1).read_unaligned(),
+            q.add(2).read_unaligned(),
+        )
+    };
+    let scales = [u0 & LOW6, (u2 & LOW4) | (((u0 >> 6) & LOW2) << 4)];
+    let minima = [u1 & LOW6, ((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4)];
+    let word = |w: [u32; 2]| w[0] as u64 | (w[1] as u64) << 32;
+    (word(scales), word(minima))
+}
+
+/// `d * b` for the 8 bytes `b` of `w` (products of an f16 and a 6-bit integer: exact), as
+/// `dot_q4_k`'s `d * sc[j] as f32`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn scaled_bytes(w: u64, d: f32, out: *mut f32) {
+    let b = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(w as i64));
+    unsafe { _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(b), _mm256_set1_ps(d))) };
+}
+
+/// Q4_K with one activation row, `R` weight rows at a time (see `one_legacy`): two
+/// sub-blocks to a vector (low and high nibbles of 32 bytes), the scales and minima of a
+/// block as vectors, then `dot_q4_k`'s chains in scalars.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn one_q4_k(row: *const u8, nsb: usize, one: &OneRow) -> f32 {
-    let (mut ys, mut ym) = (0f32, 0f32);
+unsafe fn one_q4_k<const R: usize>(rows: [*const u8; R], nsb: usize, one: &OneRow) -> [f32; R] {
+    let mut ys = [0f32; R];
+    let mut ym = [0f32; R];
+    let sum = one.sum.as_ptr();
     let mut s0 = 0;
     while s0 < nsb {
         let cnt = (nsb - s0).min(2);
-        let mut v = [_mm512_setzero_si512(); 8];
-        for s in 0..cnt {
-            let p = unsafe { row.add(144 * (s0 + s)) };
-            for i in 0..4 {
+        let d_act = unsafe { _mm512_loadu_ps(one.d.as_ptr().add(8 * s0)) };
+        let mut fs = [[0f32; 16]; R];
+        let mut dsc = [[0f32; 16]; R];
+        let mut dmn = [[0f32; 16]; R];
+        for r in 0..R {
+            let block = |s: usize| unsafe { rows[r].add(144 * (s0 + s)) };
+            let mut v = [_mm512_setzero_si512(); 8];
+            for s in 0..cnt {
+                let p = block(s);
+                for i in 0..4 {
+                    unsafe {
+                        let q = _mm256_loadu_si256(p.add(16 + 32 * i) as *const __m256i);
+                        let w = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low4(q)), high4(q));
+                        let a =
+                            _mm512_loadu_si512(one.q().add(256 * (s0 + s) + 64 * i) as *const _);
+                        v[4 * s + i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
+                    }
+                }
                 unsafe {
-                    let q = _mm256_loadu_si256(p.add(16 + 32 * i) as *const __m256i);
-                    let w = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low4(q)), high4(q));
-                    let a = _mm512_loadu_si512(one.q().add(256 * (s0 + s) + 64 * i) as *const _);
-                    v[4 * s + i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
+                    let (sc, mn) = k4_scale_min_words(p);
+                    scaled_bytes(sc, f16(p), dsc[r].as_mut_ptr().add(8 * s));
+                    scaled_bytes(mn, f16(p.add(2)), dmn[r].as_mut_ptr().add(8 * s));
                 }
             }
+            let f = _mm512_mul_ps(_mm512_cvtepi32_ps(half_sums(v)), d_act);
+            unsafe { _mm512_storeu_ps(fs[r].as_mut_ptr(), f) };
         }
-        let f = unsafe {
-            _mm512_mul_ps(
-                _mm512_cvtepi32_ps(half_sums(v)),
-                _mm512_loadu_ps(one.d.as_ptr().add(8 * s0)),
-            )
-        };
-        let mut fs = [0f32; 16];
-        unsafe { _mm512_storeu_ps(fs.as_mut_ptr(), f) };
-        for s in 0..cnt {
-            let p = unsafe { row.add(144 * (s0 + s)) };
-            let (d, dmin) = unsafe { (f16(p), f16(p.add(2))) };
-            let (sc, mn) = unsafe { k4_scale_min(p) };
-            for j in 0..8 {
-                let b = 8 * (s0 + s) + j;
-                ys = fs[8 * s + j].mul_add(d * sc[j] as f32, ys);
-                ym = one.sum[b].mul_add(dmin * mn[j] as f32, ym);
+        for r in 0..R {
+            for j in 0..8 * cnt {
+                // SAFETY: sub-block 8 * s0 + j of the row: `one` holds its sum
+                let sum_b = unsafe { *sum.add(8 * s0 + j) };
+                ys[r] = fs[r][j].mul_add(dsc[r][j], ys[r]);
+                ym[r] = sum_b.mul_add(dmn[r][j], ym[r]);
             }
         }
         s0 += cnt;
     }
-    ys - ym
+    std::array::from_fn(|r| ys[r] - ym[r])
 }
 
 /// Q6_K with one activation row: 64 codes to a vector, the sums of each 16, scaled and
