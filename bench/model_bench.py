@@ -6,9 +6,10 @@ batch 1/4/8 (short context) and batch 1 at ~6K context, and peak RSS.
 
 Prints a table and writes bench/out/model_bench.json. With `--llama-bench`, llama.cpp's
 benchmark binary (built by you; not part of this project) runs the same prompt sizes and
-decode depths on the same model with as many threads, right after ours, and the table gets
-its numbers and our ratio to them (the issue's targets are ratios to llama.cpp on the same
-machine, which is shared and whose speed drifts from day to day). Prompts are random token ids (the
+decode depths on the same model with as many threads, one run after each of our rounds (so
+that both sides see the same minutes of this shared machine, whose speed drifts by 2x within
+an hour), and the table gets its best run and our ratio to it (the issue's targets are
+ratios to llama.cpp on the same machine). Prompts are random token ids (the
 forward pass cost does not depend on which tokens). Prefill runs in chunks of `--chunk`
 tokens (default: the engine's prefill budget), asking for the last logits only, like a server does.
 Each number is the best of `--repeat` runs (other processes share this machine's cores);
@@ -67,16 +68,26 @@ def prefill(model, cache, tokens, table, chunk, cpu=None):
     return time.perf_counter() - t0
 
 
-def bench_prefill(model, n, chunk, repeat, block_size=16, kv_dtype=None):
-    rng = np.random.default_rng(n)
-    tokens = rng.integers(1000, model.config.vocab_size - 1, n).astype(np.int32)
-    nb = -(-n // block_size) + 1
-    cache = model.new_cache(nb, block_size, kv_dtype=kv_dtype)
-    table = np.arange(nb, dtype=np.int32)
-    cpu: list[float] = []
-    best = min(prefill(model, cache, tokens, table, chunk, cpu) for _ in range(repeat))
-    del cache
-    return n / best, best, n / min(cpu)
+class PrefillCase:
+    """One `n`-token prompt prefilled from position 0 in chunks, timed per round; the best
+    round is kept."""
+
+    def __init__(self, model, n, chunk, block_size=16, kv_dtype=None):
+        self.model, self.n, self.chunk = model, n, chunk
+        rng = np.random.default_rng(n)
+        self.tokens = rng.integers(1000, model.config.vocab_size - 1, n).astype(np.int32)
+        nb = -(-n // block_size) + 1
+        self.cache = model.new_cache(nb, block_size, kv_dtype=kv_dtype)
+        self.table = np.arange(nb, dtype=np.int32)
+        self.best, self.cpu = float("inf"), []
+
+    def round(self) -> None:
+        self.best = min(self.best, prefill(self.model, self.cache, self.tokens, self.table,
+                                           self.chunk, self.cpu))
+
+    def result(self) -> tuple[float, float, float]:
+        """tokens/s, seconds and tokens per CPU-second of the best round."""
+        return self.n / self.best, self.best, self.n / min(self.cpu)
 
 
 class DecodeCase:
@@ -115,35 +126,60 @@ class DecodeCase:
         return n / self.best, self.best / self.steps, n / self.best_cpu
 
 
-def bench_decode(model, cases, steps, repeat, chunk, kv_dtype=None):
+class LlamaBench:
+    """llama.cpp's `llama-bench` on the same model and threads, one repetition per call, so
+    that its runs can alternate with ours; keeps its best sample per test, as we keep our best
+    round (the machine is shared: both sides' best runs are the ones least disturbed). Keys
+    are like our rows: 'prefill N' (pp N at depth 0), 'decode batch 1 @ctx D' (tg 16 at
+    depth D)."""
+
+    def __init__(self, binary: str, model: str, threads: int):
+        self.cmd = [binary, "-m", model, "-t", str(threads), "-r", "1", "-o", "json"]
+        self.best: dict[str, float] = {}
+
+    def _run(self, args: list[str], key) -> None:
+        res = subprocess.run(self.cmd + args, capture_output=True, text=True, check=True)
+        for r in json.loads(res.stdout):
+            k = key(r)
+            rate = max(r.get("samples_ts") or [r["avg_ts"]])
+            self.best[k] = max(self.best.get(k, 0.0), rate)
+
+    def prefill(self, n: int) -> None:
+        self._run(["-p", str(n), "-n", "0"], lambda r: f"prefill {r['n_prompt']}")
+
+    def decode(self, depths: list[int]) -> None:
+        if depths:
+            self._run(["-p", "0", "-n", "16", "-d", ",".join(map(str, depths))],
+                      lambda r: f"decode batch 1 @ctx {r['n_depth']}")
+
+
+def bench_prefill(model, sizes, chunk, repeat, kv_dtype=None, peer=None):
+    """Each prompt size's prefill rate, its rounds alternating with llama.cpp's (`peer`)."""
+    out = []
+    for n in sizes:
+        case = PrefillCase(model, n, chunk, kv_dtype=kv_dtype)
+        for _ in range(repeat):
+            case.round()
+            if peer:
+                peer.prefill(n)
+        out.append(case.result())
+        del case
+    return out
+
+
+def bench_decode(model, cases, steps, repeat, chunk, kv_dtype=None, peer=None):
     """Each `(batch, context)` case's decode rate. The cases run in interleaved rounds (every
     case once per round, `repeat` rounds, best round each) so that the batch-8 / batch-1
     ratio compares rounds run within seconds of each other on this shared machine, not
-    minutes apart."""
+    minutes apart; with `peer`, llama.cpp's batch-1 decode runs once after each round."""
     runs = [DecodeCase(model, b, c, steps, repeat, chunk, kv_dtype=kv_dtype) for b, c in cases]
+    depths = [c for b, c in cases if b == 1]
     for _ in range(repeat):
         for r in runs:
             r.round()
+        if peer:
+            peer.decode(depths)
     return [r.result() for r in runs]
-
-
-def llama_bench(binary: str, model: str, threads: int, prefill_sizes: list[int],
-                decode_depths: list[int], repeat: int) -> dict[str, float]:
-    """llama.cpp's tokens/s keyed like our rows: 'prefill N' (pp N at depth 0) and
-    'decode batch 1 @ctx D' (tg 16 at depth D)."""
-    def run(args: list[str]) -> list[dict]:
-        cmd = [binary, "-m", model, "-t", str(threads), "-r", str(repeat), "-o", "json", *args]
-        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        return json.loads(res.stdout)
-
-    out: dict[str, float] = {}
-    if prefill_sizes:
-        for r in run(["-p", ",".join(map(str, prefill_sizes)), "-n", "0"]):
-            out[f"prefill {r['n_prompt']}"] = r["avg_ts"]
-    if decode_depths:
-        for r in run(["-p", "0", "-n", "16", "-d", ",".join(map(str, decode_depths))]):
-            out[f"decode batch 1 @ctx {r['n_depth']}"] = r["avg_ts"]
-    return out
 
 
 def main() -> None:
@@ -176,8 +212,14 @@ def main() -> None:
     prefill_sizes = [1024] if args.quick else [1024, 4096, 8192]
     if args.only == "decode":
         prefill_sizes = []
-    for n in prefill_sizes:
-        tps, secs, tpc = bench_prefill(model, n, args.chunk, args.repeat, kv_dtype=args.kv_dtype)
+    peer = None
+    if args.llama_bench:
+        from kvshare.backend import CPU_THREADS  # noqa: PLC0415
+
+        peer = LlamaBench(args.llama_bench, str(path), CPU_THREADS.max_threads)
+    prefills = bench_prefill(model, prefill_sizes, args.chunk, args.repeat,
+                             kv_dtype=args.kv_dtype, peer=peer)
+    for n, (tps, secs, tpc) in zip(prefill_sizes, prefills):
         rows.append({"test": f"prefill {n}", "tokens_per_s": tps, "seconds": secs,
                      "tokens_per_cpu_s": tpc})
         print(f"prefill {n:>5}: {tps:8.1f} tok/s ({secs:.2f} s; {tpc:.1f} tok per CPU-s)",
@@ -187,23 +229,17 @@ def main() -> None:
     if args.only == "prefill":
         decode_cases = []
     results = bench_decode(model, decode_cases, steps=16, repeat=args.repeat, chunk=args.chunk,
-                           kv_dtype=args.kv_dtype)
+                           kv_dtype=args.kv_dtype, peer=peer)
     for (batch, ctx), (tps, step_s, tpc) in zip(decode_cases, results):
         rows.append({"test": f"decode batch {batch} @ctx {ctx}", "tokens_per_s": tps,
                      "step_ms": step_s * 1e3, "tokens_per_cpu_s": tpc})
         print(f"decode batch {batch} ctx {ctx:>5}: {tps:8.1f} tok/s ({step_s * 1e3:.1f} ms/step;"
               f" {tpc:.1f} tok per CPU-s)", flush=True)
-    peer: dict[str, float] = {}
-    if args.llama_bench:
-        from kvshare.backend import CPU_THREADS  # noqa: PLC0415
-
-        depths = [ctx for batch, ctx in decode_cases if batch == 1]
-        peer = llama_bench(args.llama_bench, str(path), CPU_THREADS.max_threads,
-                           prefill_sizes, depths, args.repeat)
+    if peer:
         for r in rows:
-            if r["test"] in peer:
-                r["llama_cpp_tokens_per_s"] = peer[r["test"]]
-                r["ratio_to_llama_cpp"] = r["tokens_per_s"] / peer[r["test"]]
+            if r["test"] in peer.best:
+                r["llama_cpp_tokens_per_s"] = peer.best[r["test"]]
+                r["ratio_to_llama_cpp"] = r["tokens_per_s"] / peer.best[r["test"]]
     rates = {r["test"]: r["tokens_per_s"] for r in rows}
     d1 = rates.get("decode batch 1 @ctx 64", float("nan"))
     d4 = rates.get("decode batch 4 @ctx 64", float("nan"))
