@@ -677,19 +677,23 @@ fn q8_0_head_dim_not_a_multiple_of_32_is_an_error() {
 }
 
 /// `paged_attention_invariant`: every row the same bits whether computed in a 40-row chunk, a
-/// chunk cut elsewhere, or alone (a decode step), with and without a window, on 1 or 3
+/// chunk cut elsewhere, or alone (a decode step, whose keys are split between threads at
+/// fixed positions when the context is long), with and without a window, on 1 to 3
 /// threads; and within the tolerance of the dense reference.
 #[test]
 fn invariant_rows_do_not_depend_on_the_call() {
     use kvshare_kernels::paged_attention_invariant;
-    for (window, hd, g, threads) in [
-        (0, 32, 4, 1),
-        (64, 32, 2, 3),
-        (0, 256, 4, 2),
-        (37, 16, 1, 1),
+    for (ctx, window, hd, g, threads) in [
+        (150, 0, 32, 4, 1),
+        (150, 64, 32, 2, 3),
+        (150, 0, 256, 4, 2),
+        (150, 37, 16, 1, 1),
+        (700, 0, 64, 4, 2),
+        (700, 300, 32, 2, 3),
+        (530, 0, 256, 4, 1),
     ] {
-        let (ctx, n) = (150, 40);
-        let c = case(window as u64 + hd as u64, &[(ctx, n)], 16, 1, g, hd);
+        let n = 40;
+        let c = case(window as u64 + hd as u64 + ctx as u64, &[(ctx, n)], 16, 1, g, hd);
         let scale = 1.0 / (hd as f32).sqrt();
         let row_len = c.n_head * hd;
         let run = |r0: usize, r1: usize| {
