@@ -790,10 +790,9 @@ fn segments(lo: usize, hi: usize, segment: usize) -> impl Iterator<Item = (usize
         if a >= hi {
             return None;
         }
-        let b = if segment == 0 {
-            hi
-        } else {
-            ((a / segment + 1) * segment).min(hi)
+        let b = match a.checked_div(segment) {
+            Some(n) => ((n + 1) * segment).min(hi),
+            None => hi,
         };
         let piece = (a, b);
         a = b;
