@@ -693,7 +693,14 @@ fn invariant_rows_do_not_depend_on_the_call() {
         (530, 0, 256, 4, 1),
     ] {
         let n = 40;
-        let c = case(window as u64 + hd as u64 + ctx as u64, &[(ctx, n)], 16, 1, g, hd);
+        let c = case(
+            window as u64 + hd as u64 + ctx as u64,
+            &[(ctx, n)],
+            16,
+            1,
+            g,
+            hd,
+        );
         let scale = 1.0 / (hd as f32).sqrt();
         let row_len = c.n_head * hd;
         let run = |r0: usize, r1: usize| {

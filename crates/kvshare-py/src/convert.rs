@@ -3,9 +3,11 @@
 //!
 //! The extension is built for the stable ABI of Python 3.10 (abi3-py310), where the buffer
 //! protocol is not part of the limited API (pyo3 offers `PyBuffer` only from 3.11 on). Payloads
-//! are therefore read without a copy from `bytes` (borrowed) and from any object exposing NumPy's
-//! `__array_interface__` (a C-contiguous host array: its data pointer is borrowed); other buffer
-//! objects (`bytearray`, `memoryview`, ...) are copied once through `memoryview(obj).tobytes()`.
+//! are therefore read without a copy from `bytes` (borrowed), from NumPy arrays (through
+//! CPython's buffer call, declared here: it is exported by every CPython 3) and from any other
+//! object exposing NumPy's `__array_interface__` (a C-contiguous host array: its data pointer is
+//! borrowed); other buffer objects (`bytearray`, `memoryview`, ...) are copied once through
+//! `memoryview(obj).tobytes()`.
 
 use crate::errors::InvalidArgument;
 use kvshare_core::hash::BlockKey;
