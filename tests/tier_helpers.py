@@ -169,8 +169,18 @@ def _zygote_main() -> None:  # pragma: no cover - runs in the zygote process
                     null = os.open(os.devnull, os.O_RDONLY)
                     os.dup2(null, 0)
                     os.close(null)
-                    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
-                        signal.signal(sig, signal.SIG_DFL)
+                    # The signal dispositions of a fresh `python -m kvshare.server.cli` (what
+                    # SubprocessLauncher runs and users run): Python's start-up makes SIGINT
+                    # raise KeyboardInterrupt and *ignores* SIGPIPE, so a write to a socket
+                    # whose peer is gone raises BrokenPipeError. With SIGPIPE at SIG_DFL (as
+                    # this code once set it) a server whose Redis writer or reader was sending
+                    # when `redis_server.stop()` killed Redis died of SIGPIPE (exit -13, no
+                    # traceback in its log) and its in-flight requests got "Server
+                    # disconnected without sending a response" (test_replicas.py::
+                    # test_redis_killed_mid_run_every_request_still_succeeds, 1 run in 3-9).
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
                     os.environ.update(cmd.get("env") or {})  # e.g. a test hook of the writer
                     sys.argv = ["kvshare", *cmd["argv"]]
                     rc = cli.main(cmd["argv"]) or 0
