@@ -1020,17 +1020,24 @@ unsafe fn one_q4_k<const R: usize>(rows: [*const u8; R], nsb: usize, one: &OneRo
         let mut dsc = [[0f32; 16]; R];
         let mut dmn = [[0f32; 16]; R];
         for r in 0..R {
-            let block = |s: usize| unsafe { rows[r].add(144 * (s0 + s)) };
             let mut v = [_mm512_setzero_si512(); 8];
-            for s in 0..cnt {
-                let p = block(s);
-                for i in 0..4 {
+            // block s0 + s: its 4 vectors of sums into v[4 s..], its scales and minima
+            let mut block = |s: usize, v: &mut [__m512i; 4]| {
+                let p = unsafe { rows[r].add(144 * (s0 + s)) };
+                for (i, vi) in v.iter_mut().enumerate() {
                     unsafe {
-                        let q = _mm256_loadu_si256(p.add(16 + 32 * i) as *const __m256i);
-                        let w = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(low4(q)), high4(q));
+                        // the 32 bytes in both halves: low nibbles in the low half, high
+                        // nibbles in the high half
+                        let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                            p.add(16 + 32 * i) as *const __m256i
+                        ));
+                        let w = _mm512_and_si512(
+                            _mm512_mask_srli_epi16(q, 0xFFFF_0000, q, 4),
+                            _mm512_set1_epi8(0x0F),
+                        );
                         let a =
                             _mm512_loadu_si512(one.q().add(256 * (s0 + s) + 64 * i) as *const _);
-                        v[4 * s + i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
+                        *vi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
                     }
                 }
                 unsafe {
@@ -1038,6 +1045,11 @@ unsafe fn one_q4_k<const R: usize>(rows: [*const u8; R], nsb: usize, one: &OneRo
                     scaled_bytes(sc, f16(p), dsc[r].as_mut_ptr().add(8 * s));
                     scaled_bytes(mn, f16(p.add(2)), dmn[r].as_mut_ptr().add(8 * s));
                 }
+            };
+            let (first, second) = v.split_at_mut(4);
+            block(0, first.try_into().expect("4 vectors"));
+            if cnt == 2 {
+                block(1, second.try_into().expect("4 vectors"));
             }
             let f = _mm512_mul_ps(_mm512_cvtepi32_ps(half_sums(v)), d_act);
             unsafe { _mm512_storeu_ps(fs[r].as_mut_ptr(), f) };
