@@ -33,7 +33,7 @@ from kvshare.ops.embedding import embedding
 from kvshare.ops.linear import linear
 from kvshare.ops.norm import rms_norm
 from kvshare.ops.parallel import ROWS, split_rows
-from kvshare.ops.rope import apply_rope, rope_cos_sin
+from kvshare.ops.rope import norm_and_rope, rope_cos_sin
 
 
 @dataclass(frozen=True)
@@ -339,12 +339,8 @@ class DecoderModel(Model):
         q = qkv[:, : H * D].reshape(n, H, D)
         k = qkv[:, H * D : (H + K) * D].reshape(n, K, D)
         v = qkv[:, (H + K) * D :].reshape(n, K, D)
-        if L.q_norm is not None:
-            rms_norm(q, L.q_norm, eps, backend=be, out=q)
-        if L.k_norm is not None:
-            rms_norm(k, L.k_norm, eps, backend=be, out=k)
-        apply_rope(q, cos, sin, cfg.rope_style, backend=be)
-        apply_rope(k, cos, sin, cfg.rope_style, backend=be)
+        norm_and_rope(q, L.q_norm, eps, cos, sin, cfg.rope_style, backend=be)
+        norm_and_rope(k, L.k_norm, eps, cos, sin, cfg.rope_style, backend=be)
         write_kv(kc, vc, slots, k, v, backend=be)
         return q
 

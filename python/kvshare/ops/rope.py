@@ -61,3 +61,69 @@ def apply_rope(x: Any, cos: Any, sin: Any, style: str = NEOX, *, backend: Backen
     b += a_s  # b' = b c + a s
     a[...] = tmp
     return x
+
+
+try:  # pragma: no cover - exercised when numba is installed
+    from numba import njit
+
+    @njit(cache=True, nogil=True, boundscheck=False)
+    def _norm_rope_rows(x, w, eps, cos, sin, neox):  # x: [n, heads, d] in place; w: [d] or []
+        n, h, d = x.shape
+        half = cos.shape[1]
+        row = np.empty(d, np.float32)
+        for i in range(n):
+            for j in range(h):
+                if w.shape[0]:
+                    # kvshare.ops.norm's row loop, to the bit: f64 sum of squares, f32 scale
+                    acc = 0.0
+                    for k in range(d):
+                        v = np.float64(x[i, j, k])
+                        acc += v * v
+                    r = np.float32(1.0 / np.sqrt(np.float32(acc / d) + eps))
+                    for k in range(d):
+                        row[k] = (x[i, j, k] * r) * w[k]
+                else:
+                    for k in range(d):
+                        row[k] = x[i, j, k]
+                # apply_rope's arithmetic per pair (a, b): a c - b s and b c + a s, each
+                # product rounded (no fused multiply-add), as NumPy computes it
+                for t in range(half):
+                    if neox:
+                        ia, ib = t, t + half
+                    else:
+                        ia, ib = 2 * t, 2 * t + 1
+                    a, b = row[ia], row[ib]
+                    c, s = cos[i, t], sin[i, t]
+                    row[ia] = a * c - b * s
+                    row[ib] = b * c + a * s
+                for k in range(d):
+                    x[i, j, k] = row[k]
+
+    HAVE_NUMBA = True
+except ImportError:  # pragma: no cover
+    HAVE_NUMBA = False
+
+# decode steps (a few rows) take the fused loop; prefill chunks the separate whole-array ops
+_FUSED_ROWS = 32
+_NO_WEIGHT = np.zeros(0, np.float32)
+
+
+def norm_and_rope(x: Any, weight: Any | None, eps: float, cos: Any, sin: Any,
+                  style: str = NEOX, *, backend: Backend = CPU) -> Any:
+    """`apply_rope(rms_norm(x, weight, eps), cos, sin, style)` in place (no norm when
+    `weight` is None), the same bits as the two calls. A decode step runs it for q and k of
+    every layer: in one compiled loop (~3 us) instead of a Numba call and seven NumPy passes
+    (~25 us for the 1.9B model's heads)."""
+    from kvshare.ops.norm import rms_norm  # noqa: PLC0415
+
+    if (not backend.is_gpu and HAVE_NUMBA and x.ndim == 3 and x.shape[0] <= _FUSED_ROWS
+            and x.dtype == np.float32 and cos.dtype == np.float32 and sin.dtype == np.float32
+            and (weight is None or (weight.dtype == np.float32
+                                    and tuple(weight.shape) == (x.shape[-1],)))
+            and style in (NEOX, NORM) and 2 * cos.shape[1] <= x.shape[-1]):
+        _norm_rope_rows(x, _NO_WEIGHT if weight is None else weight, np.float32(eps), cos, sin,
+                        style == NEOX)
+        return x
+    if weight is not None:
+        rms_norm(x, weight, eps, backend=backend, out=x)
+    return apply_rope(x, cos, sin, style, backend=backend)
