@@ -959,15 +959,24 @@ fn tile_keys<T: KvElem>(
         offs.clear();
         offs.extend((j0..j1).map(|p| ((table[p / bs] as usize * bs + p % bs) * n_kv + t.kvh) * rl));
         let sc = &mut sc[..nk * mp];
-        if !in_place {
+        // a few query vectors (a decode row's heads) in a 16-wide tile: keys in lanes
+        let narrow = wide && m <= avx512::NARROW;
+        if !in_place || narrow {
             to_f32_rows(kv.k, &offs, hd, &mut kbuf, simd);
         }
-        let (kd, ko): (&[f32], &[usize]) = if in_place && wide {
+        let (kd, ko): (&[f32], &[usize]) = if in_place && wide && !narrow {
             (as_f32(kv.k), &offs)
         } else {
             (&kbuf, &dense_offs[..nk])
         };
-        if wide {
+        if narrow {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: wide_ok detected AVX-512F and hd is a multiple of 16; kbuf holds nk
+            // dense rows of hd, q m rows of hd, sc nk x mp.
+            unsafe {
+                avx512::scores_narrow(&kbuf, nk, q, m, mp, hd, sc)
+            };
+        } else if wide {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: wide_ok detected AVX-512F; ko index whole rows of kd, qt is hd x mp
             // with mp a multiple of 16, sc nk x mp.
@@ -1637,6 +1646,119 @@ mod avx512 {
                 }
             }
         }
+    }
+
+    /// Most query vectors `scores_narrow` takes.
+    pub(super) const NARROW: usize = 8;
+
+    /// `sc[j * mp + i]` = `k[j] . q[i]` for the `m` (<= `NARROW`) query vectors (rows of
+    /// `q`, `hd` apart) and the `nk` keys (dense rows of `k`; `hd` a multiple of 16), keys in
+    /// lanes: each 16 x 16 piece of 16 keys' rows is transposed in registers, and a column
+    /// (one dimension of the 16 keys) multiplies a broadcast query value. Per pair that is
+    /// `scores_t`'s chain, `acc = fma(k[j][d], q[i][d], acc)` for d from 0, so the same bits,
+    /// at a cost per query vector where `scores_t` pays for 16 (a decode row's 2-4 heads per
+    /// KV head fill a 16-wide tile). The `mp - m` padding vectors score 0, as their zero
+    /// queries do in `scores_t`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scores_narrow(
+        k: &[f32],
+        nk: usize,
+        q: &[f32],
+        m: usize,
+        mp: usize,
+        hd: usize,
+        sc: &mut [f32],
+    ) {
+        debug_assert!(m <= NARROW && hd.is_multiple_of(16));
+        debug_assert!(k.len() >= nk * hd && q.len() >= m * hd && sc.len() >= nk * mp);
+        unsafe {
+            match m {
+                1 => narrow::<1>(k, nk, q, mp, hd, sc),
+                2 => narrow::<2>(k, nk, q, mp, hd, sc),
+                3 => narrow::<3>(k, nk, q, mp, hd, sc),
+                4 => narrow::<4>(k, nk, q, mp, hd, sc),
+                5 => narrow::<5>(k, nk, q, mp, hd, sc),
+                6 => narrow::<6>(k, nk, q, mp, hd, sc),
+                7 => narrow::<7>(k, nk, q, mp, hd, sc),
+                _ => narrow::<8>(k, nk, q, mp, hd, sc),
+            }
+        }
+        for row in sc[..nk * mp].chunks_exact_mut(mp) {
+            row[m..].fill(0.0);
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn narrow<const M: usize>(
+        k: &[f32],
+        nk: usize,
+        q: &[f32],
+        mp: usize,
+        hd: usize,
+        sc: &mut [f32],
+    ) {
+        let mut j0 = 0;
+        while j0 < nk {
+            let n = (nk - j0).min(16);
+            let mut acc = [_mm512_setzero_ps(); M];
+            for d0 in (0..hd).step_by(16) {
+                let mut rows = [_mm512_setzero_ps(); 16];
+                for (l, r) in rows.iter_mut().enumerate().take(n) {
+                    *r = unsafe { _mm512_loadu_ps(k.as_ptr().add((j0 + l) * hd + d0)) };
+                }
+                let cols = transpose16(rows);
+                for (t, col) in cols.iter().enumerate() {
+                    for (x, a) in acc.iter_mut().enumerate() {
+                        let qv = unsafe { *q.get_unchecked(x * hd + d0 + t) };
+                        *a = _mm512_fmadd_ps(*col, _mm512_set1_ps(qv), *a);
+                    }
+                }
+            }
+            for (x, a) in acc.iter().enumerate() {
+                let mut lanes = [0f32; 16];
+                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *a) };
+                for (l, v) in lanes[..n].iter().enumerate() {
+                    sc[(j0 + l) * mp + x] = *v;
+                }
+            }
+            j0 += 16;
+        }
+    }
+
+    /// The 16 x 16 transpose of `r` (`out[c]` lane `l` = `r[l]` lane `c`): pairs, then
+    /// quads within 128-bit lanes, then the 128-bit lanes.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
+        let mut t = [_mm512_setzero_ps(); 16];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        // u[4g + c], 128-bit lane L: rows 4g..4g + 3 at column 4L + c
+        let mut u = [_mm512_setzero_ps(); 16];
+        for g in 0..4 {
+            let pd = |v: __m512| _mm512_castps_pd(v);
+            let (a, b) = (pd(t[4 * g]), pd(t[4 * g + 2]));
+            let (c, d) = (pd(t[4 * g + 1]), pd(t[4 * g + 3]));
+            u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+            u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+            u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+            u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+        }
+        let mut out = [_mm512_setzero_ps(); 16];
+        for c in 0..4 {
+            let s0 = _mm512_shuffle_f32x4::<0b01_00_01_00>(u[c], u[4 + c]);
+            let s1 = _mm512_shuffle_f32x4::<0b11_10_11_10>(u[c], u[4 + c]);
+            let s2 = _mm512_shuffle_f32x4::<0b01_00_01_00>(u[8 + c], u[12 + c]);
+            let s3 = _mm512_shuffle_f32x4::<0b11_10_11_10>(u[8 + c], u[12 + c]);
+            out[c] = _mm512_shuffle_f32x4::<0b10_00_10_00>(s0, s2);
+            out[4 + c] = _mm512_shuffle_f32x4::<0b11_01_11_01>(s0, s2);
+            out[8 + c] = _mm512_shuffle_f32x4::<0b10_00_10_00>(s1, s3);
+            out[12 + c] = _mm512_shuffle_f32x4::<0b11_01_11_01>(s1, s3);
+        }
+        out
     }
 
     /// `acc[i] += sum_j p[j * mp + i] * v[offs[j]]` for the `m` query vectors of the tile
