@@ -56,6 +56,8 @@ const SEGMENT: usize = 256;
 /// With fewer tiles than this per thread, the invariant attention deals out their segments
 /// instead of whole tiles.
 const SPLIT_BELOW: usize = 4;
+/// Most query vectors a tile scores with keys in lanes (`avx512::scores_narrow`).
+const NARROW_VECTORS: usize = 8;
 /// q8_0 rows a decode task converts to f32 at a time (`as_f32_rows`).
 const DQ_ROWS: usize = 32;
 
@@ -577,9 +579,10 @@ pub fn paged_attention_avx2<T: KvElem>(
 }
 
 /// `paged_attention` with every row's result the same bits whatever call computes it: decode
-/// rows take the prefill tiles too (one row's query heads per tile, its keys on one thread),
-/// and a tile's key blocks end at multiples of `KEY_BLOCK`, so a query vector meets the same
-/// blocks, online-softmax steps and products in a tile of any shape. With 8-bit activations
+/// rows take the prefill tiles too (one row's query heads per tile), a tile's key blocks end
+/// at multiples of `KEY_BLOCK` and its keys are cut at multiples of `SEGMENT`, so a query
+/// vector meets the same blocks, online-softmax steps, products and merges in a tile of any
+/// shape (a decode row's stretches on whichever threads are free). With 8-bit activations
 /// (`blocks::block_matmul_t_vnni`) the float-order differences between the decode and
 /// prefill paths (~1e-6) moved rounding boundaries and changed logits by ~1%.
 pub fn paged_attention_invariant<T: KvElem>(
@@ -663,16 +666,9 @@ fn decode_rows<T: KvElem>(
             slot @ None => *slot = Some(p),
             Some(m) => {
                 for h in 0..g {
-                    let mx = m.max[h].max(p.max[h]);
-                    let (a, b) = ((m.max[h] - mx).exp(), (p.max[h] - mx).exp());
-                    m.sum[h] = m.sum[h] * a + p.sum[h] * b;
-                    for (x, y) in m.acc[h * hd..(h + 1) * hd]
-                        .iter_mut()
-                        .zip(&p.acc[h * hd..(h + 1) * hd])
-                    {
-                        *x = *x * a + *y * b;
-                    }
-                    m.max[h] = mx;
+                    let acc = &mut m.acc[h * hd..(h + 1) * hd];
+                    let later = (p.max[h], p.sum[h], &p.acc[h * hd..(h + 1) * hd]);
+                    fold(&mut m.max[h], &mut m.sum[h], acc, later);
                 }
             }
         }
@@ -811,6 +807,8 @@ struct TileQueries {
     m: usize,
     mp: usize,
     wide: bool,
+    /// at most `NARROW_VECTORS` (a decode row's heads): `avx512::scores_narrow`, no `qt`
+    narrow: bool,
     q: AlignedF32,
     qt: AlignedF32,
 }
@@ -830,6 +828,7 @@ impl TileQueries {
         let wide = wide && simd && wide_ok(hd);
         // AVX-512 works on 16 query vectors at a time: zero vectors pad the tile (never output)
         let mp = if wide { m.next_multiple_of(16) } else { m };
+        let narrow = wide && m <= NARROW_VECTORS;
         let mut q = AlignedF32::zeros(mp * hd);
         for row in t.r0..t.r1 {
             let q0 = (row * qs.n_head + t.kvh * g) * hd;
@@ -839,7 +838,7 @@ impl TileQueries {
             }
         }
         // the wide path scores with the queries transposed, `qt[d * mp + i]`
-        let qt = if wide {
+        let qt = if wide && !narrow {
             let mut qt = AlignedF32::zeros(hd * mp);
             for (i, qr) in q.chunks_exact(hd).enumerate() {
                 for (d, &x) in qr.iter().enumerate() {
@@ -855,6 +854,7 @@ impl TileQueries {
             m,
             mp,
             wide,
+            narrow,
             q,
             qt,
         }
@@ -893,25 +893,32 @@ fn merge(into: &mut Option<TileState>, p: TileState) {
     };
     let hd = a.hd;
     for i in 0..a.m {
-        let (ma, mb) = (a.mx[i], p.mx[i]);
-        if mb == f32::NEG_INFINITY {
-            continue;
-        }
         let acc = &mut a.acc[i * hd..(i + 1) * hd];
-        let pacc = &p.acc[i * hd..(i + 1) * hd];
-        if ma == f32::NEG_INFINITY {
-            a.mx[i] = mb;
-            a.sum[i] = p.sum[i];
-            acc.copy_from_slice(pacc);
-            continue;
-        }
-        let mx = ma.max(mb);
-        let (fa, fb) = ((ma - mx).exp(), (mb - mx).exp());
-        a.mx[i] = mx;
-        a.sum[i] = a.sum[i] * fa + p.sum[i] * fb;
-        for (x, y) in acc.iter_mut().zip(pacc) {
-            *x = *x * fa + *y * fb;
-        }
+        let later = (p.mx[i], p.sum[i], &p.acc[i * hd..(i + 1) * hd]);
+        fold(&mut a.mx[i], &mut a.sum[i], acc, later);
+    }
+}
+
+/// One query vector's softmax state over earlier keys (`mx`, `sum`, `acc`) and over later
+/// ones (`later`) made one: both rescaled to the larger max. A side that saw no key (max
+/// -inf) leaves the other unchanged (the formula gives the same bits there when one side is
+/// finite, and NaN when neither is).
+fn fold(mx: &mut f32, sum: &mut f32, acc: &mut [f32], later: (f32, f32, &[f32])) {
+    let (mb, sb, pacc) = later;
+    if mb == f32::NEG_INFINITY {
+        return;
+    }
+    if *mx == f32::NEG_INFINITY {
+        (*mx, *sum) = (mb, sb);
+        acc.copy_from_slice(pacc);
+        return;
+    }
+    let m = mx.max(mb);
+    let (fa, fb) = ((*mx - m).exp(), (mb - m).exp());
+    *mx = m;
+    *sum = *sum * fa + sb * fb;
+    for (x, y) in acc.iter_mut().zip(pacc) {
+        *x = *x * fa + *y * fb;
     }
 }
 
@@ -929,7 +936,7 @@ fn tile_keys<T: KvElem>(
 ) -> TileState {
     let (bs, n_kv, hd) = (kv.block_size, kv.n_kv, kv.head_dim);
     let rl = hd / T::VALS; // elements per row
-    let (g, m, mp, wide) = (tq.g, tq.m, tq.mp, tq.wide);
+    let (g, m, mp, wide, narrow) = (tq.g, tq.m, tq.mp, tq.wide, tq.narrow);
     let rows = t.r1 - t.r0;
     let (q, qt) = (&tq.q, &tq.qt);
     let table = &qs.tables[t.seq * qs.width..(t.seq + 1) * qs.width];
@@ -960,7 +967,6 @@ fn tile_keys<T: KvElem>(
         offs.extend((j0..j1).map(|p| ((table[p / bs] as usize * bs + p % bs) * n_kv + t.kvh) * rl));
         let sc = &mut sc[..nk * mp];
         // a few query vectors (a decode row's heads) in a 16-wide tile: keys in lanes
-        let narrow = wide && m <= avx512::NARROW;
         if !in_place || narrow {
             to_f32_rows(kv.k, &offs, hd, &mut kbuf, simd);
         }
@@ -1648,10 +1654,7 @@ mod avx512 {
         }
     }
 
-    /// Most query vectors `scores_narrow` takes.
-    pub(super) const NARROW: usize = 8;
-
-    /// `sc[j * mp + i]` = `k[j] . q[i]` for the `m` (<= `NARROW`) query vectors (rows of
+    /// `sc[j * mp + i]` = `k[j] . q[i]` for the `m` (<= `NARROW_VECTORS`) query vectors (rows of
     /// `q`, `hd` apart) and the `nk` keys (dense rows of `k`; `hd` a multiple of 16), keys in
     /// lanes: each 16 x 16 piece of 16 keys' rows is transposed in registers, and a column
     /// (one dimension of the 16 keys) multiplies a broadcast query value. Per pair that is
@@ -1669,7 +1672,7 @@ mod avx512 {
         hd: usize,
         sc: &mut [f32],
     ) {
-        debug_assert!(m <= NARROW && hd.is_multiple_of(16));
+        debug_assert!(m <= super::NARROW_VECTORS && hd.is_multiple_of(16));
         debug_assert!(k.len() >= nk * hd && q.len() >= m * hd && sc.len() >= nk * mp);
         unsafe {
             match m {
