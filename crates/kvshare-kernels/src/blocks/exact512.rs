@@ -277,15 +277,7 @@ fn or_bit4(a: __m512i, b: __m512i) -> __m512i {
 #[target_feature(enable = "avx2,f16c")]
 #[inline]
 unsafe fn k4_scales(p: *const u8) -> ([f32; 8], [f32; 8]) {
-    const KMASK1: u32 = 0x3f3f_3f3f;
-    const KMASK2: u32 = 0x0f0f_0f0f;
-    const KMASK3: u32 = 0x0303_0303;
-    let w = |i: usize| unsafe { (p.add(4 + 4 * i) as *const u32).read_unaligned() };
-    let (u0, u1, u2) = (w(0), w(1), w(2));
-    let scales =
-        (u0 & KMASK1) as u64 | ((((u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4)) as u64) << 32);
-    let mins = (u1 & KMASK1) as u64
-        | (((((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4)) as u64) << 32);
+    let (scales, mins) = unsafe { super::k4_scale_min_words(p) };
     let to_f32 = |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
     let (d, dmin) = unsafe { (f16(p), f16(p.add(2))) };
     let sc = _mm256_mul_ps(_mm256_set1_ps(d), to_f32(scales));

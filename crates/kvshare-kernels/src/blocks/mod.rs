@@ -273,6 +273,24 @@ impl QActs {
     }
 }
 
+/// The 8 sub-block scales and minima (6 bits each) of the Q4_K/Q5_K block at `p`, as the
+/// bytes of two `u64`s: ggml's `get_scale_min_k4` for all 8 at once, with the `utmp` masks of
+/// ggml-cpu's AVX2 `vec_dot_q4_K_q8_K`.
+/// SAFETY: `p` points at a whole block (its 12 scale bytes at `p + 4`).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+unsafe fn k4_scale_min_words(p: *const u8) -> (u64, u64) {
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    let w = |i: usize| unsafe { (p.add(4 + 4 * i) as *const u32).read_unaligned() };
+    let (u0, u1, u2) = (w(0), w(1), w(2));
+    let scales = [u0 & LOW6, (u2 & LOW4) | (((u0 >> 6) & LOW2) << 4)];
+    let minima = [u1 & LOW6, ((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4)];
+    let word = |w: [u32; 2]| w[0] as u64 | (w[1] as u64) << 32;
+    (word(scales), word(minima))
+}
+
 /// A tile of weight rows: (part, first row, end row, first output column).
 type RowTile = (usize, usize, usize, usize);
 

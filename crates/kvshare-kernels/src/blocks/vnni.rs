@@ -28,7 +28,7 @@
 //! batch-invariant attention (`attention::paged_attention_invariant`), prefix sharing, which
 //! moves chunk boundaries, still changes nothing but speed.
 
-use super::{split_row_tiles, BlockMatrix, BlockType, OutPtr};
+use super::{k4_scale_min_words, split_row_tiles, BlockMatrix, BlockType, OutPtr};
 use std::arch::x86_64::*;
 
 /// Activation rows per tile of a product with at most 8 rows: the lanes of a 256-bit vector
@@ -607,18 +607,8 @@ unsafe fn dot_legacy<const T: u32>(row: *const u8, nb: usize, t: &Tile) -> __m25
 /// (ggml's `get_scale_min_k4`).
 #[inline]
 unsafe fn k4_scale_min(p: *const u8) -> ([u8; 8], [u8; 8]) {
-    let q = unsafe { std::slice::from_raw_parts(p.add(4), 12) };
-    let (mut sc, mut mn) = ([0u8; 8], [0u8; 8]);
-    for j in 0..8 {
-        if j < 4 {
-            sc[j] = q[j] & 63;
-            mn[j] = q[j + 4] & 63;
-        } else {
-            sc[j] = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-            mn[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-        }
-    }
-    (sc, mn)
+    let (sc, mn) = unsafe { k4_scale_min_words(p) };
+    (sc.to_le_bytes(), mn.to_le_bytes())
 }
 
 /// Q4_K: per sub-block `j` of 32, `ys = fma(f32(isum) * d_act, d * sc_j, ys)` and
@@ -1014,28 +1004,6 @@ unsafe fn one_legacy<const T: u32, const R: usize>(
         c0 += cnt;
     }
     y.map(|y| y[0] + y[1])
-}
-
-/// The 8 sub-block scales and minima (6 bits each) of the Q4_K block at `p`, as the bytes of
-/// two `u64`s: `k4_scale_min` in a few word operations (ggml's `utmp` masks in its AVX2
-/// `vec_dot_q4_K_q8_K`).
-#[inline]
-unsafe fn k4_scale_min_words(p: *const u8) -> (u64, u64) {
-    const LOW6: u32 = 0x3f3f_3f3f;
-    const LOW4: u32 = 0x0f0f_0f0f;
-    const LOW2: u32 = 0x0303_0303;
-    let q = unsafe { p.add(4) } as *const u32;
-    let (u0, u1, u2) = unsafe {
-        (
-            q.read_unaligned(),
-            q.add(1).read_unaligned(),
-            q.add(2).read_unaligned(),
-        )
-    };
-    let scales = [u0 & LOW6, (u2 & LOW4) | (((u0 >> 6) & LOW2) << 4)];
-    let minima = [u1 & LOW6, ((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4)];
-    let word = |w: [u32; 2]| w[0] as u64 | (w[1] as u64) << 32;
-    (word(scales), word(minima))
 }
 
 /// `d * b` for the 8 bytes `b` of `w` (products of an f16 and a 6-bit integer: exact), as
