@@ -788,15 +788,12 @@ unsafe fn one_row_rows(
         unsafe {
             let rows = [row_at(n), row_at(n + 1)];
             let (nb, nsb) = (w.k / 32, w.k / 256);
-            let y = match (w.ty, pair) {
-                (Q8_0, true) => one_legacy::<{ Q8_0 as u32 }, 2>(rows, nb, one),
-                (Q4_0, true) => one_legacy::<{ Q4_0 as u32 }, 2>(rows, nb, one),
-                (Q5_0, true) => one_legacy::<{ Q5_0 as u32 }, 2>(rows, nb, one),
-                (Q8_0, _) => [one_legacy::<{ Q8_0 as u32 }, 1>([rows[0]], nb, one)[0], 0.0],
-                (Q4_0, _) => [one_legacy::<{ Q4_0 as u32 }, 1>([rows[0]], nb, one)[0], 0.0],
-                (Q5_0, _) => [one_legacy::<{ Q5_0 as u32 }, 1>([rows[0]], nb, one)[0], 0.0],
-                (Q4_K, true) => one_q4_k::<2>(rows, nsb, one),
-                (Q4_K, _) => [one_q4_k::<1>([rows[0]], nsb, one)[0], 0.0],
+            let y = match w.ty {
+                Q8_0 => legacy_rows::<{ Q8_0 as u32 }>(rows, pair, nb, one),
+                Q4_0 => legacy_rows::<{ Q4_0 as u32 }>(rows, pair, nb, one),
+                Q5_0 => legacy_rows::<{ Q5_0 as u32 }>(rows, pair, nb, one),
+                Q4_K if pair => one_q4_k::<2>(rows, nsb, one),
+                Q4_K => [one_q4_k::<1>([rows[0]], nsb, one)[0], 0.0],
                 _ => [one_q6_k(rows[0], nsb, one), 0.0],
             };
             for (i, v) in y[..count].iter().enumerate() {
@@ -866,6 +863,24 @@ unsafe fn legacy_codes(ty: BlockType, p: *const u8) -> __m256i {
     }
 }
 
+/// `one_legacy` of `rows[0]`, and of `rows[1]` too when `pair` (else 0 in its place).
+/// SAFETY: as `one_legacy`'s, for the rows it reads.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn legacy_rows<const T: u32>(
+    rows: [*const u8; 2],
+    pair: bool,
+    nb: usize,
+    one: &OneRow,
+) -> [f32; 2] {
+    unsafe {
+        if pair {
+            one_legacy::<T, 2>(rows, nb, one)
+        } else {
+            [one_legacy::<T, 1>([rows[0]], nb, one)[0], 0.0]
+        }
+    }
+}
+
 /// `legacy_codes` of the blocks at `p` and `p + block bytes` in the two halves of a vector,
 /// unpacked together: one load of both blocks' nibbles spread to four 128-bit lanes (low,
 /// high, low, high), one masked shift, and for Q5_0 both blocks' fifth bits as one 64-bit
@@ -873,41 +888,44 @@ unsafe fn legacy_codes(ty: BlockType, p: *const u8) -> __m256i {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
 #[inline]
 unsafe fn legacy_pair(ty: BlockType, p: *const u8) -> __m512i {
-    let low = _mm512_set1_epi8(0x0F);
     unsafe {
-        match ty {
-            BlockType::Q8_0 => _mm512_xor_si512(
+        if ty == BlockType::Q8_0 {
+            return _mm512_xor_si512(
                 _mm512_inserti64x4::<1>(
                     _mm512_castsi256_si512(_mm256_loadu_si256(p.add(2) as *const __m256i)),
                     _mm256_loadu_si256(p.add(36) as *const __m256i),
                 ),
                 _mm512_set1_epi8(-128),
-            ),
-            BlockType::Q4_0 => {
-                let x =
-                    _mm256_loadu2_m128i(p.add(20) as *const __m128i, p.add(2) as *const __m128i);
-                let q = _mm512_shuffle_i64x2::<0b01_01_00_00>(
-                    _mm512_castsi256_si512(x),
-                    _mm512_castsi256_si512(x),
-                );
-                _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xFF00_FF00, q, 4), low)
-            }
-            _ => {
-                let x =
-                    _mm256_loadu2_m128i(p.add(28) as *const __m128i, p.add(6) as *const __m128i);
-                let q = _mm512_shuffle_i64x2::<0b01_01_00_00>(
-                    _mm512_castsi256_si512(x),
-                    _mm512_castsi256_si512(x),
-                );
-                let nib = _mm512_and_si512(_mm512_mask_srli_epi16(q, 0xFF00_FF00, q, 4), low);
-                let qh0 = (p.add(2) as *const u32).read_unaligned() as u64;
-                let qh1 = (p.add(24) as *const u32).read_unaligned() as u64;
-                _mm512_or_si512(
-                    nib,
-                    _mm512_maskz_mov_epi8(qh0 | qh1 << 32, _mm512_set1_epi8(0x10)),
-                )
-            }
+            );
         }
+        // Q4_0: 16 nibble bytes after the f16 scale; Q5_0: after the scale and 4 bytes of
+        // fifth bits
+        let (bb, at) = if ty == BlockType::Q4_0 {
+            (18, 2)
+        } else {
+            (22, 6)
+        };
+        let x = _mm256_loadu2_m128i(
+            p.add(bb + at) as *const __m128i,
+            p.add(at) as *const __m128i,
+        );
+        let q = _mm512_shuffle_i64x2::<0b01_01_00_00>(
+            _mm512_castsi256_si512(x),
+            _mm512_castsi256_si512(x),
+        );
+        let nib = _mm512_and_si512(
+            _mm512_mask_srli_epi16(q, 0xFF00_FF00, q, 4),
+            _mm512_set1_epi8(0x0F),
+        );
+        if ty == BlockType::Q4_0 {
+            return nib;
+        }
+        let qh0 = (p.add(2) as *const u32).read_unaligned() as u64;
+        let qh1 = (p.add(bb + 2) as *const u32).read_unaligned() as u64;
+        _mm512_or_si512(
+            nib,
+            _mm512_maskz_mov_epi8(qh0 | qh1 << 32, _mm512_set1_epi8(0x10)),
+        )
     }
 }
 
