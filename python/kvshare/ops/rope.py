@@ -66,25 +66,16 @@ def apply_rope(x: Any, cos: Any, sin: Any, style: str = NEOX, *, backend: Backen
 try:  # pragma: no cover - exercised when numba is installed
     from numba import njit
 
+    from kvshare.ops.norm import _rms_norm_rows
+
     @njit(cache=True, nogil=True, boundscheck=False)
     def _norm_rope_rows(x, w, eps, cos, sin, neox):  # x: [n, heads, d] in place; w: [d] or []
-        n, h, d = x.shape
+        if w.shape[0]:
+            _rms_norm_rows(x, w, eps, x)  # kvshare.ops.norm's own row loop, in place
+        n, h, _ = x.shape
         half = cos.shape[1]
-        row = np.empty(d, np.float32)
         for i in range(n):
             for j in range(h):
-                if w.shape[0]:
-                    # kvshare.ops.norm's row loop, to the bit: f64 sum of squares, f32 scale
-                    acc = 0.0
-                    for k in range(d):
-                        v = np.float64(x[i, j, k])
-                        acc += v * v
-                    r = np.float32(1.0 / np.sqrt(np.float32(acc / d) + eps))
-                    for k in range(d):
-                        row[k] = (x[i, j, k] * r) * w[k]
-                else:
-                    for k in range(d):
-                        row[k] = x[i, j, k]
                 # apply_rope's arithmetic per pair (a, b): a c - b s and b c + a s, each
                 # product rounded (no fused multiply-add), as NumPy computes it
                 for t in range(half):
@@ -92,12 +83,10 @@ try:  # pragma: no cover - exercised when numba is installed
                         ia, ib = t, t + half
                     else:
                         ia, ib = 2 * t, 2 * t + 1
-                    a, b = row[ia], row[ib]
+                    a, b = x[i, j, ia], x[i, j, ib]
                     c, s = cos[i, t], sin[i, t]
-                    row[ia] = a * c - b * s
-                    row[ib] = b * c + a * s
-                for k in range(d):
-                    x[i, j, k] = row[k]
+                    x[i, j, ia] = a * c - b * s
+                    x[i, j, ib] = b * c + a * s
 
     HAVE_NUMBA = True
 except ImportError:  # pragma: no cover
