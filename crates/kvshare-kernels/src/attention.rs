@@ -1571,6 +1571,7 @@ mod avx2 {
 /// The prefill tiles' products on AVX-512 (16 lanes, 32 registers), f32 rows only.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
+    use crate::x86::transpose16;
     use std::arch::x86_64::*;
 
     /// `sc[j * mp + i] = k[offs[j]] . q[i]` with the queries transposed (`qt[d * mp + i]`):
@@ -1727,41 +1728,6 @@ mod avx512 {
             }
             j0 += 16;
         }
-    }
-
-    /// The 16 x 16 transpose of `r` (`out[c]` lane `l` = `r[l]` lane `c`): pairs, then
-    /// quads within 128-bit lanes, then the 128-bit lanes.
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
-        let mut t = [_mm512_setzero_ps(); 16];
-        for i in 0..8 {
-            t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-            t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-        }
-        // u[4g + c], 128-bit lane L: rows 4g..4g + 3 at column 4L + c
-        let mut u = [_mm512_setzero_ps(); 16];
-        for g in 0..4 {
-            let pd = |v: __m512| _mm512_castps_pd(v);
-            let (a, b) = (pd(t[4 * g]), pd(t[4 * g + 2]));
-            let (c, d) = (pd(t[4 * g + 1]), pd(t[4 * g + 3]));
-            u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-            u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-            u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-            u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-        }
-        let mut out = [_mm512_setzero_ps(); 16];
-        for c in 0..4 {
-            let s0 = _mm512_shuffle_f32x4::<0b01_00_01_00>(u[c], u[4 + c]);
-            let s1 = _mm512_shuffle_f32x4::<0b11_10_11_10>(u[c], u[4 + c]);
-            let s2 = _mm512_shuffle_f32x4::<0b01_00_01_00>(u[8 + c], u[12 + c]);
-            let s3 = _mm512_shuffle_f32x4::<0b11_10_11_10>(u[8 + c], u[12 + c]);
-            out[c] = _mm512_shuffle_f32x4::<0b10_00_10_00>(s0, s2);
-            out[4 + c] = _mm512_shuffle_f32x4::<0b11_01_11_01>(s0, s2);
-            out[8 + c] = _mm512_shuffle_f32x4::<0b10_00_10_00>(s1, s3);
-            out[12 + c] = _mm512_shuffle_f32x4::<0b11_01_11_01>(s1, s3);
-        }
-        out
     }
 
     /// `acc[i] += sum_j p[j * mp + i] * v[offs[j]]` for the `m` query vectors of the tile

@@ -772,10 +772,38 @@ unsafe fn one_row_rows(
     let row_at = |n: usize| w.raw.as_ptr().wrapping_add(n * rb);
     let mut n = lo;
     while n < hi {
-        // two rows at a time where the kernel takes two (see `one_legacy`)
         use BlockType::*;
+        // 16 rows in lanes, else two rows at a time where the kernel takes two (see
+        // `one_legacy`)
+        let lanes = hi - n >= LANE_ROWS;
         let pair = hi - n >= 2 && matches!(w.ty, Q8_0 | Q4_0 | Q5_0 | Q4_K);
-        let count = if pair { 2 } else { 1 };
+        let count = if lanes {
+            LANE_ROWS
+        } else if pair {
+            2
+        } else {
+            1
+        };
+        if lanes {
+            // SAFETY: rows n..n + LANE_ROWS < w.n hold k / block whole blocks; `one` holds
+            // k values; columns col + n.. of the single output row belong to this part
+            let y = unsafe {
+                let (row0, nb, nsb) = (row_at(n), w.k / 32, w.k / 256);
+                match w.ty {
+                    Q8_0 => one_legacy_16::<{ Q8_0 as u32 }>(row0, rb, nb, one, end),
+                    Q4_0 => one_legacy_16::<{ Q4_0 as u32 }>(row0, rb, nb, one, end),
+                    Q5_0 => one_legacy_16::<{ Q5_0 as u32 }>(row0, rb, nb, one, end),
+                    Q4_K => one_q4_k_16(row0, rb, nsb, one, end),
+                    _ => one_q6_k_16(row0, rb, nsb, one, end),
+                }
+            };
+            for (i, v) in y.iter().enumerate() {
+                // SAFETY: as above
+                unsafe { *out.at(col + n + i) = *v };
+            }
+            n += count;
+            continue;
+        }
         let mut pf = row_at(n).wrapping_add(PREFETCH_AHEAD);
         let stop = pf.wrapping_add(count * rb);
         while pf < stop && pf < end {
@@ -942,68 +970,23 @@ unsafe fn one_legacy<const T: u32, const R: usize>(
     nb: usize,
     one: &OneRow,
 ) -> [f32; R] {
-    let (bb, ty) = match T {
-        8 => (34, BlockType::Q8_0),
-        2 => (18, BlockType::Q4_0),
-        _ => (22, BlockType::Q5_0),
-    };
-    // the byte offsets of 16 blocks' scales
-    let at = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(bb as i32),
-    );
+    let (bb, ty) = legacy_layout(T);
+    let at = lane_offsets(bb);
     let mut y = [[0f32; 2]; R];
     let mut c0 = 0;
     while c0 < nb {
         let cnt = (nb - c0).min(16);
         let valid = (((1u32 << cnt) - 1) & 0xFFFF) as u16;
-        let (z, d_act) = unsafe {
-            let z = _mm512_loadu_si512(one.isum32.as_ptr().add(c0) as *const _);
-            let z = match T {
-                8 => _mm512_slli_epi32::<7>(z),
-                2 => _mm512_slli_epi32::<3>(z),
-                _ => _mm512_slli_epi32::<4>(z),
-            };
-            (z, _mm512_loadu_ps(one.d.as_ptr().add(c0)))
-        };
+        let (z, d_act) = unsafe { legacy_chunk_acts::<T>(one, c0) };
         let mut fs = [[0f32; 16]; R];
         let mut dw = [[0f32; 16]; R];
         for r in 0..R {
-            let row = rows[r];
-            // blocks b and b + 1 (b + 1 < cnt unless `last`) against their activations
-            let pair = |b: usize, last: bool| unsafe {
-                let w = if last {
-                    _mm512_castsi256_si512(legacy_codes(ty, row.add(bb * b)))
-                } else {
-                    legacy_pair(ty, row.add(bb * b))
-                };
-                // past the row's end the activations are zeros
-                let a = _mm512_loadu_si512(one.q().add(32 * b) as *const _);
-                _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a)
-            };
-            let mut v = [_mm512_setzero_si512(); 8];
-            if cnt == 16 {
-                for (i, vi) in v.iter_mut().enumerate() {
-                    *vi = pair(c0 + 2 * i, false);
-                }
-            } else {
-                for (i, vi) in v.iter_mut().enumerate().take(cnt.div_ceil(2)) {
-                    *vi = pair(c0 + 2 * i, 2 * i + 1 == cnt);
-                }
-            }
+            // SAFETY: blocks c0..c0 + cnt of the row exist; `one` holds their activations
             unsafe {
-                let isum = _mm512_sub_epi32(half_sums(v), z);
-                let f = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), d_act);
+                let v = legacy_chunk_sums(ty, bb, rows[r], c0, cnt, one);
+                let f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(half_sums(v), z)), d_act);
                 _mm512_storeu_ps(fs[r].as_mut_ptr(), f);
-                // each block's f16 scale (the low half of 4 bytes read at its start: inside
-                // the block; blocks past the row's end are masked off)
-                let h = _mm512_mask_i32gather_epi32::<1>(
-                    _mm512_setzero_si512(),
-                    valid,
-                    at,
-                    row.add(bb * c0) as *const _,
-                );
-                let w = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
+                let w = legacy_chunk_scales(rows[r], bb, c0, valid, at);
                 _mm512_storeu_ps(dw[r].as_mut_ptr(), w);
             }
         }
@@ -1022,6 +1005,93 @@ unsafe fn one_legacy<const T: u32, const R: usize>(
         c0 += cnt;
     }
     y.map(|y| y[0] + y[1])
+}
+
+/// A legacy type's (ggml type id `t`) block bytes and type.
+#[inline]
+fn legacy_layout(t: u32) -> (usize, BlockType) {
+    match t {
+        8 => (34, BlockType::Q8_0),
+        2 => (18, BlockType::Q4_0),
+        _ => (22, BlockType::Q5_0),
+    }
+}
+
+/// The activations of blocks `c0..c0 + 16` for type `T`: the zero point times each block's
+/// code sum (Q8_0's 128, Q4_0's 8, Q5_0's 16), and each block's scale.
+/// SAFETY: `one` holds 16 blocks from `c0` (it is padded with zeros past the row's end).
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn legacy_chunk_acts<const T: u32>(one: &OneRow, c0: usize) -> (__m512i, __m512) {
+    unsafe {
+        let z = _mm512_loadu_si512(one.isum32.as_ptr().add(c0) as *const _);
+        let z = match T {
+            8 => _mm512_slli_epi32::<7>(z),
+            2 => _mm512_slli_epi32::<3>(z),
+            _ => _mm512_slli_epi32::<4>(z),
+        };
+        (z, _mm512_loadu_ps(one.d.as_ptr().add(c0)))
+    }
+}
+
+/// The integer products of blocks `c0..c0 + cnt` of `row` (type `ty`, `bb` bytes a block)
+/// with the activations, two blocks to a vector (`half_sums` gives the 16 block sums).
+/// SAFETY: the blocks exist; `one` holds their activations.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2")]
+#[inline]
+unsafe fn legacy_chunk_sums(
+    ty: BlockType,
+    bb: usize,
+    row: *const u8,
+    c0: usize,
+    cnt: usize,
+    one: &OneRow,
+) -> [__m512i; 8] {
+    // blocks b and b + 1 (b + 1 < cnt unless `last`) against their activations
+    let pair = |b: usize, last: bool| unsafe {
+        let w = if last {
+            _mm512_castsi256_si512(legacy_codes(ty, row.add(bb * b)))
+        } else {
+            legacy_pair(ty, row.add(bb * b))
+        };
+        // past the row's end the activations are zeros
+        let a = _mm512_loadu_si512(one.q().add(32 * b) as *const _);
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a)
+    };
+    let mut v = [_mm512_setzero_si512(); 8];
+    if cnt == 16 {
+        for (i, vi) in v.iter_mut().enumerate() {
+            *vi = pair(c0 + 2 * i, false);
+        }
+    } else {
+        for (i, vi) in v.iter_mut().enumerate().take(cnt.div_ceil(2)) {
+            *vi = pair(c0 + 2 * i, 2 * i + 1 == cnt);
+        }
+    }
+    v
+}
+
+/// The f16 scales of blocks `c0..c0 + 16` of `row` as f32 (`at`: the 16 blocks' offsets;
+/// lanes outside `valid` 0): each the low half of 4 bytes read at its block's start.
+/// SAFETY: the blocks in `valid` exist.
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+#[inline]
+unsafe fn legacy_chunk_scales(
+    row: *const u8,
+    bb: usize,
+    c0: usize,
+    valid: u16,
+    at: __m512i,
+) -> __m512 {
+    let h = unsafe {
+        _mm512_mask_i32gather_epi32::<1>(
+            _mm512_setzero_si512(),
+            valid,
+            at,
+            row.add(bb * c0) as *const _,
+        )
+    };
+    _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h))
 }
 
 /// `d * b` for the 8 bytes `b` of `w` (products of an f16 and a 6-bit integer: exact), as
@@ -1096,6 +1166,142 @@ unsafe fn one_q4_k<const R: usize>(rows: [*const u8; R], nsb: usize, one: &OneRo
     std::array::from_fn(|r| ys[r] - ym[r])
 }
 
+/// Weight rows a one-row kernel takes together with the rows in lanes (`one_*_16`).
+const LANE_ROWS: usize = 16;
+
+/// Prefetches bytes `from..from + len` of row `r` of the next group of `LANE_ROWS` rows (`rb`
+/// bytes apart from `row0`), the bytes a lane kernel reads from row `r` of this group next:
+/// its 16 streams a thread are more than the hardware prefetcher follows. Into L2: a group
+/// (18 KB of Q4_K rows of 2048 values) and the next would crowd L1.
+#[inline]
+fn prefetch_next_group(
+    row0: *const u8,
+    rb: usize,
+    r: usize,
+    from: usize,
+    len: usize,
+    end: *const u8,
+) {
+    let mut pf = row0.wrapping_add((LANE_ROWS + r) * rb + from);
+    let stop = pf.wrapping_add(len);
+    while pf < stop && pf < end {
+        // SAFETY: a prefetch never faults; pf is inside the weight's bytes
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(pf as *const i8) };
+        pf = pf.wrapping_add(64);
+    }
+}
+
+/// The byte offsets of 16 rows `rb` bytes apart.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn lane_offsets(rb: usize) -> __m512i {
+    _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(rb as i32),
+    )
+}
+
+/// Q4_K with one activation row, 16 weight rows (`rb` bytes apart from `row0`) at a time with
+/// the rows in lanes for the float steps. The integer sums are `one_q4_k`'s (`half_sums` per
+/// row), turned by a 16 x 16 transpose so that lane `r` holds row `r`'s sub-block sums; the
+/// scales and minima of the 16 rows come by gathers; then lane `r` runs row `r`'s two chains,
+/// the same operations in the same order as `one_q4_k`'s scalars (so the same bits) but 16
+/// rows per instruction: the scalar chains, two loads per multiply-add, were the kernel's
+/// cost.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn one_q4_k_16(
+    row0: *const u8,
+    rb: usize,
+    nsb: usize,
+    one: &OneRow,
+    end: *const u8,
+) -> [f32; LANE_ROWS] {
+    let mut ys = _mm512_setzero_ps();
+    let mut ym = _mm512_setzero_ps();
+    let at = lane_offsets(rb);
+    let low6 = _mm512_set1_epi32(0x3f);
+    let low4 = _mm512_set1_epi32(0x0f);
+    let low2 = _mm512_set1_epi32(0x03);
+    let mut s0 = 0;
+    while s0 < nsb {
+        let cnt = (nsb - s0).min(2);
+        let mut sums = [_mm512_setzero_ps(); LANE_ROWS];
+        for (r, sum) in sums.iter_mut().enumerate() {
+            prefetch_next_group(row0, rb, r, 144 * s0, 144 * cnt, end);
+            let mut v = [_mm512_setzero_si512(); 8];
+            for s in 0..cnt {
+                let p = unsafe { row0.add(r * rb + 144 * (s0 + s)) };
+                for i in 0..4 {
+                    unsafe {
+                        let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                            p.add(16 + 32 * i) as *const __m256i
+                        ));
+                        let w = _mm512_and_si512(
+                            _mm512_mask_srli_epi16(q, 0xFFFF_0000, q, 4),
+                            _mm512_set1_epi8(0x0F),
+                        );
+                        let a =
+                            _mm512_loadu_si512(one.q().add(256 * (s0 + s) + 64 * i) as *const _);
+                        v[4 * s + i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
+                    }
+                }
+            }
+            *sum = _mm512_castsi512_ps(half_sums(v));
+        }
+        // cols[j] lane r: sub-block j's integer sum in row r
+        let cols = crate::x86::transpose16(sums);
+        for s in 0..cnt {
+            let p = unsafe { row0.add(144 * (s0 + s)) };
+            // each row's f16 d and dmin, and its 12 packed scale bytes as three words
+            let g = |off: usize| unsafe { _mm512_i32gather_epi32::<1>(at, p.add(off) as *const _) };
+            let (dd, u0, u1, u2) = (g(0), g(4), g(8), g(12));
+            let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+            let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
+            for jj in 0..8 {
+                // ggml's get_scale_min_k4, lane by lane (see `k4_scale_min_words`)
+                let byte =
+                    |u: __m512i, t: usize| _mm512_srl_epi32(u, _mm_cvtsi32_si128(8 * t as i32));
+                let (sc, mn) = if jj < 4 {
+                    (
+                        _mm512_and_si512(byte(u0, jj), low6),
+                        _mm512_and_si512(byte(u1, jj), low6),
+                    )
+                } else {
+                    let t = jj - 4;
+                    let hi = |u| {
+                        _mm512_slli_epi32::<4>(_mm512_and_si512(
+                            _mm512_srli_epi32::<6>(byte(u, t)),
+                            low2,
+                        ))
+                    };
+                    let b2 = byte(u2, t);
+                    (
+                        _mm512_or_si512(_mm512_and_si512(b2, low4), hi(u0)),
+                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32::<4>(b2), low4), hi(u1)),
+                    )
+                };
+                let b = 8 * (s0 + s) + jj;
+                // SAFETY: sub-block b of the row: `one` holds its scale and sum
+                let (d_act, sum_b) = unsafe { (*one.d.as_ptr().add(b), *one.sum.as_ptr().add(b)) };
+                let f = _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_castps_si512(cols[8 * s + jj])),
+                    _mm512_set1_ps(d_act),
+                );
+                ys = _mm512_fmadd_ps(f, _mm512_mul_ps(_mm512_cvtepi32_ps(sc), d), ys);
+                ym = _mm512_fmadd_ps(
+                    _mm512_set1_ps(sum_b),
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(mn), dmin),
+                    ym,
+                );
+            }
+        }
+        s0 += cnt;
+    }
+    let mut out = [0f32; LANE_ROWS];
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_sub_ps(ys, ym)) };
+    out
+}
+
 /// Q6_K with one activation row: 64 codes to a vector, the sums of each 16, scaled and
 /// paired in integers, then `dot_q6_k`'s chain in scalars.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -1149,6 +1355,138 @@ unsafe fn one_q6_k(row: *const u8, nsb: usize, one: &OneRow) -> f32 {
         }
     }
     y[0] + y[1]
+}
+
+/// Q6_K with one activation row, 16 weight rows at a time with the rows in lanes for the
+/// float steps (see `one_q4_k_16`): `one_q6_k`'s integer pairs of two SBs per row, turned by
+/// a transpose, then lane `r` runs row `r`'s two chains with its `d` (gathered), the same
+/// operations in the same order as `one_q6_k`'s scalars.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn one_q6_k_16(
+    row0: *const u8,
+    rb: usize,
+    nsb: usize,
+    one: &OneRow,
+    end: *const u8,
+) -> [f32; LANE_ROWS] {
+    let three = _mm256_set1_epi8(3);
+    let at = lane_offsets(rb);
+    // the even lanes (one sum per 32 values) of two vectors, in order
+    let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let mut y = [_mm512_setzero_ps(); 2];
+    let mut s0 = 0;
+    while s0 < nsb {
+        let cnt = (nsb - s0).min(2);
+        let mut sums = [_mm512_setzero_ps(); LANE_ROWS];
+        for (r, sum) in sums.iter_mut().enumerate() {
+            prefetch_next_group(row0, rb, r, 210 * s0, 210 * cnt, end);
+            let mut pairs = [_mm512_setzero_si512(); 2];
+            for (s, pair) in pairs.iter_mut().enumerate().take(cnt) {
+                unsafe {
+                    let p = row0.add(r * rb + 210 * (s0 + s));
+                    let mut v = [_mm512_setzero_si512(); 4];
+                    for n in 0..2 {
+                        let ql = p.add(64 * n);
+                        let qh = _mm256_loadu_si256(p.add(128 + 32 * n) as *const __m256i);
+                        let la = _mm256_loadu_si256(ql as *const __m256i);
+                        let lb = _mm256_loadu_si256(ql.add(32) as *const __m256i);
+                        let top = |sh: i32| {
+                            let c = _mm_cvtsi32_si128(sh);
+                            _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srl_epi16(qh, c), three))
+                        };
+                        let c = [
+                            _mm256_or_si256(low4(la), top(0)),
+                            _mm256_or_si256(low4(lb), top(2)),
+                            _mm256_or_si256(high4(la), top(4)),
+                            _mm256_or_si256(high4(lb), top(6)),
+                        ];
+                        for h in 0..2 {
+                            let w = _mm512_inserti64x4::<1>(
+                                _mm512_castsi256_si512(c[2 * h]),
+                                c[2 * h + 1],
+                            );
+                            let a = _mm512_loadu_si512(
+                                one.q().add(256 * (s0 + s) + 128 * n + 64 * h) as *const _,
+                            );
+                            v[2 * n + h] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
+                        }
+                    }
+                    let z = _mm512_slli_epi32::<5>(_mm512_loadu_si512(
+                        one.isum16.as_ptr().add(16 * (s0 + s)) as *const _,
+                    ));
+                    let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(192) as *const __m128i));
+                    let iv = _mm512_mullo_epi32(_mm512_sub_epi32(quarter_sums(v), z), sc);
+                    *pair = _mm512_add_epi32(iv, _mm512_srli_epi64::<32>(iv));
+                }
+            }
+            // lanes 8 s + j: the 8 sums of SB s0 + s
+            *sum = _mm512_castsi512_ps(_mm512_permutex2var_epi32(pairs[0], evens, pairs[1]));
+        }
+        let cols = crate::x86::transpose16(sums);
+        for s in 0..cnt {
+            // each row's f16 d: the high half of the 4 bytes before the SB's end
+            let dd = unsafe {
+                _mm512_i32gather_epi32::<1>(at, row0.add(210 * (s0 + s) + 206) as *const _)
+            };
+            let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
+            for j in 0..8 {
+                // SAFETY: block 8 (s0 + s) + j of the row: `one` holds its scale
+                let d_act = unsafe { *one.d.as_ptr().add(8 * (s0 + s) + j) };
+                let f = _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_castps_si512(cols[8 * s + j])),
+                    _mm512_set1_ps(d_act),
+                );
+                y[j & 1] = _mm512_fmadd_ps(f, d, y[j & 1]);
+            }
+        }
+        s0 += cnt;
+    }
+    let mut out = [0f32; LANE_ROWS];
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(y[0], y[1])) };
+    out
+}
+
+/// Q8_0 / Q4_0 / Q5_0 (`T`) with one activation row, 16 weight rows at a time with the rows
+/// in lanes for the float steps (see `one_q4_k_16`): `one_legacy`'s products and scales of
+/// 16 blocks per row, both turned by a transpose, then lane `r` runs row `r`'s two chains,
+/// the same operations in the same order as `one_legacy`'s scalars.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn one_legacy_16<const T: u32>(
+    row0: *const u8,
+    rb: usize,
+    nb: usize,
+    one: &OneRow,
+    end: *const u8,
+) -> [f32; LANE_ROWS] {
+    let (bb, ty) = legacy_layout(T);
+    let at = lane_offsets(bb);
+    let mut y = [_mm512_setzero_ps(); 2];
+    let mut c0 = 0;
+    while c0 < nb {
+        let cnt = (nb - c0).min(16);
+        let valid = (((1u32 << cnt) - 1) & 0xFFFF) as u16;
+        let (z, d_act) = unsafe { legacy_chunk_acts::<T>(one, c0) };
+        let mut fs = [_mm512_setzero_ps(); LANE_ROWS];
+        let mut dw = [_mm512_setzero_ps(); LANE_ROWS];
+        for r in 0..LANE_ROWS {
+            prefetch_next_group(row0, rb, r, bb * c0, bb * cnt, end);
+            let row = row0.wrapping_add(r * rb);
+            // SAFETY: blocks c0..c0 + cnt of row r exist; `one` holds their activations
+            unsafe {
+                let v = legacy_chunk_sums(ty, bb, row, c0, cnt, one);
+                fs[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(half_sums(v), z)), d_act);
+                dw[r] = legacy_chunk_scales(row, bb, c0, valid, at);
+            }
+        }
+        let (fs, dw) = (crate::x86::transpose16(fs), crate::x86::transpose16(dw));
+        for j in 0..cnt {
+            y[j & 1] = _mm512_fmadd_ps(fs[j], dw[j], y[j & 1]);
+        }
+        c0 += cnt;
+    }
+    let mut out = [0f32; LANE_ROWS];
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(y[0], y[1])) };
+    out
 }
 
 /// Weight rows a wide kernel walks together: each 64-byte load of the tile's activations
