@@ -11,6 +11,7 @@
 mod aligned;
 pub mod attention;
 pub mod blocks;
+pub mod decode;
 pub mod pool;
 pub mod qmatmul;
 pub mod rowops;

@@ -9,6 +9,7 @@ mod blocks;
 mod ckpt;
 mod constrain;
 mod convert;
+mod decode;
 mod disk;
 mod errors;
 mod kernels;
@@ -25,6 +26,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     kernels::register(m)?;
     blocks::register(m)?;
     constrain::register(m)?;
+    decode::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

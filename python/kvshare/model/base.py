@@ -26,6 +26,7 @@ import numpy as np
 from kvshare.backend import CPU, CPU_THREADS, Backend
 from kvshare.model.batch import SeqChunk
 from kvshare.model.cache import ModelCache
+from kvshare.model import fused
 from kvshare.model.config import ATTENTION, RECURRENT, ModelConfig
 from kvshare.ops.activation import glu
 from kvshare.ops.attention import kv_slots, pad_block_tables, paged_attention, write_kv
@@ -213,6 +214,8 @@ class AttentionLayer:
     post_attn_norm: Any = None  # gemma: norm of the attention output before the residual
     post_ffn_norm: Any = None
     kind: str = ATTENTION
+    # `model.fused`'s arguments for the layer, built on first use (() when it cannot take it)
+    fused: Any = field(default=None, repr=False, compare=False)
 
 
 class RecurrentLayer:
@@ -295,6 +298,9 @@ class DecoderModel(Model):
         tables, slots = plan.group(cache.group_of(L.attn_index))
         if tables is None:
             raise ValueError("the cache keeps window layers apart: chunks need win_block_table")
+        if not be.is_gpu and fused.applies(L, x, plan, kc, last):
+            fused.run(self, L, x, plan, kc, vc, tables, slots, cos, sin)
+            return x
         parts = split_rows(n, plan.row_parts) if plan.row_parts > 1 else None
         # every layer stores its K/V, even the last one of a step that wants no logits
         if parts is None:

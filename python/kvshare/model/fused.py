@@ -1,0 +1,82 @@
+"""A CPU decode step's attention + MLP layer in one Rust call (`_core.decode_layer`).
+
+`DecoderModel._attention_layer` makes ~14 calls per layer (norms, the fused products, rope,
+the KV write, attention, the GLU, residual adds), each ~10-15 us of Python around a few us
+of work: a sixth of a Gemma 3 270M decode step. `kvshare_kernels::decode` runs the same
+operations with the same kernels and float formulas, so a row's result is the same bits on
+either path (tests/test_fused_decode.py compares them). It applies where those kernels are
+the ones the Python path would call: 8-bit activations on every weight ("vnni"), an f32 or
+f16 pool, at most `MAX_ROWS` rows with at most 4 per sequence (the attention's decode rows),
+every row wanted past the last layer. Set KVSHARE_FUSED_DECODE=0 to turn it off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from kvshare import _core
+from kvshare.backend import CPU_THREADS
+from kvshare.ops.attention import KERNEL_MAX_ROWS
+from kvshare.ops.blockweight import BLOCK_KERNEL_MAX, BlockWeight
+from kvshare.ops.rope import NEOX
+
+ENABLED = (hasattr(_core, "decode_layer")
+           and os.environ.get("KVSHARE_FUSED_DECODE", "1") != "0")
+MAX_ROWS = BLOCK_KERNEL_MAX
+# rows per sequence the attention kernel takes as decode rows (its DECODE_ROWS): more rows
+# make the Python path give attention all cores, not the kernels' share
+_DECODE_ROWS = 4
+_POOL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+
+
+def _parts(w: Any) -> tuple[list[np.ndarray], list[int]] | None:
+    """A weight's `(raws, qtypes)`, or None when it is not all 8-bit-activation blocks."""
+    if not isinstance(w, BlockWeight) or w.activations != "vnni" or not w._vnni_all:
+        return None
+    return [p.raw for p in w.parts], [p.qtype for p in w.parts]
+
+
+def layer_args(L: Any) -> tuple | None:
+    """The layer's weights as `_core.decode_layer` takes them (built once), or None when the
+    layer cannot take the fused path."""
+    if L.fused is None:
+        ws = [_parts(w) for w in (L.wqkv, L.wo, L.w_gate_up, L.w_down)]
+        vecs = (L.attn_norm, L.bqkv, L.q_norm, L.k_norm, L.post_attn_norm, L.ffn_norm,
+                L.post_ffn_norm)
+        ok = all(w is not None for w in ws) and all(
+            v is None or (isinstance(v, np.ndarray) and v.dtype == np.float32
+                          and v.flags.c_contiguous) for v in vecs)
+        if not ok:
+            L.fused = ()
+        else:
+            an, b, qn, kn, pan, fn, pfn = vecs
+            L.fused = (an, ws[0], b, qn, kn, ws[1], pan, fn, ws[2], ws[3], pfn)
+    return L.fused or None
+
+
+def applies(L: Any, x: Any, plan: Any, kc: Any, last: bool) -> bool:
+    """Whether this layer of this step takes the fused path."""
+    n = x.shape[0]
+    if not (ENABLED and 0 < n <= MAX_ROWS and plan.row_parts <= 1):
+        return False
+    if kc.dtype not in _POOL_DTYPES or not isinstance(x, np.ndarray) or not x.flags.c_contiguous:
+        return False
+    if last and plan.logit_rows.size != n:
+        return False
+    if int(np.max(np.diff(plan.q_starts))) > _DECODE_ROWS:
+        return False
+    return layer_args(L) is not None
+
+
+def run(model: Any, L: Any, x: np.ndarray, plan: Any, kc: Any, vc: Any, tables: np.ndarray,
+        slots: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+    """The layer over the rows x, in place (see `applies`)."""
+    cfg = model.config
+    shape = (cfg.n_head, cfg.n_head_kv, cfg.head_dim, float(cfg.norm_eps),
+             cfg.rope_style == NEOX, model._act, int(L.window), float(cfg.q_scale))
+    _core.decode_layer(L.fused, shape, x, cos, sin, slots, kc, vc, tables, plan.q_starts,
+                       plan.start_positions, KERNEL_MAX_ROWS, bool(model.batch_invariant),
+                       CPU_THREADS.kernel_threads)
