@@ -1173,8 +1173,19 @@ fn vnni_rows_do_not_depend_on_the_batch_or_threads() {
         };
         let all = run(0, m, 1);
         assert_eq!(all, run(0, m, 3), "{ty:?}: threads");
-        // one row alone (a decode step), and rows in other places of the 8-row tiles
-        for (lo, hi) in [(5, 6), (5, 13), (3, 40), (0, 17), (44, 45)] {
+        // one row alone (a decode step), 2-4 rows (weight rows in lanes), and rows in other
+        // places of the 8-row tiles
+        for (lo, hi) in [
+            (5, 6),
+            (5, 7),
+            (2, 5),
+            (10, 14),
+            (20, 25),
+            (5, 13),
+            (3, 40),
+            (0, 17),
+            (44, 45),
+        ] {
             let part = run(lo, hi, 2);
             for (i, (a, b)) in all[lo * n..hi * n].iter().zip(&part).enumerate() {
                 assert_eq!(

@@ -324,14 +324,14 @@ pub(super) fn matmul_parts(
     out: &mut [f32],
     threads: usize,
 ) {
-    if m == 1 {
-        one_row_parts(x, ws, out, threads);
+    if m <= FEW_ROWS {
+        few_rows_parts(x, m, ws, out, threads);
         return;
     }
     let ptr = OutPtr(out.as_mut_ptr());
     let ld: usize = ws.iter().map(|w| w.n).sum();
     let k = ws[0].k;
-    // up to 8 rows: one tile of 8 lanes; more: tiles of 16 (Gemma 3 270M's matrices, one
+    // up to 8 rows (past FEW_ROWS): one tile of 8 lanes; more: tiles of 16 (Gemma 3 270M's matrices, one
     // core each of two: 8 rows 43 ms with 8 lanes, 69 with 16; 64 rows 297 and 220 ms)
     let lanes = if m <= LANES { LANES } else { WIDE_LANES };
     // one quantization per format the parts take
@@ -733,99 +733,123 @@ impl OneRow {
     }
 }
 
-/// `out[0, c_p + n]` for one activation row (see `matmul_parts`; `m == 1`).
-fn one_row_parts(x: &[f32], ws: &[BlockMatrix<'_>], out: &mut [f32], threads: usize) {
+/// `out[a, c_p + n]` for `m` <= `FEW_ROWS` activation rows (see `matmul_parts`): each row
+/// quantized alone (`OneRow`), 16 weight rows at a time in lanes (`many_*_16`), the rest of a
+/// tile row by row (`one_*`); the same bits for a row whatever `m` is.
+fn few_rows_parts(x: &[f32], m: usize, ws: &[BlockMatrix<'_>], out: &mut [f32], threads: usize) {
     let ptr = OutPtr(out.as_mut_ptr());
     let k = ws[0].k;
-    let quantize = |f: ActFormat| {
-        ws.iter()
-            .any(|w| format_of(w.ty) == f)
-            // SAFETY: available() checked by the caller; x is one row of k values
-            .then(|| unsafe { OneRow::quantize(&x[..k], k, f) })
+    let ld: usize = ws.iter().map(|w| w.n).sum();
+    let quantize = |f: ActFormat| -> Vec<OneRow> {
+        if !ws.iter().any(|w| format_of(w.ty) == f) {
+            return Vec::new();
+        }
+        // SAFETY: available() checked by the caller; x holds m rows of k values
+        (0..m)
+            .map(|a| unsafe { OneRow::quantize(&x[a * k..(a + 1) * k], k, f) })
+            .collect()
     };
     let (p32, q8k) = (quantize(ActFormat::Per32), quantize(ActFormat::Q8K));
-    let row_for = |ty| match format_of(ty) {
-        ActFormat::Per32 => p32.as_ref().expect("quantized for the parts that take it"),
-        ActFormat::Q8K => q8k.as_ref().expect("quantized for the parts that take it"),
+    let rows_for = |ty| match format_of(ty) {
+        ActFormat::Per32 => &p32,
+        ActFormat::Q8K => &q8k,
     };
     let (tiles, bounds, threads) = split_row_tiles(ws, 1, threads);
     crate::pool::run_on(threads, bounds.len() - 1, &|i| {
         for &(p, lo, hi, col) in &tiles[bounds[i]..bounds[i + 1]] {
+            let ones = rows_for(ws[p].ty);
+            let tile = RowsOut { out: ptr, col, ld };
             // SAFETY: available(); rows lo..hi of ws[p] exist and their output columns
             // belong to this part alone
-            unsafe { one_row_rows(row_for(ws[p].ty), &ws[p], lo, hi, ptr, col) };
+            unsafe {
+                match m {
+                    1 => few_row_rows::<1>(ones, &ws[p], lo, hi, tile),
+                    2 => few_row_rows::<2>(ones, &ws[p], lo, hi, tile),
+                    3 => few_row_rows::<3>(ones, &ws[p], lo, hi, tile),
+                    _ => few_row_rows::<4>(ones, &ws[p], lo, hi, tile),
+                }
+            }
         }
     });
 }
 
+/// Most activation rows `few_rows_parts` takes (more: `Packed` tiles). Per weight row a
+/// lane kernel's cost grows with each activation row (its sums are reduced and transposed
+/// row by row) while the packed kernels' stays flat up to 8: measured (2 threads, matrices in
+/// L2) the lanes are faster for 2-4 rows (Q4_K/Q6_K 1.4-2x, Q8_0/Q5_0 1.0-1.4x) and slower
+/// for Q8_0/Q5_0 at 6-8.
+const FEW_ROWS: usize = 4;
+
+/// Where a part's results go: `out[a * ld + col + n]` for activation row `a`, weight row `n`.
+#[derive(Clone, Copy)]
+struct RowsOut {
+    out: OutPtr,
+    col: usize,
+    ld: usize,
+}
+
+/// Rows `lo..hi` of `w` times the `M` activation rows `ones`.
+/// SAFETY: as `few_rows_parts`'s parts: rows lo..hi of `w` exist, `ones` holds `M` rows of
+/// `w.k` values, and the output columns belong to this call alone.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn one_row_rows(
-    one: &OneRow,
+unsafe fn few_row_rows<const M: usize>(
+    ones: &[OneRow],
     w: &BlockMatrix<'_>,
     lo: usize,
     hi: usize,
-    out: OutPtr,
-    col: usize,
+    o: RowsOut,
 ) {
+    use BlockType::*;
+    let ones: [&OneRow; M] = std::array::from_fn(|a| &ones[a]);
     let rb = w.row_bytes();
     let end = w.raw.as_ptr().wrapping_add(w.raw.len());
     let row_at = |n: usize| w.raw.as_ptr().wrapping_add(n * rb);
+    let (nb, nsb) = (w.k / 32, w.k / 256);
+    let put = |a: usize, n: usize, v: f32| {
+        // SAFETY: activation row a < M, column col + n inside this part's columns
+        unsafe { *o.out.at(a * o.ld + o.col + n) = v };
+    };
     let mut n = lo;
-    while n < hi {
-        use BlockType::*;
-        // 16 rows in lanes, else two rows at a time where the kernel takes two (see
-        // `one_legacy`)
-        let lanes = hi - n >= LANE_ROWS;
-        let pair = hi - n >= 2 && matches!(w.ty, Q8_0 | Q4_0 | Q5_0 | Q4_K);
-        let count = if lanes {
-            LANE_ROWS
-        } else if pair {
-            2
-        } else {
-            1
+    // 16 weight rows at a time in lanes
+    while hi - n >= LANE_ROWS {
+        // SAFETY: rows n..n + LANE_ROWS < w.n hold k / block whole blocks
+        let y = unsafe {
+            let row0 = row_at(n);
+            match w.ty {
+                Q8_0 => many_legacy_16::<{ Q8_0 as u32 }, M>(row0, rb, nb, ones, end),
+                Q4_0 => many_legacy_16::<{ Q4_0 as u32 }, M>(row0, rb, nb, ones, end),
+                Q5_0 => many_legacy_16::<{ Q5_0 as u32 }, M>(row0, rb, nb, ones, end),
+                Q4_K => many_q4_k_16::<M>(row0, rb, nsb, ones, end),
+                _ => many_q6_k_16::<M>(row0, rb, nsb, ones, end),
+            }
         };
-        if lanes {
-            // SAFETY: rows n..n + LANE_ROWS < w.n hold k / block whole blocks; `one` holds
-            // k values; columns col + n.. of the single output row belong to this part
+        for (a, ya) in y.iter().enumerate() {
+            for (i, v) in ya.iter().enumerate() {
+                put(a, n + i, *v);
+            }
+        }
+        n += LANE_ROWS;
+    }
+    // the rest (a weight's last rows), two at a time where the kernel takes two
+    while n < hi {
+        let pair = hi - n >= 2 && matches!(w.ty, Q8_0 | Q4_0 | Q5_0 | Q4_K);
+        let count = if pair { 2 } else { 1 };
+        let rows = [row_at(n), row_at(n + 1)];
+        for (a, one) in ones.iter().enumerate() {
+            // SAFETY: rows n..n + count < w.n hold k / block whole blocks; `one` holds k
+            // values
             let y = unsafe {
-                let (row0, nb, nsb) = (row_at(n), w.k / 32, w.k / 256);
                 match w.ty {
-                    Q8_0 => one_legacy_16::<{ Q8_0 as u32 }>(row0, rb, nb, one, end),
-                    Q4_0 => one_legacy_16::<{ Q4_0 as u32 }>(row0, rb, nb, one, end),
-                    Q5_0 => one_legacy_16::<{ Q5_0 as u32 }>(row0, rb, nb, one, end),
-                    Q4_K => one_q4_k_16(row0, rb, nsb, one, end),
-                    _ => one_q6_k_16(row0, rb, nsb, one, end),
+                    Q8_0 => legacy_rows::<{ Q8_0 as u32 }>(rows, pair, nb, one),
+                    Q4_0 => legacy_rows::<{ Q4_0 as u32 }>(rows, pair, nb, one),
+                    Q5_0 => legacy_rows::<{ Q5_0 as u32 }>(rows, pair, nb, one),
+                    Q4_K if pair => one_q4_k::<2>(rows, nsb, one),
+                    Q4_K => [one_q4_k::<1>([rows[0]], nsb, one)[0], 0.0],
+                    _ => [one_q6_k(rows[0], nsb, one), 0.0],
                 }
             };
-            for (i, v) in y.iter().enumerate() {
-                // SAFETY: as above
-                unsafe { *out.at(col + n + i) = *v };
-            }
-            n += count;
-            continue;
-        }
-        let mut pf = row_at(n).wrapping_add(PREFETCH_AHEAD);
-        let stop = pf.wrapping_add(count * rb);
-        while pf < stop && pf < end {
-            // a prefetch never faults; pf is inside the weight's bytes
-            _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
-            pf = pf.wrapping_add(64);
-        }
-        // SAFETY: rows n..n + count < w.n hold k / block whole blocks; `one` holds k values;
-        // columns col + n.. of the single output row belong to this part
-        unsafe {
-            let rows = [row_at(n), row_at(n + 1)];
-            let (nb, nsb) = (w.k / 32, w.k / 256);
-            let y = match w.ty {
-                Q8_0 => legacy_rows::<{ Q8_0 as u32 }>(rows, pair, nb, one),
-                Q4_0 => legacy_rows::<{ Q4_0 as u32 }>(rows, pair, nb, one),
-                Q5_0 => legacy_rows::<{ Q5_0 as u32 }>(rows, pair, nb, one),
-                Q4_K if pair => one_q4_k::<2>(rows, nsb, one),
-                Q4_K => [one_q4_k::<1>([rows[0]], nsb, one)[0], 0.0],
-                _ => [one_q6_k(rows[0], nsb, one), 0.0],
-            };
             for (i, v) in y[..count].iter().enumerate() {
-                *out.at(col + n + i) = *v;
+                put(a, n + i, *v);
             }
         }
         n += count;
@@ -983,7 +1007,7 @@ unsafe fn one_legacy<const T: u32, const R: usize>(
         for r in 0..R {
             // SAFETY: blocks c0..c0 + cnt of the row exist; `one` holds their activations
             unsafe {
-                let v = legacy_chunk_sums(ty, bb, rows[r], c0, cnt, one);
+                let v = chunk_dots(&legacy_chunk_codes(ty, bb, rows[r], c0, cnt), one, c0, cnt);
                 let f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(half_sums(v), z)), d_act);
                 _mm512_storeu_ps(fs[r].as_mut_ptr(), f);
                 let w = legacy_chunk_scales(rows[r], bb, c0, valid, at);
@@ -1034,39 +1058,49 @@ unsafe fn legacy_chunk_acts<const T: u32>(one: &OneRow, c0: usize) -> (__m512i, 
     }
 }
 
-/// The integer products of blocks `c0..c0 + cnt` of `row` (type `ty`, `bb` bytes a block)
-/// with the activations, two blocks to a vector (`half_sums` gives the 16 block sums).
-/// SAFETY: the blocks exist; `one` holds their activations.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2")]
+/// The codes of blocks `c0..c0 + cnt` of `row` (type `ty`, `bb` bytes a block), two blocks
+/// to a vector as `legacy_pair` unpacks them (an odd last block alone in the low half).
+/// SAFETY: the blocks exist.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
 #[inline]
-unsafe fn legacy_chunk_sums(
+unsafe fn legacy_chunk_codes(
     ty: BlockType,
     bb: usize,
     row: *const u8,
     c0: usize,
     cnt: usize,
-    one: &OneRow,
 ) -> [__m512i; 8] {
-    // blocks b and b + 1 (b + 1 < cnt unless `last`) against their activations
     let pair = |b: usize, last: bool| unsafe {
-        let w = if last {
+        if last {
             _mm512_castsi256_si512(legacy_codes(ty, row.add(bb * b)))
         } else {
             legacy_pair(ty, row.add(bb * b))
-        };
-        // past the row's end the activations are zeros
-        let a = _mm512_loadu_si512(one.q().add(32 * b) as *const _);
-        _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a)
+        }
     };
-    let mut v = [_mm512_setzero_si512(); 8];
+    let mut w = [_mm512_setzero_si512(); 8];
     if cnt == 16 {
-        for (i, vi) in v.iter_mut().enumerate() {
-            *vi = pair(c0 + 2 * i, false);
+        for (i, wi) in w.iter_mut().enumerate() {
+            *wi = pair(c0 + 2 * i, false);
         }
     } else {
-        for (i, vi) in v.iter_mut().enumerate().take(cnt.div_ceil(2)) {
-            *vi = pair(c0 + 2 * i, 2 * i + 1 == cnt);
+        for (i, wi) in w.iter_mut().enumerate().take(cnt.div_ceil(2)) {
+            *wi = pair(c0 + 2 * i, 2 * i + 1 == cnt);
         }
+    }
+    w
+}
+
+/// The integer products of a chunk's codes (`legacy_chunk_codes`) with one activation row's
+/// blocks `c0..` (past the row's end its activations are zeros); `half_sums` gives the 16
+/// block sums.
+/// SAFETY: `one` holds 16 blocks from `c0`.
+#[target_feature(enable = "avx512f,avx512vnni")]
+#[inline]
+unsafe fn chunk_dots(w: &[__m512i; 8], one: &OneRow, c0: usize, cnt: usize) -> [__m512i; 8] {
+    let mut v = [_mm512_setzero_si512(); 8];
+    for (i, (vi, wi)) in v.iter_mut().zip(w).enumerate().take(cnt.div_ceil(2)) {
+        let a = unsafe { _mm512_loadu_si512(one.q().add(32 * (c0 + 2 * i)) as *const _) };
+        *vi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), *wi, a);
     }
     v
 }
@@ -1201,107 +1235,6 @@ fn lane_offsets(rb: usize) -> __m512i {
     )
 }
 
-/// Q4_K with one activation row, 16 weight rows (`rb` bytes apart from `row0`) at a time with
-/// the rows in lanes for the float steps. The integer sums are `one_q4_k`'s (`half_sums` per
-/// row), turned by a 16 x 16 transpose so that lane `r` holds row `r`'s sub-block sums; the
-/// scales and minima of the 16 rows come by gathers; then lane `r` runs row `r`'s two chains,
-/// the same operations in the same order as `one_q4_k`'s scalars (so the same bits) but 16
-/// rows per instruction: the scalar chains, two loads per multiply-add, were the kernel's
-/// cost.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn one_q4_k_16(
-    row0: *const u8,
-    rb: usize,
-    nsb: usize,
-    one: &OneRow,
-    end: *const u8,
-) -> [f32; LANE_ROWS] {
-    let mut ys = _mm512_setzero_ps();
-    let mut ym = _mm512_setzero_ps();
-    let at = lane_offsets(rb);
-    let low6 = _mm512_set1_epi32(0x3f);
-    let low4 = _mm512_set1_epi32(0x0f);
-    let low2 = _mm512_set1_epi32(0x03);
-    let mut s0 = 0;
-    while s0 < nsb {
-        let cnt = (nsb - s0).min(2);
-        let mut sums = [_mm512_setzero_ps(); LANE_ROWS];
-        for (r, sum) in sums.iter_mut().enumerate() {
-            prefetch_next_group(row0, rb, r, 144 * s0, 144 * cnt, end);
-            let mut v = [_mm512_setzero_si512(); 8];
-            for s in 0..cnt {
-                let p = unsafe { row0.add(r * rb + 144 * (s0 + s)) };
-                for i in 0..4 {
-                    unsafe {
-                        let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                            p.add(16 + 32 * i) as *const __m256i
-                        ));
-                        let w = _mm512_and_si512(
-                            _mm512_mask_srli_epi16(q, 0xFFFF_0000, q, 4),
-                            _mm512_set1_epi8(0x0F),
-                        );
-                        let a =
-                            _mm512_loadu_si512(one.q().add(256 * (s0 + s) + 64 * i) as *const _);
-                        v[4 * s + i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
-                    }
-                }
-            }
-            *sum = _mm512_castsi512_ps(half_sums(v));
-        }
-        // cols[j] lane r: sub-block j's integer sum in row r
-        let cols = crate::x86::transpose16(sums);
-        for s in 0..cnt {
-            let p = unsafe { row0.add(144 * (s0 + s)) };
-            // each row's f16 d and dmin, and its 12 packed scale bytes as three words
-            let g = |off: usize| unsafe { _mm512_i32gather_epi32::<1>(at, p.add(off) as *const _) };
-            let (dd, u0, u1, u2) = (g(0), g(4), g(8), g(12));
-            let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
-            let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
-            for jj in 0..8 {
-                // ggml's get_scale_min_k4, lane by lane (see `k4_scale_min_words`)
-                let byte =
-                    |u: __m512i, t: usize| _mm512_srl_epi32(u, _mm_cvtsi32_si128(8 * t as i32));
-                let (sc, mn) = if jj < 4 {
-                    (
-                        _mm512_and_si512(byte(u0, jj), low6),
-                        _mm512_and_si512(byte(u1, jj), low6),
-                    )
-                } else {
-                    let t = jj - 4;
-                    let hi = |u| {
-                        _mm512_slli_epi32::<4>(_mm512_and_si512(
-                            _mm512_srli_epi32::<6>(byte(u, t)),
-                            low2,
-                        ))
-                    };
-                    let b2 = byte(u2, t);
-                    (
-                        _mm512_or_si512(_mm512_and_si512(b2, low4), hi(u0)),
-                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32::<4>(b2), low4), hi(u1)),
-                    )
-                };
-                let b = 8 * (s0 + s) + jj;
-                // SAFETY: sub-block b of the row: `one` holds its scale and sum
-                let (d_act, sum_b) = unsafe { (*one.d.as_ptr().add(b), *one.sum.as_ptr().add(b)) };
-                let f = _mm512_mul_ps(
-                    _mm512_cvtepi32_ps(_mm512_castps_si512(cols[8 * s + jj])),
-                    _mm512_set1_ps(d_act),
-                );
-                ys = _mm512_fmadd_ps(f, _mm512_mul_ps(_mm512_cvtepi32_ps(sc), d), ys);
-                ym = _mm512_fmadd_ps(
-                    _mm512_set1_ps(sum_b),
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(mn), dmin),
-                    ym,
-                );
-            }
-        }
-        s0 += cnt;
-    }
-    let mut out = [0f32; LANE_ROWS];
-    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_sub_ps(ys, ym)) };
-    out
-}
-
 /// Q6_K with one activation row: 64 codes to a vector, the sums of each 16, scaled and
 /// paired in integers, then `dot_q6_k`'s chain in scalars.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -1357,34 +1290,159 @@ unsafe fn one_q6_k(row: *const u8, nsb: usize, one: &OneRow) -> f32 {
     y[0] + y[1]
 }
 
-/// Q6_K with one activation row, 16 weight rows at a time with the rows in lanes for the
-/// float steps (see `one_q4_k_16`): `one_q6_k`'s integer pairs of two SBs per row, turned by
-/// a transpose, then lane `r` runs row `r`'s two chains with its `d` (gathered), the same
-/// operations in the same order as `one_q6_k`'s scalars.
+/// Q4_K with `M` activation rows, 16 weight rows (`rb` bytes apart from `row0`) at a time
+/// with the weight rows in lanes for the float steps. The integer sums are `one_q4_k`'s
+/// (`half_sums` per row; a weight row's codes unpacked once for the `M` activation rows),
+/// turned by a 16 x 16 transpose so that lane `r` holds weight row `r`'s sub-block sums; the
+/// scales and minima of the 16 rows come by gathers; then lane `r` runs row `r`'s two chains,
+/// the same operations in the same order as `one_q4_k`'s scalars (so the same bits) but 16
+/// rows per instruction: the scalar chains, two loads per multiply-add, were the kernel's
+/// cost.
+// weight row r indexes each activation row's sums (`sums[a][r]`)
+#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn one_q6_k_16(
+unsafe fn many_q4_k_16<const M: usize>(
     row0: *const u8,
     rb: usize,
     nsb: usize,
-    one: &OneRow,
+    ones: [&OneRow; M],
     end: *const u8,
-) -> [f32; LANE_ROWS] {
+) -> [[f32; LANE_ROWS]; M] {
+    let mut ys = [_mm512_setzero_ps(); M];
+    let mut ym = [_mm512_setzero_ps(); M];
+    let at = lane_offsets(rb);
+    let low6 = _mm512_set1_epi32(0x3f);
+    let low4 = _mm512_set1_epi32(0x0f);
+    let low2 = _mm512_set1_epi32(0x03);
+    let mut s0 = 0;
+    while s0 < nsb {
+        let cnt = (nsb - s0).min(2);
+        let mut sums = [[_mm512_setzero_ps(); LANE_ROWS]; M];
+        for r in 0..LANE_ROWS {
+            prefetch_next_group(row0, rb, r, 144 * s0, 144 * cnt, end);
+            // the 8 vectors of the two blocks' codes (low nibbles of 32 bytes in the low half,
+            // high nibbles in the high half)
+            let mut w = [_mm512_setzero_si512(); 8];
+            for s in 0..cnt {
+                let p = unsafe { row0.add(r * rb + 144 * (s0 + s)) };
+                for i in 0..4 {
+                    let q = unsafe {
+                        _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                            p.add(16 + 32 * i) as *const __m256i
+                        ))
+                    };
+                    w[4 * s + i] = _mm512_and_si512(
+                        _mm512_mask_srli_epi16(q, 0xFFFF_0000, q, 4),
+                        _mm512_set1_epi8(0x0F),
+                    );
+                }
+            }
+            for (a, one) in ones.iter().enumerate() {
+                let mut v = [_mm512_setzero_si512(); 8];
+                for (i, vi) in v.iter_mut().enumerate().take(4 * cnt) {
+                    let (s, i) = (i / 4, i % 4);
+                    let x = unsafe {
+                        _mm512_loadu_si512(one.q().add(256 * (s0 + s) + 64 * i) as *const _)
+                    };
+                    *vi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4 * s + i], x);
+                }
+                sums[a][r] = _mm512_castsi512_ps(half_sums(v));
+            }
+        }
+        let mut dsc = [[_mm512_setzero_ps(); 8]; 2];
+        let mut dmn = [[_mm512_setzero_ps(); 8]; 2];
+        for s in 0..cnt {
+            let p = unsafe { row0.add(144 * (s0 + s)) };
+            // each row's f16 d and dmin, and its 12 packed scale bytes as three words
+            let g = |off: usize| unsafe { _mm512_i32gather_epi32::<1>(at, p.add(off) as *const _) };
+            let (dd, u0, u1, u2) = (g(0), g(4), g(8), g(12));
+            let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+            let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
+            for jj in 0..8 {
+                // ggml's get_scale_min_k4, lane by lane (see `k4_scale_min_words`)
+                let byte =
+                    |u: __m512i, t: usize| _mm512_srl_epi32(u, _mm_cvtsi32_si128(8 * t as i32));
+                let (sc, mn) = if jj < 4 {
+                    (
+                        _mm512_and_si512(byte(u0, jj), low6),
+                        _mm512_and_si512(byte(u1, jj), low6),
+                    )
+                } else {
+                    let t = jj - 4;
+                    let hi = |u| {
+                        _mm512_slli_epi32::<4>(_mm512_and_si512(
+                            _mm512_srli_epi32::<6>(byte(u, t)),
+                            low2,
+                        ))
+                    };
+                    let b2 = byte(u2, t);
+                    (
+                        _mm512_or_si512(_mm512_and_si512(b2, low4), hi(u0)),
+                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32::<4>(b2), low4), hi(u1)),
+                    )
+                };
+                dsc[s][jj] = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), d);
+                dmn[s][jj] = _mm512_mul_ps(_mm512_cvtepi32_ps(mn), dmin);
+            }
+        }
+        for (a, one) in ones.iter().enumerate() {
+            // cols[j] lane r: sub-block j's integer sum in row r
+            let cols = crate::x86::transpose16(sums[a]);
+            for s in 0..cnt {
+                for jj in 0..8 {
+                    let b = 8 * (s0 + s) + jj;
+                    // SAFETY: sub-block b of the row: `one` holds its scale and sum
+                    let (d_act, sum_b) =
+                        unsafe { (*one.d.as_ptr().add(b), *one.sum.as_ptr().add(b)) };
+                    let f = _mm512_mul_ps(
+                        _mm512_cvtepi32_ps(_mm512_castps_si512(cols[8 * s + jj])),
+                        _mm512_set1_ps(d_act),
+                    );
+                    ys[a] = _mm512_fmadd_ps(f, dsc[s][jj], ys[a]);
+                    ym[a] = _mm512_fmadd_ps(_mm512_set1_ps(sum_b), dmn[s][jj], ym[a]);
+                }
+            }
+        }
+        s0 += cnt;
+    }
+    std::array::from_fn(|a| {
+        let mut out = [0f32; LANE_ROWS];
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_sub_ps(ys[a], ym[a])) };
+        out
+    })
+}
+
+/// Q6_K with `M` activation rows, 16 weight rows at a time with the weight rows in lanes for
+/// the float steps (see `many_q4_k_16`): `one_q6_k`'s integer pairs of two SBs per row,
+/// turned by a transpose, then lane `r` runs row `r`'s two chains with its `d` (gathered),
+/// the same operations in the same order as `one_q6_k`'s scalars.
+// weight row r indexes each activation row's sums (`sums[a][r]`)
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn many_q6_k_16<const M: usize>(
+    row0: *const u8,
+    rb: usize,
+    nsb: usize,
+    ones: [&OneRow; M],
+    end: *const u8,
+) -> [[f32; LANE_ROWS]; M] {
     let three = _mm256_set1_epi8(3);
     let at = lane_offsets(rb);
     // the even lanes (one sum per 32 values) of two vectors, in order
     let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    let mut y = [_mm512_setzero_ps(); 2];
+    let mut y = [[_mm512_setzero_ps(); 2]; M];
     let mut s0 = 0;
     while s0 < nsb {
         let cnt = (nsb - s0).min(2);
-        let mut sums = [_mm512_setzero_ps(); LANE_ROWS];
-        for (r, sum) in sums.iter_mut().enumerate() {
+        let mut sums = [[_mm512_setzero_ps(); LANE_ROWS]; M];
+        for r in 0..LANE_ROWS {
             prefetch_next_group(row0, rb, r, 210 * s0, 210 * cnt, end);
-            let mut pairs = [_mm512_setzero_si512(); 2];
-            for (s, pair) in pairs.iter_mut().enumerate().take(cnt) {
+            let mut pairs = [[_mm512_setzero_si512(); 2]; M];
+            for s in 0..cnt {
                 unsafe {
                     let p = row0.add(r * rb + 210 * (s0 + s));
-                    let mut v = [_mm512_setzero_si512(); 4];
+                    // the SB's 256 codes as 4 vectors of 64 (`one_q6_k`'s order)
+                    let mut w = [_mm512_setzero_si512(); 4];
                     for n in 0..2 {
                         let ql = p.add(64 * n);
                         let qh = _mm256_loadu_si256(p.add(128 + 32 * n) as *const __m256i);
@@ -1401,92 +1459,119 @@ unsafe fn one_q6_k_16(
                             _mm256_or_si256(high4(lb), top(6)),
                         ];
                         for h in 0..2 {
-                            let w = _mm512_inserti64x4::<1>(
+                            w[2 * n + h] = _mm512_inserti64x4::<1>(
                                 _mm512_castsi256_si512(c[2 * h]),
                                 c[2 * h + 1],
                             );
-                            let a = _mm512_loadu_si512(
-                                one.q().add(256 * (s0 + s) + 128 * n + 64 * h) as *const _,
-                            );
-                            v[2 * n + h] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
                         }
                     }
-                    let z = _mm512_slli_epi32::<5>(_mm512_loadu_si512(
-                        one.isum16.as_ptr().add(16 * (s0 + s)) as *const _,
-                    ));
                     let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(192) as *const __m128i));
-                    let iv = _mm512_mullo_epi32(_mm512_sub_epi32(quarter_sums(v), z), sc);
-                    *pair = _mm512_add_epi32(iv, _mm512_srli_epi64::<32>(iv));
+                    for (a, one) in ones.iter().enumerate() {
+                        let mut v = [_mm512_setzero_si512(); 4];
+                        for (i, vi) in v.iter_mut().enumerate() {
+                            let x = _mm512_loadu_si512(
+                                one.q().add(256 * (s0 + s) + 64 * i) as *const _
+                            );
+                            *vi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[i], x);
+                        }
+                        let z = _mm512_slli_epi32::<5>(_mm512_loadu_si512(
+                            one.isum16.as_ptr().add(16 * (s0 + s)) as *const _,
+                        ));
+                        let iv = _mm512_mullo_epi32(_mm512_sub_epi32(quarter_sums(v), z), sc);
+                        pairs[a][s] = _mm512_add_epi32(iv, _mm512_srli_epi64::<32>(iv));
+                    }
                 }
             }
-            // lanes 8 s + j: the 8 sums of SB s0 + s
-            *sum = _mm512_castsi512_ps(_mm512_permutex2var_epi32(pairs[0], evens, pairs[1]));
+            for a in 0..M {
+                // lanes 8 s + j: the 8 sums of SB s0 + s
+                sums[a][r] =
+                    _mm512_castsi512_ps(_mm512_permutex2var_epi32(pairs[a][0], evens, pairs[a][1]));
+            }
         }
-        let cols = crate::x86::transpose16(sums);
-        for s in 0..cnt {
+        let mut d = [_mm512_setzero_ps(); 2];
+        for (s, ds) in d.iter_mut().enumerate().take(cnt) {
             // each row's f16 d: the high half of the 4 bytes before the SB's end
             let dd = unsafe {
                 _mm512_i32gather_epi32::<1>(at, row0.add(210 * (s0 + s) + 206) as *const _)
             };
-            let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
-            for j in 0..8 {
-                // SAFETY: block 8 (s0 + s) + j of the row: `one` holds its scale
-                let d_act = unsafe { *one.d.as_ptr().add(8 * (s0 + s) + j) };
-                let f = _mm512_mul_ps(
-                    _mm512_cvtepi32_ps(_mm512_castps_si512(cols[8 * s + j])),
-                    _mm512_set1_ps(d_act),
-                );
-                y[j & 1] = _mm512_fmadd_ps(f, d, y[j & 1]);
+            *ds = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
+        }
+        for (a, one) in ones.iter().enumerate() {
+            let cols = crate::x86::transpose16(sums[a]);
+            for s in 0..cnt {
+                for j in 0..8 {
+                    // SAFETY: block 8 (s0 + s) + j of the row: `one` holds its scale
+                    let d_act = unsafe { *one.d.as_ptr().add(8 * (s0 + s) + j) };
+                    let f = _mm512_mul_ps(
+                        _mm512_cvtepi32_ps(_mm512_castps_si512(cols[8 * s + j])),
+                        _mm512_set1_ps(d_act),
+                    );
+                    y[a][j & 1] = _mm512_fmadd_ps(f, d[s], y[a][j & 1]);
+                }
             }
         }
         s0 += cnt;
     }
-    let mut out = [0f32; LANE_ROWS];
-    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(y[0], y[1])) };
-    out
+    std::array::from_fn(|a| {
+        let mut out = [0f32; LANE_ROWS];
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(y[a][0], y[a][1])) };
+        out
+    })
 }
 
-/// Q8_0 / Q4_0 / Q5_0 (`T`) with one activation row, 16 weight rows at a time with the rows
-/// in lanes for the float steps (see `one_q4_k_16`): `one_legacy`'s products and scales of
-/// 16 blocks per row, both turned by a transpose, then lane `r` runs row `r`'s two chains,
-/// the same operations in the same order as `one_legacy`'s scalars.
+/// Q8_0 / Q4_0 / Q5_0 (`T`) with `M` activation rows, 16 weight rows at a time with the
+/// weight rows in lanes for the float steps (see `many_q4_k_16`): `one_legacy`'s products
+/// and scales of 16 blocks per row, both turned by a transpose, then lane `r` runs row `r`'s
+/// two chains, the same operations in the same order as `one_legacy`'s scalars.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn one_legacy_16<const T: u32>(
+unsafe fn many_legacy_16<const T: u32, const M: usize>(
     row0: *const u8,
     rb: usize,
     nb: usize,
-    one: &OneRow,
+    ones: [&OneRow; M],
     end: *const u8,
-) -> [f32; LANE_ROWS] {
+) -> [[f32; LANE_ROWS]; M] {
     let (bb, ty) = legacy_layout(T);
     let at = lane_offsets(bb);
-    let mut y = [_mm512_setzero_ps(); 2];
+    let mut y = [[_mm512_setzero_ps(); 2]; M];
     let mut c0 = 0;
     while c0 < nb {
         let cnt = (nb - c0).min(16);
         let valid = (((1u32 << cnt) - 1) & 0xFFFF) as u16;
-        let (z, d_act) = unsafe { legacy_chunk_acts::<T>(one, c0) };
-        let mut fs = [_mm512_setzero_ps(); LANE_ROWS];
+        // SAFETY: every OneRow is padded with 16 blocks of zeros
+        let acts: [(__m512i, __m512); M] =
+            std::array::from_fn(|a| unsafe { legacy_chunk_acts::<T>(ones[a], c0) });
+        let mut fs = [[_mm512_setzero_ps(); LANE_ROWS]; M];
         let mut dw = [_mm512_setzero_ps(); LANE_ROWS];
         for r in 0..LANE_ROWS {
             prefetch_next_group(row0, rb, r, bb * c0, bb * cnt, end);
             let row = row0.wrapping_add(r * rb);
-            // SAFETY: blocks c0..c0 + cnt of row r exist; `one` holds their activations
+            // SAFETY: blocks c0..c0 + cnt of row r exist; each `one` holds their activations
             unsafe {
-                let v = legacy_chunk_sums(ty, bb, row, c0, cnt, one);
-                fs[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(half_sums(v), z)), d_act);
+                let w = legacy_chunk_codes(ty, bb, row, c0, cnt);
+                for (a, one) in ones.iter().enumerate() {
+                    let (z, d_act) = acts[a];
+                    let v = chunk_dots(&w, one, c0, cnt);
+                    fs[a][r] =
+                        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(half_sums(v), z)), d_act);
+                }
                 dw[r] = legacy_chunk_scales(row, bb, c0, valid, at);
             }
         }
-        let (fs, dw) = (crate::x86::transpose16(fs), crate::x86::transpose16(dw));
-        for j in 0..cnt {
-            y[j & 1] = _mm512_fmadd_ps(fs[j], dw[j], y[j & 1]);
+        let dw = crate::x86::transpose16(dw);
+        for a in 0..M {
+            let fs = crate::x86::transpose16(fs[a]);
+            for j in 0..cnt {
+                y[a][j & 1] = _mm512_fmadd_ps(fs[j], dw[j], y[a][j & 1]);
+            }
         }
         c0 += cnt;
     }
-    let mut out = [0f32; LANE_ROWS];
-    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(y[0], y[1])) };
-    out
+    std::array::from_fn(|a| {
+        let mut out = [0f32; LANE_ROWS];
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(y[a][0], y[a][1])) };
+        out
+    })
 }
 
 /// Weight rows a wide kernel walks together: each 64-byte load of the tile's activations
