@@ -579,28 +579,59 @@ unsafe fn legacy_codes32(ty: BlockType, p: *const u8) -> __m512i {
 }
 
 /// Q8_0 / Q4_0 / Q5_0: the integer sum less zero point x the row's sum, then the chain.
+/// Blocks go two at a time, their float steps in one 16-lane vector: block `b` (even) in
+/// the low 8 lanes, which hold the even chain, block `b + 1` in the high 8, the odd chain;
+/// each lane's operations are `scale_block`'s (the same bits), at half the instructions.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn dot_legacy<const T: u32>(row: *const u8, nb: usize, t: &Tile) -> __m256 {
-    let (bb, ty) = match T {
-        8 => (34, BlockType::Q8_0),
-        2 => (18, BlockType::Q4_0),
-        _ => (22, BlockType::Q5_0),
+    let (bb, ty) = legacy_layout(T);
+    let shift = |z: __m512i| match T {
+        8 => _mm512_slli_epi32::<7>(z),
+        2 => _mm512_slli_epi32::<3>(z),
+        _ => _mm512_slli_epi32::<4>(z),
     };
-    let mut y = [_mm256_setzero_ps(); 2];
-    for b in 0..nb {
+    // the f16 scales of two blocks, each in 8 lanes
+    let scales = |p0: *const u8, p1: *const u8| unsafe {
+        let h = |p: *const u8| _mm256_set1_epi16((p as *const i16).read_unaligned());
+        _mm512_cvtph_ps(_mm256_permute2x128_si256::<0x20>(h(p0), h(p1)))
+    };
+    let mut y = _mm512_setzero_ps();
+    let mut b = 0;
+    while b + 1 < nb {
+        unsafe {
+            let (p0, p1) = (row.add(bb * b), row.add(bb * (b + 1)));
+            let s0 = dot32(legacy_codes32(ty, p0), t.qs.add(b * 8 * LANES * 4));
+            let s1 = dot32(legacy_codes32(ty, p1), t.qs.add((b + 1) * 8 * LANES * 4));
+            // `fold` of both: [s0 lanes 0..8 + 8..16, s1 lanes 0..8 + 8..16]
+            let s = _mm512_add_epi32(
+                _mm512_shuffle_i64x2::<0b01_00_01_00>(s0, s1),
+                _mm512_shuffle_i64x2::<0b11_10_11_10>(s0, s1),
+            );
+            let z = shift(_mm512_loadu_si512(t.isum32.add(b * LANES) as *const _));
+            let f = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_sub_epi32(s, z)),
+                _mm512_loadu_ps(t.d.add(b * LANES)),
+            );
+            y = _mm512_fmadd_ps(f, scales(p0, p1), y);
+        }
+        b += 2;
+    }
+    let odd = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(y)));
+    let mut even = _mm512_castps512_ps256(y);
+    if b < nb {
+        // an odd last block: the even chain
         unsafe {
             let p = row.add(bb * b);
             let s = fold(dot32(legacy_codes32(ty, p), t.qs.add(b * 8 * LANES * 4)));
-            let z = ld_i32(t.isum32.add(b * LANES));
-            let z = match T {
-                8 => _mm256_slli_epi32::<7>(z),
-                2 => _mm256_slli_epi32::<3>(z),
-                _ => _mm256_slli_epi32::<4>(z),
-            };
-            scale_block(&mut y, b, _mm256_sub_epi32(s, z), t, f16x8(p));
+            let z = _mm512_castsi512_si256(shift(_mm512_castsi256_si512(ld_i32(
+                t.isum32.add(b * LANES),
+            ))));
+            let mut yy = [even, odd];
+            scale_block(&mut yy, b, _mm256_sub_epi32(s, z), t, f16x8(p));
+            even = yy[0];
         }
     }
-    _mm256_add_ps(y[0], y[1])
+    _mm256_add_ps(even, odd)
 }
 
 /// The 8 sub-block scales and minima (6 bits each) of the Q4_K/Q5_K block at `p`
@@ -644,21 +675,25 @@ unsafe fn dot_q4_k(row: *const u8, nsb: usize, t: &Tile) -> __m256 {
 }
 
 /// Q6_K: per 32 values (two sub-blocks of 16 with i8 scales: `dot32`'s two halves), the
-/// integer `sc_0 * (isum_0 - 32 sum_0) + sc_1 * (isum_1 - 32 sum_1)`, then the chain with `d`.
+/// integer `sc_0 * (isum_0 - 32 sum_0) + sc_1 * (isum_1 - 32 sum_1)`, then the chain with `d`;
+/// the float steps of two such blocks in one 16-lane vector, as `dot_legacy`'s.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn dot_q6_k(row: *const u8, nsb: usize, t: &Tile) -> __m256 {
     let three = _mm512_set1_epi8(3);
-    let mut y = [_mm256_setzero_ps(); 2];
+    let mut y = _mm512_setzero_ps();
     for s in 0..nsb {
         unsafe {
             let p = row.add(210 * s);
-            let dw = f16x8(p.add(208));
+            let dw = _mm512_cvtph_ps(_mm256_set1_epi16(
+                (p.add(208) as *const i16).read_unaligned(),
+            ));
             let scales = p.add(192) as *const i8;
             for n in 0..2 {
                 let ql = p.add(64 * n);
                 let (la, lb) = (spread32(ql), spread32(ql.add(32)));
                 let h = spread32(p.add(128 + 32 * n));
-                for q in 0..4 {
+                // block 8 s + 4 n + q's integer sums (see `dot_q6_k`'s doc)
+                let block = |q: usize| {
                     // q1..q4 of ggml's dequantize_row_q6_K: low nibbles of ql[0..32],
                     // ql[32..64], then their high nibbles; qh bits 2q..2q + 1 on top
                     let nib = match q {
@@ -680,13 +715,25 @@ unsafe fn dot_q6_k(row: *const u8, nsb: usize, t: &Tile) -> __m256 {
                         0xFF00,
                         *scales.add(8 * n + 2 * q + 1) as i32,
                     );
-                    let iv = fold(_mm512_mullo_epi32(_mm512_sub_epi32(raw, z), sc));
-                    scale_block(&mut y, b, iv, t, dw);
+                    _mm512_mullo_epi32(_mm512_sub_epi32(raw, z), sc)
+                };
+                for q in [0, 2] {
+                    let (v0, v1) = (block(q), block(q + 1));
+                    // `fold` of both: block b (even) in the low lanes, b + 1 in the high
+                    let iv = _mm512_add_epi32(
+                        _mm512_shuffle_i64x2::<0b01_00_01_00>(v0, v1),
+                        _mm512_shuffle_i64x2::<0b11_10_11_10>(v0, v1),
+                    );
+                    let b = 8 * s + 4 * n + q;
+                    let f =
+                        _mm512_mul_ps(_mm512_cvtepi32_ps(iv), _mm512_loadu_ps(t.d.add(b * LANES)));
+                    y = _mm512_fmadd_ps(f, dw, y);
                 }
             }
         }
     }
-    _mm256_add_ps(y[0], y[1])
+    let odd = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(y)));
+    _mm256_add_ps(_mm512_castps512_ps256(y), odd)
 }
 
 /// One activation row quantized as `quantize_row` does, in plain order (a decode step of one
@@ -1007,7 +1054,7 @@ unsafe fn one_legacy<const T: u32, const R: usize>(
         for r in 0..R {
             // SAFETY: blocks c0..c0 + cnt of the row exist; `one` holds their activations
             unsafe {
-                let v = chunk_dots(&legacy_chunk_codes(ty, bb, rows[r], c0, cnt), one, c0, cnt);
+                let v = legacy_chunk_sums(ty, bb, rows[r], c0, cnt, one);
                 let f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(half_sums(v), z)), d_act);
                 _mm512_storeu_ps(fs[r].as_mut_ptr(), f);
                 let w = legacy_chunk_scales(rows[r], bb, c0, valid, at);
@@ -1058,49 +1105,39 @@ unsafe fn legacy_chunk_acts<const T: u32>(one: &OneRow, c0: usize) -> (__m512i, 
     }
 }
 
-/// The codes of blocks `c0..c0 + cnt` of `row` (type `ty`, `bb` bytes a block), two blocks
-/// to a vector as `legacy_pair` unpacks them (an odd last block alone in the low half).
-/// SAFETY: the blocks exist.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+/// The integer products of blocks `c0..c0 + cnt` of `row` (type `ty`, `bb` bytes a block)
+/// with the activations, two blocks to a vector (`half_sums` gives the 16 block sums).
+/// SAFETY: the blocks exist; `one` holds their activations.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2")]
 #[inline]
-unsafe fn legacy_chunk_codes(
+unsafe fn legacy_chunk_sums(
     ty: BlockType,
     bb: usize,
     row: *const u8,
     c0: usize,
     cnt: usize,
+    one: &OneRow,
 ) -> [__m512i; 8] {
+    // blocks b and b + 1 (b + 1 < cnt unless `last`) against their activations
     let pair = |b: usize, last: bool| unsafe {
-        if last {
+        let w = if last {
             _mm512_castsi256_si512(legacy_codes(ty, row.add(bb * b)))
         } else {
             legacy_pair(ty, row.add(bb * b))
-        }
+        };
+        // past the row's end the activations are zeros
+        let a = _mm512_loadu_si512(one.q().add(32 * b) as *const _);
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a)
     };
-    let mut w = [_mm512_setzero_si512(); 8];
+    let mut v = [_mm512_setzero_si512(); 8];
     if cnt == 16 {
-        for (i, wi) in w.iter_mut().enumerate() {
-            *wi = pair(c0 + 2 * i, false);
+        for (i, vi) in v.iter_mut().enumerate() {
+            *vi = pair(c0 + 2 * i, false);
         }
     } else {
-        for (i, wi) in w.iter_mut().enumerate().take(cnt.div_ceil(2)) {
-            *wi = pair(c0 + 2 * i, 2 * i + 1 == cnt);
+        for (i, vi) in v.iter_mut().enumerate().take(cnt.div_ceil(2)) {
+            *vi = pair(c0 + 2 * i, 2 * i + 1 == cnt);
         }
-    }
-    w
-}
-
-/// The integer products of a chunk's codes (`legacy_chunk_codes`) with one activation row's
-/// blocks `c0..` (past the row's end its activations are zeros); `half_sums` gives the 16
-/// block sums.
-/// SAFETY: `one` holds 16 blocks from `c0`.
-#[target_feature(enable = "avx512f,avx512vnni")]
-#[inline]
-unsafe fn chunk_dots(w: &[__m512i; 8], one: &OneRow, c0: usize, cnt: usize) -> [__m512i; 8] {
-    let mut v = [_mm512_setzero_si512(); 8];
-    for (i, (vi, wi)) in v.iter_mut().zip(w).enumerate().take(cnt.div_ceil(2)) {
-        let a = unsafe { _mm512_loadu_si512(one.q().add(32 * (c0 + 2 * i)) as *const _) };
-        *vi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), *wi, a);
     }
     v
 }
@@ -1548,10 +1585,12 @@ unsafe fn many_legacy_16<const T: u32, const M: usize>(
             let row = row0.wrapping_add(r * rb);
             // SAFETY: blocks c0..c0 + cnt of row r exist; each `one` holds their activations
             unsafe {
-                let w = legacy_chunk_codes(ty, bb, row, c0, cnt);
+                // (each activation row unpacks the codes again: sharing the unpacked codes
+                // between the rows made the one-row case 5-20% slower, the codes leaving
+                // registers)
                 for (a, one) in ones.iter().enumerate() {
                     let (z, d_act) = acts[a];
-                    let v = chunk_dots(&w, one, c0, cnt);
+                    let v = legacy_chunk_sums(ty, bb, row, c0, cnt, one);
                     fs[a][r] =
                         _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(half_sums(v), z)), d_act);
                 }
