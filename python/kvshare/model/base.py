@@ -149,6 +149,7 @@ class BatchPlan:
     row_parts: int = 1  # CPU: >1 runs the token-wise work as row-parallel parts (ops.parallel)
     win_block_tables: np.ndarray | None = None  # the window group's (split caches)
     win_slots: np.ndarray | None = None
+    fused: bool = False  # the attention layers take `model.fused` (CPU decode steps)
 
     def group(self, g: int) -> tuple[np.ndarray, np.ndarray]:
         """(block tables, KV slots) of layer group `g` (ModelCache.group_of)."""
@@ -269,6 +270,7 @@ class DecoderModel(Model):
             raise ValueError("this model has recurrent layers: every chunk needs a state_slot")
         x = embedding(self.tok_embd, be.asarray(plan.tokens) if be.is_gpu else plan.tokens,
                       cfg.embed_scale, backend=be)
+        plan.fused = not be.is_gpu and fused.step_applies(plan, x)
         n_layers = len(self.layers)
         for il, layer in enumerate(self.layers):
             last = il == n_layers - 1
@@ -298,7 +300,7 @@ class DecoderModel(Model):
         tables, slots = plan.group(cache.group_of(L.attn_index))
         if tables is None:
             raise ValueError("the cache keeps window layers apart: chunks need win_block_table")
-        if not be.is_gpu and fused.applies(L, x, plan, kc, last):
+        if plan.fused and fused.applies(L, plan, kc, last):
             fused.run(self, L, x, plan, kc, vc, tables, slots, cos, sin)
             return x
         parts = split_rows(n, plan.row_parts) if plan.row_parts > 1 else None

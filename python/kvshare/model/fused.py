@@ -57,16 +57,19 @@ def layer_args(L: Any) -> tuple | None:
     return L.fused or None
 
 
-def applies(L: Any, x: Any, plan: Any, kc: Any, last: bool) -> bool:
-    """Whether this layer of this step takes the fused path."""
+def step_applies(plan: Any, x: Any) -> bool:
+    """Whether this step's rows can take the fused path (once per forward call)."""
     n = x.shape[0]
-    if not (ENABLED and 0 < n <= MAX_ROWS and plan.row_parts <= 1):
+    return (ENABLED and 0 < n <= MAX_ROWS and plan.row_parts <= 1
+            and isinstance(x, np.ndarray) and x.flags.c_contiguous
+            and int(np.max(np.diff(plan.q_starts))) <= _DECODE_ROWS)
+
+
+def applies(L: Any, plan: Any, kc: Any, last: bool) -> bool:
+    """Whether this layer of a step that `step_applies` takes the fused path."""
+    if kc.dtype not in _POOL_DTYPES:
         return False
-    if kc.dtype not in _POOL_DTYPES or not isinstance(x, np.ndarray) or not x.flags.c_contiguous:
-        return False
-    if last and plan.logit_rows.size != n:
-        return False
-    if int(np.max(np.diff(plan.q_starts))) > _DECODE_ROWS:
+    if last and plan.logit_rows.size != len(plan.tokens):
         return False
     return layer_args(L) is not None
 
