@@ -9,13 +9,15 @@
 //!
 //! - activations are quantized once per call (`ActFormat`: per 32 values of a row, or per
 //!   256 for the K-quants as ggml's Q8_K; ties to even);
-//! - one activation row (`OneRow`, `one_*`): weights in lanes, 64 codes per vector, the
-//!   integer sums of 16 blocks at a time by a transposing reduction (`half_sums`), then each
-//!   block's float step in scalars;
-//! - 2-8 rows (`Packed` tiles of 8, `dot_*`): lanes hold rows (4 bytes of each row side by
+//! - 1-4 activation rows (`OneRow` each, `few_rows_parts`): 64 codes of a weight row per
+//!   vector, the integer sums of 16 blocks at a time by a transposing reduction
+//!   (`half_sums`); 16 weight rows at a time (`many_*_16`) those sums are turned by a 16 x 16
+//!   transpose so that each lane runs one weight row's float chain, the rest of a tile one or
+//!   two rows at a time with the chain in scalars (`one_*`);
+//! - 5-8 rows (`Packed` tiles of 8, `dot_*`): lanes hold rows (4 bytes of each row side by
 //!   side), a block's unsigned codes broadcast 4 at a time (`vpshufd`), the zero point (8,
 //!   16, 32, or 128 for Q8_0's signed bytes shifted to unsigned) taken off with the row's
-//!   exact sum;
+//!   exact sum, two blocks' float steps in one vector;
 //! - more rows (`Packed` tiles of 16, `prepare` / `multiply`): activations + 128 as u8, each
 //!   block's signed codes broadcast from memory into the s8 operand, 4 weight rows unpacked
 //!   once per call and multiplied with every tile, `128 * sum(codes)` taken off;
