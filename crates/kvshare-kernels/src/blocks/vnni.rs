@@ -9,12 +9,12 @@
 //!
 //! - activations are quantized once per call (`ActFormat`: per 32 values of a row, or per
 //!   256 for the K-quants as ggml's Q8_K; ties to even);
-//! - 1-4 activation rows (`OneRow` each, `few_rows_parts`): 64 codes of a weight row per
+//! - 1 activation row, or up to 4 with K-quants (`OneRow` each, `few_rows_parts`): 64 codes of a weight row per
 //!   vector, the integer sums of 16 blocks at a time by a transposing reduction
 //!   (`half_sums`); 16 weight rows at a time (`many_*_16`) those sums are turned by a 16 x 16
 //!   transpose so that each lane runs one weight row's float chain, the rest of a tile one or
 //!   two rows at a time with the chain in scalars (`one_*`);
-//! - 5-8 rows (`Packed` tiles of 8, `dot_*`): lanes hold rows (4 bytes of each row side by
+//! - more, up to 8 rows (`Packed` tiles of 8, `dot_*`): lanes hold rows (4 bytes of each row side by
 //!   side), a block's unsigned codes broadcast 4 at a time (`vpshufd`), the zero point (8,
 //!   16, 32, or 128 for Q8_0's signed bytes shifted to unsigned) taken off with the row's
 //!   exact sum, two blocks' float steps in one vector;
@@ -326,14 +326,14 @@ pub(super) fn matmul_parts(
     out: &mut [f32],
     threads: usize,
 ) {
-    if m <= FEW_ROWS {
+    if m <= few_rows_limit(ws) {
         few_rows_parts(x, m, ws, out, threads);
         return;
     }
     let ptr = OutPtr(out.as_mut_ptr());
     let ld: usize = ws.iter().map(|w| w.n).sum();
     let k = ws[0].k;
-    // up to 8 rows (past FEW_ROWS): one tile of 8 lanes; more: tiles of 16 (Gemma 3 270M's matrices, one
+    // up to 8 rows (past few_rows_limit): one tile of 8 lanes; more: tiles of 16 (Gemma 3 270M's matrices, one
     // core each of two: 8 rows 43 ms with 8 lanes, 69 with 16; 64 rows 297 and 220 ms)
     let lanes = if m <= LANES { LANES } else { WIDE_LANES };
     // one quantization per format the parts take
@@ -782,7 +782,7 @@ impl OneRow {
     }
 }
 
-/// `out[a, c_p + n]` for `m` <= `FEW_ROWS` activation rows (see `matmul_parts`): each row
+/// `out[a, c_p + n]` for `m` <= `few_rows_limit` activation rows (see `matmul_parts`): each row
 /// quantized alone (`OneRow`), 16 weight rows at a time in lanes (`many_*_16`), the rest of a
 /// tile row by row (`one_*`); the same bits for a row whatever `m` is.
 fn few_rows_parts(x: &[f32], m: usize, ws: &[BlockMatrix<'_>], out: &mut [f32], threads: usize) {
@@ -822,12 +822,19 @@ fn few_rows_parts(x: &[f32], m: usize, ws: &[BlockMatrix<'_>], out: &mut [f32], 
     });
 }
 
-/// Most activation rows `few_rows_parts` takes (more: `Packed` tiles). Per weight row a
-/// lane kernel's cost grows with each activation row (its sums are reduced and transposed
-/// row by row) while the packed kernels' stays flat up to 8: measured (2 threads, matrices in
-/// L2) the lanes are faster for 2-4 rows (Q4_K/Q6_K 1.4-2x, Q8_0/Q5_0 1.0-1.4x) and slower
-/// for Q8_0/Q5_0 at 6-8.
-const FEW_ROWS: usize = 4;
+/// Most activation rows `few_rows_parts` takes for a product with weights `ws` (more:
+/// `Packed` tiles). Per weight row a lane kernel's cost grows with each activation row (its
+/// sums are reduced and transposed row by row, and a legacy chunk unpacked again) while the
+/// packed kernels' stays flat up to 8. Measured on Gemma 3 270M's decode steps and the random
+/// 1.9B qwen3's, alternating builds: with Q4_K/Q6_K the lanes are faster up to 4 rows (the
+/// 1.9B's batch of 4: 1.4x); with Q8_0/Q5_0 they are even at 2 rows and 1.3x slower at 4.
+fn few_rows_limit(ws: &[BlockMatrix<'_>]) -> usize {
+    let limit = |ty| match ty {
+        BlockType::Q4_K | BlockType::Q6_K => 4,
+        _ => 1,
+    };
+    ws.iter().map(|w| limit(w.ty)).min().unwrap_or(1)
+}
 
 /// Where a part's results go: `out[a * ld + col + n]` for activation row `a`, weight row `n`.
 #[derive(Clone, Copy)]
@@ -865,9 +872,12 @@ unsafe fn few_row_rows<const M: usize>(
         let y = unsafe {
             let row0 = row_at(n);
             match w.ty {
-                Q8_0 => many_legacy_16::<{ Q8_0 as u32 }, M>(row0, rb, nb, ones, end),
-                Q4_0 => many_legacy_16::<{ Q4_0 as u32 }, M>(row0, rb, nb, ones, end),
-                Q5_0 => many_legacy_16::<{ Q5_0 as u32 }, M>(row0, rb, nb, ones, end),
+                Q8_0 | Q4_0 | Q5_0 if M > 1 => {
+                    unreachable!("legacy blocks take one activation row here (few_rows_limit)")
+                }
+                Q8_0 => [one_legacy_16::<{ Q8_0 as u32 }>(row0, rb, nb, ones[0], end); M],
+                Q4_0 => [one_legacy_16::<{ Q4_0 as u32 }>(row0, rb, nb, ones[0], end); M],
+                Q5_0 => [one_legacy_16::<{ Q5_0 as u32 }>(row0, rb, nb, ones[0], end); M],
                 Q4_K => many_q4_k_16::<M>(row0, rb, nsb, ones, end),
                 _ => many_q6_k_16::<M>(row0, rb, nsb, ones, end),
             }
@@ -1558,61 +1568,49 @@ unsafe fn many_q6_k_16<const M: usize>(
     })
 }
 
-/// Q8_0 / Q4_0 / Q5_0 (`T`) with `M` activation rows, 16 weight rows at a time with the
-/// weight rows in lanes for the float steps (see `many_q4_k_16`): `one_legacy`'s products
-/// and scales of 16 blocks per row, both turned by a transpose, then lane `r` runs row `r`'s
-/// two chains, the same operations in the same order as `one_legacy`'s scalars.
+/// Q8_0 / Q4_0 / Q5_0 (`T`) with one activation row, 16 weight rows at a time with the
+/// weight rows in lanes for the float steps (see `many_q4_k_16`): `one_legacy`'s products and
+/// scales of 16 blocks per row, both turned by a transpose, then lane `r` runs row `r`'s two
+/// chains, the same operations in the same order as `one_legacy`'s scalars. (More activation
+/// rows take the packed kernels: see `few_rows_limit`.)
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn many_legacy_16<const T: u32, const M: usize>(
+unsafe fn one_legacy_16<const T: u32>(
     row0: *const u8,
     rb: usize,
     nb: usize,
-    ones: [&OneRow; M],
+    one: &OneRow,
     end: *const u8,
-) -> [[f32; LANE_ROWS]; M] {
+) -> [f32; LANE_ROWS] {
     let (bb, ty) = legacy_layout(T);
     let at = lane_offsets(bb);
-    let mut y = [[_mm512_setzero_ps(); 2]; M];
+    let mut y = [_mm512_setzero_ps(); 2];
     let mut c0 = 0;
     while c0 < nb {
         let cnt = (nb - c0).min(16);
         let valid = (((1u32 << cnt) - 1) & 0xFFFF) as u16;
-        // SAFETY: every OneRow is padded with 16 blocks of zeros
-        let acts: [(__m512i, __m512); M] =
-            std::array::from_fn(|a| unsafe { legacy_chunk_acts::<T>(ones[a], c0) });
-        let mut fs = [[_mm512_setzero_ps(); LANE_ROWS]; M];
+        // SAFETY: `one` is padded with 16 blocks of zeros
+        let (z, d_act) = unsafe { legacy_chunk_acts::<T>(one, c0) };
+        let mut fs = [_mm512_setzero_ps(); LANE_ROWS];
         let mut dw = [_mm512_setzero_ps(); LANE_ROWS];
         for r in 0..LANE_ROWS {
             prefetch_next_group(row0, rb, r, bb * c0, bb * cnt, end);
             let row = row0.wrapping_add(r * rb);
-            // SAFETY: blocks c0..c0 + cnt of row r exist; each `one` holds their activations
+            // SAFETY: blocks c0..c0 + cnt of row r exist; `one` holds their activations
             unsafe {
-                // (each activation row unpacks the codes again: sharing the unpacked codes
-                // between the rows made the one-row case 5-20% slower, the codes leaving
-                // registers)
-                for (a, one) in ones.iter().enumerate() {
-                    let (z, d_act) = acts[a];
-                    let v = legacy_chunk_sums(ty, bb, row, c0, cnt, one);
-                    fs[a][r] =
-                        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(half_sums(v), z)), d_act);
-                }
+                let v = legacy_chunk_sums(ty, bb, row, c0, cnt, one);
+                fs[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(half_sums(v), z)), d_act);
                 dw[r] = legacy_chunk_scales(row, bb, c0, valid, at);
             }
         }
-        let dw = crate::x86::transpose16(dw);
-        for a in 0..M {
-            let fs = crate::x86::transpose16(fs[a]);
-            for j in 0..cnt {
-                y[a][j & 1] = _mm512_fmadd_ps(fs[j], dw[j], y[a][j & 1]);
-            }
+        let (fs, dw) = (crate::x86::transpose16(fs), crate::x86::transpose16(dw));
+        for j in 0..cnt {
+            y[j & 1] = _mm512_fmadd_ps(fs[j], dw[j], y[j & 1]);
         }
         c0 += cnt;
     }
-    std::array::from_fn(|a| {
-        let mut out = [0f32; LANE_ROWS];
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(y[a][0], y[a][1])) };
-        out
-    })
+    let mut out = [0f32; LANE_ROWS];
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(y[0], y[1])) };
+    out
 }
 
 /// Weight rows a wide kernel walks together: each 64-byte load of the tile's activations
