@@ -300,7 +300,7 @@ class DecoderModel(Model):
         tables, slots = plan.group(cache.group_of(L.attn_index))
         if tables is None:
             raise ValueError("the cache keeps window layers apart: chunks need win_block_table")
-        if plan.fused and fused.applies(L, plan, kc, last):
+        if plan.fused and fused.applies(L, x, plan, kc, last):
             fused.run(self, L, x, plan, kc, vc, tables, slots, cos, sin)
             return x
         parts = split_rows(n, plan.row_parts) if plan.row_parts > 1 else None

@@ -65,9 +65,10 @@ def step_applies(plan: Any, x: Any) -> bool:
             and int(np.max(np.diff(plan.q_starts))) <= _DECODE_ROWS)
 
 
-def applies(L: Any, plan: Any, kc: Any, last: bool) -> bool:
-    """Whether this layer of a step that `step_applies` takes the fused path."""
-    if kc.dtype not in _POOL_DTYPES:
+def applies(L: Any, x: Any, plan: Any, kc: Any, last: bool) -> bool:
+    """Whether this layer of a step that `step_applies` takes the fused path (`x`: the rows
+    as this layer gets them; a recurrent layer before it returns its own array)."""
+    if kc.dtype not in _POOL_DTYPES or not x.flags.c_contiguous:
         return False
     if last and plan.logit_rows.size != len(plan.tokens):
         return False
