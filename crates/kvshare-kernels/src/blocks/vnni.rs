@@ -510,6 +510,16 @@ fn fold(v: __m512i) -> __m256i {
     _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v))
 }
 
+/// `fold` of two vectors in one: `[fold(a), fold(b)]`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn fold_pair(a: __m512i, b: __m512i) -> __m512i {
+    _mm512_add_epi32(
+        _mm512_shuffle_i64x2::<0b01_00_01_00>(a, b),
+        _mm512_shuffle_i64x2::<0b11_10_11_10>(a, b),
+    )
+}
+
 /// 32 bytes at `p` as [0..16, 0..16, 16..32, 16..32] (the quarters `dot32` reads).
 #[target_feature(enable = "avx512f")]
 #[inline]
@@ -604,11 +614,7 @@ unsafe fn dot_legacy<const T: u32>(row: *const u8, nb: usize, t: &Tile) -> __m25
             let (p0, p1) = (row.add(bb * b), row.add(bb * (b + 1)));
             let s0 = dot32(legacy_codes32(ty, p0), t.qs.add(b * 8 * LANES * 4));
             let s1 = dot32(legacy_codes32(ty, p1), t.qs.add((b + 1) * 8 * LANES * 4));
-            // `fold` of both: [s0 lanes 0..8 + 8..16, s1 lanes 0..8 + 8..16]
-            let s = _mm512_add_epi32(
-                _mm512_shuffle_i64x2::<0b01_00_01_00>(s0, s1),
-                _mm512_shuffle_i64x2::<0b11_10_11_10>(s0, s1),
-            );
+            let s = fold_pair(s0, s1);
             let z = shift(_mm512_loadu_si512(t.isum32.add(b * LANES) as *const _));
             let f = _mm512_mul_ps(
                 _mm512_cvtepi32_ps(_mm512_sub_epi32(s, z)),
@@ -721,11 +727,8 @@ unsafe fn dot_q6_k(row: *const u8, nsb: usize, t: &Tile) -> __m256 {
                 };
                 for q in [0, 2] {
                     let (v0, v1) = (block(q), block(q + 1));
-                    // `fold` of both: block b (even) in the low lanes, b + 1 in the high
-                    let iv = _mm512_add_epi32(
-                        _mm512_shuffle_i64x2::<0b01_00_01_00>(v0, v1),
-                        _mm512_shuffle_i64x2::<0b11_10_11_10>(v0, v1),
-                    );
+                    // block b (even) in the low lanes, b + 1 in the high
+                    let iv = fold_pair(v0, v1);
                     let b = 8 * s + 4 * n + q;
                     let f =
                         _mm512_mul_ps(_mm512_cvtepi32_ps(iv), _mm512_loadu_ps(t.d.add(b * LANES)));
@@ -1208,15 +1211,7 @@ unsafe fn one_q4_k<const R: usize>(rows: [*const u8; R], nsb: usize, one: &OneRo
                 let p = unsafe { rows[r].add(144 * (s0 + s)) };
                 for (i, vi) in v.iter_mut().enumerate() {
                     unsafe {
-                        // the 32 bytes in both halves: low nibbles in the low half, high
-                        // nibbles in the high half
-                        let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                            p.add(16 + 32 * i) as *const __m256i
-                        ));
-                        let w = _mm512_and_si512(
-                            _mm512_mask_srli_epi16(q, 0xFFFF_0000, q, 4),
-                            _mm512_set1_epi8(0x0F),
-                        );
+                        let w = q4_k_codes(p, i);
                         let a =
                             _mm512_loadu_si512(one.q().add(256 * (s0 + s) + 64 * i) as *const _);
                         *vi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
@@ -1284,44 +1279,86 @@ fn lane_offsets(rb: usize) -> __m512i {
     )
 }
 
+/// Codes `64 i .. 64 i + 64` of the Q4_K block at `p`: its 32 code bytes `i` in both halves
+/// of a vector, the low nibbles kept in the low half and the high nibbles in the high half.
+/// SAFETY: `p` is a whole Q4_K block, `i < 4`.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn q4_k_codes(p: *const u8, i: usize) -> __m512i {
+    let q =
+        _mm512_broadcast_i64x4(unsafe { _mm256_loadu_si256(p.add(16 + 32 * i) as *const __m256i) });
+    _mm512_and_si512(
+        _mm512_mask_srli_epi16(q, 0xFFFF_0000, q, 4),
+        _mm512_set1_epi8(0x0F),
+    )
+}
+
+/// The 256 codes of the Q6_K block at `p` (low 4 bits from `ql`, the top 2 from `qh`) as 4
+/// vectors of 64, in the order the activations follow.
+/// SAFETY: `p` is a whole Q6_K block.
+#[target_feature(enable = "avx512f,avx2")]
+#[inline]
+unsafe fn q6_k_codes(p: *const u8) -> [__m512i; 4] {
+    let three = _mm256_set1_epi8(3);
+    let mut w = [_mm512_setzero_si512(); 4];
+    for n in 0..2 {
+        let (ql, qh) = unsafe { (p.add(64 * n), p.add(128 + 32 * n)) };
+        let (la, lb, qh) = unsafe {
+            (
+                _mm256_loadu_si256(ql as *const __m256i),
+                _mm256_loadu_si256(ql.add(32) as *const __m256i),
+                _mm256_loadu_si256(qh as *const __m256i),
+            )
+        };
+        let top = |sh: i32| {
+            let c = _mm_cvtsi32_si128(sh);
+            _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srl_epi16(qh, c), three))
+        };
+        let c = [
+            _mm256_or_si256(low4(la), top(0)),
+            _mm256_or_si256(low4(lb), top(2)),
+            _mm256_or_si256(high4(la), top(4)),
+            _mm256_or_si256(high4(lb), top(6)),
+        ];
+        for h in 0..2 {
+            w[2 * n + h] = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(c[2 * h]), c[2 * h + 1]);
+        }
+    }
+    w
+}
+
+/// A Q6_K block's integer sums with one activation row (its codes `w` from `q6_k_codes`,
+/// block `s` of the row at `p`): per 16 values `sc * (isum - 32 sum)`, added in pairs, so
+/// that the even lanes hold the 8 sums of 32 values.
+/// SAFETY: `p` is block `s` of a row; `one` holds its activations.
+#[target_feature(enable = "avx512f,avx512vnni")]
+#[inline]
+unsafe fn q6_k_pair_sums(w: &[__m512i; 4], p: *const u8, s: usize, one: &OneRow) -> __m512i {
+    unsafe {
+        let mut v = [_mm512_setzero_si512(); 4];
+        for (i, vi) in v.iter_mut().enumerate() {
+            let x = _mm512_loadu_si512(one.q().add(256 * s + 64 * i) as *const _);
+            *vi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[i], x);
+        }
+        let z = _mm512_slli_epi32::<5>(_mm512_loadu_si512(
+            one.isum16.as_ptr().add(16 * s) as *const _
+        ));
+        let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(192) as *const __m128i));
+        let iv = _mm512_mullo_epi32(_mm512_sub_epi32(quarter_sums(v), z), sc);
+        _mm512_add_epi32(iv, _mm512_srli_epi64::<32>(iv))
+    }
+}
+
 /// Q6_K with one activation row: 64 codes to a vector, the sums of each 16, scaled and
 /// paired in integers, then `dot_q6_k`'s chain in scalars.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn one_q6_k(row: *const u8, nsb: usize, one: &OneRow) -> f32 {
-    let three = _mm256_set1_epi8(3);
     let mut y = [0f32; 2];
     for s in 0..nsb {
         unsafe {
             let p = row.add(210 * s);
-            let mut v = [_mm512_setzero_si512(); 4];
-            for n in 0..2 {
-                let ql = p.add(64 * n);
-                let qh = _mm256_loadu_si256(p.add(128 + 32 * n) as *const __m256i);
-                let la = _mm256_loadu_si256(ql as *const __m256i);
-                let lb = _mm256_loadu_si256(ql.add(32) as *const __m256i);
-                let top = |sh: i32| {
-                    let cnt = _mm_cvtsi32_si128(sh);
-                    _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srl_epi16(qh, cnt), three))
-                };
-                let c = [
-                    _mm256_or_si256(low4(la), top(0)),
-                    _mm256_or_si256(low4(lb), top(2)),
-                    _mm256_or_si256(high4(la), top(4)),
-                    _mm256_or_si256(high4(lb), top(6)),
-                ];
-                for h in 0..2 {
-                    let w = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(c[2 * h]), c[2 * h + 1]);
-                    let a = _mm512_loadu_si512(one.q().add(256 * s + 128 * n + 64 * h) as *const _);
-                    v[2 * n + h] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, a);
-                }
-            }
-            let z = _mm512_slli_epi32::<5>(_mm512_loadu_si512(
-                one.isum16.as_ptr().add(16 * s) as *const _
-            ));
-            let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(192) as *const __m128i));
-            let iv = _mm512_mullo_epi32(_mm512_sub_epi32(quarter_sums(v), z), sc);
-            // pairs of sub-blocks: the even lanes hold the 8 blocks' sums
-            let pair = _mm512_add_epi32(iv, _mm512_srli_epi64::<32>(iv));
+            // the even lanes hold the 8 blocks' sums
+            let pair = q6_k_pair_sums(&q6_k_codes(p), p, s, one);
             let idx = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
             let iv8 = _mm512_castsi512_si256(_mm512_permutexvar_epi32(idx, pair));
             let f = _mm256_mul_ps(
@@ -1369,21 +1406,12 @@ unsafe fn many_q4_k_16<const M: usize>(
         let mut sums = [[_mm512_setzero_ps(); LANE_ROWS]; M];
         for r in 0..LANE_ROWS {
             prefetch_next_group(row0, rb, r, 144 * s0, 144 * cnt, end);
-            // the 8 vectors of the two blocks' codes (low nibbles of 32 bytes in the low half,
-            // high nibbles in the high half)
+            // the 8 vectors of the two blocks' codes
             let mut w = [_mm512_setzero_si512(); 8];
             for s in 0..cnt {
                 let p = unsafe { row0.add(r * rb + 144 * (s0 + s)) };
                 for i in 0..4 {
-                    let q = unsafe {
-                        _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                            p.add(16 + 32 * i) as *const __m256i
-                        ))
-                    };
-                    w[4 * s + i] = _mm512_and_si512(
-                        _mm512_mask_srli_epi16(q, 0xFFFF_0000, q, 4),
-                        _mm512_set1_epi8(0x0F),
-                    );
+                    w[4 * s + i] = unsafe { q4_k_codes(p, i) };
                 }
             }
             for (a, one) in ones.iter().enumerate() {
@@ -1475,7 +1503,6 @@ unsafe fn many_q6_k_16<const M: usize>(
     ones: [&OneRow; M],
     end: *const u8,
 ) -> [[f32; LANE_ROWS]; M] {
-    let three = _mm256_set1_epi8(3);
     let at = lane_offsets(rb);
     // the even lanes (one sum per 32 values) of two vectors, in order
     let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -1488,46 +1515,12 @@ unsafe fn many_q6_k_16<const M: usize>(
             prefetch_next_group(row0, rb, r, 210 * s0, 210 * cnt, end);
             let mut pairs = [[_mm512_setzero_si512(); 2]; M];
             for s in 0..cnt {
+                // SAFETY: block s0 + s of row r exists; each `one` holds its activations
                 unsafe {
                     let p = row0.add(r * rb + 210 * (s0 + s));
-                    // the SB's 256 codes as 4 vectors of 64 (`one_q6_k`'s order)
-                    let mut w = [_mm512_setzero_si512(); 4];
-                    for n in 0..2 {
-                        let ql = p.add(64 * n);
-                        let qh = _mm256_loadu_si256(p.add(128 + 32 * n) as *const __m256i);
-                        let la = _mm256_loadu_si256(ql as *const __m256i);
-                        let lb = _mm256_loadu_si256(ql.add(32) as *const __m256i);
-                        let top = |sh: i32| {
-                            let c = _mm_cvtsi32_si128(sh);
-                            _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srl_epi16(qh, c), three))
-                        };
-                        let c = [
-                            _mm256_or_si256(low4(la), top(0)),
-                            _mm256_or_si256(low4(lb), top(2)),
-                            _mm256_or_si256(high4(la), top(4)),
-                            _mm256_or_si256(high4(lb), top(6)),
-                        ];
-                        for h in 0..2 {
-                            w[2 * n + h] = _mm512_inserti64x4::<1>(
-                                _mm512_castsi256_si512(c[2 * h]),
-                                c[2 * h + 1],
-                            );
-                        }
-                    }
-                    let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(192) as *const __m128i));
+                    let w = q6_k_codes(p);
                     for (a, one) in ones.iter().enumerate() {
-                        let mut v = [_mm512_setzero_si512(); 4];
-                        for (i, vi) in v.iter_mut().enumerate() {
-                            let x = _mm512_loadu_si512(
-                                one.q().add(256 * (s0 + s) + 64 * i) as *const _
-                            );
-                            *vi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[i], x);
-                        }
-                        let z = _mm512_slli_epi32::<5>(_mm512_loadu_si512(
-                            one.isum16.as_ptr().add(16 * (s0 + s)) as *const _,
-                        ));
-                        let iv = _mm512_mullo_epi32(_mm512_sub_epi32(quarter_sums(v), z), sc);
-                        pairs[a][s] = _mm512_add_epi32(iv, _mm512_srli_epi64::<32>(iv));
+                        pairs[a][s] = q6_k_pair_sums(&w, p, s0 + s, one);
                     }
                 }
             }
