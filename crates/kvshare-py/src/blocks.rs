@@ -3,7 +3,7 @@
 //! read-only view into the mmapped file). Arrays are borrowed in place, the GIL is released
 //! while they run, and every misuse raises ValueError.
 
-use crate::convert::typed_array;
+use crate::convert::{typed_array, TypedArray};
 use crate::errors::InvalidArgument;
 use kvshare_kernels::blocks::{
     block_matmul_t as core_block_matmul_t, dequantize_rows, set_force_portable, BlockMatrix,
@@ -13,12 +13,12 @@ use kvshare_kernels::KernelError;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-fn value_error(msg: impl Into<String>) -> PyErr {
+pub(crate) fn value_error(msg: impl Into<String>) -> PyErr {
     PyValueError::new_err(msg.into())
 }
 
 /// The shared array checks raise InvalidArgument; these functions promise ValueError.
-fn as_value_error(py: Python<'_>, e: PyErr) -> PyErr {
+pub(crate) fn as_value_error(py: Python<'_>, e: PyErr) -> PyErr {
     if e.is_instance_of::<InvalidArgument>(py) {
         value_error(e.value(py).to_string())
     } else {
@@ -51,7 +51,7 @@ fn check_raw(shape: &[usize], ty: BlockType, k: usize) -> PyResult<usize> {
     Ok(rows)
 }
 
-fn overlaps(a: (usize, usize), b: (usize, usize)) -> bool {
+pub(crate) fn overlaps(a: (usize, usize), b: (usize, usize)) -> bool {
     a.1 > a.0 && b.1 > b.0 && a.0 < b.1 && b.0 < a.1
 }
 
@@ -290,6 +290,49 @@ fn block_matmul_t_vnni(
     })
 }
 
+/// The parts of a weight stacked along its output axis: `raws[p]` (uint8 `[n_p, row_bytes]`
+/// of GGML type `qtypes[p]`, rows of `k` values) checked and borrowed, with their type and
+/// rows.
+pub(crate) fn raw_parts<'py>(
+    py: Python<'_>,
+    raws: &[Bound<'py, PyAny>],
+    qtypes: &[u32],
+    k: usize,
+) -> PyResult<Vec<(TypedArray<'py>, BlockType, usize)>> {
+    if raws.is_empty() || raws.len() != qtypes.len() {
+        return Err(value_error(
+            "raws and qtypes must be non-empty and of one length",
+        ));
+    }
+    raws.iter()
+        .zip(qtypes)
+        .map(|(raw, &qtype)| {
+            let ty = block_type(qtype)?;
+            let ra = typed_array(raw, b'u', 1, false, "raw").map_err(|e| as_value_error(py, e))?;
+            let n = check_raw(&ra.shape, ty, k)?;
+            Ok((ra, ty, n))
+        })
+        .collect()
+}
+
+/// `raw_parts`' arrays as the kernels' matrices.
+pub(crate) fn raw_matrices<'a>(
+    parts: &'a [(TypedArray<'_>, BlockType, usize)],
+    k: usize,
+) -> Vec<BlockMatrix<'a>> {
+    parts
+        .iter()
+        .map(|(ra, ty, n)| BlockMatrix {
+            // SAFETY: dtype u8 checked by typed_array; the array stays referenced (so cannot
+            // be resized or freed) while the matrix is borrowed
+            raw: unsafe { ra.as_slice::<u8>() },
+            ty: *ty,
+            n: *n,
+            k,
+        })
+        .collect()
+}
+
 /// The checked arguments of a product of several weights side by side (`raws[p]`, uint8
 /// `[n_p, row_bytes]` of type `qtypes[p]`, filling columns `sum(n_q, q < p) ..` of `out`,
 /// `[m, sum n_p]`), passed to `product(x, m, weights, out)` with the GIL released.
@@ -313,18 +356,14 @@ fn parts_product(
     let &[m, k] = xa.shape.as_slice() else {
         return Err(value_error("x must be 2-D float32 [m, k]"));
     };
-    let mut arrays = Vec::with_capacity(raws.len());
-    let mut ld = 0;
-    for (raw, &qtype) in raws.iter().zip(&qtypes) {
-        let ty = block_type(qtype)?;
-        let ra = typed_array(raw, b'u', 1, false, "raw").map_err(err)?;
-        let n = check_raw(&ra.shape, ty, k)?;
-        if overlaps(oa.span(4), ra.span(1)) {
-            return Err(value_error("out must not overlap an input"));
-        }
-        ld += n;
-        arrays.push((ra, ty, n));
+    let arrays = raw_parts(py, &raws, &qtypes, k)?;
+    if arrays
+        .iter()
+        .any(|(ra, _, _)| overlaps(oa.span(4), ra.span(1)))
+    {
+        return Err(value_error("out must not overlap an input"));
     }
+    let ld: usize = arrays.iter().map(|(_, _, n)| n).sum();
     if oa.shape != [m, ld] {
         return Err(value_error(format!("out must have shape ({m}, {ld})")));
     }
@@ -334,16 +373,7 @@ fn parts_product(
     // SAFETY: dtypes checked by typed_array; `out` overlaps no input; all arrays stay
     // referenced (so cannot be resized or freed) for this call.
     let (xs, os) = unsafe { (xa.as_slice::<f32>(), oa.as_mut_slice::<f32>()) };
-    let ws: Vec<BlockMatrix<'_>> = arrays
-        .iter()
-        .map(|(ra, ty, n)| BlockMatrix {
-            // SAFETY: as above
-            raw: unsafe { ra.as_slice::<u8>() },
-            ty: *ty,
-            n: *n,
-            k,
-        })
-        .collect();
+    let ws = raw_matrices(&arrays, k);
     py.detach(|| product(xs, m, &ws, os))
         .map_err(|e| value_error(e.to_string()))
 }

@@ -1,21 +1,17 @@
 //! Binding of `kvshare_kernels::decode::decode_layer`: one attention + MLP layer of a CPU
 //! decode step in one call (arrays borrowed in place, the GIL released).
 
+use crate::blocks::{as_value_error, overlaps, raw_matrices, raw_parts, value_error};
 use crate::convert::{typed_array, TypedArray};
-use crate::errors::InvalidArgument;
-use kvshare_kernels::blocks::{BlockMatrix, BlockType};
+use kvshare_kernels::blocks::BlockType;
 use kvshare_kernels::decode::{
     decode_layer as core_decode_layer, LayerShape, LayerWeights, StepRows,
 };
 use kvshare_kernels::rowops::Glu;
 use kvshare_kernels::{KernelError, Queries, F16};
-use pyo3::exceptions::{PyIndexError, PyValueError};
+use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
-
-fn value_error(msg: impl Into<String>) -> PyErr {
-    PyValueError::new_err(msg.into())
-}
 
 /// `typed_array`, its InvalidArgument as ValueError (what the layer promises for every bad
 /// argument, as the block kernels do).
@@ -26,19 +22,11 @@ fn array<'py>(
     writable: bool,
     what: &str,
 ) -> PyResult<TypedArray<'py>> {
-    typed_array(obj, kind, itemsize, writable, what).map_err(|e| {
-        Python::attach(|py| {
-            if e.is_instance_of::<InvalidArgument>(py) {
-                value_error(e.value(py).to_string())
-            } else {
-                e
-            }
-        })
-    })
+    typed_array(obj, kind, itemsize, writable, what)
+        .map_err(|e| Python::attach(|py| as_value_error(py, e)))
 }
 
-/// A weight's parts: `(raws, qtypes)`, each raw uint8 `[rows, row_bytes]` of rows of `k`
-/// values.
+/// A weight's parts: a `(raws, qtypes)` pair (see `raw_parts`) of rows of `k` values.
 fn parts<'py>(
     obj: &Bound<'py, PyAny>,
     k: usize,
@@ -46,40 +34,7 @@ fn parts<'py>(
     let (raws, qtypes): (Vec<Bound<'py, PyAny>>, Vec<u32>) = obj
         .extract()
         .map_err(|_| value_error("a weight is a (raws, qtypes) pair of lists"))?;
-    if raws.is_empty() || raws.len() != qtypes.len() {
-        return Err(value_error(
-            "raws and qtypes must be non-empty and of one length",
-        ));
-    }
-    raws.iter()
-        .zip(qtypes)
-        .map(|(raw, qt)| {
-            let ty = BlockType::from_ggml(qt)
-                .ok_or_else(|| value_error(format!("GGML type {qt} has no block kernels")))?;
-            let ra = array(raw, b'u', 1, false, "raw")?;
-            let &[rows, rb] = ra.shape.as_slice() else {
-                return Err(value_error("raw must be 2-D uint8 [rows, row_bytes]"));
-            };
-            if k == 0 || !k.is_multiple_of(ty.block_size()) || rb != ty.row_bytes(k) {
-                return Err(value_error(format!(
-                    "raw rows of {rb} bytes are not {ty:?} rows of {k} values"
-                )));
-            }
-            Ok((ra, ty, rows))
-        })
-        .collect()
-}
-
-fn matrices<'a>(ps: &'a [(TypedArray<'_>, BlockType, usize)], k: usize) -> Vec<BlockMatrix<'a>> {
-    ps.iter()
-        .map(|(ra, ty, n)| BlockMatrix {
-            // SAFETY: dtype u8 checked by typed_array; the array stays referenced for the call
-            raw: unsafe { ra.as_slice::<u8>() },
-            ty: *ty,
-            n: *n,
-            k,
-        })
-        .collect()
+    raw_parts(obj.py(), &raws, &qtypes, k)
 }
 
 /// An f32 vector, or None (the model has no such tensor): empty.
@@ -223,13 +178,11 @@ fn decode_layer(
     {
         read.push(v.span(4));
     }
-    let overlap =
-        |a: (usize, usize), b: (usize, usize)| a.1 > a.0 && b.1 > b.0 && a.0 < b.1 && b.0 < a.1;
     for (i, w) in written.iter().enumerate() {
         if read
             .iter()
             .chain(&written[i + 1..])
-            .any(|r| overlap(*w, *r))
+            .any(|r| overlaps(*w, *r))
         {
             return Err(value_error(
                 "x, k_cache and v_cache must not overlap another array",
@@ -237,10 +190,10 @@ fn decode_layer(
         }
     }
     let (mqkv, mo, mgu, mdown) = (
-        matrices(&wqkv, d),
-        matrices(&wo, qd),
-        matrices(&gu, d),
-        matrices(&down, ff),
+        raw_matrices(&wqkv, d),
+        raw_matrices(&wo, qd),
+        raw_matrices(&gu, d),
+        raw_matrices(&down, ff),
     );
     let weights = LayerWeights {
         attn_norm: slice_of(&attn_norm),
