@@ -19,16 +19,13 @@ import numpy as np
 
 from kvshare import _core
 from kvshare.backend import CPU_THREADS
-from kvshare.ops.attention import KERNEL_MAX_ROWS
+from kvshare.ops.attention import DECODE_ROWS, KERNEL_MAX_ROWS
 from kvshare.ops.blockweight import BLOCK_KERNEL_MAX, BlockWeight
 from kvshare.ops.rope import NEOX
 
 ENABLED = (hasattr(_core, "decode_layer")
            and os.environ.get("KVSHARE_FUSED_DECODE", "1") != "0")
 MAX_ROWS = BLOCK_KERNEL_MAX
-# rows per sequence the attention kernel takes as decode rows (its DECODE_ROWS): more rows
-# make the Python path give attention all cores, not the kernels' share
-_DECODE_ROWS = 4
 _POOL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 
@@ -62,7 +59,9 @@ def step_applies(plan: Any, x: Any) -> bool:
     n = x.shape[0]
     return (ENABLED and 0 < n <= MAX_ROWS and plan.row_parts <= 1
             and isinstance(x, np.ndarray) and x.flags.c_contiguous
-            and int(np.max(np.diff(plan.q_starts))) <= _DECODE_ROWS)
+            # more rows per sequence make `paged_attention` take all cores, not the kernels'
+            # share, which the fused layer uses
+            and int(np.max(np.diff(plan.q_starts))) <= DECODE_ROWS)
 
 
 def applies(L: Any, x: Any, plan: Any, kc: Any, last: bool) -> bool:

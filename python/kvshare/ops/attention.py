@@ -40,7 +40,7 @@ _TILE_ROWS = 128
 # key tiles, no scores of masked keys). Unbounded: the NumPy tile path below stays for other
 # pool dtypes and as the tests' oracle (set this to 0 to take it).
 KERNEL_MAX_ROWS = 1 << 62
-_DECODE_ROWS = 4  # the kernel's DECODE_ROWS: more rows per sequence take its tiled path
+DECODE_ROWS = 4  # the kernel's DECODE_ROWS: more rows per sequence take its tiled path
 _KERNEL_KV_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.uint8))
 _Q8 = np.dtype(np.uint8)  # a q8_0 pool's array dtype
 
@@ -174,7 +174,7 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
         kernel_rows = KERNEL_MAX_ROWS
         # a prefill chunk's attention runs while BLAS idles: all cores, even in steps that
         # gave them to BLAS (`CPU_THREADS.for_tokens`); decode rows keep the kernels' share
-        threads = (CPU_THREADS.max_threads if (lens > _DECODE_ROWS).any()
+        threads = (CPU_THREADS.max_threads if (lens > DECODE_ROWS).any()
                    else CPU_THREADS.kernel_threads)
         qc = q if q.flags.c_contiguous else np.ascontiguousarray(q)
         res = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
