@@ -946,11 +946,13 @@ fn tile_keys<T: KvElem>(
     let mut acc = AlignedF32::zeros(mp * hd);
     let mut sc = AlignedF32::zeros(KEY_BLOCK * mp); // [key, query vector]
     let mut offs = Vec::with_capacity(KEY_BLOCK);
-    let mut kbuf = AlignedF32::zeros(KEY_BLOCK * hd);
-    let dense_offs: Vec<usize> = (0..KEY_BLOCK).map(|j| j * hd).collect();
     // an f32 pool is read in place; f16 and q8_0 rows are converted once per block (not once
-    // per four query vectors); the portable path reads f16 in place too
+    // per four query vectors); the portable path reads f16 in place too; a narrow tile (a
+    // decode row) reads f32 and f16 rows in place, converting in registers (`avx512::row16`)
     let in_place = T::IS_F32 || (!simd && T::VALS == 1);
+    let narrow_in_place = narrow && T::VALS == 1;
+    let mut kbuf = AlignedF32::zeros(if narrow_in_place { 0 } else { KEY_BLOCK * hd });
+    let dense_offs: Vec<usize> = (0..KEY_BLOCK).map(|j| j * hd).collect();
     let as_f32 = |x: &[T]| -> &[f32] {
         debug_assert!(T::IS_F32);
         // SAFETY: T is f32 (IS_F32 is only true for f32).
@@ -967,7 +969,7 @@ fn tile_keys<T: KvElem>(
         offs.extend((j0..j1).map(|p| ((table[p / bs] as usize * bs + p % bs) * n_kv + t.kvh) * rl));
         let sc = &mut sc[..nk * mp];
         // a few query vectors (a decode row's heads) in a 16-wide tile: keys in lanes
-        if !in_place || narrow {
+        if (!in_place || narrow) && !narrow_in_place {
             to_f32_rows(kv.k, &offs, hd, &mut kbuf, simd);
         }
         let (kd, ko): (&[f32], &[usize]) = if in_place && wide && !narrow {
@@ -975,12 +977,18 @@ fn tile_keys<T: KvElem>(
         } else {
             (&kbuf, &dense_offs[..nk])
         };
-        if narrow {
+        if narrow_in_place {
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: wide_ok detected AVX-512F and hd is a multiple of 16; kbuf holds nk
-            // dense rows of hd, q m rows of hd, sc nk x mp.
+            // SAFETY: wide_ok detected AVX-512F and hd is a multiple of 16; offs index whole
+            // rows of kv.k (f32 or f16), q holds m rows of hd, sc nk x mp.
             unsafe {
-                avx512::scores_narrow(&kbuf, nk, q, m, mp, hd, sc)
+                avx512::scores_narrow(kv.k, &offs, q, m, mp, hd, sc)
+            };
+        } else if narrow {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above; kbuf holds nk dense f32 rows of hd.
+            unsafe {
+                avx512::scores_narrow(&kbuf[..], &dense_offs[..nk], q, m, mp, hd, sc)
             };
         } else if wide {
             #[cfg(target_arch = "x86_64")]
@@ -1011,6 +1019,15 @@ fn tile_keys<T: KvElem>(
         // in whole groups of 8 so that every vector's exp takes the same (SIMD) path
         let live = m.next_multiple_of(8).min(mp);
         softmax_step(sc, mp, live, hd, &mut mx, &mut sum, &mut acc, simd);
+        if narrow_in_place {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as for the scores; acc is mp x hd.
+            unsafe {
+                avx512::weighted_values_narrow(kv.v, &offs, sc, m, mp, hd, &mut acc)
+            };
+            j0 = j1;
+            continue;
+        }
         if !in_place {
             to_f32_rows(kv.v, &offs, hd, &mut kbuf, simd);
         }
@@ -1019,7 +1036,13 @@ fn tile_keys<T: KvElem>(
         } else {
             (&kbuf, &dense_offs[..nk])
         };
-        if wide {
+        if narrow {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above, over kbuf's dense f32 rows.
+            unsafe {
+                avx512::weighted_values_narrow(vd, vo, sc, m, mp, hd, &mut acc)
+            };
+        } else if wide {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above; acc is mp x hd.
             unsafe {
@@ -1568,9 +1591,11 @@ mod avx2 {
     }
 }
 
-/// The prefill tiles' products on AVX-512 (16 lanes, 32 registers), f32 rows only.
+/// The tiles' products on AVX-512 (16 lanes, 32 registers): f32 rows, and for narrow tiles (a
+/// decode row's heads) f16 rows too, converted in registers.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
+    use super::KvElem;
     use crate::x86::transpose16;
     use std::arch::x86_64::*;
 
@@ -1655,36 +1680,55 @@ mod avx512 {
         }
     }
 
-    /// `sc[j * mp + i]` = `k[j] . q[i]` for the `m` (<= `NARROW_VECTORS`) query vectors (rows of
-    /// `q`, `hd` apart) and the `nk` keys (dense rows of `k`; `hd` a multiple of 16), keys in
-    /// lanes: each 16 x 16 piece of 16 keys' rows is transposed in registers, and a column
-    /// (one dimension of the 16 keys) multiplies a broadcast query value. Per pair that is
-    /// `scores_t`'s chain, `acc = fma(k[j][d], q[i][d], acc)` for d from 0, so the same bits,
-    /// at a cost per query vector where `scores_t` pays for 16 (a decode row's 2-4 heads per
-    /// KV head fill a 16-wide tile). The `mp - m` padding vectors score 0, as their zero
-    /// queries do in `scores_t`.
+    /// Values `at..at + 16` of a row at `p` (f32, or f16 converted: exact) as f32.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn scores_narrow(
-        k: &[f32],
-        nk: usize,
+    #[inline]
+    unsafe fn row16<T: KvElem>(p: *const T, at: usize) -> __m512 {
+        debug_assert!(T::VALS == 1);
+        unsafe {
+            if T::IS_F32 {
+                _mm512_loadu_ps((p as *const f32).add(at))
+            } else {
+                _mm512_cvtph_ps(_mm256_loadu_si256(
+                    (p as *const u16).add(at) as *const __m256i
+                ))
+            }
+        }
+    }
+
+    /// `sc[j * mp + i]` = `k[offs[j]] . q[i]` for the `m` (<= `NARROW_VECTORS`) query vectors
+    /// (rows of `q`, `hd` apart) and the keys at element offsets `offs` of `k` (f32 or f16
+    /// rows, converted in registers; `hd` a multiple of 16), keys in lanes: each 16 x 16
+    /// piece of 16 keys' rows is transposed in registers, and a column (one dimension of the
+    /// 16 keys) multiplies a broadcast query value. Per pair that is `scores_t`'s chain,
+    /// `acc = fma(k[j][d], q[i][d], acc)` for d from 0, so the same bits, at a cost per
+    /// query vector where `scores_t` pays for 16 (a decode row's 2-4 heads per KV head fill
+    /// a 16-wide tile). The `mp - m` padding vectors score 0, as their zero queries do in
+    /// `scores_t`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scores_narrow<T: KvElem>(
+        k: &[T],
+        offs: &[usize],
         q: &[f32],
         m: usize,
         mp: usize,
         hd: usize,
         sc: &mut [f32],
     ) {
-        debug_assert!(m <= super::NARROW_VECTORS && hd.is_multiple_of(16));
-        debug_assert!(k.len() >= nk * hd && q.len() >= m * hd && sc.len() >= nk * mp);
+        let nk = offs.len();
+        debug_assert!(m <= super::NARROW_VECTORS && hd.is_multiple_of(16) && T::VALS == 1);
+        debug_assert!(offs.iter().all(|&o| o + hd <= k.len()));
+        debug_assert!(q.len() >= m * hd && sc.len() >= nk * mp);
         unsafe {
             match m {
-                1 => narrow::<1>(k, nk, q, mp, hd, sc),
-                2 => narrow::<2>(k, nk, q, mp, hd, sc),
-                3 => narrow::<3>(k, nk, q, mp, hd, sc),
-                4 => narrow::<4>(k, nk, q, mp, hd, sc),
-                5 => narrow::<5>(k, nk, q, mp, hd, sc),
-                6 => narrow::<6>(k, nk, q, mp, hd, sc),
-                7 => narrow::<7>(k, nk, q, mp, hd, sc),
-                _ => narrow::<8>(k, nk, q, mp, hd, sc),
+                1 => narrow::<T, 1>(k, offs, q, mp, hd, sc),
+                2 => narrow::<T, 2>(k, offs, q, mp, hd, sc),
+                3 => narrow::<T, 3>(k, offs, q, mp, hd, sc),
+                4 => narrow::<T, 4>(k, offs, q, mp, hd, sc),
+                5 => narrow::<T, 5>(k, offs, q, mp, hd, sc),
+                6 => narrow::<T, 6>(k, offs, q, mp, hd, sc),
+                7 => narrow::<T, 7>(k, offs, q, mp, hd, sc),
+                _ => narrow::<T, 8>(k, offs, q, mp, hd, sc),
             }
         }
         for row in sc[..nk * mp].chunks_exact_mut(mp) {
@@ -1694,14 +1738,15 @@ mod avx512 {
 
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn narrow<const M: usize>(
-        k: &[f32],
-        nk: usize,
+    unsafe fn narrow<T: KvElem, const M: usize>(
+        k: &[T],
+        offs: &[usize],
         q: &[f32],
         mp: usize,
         hd: usize,
         sc: &mut [f32],
     ) {
+        let nk = offs.len();
         let mut j0 = 0;
         while j0 < nk {
             let n = (nk - j0).min(16);
@@ -1709,7 +1754,7 @@ mod avx512 {
             for d0 in (0..hd).step_by(16) {
                 let mut rows = [_mm512_setzero_ps(); 16];
                 for (l, r) in rows.iter_mut().enumerate().take(n) {
-                    *r = unsafe { _mm512_loadu_ps(k.as_ptr().add((j0 + l) * hd + d0)) };
+                    *r = unsafe { row16(k.as_ptr().add(offs[j0 + l]), d0) };
                 }
                 let cols = transpose16(rows);
                 for (t, col) in cols.iter().enumerate() {
@@ -1727,6 +1772,95 @@ mod avx512 {
                 }
             }
             j0 += 16;
+        }
+    }
+
+    /// `weighted_values` for a narrow tile's `m` (<= `NARROW_VECTORS`) query vectors, the
+    /// value rows at element offsets `offs` of `v` (f32 or f16, converted in registers): up
+    /// to four query vectors x 64 dims in 16 accumulators while walking the block's keys, so
+    /// a decode row's four heads read and convert each value once. Per element the same
+    /// chain as `weighted_values`, `acc = fma(p[j][i], v[j][c], acc)` over the keys in order.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn weighted_values_narrow<T: KvElem>(
+        v: &[T],
+        offs: &[usize],
+        p: &[f32],
+        m: usize,
+        mp: usize,
+        hd: usize,
+        acc: &mut [f32],
+    ) {
+        debug_assert!(m <= mp && m <= super::NARROW_VECTORS && hd.is_multiple_of(16));
+        debug_assert!(offs.iter().all(|&o| o + hd <= v.len()));
+        debug_assert!(acc.len() >= mp * hd && p.len() >= offs.len() * mp);
+        let mut i = 0;
+        while i < m {
+            let x = (m - i).min(4);
+            let mut c = 0;
+            while c < hd {
+                let w = ((hd - c) / 16).min(4);
+                unsafe {
+                    match (x, w) {
+                        (4, 4) => pvn::<T, 4, 4>(v, offs, p, mp, hd, acc, i, c),
+                        (4, 3) => pvn::<T, 4, 3>(v, offs, p, mp, hd, acc, i, c),
+                        (4, 2) => pvn::<T, 4, 2>(v, offs, p, mp, hd, acc, i, c),
+                        (4, _) => pvn::<T, 4, 1>(v, offs, p, mp, hd, acc, i, c),
+                        (3, 4) => pvn::<T, 3, 4>(v, offs, p, mp, hd, acc, i, c),
+                        (3, 3) => pvn::<T, 3, 3>(v, offs, p, mp, hd, acc, i, c),
+                        (3, 2) => pvn::<T, 3, 2>(v, offs, p, mp, hd, acc, i, c),
+                        (3, _) => pvn::<T, 3, 1>(v, offs, p, mp, hd, acc, i, c),
+                        (2, 4) => pvn::<T, 2, 4>(v, offs, p, mp, hd, acc, i, c),
+                        (2, 3) => pvn::<T, 2, 3>(v, offs, p, mp, hd, acc, i, c),
+                        (2, 2) => pvn::<T, 2, 2>(v, offs, p, mp, hd, acc, i, c),
+                        (2, _) => pvn::<T, 2, 1>(v, offs, p, mp, hd, acc, i, c),
+                        (_, 4) => pvn::<T, 1, 4>(v, offs, p, mp, hd, acc, i, c),
+                        (_, 3) => pvn::<T, 1, 3>(v, offs, p, mp, hd, acc, i, c),
+                        (_, 2) => pvn::<T, 1, 2>(v, offs, p, mp, hd, acc, i, c),
+                        _ => pvn::<T, 1, 1>(v, offs, p, mp, hd, acc, i, c),
+                    }
+                }
+                c += w * 16;
+            }
+            i += x;
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pvn<T: KvElem, const X: usize, const W: usize>(
+        v: &[T],
+        offs: &[usize],
+        p: &[f32],
+        mp: usize,
+        hd: usize,
+        acc: &mut [f32],
+        i: usize,
+        c: usize,
+    ) {
+        let ap = unsafe { acc.as_mut_ptr().add(i * hd + c) };
+        let mut a = [[_mm512_setzero_ps(); W]; X];
+        for (x, ax) in a.iter_mut().enumerate() {
+            for (w, aw) in ax.iter_mut().enumerate() {
+                *aw = unsafe { _mm512_loadu_ps(ap.add(x * hd + w * 16)) };
+            }
+        }
+        for (j, &o) in offs.iter().enumerate() {
+            unsafe {
+                let vp = v.as_ptr().add(o);
+                let vv: [__m512; W] = std::array::from_fn(|w| row16(vp, c + w * 16));
+                for (x, ax) in a.iter_mut().enumerate() {
+                    let pb = _mm512_set1_ps(*p.get_unchecked(j * mp + i + x));
+                    for w in 0..W {
+                        ax[w] = _mm512_fmadd_ps(pb, vv[w], ax[w]);
+                    }
+                }
+            }
+        }
+        for (x, ax) in a.iter().enumerate() {
+            for (w, aw) in ax.iter().enumerate() {
+                unsafe { _mm512_storeu_ps(ap.add(x * hd + w * 16), *aw) };
+            }
         }
     }
 

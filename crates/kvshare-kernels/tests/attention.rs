@@ -678,10 +678,16 @@ fn q8_0_head_dim_not_a_multiple_of_32_is_an_error() {
 
 /// `paged_attention_invariant`: every row the same bits whether computed in a 40-row chunk, a
 /// chunk cut elsewhere, or alone (a decode step, whose keys are split between threads at
-/// fixed positions when the context is long), with and without a window, on 1 to 3
-/// threads; and within the tolerance of the dense reference.
+/// fixed positions when the context is long, and whose few query heads read f32 and f16
+/// rows in place), with and without a window, on 1 to 3 threads, over f32 and f16 pools;
+/// and within the tolerance of the dense reference.
 #[test]
 fn invariant_rows_do_not_depend_on_the_call() {
+    invariant_rows::<f32>(|x| x);
+    invariant_rows::<F16>(|x| F16(f16_bits(x)));
+}
+
+fn invariant_rows<T: KvElem>(to: fn(f32) -> T) {
     use kvshare_kernels::paged_attention_invariant;
     for (ctx, window, hd, g, threads) in [
         (150, 0, 32, 4, 1),
@@ -693,7 +699,7 @@ fn invariant_rows_do_not_depend_on_the_call() {
         (530, 0, 256, 4, 1),
     ] {
         let n = 40;
-        let c = case(
+        let mut c = case(
             window as u64 + hd as u64 + ctx as u64,
             &[(ctx, n)],
             16,
@@ -701,6 +707,22 @@ fn invariant_rows_do_not_depend_on_the_call() {
             g,
             hd,
         );
+        // values a half holds exactly, so the reference sees what either pool holds
+        for x in c.k.iter_mut().chain(c.v.iter_mut()) {
+            *x = (*x * 1024.0).round() / 1024.0;
+        }
+        let (k, v): (Vec<T>, Vec<T>) = (
+            c.k.iter().map(|&x| to(x)).collect(),
+            c.v.iter().map(|&x| to(x)).collect(),
+        );
+        let kv = PagedKv {
+            k: &k,
+            v: &v,
+            n_blocks: c.n_blocks,
+            block_size: c.bs,
+            n_kv: c.n_kv,
+            head_dim: c.hd,
+        };
         let scale = 1.0 / (hd as f32).sqrt();
         let row_len = c.n_head * hd;
         let run = |r0: usize, r1: usize| {
@@ -715,7 +737,7 @@ fn invariant_rows_do_not_depend_on_the_call() {
                 start_positions: &starts,
             };
             let mut out = vec![f32::NAN; (r1 - r0) * row_len];
-            paged_attention_invariant(&c.kv(), &qs, scale, window, usize::MAX, &mut out, threads)
+            paged_attention_invariant(&kv, &qs, scale, window, usize::MAX, &mut out, threads)
                 .unwrap();
             out
         };
