@@ -29,7 +29,7 @@ from kvshare.model.cache import ModelCache
 from kvshare.model import fused
 from kvshare.model.config import ATTENTION, RECURRENT, ModelConfig
 from kvshare.ops.activation import glu
-from kvshare.ops.attention import kv_slots, pad_block_tables, paged_attention, write_kv
+from kvshare.ops.attention import pad_block_tables, paged_attention, slots_of, write_kv
 from kvshare.ops.embedding import embedding
 from kvshare.ops.linear import linear
 from kvshare.ops.norm import rms_norm
@@ -176,7 +176,7 @@ def make_plan(chunks: Sequence[SeqChunk], block_size: int, config: ModelConfig) 
             raise IndexError(f"block table of {len(c.block_table)} blocks cannot hold "
                              f"{c.end_pos} positions at block size {block_size}")
     tables = pad_block_tables([c.block_table for c in chunks])
-    slots = kv_slots(tables, q_starts, start, block_size)
+    slots = slots_of(tables, seq, positions, block_size)
     rows = []
     for c, r0 in zip(chunks, q_starts[:-1]):
         if c.logits == "last":
@@ -190,7 +190,7 @@ def make_plan(chunks: Sequence[SeqChunk], block_size: int, config: ModelConfig) 
         if any(c.win_block_table is None for c in chunks):
             raise ValueError("a split cache needs every chunk's win_block_table")
         plan.win_block_tables = pad_block_tables([c.win_block_table for c in chunks])
-        plan.win_slots = kv_slots(plan.win_block_tables, q_starts, start, block_size)
+        plan.win_slots = slots_of(plan.win_block_tables, seq, positions, block_size)
     return plan
 
 
@@ -217,6 +217,8 @@ class AttentionLayer:
     kind: str = ATTENTION
     # `model.fused`'s arguments for the layer, built on first use (() when it cannot take it)
     fused: Any = field(default=None, repr=False, compare=False)
+    # and its shape tuple (`fused.run`)
+    fused_shape: Any = field(default=None, repr=False, compare=False)
 
 
 class RecurrentLayer:

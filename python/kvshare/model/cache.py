@@ -113,6 +113,7 @@ class ModelCache:
         self._win_mapping: mmap.mmap | None = None
         self.prefaulted: bool | None = None  # None: not tried; False: unsupported here
         self.kv, self._mapping = self._alloc(shape)
+        self._layer_views: dict[int, tuple[Any, Any]] = {}
         self.kv_win, self._win_mapping = (self._alloc((counts[1], 2, self.n_win_blocks, *tail))
                                           if self.split else (None, None))
         self.n_state_slots = int(n_state_slots)
@@ -198,9 +199,12 @@ class ModelCache:
     def layer_kv(self, attn_index: int) -> tuple[Any, Any]:
         """(K, V) of one attention layer, each `[n_blocks, block_size, n_kv_heads, head_dim]`
         (views, not copies; `n_win_blocks` of them for a window layer of a split cache)."""
-        g, i = self._where[attn_index]
-        arr = self.win_group(g)
-        return arr[i, 0], arr[i, 1]
+        views = self._layer_views.get(attn_index)
+        if views is None:  # built once: a decode step asks for every layer's
+            g, i = self._where[attn_index]
+            arr = self.win_group(g)
+            views = self._layer_views[attn_index] = (arr[i, 0], arr[i, 1])
+        return views
 
     def win_group(self, group: int) -> Any:
         return self.kv_win if group == 1 else self.kv

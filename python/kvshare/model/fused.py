@@ -77,9 +77,12 @@ def applies(L: Any, x: Any, plan: Any, kc: Any, last: bool) -> bool:
 def run(model: Any, L: Any, x: np.ndarray, plan: Any, kc: Any, vc: Any, tables: np.ndarray,
         slots: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
     """The layer over the rows x, in place (see `applies`)."""
-    cfg = model.config
-    shape = (cfg.n_head, cfg.n_head_kv, cfg.head_dim, float(cfg.norm_eps),
-             cfg.rope_style == NEOX, model._act, int(L.window), float(cfg.q_scale))
+    shape = L.fused_shape
+    if shape is None:  # built once per layer
+        cfg = model.config
+        shape = L.fused_shape = (cfg.n_head, cfg.n_head_kv, cfg.head_dim, float(cfg.norm_eps),
+                                 cfg.rope_style == NEOX, model._act, int(L.window),
+                                 float(cfg.q_scale))
     _core.decode_layer(L.fused, shape, x, cos, sin, slots, kc, vc, tables, plan.q_starts,
                        plan.start_positions, KERNEL_MAX_ROWS, bool(model.batch_invariant),
                        CPU_THREADS.kernel_threads)

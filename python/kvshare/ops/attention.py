@@ -63,10 +63,16 @@ def kv_slots(block_tables: np.ndarray, q_starts: np.ndarray, start_positions: np
     seq = np.repeat(np.arange(len(lens)), lens)
     pos = np.asarray(start_positions, dtype=np.int64)[seq] + (
         np.arange(q_starts[-1], dtype=np.int64) - q_starts[:-1][seq])
-    blocks = np.asarray(block_tables)[seq, pos // block_size].astype(np.int64)
+    return slots_of(block_tables, seq, pos, block_size)
+
+
+def slots_of(block_tables: np.ndarray, seq: np.ndarray, positions: np.ndarray,
+             block_size: int) -> np.ndarray:
+    """`kv_slots` from each token's sequence (`seq`, a row of `block_tables`) and position."""
+    blocks = np.asarray(block_tables)[seq, positions // block_size].astype(np.int64)
     if (blocks < 0).any():
         raise IndexError("block table does not cover every position of the batch")
-    return blocks * block_size + pos % block_size
+    return blocks * block_size + positions % block_size
 
 
 def write_kv(k_cache: Any, v_cache: Any, slots: Any, k: Any, v: Any, *,
