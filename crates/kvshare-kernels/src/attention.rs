@@ -21,7 +21,8 @@
 //! f32 rows are read in place, decode rows read f16 in place too (converted eight values at a
 //! time in registers); q8_0 decode rows are converted to f32 32 rows at a time into a small
 //! buffer, and prefill tiles convert each key block's f16 or q8_0 rows to f32 once (every
-//! query vector of the tile, and the AVX-512 products, then read those).
+//! query vector of the tile, and the AVX-512 products, then read those), except narrow tiles
+//! (a decode row's few query heads), which read f16 rows in place too.
 //! `quantize_q8_0` is ggml's `quantize_row_q8_0_ref` (what `ops/attention.py` writes).
 //!
 //! Layout (as `ops/attention.py`): `k`, `v`: `[n_blocks, block_size, n_kv, hd]` values (f32, f16,
