@@ -1780,7 +1780,8 @@ mod avx512 {
     /// value rows at element offsets `offs` of `v` (f32 or f16, converted in registers): up
     /// to four query vectors x 64 dims in 16 accumulators while walking the block's keys, so
     /// a decode row's four heads read and convert each value once. Per element the same
-    /// chain as `weighted_values`, `acc = fma(p[j][i], v[j][c], acc)` over the keys in order.
+    /// chain as `weighted_values` (the same `pv`), `acc = fma(p[j][i], v[j][c], acc)` over the
+    /// keys in order.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn weighted_values_narrow<T: KvElem>(
         v: &[T],
@@ -1802,66 +1803,27 @@ mod avx512 {
                 let w = ((hd - c) / 16).min(4);
                 unsafe {
                     match (x, w) {
-                        (4, 4) => pvn::<T, 4, 4>(v, offs, p, mp, hd, acc, i, c),
-                        (4, 3) => pvn::<T, 4, 3>(v, offs, p, mp, hd, acc, i, c),
-                        (4, 2) => pvn::<T, 4, 2>(v, offs, p, mp, hd, acc, i, c),
-                        (4, _) => pvn::<T, 4, 1>(v, offs, p, mp, hd, acc, i, c),
-                        (3, 4) => pvn::<T, 3, 4>(v, offs, p, mp, hd, acc, i, c),
-                        (3, 3) => pvn::<T, 3, 3>(v, offs, p, mp, hd, acc, i, c),
-                        (3, 2) => pvn::<T, 3, 2>(v, offs, p, mp, hd, acc, i, c),
-                        (3, _) => pvn::<T, 3, 1>(v, offs, p, mp, hd, acc, i, c),
-                        (2, 4) => pvn::<T, 2, 4>(v, offs, p, mp, hd, acc, i, c),
-                        (2, 3) => pvn::<T, 2, 3>(v, offs, p, mp, hd, acc, i, c),
-                        (2, 2) => pvn::<T, 2, 2>(v, offs, p, mp, hd, acc, i, c),
-                        (2, _) => pvn::<T, 2, 1>(v, offs, p, mp, hd, acc, i, c),
-                        (_, 4) => pvn::<T, 1, 4>(v, offs, p, mp, hd, acc, i, c),
-                        (_, 3) => pvn::<T, 1, 3>(v, offs, p, mp, hd, acc, i, c),
-                        (_, 2) => pvn::<T, 1, 2>(v, offs, p, mp, hd, acc, i, c),
-                        _ => pvn::<T, 1, 1>(v, offs, p, mp, hd, acc, i, c),
+                        (4, 4) => pv::<T, 4, 4>(v, offs, p, mp, hd, acc, i, c),
+                        (4, 3) => pv::<T, 4, 3>(v, offs, p, mp, hd, acc, i, c),
+                        (4, 2) => pv::<T, 4, 2>(v, offs, p, mp, hd, acc, i, c),
+                        (4, _) => pv::<T, 4, 1>(v, offs, p, mp, hd, acc, i, c),
+                        (3, 4) => pv::<T, 3, 4>(v, offs, p, mp, hd, acc, i, c),
+                        (3, 3) => pv::<T, 3, 3>(v, offs, p, mp, hd, acc, i, c),
+                        (3, 2) => pv::<T, 3, 2>(v, offs, p, mp, hd, acc, i, c),
+                        (3, _) => pv::<T, 3, 1>(v, offs, p, mp, hd, acc, i, c),
+                        (2, 4) => pv::<T, 2, 4>(v, offs, p, mp, hd, acc, i, c),
+                        (2, 3) => pv::<T, 2, 3>(v, offs, p, mp, hd, acc, i, c),
+                        (2, 2) => pv::<T, 2, 2>(v, offs, p, mp, hd, acc, i, c),
+                        (2, _) => pv::<T, 2, 1>(v, offs, p, mp, hd, acc, i, c),
+                        (_, 4) => pv::<T, 1, 4>(v, offs, p, mp, hd, acc, i, c),
+                        (_, 3) => pv::<T, 1, 3>(v, offs, p, mp, hd, acc, i, c),
+                        (_, 2) => pv::<T, 1, 2>(v, offs, p, mp, hd, acc, i, c),
+                        _ => pv::<T, 1, 1>(v, offs, p, mp, hd, acc, i, c),
                     }
                 }
                 c += w * 16;
             }
             i += x;
-        }
-    }
-
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn pvn<T: KvElem, const X: usize, const W: usize>(
-        v: &[T],
-        offs: &[usize],
-        p: &[f32],
-        mp: usize,
-        hd: usize,
-        acc: &mut [f32],
-        i: usize,
-        c: usize,
-    ) {
-        let ap = unsafe { acc.as_mut_ptr().add(i * hd + c) };
-        let mut a = [[_mm512_setzero_ps(); W]; X];
-        for (x, ax) in a.iter_mut().enumerate() {
-            for (w, aw) in ax.iter_mut().enumerate() {
-                *aw = unsafe { _mm512_loadu_ps(ap.add(x * hd + w * 16)) };
-            }
-        }
-        for (j, &o) in offs.iter().enumerate() {
-            unsafe {
-                let vp = v.as_ptr().add(o);
-                let vv: [__m512; W] = std::array::from_fn(|w| row16(vp, c + w * 16));
-                for (x, ax) in a.iter_mut().enumerate() {
-                    let pb = _mm512_set1_ps(*p.get_unchecked(j * mp + i + x));
-                    for w in 0..W {
-                        ax[w] = _mm512_fmadd_ps(pb, vv[w], ax[w]);
-                    }
-                }
-            }
-        }
-        for (x, ax) in a.iter().enumerate() {
-            for (w, aw) in ax.iter().enumerate() {
-                unsafe { _mm512_storeu_ps(ap.add(x * hd + w * 16), *aw) };
-            }
         }
     }
 
@@ -1889,14 +1851,14 @@ mod avx512 {
                 let w = ((hd - c) / 16).min(4);
                 unsafe {
                     match (x, w) {
-                        (6, 4) => pv::<6, 4>(v, offs, p, mp, hd, acc, i, c),
-                        (6, 3) => pv::<6, 3>(v, offs, p, mp, hd, acc, i, c),
-                        (6, 2) => pv::<6, 2>(v, offs, p, mp, hd, acc, i, c),
-                        (6, _) => pv::<6, 1>(v, offs, p, mp, hd, acc, i, c),
-                        (_, 4) => pv::<2, 4>(v, offs, p, mp, hd, acc, i, c),
-                        (_, 3) => pv::<2, 3>(v, offs, p, mp, hd, acc, i, c),
-                        (_, 2) => pv::<2, 2>(v, offs, p, mp, hd, acc, i, c),
-                        _ => pv::<2, 1>(v, offs, p, mp, hd, acc, i, c),
+                        (6, 4) => pv::<f32, 6, 4>(v, offs, p, mp, hd, acc, i, c),
+                        (6, 3) => pv::<f32, 6, 3>(v, offs, p, mp, hd, acc, i, c),
+                        (6, 2) => pv::<f32, 6, 2>(v, offs, p, mp, hd, acc, i, c),
+                        (6, _) => pv::<f32, 6, 1>(v, offs, p, mp, hd, acc, i, c),
+                        (_, 4) => pv::<f32, 2, 4>(v, offs, p, mp, hd, acc, i, c),
+                        (_, 3) => pv::<f32, 2, 3>(v, offs, p, mp, hd, acc, i, c),
+                        (_, 2) => pv::<f32, 2, 2>(v, offs, p, mp, hd, acc, i, c),
+                        _ => pv::<f32, 2, 1>(v, offs, p, mp, hd, acc, i, c),
                     }
                 }
                 c += w * 16;
@@ -1905,11 +1867,13 @@ mod avx512 {
         }
     }
 
+    /// `X` query vectors (from `i`) x `W` * 16 dims (from `c`) of `acc`, over the value rows
+    /// at `offs` (f32 or f16: `row16`) in key order.
     #[target_feature(enable = "avx512f")]
     #[inline]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn pv<const X: usize, const W: usize>(
-        v: &[f32],
+    unsafe fn pv<T: KvElem, const X: usize, const W: usize>(
+        v: &[T],
         offs: &[usize],
         p: &[f32],
         mp: usize,
@@ -1927,8 +1891,8 @@ mod avx512 {
         }
         for (j, &o) in offs.iter().enumerate() {
             unsafe {
-                let vp = v.as_ptr().add(o + c);
-                let vv: [__m512; W] = std::array::from_fn(|w| _mm512_loadu_ps(vp.add(w * 16)));
+                let vp = v.as_ptr().add(o);
+                let vv: [__m512; W] = std::array::from_fn(|w| row16(vp, c + w * 16));
                 for (x, ax) in a.iter_mut().enumerate() {
                     let pb = _mm512_set1_ps(*p.get_unchecked(j * mp + i + x));
                     for w in 0..W {
