@@ -29,7 +29,8 @@ from kvshare.model.cache import ModelCache
 from kvshare.model import fused
 from kvshare.model.config import ATTENTION, RECURRENT, ModelConfig
 from kvshare.ops.activation import glu
-from kvshare.ops.attention import pad_block_tables, paged_attention, slots_of, write_kv
+from kvshare.ops.attention import (pad_block_tables, paged_attention, slots_of, token_positions,
+                                   write_kv)
 from kvshare.ops.embedding import embedding
 from kvshare.ops.linear import linear
 from kvshare.ops.norm import rms_norm
@@ -168,8 +169,7 @@ def make_plan(chunks: Sequence[SeqChunk], block_size: int, config: ModelConfig) 
     if tokens.min() < 0 or tokens.max() >= config.vocab_size:
         raise IndexError(f"token id out of range [0, {config.vocab_size})")
     start = np.array([c.start_pos for c in chunks], np.int64)
-    seq = np.repeat(np.arange(len(chunks)), lens)
-    positions = start[seq] + np.arange(q_starts[-1]) - q_starts[:-1][seq]
+    seq, positions = token_positions(q_starts, start)
     for c in chunks:
         need = -(-c.end_pos // block_size)
         if len(c.block_table) < need:

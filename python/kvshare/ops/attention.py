@@ -58,12 +58,20 @@ def kv_slots(block_tables: np.ndarray, q_starts: np.ndarray, start_positions: np
              block_size: int) -> np.ndarray:
     """Flat cache row (`block * block_size + offset`) of every query token, int64 `[N]`:
     where `write_kv` puts each token's K and V."""
+    seq, pos = token_positions(q_starts, start_positions)
+    return slots_of(block_tables, seq, pos, block_size)
+
+
+def token_positions(q_starts: np.ndarray, start_positions: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Each query token's sequence (int64 `[N]`, sequence `s` owning rows
+    `q_starts[s]..q_starts[s + 1]`) and position (its sequence's start plus its offset)."""
     q_starts = np.asarray(q_starts, dtype=np.int64)
     lens = np.diff(q_starts)
     seq = np.repeat(np.arange(len(lens)), lens)
     pos = np.asarray(start_positions, dtype=np.int64)[seq] + (
         np.arange(q_starts[-1], dtype=np.int64) - q_starts[:-1][seq])
-    return slots_of(block_tables, seq, pos, block_size)
+    return seq, pos
 
 
 def slots_of(block_tables: np.ndarray, seq: np.ndarray, positions: np.ndarray,
