@@ -9,6 +9,7 @@ op's dispatch point (see `kvshare.ops`).
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +115,8 @@ class _CpuThreads:
         self._blas: list[Any] | None = None  # threadpoolctl controllers of the BLAS libraries
         self._blas_now: int | None = None
         self.kernel_threads = self.max_threads  # threads of the Rust kernels (kvshare._core)
+        # (thread, threads) of the last _set_numba_threads call
+        self._numba_now: tuple[int, int] | None = None
 
     def _blas_controllers(self) -> list[Any]:
         if self._blas is None:
@@ -132,6 +135,7 @@ class _CpuThreads:
         self._blas_now = None
         self.set_blas(self.max_threads)
         self.kernel_threads = self.max_threads
+        self._numba_now = (threading.get_ident(), self.max_threads)
         _set_numba_threads(self.max_threads)
 
     def set_blas(self, n: int) -> None:
@@ -148,8 +152,13 @@ class _CpuThreads:
         big = n_tokens >= BLAS_PARALLEL_MIN_TOKENS
         parts = self.max_threads if big and row_parallel else 1
         self.set_blas(self.max_threads if big and parts == 1 else 1)
-        self.kernel_threads = 1 if big and parts == 1 else self.max_threads
-        _set_numba_threads(self.kernel_threads)
+        kernel_threads = 1 if big and parts == 1 else self.max_threads
+        # numba.set_num_threads costs ~20 us a call, and its setting is per thread
+        now = (threading.get_ident(), kernel_threads)
+        if now != self._numba_now:
+            _set_numba_threads(kernel_threads)
+            self._numba_now = now
+        self.kernel_threads = kernel_threads
         return parts
 
 

@@ -61,7 +61,7 @@ def step_applies(plan: Any, x: Any) -> bool:
             and isinstance(x, np.ndarray) and x.flags.c_contiguous
             # more rows per sequence make `paged_attention` take all cores, not the kernels'
             # share, which the fused layer uses
-            and int(np.max(np.diff(plan.q_starts))) <= DECODE_ROWS)
+            and plan.max_seq_rows <= DECODE_ROWS)
 
 
 def applies(L: Any, x: Any, plan: Any, kc: Any, last: bool) -> bool:

@@ -235,6 +235,13 @@ class BlockWeight:
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Dequantized rows `[len(ids), in]` f32 (the embedding lookup)."""
+        if len(self.parts) == 1 and len(ids) == 1 and 0 <= int(ids[0]) < self.n:
+            # a decode step's token: `dequantize(ids=...)`'s checks and selection are most of
+            # its cost
+            p = self.parts[0]
+            out = np.empty((1, self.k), np.float32)
+            _core.block_dequantize(p.raw[ids], p.qtype, self.k, out, 1)
+            return out
         return self.dequantize(ids=ids)
 
     def _kernel(self, x, raw, qtype, out, threads) -> None:

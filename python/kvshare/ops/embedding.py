@@ -17,7 +17,10 @@ def embedding(table: Any, tokens: Any, scale: float = 1.0, *, backend: Backend =
     if backend.is_gpu:
         return gpu_op("embedding")(table, tokens, scale)
     tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= table.shape[0]):
+    if tokens.size == 1:  # a decode step's token: Python's comparison, not two reductions
+        if not 0 <= int(tokens.reshape(-1)[0]) < table.shape[0]:
+            raise IndexError(f"token id out of range [0, {table.shape[0]})")
+    elif tokens.size and (tokens.min() < 0 or tokens.max() >= table.shape[0]):
         raise IndexError(f"token id out of range [0, {table.shape[0]})")
     if hasattr(table, "rows"):  # a quantized table (Q8Weight)
         x = table.rows(tokens)
