@@ -349,9 +349,10 @@ def test_a_request_that_finds_no_room_waits_and_completes(launcher):
 
 def test_a_request_waiting_past_the_queue_timeout_gets_503(launcher):
     """Two replies of ~190 blocks each in a 200-block pool: once it is full, the younger one
-    waits for the older one's remaining ~1,400 tokens, far longer than the 1 s queue timeout,
-    and gets 503 with Retry-After; the older one completes."""
-    s = Server(launcher, "--kv-blocks", "200", "--parallel", "2", "--queue-timeout", "1")
+    waits for the older one's remaining ~1,400 tokens, far longer than the 0.1 s queue
+    timeout, and gets 503 with Retry-After; the older one completes. (With 1 s, a Zen 5
+    core decoded the 1,400 tokens of the tiny model in time.)"""
+    s = Server(launcher, "--kv-blocks", "200", "--parallel", "2", "--queue-timeout", "0.1")
     try:
         results: dict[int, httpx.Response] = {}
 

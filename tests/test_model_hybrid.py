@@ -186,13 +186,17 @@ def test_greedy_continuation(name):
 @pytest.mark.parametrize("name", MODELS)
 def test_resume_from_state_snapshot(name):
     """Prefill p tokens, snapshot (read_state + the KV blocks), restore both into a fresh
-    cache and slot, go on: every later position equals the cold run's logits."""
+    cache and slot, go on: every later position equals the logits of a cold run in the same
+    chunks (the same arithmetic: a snapshot changes nothing), and stays as close to a cold
+    run in other chunks as any other chunking does."""
     ref = reference(name, "tools_long")
     n = 2400
     toks = ref["tokens"][:n]
     m = model(name)
     cold = run(m, toks, [1000] * 3)
     for p in (1237, 64 * 17):
+        # the resumed run's chunks: [500] * 3 up to p, then [300, 1, 1, rest]
+        same = run(m, toks, [500] * (p // 500) + [p % 500, 300, 1, 1, n])
         a = m.new_cache(n_blocks(n) + 2, BS, n_state_slots=2, kv_dtype=KV)
         table = np.arange(n_blocks(n))
         run(m, toks[:p], [500] * 3, cache=a, slot=1, table=table)
@@ -205,7 +209,10 @@ def test_resume_from_state_snapshot(name):
             b.write_block(table_b[i], blk)
         b.write_state(2, snap)
         got = run(m, toks[p:], [300, 1, 1] + [n], cache=b, slot=2, table=table_b, start=p)
-        np.testing.assert_allclose(got, cold[p:], rtol=0, atol=1e-3)
+        np.testing.assert_allclose(got, same[p:], rtol=0, atol=1e-6)
+        # another chunking moves f32 rounding: on Zen 5 a cold run in these chunks differs
+        # from the [1000] * 3 run by up to 1.1e-3 (3.5e-5 of the position's largest logit)
+        np.testing.assert_allclose(got, cold[p:], rtol=0, atol=2e-3)
         check(got, ref, slice(p, n), what=f"{name} resumed at {p}")
         # the donor's slot was not touched by the resumed run
         for s0, s1 in zip(snap, a.read_state(1)):
