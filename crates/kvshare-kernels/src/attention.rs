@@ -1798,30 +1798,13 @@ mod avx512 {
         let mut i = 0;
         while i < m {
             let x = (m - i).min(4);
-            let mut c = 0;
-            while c < hd {
-                let w = ((hd - c) / 16).min(4);
-                unsafe {
-                    match (x, w) {
-                        (4, 4) => pv::<T, 4, 4>(v, offs, p, mp, hd, acc, i, c),
-                        (4, 3) => pv::<T, 4, 3>(v, offs, p, mp, hd, acc, i, c),
-                        (4, 2) => pv::<T, 4, 2>(v, offs, p, mp, hd, acc, i, c),
-                        (4, _) => pv::<T, 4, 1>(v, offs, p, mp, hd, acc, i, c),
-                        (3, 4) => pv::<T, 3, 4>(v, offs, p, mp, hd, acc, i, c),
-                        (3, 3) => pv::<T, 3, 3>(v, offs, p, mp, hd, acc, i, c),
-                        (3, 2) => pv::<T, 3, 2>(v, offs, p, mp, hd, acc, i, c),
-                        (3, _) => pv::<T, 3, 1>(v, offs, p, mp, hd, acc, i, c),
-                        (2, 4) => pv::<T, 2, 4>(v, offs, p, mp, hd, acc, i, c),
-                        (2, 3) => pv::<T, 2, 3>(v, offs, p, mp, hd, acc, i, c),
-                        (2, 2) => pv::<T, 2, 2>(v, offs, p, mp, hd, acc, i, c),
-                        (2, _) => pv::<T, 2, 1>(v, offs, p, mp, hd, acc, i, c),
-                        (_, 4) => pv::<T, 1, 4>(v, offs, p, mp, hd, acc, i, c),
-                        (_, 3) => pv::<T, 1, 3>(v, offs, p, mp, hd, acc, i, c),
-                        (_, 2) => pv::<T, 1, 2>(v, offs, p, mp, hd, acc, i, c),
-                        _ => pv::<T, 1, 1>(v, offs, p, mp, hd, acc, i, c),
-                    }
+            unsafe {
+                match x {
+                    4 => pv_dims::<T, 4>(v, offs, p, mp, hd, acc, i),
+                    3 => pv_dims::<T, 3>(v, offs, p, mp, hd, acc, i),
+                    2 => pv_dims::<T, 2>(v, offs, p, mp, hd, acc, i),
+                    _ => pv_dims::<T, 1>(v, offs, p, mp, hd, acc, i),
                 }
-                c += w * 16;
             }
             i += x;
         }
@@ -1846,24 +1829,43 @@ mod avx512 {
             // six query vectors at a time (24 accumulators), then the rest in twos (the last
             // may be a padding vector: mp is a multiple of 16)
             let x = if m - i >= 6 { 6 } else { 2 };
-            let mut c = 0;
-            while c < hd {
-                let w = ((hd - c) / 16).min(4);
-                unsafe {
-                    match (x, w) {
-                        (6, 4) => pv::<f32, 6, 4>(v, offs, p, mp, hd, acc, i, c),
-                        (6, 3) => pv::<f32, 6, 3>(v, offs, p, mp, hd, acc, i, c),
-                        (6, 2) => pv::<f32, 6, 2>(v, offs, p, mp, hd, acc, i, c),
-                        (6, _) => pv::<f32, 6, 1>(v, offs, p, mp, hd, acc, i, c),
-                        (_, 4) => pv::<f32, 2, 4>(v, offs, p, mp, hd, acc, i, c),
-                        (_, 3) => pv::<f32, 2, 3>(v, offs, p, mp, hd, acc, i, c),
-                        (_, 2) => pv::<f32, 2, 2>(v, offs, p, mp, hd, acc, i, c),
-                        _ => pv::<f32, 2, 1>(v, offs, p, mp, hd, acc, i, c),
-                    }
+            unsafe {
+                if x == 6 {
+                    pv_dims::<f32, 6>(v, offs, p, mp, hd, acc, i);
+                } else {
+                    pv_dims::<f32, 2>(v, offs, p, mp, hd, acc, i);
                 }
-                c += w * 16;
             }
             i += x;
+        }
+    }
+
+    /// `X` query vectors (from `i`) of `acc` over all `hd` dims, 64 at a time (`pv` with
+    /// `W` = 4, the last 16-48 with a narrower `W`).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pv_dims<T: KvElem, const X: usize>(
+        v: &[T],
+        offs: &[usize],
+        p: &[f32],
+        mp: usize,
+        hd: usize,
+        acc: &mut [f32],
+        i: usize,
+    ) {
+        let mut c = 0;
+        while c < hd {
+            let w = ((hd - c) / 16).min(4);
+            unsafe {
+                match w {
+                    4 => pv::<T, X, 4>(v, offs, p, mp, hd, acc, i, c),
+                    3 => pv::<T, X, 3>(v, offs, p, mp, hd, acc, i, c),
+                    2 => pv::<T, X, 2>(v, offs, p, mp, hd, acc, i, c),
+                    _ => pv::<T, X, 1>(v, offs, p, mp, hd, acc, i, c),
+                }
+            }
+            c += w * 16;
         }
     }
 
