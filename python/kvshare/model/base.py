@@ -172,6 +172,15 @@ def _check_tables(chunks: Sequence[SeqChunk], block_size: int) -> None:
                              f"{c.end_pos} positions at block size {block_size}")
 
 
+def _win_tables(chunks: Sequence[SeqChunk]) -> list[np.ndarray] | None:
+    """The chunks' window tables (a split cache), or None when no chunk has one."""
+    if all(c.win_block_table is None for c in chunks):
+        return None
+    if any(c.win_block_table is None for c in chunks):
+        raise ValueError("a split cache needs every chunk's win_block_table")
+    return [c.win_block_table for c in chunks]
+
+
 def make_plan(chunks: Sequence[SeqChunk], block_size: int, config: ModelConfig) -> BatchPlan:
     if not chunks:
         raise ValueError("forward needs at least one chunk")
@@ -202,10 +211,9 @@ def _general_plan(chunks: Sequence[SeqChunk], block_size: int, config: ModelConf
     logit_rows = np.concatenate(rows).astype(np.int64) if rows else np.zeros(0, np.int64)
     plan = BatchPlan(chunks, tokens, positions, q_starts, start, tables, slots, logit_rows,
                      [c.state_slot for c in chunks])
-    if any(c.win_block_table is not None for c in chunks):
-        if any(c.win_block_table is None for c in chunks):
-            raise ValueError("a split cache needs every chunk's win_block_table")
-        plan.win_block_tables = pad_block_tables([c.win_block_table for c in chunks])
+    wins = _win_tables(chunks)
+    if wins is not None:
+        plan.win_block_tables = pad_block_tables(wins)
         plan.win_slots = slots_of(plan.win_block_tables, seq, positions, block_size)
     plan.max_seq_rows = int(lens.max())
     return plan
@@ -236,10 +244,8 @@ def _decode_plan(chunks: Sequence[SeqChunk], block_size: int, config: ModelConfi
     plan = BatchPlan(chunks, np.array(toks, np.int32), positions, np.arange(n + 1, dtype=np.int64),
                      positions.copy(), pad_block_tables(tables), slots(tables), logit_rows,
                      [c.state_slot for c in chunks])
-    if any(c.win_block_table is not None for c in chunks):
-        if any(c.win_block_table is None for c in chunks):
-            raise ValueError("a split cache needs every chunk's win_block_table")
-        wins = [c.win_block_table for c in chunks]
+    wins = _win_tables(chunks)
+    if wins is not None:
         plan.win_block_tables = pad_block_tables(wins)
         plan.win_slots = slots(wins)
     plan.max_seq_rows = 1
