@@ -89,3 +89,48 @@ pub(crate) fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
     }
     out
 }
+
+/// The 4 words of 16 rows' 16-byte headers (`h[r]`, stored contiguously) as 4 vectors:
+/// `out[w]` lane `r` = word `w` of `h[r]`. Two rounds of two-source permutes (8 in all).
+/// SAFETY: `h` points at 16 x 16 readable bytes.
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) unsafe fn header_words16(h: *const u8) -> [__m512i; 4] {
+    // z[k] lane 4j + w: word w of row 4k + j
+    let z: [__m512i; 4] =
+        std::array::from_fn(|k| unsafe { _mm512_loadu_si512(h.add(64 * k) as *const _) });
+    // lanes 0..8: word w of rows 0..8 (from z[0], z[1]); lanes 8..16: word w + 1
+    let pick = |w: i32| {
+        _mm512_setr_epi32(
+            w,
+            4 + w,
+            8 + w,
+            12 + w,
+            16 + w,
+            20 + w,
+            24 + w,
+            28 + w,
+            w + 1,
+            5 + w,
+            9 + w,
+            13 + w,
+            17 + w,
+            21 + w,
+            25 + w,
+            29 + w,
+        )
+    };
+    let (p0, p2) = (pick(0), pick(2));
+    let lo01 = _mm512_permutex2var_epi32(z[0], p0, z[1]);
+    let hi01 = _mm512_permutex2var_epi32(z[2], p0, z[3]);
+    let lo23 = _mm512_permutex2var_epi32(z[0], p2, z[1]);
+    let hi23 = _mm512_permutex2var_epi32(z[2], p2, z[3]);
+    let first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    let second = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    [
+        _mm512_permutex2var_epi32(lo01, first, hi01),
+        _mm512_permutex2var_epi32(lo01, second, hi01),
+        _mm512_permutex2var_epi32(lo23, first, hi23),
+        _mm512_permutex2var_epi32(lo23, second, hi23),
+    ]
+}

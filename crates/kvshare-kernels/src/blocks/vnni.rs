@@ -881,7 +881,9 @@ unsafe fn few_row_rows<const M: usize>(
                 Q8_0 => [one_legacy_16::<{ Q8_0 as u32 }>(row0, rb, nb, ones[0], end); M],
                 Q4_0 => [one_legacy_16::<{ Q4_0 as u32 }>(row0, rb, nb, ones[0], end); M],
                 Q5_0 => [one_legacy_16::<{ Q5_0 as u32 }>(row0, rb, nb, ones[0], end); M],
+                Q4_K if M == 1 => [one_q4_k_16(row0, rb, nsb, ones[0]); M],
                 Q4_K => many_q4_k_16::<M>(row0, rb, nsb, ones, end),
+                _ if M == 1 => [one_q6_k_16(row0, rb, nsb, ones[0]); M],
                 _ => many_q6_k_16::<M>(row0, rb, nsb, ones, end),
             }
         };
@@ -1247,6 +1249,28 @@ unsafe fn one_q4_k<const R: usize>(rows: [*const u8; R], nsb: usize, one: &OneRo
 /// Weight rows a one-row kernel takes together with the rows in lanes (`one_*_16`).
 const LANE_ROWS: usize = 16;
 
+/// Superblock pairs whose integer sums a lane kernel computes for one weight row before it
+/// moves to the next row (a window: `WINDOW_PAIRS` x 16 rows x 64 bytes of sums per
+/// activation row).
+const WINDOW_PAIRS: usize = 12;
+
+/// A slot of a window's buffers, written before it is read.
+type Uninit<T> = std::mem::MaybeUninit<T>;
+
+/// Reading 16 slots that were all written.
+trait Filled<T> {
+    /// SAFETY: every slot of `v` was written.
+    unsafe fn filled(v: &[Uninit<T>; LANE_ROWS]) -> [T; LANE_ROWS];
+}
+
+impl<T: Copy> Filled<T> for Uninit<T> {
+    #[inline(always)]
+    unsafe fn filled(v: &[Uninit<T>; LANE_ROWS]) -> [T; LANE_ROWS] {
+        // SAFETY: MaybeUninit<T> has T's layout; the caller wrote every slot
+        unsafe { *(v as *const [Uninit<T>; LANE_ROWS] as *const [T; LANE_ROWS]) }
+    }
+}
+
 /// Prefetches bytes `from..from + len` of row `r` of the next group of `LANE_ROWS` rows (`rb`
 /// bytes apart from `row0`), the bytes a lane kernel reads from row `r` of this group next:
 /// its 16 streams a thread are more than the hardware prefetcher follows (without these
@@ -1382,6 +1406,27 @@ unsafe fn one_q6_k(row: *const u8, nsb: usize, one: &OneRow) -> f32 {
     y[0] + y[1]
 }
 
+/// The 8 sub-block sums of each of `C` (1 or 2) Q4_K blocks from `p` (blocks `s0..` of a
+/// row) with the activation row, in `half_sums` order (zeros past the `C` blocks).
+/// SAFETY: `C` whole blocks at `p`; `one` holds their activations.
+// plain loops over constants: closures passed to `array::from_fn` here would be calls
+// without the target features (a 1.3x slower kernel)
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[inline]
+unsafe fn q4_k_block_sums<const C: usize>(p: *const u8, s0: usize, one: &OneRow) -> __m512 {
+    let mut v = [_mm512_setzero_si512(); 8];
+    for i in 0..4 * C {
+        // SAFETY: block i / 4 of the C at p; its 64 activations at 256 s0 + 64 i
+        unsafe {
+            let w = q4_k_codes(p.add(144 * (i / 4)), i % 4);
+            let x = _mm512_loadu_si512(one.q().add(256 * s0 + 64 * i) as *const _);
+            v[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+        }
+    }
+    _mm512_castsi512_ps(half_sums(v))
+}
+
 /// Q4_K with `M` activation rows, 16 weight rows (`rb` bytes apart from `row0`) at a time
 /// with the weight rows in lanes for the float steps. The integer sums are `one_q4_k`'s
 /// (`half_sums` per row; a weight row's codes unpacked once for the `M` activation rows),
@@ -1495,6 +1540,123 @@ unsafe fn many_q4_k_16<const M: usize>(
     })
 }
 
+/// Q4_K with one activation row, 16 weight rows at a time, each row read in order: the
+/// integer sums of a window of its blocks (the whole row up to `WINDOW_PAIRS` pairs) and the
+/// first 16 bytes of each block (d, dmin, scales) kept, then, per pair, `many_q4_k_16`'s
+/// float steps with the rows in lanes (the same operations in the same order, so the same
+/// bits). `many_q4_k_16` reads the 16 rows side by side, two blocks of each at a time: 16
+/// streams, which the hardware prefetcher does not follow; on Zen 4 its software prefetches
+/// then cost more than they saved (a read-only copy of that pattern: 19-21 GB/s with them,
+/// 28-30 sequentially). Here one stream per thread: the 1.9B model's products from memory
+/// 0.71-0.82x `many_q4_k_16`'s time (`ffn_gate`, `ffn_down`, the head), batch-1 decode
+/// 0.51 -> 0.65x llama.cpp. With more activation rows the windows' sums outgrow L1, so they
+/// keep `many_q4_k_16`.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn one_q4_k_16(row0: *const u8, rb: usize, nsb: usize, one: &OneRow) -> [f32; LANE_ROWS] {
+    const M: usize = 1;
+    let ones = [one];
+    let mut ys = [_mm512_setzero_ps(); M];
+    let mut ym = [_mm512_setzero_ps(); M];
+    let low6 = _mm512_set1_epi32(0x3f);
+    let low4 = _mm512_set1_epi32(0x0f);
+    let low2 = _mm512_set1_epi32(0x03);
+    let mut w0 = 0;
+    while w0 < nsb {
+        let wsb = (nsb - w0).min(2 * WINDOW_PAIRS);
+        let npairs = wsb.div_ceil(2);
+        // sums[a][pair][r]: row r's 16 sub-block sums of the window's superblock pair;
+        // heads[block][r]: the first 16 bytes of row r's block (d, dmin, the scales)
+        // (uninitialized: a window fills only its pairs, and zeroing all cost ~10%)
+        let mut sums = [[[Uninit::<__m512>::uninit(); LANE_ROWS]; WINDOW_PAIRS]; M];
+        let mut heads = [[Uninit::<__m128i>::uninit(); LANE_ROWS]; 2 * WINDOW_PAIRS];
+        for r in 0..LANE_ROWS {
+            for pi in 0..npairs {
+                let s0 = w0 + 2 * pi;
+                let p = unsafe { row0.add(r * rb + 144 * s0) };
+                // SAFETY: blocks s0.. of row r exist (two unless s0 is the last); `ones`
+                // hold their activations
+                unsafe {
+                    if s0 + 1 < nsb {
+                        heads[2 * pi][r] = Uninit::new(_mm_loadu_si128(p as *const __m128i));
+                        heads[2 * pi + 1][r] =
+                            Uninit::new(_mm_loadu_si128(p.add(144) as *const __m128i));
+                        sums[0][pi][r] = Uninit::new(q4_k_block_sums::<2>(p, s0, one));
+                    } else {
+                        heads[2 * pi][r] = Uninit::new(_mm_loadu_si128(p as *const __m128i));
+                        sums[0][pi][r] = Uninit::new(q4_k_block_sums::<1>(p, s0, one));
+                    }
+                }
+            }
+        }
+        for pi in 0..npairs {
+            let s0 = w0 + 2 * pi;
+            let cnt = (nsb - s0).min(2);
+            let mut dsc = [[_mm512_setzero_ps(); 8]; 2];
+            let mut dmn = [[_mm512_setzero_ps(); 8]; 2];
+            for s in 0..cnt {
+                // each row's f16 d and dmin, and its 12 packed scale bytes as three words
+                // SAFETY: the window's rows filled heads[2 pi + s] (16 x 16 bytes)
+                let [dd, u0, u1, u2] =
+                    unsafe { crate::x86::header_words16(heads[2 * pi + s].as_ptr() as *const u8) };
+                let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+                let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
+                for jj in 0..8 {
+                    // ggml's get_scale_min_k4, lane by lane (see `k4_scale_min_words`)
+                    let byte =
+                        |u: __m512i, t: usize| _mm512_srl_epi32(u, _mm_cvtsi32_si128(8 * t as i32));
+                    let (sc, mn) = if jj < 4 {
+                        (
+                            _mm512_and_si512(byte(u0, jj), low6),
+                            _mm512_and_si512(byte(u1, jj), low6),
+                        )
+                    } else {
+                        let t = jj - 4;
+                        let hi = |u| {
+                            _mm512_slli_epi32::<4>(_mm512_and_si512(
+                                _mm512_srli_epi32::<6>(byte(u, t)),
+                                low2,
+                            ))
+                        };
+                        let b2 = byte(u2, t);
+                        (
+                            _mm512_or_si512(_mm512_and_si512(b2, low4), hi(u0)),
+                            _mm512_or_si512(
+                                _mm512_and_si512(_mm512_srli_epi32::<4>(b2), low4),
+                                hi(u1),
+                            ),
+                        )
+                    };
+                    dsc[s][jj] = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), d);
+                    dmn[s][jj] = _mm512_mul_ps(_mm512_cvtepi32_ps(mn), dmin);
+                }
+            }
+            for (a, one) in ones.iter().enumerate() {
+                // cols[j] lane r: sub-block j's integer sum in row r
+                let cols = crate::x86::transpose16(unsafe { Uninit::filled(&sums[a][pi]) });
+                for s in 0..cnt {
+                    for jj in 0..8 {
+                        let b = 8 * (s0 + s) + jj;
+                        // SAFETY: sub-block b of the row: `one` holds its scale and sum
+                        let (d_act, sum_b) =
+                            unsafe { (*one.d.as_ptr().add(b), *one.sum.as_ptr().add(b)) };
+                        let f = _mm512_mul_ps(
+                            _mm512_cvtepi32_ps(_mm512_castps_si512(cols[8 * s + jj])),
+                            _mm512_set1_ps(d_act),
+                        );
+                        ys[a] = _mm512_fmadd_ps(f, dsc[s][jj], ys[a]);
+                        ym[a] = _mm512_fmadd_ps(_mm512_set1_ps(sum_b), dmn[s][jj], ym[a]);
+                    }
+                }
+            }
+        }
+        w0 += wsb;
+    }
+    let mut out = [0f32; LANE_ROWS];
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_sub_ps(ys[0], ym[0])) };
+    out
+}
+
 /// Q6_K with `M` activation rows, 16 weight rows at a time with the weight rows in lanes for
 /// the float steps (see `many_q4_k_16`): `one_q6_k`'s integer pairs of two SBs per row,
 /// turned by a transpose, then lane `r` runs row `r`'s two chains with its `d` (gathered),
@@ -1565,6 +1727,86 @@ unsafe fn many_q6_k_16<const M: usize>(
         unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(y[a][0], y[a][1])) };
         out
     })
+}
+
+/// Q6_K with one activation row, each weight row read in order (see `one_q4_k_16`): the
+/// window's integer pairs and each block's last 16 bytes (its d at the end) kept per row,
+/// then `many_q6_k_16`'s float steps, the same bits.
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn one_q6_k_16(row0: *const u8, rb: usize, nsb: usize, one: &OneRow) -> [f32; LANE_ROWS] {
+    const M: usize = 1;
+    let ones = [one];
+    // the even lanes (one sum per 32 values) of two vectors, in order
+    let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let mut y = [[_mm512_setzero_ps(); 2]; M];
+    let mut w0 = 0;
+    while w0 < nsb {
+        let wsb = (nsb - w0).min(2 * WINDOW_PAIRS);
+        let npairs = wsb.div_ceil(2);
+        // sums[a][pair][r]: row r's 16 sums of 32 values of the window's superblock pair;
+        // tails[block][r]: the last 16 bytes of row r's block (its f16 d at the end)
+        let mut sums = [[[Uninit::<__m512>::uninit(); LANE_ROWS]; WINDOW_PAIRS]; M];
+        let mut tails = [[Uninit::<__m128i>::uninit(); LANE_ROWS]; 2 * WINDOW_PAIRS];
+        for r in 0..LANE_ROWS {
+            for pi in 0..npairs {
+                let s0 = w0 + 2 * pi;
+                let cnt = (nsb - s0).min(2);
+                let mut pairs = [[_mm512_setzero_si512(); 2]; M];
+                for s in 0..cnt {
+                    // SAFETY: block s0 + s of row r exists; each `one` holds its activations
+                    unsafe {
+                        let p = row0.add(r * rb + 210 * (s0 + s));
+                        tails[2 * pi + s][r] =
+                            Uninit::new(_mm_loadu_si128(p.add(194) as *const __m128i));
+                        let w = q6_k_codes(p);
+                        for (a, one) in ones.iter().enumerate() {
+                            pairs[a][s] = q6_k_pair_sums(&w, p, s0 + s, one);
+                        }
+                    }
+                }
+                for a in 0..M {
+                    // lanes 8 s + j: the 8 sums of SB s0 + s
+                    sums[a][pi][r] = Uninit::new(_mm512_castsi512_ps(_mm512_permutex2var_epi32(
+                        pairs[a][0],
+                        evens,
+                        pairs[a][1],
+                    )));
+                }
+            }
+        }
+        for pi in 0..npairs {
+            let s0 = w0 + 2 * pi;
+            let cnt = (nsb - s0).min(2);
+            let mut d = [_mm512_setzero_ps(); 2];
+            for (s, dv) in d.iter_mut().enumerate().take(cnt) {
+                // SAFETY: tails[2 pi + s] holds 16 x 16 bytes
+                let dd = unsafe {
+                    crate::x86::header_words16(tails[2 * pi + s].as_ptr() as *const u8)[3]
+                };
+                *dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
+            }
+            for (a, one) in ones.iter().enumerate() {
+                // SAFETY: the window's rows filled sums[a][pi]
+                let cols = crate::x86::transpose16(unsafe { Uninit::filled(&sums[a][pi]) });
+                for s in 0..cnt {
+                    for j in 0..8 {
+                        // SAFETY: block 8 (s0 + s) + j of the row: `one` holds its scale
+                        let d_act = unsafe { *one.d.as_ptr().add(8 * (s0 + s) + j) };
+                        let f = _mm512_mul_ps(
+                            _mm512_cvtepi32_ps(_mm512_castps_si512(cols[8 * s + j])),
+                            _mm512_set1_ps(d_act),
+                        );
+                        y[a][j & 1] = _mm512_fmadd_ps(f, d[s], y[a][j & 1]);
+                    }
+                }
+            }
+        }
+        w0 += wsb;
+    }
+    let mut out = [0f32; LANE_ROWS];
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(y[0][0], y[0][1])) };
+    out
 }
 
 /// Q8_0 / Q4_0 / Q5_0 (`T`) with one activation row, 16 weight rows at a time with the
