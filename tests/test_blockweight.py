@@ -312,16 +312,17 @@ def test_vnni_fused_parts_at_every_batch_size():
 
 
 @pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI")
-def test_vnni_k_quant_rows_read_in_order_match_every_batch_size():
-    """One activation row takes the K-quant kernels that read each weight row in order, in
-    windows of blocks (`one_q4_k_16`, `one_q6_k_16`): with 27 blocks a row (two windows, the
-    last block alone) and 35 weight rows (two groups of 16 and a tail), a row's result is the
-    same bits as in batches of 3 (`many_*_16`) and 40 (the packed kernels), and within 8-bit
+def test_vnni_rows_read_in_order_match_every_batch_size():
+    """One activation row takes the kernels that read each weight row in order, in windows
+    of blocks (`one_q4_k_16`, `one_q6_k_16`, `one_legacy_16`): with 27 K-quant blocks a row
+    (two windows, the last block alone; 216 legacy blocks: two windows, the last chunk 8
+    blocks) and 35 weight rows (two groups of 16 and a tail), a row's result is the same bits
+    as in batches of 3 (K-quants: `many_*_16`) and 40 (the packed kernels), and within 8-bit
     error of the oracle."""
     rng = np.random.default_rng(12)
     k = 256 * 27
     x = rng.standard_normal((40, k)).astype(np.float32)
-    for t in (Q.Q4_K, Q.Q6_K):
+    for t in (Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q4_0):
         raw = make_raw(t, 35, k, rng)
         w = BlockWeight(raw, int(t), k, activations="vnni")
         full = w.matmul_t(x)

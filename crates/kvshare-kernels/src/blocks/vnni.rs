@@ -878,9 +878,9 @@ unsafe fn few_row_rows<const M: usize>(
                 Q8_0 | Q4_0 | Q5_0 if M > 1 => {
                     unreachable!("legacy blocks take one activation row here (few_rows_limit)")
                 }
-                Q8_0 => [one_legacy_16::<{ Q8_0 as u32 }>(row0, rb, nb, ones[0], end); M],
-                Q4_0 => [one_legacy_16::<{ Q4_0 as u32 }>(row0, rb, nb, ones[0], end); M],
-                Q5_0 => [one_legacy_16::<{ Q5_0 as u32 }>(row0, rb, nb, ones[0], end); M],
+                Q8_0 => [one_legacy_16::<{ Q8_0 as u32 }>(row0, rb, nb, ones[0]); M],
+                Q4_0 => [one_legacy_16::<{ Q4_0 as u32 }>(row0, rb, nb, ones[0]); M],
+                Q5_0 => [one_legacy_16::<{ Q5_0 as u32 }>(row0, rb, nb, ones[0]); M],
                 Q4_K if M == 1 => [one_q4_k_16(row0, rb, nsb, ones[0]); M],
                 Q4_K => many_q4_k_16::<M>(row0, rb, nsb, ones, end),
                 _ if M == 1 => [one_q6_k_16(row0, rb, nsb, ones[0]); M],
@@ -1253,6 +1253,10 @@ const LANE_ROWS: usize = 16;
 /// moves to the next row (a window: `WINDOW_PAIRS` x 16 rows x 64 bytes of sums per
 /// activation row).
 const WINDOW_PAIRS: usize = 12;
+
+/// Chunks of 16 blocks a legacy lane kernel (`one_legacy_16`) takes from a weight row before
+/// it moves to the next row (4,096 values: 2 x 8 x 16 x 64 bytes of sums and scales).
+const WINDOW_CHUNKS: usize = 8;
 
 /// A slot of a window's buffers, written before it is read.
 type Uninit<T> = std::mem::MaybeUninit<T>;
@@ -1812,42 +1816,57 @@ unsafe fn one_q6_k_16(row0: *const u8, rb: usize, nsb: usize, one: &OneRow) -> [
 /// Q8_0 / Q4_0 / Q5_0 (`T`) with one activation row, 16 weight rows at a time with the
 /// weight rows in lanes for the float steps (see `many_q4_k_16`): `one_legacy`'s products and
 /// scales of 16 blocks per row, both turned by a transpose, then lane `r` runs row `r`'s two
-/// chains, the same operations in the same order as `one_legacy`'s scalars. (More activation
-/// rows take the packed kernels: see `few_rows_limit`.)
+/// chains, the same operations in the same order as `one_legacy`'s scalars. Each weight row
+/// is read in order, a window of up to `WINDOW_CHUNKS` chunks of 16 blocks at a time (see
+/// `one_q4_k_16`). (More activation rows take the packed kernels: see `few_rows_limit`.)
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn one_legacy_16<const T: u32>(
     row0: *const u8,
     rb: usize,
     nb: usize,
     one: &OneRow,
-    end: *const u8,
 ) -> [f32; LANE_ROWS] {
     let (bb, ty) = legacy_layout(T);
     let at = lane_offsets(bb);
     let mut y = [_mm512_setzero_ps(); 2];
-    let mut c0 = 0;
-    while c0 < nb {
-        let cnt = (nb - c0).min(16);
-        let valid = (((1u32 << cnt) - 1) & 0xFFFF) as u16;
-        // SAFETY: `one` is padded with 16 blocks of zeros
-        let (z, d_act) = unsafe { legacy_chunk_acts::<T>(one, c0) };
-        let mut fs = [_mm512_setzero_ps(); LANE_ROWS];
-        let mut dw = [_mm512_setzero_ps(); LANE_ROWS];
+    let mut w0 = 0;
+    while w0 < nb {
+        let wb = (nb - w0).min(16 * WINDOW_CHUNKS);
+        let nchunks = wb.div_ceil(16);
+        // fs[chunk][r], dw[chunk][r]: row r's 16 scaled sums and weight scales of the chunk
+        let mut fs = [[Uninit::<__m512>::uninit(); LANE_ROWS]; WINDOW_CHUNKS];
+        let mut dw = [[Uninit::<__m512>::uninit(); LANE_ROWS]; WINDOW_CHUNKS];
         for r in 0..LANE_ROWS {
-            prefetch_next_group(row0, rb, r, bb * c0, bb * cnt, end);
             let row = row0.wrapping_add(r * rb);
-            // SAFETY: blocks c0..c0 + cnt of row r exist; `one` holds their activations
-            unsafe {
-                let v = legacy_chunk_sums(ty, bb, row, c0, cnt, one);
-                fs[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(half_sums(v), z)), d_act);
-                dw[r] = legacy_chunk_scales(row, bb, c0, valid, at);
+            for ci in 0..nchunks {
+                let c0 = w0 + 16 * ci;
+                let cnt = (nb - c0).min(16);
+                let valid = (((1u32 << cnt) - 1) & 0xFFFF) as u16;
+                // SAFETY: blocks c0..c0 + cnt of row r exist; `one` holds their activations
+                // and is padded with 16 blocks of zeros
+                unsafe {
+                    let (z, d_act) = legacy_chunk_acts::<T>(one, c0);
+                    let v = legacy_chunk_sums(ty, bb, row, c0, cnt, one);
+                    let isum = _mm512_sub_epi32(half_sums(v), z);
+                    fs[ci][r] = Uninit::new(_mm512_mul_ps(_mm512_cvtepi32_ps(isum), d_act));
+                    dw[ci][r] = Uninit::new(legacy_chunk_scales(row, bb, c0, valid, at));
+                }
             }
         }
-        let (fs, dw) = (crate::x86::transpose16(fs), crate::x86::transpose16(dw));
-        for j in 0..cnt {
-            y[j & 1] = _mm512_fmadd_ps(fs[j], dw[j], y[j & 1]);
+        for ci in 0..nchunks {
+            let cnt = (nb - w0 - 16 * ci).min(16);
+            // SAFETY: every row filled fs[ci] and dw[ci]
+            let (f, d) = unsafe {
+                (
+                    crate::x86::transpose16(Uninit::filled(&fs[ci])),
+                    crate::x86::transpose16(Uninit::filled(&dw[ci])),
+                )
+            };
+            for j in 0..cnt {
+                y[j & 1] = _mm512_fmadd_ps(f[j], d[j], y[j & 1]);
+            }
         }
-        c0 += cnt;
+        w0 += wb;
     }
     let mut out = [0f32; LANE_ROWS];
     unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(y[0], y[1])) };
