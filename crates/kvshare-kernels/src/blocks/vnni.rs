@@ -1450,6 +1450,48 @@ unsafe fn q4_k_block_sums<const C: usize>(p: *const u8, s0: usize, one: &OneRow)
     _mm512_castsi512_ps(half_sums(v))
 }
 
+/// The `d * sc` and `dmin * m` of the 8 sub-blocks of 16 Q4_K blocks, one block per lane
+/// (`dd`: each block's f16 d and dmin; `u0..u2`: its 12 scale bytes as three words).
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
+#[inline]
+fn q4_k_lane_scales(
+    dd: __m512i,
+    u0: __m512i,
+    u1: __m512i,
+    u2: __m512i,
+) -> ([__m512; 8], [__m512; 8]) {
+    let low6 = _mm512_set1_epi32(0x3f);
+    let low4 = _mm512_set1_epi32(0x0f);
+    let low2 = _mm512_set1_epi32(0x03);
+    let mut dsc = [_mm512_setzero_ps(); 8];
+    let mut dmn = [_mm512_setzero_ps(); 8];
+    let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+    let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
+    for jj in 0..8 {
+        // ggml's get_scale_min_k4, lane by lane (see `k4_scale_min_words`)
+        let byte = |u: __m512i, t: usize| _mm512_srl_epi32(u, _mm_cvtsi32_si128(8 * t as i32));
+        let (sc, mn) = if jj < 4 {
+            (
+                _mm512_and_si512(byte(u0, jj), low6),
+                _mm512_and_si512(byte(u1, jj), low6),
+            )
+        } else {
+            let t = jj - 4;
+            let hi = |u| {
+                _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(byte(u, t)), low2))
+            };
+            let b2 = byte(u2, t);
+            (
+                _mm512_or_si512(_mm512_and_si512(b2, low4), hi(u0)),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32::<4>(b2), low4), hi(u1)),
+            )
+        };
+        dsc[jj] = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), d);
+        dmn[jj] = _mm512_mul_ps(_mm512_cvtepi32_ps(mn), dmin);
+    }
+    (dsc, dmn)
+}
+
 /// Q4_K with `M` activation rows, 16 weight rows (`rb` bytes apart from `row0`) at a time
 /// with the weight rows in lanes for the float steps. The integer sums are `one_q4_k`'s
 /// (`half_sums` per row; a weight row's codes unpacked once for the `M` activation rows),
@@ -1471,9 +1513,6 @@ unsafe fn many_q4_k_16<const M: usize>(
     let mut ys = [_mm512_setzero_ps(); M];
     let mut ym = [_mm512_setzero_ps(); M];
     let at = lane_offsets(rb);
-    let low6 = _mm512_set1_epi32(0x3f);
-    let low4 = _mm512_set1_epi32(0x0f);
-    let low2 = _mm512_set1_epi32(0x03);
     let mut s0 = 0;
     while s0 < nsb {
         let cnt = (nsb - s0).min(2);
@@ -1507,34 +1546,7 @@ unsafe fn many_q4_k_16<const M: usize>(
             // each row's f16 d and dmin, and its 12 packed scale bytes as three words
             let g = |off: usize| unsafe { _mm512_i32gather_epi32::<1>(at, p.add(off) as *const _) };
             let (dd, u0, u1, u2) = (g(0), g(4), g(8), g(12));
-            let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
-            let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
-            for jj in 0..8 {
-                // ggml's get_scale_min_k4, lane by lane (see `k4_scale_min_words`)
-                let byte =
-                    |u: __m512i, t: usize| _mm512_srl_epi32(u, _mm_cvtsi32_si128(8 * t as i32));
-                let (sc, mn) = if jj < 4 {
-                    (
-                        _mm512_and_si512(byte(u0, jj), low6),
-                        _mm512_and_si512(byte(u1, jj), low6),
-                    )
-                } else {
-                    let t = jj - 4;
-                    let hi = |u| {
-                        _mm512_slli_epi32::<4>(_mm512_and_si512(
-                            _mm512_srli_epi32::<6>(byte(u, t)),
-                            low2,
-                        ))
-                    };
-                    let b2 = byte(u2, t);
-                    (
-                        _mm512_or_si512(_mm512_and_si512(b2, low4), hi(u0)),
-                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32::<4>(b2), low4), hi(u1)),
-                    )
-                };
-                dsc[s][jj] = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), d);
-                dmn[s][jj] = _mm512_mul_ps(_mm512_cvtepi32_ps(mn), dmin);
-            }
+            (dsc[s], dmn[s]) = q4_k_lane_scales(dd, u0, u1, u2);
         }
         for (a, one) in ones.iter().enumerate() {
             // cols[j] lane r: sub-block j's integer sum in row r
@@ -1587,9 +1599,6 @@ unsafe fn one_q4_k_16(
     let ones = [one];
     let mut ys = [_mm512_setzero_ps(); M];
     let mut ym = [_mm512_setzero_ps(); M];
-    let low6 = _mm512_set1_epi32(0x3f);
-    let low4 = _mm512_set1_epi32(0x0f);
-    let low2 = _mm512_set1_epi32(0x03);
     let mut w0 = 0;
     while w0 < nsb {
         let wsb = (nsb - w0).min(2 * WINDOW_PAIRS);
@@ -1629,37 +1638,7 @@ unsafe fn one_q4_k_16(
                 // SAFETY: the window's rows filled heads[2 pi + s] (16 x 16 bytes)
                 let [dd, u0, u1, u2] =
                     unsafe { crate::x86::header_words16(heads[2 * pi + s].as_ptr() as *const u8) };
-                let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
-                let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
-                for jj in 0..8 {
-                    // ggml's get_scale_min_k4, lane by lane (see `k4_scale_min_words`)
-                    let byte =
-                        |u: __m512i, t: usize| _mm512_srl_epi32(u, _mm_cvtsi32_si128(8 * t as i32));
-                    let (sc, mn) = if jj < 4 {
-                        (
-                            _mm512_and_si512(byte(u0, jj), low6),
-                            _mm512_and_si512(byte(u1, jj), low6),
-                        )
-                    } else {
-                        let t = jj - 4;
-                        let hi = |u| {
-                            _mm512_slli_epi32::<4>(_mm512_and_si512(
-                                _mm512_srli_epi32::<6>(byte(u, t)),
-                                low2,
-                            ))
-                        };
-                        let b2 = byte(u2, t);
-                        (
-                            _mm512_or_si512(_mm512_and_si512(b2, low4), hi(u0)),
-                            _mm512_or_si512(
-                                _mm512_and_si512(_mm512_srli_epi32::<4>(b2), low4),
-                                hi(u1),
-                            ),
-                        )
-                    };
-                    dsc[s][jj] = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), d);
-                    dmn[s][jj] = _mm512_mul_ps(_mm512_cvtepi32_ps(mn), dmin);
-                }
+                (dsc[s], dmn[s]) = q4_k_lane_scales(dd, u0, u1, u2);
             }
             for (a, one) in ones.iter().enumerate() {
                 // cols[j] lane r: sub-block j's integer sum in row r
