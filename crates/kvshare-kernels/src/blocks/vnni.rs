@@ -11,9 +11,11 @@
 //!   256 for the K-quants as ggml's Q8_K; ties to even);
 //! - 1 activation row, or up to 4 with K-quants (`OneRow` each, `few_rows_parts`): 64 codes of a weight row per
 //!   vector, the integer sums of 16 blocks at a time by a transposing reduction
-//!   (`half_sums`); 16 weight rows at a time (`many_*_16`) those sums are turned by a 16 x 16
-//!   transpose so that each lane runs one weight row's float chain, the rest of a tile one or
-//!   two rows at a time with the chain in scalars (`one_*`);
+//!   (`half_sums`); 16 weight rows at a time those sums are turned by a 16 x 16 transpose so
+//!   that each lane runs one weight row's float chain (one activation row: each weight row
+//!   read in order for a window of its blocks, `one_*_16`; 2-4: the 16 rows read side by
+//!   side, `many_*_16`), the rest of a tile one or two rows at a time with the chain in
+//!   scalars (`one_*`);
 //! - more, up to 8 rows (`Packed` tiles of 8, `dot_*`): lanes hold rows (4 bytes of each row side by
 //!   side), a block's unsigned codes broadcast 4 at a time (`vpshufd`), the zero point (8,
 //!   16, 32, or 128 for Q8_0's signed bytes shifted to unsigned) taken off with the row's
