@@ -422,13 +422,7 @@ unsafe fn weight_rows(
     let tile = p.tile(0);
     for n in lo..hi {
         // ask for the bytes ahead now (see `exact512`)
-        let mut pf = row_at(n).wrapping_add(PREFETCH_AHEAD);
-        let stop = pf.wrapping_add(rb);
-        while pf < stop && pf < end {
-            // a prefetch never faults; pf is inside the weight's bytes
-            _mm_prefetch::<_MM_HINT_T0>(pf as *const i8);
-            pf = pf.wrapping_add(64);
-        }
+        prefetch_lines::<_MM_HINT_T0>(row_at(n).wrapping_add(PREFETCH_AHEAD), rb, end);
         let mut lanes = [0f32; LANES];
         // SAFETY: row n < w.n holds k / block whole blocks; the tile holds k values per row
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), row_dot(w.ty, row_at(n), w.k, &tile)) };
@@ -1263,18 +1257,12 @@ const WINDOW_CHUNKS: usize = 8;
 /// A slot of a window's buffers, written before it is read.
 type Uninit<T> = std::mem::MaybeUninit<T>;
 
-/// Reading 16 slots that were all written.
-trait Filled<T> {
-    /// SAFETY: every slot of `v` was written.
-    unsafe fn filled(v: &[Uninit<T>; LANE_ROWS]) -> [T; LANE_ROWS];
-}
-
-impl<T: Copy> Filled<T> for Uninit<T> {
-    #[inline(always)]
-    unsafe fn filled(v: &[Uninit<T>; LANE_ROWS]) -> [T; LANE_ROWS] {
-        // SAFETY: MaybeUninit<T> has T's layout; the caller wrote every slot
-        unsafe { *(v as *const [Uninit<T>; LANE_ROWS] as *const [T; LANE_ROWS]) }
-    }
+/// The 16 values of slots that were all written.
+/// SAFETY: every slot of `v` was written.
+#[inline(always)]
+unsafe fn filled<T: Copy>(v: &[Uninit<T>; LANE_ROWS]) -> [T; LANE_ROWS] {
+    // SAFETY: MaybeUninit<T> has T's layout; the caller wrote every slot
+    unsafe { *(v as *const [Uninit<T>; LANE_ROWS] as *const [T; LANE_ROWS]) }
 }
 
 /// Prefetches bytes `from..from + len` of row `r` of the next group of `LANE_ROWS` rows (`rb`
@@ -1295,14 +1283,7 @@ fn prefetch_next_group(
     len: usize,
     end: *const u8,
 ) {
-    let mut pf = row0.wrapping_add((LANE_ROWS + r) * rb + from);
-    // one comparison a line: ~8% of a hot Q4_K product's time went to this loop
-    let stop = pf.wrapping_add(len).min(end);
-    while pf < stop {
-        // SAFETY: a prefetch never faults; pf is inside the weight's bytes
-        unsafe { _mm_prefetch::<_MM_HINT_NTA>(pf as *const i8) };
-        pf = pf.wrapping_add(64);
-    }
+    prefetch_lines::<_MM_HINT_NTA>(row0.wrapping_add((LANE_ROWS + r) * rb + from), len, end);
 }
 
 /// How far ahead of the bytes being read a kernel that reads its weight rows in order
@@ -1315,11 +1296,19 @@ const READ_AHEAD: usize = 2048;
 /// with these (2-8 KB ahead all did about as well; none, 510-557 us; 2 KB, 401-437).
 #[inline]
 fn prefetch_ahead(at: *const u8, len: usize, end: *const u8) {
-    let mut pf = at.wrapping_add(READ_AHEAD);
+    prefetch_lines::<_MM_HINT_T0>(at.wrapping_add(READ_AHEAD), len, end);
+}
+
+/// Prefetches (hint `H`) the lines of `from..from + len` that lie before `end` (the weight's
+/// last byte + 1). One comparison a line: ~8% of a hot Q4_K product's time went to this
+/// loop with two.
+#[inline]
+fn prefetch_lines<const H: i32>(from: *const u8, len: usize, end: *const u8) {
+    let mut pf = from;
     let stop = pf.wrapping_add(len).min(end);
     while pf < stop {
         // SAFETY: a prefetch never faults; pf is inside the weight's bytes
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(pf as *const i8) };
+        unsafe { _mm_prefetch::<H>(pf as *const i8) };
         pf = pf.wrapping_add(64);
     }
 }
@@ -1494,6 +1483,71 @@ fn q4_k_lane_scales(
     (dsc, dmn)
 }
 
+/// The float chains of one activation row (`one`) with 16 Q4_K weight rows in lanes, for
+/// blocks `s0..s0 + cnt` (a pair, or a lone last block): `sums[r]` holds row `r`'s 16
+/// sub-block sums (`half_sums`), `dsc` / `dmn` the blocks' lane scales
+/// (`q4_k_lane_scales`); per sub-block in order, `ys += f32(isum) * d_act * dsc` and
+/// `ym += sum * dmn`, the operations of `one_q4_k`'s scalars (so the same bits).
+/// SAFETY: `one` holds the blocks' scales and sums.
+#[target_feature(enable = "avx512f,fma")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn q4_k_lane_chains(
+    sums: [__m512; LANE_ROWS],
+    s0: usize,
+    cnt: usize,
+    one: &OneRow,
+    dsc: &[[__m512; 8]; 2],
+    dmn: &[[__m512; 8]; 2],
+    ys: &mut __m512,
+    ym: &mut __m512,
+) {
+    // cols[j] lane r: sub-block j's integer sum in row r
+    let cols = crate::x86::transpose16(sums);
+    for s in 0..cnt {
+        for jj in 0..8 {
+            let b = 8 * (s0 + s) + jj;
+            // SAFETY: sub-block b of the row: `one` holds its scale and sum
+            let (d_act, sum_b) = unsafe { (*one.d.as_ptr().add(b), *one.sum.as_ptr().add(b)) };
+            let f = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_castps_si512(cols[8 * s + jj])),
+                _mm512_set1_ps(d_act),
+            );
+            *ys = _mm512_fmadd_ps(f, dsc[s][jj], *ys);
+            *ym = _mm512_fmadd_ps(_mm512_set1_ps(sum_b), dmn[s][jj], *ym);
+        }
+    }
+}
+
+/// The float chains of one activation row (`one`) with 16 Q6_K weight rows in lanes, for
+/// blocks `s0..s0 + cnt`: `sums[r]` holds row `r`'s 16 sums of 32 values, `d` the blocks'
+/// f16 `d` per lane; per 32 values in order `y[j & 1] += f32(isum) * d_act * d`, the
+/// operations of `one_q6_k`'s scalars.
+/// SAFETY: `one` holds the blocks' scales.
+#[target_feature(enable = "avx512f,fma")]
+#[inline]
+unsafe fn q6_k_lane_chains(
+    sums: [__m512; LANE_ROWS],
+    s0: usize,
+    cnt: usize,
+    one: &OneRow,
+    d: &[__m512; 2],
+    y: &mut [__m512; 2],
+) {
+    let cols = crate::x86::transpose16(sums);
+    for s in 0..cnt {
+        for j in 0..8 {
+            // SAFETY: block 8 (s0 + s) + j of the row: `one` holds its scale
+            let d_act = unsafe { *one.d.as_ptr().add(8 * (s0 + s) + j) };
+            let f = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_castps_si512(cols[8 * s + j])),
+                _mm512_set1_ps(d_act),
+            );
+            y[j & 1] = _mm512_fmadd_ps(f, d[s], y[j & 1]);
+        }
+    }
+}
+
 /// Q4_K with `M` activation rows, 16 weight rows (`rb` bytes apart from `row0`) at a time
 /// with the weight rows in lanes for the float steps. The integer sums are `one_q4_k`'s
 /// (`half_sums` per row; a weight row's codes unpacked once for the `M` activation rows),
@@ -1551,22 +1605,8 @@ unsafe fn many_q4_k_16<const M: usize>(
             (dsc[s], dmn[s]) = q4_k_lane_scales(dd, u0, u1, u2);
         }
         for (a, one) in ones.iter().enumerate() {
-            // cols[j] lane r: sub-block j's integer sum in row r
-            let cols = crate::x86::transpose16(sums[a]);
-            for s in 0..cnt {
-                for jj in 0..8 {
-                    let b = 8 * (s0 + s) + jj;
-                    // SAFETY: sub-block b of the row: `one` holds its scale and sum
-                    let (d_act, sum_b) =
-                        unsafe { (*one.d.as_ptr().add(b), *one.sum.as_ptr().add(b)) };
-                    let f = _mm512_mul_ps(
-                        _mm512_cvtepi32_ps(_mm512_castps_si512(cols[8 * s + jj])),
-                        _mm512_set1_ps(d_act),
-                    );
-                    ys[a] = _mm512_fmadd_ps(f, dsc[s][jj], ys[a]);
-                    ym[a] = _mm512_fmadd_ps(_mm512_set1_ps(sum_b), dmn[s][jj], ym[a]);
-                }
-            }
+            // SAFETY: `one` holds the pair's sub-blocks' scales and sums
+            unsafe { q4_k_lane_chains(sums[a], s0, cnt, one, &dsc, &dmn, &mut ys[a], &mut ym[a]) };
         }
         s0 += cnt;
     }
@@ -1597,35 +1637,33 @@ unsafe fn one_q4_k_16(
     one: &OneRow,
     end: *const u8,
 ) -> [f32; LANE_ROWS] {
-    const M: usize = 1;
-    let ones = [one];
-    let mut ys = [_mm512_setzero_ps(); M];
-    let mut ym = [_mm512_setzero_ps(); M];
+    let mut ys = _mm512_setzero_ps();
+    let mut ym = _mm512_setzero_ps();
     let mut w0 = 0;
     while w0 < nsb {
         let wsb = (nsb - w0).min(2 * WINDOW_PAIRS);
         let npairs = wsb.div_ceil(2);
-        // sums[a][pair][r]: row r's 16 sub-block sums of the window's superblock pair;
+        // sums[pair][r]: row r's 16 sub-block sums of the window's superblock pair;
         // heads[block][r]: the first 16 bytes of row r's block (d, dmin, the scales)
         // (uninitialized: a window fills only its pairs, and zeroing all cost ~10%)
-        let mut sums = [[[Uninit::<__m512>::uninit(); LANE_ROWS]; WINDOW_PAIRS]; M];
+        let mut sums = [[Uninit::<__m512>::uninit(); LANE_ROWS]; WINDOW_PAIRS];
         let mut heads = [[Uninit::<__m128i>::uninit(); LANE_ROWS]; 2 * WINDOW_PAIRS];
         for r in 0..LANE_ROWS {
             for pi in 0..npairs {
                 let s0 = w0 + 2 * pi;
                 let p = unsafe { row0.add(r * rb + 144 * s0) };
                 prefetch_ahead(p, 288, end);
-                // SAFETY: blocks s0.. of row r exist (two unless s0 is the last); `ones`
-                // hold their activations
+                // SAFETY: blocks s0.. of row r exist (two unless s0 is the last); `one`
+                // holds their activations
                 unsafe {
                     if s0 + 1 < nsb {
                         heads[2 * pi][r] = Uninit::new(_mm_loadu_si128(p as *const __m128i));
                         heads[2 * pi + 1][r] =
                             Uninit::new(_mm_loadu_si128(p.add(144) as *const __m128i));
-                        sums[0][pi][r] = Uninit::new(q4_k_block_sums::<2>(p, s0, one));
+                        sums[pi][r] = Uninit::new(q4_k_block_sums::<2>(p, s0, one));
                     } else {
                         heads[2 * pi][r] = Uninit::new(_mm_loadu_si128(p as *const __m128i));
-                        sums[0][pi][r] = Uninit::new(q4_k_block_sums::<1>(p, s0, one));
+                        sums[pi][r] = Uninit::new(q4_k_block_sums::<1>(p, s0, one));
                     }
                 }
             }
@@ -1642,29 +1680,24 @@ unsafe fn one_q4_k_16(
                     unsafe { crate::x86::header_words16(heads[2 * pi + s].as_ptr() as *const u8) };
                 (dsc[s], dmn[s]) = q4_k_lane_scales(dd, u0, u1, u2);
             }
-            for (a, one) in ones.iter().enumerate() {
-                // cols[j] lane r: sub-block j's integer sum in row r
-                let cols = crate::x86::transpose16(unsafe { Uninit::filled(&sums[a][pi]) });
-                for s in 0..cnt {
-                    for jj in 0..8 {
-                        let b = 8 * (s0 + s) + jj;
-                        // SAFETY: sub-block b of the row: `one` holds its scale and sum
-                        let (d_act, sum_b) =
-                            unsafe { (*one.d.as_ptr().add(b), *one.sum.as_ptr().add(b)) };
-                        let f = _mm512_mul_ps(
-                            _mm512_cvtepi32_ps(_mm512_castps_si512(cols[8 * s + jj])),
-                            _mm512_set1_ps(d_act),
-                        );
-                        ys[a] = _mm512_fmadd_ps(f, dsc[s][jj], ys[a]);
-                        ym[a] = _mm512_fmadd_ps(_mm512_set1_ps(sum_b), dmn[s][jj], ym[a]);
-                    }
-                }
-            }
+            // SAFETY: the window's rows filled sums[pi]; `one` holds the pair's scales and sums
+            unsafe {
+                q4_k_lane_chains(
+                    filled(&sums[pi]),
+                    s0,
+                    cnt,
+                    one,
+                    &dsc,
+                    &dmn,
+                    &mut ys,
+                    &mut ym,
+                )
+            };
         }
         w0 += wsb;
     }
     let mut out = [0f32; LANE_ROWS];
-    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_sub_ps(ys[0], ym[0])) };
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_sub_ps(ys, ym)) };
     out
 }
 
@@ -1718,18 +1751,8 @@ unsafe fn many_q6_k_16<const M: usize>(
             *ds = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
         }
         for (a, one) in ones.iter().enumerate() {
-            let cols = crate::x86::transpose16(sums[a]);
-            for s in 0..cnt {
-                for j in 0..8 {
-                    // SAFETY: block 8 (s0 + s) + j of the row: `one` holds its scale
-                    let d_act = unsafe { *one.d.as_ptr().add(8 * (s0 + s) + j) };
-                    let f = _mm512_mul_ps(
-                        _mm512_cvtepi32_ps(_mm512_castps_si512(cols[8 * s + j])),
-                        _mm512_set1_ps(d_act),
-                    );
-                    y[a][j & 1] = _mm512_fmadd_ps(f, d[s], y[a][j & 1]);
-                }
-            }
+            // SAFETY: `one` holds the pair's scales
+            unsafe { q6_k_lane_chains(sums[a], s0, cnt, one, &d, &mut y[a]) };
         }
         s0 += cnt;
     }
@@ -1752,45 +1775,36 @@ unsafe fn one_q6_k_16(
     one: &OneRow,
     end: *const u8,
 ) -> [f32; LANE_ROWS] {
-    const M: usize = 1;
-    let ones = [one];
     // the even lanes (one sum per 32 values) of two vectors, in order
     let evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    let mut y = [[_mm512_setzero_ps(); 2]; M];
+    let mut y = [_mm512_setzero_ps(); 2];
     let mut w0 = 0;
     while w0 < nsb {
         let wsb = (nsb - w0).min(2 * WINDOW_PAIRS);
         let npairs = wsb.div_ceil(2);
-        // sums[a][pair][r]: row r's 16 sums of 32 values of the window's superblock pair;
+        // sums[pair][r]: row r's 16 sums of 32 values of the window's superblock pair;
         // tails[block][r]: the last 16 bytes of row r's block (its f16 d at the end)
-        let mut sums = [[[Uninit::<__m512>::uninit(); LANE_ROWS]; WINDOW_PAIRS]; M];
+        let mut sums = [[Uninit::<__m512>::uninit(); LANE_ROWS]; WINDOW_PAIRS];
         let mut tails = [[Uninit::<__m128i>::uninit(); LANE_ROWS]; 2 * WINDOW_PAIRS];
         for r in 0..LANE_ROWS {
             for pi in 0..npairs {
                 let s0 = w0 + 2 * pi;
                 let cnt = (nsb - s0).min(2);
                 prefetch_ahead(row0.wrapping_add(r * rb + 210 * s0), 420, end);
-                let mut pairs = [[_mm512_setzero_si512(); 2]; M];
-                for s in 0..cnt {
-                    // SAFETY: block s0 + s of row r exists; each `one` holds its activations
+                let mut pairs = [_mm512_setzero_si512(); 2];
+                for (s, pair) in pairs.iter_mut().enumerate().take(cnt) {
+                    // SAFETY: block s0 + s of row r exists; `one` holds its activations
                     unsafe {
                         let p = row0.add(r * rb + 210 * (s0 + s));
                         tails[2 * pi + s][r] =
                             Uninit::new(_mm_loadu_si128(p.add(194) as *const __m128i));
-                        let w = q6_k_codes(p);
-                        for (a, one) in ones.iter().enumerate() {
-                            pairs[a][s] = q6_k_pair_sums(&w, p, s0 + s, one);
-                        }
+                        *pair = q6_k_pair_sums(&q6_k_codes(p), p, s0 + s, one);
                     }
                 }
-                for a in 0..M {
-                    // lanes 8 s + j: the 8 sums of SB s0 + s
-                    sums[a][pi][r] = Uninit::new(_mm512_castsi512_ps(_mm512_permutex2var_epi32(
-                        pairs[a][0],
-                        evens,
-                        pairs[a][1],
-                    )));
-                }
+                // lanes 8 s + j: the 8 sums of SB s0 + s
+                sums[pi][r] = Uninit::new(_mm512_castsi512_ps(_mm512_permutex2var_epi32(
+                    pairs[0], evens, pairs[1],
+                )));
             }
         }
         for pi in 0..npairs {
@@ -1804,26 +1818,13 @@ unsafe fn one_q6_k_16(
                 };
                 *dv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
             }
-            for (a, one) in ones.iter().enumerate() {
-                // SAFETY: the window's rows filled sums[a][pi]
-                let cols = crate::x86::transpose16(unsafe { Uninit::filled(&sums[a][pi]) });
-                for s in 0..cnt {
-                    for j in 0..8 {
-                        // SAFETY: block 8 (s0 + s) + j of the row: `one` holds its scale
-                        let d_act = unsafe { *one.d.as_ptr().add(8 * (s0 + s) + j) };
-                        let f = _mm512_mul_ps(
-                            _mm512_cvtepi32_ps(_mm512_castps_si512(cols[8 * s + j])),
-                            _mm512_set1_ps(d_act),
-                        );
-                        y[a][j & 1] = _mm512_fmadd_ps(f, d[s], y[a][j & 1]);
-                    }
-                }
-            }
+            // SAFETY: the window's rows filled sums[pi]; `one` holds the pair's scales
+            unsafe { q6_k_lane_chains(filled(&sums[pi]), s0, cnt, one, &d, &mut y) };
         }
         w0 += wsb;
     }
     let mut out = [0f32; LANE_ROWS];
-    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(y[0][0], y[0][1])) };
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(y[0], y[1])) };
     out
 }
 
@@ -1874,8 +1875,8 @@ unsafe fn one_legacy_16<const T: u32>(
             // SAFETY: every row filled fs[ci] and dw[ci]
             let (f, d) = unsafe {
                 (
-                    crate::x86::transpose16(Uninit::filled(&fs[ci])),
-                    crate::x86::transpose16(Uninit::filled(&dw[ci])),
+                    crate::x86::transpose16(filled(&fs[ci])),
+                    crate::x86::transpose16(filled(&dw[ci])),
                 )
             };
             for j in 0..cnt {
