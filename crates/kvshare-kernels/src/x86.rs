@@ -97,8 +97,12 @@ pub(crate) fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
 #[inline]
 pub(crate) unsafe fn header_words16(h: *const u8) -> [__m512i; 4] {
     // z[k] lane 4j + w: word w of row 4k + j
-    let z: [__m512i; 4] =
-        std::array::from_fn(|k| unsafe { _mm512_loadu_si512(h.add(64 * k) as *const _) });
+    // (plain loads: a closure passed to `array::from_fn` may compile to a call without the
+    // target features)
+    let mut z = [_mm512_setzero_si512(); 4];
+    for (k, zk) in z.iter_mut().enumerate() {
+        *zk = unsafe { _mm512_loadu_si512(h.add(64 * k) as *const _) };
+    }
     // lanes 0..8: word w of rows 0..8 (from z[0], z[1]); lanes 8..16: word w + 1
     let pick = |w: i32| {
         _mm512_setr_epi32(
