@@ -66,10 +66,13 @@ pub trait KvStore: KvElem {
     fn store(x: f32) -> Self;
     /// `store` of each value of `src` into `dst` (of one length).
     fn store_row(src: &[f32], dst: &mut [Self]) {
-        dst.iter_mut()
-            .zip(src)
-            .for_each(|(c, &a)| *c = Self::store(a));
+        store_each(src, dst);
     }
+}
+
+/// `T::store` of each value of `src` into `dst`, one at a time.
+fn store_each<T: KvStore>(src: &[f32], dst: &mut [T]) {
+    dst.iter_mut().zip(src).for_each(|(c, &a)| *c = T::store(a));
 }
 
 impl KvStore for f32 {
@@ -93,9 +96,7 @@ impl KvStore for F16 {
             unsafe { f16c_row(src, dst) };
             return;
         }
-        dst.iter_mut()
-            .zip(src)
-            .for_each(|(c, &a)| *c = F16::from_f32(a));
+        store_each(src, dst);
     }
 }
 
