@@ -333,6 +333,27 @@ def test_vnni_rows_read_in_order_match_every_batch_size():
 
 
 @pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI")
+@pytest.mark.parametrize("nb", [1, 4, 5, 8, 9, 20, 36, 40, 47])
+def test_vnni_legacy_tails_match_every_batch_size(nb):
+    """A legacy row's last chunk of 1-8 blocks takes 4 or 2 rows to a reduction
+    (`legacy_tail`; Gemma 3 270M's rows are 16 + 4 blocks), with no whole chunk before it
+    (1-8 blocks), after one (20, 36, 40) and after a window's worth; 9-15 keep a chunk of
+    their own. For 35 weight rows (two groups of 16 and three rows alone) a row's result is
+    the same bits alone as in a batch of 40 (the packed kernels) and within 8-bit error of
+    the oracle."""
+    rng = np.random.default_rng(nb)
+    k = 32 * nb
+    x = rng.standard_normal((40, k)).astype(np.float32)
+    for t in (Q.Q8_0, Q.Q5_0, Q.Q4_0):
+        raw = make_raw(t, 35, k, rng)
+        w = BlockWeight(raw, int(t), k, activations="vnni")
+        full = w.matmul_t(x)
+        assert_close_vnni(full, x, oracle(raw, t), t)
+        for i in (0, 21, 39):
+            np.testing.assert_array_equal(w.matmul_t(x[i:i + 1]), full[i:i + 1])
+
+
+@pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI")
 def test_vnni_bad_input_raises_value_error():
     rng = np.random.default_rng(12)
     raw = make_raw(Q.Q4_K, 4, 256, rng)

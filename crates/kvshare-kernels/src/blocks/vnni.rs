@@ -1288,15 +1288,19 @@ fn prefetch_next_group(
 
 /// How far ahead of the bytes being read a kernel that reads its weight rows in order
 /// prefetches (`prefetch_ahead`).
-const READ_AHEAD: usize = 2048;
+const READ_AHEAD: usize = 8192;
 
-/// Prefetches the `len` bytes `READ_AHEAD` past `at` (a kernel reading its rows in order is
-/// about to read `at..at + len`). The hardware prefetcher follows one stream, but from too
-/// close behind on Zen 4: the 1.9B model's Q4_K products from memory took 0.80x the time
-/// with these (2-8 KB ahead all did about as well; none, 510-557 us; 2 KB, 401-437).
+/// Prefetches the `len` bytes `READ_AHEAD` past `at` into L2 (a kernel reading its rows in
+/// order is about to read `at..at + len`). The hardware prefetcher follows one stream, but
+/// from too close behind on Zen 4. Prefetching into L1 (T0, 2 KB ahead, session 18) held
+/// the core's L1 miss buffers for a whole trip to memory: the prefetches themselves stalled
+/// and a core drew 11-15 GB/s where a plain read draws 20+. Into L2 (T1) 8 KB ahead, A/B
+/// against T0 2 KB (Zen 4, two threads, from the GGUF mmap): Gemma 3 270M's Q8_0 head 0.72x
+/// the time, the 1.9B model's Q6_K head 0.73x and its Q4_K `ffn_gate` 0.78x (T2 the same;
+/// 16-32 KB ahead no better; T0 1 KB on top, no better).
 #[inline]
 fn prefetch_ahead(at: *const u8, len: usize, end: *const u8) {
-    prefetch_lines::<_MM_HINT_T0>(at.wrapping_add(READ_AHEAD), len, end);
+    prefetch_lines::<_MM_HINT_T1>(at.wrapping_add(READ_AHEAD), len, end);
 }
 
 /// Prefetches (hint `H`) the lines of `from..from + len` that lie before `end` (the weight's
@@ -1833,7 +1837,8 @@ unsafe fn one_q6_k_16(
 /// scales of 16 blocks per row, both turned by a transpose, then lane `r` runs row `r`'s two
 /// chains, the same operations in the same order as `one_legacy`'s scalars. Each weight row
 /// is read in order, a window of up to `WINDOW_CHUNKS` chunks of 16 blocks at a time (see
-/// `one_q4_k_16`). (More activation rows take the packed kernels: see `few_rows_limit`.)
+/// `one_q4_k_16`); a last chunk of 1-8 blocks goes to `legacy_tail`. (More activation rows
+/// take the packed kernels: see `few_rows_limit`.)
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn one_legacy_16<const T: u32>(
     row0: *const u8,
@@ -1845,10 +1850,20 @@ unsafe fn one_legacy_16<const T: u32>(
     let (bb, ty) = legacy_layout(T);
     let at = lane_offsets(bb);
     let mut y = [_mm512_setzero_ps(); 2];
+    // a last chunk of up to 8 blocks takes 2 or 4 rows to a reduction (`legacy_tail`)
+    let tail = match nb % 16 {
+        t @ 1..=8 => t,
+        _ => 0,
+    };
+    let nb_full = nb - tail;
+    // tv[r]: row r's products of the tail's block pairs (`legacy_tail_pairs`)
+    let mut tv = [Uninit::<TailRow>::uninit(); LANE_ROWS];
     let mut w0 = 0;
-    while w0 < nb {
+    loop {
+        let nb = nb_full;
         let wb = (nb - w0).min(16 * WINDOW_CHUNKS);
         let nchunks = wb.div_ceil(16);
+        let last = w0 + wb == nb;
         // fs[chunk][r], dw[chunk][r]: row r's 16 scaled sums and weight scales of the chunk
         let mut fs = [[Uninit::<__m512>::uninit(); LANE_ROWS]; WINDOW_CHUNKS];
         let mut dw = [[Uninit::<__m512>::uninit(); LANE_ROWS]; WINDOW_CHUNKS];
@@ -1857,7 +1872,9 @@ unsafe fn one_legacy_16<const T: u32>(
             for ci in 0..nchunks {
                 let c0 = w0 + 16 * ci;
                 let cnt = (nb - c0).min(16);
-                prefetch_ahead(row.wrapping_add(bb * c0), bb * cnt, end);
+                // (a row's last chunk asks for the tail's bytes too)
+                let ahead = if c0 + cnt == nb { cnt + tail } else { cnt };
+                prefetch_ahead(row.wrapping_add(bb * c0), bb * ahead, end);
                 let valid = (((1u32 << cnt) - 1) & 0xFFFF) as u16;
                 // SAFETY: blocks c0..c0 + cnt of row r exist; `one` holds their activations
                 // and is padded with 16 blocks of zeros
@@ -1868,6 +1885,13 @@ unsafe fn one_legacy_16<const T: u32>(
                     fs[ci][r] = Uninit::new(_mm512_mul_ps(_mm512_cvtepi32_ps(isum), d_act));
                     dw[ci][r] = Uninit::new(legacy_chunk_scales(row, bb, c0, valid, at));
                 }
+            }
+            if last && tail > 0 {
+                if nchunks == 0 {
+                    prefetch_ahead(row, bb * tail, end);
+                }
+                // SAFETY: the row's blocks nb_full.. exist; `one` holds their activations
+                tv[r] = Uninit::new(unsafe { legacy_tail_pairs(ty, bb, row, nb_full, tail, one) });
             }
         }
         for ci in 0..nchunks {
@@ -1884,10 +1908,138 @@ unsafe fn one_legacy_16<const T: u32>(
             }
         }
         w0 += wb;
+        if last {
+            break;
+        }
+    }
+    // SAFETY: every row filled tv (when there is a tail); the blocks exist
+    unsafe {
+        match tail {
+            0 => {}
+            1..=4 => legacy_tail::<T, 4>(&filled(&tv), nb_full, tail, one, &mut y),
+            _ => legacy_tail::<T, 2>(&filled(&tv), nb_full, tail, one, &mut y),
+        }
     }
     let mut out = [0f32; LANE_ROWS];
     unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(y[0], y[1])) };
     out
+}
+
+/// A row's part of a legacy tail (`legacy_tail`): the products of its block pairs, and its
+/// blocks' f16 scales, 4 to a word (zeros past the tail).
+type TailRow = ([__m512i; 4], [u64; 2]);
+
+/// The products of blocks `c0..c0 + cnt` (`cnt <= 8`) of `row` (type `ty`, `bb` bytes a
+/// block) with the activations, a pair to a vector as `legacy_chunk_sums` (zeros past `cnt`),
+/// and their scales. The scales are read one by one here, while the row's lines are in L1: a
+/// gather of 16 scales across 4 rows after the group made the Gemma 3 270M head's product
+/// from memory 1.16x slower than with none.
+/// SAFETY: the blocks exist; `one` holds their activations.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2")]
+#[inline]
+unsafe fn legacy_tail_pairs(
+    ty: BlockType,
+    bb: usize,
+    row: *const u8,
+    c0: usize,
+    cnt: usize,
+    one: &OneRow,
+) -> TailRow {
+    let mut scales = [0u64; 2];
+    for j in 0..cnt {
+        // SAFETY: block c0 + j exists; its f16 scale is its first two bytes
+        let d = unsafe { (row.add(bb * (c0 + j)) as *const u16).read_unaligned() };
+        scales[j / 4] |= (d as u64) << (16 * (j % 4));
+    }
+    let mut v = [_mm512_setzero_si512(); 4];
+    for (pr, vp) in v.iter_mut().enumerate() {
+        let b = 2 * pr;
+        if b >= cnt {
+            break;
+        }
+        // SAFETY: blocks c0 + b (and c0 + b + 1 unless it is the last) exist
+        *vp = unsafe {
+            let c = if b + 1 < cnt {
+                legacy_pair(ty, row.add(bb * (c0 + b)))
+            } else {
+                _mm512_castsi256_si512(legacy_codes(ty, row.add(bb * (c0 + b))))
+            };
+            let a = _mm512_loadu_si512(one.q().add(32 * (c0 + b)) as *const _);
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, a)
+        };
+    }
+    (v, scales)
+}
+
+/// The last `cnt` blocks (from `c0`, a multiple of 16; `cnt <= 16 / G`) of 16 legacy weight
+/// rows `T` with one activation row, continuing `one_legacy_16`'s chains `y` (`tv[r]`: row
+/// `r`'s `legacy_tail_pairs`): `G` rows share one `half_sums` (a vector's lanes
+/// `q * 16 / G + j`: block `c0 + j` of row `i + q * 16 / G`), where a chunk of its own wasted
+/// the reduction, the scale gather and the transposes on 8-15 empty lanes (Gemma 3 270M's
+/// rows are 20 blocks: 16 + 4). Each lane gets the same integers and float steps as in a
+/// full chunk, so the same bits.
+/// SAFETY: the blocks exist; `one` holds their activations (zeros past the row's end).
+#[allow(clippy::needless_range_loop)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn legacy_tail<const T: u32, const G: usize>(
+    tv: &[TailRow; LANE_ROWS],
+    c0: usize,
+    cnt: usize,
+    one: &OneRow,
+    y: &mut [__m512; 2],
+) {
+    // block slots per row in a vector, and the rows a vector takes (i + q * w)
+    let w = LANE_ROWS / G;
+    debug_assert!(cnt <= w && c0.is_multiple_of(16));
+    let (z, d_act) = unsafe { legacy_chunk_acts::<T>(one, c0) };
+    // the first w blocks' zero-point terms and scales, once per row slot
+    let (z, d_act) = if G == 4 {
+        (
+            _mm512_broadcast_i32x4(_mm512_castsi512_si128(z)),
+            _mm512_broadcast_f32x4(_mm512_castps512_ps128(d_act)),
+        )
+    } else {
+        (
+            _mm512_broadcast_i64x4(_mm512_castsi512_si256(z)),
+            _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
+                _mm512_castps512_ps256(d_act),
+            ))),
+        )
+    };
+    let mut fs = [_mm512_setzero_ps(); 8];
+    let mut dw = [_mm512_setzero_ps(); 8];
+    for i in 0..w {
+        let mut v = [_mm512_setzero_si512(); 8];
+        for g in 0..G {
+            for pr in 0..w / 2 {
+                v[g * w / 2 + pr] = tv[i + g * w].0[pr];
+            }
+        }
+        let isum = _mm512_sub_epi32(half_sums(v), z);
+        fs[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), d_act);
+        let sc = |r: usize, h: usize| tv[r].1[h] as i64;
+        let h = if G == 4 {
+            _mm256_setr_epi64x(sc(i, 0), sc(i + 4, 0), sc(i + 8, 0), sc(i + 12, 0))
+        } else {
+            _mm256_setr_epi64x(sc(i, 0), sc(i, 1), sc(i + 8, 0), sc(i + 8, 1))
+        };
+        dw[i] = _mm512_cvtph_ps(h);
+    }
+    // tf[j] lane r: block c0 + j of row r
+    let (tf, td) = if G == 4 {
+        (
+            crate::x86::transpose4x4_lanes(&fs),
+            crate::x86::transpose4x4_lanes(&dw),
+        )
+    } else {
+        (
+            crate::x86::transpose8x8_halves(&fs),
+            crate::x86::transpose8x8_halves(&dw),
+        )
+    };
+    for j in 0..cnt {
+        y[j & 1] = _mm512_fmadd_ps(tf[j], td[j], y[j & 1]);
+    }
 }
 
 /// Weight rows a wide kernel walks together: each 64-byte load of the tile's activations
