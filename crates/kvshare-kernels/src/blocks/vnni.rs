@@ -1268,12 +1268,11 @@ unsafe fn filled<T: Copy>(v: &[Uninit<T>; LANE_ROWS]) -> [T; LANE_ROWS] {
 /// Prefetches bytes `from..from + len` of row `r` of the next group of `LANE_ROWS` rows (`rb`
 /// bytes apart from `row0`), the bytes a lane kernel reads from row `r` of this group next:
 /// its 16 streams a thread are more than the hardware prefetcher follows (without these
-/// prefetches the 1.9B model's Q4_K products ran 1.5-1.8x slower from memory). Non-temporal:
-/// weights are read once a step, and a decode step reads more of them than the caches hold,
-/// so with T1 they pushed out what the step reuses (activations, KV rows, the caller's
-/// Python) for nothing. On Zen 5, NTA against T1, builds alternating: Gemma 3 270M's batch-1
-/// decode step 7% faster (median of 10 runs' 25th percentiles, 8.46 vs 9.07 ms), its output
-/// head 6% (best call), the 1.9B model's Q4_K products from memory 4-12%.
+/// prefetches the 1.9B model's Q4_K products ran 1.5-1.8x slower from memory). Into L2 (T1):
+/// on Zen 5 non-temporal prefetches beat T1 by 4-12% (session 17), but on Zen 4 T1 against
+/// NTA, A/B from the mmap, two threads: the 1.9B model's `ffn_gate` at 3 rows 0.83x the
+/// time, `ffn_down` at 4 rows 0.91x, `attn_q` at 2 rows 0.77x (see `prefetch_ahead`: an L1
+/// miss waits for memory; an L2 prefetch does not hold the core's L1 miss buffers).
 #[inline]
 fn prefetch_next_group(
     row0: *const u8,
@@ -1283,7 +1282,7 @@ fn prefetch_next_group(
     len: usize,
     end: *const u8,
 ) {
-    prefetch_lines::<_MM_HINT_NTA>(row0.wrapping_add((LANE_ROWS + r) * rb + from), len, end);
+    prefetch_lines::<_MM_HINT_T1>(row0.wrapping_add((LANE_ROWS + r) * rb + from), len, end);
 }
 
 /// How far ahead of the bytes being read a kernel that reads its weight rows in order
