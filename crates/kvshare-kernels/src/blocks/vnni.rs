@@ -1155,6 +1155,49 @@ unsafe fn legacy_chunk_sums(
     v
 }
 
+/// `legacy_chunk_sums` and `legacy_chunk_scales` of a whole chunk (16 blocks from `c0`) of
+/// `row`, the scales taken from a 64-byte load at each pair (both blocks' first two bytes)
+/// by one masked word permute, where the chunk's 16-lane gather cost a hot Q8_0 product
+/// 15-30% of its time (Zen 4, one thread).
+/// SAFETY: the blocks exist; `one` holds their activations.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")]
+#[inline]
+unsafe fn legacy_full_chunk<const T: u32>(
+    row: *const u8,
+    c0: usize,
+    one: &OneRow,
+) -> ([__m512i; 8], __m512) {
+    let (bb, ty) = legacy_layout(T);
+    // even word lanes take word 0 of the pair's bytes (block 2i's scale), odd lanes word
+    // bb / 2 (block 2i + 1's)
+    let h = (bb / 2) as i16;
+    let idx = _mm512_set_epi16(
+        h, 0, h, 0, h, 0, h, 0, h, 0, h, 0, h, 0, h, 0, h, 0, h, 0, h, 0, h, 0, h, 0, h, 0, h, 0,
+        h, 0,
+    );
+    let mut v = [_mm512_setzero_si512(); 8];
+    let mut sc = _mm512_setzero_si512();
+    for (i, vi) in v.iter_mut().enumerate() {
+        let b = c0 + 2 * i;
+        // SAFETY: blocks b and b + 1 exist (Q8_0's pair is 68 bytes: 64 from its start lie
+        // inside it)
+        unsafe {
+            let p = row.add(bb * b);
+            let a = _mm512_loadu_si512(one.q().add(32 * b) as *const _);
+            *vi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), legacy_pair(ty, p), a);
+            // (Q4_0 / Q5_0: the pair's bytes only, a masked load, which cannot fault past
+            // the weight's end)
+            let x = if 2 * bb >= 64 {
+                _mm512_loadu_si512(p as *const _)
+            } else {
+                _mm512_maskz_loadu_epi8((1u64 << (2 * bb)) - 1, p as *const i8)
+            };
+            sc = _mm512_mask_permutexvar_epi16(sc, 0b11 << (2 * i), idx, x);
+        }
+    }
+    (v, _mm512_cvtph_ps(_mm512_castsi512_si256(sc)))
+}
+
 /// The f16 scales of blocks `c0..c0 + 16` of `row` as f32 (`at`: the 16 blocks' offsets;
 /// lanes outside `valid` 0): each the low half of 4 bytes read at its block's start.
 /// SAFETY: the blocks in `valid` exist.
@@ -1879,10 +1922,17 @@ unsafe fn one_legacy_16<const T: u32>(
                 // and is padded with 16 blocks of zeros
                 unsafe {
                     let (z, d_act) = legacy_chunk_acts::<T>(one, c0);
-                    let v = legacy_chunk_sums(ty, bb, row, c0, cnt, one);
+                    let (v, w) = if cnt == 16 {
+                        legacy_full_chunk::<T>(row, c0, one)
+                    } else {
+                        (
+                            legacy_chunk_sums(ty, bb, row, c0, cnt, one),
+                            legacy_chunk_scales(row, bb, c0, valid, at),
+                        )
+                    };
                     let isum = _mm512_sub_epi32(half_sums(v), z);
                     fs[ci][r] = Uninit::new(_mm512_mul_ps(_mm512_cvtepi32_ps(isum), d_act));
-                    dw[ci][r] = Uninit::new(legacy_chunk_scales(row, bb, c0, valid, at));
+                    dw[ci][r] = Uninit::new(w);
                 }
             }
             if last && tail > 0 {
