@@ -339,8 +339,9 @@ def test_vnni_legacy_tails_match_every_batch_size(nb):
     (`legacy_tail`; Gemma 3 270M's rows are 16 + 4 blocks), with no whole chunk before it
     (1-8 blocks), after one (20, 36, 40) and after a window's worth; 9-15 keep a chunk of
     their own. For 35 weight rows (two groups of 16 and three rows alone) a row's result is
-    the same bits alone as in a batch of 40 (the packed kernels) and within 8-bit error of
-    the oracle."""
+    the same bits alone, in a batch of 5 (the 8-lane kernels: blocks in pairs, an odd last
+    block alone) and in a batch of 40 (the 16-lane ones), and within 8-bit error of the
+    oracle."""
     rng = np.random.default_rng(nb)
     k = 32 * nb
     x = rng.standard_normal((40, k)).astype(np.float32)
@@ -351,6 +352,7 @@ def test_vnni_legacy_tails_match_every_batch_size(nb):
         assert_close_vnni(full, x, oracle(raw, t), t)
         for i in (0, 21, 39):
             np.testing.assert_array_equal(w.matmul_t(x[i:i + 1]), full[i:i + 1])
+        np.testing.assert_array_equal(w.matmul_t(x[3:8]), full[3:8])
 
 
 @pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI")
