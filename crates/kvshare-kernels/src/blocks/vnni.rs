@@ -71,8 +71,8 @@ struct Line([u8; 64]);
 ///   8 rows side by side, two such groups to a 512-bit vector: for the K-quants
 ///   (`ActFormat::Q8K`) `[k / 32][4][2][LANES][4]`, per block group `g` then group `g + 4`;
 ///   for the legacy types (`Per32`) `[k / 64][8][2][LANES][4]`, per pair of blocks group `g`
-///   of the first block then of the second (`dot_legacy`), and an odd last block's 8 groups
-///   one after the other;
+///   of the first block then of the second (`dot_legacy`), an odd last block as the
+///   K-quants';
 /// - `d`: f32 `[k / 32][LANES]`, each block's scale;
 /// - `sum`: f32 `[k / 32][LANES]`, `d * (sum of the block's q)` (the K-quants' minima);
 /// - `isum32`: i32 `[k / 32][LANES]`, the block's sum of q (zero points);
@@ -305,15 +305,12 @@ unsafe fn quantize_row(x: &[f32], o: RowOut, k: usize, f: ActFormat) {
                 _mm512_cvtepi32_epi8(q1),
             );
             for (g, v) in bytes.iter().enumerate() {
-                let at = if o.pair_blocks {
-                    // group g of blocks b and b + 1 (b even) side by side (lanes 0..7,
-                    // 8..15); an odd last block's groups in order
-                    let first = b & !1;
-                    if b + 1 == nb && nb % 2 == 1 {
-                        first * 8 * o.group + g * o.group
-                    } else {
-                        first * 8 * o.group + g * 2 * o.group + (b % 2) * o.group
-                    }
+                // (an odd last block of the pair layout takes the K-quants' paired one)
+                let odd_last = b + 1 == nb && nb % 2 == 1;
+                let at = if o.pair_blocks && !odd_last {
+                    // group g of blocks b & !1 and (b & !1) + 1 side by side (lanes 0..7,
+                    // 8..15)
+                    (b & !1) * 8 * o.group + g * 2 * o.group + (b % 2) * o.group
                 } else if o.paired {
                     // groups g and g + 4 of a block side by side (lanes 0..7, 8..15)
                     b * 8 * o.group + (g % 4) * 2 * o.group + (g / 4) * o.group
@@ -651,18 +648,9 @@ unsafe fn dot_legacy<const T: u32>(row: *const u8, nb: usize, t: &Tile) -> __m25
         unsafe {
             let (p0, p1) = (row.add(bb * b), row.add(bb * (b + 1)));
             let (lo, hi) = legacy_pair_halves::<T>(p0, p1);
+            // groups 0..3 of the pair's two blocks, then groups 4..7 (`dot32`'s broadcasts)
             let a = t.qs.add(b * 8 * LANES * 4);
-            let ld = |g: usize| _mm512_load_si512(a.add(64 * g) as *const _);
-            let z0 = _mm512_setzero_si512();
-            let s0 = _mm512_dpbusd_epi32(z0, _mm512_shuffle_epi32::<0x00>(lo), ld(0));
-            let s1 = _mm512_dpbusd_epi32(z0, _mm512_shuffle_epi32::<0x55>(lo), ld(1));
-            let s0 = _mm512_dpbusd_epi32(s0, _mm512_shuffle_epi32::<0xAA>(lo), ld(2));
-            let s1 = _mm512_dpbusd_epi32(s1, _mm512_shuffle_epi32::<0xFF>(lo), ld(3));
-            let s0 = _mm512_dpbusd_epi32(s0, _mm512_shuffle_epi32::<0x00>(hi), ld(4));
-            let s1 = _mm512_dpbusd_epi32(s1, _mm512_shuffle_epi32::<0x55>(hi), ld(5));
-            let s0 = _mm512_dpbusd_epi32(s0, _mm512_shuffle_epi32::<0xAA>(hi), ld(6));
-            let s1 = _mm512_dpbusd_epi32(s1, _mm512_shuffle_epi32::<0xFF>(hi), ld(7));
-            let s = _mm512_add_epi32(s0, s1);
+            let s = _mm512_add_epi32(dot32(lo, a), dot32(hi, a.add(4 * 64)));
             let z = shift(_mm512_loadu_si512(t.isum32.add(b * LANES) as *const _));
             let f = _mm512_mul_ps(
                 _mm512_cvtepi32_ps(_mm512_sub_epi32(s, z)),
@@ -675,26 +663,16 @@ unsafe fn dot_legacy<const T: u32>(row: *const u8, nb: usize, t: &Tile) -> __m25
     let odd = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(y)));
     let mut even = _mm512_castps512_ps256(y);
     if b < nb {
-        // an odd last block (its 8 groups in order in the tile): the even chain
+        // an odd last block (laid out as a K-quant tile's block: groups g and g + 4 side by
+        // side): the even chain
         unsafe {
             let p = row.add(bb * b);
-            let c = legacy_codes(ty, p);
-            let (lo, hi) = (
-                _mm256_permute4x64_epi64::<0b01_00_01_00>(c),
-                _mm256_permute4x64_epi64::<0b11_10_11_10>(c),
-            );
-            let a = t.qs.add(b * 8 * LANES * 4);
-            let ld = |g: usize| _mm256_load_si256(a.add(32 * g) as *const _);
-            let z0 = _mm256_setzero_si256();
-            let s0 = _mm256_dpbusd_epi32(z0, _mm256_shuffle_epi32::<0x00>(lo), ld(0));
-            let s1 = _mm256_dpbusd_epi32(z0, _mm256_shuffle_epi32::<0x55>(lo), ld(1));
-            let s0 = _mm256_dpbusd_epi32(s0, _mm256_shuffle_epi32::<0xAA>(lo), ld(2));
-            let s1 = _mm256_dpbusd_epi32(s1, _mm256_shuffle_epi32::<0xFF>(lo), ld(3));
-            let s0 = _mm256_dpbusd_epi32(s0, _mm256_shuffle_epi32::<0x00>(hi), ld(4));
-            let s1 = _mm256_dpbusd_epi32(s1, _mm256_shuffle_epi32::<0x55>(hi), ld(5));
-            let s0 = _mm256_dpbusd_epi32(s0, _mm256_shuffle_epi32::<0xAA>(hi), ld(6));
-            let s1 = _mm256_dpbusd_epi32(s1, _mm256_shuffle_epi32::<0xFF>(hi), ld(7));
-            let s = _mm256_add_epi32(s0, s1);
+            let c = _mm512_castsi256_si512(legacy_codes(ty, p));
+            let spread = _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3);
+            let s = fold(dot32(
+                _mm512_permutexvar_epi64(spread, c),
+                t.qs.add(b * 8 * LANES * 4),
+            ));
             let z = _mm512_castsi512_si256(shift(_mm512_castsi256_si512(ld_i32(
                 t.isum32.add(b * LANES),
             ))));
@@ -2048,8 +2026,7 @@ unsafe fn one_legacy_16<const T: u32>(
 type TailRow = ([__m512i; 4], [u64; 2]);
 
 /// The products of blocks `c0..c0 + cnt` (`cnt <= 8`) of `row` (type `ty`, `bb` bytes a
-/// block) with the activations, a pair to a vector as `legacy_chunk_sums` (zeros past `cnt`),
-/// and their scales. The scales are read one by one here, while the row's lines are in L1: a
+/// block) with the activations (`legacy_chunk_sums`' first four vectors), and their scales. The scales are read one by one here, while the row's lines are in L1: a
 /// gather of 16 scales across 4 rows after the group made the Gemma 3 270M head's product
 /// from memory 1.16x slower than with none.
 /// SAFETY: the blocks exist; `one` holds their activations.
@@ -2069,24 +2046,9 @@ unsafe fn legacy_tail_pairs(
         let d = unsafe { (row.add(bb * (c0 + j)) as *const u16).read_unaligned() };
         scales[j / 4] |= (d as u64) << (16 * (j % 4));
     }
-    let mut v = [_mm512_setzero_si512(); 4];
-    for (pr, vp) in v.iter_mut().enumerate() {
-        let b = 2 * pr;
-        if b >= cnt {
-            break;
-        }
-        // SAFETY: blocks c0 + b (and c0 + b + 1 unless it is the last) exist
-        *vp = unsafe {
-            let c = if b + 1 < cnt {
-                legacy_pair(ty, row.add(bb * (c0 + b)))
-            } else {
-                _mm512_castsi256_si512(legacy_codes(ty, row.add(bb * (c0 + b))))
-            };
-            let a = _mm512_loadu_si512(one.q().add(32 * (c0 + b)) as *const _);
-            _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, a)
-        };
-    }
-    (v, scales)
+    // SAFETY: as the caller's (cnt <= 8: the pairs fill v[..4])
+    let v = unsafe { legacy_chunk_sums(ty, bb, row, c0, cnt, one) };
+    ([v[0], v[1], v[2], v[3]], scales)
 }
 
 /// The last `cnt` blocks (from `c0`, a multiple of 16; `cnt <= 16 / G`) of 16 legacy weight
