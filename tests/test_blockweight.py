@@ -311,6 +311,21 @@ def test_vnni_fused_parts_at_every_batch_size():
     np.testing.assert_array_equal(big[:, 3:93], wv.matmul_t(x[:5]))
 
 
+def assert_rows_match_batches(t, x, rng, singles, few):
+    """For 35 random weight rows of type `t` (two groups of 16 and three rows alone), the
+    8-bit-activation products of all of `x`'s rows are within 8-bit error of the oracle, and
+    rows `singles` alone and the rows `few` together give the same bits as in the whole
+    batch."""
+    k = x.shape[1]
+    raw = make_raw(t, 35, k, rng)
+    w = BlockWeight(raw, int(t), k, activations="vnni")
+    full = w.matmul_t(x)
+    assert_close_vnni(full, x, oracle(raw, t), t)
+    for i in singles:
+        np.testing.assert_array_equal(w.matmul_t(x[i:i + 1]), full[i:i + 1])
+    np.testing.assert_array_equal(w.matmul_t(x[few]), full[few])
+
+
 @pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI")
 def test_vnni_rows_read_in_order_match_every_batch_size():
     """One activation row takes the kernels that read each weight row in order, in windows
@@ -323,13 +338,7 @@ def test_vnni_rows_read_in_order_match_every_batch_size():
     k = 256 * 27
     x = rng.standard_normal((40, k)).astype(np.float32)
     for t in (Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q4_0):
-        raw = make_raw(t, 35, k, rng)
-        w = BlockWeight(raw, int(t), k, activations="vnni")
-        full = w.matmul_t(x)
-        assert_close_vnni(full, x, oracle(raw, t), t)
-        for i in (0, 17, 39):
-            np.testing.assert_array_equal(w.matmul_t(x[i:i + 1]), full[i:i + 1])
-        np.testing.assert_array_equal(w.matmul_t(x[5:8]), full[5:8])
+        assert_rows_match_batches(t, x, rng, singles=(0, 17, 39), few=slice(5, 8))
 
 
 @pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI")
@@ -346,13 +355,7 @@ def test_vnni_legacy_tails_match_every_batch_size(nb):
     k = 32 * nb
     x = rng.standard_normal((40, k)).astype(np.float32)
     for t in (Q.Q8_0, Q.Q5_0, Q.Q4_0):
-        raw = make_raw(t, 35, k, rng)
-        w = BlockWeight(raw, int(t), k, activations="vnni")
-        full = w.matmul_t(x)
-        assert_close_vnni(full, x, oracle(raw, t), t)
-        for i in (0, 21, 39):
-            np.testing.assert_array_equal(w.matmul_t(x[i:i + 1]), full[i:i + 1])
-        np.testing.assert_array_equal(w.matmul_t(x[3:8]), full[3:8])
+        assert_rows_match_batches(t, x, rng, singles=(0, 21, 39), few=slice(3, 8))
 
 
 @pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI")
