@@ -359,6 +359,27 @@ def test_vnni_legacy_tails_match_every_batch_size(nb):
 
 
 @pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI")
+@pytest.mark.parametrize("nb", [1, 2, 7, 20])
+def test_vnni_legacy_lanes_match_every_batch_size(nb):
+    """2-8 activation rows take legacy weights 16 rows at a time in lanes (`lanes_legacy`,
+    transposed codes against broadcast activations; 4 or 8 rows of the tile): for 53 weight
+    rows (three groups of 16 and five alone, split between threads) and even and odd block
+    counts, every batch of 2 to 8 rows gives each row the same bits as it gets alone and in
+    a batch of 40, within 8-bit error of the oracle."""
+    rng = np.random.default_rng(100 + nb)
+    k = 32 * nb
+    x = rng.standard_normal((40, k)).astype(np.float32)
+    for t in (Q.Q8_0, Q.Q5_0, Q.Q4_0):
+        raw = make_raw(t, 53, k, rng)
+        w = BlockWeight(raw, int(t), k, activations="vnni")
+        full = w.matmul_t(x)
+        assert_close_vnni(full, x, oracle(raw, t), t)
+        for m in range(2, 9):
+            np.testing.assert_array_equal(w.matmul_t(x[m:2 * m]), full[m:2 * m])
+        np.testing.assert_array_equal(w.matmul_t(x[9:10]), full[9:10])
+
+
+@pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI")
 def test_vnni_bad_input_raises_value_error():
     rng = np.random.default_rng(12)
     raw = make_raw(Q.Q4_K, 4, 256, rng)

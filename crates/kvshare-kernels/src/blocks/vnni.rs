@@ -432,7 +432,41 @@ unsafe fn weight_rows(
     // at most 8 rows: one tile, one pass over the weights (decode)
     debug_assert_eq!(p.tiles, 1);
     let tile = p.tile(0);
-    for n in lo..hi {
+    let mut first = lo;
+    if matches!(w.ty, BlockType::Q8_0 | BlockType::Q4_0 | BlockType::Q5_0) {
+        // 16 weight rows at a time in lanes (`lanes_legacy`), the rest row by row
+        let nb = w.k / 32;
+        while hi - first >= LEGACY_LANE_ROWS {
+            let row0 = row_at(first);
+            let mut ys = [_mm512_setzero_ps(); LANES];
+            // SAFETY: rows first..first + 16 < w.n hold nb whole blocks; the tile holds them
+            unsafe {
+                use BlockType::*;
+                macro_rules! lanes {
+                    ($t:expr, $m:literal) => {
+                        ys[..$m].copy_from_slice(&lanes_legacy::<{ $t as u32 }, $m>(
+                            row0, rb, nb, &tile, end,
+                        ))
+                    };
+                }
+                match (w.ty, p.m <= 4) {
+                    (Q8_0, true) => lanes!(Q8_0, 4),
+                    (Q8_0, false) => lanes!(Q8_0, 8),
+                    (Q4_0, true) => lanes!(Q4_0, 4),
+                    (Q4_0, false) => lanes!(Q4_0, 8),
+                    (Q5_0, true) => lanes!(Q5_0, 4),
+                    _ => lanes!(Q5_0, 8),
+                }
+            }
+            for (r, y) in ys[..p.m].iter().enumerate() {
+                // SAFETY: row r < m, columns col + first..+16 < ld: inside out, and they
+                // belong to this thread
+                unsafe { _mm512_storeu_ps(out.at(r * ld + col + first), *y) };
+            }
+            first += LEGACY_LANE_ROWS;
+        }
+    }
+    for n in first..hi {
         // ask for the bytes ahead now (see `exact512`)
         prefetch_lines::<_MM_HINT_T0>(row_at(n).wrapping_add(PREFETCH_AHEAD), rb, end);
         let mut lanes = [0f32; LANES];
@@ -682,6 +716,140 @@ unsafe fn dot_legacy<const T: u32>(row: *const u8, nb: usize, t: &Tile) -> __m25
         }
     }
     _mm256_add_ps(even, odd)
+}
+
+/// Weight rows a legacy kernel for 2-8 activation rows takes together in lanes
+/// (`lanes_legacy`).
+const LEGACY_LANE_ROWS: usize = 16;
+
+/// Legacy weights (`T`) times the first `M` (4 or 8) rows of an 8-row tile, 16 weight rows
+/// (`rb` bytes apart from `row0`) at a time with the weight rows in lanes: per block, the
+/// 16 rows' codes turned by an 8 x 8 transpose of 32-bit groups (one vector per 4-code
+/// group, lane `i` holding weight row `i`'s), then each activation row's 4 codes of a group
+/// broadcast from the tile into `vpdpbusd`, so that the products land in the weight rows'
+/// lanes with no reduction; then each activation row's chains `y[b & 1] = fma(f32(isum -
+/// zero point x sum) * d_act, d_w, y[b & 1])`, `dot_legacy`'s operations in its order (the
+/// same bits). `dot_legacy` takes one weight row against the tile's rows in lanes and
+/// spends per pair of blocks 8 shuffles and a fold on 8 multiply-adds; here the transpose
+/// is shared by the `M` activation rows.
+/// SAFETY: rows `0..16` of `row0` hold `nb` blocks; the tile holds them; `end` is the
+/// weight's last byte + 1.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn lanes_legacy<const T: u32, const M: usize>(
+    row0: *const u8,
+    rb: usize,
+    nb: usize,
+    t: &Tile,
+    end: *const u8,
+) -> [__m512; M] {
+    let (bb, ty) = legacy_layout(T);
+    // the 16 rows' f16 scales of block b, one per lane (low halves): each row's first 16
+    // bytes of the block, 4 rows to a vector, then the first 32-bit group of each (a
+    // 16-lane gather took a fifth of a hot Q8_0 product's time)
+    // SAFETY: block b of each row has >= 16 bytes (a block has >= 18)
+    let scales = |b: usize| unsafe {
+        let at = |r: usize| _mm_loadu_si128(row0.add(r * rb + bb * b) as *const __m128i);
+        // v[j] lane q: row 4q + j's first bytes
+        let v = |j: usize| {
+            let x = _mm512_castsi128_si512(at(j));
+            let x = _mm512_inserti32x4::<1>(x, at(4 + j));
+            let x = _mm512_inserti32x4::<2>(x, at(8 + j));
+            _mm512_inserti32x4::<3>(x, at(12 + j))
+        };
+        _mm512_unpacklo_epi64(
+            _mm512_unpacklo_epi32(v(0), v(1)),
+            _mm512_unpacklo_epi32(v(2), v(3)),
+        )
+    };
+    // the next 16 rows follow these: their bytes in order, a block's share at a time
+    let next = row0.wrapping_add(LEGACY_LANE_ROWS * rb);
+    let share = LEGACY_LANE_ROWS * bb;
+    let mut y = [[_mm512_setzero_ps(); 2]; M];
+    let mut h = scales(0);
+    for b in 0..nb {
+        prefetch_lines::<_MM_HINT_T1>(next.wrapping_add(share * b), share, end);
+        let dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
+        if b + 1 < nb {
+            h = scales(b + 1);
+        }
+        // SAFETY: block b of rows 0..16 exists
+        let codes = |i: usize| unsafe { legacy_codes(ty, row0.add(i * rb + bb * b)) };
+        // z[i]: rows i and i + 4 (i < 4), rows i + 4 and i + 8 (i >= 4), so that the
+        // transpose leaves the rows in order
+        let mut z = [_mm512_setzero_si512(); 8];
+        for (i, zi) in z.iter_mut().enumerate() {
+            let (lo, hi) = if i < 4 { (i, i + 4) } else { (i + 4, i + 8) };
+            *zi = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(codes(lo)), codes(hi));
+        }
+        let t1 =
+            |a: __m512i, c: __m512i| (_mm512_unpacklo_epi32(a, c), _mm512_unpackhi_epi32(a, c));
+        let (t0, t1_) = t1(z[0], z[1]);
+        let (t2, t3) = t1(z[2], z[3]);
+        let (t4, t5) = t1(z[4], z[5]);
+        let (t6, t7) = t1(z[6], z[7]);
+        // u[g] per 128-bit lane: group g (lanes 0, 2) or g + 4 (lanes 1, 3) of 4 rows
+        let u = [
+            _mm512_unpacklo_epi64(t0, t2),
+            _mm512_unpackhi_epi64(t0, t2),
+            _mm512_unpacklo_epi64(t1_, t3),
+            _mm512_unpackhi_epi64(t1_, t3),
+            _mm512_unpacklo_epi64(t4, t6),
+            _mm512_unpackhi_epi64(t4, t6),
+            _mm512_unpacklo_epi64(t5, t7),
+            _mm512_unpackhi_epi64(t5, t7),
+        ];
+        // w[g] lane i: group g of weight row i
+        let mut w = [_mm512_setzero_si512(); 8];
+        for g in 0..4 {
+            w[g] = _mm512_shuffle_i32x4::<0b10_00_10_00>(u[g], u[g + 4]);
+            w[g + 4] = _mm512_shuffle_i32x4::<0b11_01_11_01>(u[g], u[g + 4]);
+        }
+        // where group g of the tile's block b starts (see `Packed`: pairs of blocks, an odd
+        // last block as a K-quant tile's)
+        let lone = b + 1 == nb && nb % 2 == 1;
+        let group = |g: usize| -> usize {
+            if lone {
+                b * 8 * LANES * 4 + ((g % 4) * 2 + g / 4) * LANES * 4
+            } else {
+                (b / 2) * 16 * LANES * 4 + (g * 2 + (b & 1)) * LANES * 4
+            }
+        };
+        // the activation rows side by side: each row's 8 multiply-adds are a chain, from
+        // minus the zero point times the row's sum (integers: the same sum in any order)
+        let mut s = [_mm512_setzero_si512(); M];
+        for (r, sr) in s.iter_mut().enumerate() {
+            // SAFETY: the tile holds block b of its 8 rows
+            let zp = unsafe { *t.isum32.add(b * LANES + r) }
+                << match T {
+                    8 => 7,
+                    2 => 3,
+                    _ => 4,
+                };
+            *sr = _mm512_set1_epi32(-zp);
+        }
+        for (g, wg) in w.iter().enumerate() {
+            for (r, sr) in s.iter_mut().enumerate() {
+                // SAFETY: the tile holds block b of its 8 rows
+                let a = unsafe { (t.qs.add(group(g) + 4 * r) as *const i32).read_unaligned() };
+                *sr = _mm512_dpbusd_epi32(*sr, *wg, _mm512_set1_epi32(a));
+            }
+        }
+        for (r, (yr, s)) in y.iter_mut().zip(s).enumerate() {
+            // SAFETY: the tile holds block b of its 8 rows
+            unsafe {
+                let f = _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(s),
+                    _mm512_set1_ps(*t.d.add(b * LANES + r)),
+                );
+                yr[b & 1] = _mm512_fmadd_ps(f, dw, yr[b & 1]);
+            }
+        }
+    }
+    let mut out = [_mm512_setzero_ps(); M];
+    for (o, yr) in out.iter_mut().zip(&y) {
+        *o = _mm512_add_ps(yr[0], yr[1]);
+    }
+    out
 }
 
 /// The 8 sub-block scales and minima (6 bits each) of the Q4_K/Q5_K block at `p`
