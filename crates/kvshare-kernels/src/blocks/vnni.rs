@@ -15,8 +15,13 @@
 //!   that each lane runs one weight row's float chain (one activation row: each weight row
 //!   read in order for a window of its blocks, `one_*_16`; 2-4: the 16 rows read side by
 //!   side, `many_*_16`), the rest of a tile one or two rows at a time with the chain in
-//!   scalars (`one_*`);
-//! - more, up to 8 rows (`Packed` tiles of 8, `dot_*`): lanes hold rows (4 bytes of each row side by
+//!   scalars (`one_*`); Q4_K with one activation row instead turns the 16 rows' codes
+//!   (`lanes_q4_k_16`: no reduction of sums);
+//! - 2-8 rows of legacy weights (`Packed` tiles of 8, `lanes_legacy`): 16 weight rows'
+//!   codes turned per block so that lane `i` holds row `i`'s, each activation row's 4 codes
+//!   broadcast into `vpdpbusd`: the products land in the weight rows' lanes;
+//! - more, up to 8 rows (`Packed` tiles of 8, `dot_*`; the legacy types' last 1-15 weight
+//!   rows of a part): lanes hold rows (4 bytes of each row side by
 //!   side), a block's unsigned codes broadcast 4 at a time (`vpshufd`), the zero point (8,
 //!   16, 32, or 128 for Q8_0's signed bytes shifted to unsigned) taken off with the row's
 //!   exact sum, two blocks' float steps in one vector;
@@ -718,6 +723,80 @@ unsafe fn dot_legacy<const T: u32>(row: *const u8, nb: usize, t: &Tile) -> __m25
     _mm256_add_ps(even, odd)
 }
 
+/// The 4 32-bit groups of the 16 bytes at `p` of each of 16 rows `rb` bytes apart: vector
+/// `g` lane `i` holds group `g` of row `i` (4 rows' bytes to a vector, one 128-bit lane
+/// each, then a 4 x 4 transpose in every lane).
+/// SAFETY: 16 bytes at `p + i rb` exist for `i < 16`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn lane_words16(p: *const u8, rb: usize) -> [__m512i; 4] {
+    let at = |r: usize| unsafe { _mm_loadu_si128(p.add(r * rb) as *const __m128i) };
+    // v(j) lane q: row 4q + j
+    let v = |j: usize| {
+        let x = _mm512_castsi128_si512(at(j));
+        let x = _mm512_inserti32x4::<1>(x, at(4 + j));
+        let x = _mm512_inserti32x4::<2>(x, at(8 + j));
+        _mm512_inserti32x4::<3>(x, at(12 + j))
+    };
+    let (v0, v1, v2, v3) = (v(0), v(1), v(2), v(3));
+    let (a, b) = (_mm512_unpacklo_epi32(v0, v1), _mm512_unpackhi_epi32(v0, v1));
+    let (c, d) = (_mm512_unpacklo_epi32(v2, v3), _mm512_unpackhi_epi32(v2, v3));
+    [
+        _mm512_unpacklo_epi64(a, c),
+        _mm512_unpackhi_epi64(a, c),
+        _mm512_unpacklo_epi64(b, d),
+        _mm512_unpackhi_epi64(b, d),
+    ]
+}
+
+/// The 8 32-bit groups of the 32 bytes `c[i]` of each of 16 rows: vector `g` lane `i` holds
+/// group `g` of row `i` (two rows to a vector, then an 8 x 8 transpose in each half).
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn transpose_words32(c: [__m256i; 16]) -> [__m512i; 8] {
+    // z[i]: rows i and i + 4 (i < 4), rows i + 4 and i + 8 (i >= 4), so that the transpose
+    // leaves the rows in order
+    let mut z = [_mm512_setzero_si512(); 8];
+    for (i, zi) in z.iter_mut().enumerate() {
+        let (lo, hi) = if i < 4 { (i, i + 4) } else { (i + 4, i + 8) };
+        *zi = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(c[lo]), c[hi]);
+    }
+    let t1 = |a: __m512i, c: __m512i| (_mm512_unpacklo_epi32(a, c), _mm512_unpackhi_epi32(a, c));
+    let (t0, t1_) = t1(z[0], z[1]);
+    let (t2, t3) = t1(z[2], z[3]);
+    let (t4, t5) = t1(z[4], z[5]);
+    let (t6, t7) = t1(z[6], z[7]);
+    // u[g] per 128-bit lane: group g (lanes 0, 2) or g + 4 (lanes 1, 3) of 4 rows
+    let u = [
+        _mm512_unpacklo_epi64(t0, t2),
+        _mm512_unpackhi_epi64(t0, t2),
+        _mm512_unpacklo_epi64(t1_, t3),
+        _mm512_unpackhi_epi64(t1_, t3),
+        _mm512_unpacklo_epi64(t4, t6),
+        _mm512_unpackhi_epi64(t4, t6),
+        _mm512_unpacklo_epi64(t5, t7),
+        _mm512_unpackhi_epi64(t5, t7),
+    ];
+    let mut w = [_mm512_setzero_si512(); 8];
+    for g in 0..4 {
+        w[g] = _mm512_shuffle_i32x4::<0b10_00_10_00>(u[g], u[g + 4]);
+        w[g + 4] = _mm512_shuffle_i32x4::<0b11_01_11_01>(u[g], u[g + 4]);
+    }
+    w
+}
+
+/// `transpose_words32` of the 32 bytes at `p + i rb` for `i < 16`.
+/// SAFETY: the bytes exist.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn lane_words32(p: *const u8, rb: usize) -> [__m512i; 8] {
+    let mut c = [_mm256_setzero_si256(); 16];
+    for (i, ci) in c.iter_mut().enumerate() {
+        *ci = unsafe { _mm256_loadu_si256(p.add(i * rb) as *const __m256i) };
+    }
+    transpose_words32(c)
+}
+
 /// Weight rows a legacy kernel for 2-8 activation rows takes together in lanes
 /// (`lanes_legacy`).
 const LEGACY_LANE_ROWS: usize = 16;
@@ -743,24 +822,10 @@ unsafe fn lanes_legacy<const T: u32, const M: usize>(
     end: *const u8,
 ) -> [__m512; M] {
     let (bb, ty) = legacy_layout(T);
-    // the 16 rows' f16 scales of block b, one per lane (low halves): each row's first 16
-    // bytes of the block, 4 rows to a vector, then the first 32-bit group of each (a
-    // 16-lane gather took a fifth of a hot Q8_0 product's time)
+    // the 16 rows' f16 scales of block b, one per lane (low halves), from each row's first
+    // 16 bytes (a 16-lane gather took a fifth of a hot Q8_0 product's time)
     // SAFETY: block b of each row has >= 16 bytes (a block has >= 18)
-    let scales = |b: usize| unsafe {
-        let at = |r: usize| _mm_loadu_si128(row0.add(r * rb + bb * b) as *const __m128i);
-        // v[j] lane q: row 4q + j's first bytes
-        let v = |j: usize| {
-            let x = _mm512_castsi128_si512(at(j));
-            let x = _mm512_inserti32x4::<1>(x, at(4 + j));
-            let x = _mm512_inserti32x4::<2>(x, at(8 + j));
-            _mm512_inserti32x4::<3>(x, at(12 + j))
-        };
-        _mm512_unpacklo_epi64(
-            _mm512_unpacklo_epi32(v(0), v(1)),
-            _mm512_unpacklo_epi32(v(2), v(3)),
-        )
-    };
+    let scales = |b: usize| unsafe { lane_words16(row0.add(bb * b), rb)[0] };
     // the next 16 rows follow these: their bytes in order, a block's share at a time
     let next = row0.wrapping_add(LEGACY_LANE_ROWS * rb);
     let share = LEGACY_LANE_ROWS * bb;
@@ -772,38 +837,22 @@ unsafe fn lanes_legacy<const T: u32, const M: usize>(
         if b + 1 < nb {
             h = scales(b + 1);
         }
-        // SAFETY: block b of rows 0..16 exists
-        let codes = |i: usize| unsafe { legacy_codes(ty, row0.add(i * rb + bb * b)) };
-        // z[i]: rows i and i + 4 (i < 4), rows i + 4 and i + 8 (i >= 4), so that the
-        // transpose leaves the rows in order
-        let mut z = [_mm512_setzero_si512(); 8];
-        for (i, zi) in z.iter_mut().enumerate() {
-            let (lo, hi) = if i < 4 { (i, i + 4) } else { (i + 4, i + 8) };
-            *zi = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(codes(lo)), codes(hi));
-        }
-        let t1 =
-            |a: __m512i, c: __m512i| (_mm512_unpacklo_epi32(a, c), _mm512_unpackhi_epi32(a, c));
-        let (t0, t1_) = t1(z[0], z[1]);
-        let (t2, t3) = t1(z[2], z[3]);
-        let (t4, t5) = t1(z[4], z[5]);
-        let (t6, t7) = t1(z[6], z[7]);
-        // u[g] per 128-bit lane: group g (lanes 0, 2) or g + 4 (lanes 1, 3) of 4 rows
-        let u = [
-            _mm512_unpacklo_epi64(t0, t2),
-            _mm512_unpackhi_epi64(t0, t2),
-            _mm512_unpacklo_epi64(t1_, t3),
-            _mm512_unpackhi_epi64(t1_, t3),
-            _mm512_unpacklo_epi64(t4, t6),
-            _mm512_unpackhi_epi64(t4, t6),
-            _mm512_unpacklo_epi64(t5, t7),
-            _mm512_unpackhi_epi64(t5, t7),
-        ];
         // w[g] lane i: group g of weight row i
-        let mut w = [_mm512_setzero_si512(); 8];
-        for g in 0..4 {
-            w[g] = _mm512_shuffle_i32x4::<0b10_00_10_00>(u[g], u[g + 4]);
-            w[g + 4] = _mm512_shuffle_i32x4::<0b11_01_11_01>(u[g], u[g + 4]);
-        }
+        let w = if T == 8 {
+            // SAFETY: block b of rows 0..16 exists
+            let mut w = unsafe { lane_words32(row0.add(bb * b + 2), rb) };
+            for wg in w.iter_mut() {
+                *wg = _mm512_xor_si512(*wg, _mm512_set1_epi8(-128));
+            }
+            w
+        } else {
+            let mut c = [_mm256_setzero_si256(); 16];
+            for (i, ci) in c.iter_mut().enumerate() {
+                // SAFETY: block b of rows 0..16 exists
+                *ci = unsafe { legacy_codes(ty, row0.add(i * rb + bb * b)) };
+            }
+            transpose_words32(c)
+        };
         // where group g of the tile's block b starts (see `Packed`: pairs of blocks, an odd
         // last block as a K-quant tile's)
         let lone = b + 1 == nb && nb % 2 == 1;
@@ -1092,7 +1141,7 @@ unsafe fn few_row_rows<const M: usize>(
                 Q8_0 => [one_legacy_16::<{ Q8_0 as u32 }>(row0, rb, nb, ones[0], end); M],
                 Q4_0 => [one_legacy_16::<{ Q4_0 as u32 }>(row0, rb, nb, ones[0], end); M],
                 Q5_0 => [one_legacy_16::<{ Q5_0 as u32 }>(row0, rb, nb, ones[0], end); M],
-                Q4_K if M == 1 => [one_q4_k_16(row0, rb, nsb, ones[0], end); M],
+                Q4_K if M == 1 => [lanes_q4_k_16(row0, rb, nsb, ones[0], end); M],
                 Q4_K => many_q4_k_16::<M>(row0, rb, nsb, ones, end),
                 _ if M == 1 => [one_q6_k_16(row0, rb, nsb, ones[0], end); M],
                 _ => many_q6_k_16::<M>(row0, rb, nsb, ones, end),
@@ -1681,27 +1730,6 @@ unsafe fn one_q6_k(row: *const u8, nsb: usize, one: &OneRow) -> f32 {
     y[0] + y[1]
 }
 
-/// The 8 sub-block sums of each of `C` (1 or 2) Q4_K blocks from `p` (blocks `s0..` of a
-/// row) with the activation row, in `half_sums` order (zeros past the `C` blocks).
-/// SAFETY: `C` whole blocks at `p`; `one` holds their activations.
-// plain loops over constants: closures passed to `array::from_fn` here would be calls
-// without the target features (a 1.3x slower kernel)
-#[allow(clippy::needless_range_loop)]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-#[inline]
-unsafe fn q4_k_block_sums<const C: usize>(p: *const u8, s0: usize, one: &OneRow) -> __m512 {
-    let mut v = [_mm512_setzero_si512(); 8];
-    for i in 0..4 * C {
-        // SAFETY: block i / 4 of the C at p; its 64 activations at 256 s0 + 64 i
-        unsafe {
-            let w = q4_k_codes(p.add(144 * (i / 4)), i % 4);
-            let x = _mm512_loadu_si512(one.q().add(256 * s0 + 64 * i) as *const _);
-            v[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
-        }
-    }
-    _mm512_castsi512_ps(half_sums(v))
-}
-
 /// The `d * sc` and `dmin * m` of the 8 sub-blocks of 16 Q4_K blocks, one block per lane
 /// (`dd`: each block's f16 d and dmin; `u0..u2`: its 12 scale bytes as three words).
 #[target_feature(enable = "avx512f,avx512bw,f16c")]
@@ -1878,20 +1906,17 @@ unsafe fn many_q4_k_16<const M: usize>(
     })
 }
 
-/// Q4_K with one activation row, 16 weight rows at a time, each row read in order: the
-/// integer sums of a window of its blocks (the whole row up to `WINDOW_PAIRS` pairs) and the
-/// first 16 bytes of each block (d, dmin, scales) kept, then, per pair, `many_q4_k_16`'s
-/// float steps with the rows in lanes (the same operations in the same order, so the same
-/// bits). `many_q4_k_16` reads the 16 rows side by side, two blocks of each at a time: 16
-/// streams, which the hardware prefetcher does not follow; on Zen 4 its software prefetches
-/// then cost more than they saved (a read-only copy of that pattern: 19-21 GB/s with them,
-/// 28-30 sequentially). Here one stream per thread: the 1.9B model's products from memory
-/// 0.71-0.82x `many_q4_k_16`'s time (`ffn_gate`, `ffn_down`, the head), batch-1 decode
-/// 0.51 -> 0.65x llama.cpp. With more activation rows the windows' sums outgrow L1, so they
-/// keep `many_q4_k_16`.
-#[allow(clippy::needless_range_loop)]
+/// Q4_K with one activation row, 16 weight rows (`rb` bytes apart from `row0`) at a time
+/// with the rows in lanes from the start: per superblock, each 32-byte code chunk of the 16
+/// rows turned by `lane_words32` (vector `g` lane `i`: codes `4g..4g + 4` of row `i`'s two
+/// sub-blocks, one per nibble), the activations' 4 codes of a group broadcast into
+/// `vpdpbusd`, so that each sub-block's integer sums land in the rows' lanes with no
+/// reduction or transpose of sums; then `many_q4_k_16`'s float steps (the same integers and
+/// operations in the same order, so the same bits).
+/// SAFETY: rows `0..16` of `row0` hold `nsb` blocks; `one` holds their activations; `end` is
+/// the weight's last byte + 1.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn one_q4_k_16(
+unsafe fn lanes_q4_k_16(
     row0: *const u8,
     rb: usize,
     nsb: usize,
@@ -1900,62 +1925,49 @@ unsafe fn one_q4_k_16(
 ) -> [f32; LANE_ROWS] {
     let mut ys = _mm512_setzero_ps();
     let mut ym = _mm512_setzero_ps();
-    let mut w0 = 0;
-    while w0 < nsb {
-        let wsb = (nsb - w0).min(2 * WINDOW_PAIRS);
-        let npairs = wsb.div_ceil(2);
-        // sums[pair][r]: row r's 16 sub-block sums of the window's superblock pair;
-        // heads[block][r]: the first 16 bytes of row r's block (d, dmin, the scales)
-        // (uninitialized: a window fills only its pairs, and zeroing all cost ~10%)
-        let mut sums = [[Uninit::<__m512>::uninit(); LANE_ROWS]; WINDOW_PAIRS];
-        let mut heads = [[Uninit::<__m128i>::uninit(); LANE_ROWS]; 2 * WINDOW_PAIRS];
-        for r in 0..LANE_ROWS {
-            for pi in 0..npairs {
-                let s0 = w0 + 2 * pi;
-                let p = unsafe { row0.add(r * rb + 144 * s0) };
-                prefetch_ahead(p, 288, end);
-                // SAFETY: blocks s0.. of row r exist (two unless s0 is the last); `one`
-                // holds their activations
-                unsafe {
-                    if s0 + 1 < nsb {
-                        heads[2 * pi][r] = Uninit::new(_mm_loadu_si128(p as *const __m128i));
-                        heads[2 * pi + 1][r] =
-                            Uninit::new(_mm_loadu_si128(p.add(144) as *const __m128i));
-                        sums[pi][r] = Uninit::new(q4_k_block_sums::<2>(p, s0, one));
-                    } else {
-                        heads[2 * pi][r] = Uninit::new(_mm_loadu_si128(p as *const __m128i));
-                        sums[pi][r] = Uninit::new(q4_k_block_sums::<1>(p, s0, one));
-                    }
-                }
+    let next = row0.wrapping_add(LANE_ROWS * rb);
+    let share = LANE_ROWS * 144;
+    let low4 = _mm512_set1_epi8(0x0F);
+    for s in 0..nsb {
+        prefetch_lines::<_MM_HINT_T1>(next.wrapping_add(share * s), share, end);
+        // SAFETY: block s of rows 0..16 exists
+        let p = unsafe { row0.add(144 * s) };
+        // each row's f16 d and dmin and its 12 scale bytes as three words
+        let [dd, u0, u1, u2] = unsafe { lane_words16(p, rb) };
+        let (dsc, dmn) = q4_k_lane_scales(dd, u0, u1, u2);
+        let mut cols = [_mm512_setzero_si512(); 8];
+        for i in 0..4 {
+            // SAFETY: code chunk i of block s of the 16 rows
+            let w = unsafe { lane_words32(p.add(16 + 32 * i), rb) };
+            // sub-blocks 2i (low nibbles) and 2i + 1 (high) against their activations
+            let a = unsafe { one.q().add(256 * s + 64 * i) };
+            let (mut lo, mut hi) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+            for (g, wg) in w.iter().enumerate() {
+                // SAFETY: `one` holds the block's 256 activations
+                let (al, ah) = unsafe {
+                    (
+                        (a.add(4 * g) as *const i32).read_unaligned(),
+                        (a.add(32 + 4 * g) as *const i32).read_unaligned(),
+                    )
+                };
+                lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(*wg, low4), _mm512_set1_epi32(al));
+                hi = _mm512_dpbusd_epi32(
+                    hi,
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(*wg), low4),
+                    _mm512_set1_epi32(ah),
+                );
             }
+            cols[2 * i] = lo;
+            cols[2 * i + 1] = hi;
         }
-        for pi in 0..npairs {
-            let s0 = w0 + 2 * pi;
-            let cnt = (nsb - s0).min(2);
-            let mut dsc = [[_mm512_setzero_ps(); 8]; 2];
-            let mut dmn = [[_mm512_setzero_ps(); 8]; 2];
-            for s in 0..cnt {
-                // each row's f16 d and dmin, and its 12 packed scale bytes as three words
-                // SAFETY: the window's rows filled heads[2 pi + s] (16 x 16 bytes)
-                let [dd, u0, u1, u2] =
-                    unsafe { crate::x86::header_words16(heads[2 * pi + s].as_ptr() as *const u8) };
-                (dsc[s], dmn[s]) = q4_k_lane_scales(dd, u0, u1, u2);
-            }
-            // SAFETY: the window's rows filled sums[pi]; `one` holds the pair's scales and sums
-            unsafe {
-                q4_k_lane_chains(
-                    filled(&sums[pi]),
-                    s0,
-                    cnt,
-                    one,
-                    &dsc,
-                    &dmn,
-                    &mut ys,
-                    &mut ym,
-                )
-            };
+        for jj in 0..8 {
+            let b = 8 * s + jj;
+            // SAFETY: sub-block b of the row: `one` holds its scale and sum
+            let (d_act, sum_b) = unsafe { (*one.d.as_ptr().add(b), *one.sum.as_ptr().add(b)) };
+            let f = _mm512_mul_ps(_mm512_cvtepi32_ps(cols[jj]), _mm512_set1_ps(d_act));
+            ys = _mm512_fmadd_ps(f, dsc[jj], ys);
+            ym = _mm512_fmadd_ps(_mm512_set1_ps(sum_b), dmn[jj], ym);
         }
-        w0 += wsb;
     }
     let mut out = [0f32; LANE_ROWS];
     unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_sub_ps(ys, ym)) };
@@ -2024,9 +2036,17 @@ unsafe fn many_q6_k_16<const M: usize>(
     })
 }
 
-/// Q6_K with one activation row, each weight row read in order (see `one_q4_k_16`): the
-/// window's integer pairs and each block's last 16 bytes (its d at the end) kept per row,
-/// then `many_q6_k_16`'s float steps, the same bits.
+/// Q6_K with one activation row, 16 weight rows at a time, each row read in order: the
+/// integer pairs of a window of its blocks (the whole row up to `WINDOW_PAIRS` pairs) and
+/// each block's last 16 bytes (its d at the end) kept per row, then `many_q6_k_16`'s float
+/// steps with the rows in lanes (the same operations in the same order, so the same bits).
+/// `many_*_16` read the 16 rows side by side, two blocks of each at a time: 16 streams,
+/// which the hardware prefetcher does not follow, and their software prefetches cost more
+/// than they saved on Zen 4; reading each row in order made the 1.9B model's Q4_K and Q6_K
+/// products from memory 0.71-0.82x `many_*_16`'s time (session 16). With more activation
+/// rows the windows' sums outgrow L1, so they keep `many_q6_k_16`. (Q4_K now takes
+/// `lanes_q4_k_16`, which reads the 16 rows' blocks side by side but prefetches the next
+/// 16 rows as one stream.)
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn one_q6_k_16(
@@ -2094,7 +2114,7 @@ unsafe fn one_q6_k_16(
 /// scales of 16 blocks per row, both turned by a transpose, then lane `r` runs row `r`'s two
 /// chains, the same operations in the same order as `one_legacy`'s scalars. Each weight row
 /// is read in order, a window of up to `WINDOW_CHUNKS` chunks of 16 blocks at a time (see
-/// `one_q4_k_16`); a last chunk of 1-8 blocks goes to `legacy_tail`. (More activation rows
+/// `one_q6_k_16`); a last chunk of 1-8 blocks goes to `legacy_tail`. (More activation rows
 /// take the packed kernels: see `few_rows_limit`.)
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn one_legacy_16<const T: u32>(
