@@ -1951,14 +1951,12 @@ unsafe fn lanes_q4_k_16(
                     )
                 };
                 lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(*wg, low4), _mm512_set1_epi32(al));
-                hi = _mm512_dpbusd_epi32(
-                    hi,
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(*wg), low4),
-                    _mm512_set1_epi32(ah),
-                );
+                // 16 x the high nibbles: no shift per group, one per sum (exact: a
+                // multiple of 16)
+                hi = _mm512_dpbusd_epi32(hi, _mm512_andnot_si512(low4, *wg), _mm512_set1_epi32(ah));
             }
             cols[2 * i] = lo;
-            cols[2 * i + 1] = hi;
+            cols[2 * i + 1] = _mm512_srai_epi32::<4>(hi);
         }
         for jj in 0..8 {
             let b = 8 * s + jj;
