@@ -1794,17 +1794,38 @@ unsafe fn q4_k_lane_chains(
     // cols[j] lane r: sub-block j's integer sum in row r
     let cols = crate::x86::transpose16(sums);
     for s in 0..cnt {
-        for jj in 0..8 {
-            let b = 8 * (s0 + s) + jj;
-            // SAFETY: sub-block b of the row: `one` holds its scale and sum
-            let (d_act, sum_b) = unsafe { (*one.d.as_ptr().add(b), *one.sum.as_ptr().add(b)) };
-            let f = _mm512_mul_ps(
-                _mm512_cvtepi32_ps(_mm512_castps_si512(cols[8 * s + jj])),
-                _mm512_set1_ps(d_act),
-            );
-            *ys = _mm512_fmadd_ps(f, dsc[s][jj], *ys);
-            *ym = _mm512_fmadd_ps(_mm512_set1_ps(sum_b), dmn[s][jj], *ym);
+        let mut c = [_mm512_setzero_si512(); 8];
+        for (jj, cj) in c.iter_mut().enumerate() {
+            *cj = _mm512_castps_si512(cols[8 * s + jj]);
         }
+        // SAFETY: `one` holds the blocks' scales and sums
+        unsafe { q4_k_block_chains(&c, s0 + s, one, &dsc[s], &dmn[s], ys, ym) };
+    }
+}
+
+/// The float steps of Q4_K block `s` of 16 weight rows in lanes with one activation row:
+/// `cols[j]` lane `r` holds sub-block `j`'s integer sum in row `r`, `dsc` / `dmn` the
+/// block's lane scales (`q4_k_lane_scales`); per sub-block in order, `ys += f32(isum) *
+/// d_act * dsc` and `ym += sum * dmn`, the operations of `one_q4_k`'s scalars.
+/// SAFETY: `one` holds block `s`'s scales and sums.
+#[target_feature(enable = "avx512f,fma")]
+#[inline]
+unsafe fn q4_k_block_chains(
+    cols: &[__m512i; 8],
+    s: usize,
+    one: &OneRow,
+    dsc: &[__m512; 8],
+    dmn: &[__m512; 8],
+    ys: &mut __m512,
+    ym: &mut __m512,
+) {
+    for (jj, cj) in cols.iter().enumerate() {
+        let b = 8 * s + jj;
+        // SAFETY: sub-block b of the row: `one` holds its scale and sum
+        let (d_act, sum_b) = unsafe { (*one.d.as_ptr().add(b), *one.sum.as_ptr().add(b)) };
+        let f = _mm512_mul_ps(_mm512_cvtepi32_ps(*cj), _mm512_set1_ps(d_act));
+        *ys = _mm512_fmadd_ps(f, dsc[jj], *ys);
+        *ym = _mm512_fmadd_ps(_mm512_set1_ps(sum_b), dmn[jj], *ym);
     }
 }
 
@@ -1911,8 +1932,8 @@ unsafe fn many_q4_k_16<const M: usize>(
 /// rows turned by `lane_words32` (vector `g` lane `i`: codes `4g..4g + 4` of row `i`'s two
 /// sub-blocks, one per nibble), the activations' 4 codes of a group broadcast into
 /// `vpdpbusd`, so that each sub-block's integer sums land in the rows' lanes with no
-/// reduction or transpose of sums; then `many_q4_k_16`'s float steps (the same integers and
-/// operations in the same order, so the same bits).
+/// reduction or transpose of sums; then `many_q4_k_16`'s float steps (`q4_k_block_chains`:
+/// the same integers and operations in the same order, so the same bits).
 /// SAFETY: rows `0..16` of `row0` hold `nsb` blocks; `one` holds their activations; `end` is
 /// the weight's last byte + 1.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -1958,14 +1979,8 @@ unsafe fn lanes_q4_k_16(
             cols[2 * i] = lo;
             cols[2 * i + 1] = _mm512_srai_epi32::<4>(hi);
         }
-        for jj in 0..8 {
-            let b = 8 * s + jj;
-            // SAFETY: sub-block b of the row: `one` holds its scale and sum
-            let (d_act, sum_b) = unsafe { (*one.d.as_ptr().add(b), *one.sum.as_ptr().add(b)) };
-            let f = _mm512_mul_ps(_mm512_cvtepi32_ps(cols[jj]), _mm512_set1_ps(d_act));
-            ys = _mm512_fmadd_ps(f, dsc[jj], ys);
-            ym = _mm512_fmadd_ps(_mm512_set1_ps(sum_b), dmn[jj], ym);
-        }
+        // SAFETY: `one` holds block s's scales and sums
+        unsafe { q4_k_block_chains(&cols, s, one, &dsc, &dmn, &mut ys, &mut ym) };
     }
     let mut out = [0f32; LANE_ROWS];
     unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_sub_ps(ys, ym)) };
