@@ -14,9 +14,9 @@
 //!   (`half_sums`); 16 weight rows at a time those sums are turned by a 16 x 16 transpose so
 //!   that each lane runs one weight row's float chain (one activation row: each weight row
 //!   read in order for a window of its blocks, `one_*_16`; 2-4: the 16 rows read side by
-//!   side, `many_*_16`), the rest of a tile one or two rows at a time with the chain in
-//!   scalars (`one_*`); Q4_K with one activation row instead turns the 16 rows' codes
-//!   (`lanes_q4_k_16`: no reduction of sums);
+//!   side, `many_q6_k_16`), the rest of a tile one or two rows at a time with the chain in
+//!   scalars (`one_*`); Q4_K at 1-4 rows instead turns the 16 rows' codes (`lanes_q4_k_16`:
+//!   no reduction of sums);
 //! - 2-8 rows of legacy weights (`Packed` tiles of 8, `lanes_legacy`): 16 weight rows'
 //!   codes turned per block so that lane `i` holds row `i`'s, each activation row's 4 codes
 //!   broadcast into `vpdpbusd`: the products land in the weight rows' lanes;
@@ -1046,7 +1046,8 @@ impl OneRow {
 }
 
 /// `out[a, c_p + n]` for `m` <= `few_rows_limit` activation rows (see `matmul_parts`): each row
-/// quantized alone (`OneRow`), 16 weight rows at a time in lanes (`many_*_16`), the rest of a
+/// quantized alone (`OneRow`), 16 weight rows at a time in lanes (`lanes_q4_k_16`,
+/// `one_q6_k_16` / `many_q6_k_16`, `one_legacy_16`), the rest of a
 /// tile row by row (`one_*`); the same bits for a row whatever `m` is.
 fn few_rows_parts(x: &[f32], m: usize, ws: &[BlockMatrix<'_>], out: &mut [f32], threads: usize) {
     let ptr = OutPtr(out.as_mut_ptr());
@@ -1141,8 +1142,7 @@ unsafe fn few_row_rows<const M: usize>(
                 Q8_0 => [one_legacy_16::<{ Q8_0 as u32 }>(row0, rb, nb, ones[0], end); M],
                 Q4_0 => [one_legacy_16::<{ Q4_0 as u32 }>(row0, rb, nb, ones[0], end); M],
                 Q5_0 => [one_legacy_16::<{ Q5_0 as u32 }>(row0, rb, nb, ones[0], end); M],
-                Q4_K if M == 1 => [lanes_q4_k_16(row0, rb, nsb, ones[0], end); M],
-                Q4_K => many_q4_k_16::<M>(row0, rb, nsb, ones, end),
+                Q4_K => lanes_q4_k_16::<M>(row0, rb, nsb, ones, end),
                 _ if M == 1 => [one_q6_k_16(row0, rb, nsb, ones[0], end); M],
                 _ => many_q6_k_16::<M>(row0, rb, nsb, ones, end),
             }
@@ -1772,37 +1772,6 @@ fn q4_k_lane_scales(
     (dsc, dmn)
 }
 
-/// The float chains of one activation row (`one`) with 16 Q4_K weight rows in lanes, for
-/// blocks `s0..s0 + cnt` (a pair, or a lone last block): `sums[r]` holds row `r`'s 16
-/// sub-block sums (`half_sums`), `dsc` / `dmn` the blocks' lane scales
-/// (`q4_k_lane_scales`); per sub-block in order, `ys += f32(isum) * d_act * dsc` and
-/// `ym += sum * dmn`, the operations of `one_q4_k`'s scalars (so the same bits).
-/// SAFETY: `one` holds the blocks' scales and sums.
-#[target_feature(enable = "avx512f,fma")]
-#[inline]
-#[allow(clippy::too_many_arguments)]
-unsafe fn q4_k_lane_chains(
-    sums: [__m512; LANE_ROWS],
-    s0: usize,
-    cnt: usize,
-    one: &OneRow,
-    dsc: &[[__m512; 8]; 2],
-    dmn: &[[__m512; 8]; 2],
-    ys: &mut __m512,
-    ym: &mut __m512,
-) {
-    // cols[j] lane r: sub-block j's integer sum in row r
-    let cols = crate::x86::transpose16(sums);
-    for s in 0..cnt {
-        let mut c = [_mm512_setzero_si512(); 8];
-        for (jj, cj) in c.iter_mut().enumerate() {
-            *cj = _mm512_castps_si512(cols[8 * s + jj]);
-        }
-        // SAFETY: `one` holds the blocks' scales and sums
-        unsafe { q4_k_block_chains(&c, s0 + s, one, &dsc[s], &dmn[s], ys, ym) };
-    }
-}
-
 /// The float steps of Q4_K block `s` of 16 weight rows in lanes with one activation row:
 /// `cols[j]` lane `r` holds sub-block `j`'s integer sum in row `r`, `dsc` / `dmn` the
 /// block's lane scales (`q4_k_lane_scales`); per sub-block in order, `ys += f32(isum) *
@@ -1858,18 +1827,20 @@ unsafe fn q6_k_lane_chains(
     }
 }
 
-/// Q4_K with `M` activation rows, 16 weight rows (`rb` bytes apart from `row0`) at a time
-/// with the weight rows in lanes for the float steps. The integer sums are `one_q4_k`'s
-/// (`half_sums` per row; a weight row's codes unpacked once for the `M` activation rows),
-/// turned by a 16 x 16 transpose so that lane `r` holds weight row `r`'s sub-block sums; the
-/// scales and minima of the 16 rows come by gathers; then lane `r` runs row `r`'s two chains,
-/// the same operations in the same order as `one_q4_k`'s scalars (so the same bits) but 16
-/// rows per instruction: the scalar chains, two loads per multiply-add, were the kernel's
-/// cost.
-// weight row r indexes each activation row's sums (`sums[a][r]`)
-#[allow(clippy::needless_range_loop)]
+/// Q4_K with `M` (1-4) activation rows, 16 weight rows (`rb` bytes apart from `row0`) at a
+/// time with the rows in lanes from the start: per superblock, each 32-byte code chunk of
+/// the 16 rows turned by `lane_words32` (vector `g` lane `i`: codes `4g..4g + 4` of row
+/// `i`'s two sub-blocks, one per nibble) and unpacked once for the `M` activation rows, each
+/// activation row's 4 codes of a group broadcast into `vpdpbusd`, so that each sub-block's
+/// integer sums land in the rows' lanes with no reduction or transpose of sums; then per
+/// activation row `q4_k_block_chains` (`one_q4_k`'s operations in its order, so the same
+/// bits). It replaced `one_q4_k_16` (one row: 0.80-0.87x the time hot) and `many_q4_k_16`
+/// (a reduction and a transpose of sums per activation row; the 1.9B model's Q4_K products
+/// at 2, 3, 4 rows 0.74x, 0.65x, 0.61x the time).
+/// SAFETY: rows `0..16` of `row0` hold `nsb` blocks; `ones` hold their activations; `end`
+/// is the weight's last byte + 1.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn many_q4_k_16<const M: usize>(
+unsafe fn lanes_q4_k_16<const M: usize>(
     row0: *const u8,
     rb: usize,
     nsb: usize,
@@ -1878,74 +1849,6 @@ unsafe fn many_q4_k_16<const M: usize>(
 ) -> [[f32; LANE_ROWS]; M] {
     let mut ys = [_mm512_setzero_ps(); M];
     let mut ym = [_mm512_setzero_ps(); M];
-    let at = lane_offsets(rb);
-    let mut s0 = 0;
-    while s0 < nsb {
-        let cnt = (nsb - s0).min(2);
-        let mut sums = [[_mm512_setzero_ps(); LANE_ROWS]; M];
-        for r in 0..LANE_ROWS {
-            prefetch_next_group(row0, rb, r, 144 * s0, 144 * cnt, end);
-            // the 8 vectors of the two blocks' codes
-            let mut w = [_mm512_setzero_si512(); 8];
-            for s in 0..cnt {
-                let p = unsafe { row0.add(r * rb + 144 * (s0 + s)) };
-                for i in 0..4 {
-                    w[4 * s + i] = unsafe { q4_k_codes(p, i) };
-                }
-            }
-            for (a, one) in ones.iter().enumerate() {
-                let mut v = [_mm512_setzero_si512(); 8];
-                for (i, vi) in v.iter_mut().enumerate().take(4 * cnt) {
-                    let (s, i) = (i / 4, i % 4);
-                    let x = unsafe {
-                        _mm512_loadu_si512(one.q().add(256 * (s0 + s) + 64 * i) as *const _)
-                    };
-                    *vi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4 * s + i], x);
-                }
-                sums[a][r] = _mm512_castsi512_ps(half_sums(v));
-            }
-        }
-        let mut dsc = [[_mm512_setzero_ps(); 8]; 2];
-        let mut dmn = [[_mm512_setzero_ps(); 8]; 2];
-        for s in 0..cnt {
-            let p = unsafe { row0.add(144 * (s0 + s)) };
-            // each row's f16 d and dmin, and its 12 packed scale bytes as three words
-            let g = |off: usize| unsafe { _mm512_i32gather_epi32::<1>(at, p.add(off) as *const _) };
-            let (dd, u0, u1, u2) = (g(0), g(4), g(8), g(12));
-            (dsc[s], dmn[s]) = q4_k_lane_scales(dd, u0, u1, u2);
-        }
-        for (a, one) in ones.iter().enumerate() {
-            // SAFETY: `one` holds the pair's sub-blocks' scales and sums
-            unsafe { q4_k_lane_chains(sums[a], s0, cnt, one, &dsc, &dmn, &mut ys[a], &mut ym[a]) };
-        }
-        s0 += cnt;
-    }
-    std::array::from_fn(|a| {
-        let mut out = [0f32; LANE_ROWS];
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_sub_ps(ys[a], ym[a])) };
-        out
-    })
-}
-
-/// Q4_K with one activation row, 16 weight rows (`rb` bytes apart from `row0`) at a time
-/// with the rows in lanes from the start: per superblock, each 32-byte code chunk of the 16
-/// rows turned by `lane_words32` (vector `g` lane `i`: codes `4g..4g + 4` of row `i`'s two
-/// sub-blocks, one per nibble), the activations' 4 codes of a group broadcast into
-/// `vpdpbusd`, so that each sub-block's integer sums land in the rows' lanes with no
-/// reduction or transpose of sums; then `many_q4_k_16`'s float steps (`q4_k_block_chains`:
-/// the same integers and operations in the same order, so the same bits).
-/// SAFETY: rows `0..16` of `row0` hold `nsb` blocks; `one` holds their activations; `end` is
-/// the weight's last byte + 1.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn lanes_q4_k_16(
-    row0: *const u8,
-    rb: usize,
-    nsb: usize,
-    one: &OneRow,
-    end: *const u8,
-) -> [f32; LANE_ROWS] {
-    let mut ys = _mm512_setzero_ps();
-    let mut ym = _mm512_setzero_ps();
     let next = row0.wrapping_add(LANE_ROWS * rb);
     let share = LANE_ROWS * 144;
     let low4 = _mm512_set1_epi8(0x0F);
@@ -1956,41 +1859,56 @@ unsafe fn lanes_q4_k_16(
         // each row's f16 d and dmin and its 12 scale bytes as three words
         let [dd, u0, u1, u2] = unsafe { lane_words16(p, rb) };
         let (dsc, dmn) = q4_k_lane_scales(dd, u0, u1, u2);
-        let mut cols = [_mm512_setzero_si512(); 8];
+        // cols[a][j] lane r: sub-block j's integer sum in row r with activation row a
+        let mut cols = [[_mm512_setzero_si512(); 8]; M];
         for i in 0..4 {
             // SAFETY: code chunk i of block s of the 16 rows
             let w = unsafe { lane_words32(p.add(16 + 32 * i), rb) };
-            // sub-blocks 2i (low nibbles) and 2i + 1 (high) against their activations
-            let a = unsafe { one.q().add(256 * s + 64 * i) };
-            let (mut lo, mut hi) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-            for (g, wg) in w.iter().enumerate() {
-                // SAFETY: `one` holds the block's 256 activations
-                let (al, ah) = unsafe {
-                    (
-                        (a.add(4 * g) as *const i32).read_unaligned(),
-                        (a.add(32 + 4 * g) as *const i32).read_unaligned(),
-                    )
-                };
-                lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(*wg, low4), _mm512_set1_epi32(al));
+            let mut lo4 = [_mm512_setzero_si512(); 8];
+            let mut hi4 = [_mm512_setzero_si512(); 8];
+            for g in 0..8 {
+                lo4[g] = _mm512_and_si512(w[g], low4);
                 // 16 x the high nibbles: no shift per group, one per sum (exact: a
                 // multiple of 16)
-                hi = _mm512_dpbusd_epi32(hi, _mm512_andnot_si512(low4, *wg), _mm512_set1_epi32(ah));
+                hi4[g] = _mm512_andnot_si512(low4, w[g]);
             }
-            cols[2 * i] = lo;
-            cols[2 * i + 1] = _mm512_srai_epi32::<4>(hi);
+            for (a, one) in ones.iter().enumerate() {
+                // sub-blocks 2i (low nibbles) and 2i + 1 (high) against their activations
+                let x = unsafe { one.q().add(256 * s + 64 * i) };
+                let (mut lo, mut hi) = (_mm512_setzero_si512(), _mm512_setzero_si512());
+                for g in 0..8 {
+                    // SAFETY: `one` holds the block's 256 activations
+                    let (al, ah) = unsafe {
+                        (
+                            (x.add(4 * g) as *const i32).read_unaligned(),
+                            (x.add(32 + 4 * g) as *const i32).read_unaligned(),
+                        )
+                    };
+                    lo = _mm512_dpbusd_epi32(lo, lo4[g], _mm512_set1_epi32(al));
+                    hi = _mm512_dpbusd_epi32(hi, hi4[g], _mm512_set1_epi32(ah));
+                }
+                cols[a][2 * i] = lo;
+                cols[a][2 * i + 1] = _mm512_srai_epi32::<4>(hi);
+            }
         }
-        // SAFETY: `one` holds block s's scales and sums
-        unsafe { q4_k_block_chains(&cols, s, one, &dsc, &dmn, &mut ys, &mut ym) };
+        for (a, one) in ones.iter().enumerate() {
+            // SAFETY: `one` holds block s's scales and sums
+            unsafe { q4_k_block_chains(&cols[a], s, one, &dsc, &dmn, &mut ys[a], &mut ym[a]) };
+        }
     }
-    let mut out = [0f32; LANE_ROWS];
-    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_sub_ps(ys, ym)) };
+    let mut out = [[0f32; LANE_ROWS]; M];
+    for (o, (y, m)) in out.iter_mut().zip(ys.iter().zip(&ym)) {
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), _mm512_sub_ps(*y, *m)) };
+    }
     out
 }
 
-/// Q6_K with `M` activation rows, 16 weight rows at a time with the weight rows in lanes for
-/// the float steps (see `many_q4_k_16`): `one_q6_k`'s integer pairs of two SBs per row,
-/// turned by a transpose, then lane `r` runs row `r`'s two chains with its `d` (gathered),
-/// the same operations in the same order as `one_q6_k`'s scalars.
+/// Q6_K with `M` activation rows, 16 weight rows (`rb` bytes apart from `row0`) at a time
+/// with the weight rows in lanes for the float steps: `one_q6_k`'s integer pairs of two SBs
+/// per row (a weight row's codes unpacked once for the `M` activation rows), turned by a 16
+/// x 16 transpose so that lane `r` holds weight row `r`'s sums, then lane `r` runs row `r`'s
+/// two chains with its `d` (gathered), the same operations in the same order as
+/// `one_q6_k`'s scalars (so the same bits) but 16 rows per instruction.
 // weight row r indexes each activation row's sums (`sums[a][r]`)
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -2057,9 +1975,9 @@ unsafe fn many_q6_k_16<const M: usize>(
 /// which the hardware prefetcher does not follow, and their software prefetches cost more
 /// than they saved on Zen 4; reading each row in order made the 1.9B model's Q4_K and Q6_K
 /// products from memory 0.71-0.82x `many_*_16`'s time (session 16). With more activation
-/// rows the windows' sums outgrow L1, so they keep `many_q6_k_16`. (Q4_K now takes
-/// `lanes_q4_k_16`, which reads the 16 rows' blocks side by side but prefetches the next
-/// 16 rows as one stream.)
+/// rows the windows' sums outgrow L1, so they keep `many_q6_k_16`. (Q4_K takes
+/// `lanes_q4_k_16` at 1-4 rows, which reads the 16 rows' blocks side by side but prefetches
+/// the next 16 rows as one stream.)
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn one_q6_k_16(
@@ -2123,7 +2041,7 @@ unsafe fn one_q6_k_16(
 }
 
 /// Q8_0 / Q4_0 / Q5_0 (`T`) with one activation row, 16 weight rows at a time with the
-/// weight rows in lanes for the float steps (see `many_q4_k_16`): `one_legacy`'s products and
+/// weight rows in lanes for the float steps (see `many_q6_k_16`): `one_legacy`'s products and
 /// scales of 16 blocks per row, both turned by a transpose, then lane `r` runs row `r`'s two
 /// chains, the same operations in the same order as `one_legacy`'s scalars. Each weight row
 /// is read in order, a window of up to `WINDOW_CHUNKS` chunks of 16 blocks at a time (see
