@@ -9,7 +9,8 @@
 //!
 //! - activations are quantized once per call (`ActFormat`: per 32 values of a row, or per
 //!   256 for the K-quants as ggml's Q8_K; ties to even);
-//! - 1 activation row, or up to 4 with K-quants (`OneRow` each, `few_rows_parts`): 64 codes of a weight row per
+//! - 1 activation row, or up to 4 with Q6_K and 8 with Q4_K (`OneRow` each,
+//!   `few_rows_parts`): 64 codes of a weight row per
 //!   vector, the integer sums of 16 blocks at a time by a transposing reduction
 //!   (`half_sums`); 16 weight rows at a time those sums are turned by a 16 x 16 transpose so
 //!   that each lane runs one weight row's float chain (one activation row: each weight row
@@ -1079,7 +1080,11 @@ fn few_rows_parts(x: &[f32], m: usize, ws: &[BlockMatrix<'_>], out: &mut [f32], 
                     1 => few_row_rows::<1>(ones, &ws[p], lo, hi, tile),
                     2 => few_row_rows::<2>(ones, &ws[p], lo, hi, tile),
                     3 => few_row_rows::<3>(ones, &ws[p], lo, hi, tile),
-                    _ => few_row_rows::<4>(ones, &ws[p], lo, hi, tile),
+                    4 => few_row_rows::<4>(ones, &ws[p], lo, hi, tile),
+                    5 => few_row_rows::<5>(ones, &ws[p], lo, hi, tile),
+                    6 => few_row_rows::<6>(ones, &ws[p], lo, hi, tile),
+                    7 => few_row_rows::<7>(ones, &ws[p], lo, hi, tile),
+                    _ => few_row_rows::<8>(ones, &ws[p], lo, hi, tile),
                 }
             }
         }
@@ -1087,14 +1092,17 @@ fn few_rows_parts(x: &[f32], m: usize, ws: &[BlockMatrix<'_>], out: &mut [f32], 
 }
 
 /// Most activation rows `few_rows_parts` takes for a product with weights `ws` (more:
-/// `Packed` tiles). Per weight row a lane kernel's cost grows with each activation row (its
-/// sums are reduced and transposed row by row, and a legacy chunk unpacked again) while the
-/// packed kernels' stays flat up to 8. Measured on Gemma 3 270M's decode steps and the random
-/// 1.9B qwen3's, alternating builds: with Q4_K/Q6_K the lanes are faster up to 4 rows (the
-/// 1.9B's batch of 4: 1.4x); with Q8_0/Q5_0 they are even at 2 rows and 1.3x slower at 4.
+/// `Packed` tiles). Per weight row `many_q6_k_16`'s cost grows with each activation row (its
+/// sums are reduced and transposed row by row) while the packed kernels' stays flat up to 8:
+/// measured on Gemma 3 270M's decode steps and the random 1.9B qwen3's, alternating builds,
+/// it is faster up to 4 rows (the 1.9B's batch of 4: 1.4x). `lanes_q4_k_16` turns a block's
+/// codes once for all its activation rows: against the packed `dot_q4_k`, the 1.9B's Q4_K
+/// products at 5 rows 0.56x the time, 8 rows 0.71x (Gemma's 0.62x, 0.83x). The legacy
+/// types take the packed tiles from 2 rows (`lanes_legacy`).
 fn few_rows_limit(ws: &[BlockMatrix<'_>]) -> usize {
     let limit = |ty| match ty {
-        BlockType::Q4_K | BlockType::Q6_K => 4,
+        BlockType::Q4_K => 8,
+        BlockType::Q6_K => 4,
         _ => 1,
     };
     ws.iter().map(|w| limit(w.ty)).min().unwrap_or(1)
