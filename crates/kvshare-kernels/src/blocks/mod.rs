@@ -37,8 +37,12 @@ const TILE: usize = 32;
 /// Least bytes of weights read per part worth handing to another thread (~25 us).
 const BYTES_PER_THREAD: usize = 1 << 17;
 /// Parts per thread of a product split by `split_row_tiles`, and the least bytes of work in
-/// one (each part costs a claim: an atomic add shared between the cores).
-const PARTS_PER_THREAD: usize = 4;
+/// one (each part costs a claim: an atomic add shared between the cores, and a cold start:
+/// the kernels prefetch ahead of what they read, so a part's first rows wait for memory).
+/// 2 rather than 4 (Zen 4, in-process A/B from the mmap, two threads): the 1.9B model's
+/// one-row products 0.98x the time, Gemma 3 270M's 0.96x; 1 gained another ~1% but leaves
+/// no part to take over from a thread that falls behind.
+const PARTS_PER_THREAD: usize = 2;
 const BYTES_PER_PART: usize = 1 << 16;
 /// Activation rows processed together against one weight row: each weight block is unpacked
 /// once per 8 rows. With 4, a batch of 8 unpacked every block twice; 8 made one pass of
