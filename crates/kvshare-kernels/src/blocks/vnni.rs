@@ -455,12 +455,16 @@ unsafe fn weight_rows(
                         ))
                     };
                 }
-                match (w.ty, p.m <= 4) {
-                    (Q8_0, true) => lanes!(Q8_0, 4),
-                    (Q8_0, false) => lanes!(Q8_0, 8),
-                    (Q4_0, true) => lanes!(Q4_0, 4),
-                    (Q4_0, false) => lanes!(Q4_0, 8),
-                    (Q5_0, true) => lanes!(Q5_0, 4),
+                // the tile's rows past m are zeros: 2, 4 or 8 of its rows
+                match (w.ty, p.m) {
+                    (Q8_0, 2) => lanes!(Q8_0, 2),
+                    (Q8_0, 3 | 4) => lanes!(Q8_0, 4),
+                    (Q8_0, _) => lanes!(Q8_0, 8),
+                    (Q4_0, 2) => lanes!(Q4_0, 2),
+                    (Q4_0, 3 | 4) => lanes!(Q4_0, 4),
+                    (Q4_0, _) => lanes!(Q4_0, 8),
+                    (_, 2) => lanes!(Q5_0, 2),
+                    (_, 3 | 4) => lanes!(Q5_0, 4),
                     _ => lanes!(Q5_0, 8),
                 }
             }
@@ -802,7 +806,7 @@ unsafe fn lane_words32(p: *const u8, rb: usize) -> [__m512i; 8] {
 /// (`lanes_legacy`).
 const LEGACY_LANE_ROWS: usize = 16;
 
-/// Legacy weights (`T`) times the first `M` (4 or 8) rows of an 8-row tile, 16 weight rows
+/// Legacy weights (`T`) times the first `M` (2, 4 or 8) rows of an 8-row tile, 16 weight rows
 /// (`rb` bytes apart from `row0`) at a time with the weight rows in lanes: per block, the
 /// 16 rows' codes turned by an 8 x 8 transpose of 32-bit groups (one vector per 4-code
 /// group, lane `i` holding weight row `i`'s), then each activation row's 4 codes of a group
