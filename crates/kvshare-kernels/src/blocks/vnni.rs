@@ -16,7 +16,7 @@
 //!   that each lane runs one weight row's float chain (one activation row: each weight row
 //!   read in order for a window of its blocks, `one_*_16`; 2-4: the 16 rows read side by
 //!   side, `many_q6_k_16`), the rest of a tile one or two rows at a time with the chain in
-//!   scalars (`one_*`); Q4_K at 1-4 rows instead turns the 16 rows' codes (`lanes_q4_k_16`:
+//!   scalars (`one_*`); Q4_K at 1-8 rows instead turns the 16 rows' codes (`lanes_q4_k_16`:
 //!   no reduction of sums);
 //! - 2-8 rows of legacy weights (`Packed` tiles of 8, `lanes_legacy`): 16 weight rows'
 //!   codes turned per block so that lane `i` holds row `i`'s, each activation row's 4 codes
@@ -448,24 +448,11 @@ unsafe fn weight_rows(
             // SAFETY: rows first..first + 16 < w.n hold nb whole blocks; the tile holds them
             unsafe {
                 use BlockType::*;
-                macro_rules! lanes {
-                    ($t:expr, $m:literal) => {
-                        ys[..$m].copy_from_slice(&lanes_legacy::<{ $t as u32 }, $m>(
-                            row0, rb, nb, &tile, end,
-                        ))
-                    };
-                }
-                // the tile's rows past m are zeros: 2, 4 or 8 of its rows
-                match (w.ty, p.m) {
-                    (Q8_0, 2) => lanes!(Q8_0, 2),
-                    (Q8_0, 3 | 4) => lanes!(Q8_0, 4),
-                    (Q8_0, _) => lanes!(Q8_0, 8),
-                    (Q4_0, 2) => lanes!(Q4_0, 2),
-                    (Q4_0, 3 | 4) => lanes!(Q4_0, 4),
-                    (Q4_0, _) => lanes!(Q4_0, 8),
-                    (_, 2) => lanes!(Q5_0, 2),
-                    (_, 3 | 4) => lanes!(Q5_0, 4),
-                    _ => lanes!(Q5_0, 8),
+                let ys = &mut ys[..p.m];
+                match w.ty {
+                    Q8_0 => lanes_legacy_rows::<{ Q8_0 as u32 }>(row0, rb, nb, &tile, end, ys),
+                    Q4_0 => lanes_legacy_rows::<{ Q4_0 as u32 }>(row0, rb, nb, &tile, end, ys),
+                    _ => lanes_legacy_rows::<{ Q5_0 as u32 }>(row0, rb, nb, &tile, end, ys),
                 }
             }
             for (r, y) in ys[..p.m].iter().enumerate() {
@@ -676,11 +663,7 @@ unsafe fn legacy_pair_halves<const T: u32>(p0: *const u8, p1: *const u8) -> (__m
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn dot_legacy<const T: u32>(row: *const u8, nb: usize, t: &Tile) -> __m256 {
     let (bb, ty) = legacy_layout(T);
-    let shift = |z: __m512i| match T {
-        8 => _mm512_slli_epi32::<7>(z),
-        2 => _mm512_slli_epi32::<3>(z),
-        _ => _mm512_slli_epi32::<4>(z),
-    };
+    let shift = |z: __m512i| legacy_zero_point::<T>(z);
     // the f16 scales of two blocks, each in 8 lanes
     let scales = |p0: *const u8, p1: *const u8| unsafe {
         let h = |p: *const u8| _mm256_set1_epi16((p as *const i16).read_unaligned());
@@ -873,12 +856,7 @@ unsafe fn lanes_legacy<const T: u32, const M: usize>(
         let mut s = [_mm512_setzero_si512(); M];
         for (r, sr) in s.iter_mut().enumerate() {
             // SAFETY: the tile holds block b of its 8 rows
-            let zp = unsafe { *t.isum32.add(b * LANES + r) }
-                << match T {
-                    8 => 7,
-                    2 => 3,
-                    _ => 4,
-                };
+            let zp = unsafe { *t.isum32.add(b * LANES + r) } << legacy_zero_shift(T);
             *sr = _mm512_set1_epi32(-zp);
         }
         for (g, wg) in w.iter().enumerate() {
@@ -904,6 +882,28 @@ unsafe fn lanes_legacy<const T: u32, const M: usize>(
         *o = _mm512_add_ps(yr[0], yr[1]);
     }
     out
+}
+
+/// `lanes_legacy` of the tile's first `ys.len()` (2-8) rows into `ys`, as 2, 4 or 8 of its
+/// rows (the rows past them are zeros).
+/// SAFETY: as `lanes_legacy`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn lanes_legacy_rows<const T: u32>(
+    row0: *const u8,
+    rb: usize,
+    nb: usize,
+    t: &Tile,
+    end: *const u8,
+    ys: &mut [__m512],
+) {
+    let m = ys.len();
+    unsafe {
+        match m {
+            2 => ys.copy_from_slice(&lanes_legacy::<T, 2>(row0, rb, nb, t, end)),
+            3 | 4 => ys.copy_from_slice(&lanes_legacy::<T, 4>(row0, rb, nb, t, end)[..m]),
+            _ => ys.copy_from_slice(&lanes_legacy::<T, 8>(row0, rb, nb, t, end)[..m]),
+        }
+    }
 }
 
 /// The 8 sub-block scales and minima (6 bits each) of the Q4_K/Q5_K block at `p`
@@ -1377,6 +1377,26 @@ fn legacy_layout(t: u32) -> (usize, BlockType) {
     }
 }
 
+/// A legacy type's zero point as a power of two: Q8_0's 128 (its signed codes read as
+/// unsigned), Q4_0's 8, Q5_0's 16.
+#[inline]
+const fn legacy_zero_shift(t: u32) -> u32 {
+    match t {
+        8 => 7,
+        2 => 3,
+        _ => 4,
+    }
+}
+
+/// The zero point of type `T` times each lane's code sum `z` (what the unsigned codes'
+/// products carry on top of the signed ones').
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn legacy_zero_point<const T: u32>(z: __m512i) -> __m512i {
+    // a constant count: compiled to the immediate shift
+    _mm512_sll_epi32(z, _mm_cvtsi32_si128(legacy_zero_shift(T) as i32))
+}
+
 /// The activations of blocks `c0..c0 + 16` for type `T`: the zero point times each block's
 /// code sum (Q8_0's 128, Q4_0's 8, Q5_0's 16), and each block's scale.
 /// SAFETY: `one` holds 16 blocks from `c0` (it is padded with zeros past the row's end).
@@ -1385,12 +1405,10 @@ fn legacy_layout(t: u32) -> (usize, BlockType) {
 unsafe fn legacy_chunk_acts<const T: u32>(one: &OneRow, c0: usize) -> (__m512i, __m512) {
     unsafe {
         let z = _mm512_loadu_si512(one.isum32.as_ptr().add(c0) as *const _);
-        let z = match T {
-            8 => _mm512_slli_epi32::<7>(z),
-            2 => _mm512_slli_epi32::<3>(z),
-            _ => _mm512_slli_epi32::<4>(z),
-        };
-        (z, _mm512_loadu_ps(one.d.as_ptr().add(c0)))
+        (
+            legacy_zero_point::<T>(z),
+            _mm512_loadu_ps(one.d.as_ptr().add(c0)),
+        )
     }
 }
 
@@ -1839,7 +1857,7 @@ unsafe fn q6_k_lane_chains(
     }
 }
 
-/// Q4_K with `M` (1-4) activation rows, 16 weight rows (`rb` bytes apart from `row0`) at a
+/// Q4_K with `M` (1-8) activation rows, 16 weight rows (`rb` bytes apart from `row0`) at a
 /// time with the rows in lanes from the start: per superblock, each 32-byte code chunk of
 /// the 16 rows turned by `lane_words32` (vector `g` lane `i`: codes `4g..4g + 4` of row
 /// `i`'s two sub-blocks, one per nibble) and unpacked once for the `M` activation rows, each
@@ -1988,7 +2006,7 @@ unsafe fn many_q6_k_16<const M: usize>(
 /// than they saved on Zen 4; reading each row in order made the 1.9B model's Q4_K and Q6_K
 /// products from memory 0.71-0.82x `many_*_16`'s time (session 16). With more activation
 /// rows the windows' sums outgrow L1, so they keep `many_q6_k_16`. (Q4_K takes
-/// `lanes_q4_k_16` at 1-4 rows, which reads the 16 rows' blocks side by side but prefetches
+/// `lanes_q4_k_16` at 1-8 rows, which reads the 16 rows' blocks side by side but prefetches
 /// the next 16 rows as one stream.)
 #[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
