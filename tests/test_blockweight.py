@@ -311,19 +311,23 @@ def test_vnni_fused_parts_at_every_batch_size():
     np.testing.assert_array_equal(big[:, 3:93], wv.matmul_t(x[:5]))
 
 
-def assert_rows_match_batches(t, x, rng, singles, few):
-    """For 35 random weight rows of type `t` (two groups of 16 and three rows alone), the
-    8-bit-activation products of all of `x`'s rows are within 8-bit error of the oracle, and
-    rows `singles` alone and the rows `few` together give the same bits as in the whole
+def assert_rows_match_batches(t, x, rng, batches, rows=35):
+    """For `rows` random weight rows of type `t` (35: two groups of 16 and three rows alone),
+    the 8-bit-activation products of all of `x`'s rows are within 8-bit error of the oracle,
+    and each of `batches` (slices of `x`'s rows) gives its rows the same bits as the whole
     batch."""
     k = x.shape[1]
-    raw = make_raw(t, 35, k, rng)
+    raw = make_raw(t, rows, k, rng)
     w = BlockWeight(raw, int(t), k, activations="vnni")
     full = w.matmul_t(x)
     assert_close_vnni(full, x, oracle(raw, t), t)
-    for i in singles:
-        np.testing.assert_array_equal(w.matmul_t(x[i:i + 1]), full[i:i + 1])
-    np.testing.assert_array_equal(w.matmul_t(x[few]), full[few])
+    for b in batches:
+        np.testing.assert_array_equal(w.matmul_t(x[b]), full[b])
+
+
+def alone(*rows):
+    """Each row as a batch of its own (`assert_rows_match_batches`)."""
+    return [slice(i, i + 1) for i in rows]
 
 
 @pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI")
@@ -338,7 +342,7 @@ def test_vnni_rows_read_in_order_match_every_batch_size():
     k = 256 * 27
     x = rng.standard_normal((40, k)).astype(np.float32)
     for t in (Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q4_0):
-        assert_rows_match_batches(t, x, rng, singles=(0, 17, 39), few=slice(5, 8))
+        assert_rows_match_batches(t, x, rng, alone(0, 17, 39) + [slice(5, 8)])
 
 
 @pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI")
@@ -355,7 +359,7 @@ def test_vnni_legacy_tails_match_every_batch_size(nb):
     k = 32 * nb
     x = rng.standard_normal((40, k)).astype(np.float32)
     for t in (Q.Q8_0, Q.Q5_0, Q.Q4_0):
-        assert_rows_match_batches(t, x, rng, singles=(0, 21, 39), few=slice(3, 8))
+        assert_rows_match_batches(t, x, rng, alone(0, 21, 39) + [slice(3, 8)])
 
 
 @pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI")
@@ -370,13 +374,8 @@ def test_vnni_legacy_lanes_match_every_batch_size(nb):
     k = 32 * nb
     x = rng.standard_normal((40, k)).astype(np.float32)
     for t in (Q.Q8_0, Q.Q5_0, Q.Q4_0):
-        raw = make_raw(t, 53, k, rng)
-        w = BlockWeight(raw, int(t), k, activations="vnni")
-        full = w.matmul_t(x)
-        assert_close_vnni(full, x, oracle(raw, t), t)
-        for m in range(2, 9):
-            np.testing.assert_array_equal(w.matmul_t(x[m:2 * m]), full[m:2 * m])
-        np.testing.assert_array_equal(w.matmul_t(x[9:10]), full[9:10])
+        assert_rows_match_batches(t, x, rng, [slice(m, 2 * m) for m in range(2, 9)] + alone(9),
+                                  rows=53)
 
 
 @pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI")
@@ -391,12 +390,7 @@ def test_vnni_k_quant_rows_match_every_batch_size(nsb):
     k = 256 * nsb
     x = rng.standard_normal((40, k)).astype(np.float32)
     for t in (Q.Q4_K, Q.Q6_K):
-        raw = make_raw(t, 37, k, rng)
-        w = BlockWeight(raw, int(t), k, activations="vnni")
-        full = w.matmul_t(x)
-        assert_close_vnni(full, x, oracle(raw, t), t)
-        for m in range(1, 9):
-            np.testing.assert_array_equal(w.matmul_t(x[m:2 * m]), full[m:2 * m])
+        assert_rows_match_batches(t, x, rng, [slice(m, 2 * m) for m in range(1, 9)], rows=37)
 
 
 @pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI")
