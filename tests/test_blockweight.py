@@ -332,12 +332,12 @@ def alone(*rows):
 
 @pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI")
 def test_vnni_rows_read_in_order_match_every_batch_size():
-    """One activation row takes the kernels that read each weight row in order, in windows
-    of blocks (`one_q4_k_16`, `one_q6_k_16`, `one_legacy_16`): with 27 K-quant blocks a row
-    (two windows, the last block alone; 216 legacy blocks: two windows, the last chunk 8
-    blocks) and 35 weight rows (two groups of 16 and a tail), a row's result is the same bits
-    as in batches of 3 (K-quants: `many_*_16`) and 40 (the packed kernels), and within 8-bit
-    error of the oracle."""
+    """One activation row takes the one-row lane kernels (`lanes_q4_k_16`, `one_q6_k_16`,
+    which reads each weight row in order in windows of blocks, and `lanes_legacy_one`): with
+    27 K-quant blocks a row (two windows, the last block alone; 216 legacy blocks) and 35
+    weight rows (two groups of 16 and a tail), a row's result is the same bits as in batches
+    of 3 (K-quants: `many_*_16`; legacy: `lanes_legacy` on a packed tile) and 40 (the packed
+    kernels), and within 8-bit error of the oracle."""
     rng = np.random.default_rng(12)
     k = 256 * 27
     x = rng.standard_normal((40, k)).astype(np.float32)
@@ -348,12 +348,11 @@ def test_vnni_rows_read_in_order_match_every_batch_size():
 @pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI")
 @pytest.mark.parametrize("nb", [1, 4, 5, 8, 9, 20, 36, 40, 47])
 def test_vnni_legacy_tails_match_every_batch_size(nb):
-    """A legacy row's last chunk of 1-8 blocks takes 4 or 2 rows to a reduction
-    (`legacy_tail`; Gemma 3 270M's rows are 16 + 4 blocks), with no whole chunk before it
-    (1-8 blocks), after one (20, 36, 40) and after a window's worth; 9-15 keep a chunk of
-    their own. For 35 weight rows (two groups of 16 and three rows alone) a row's result is
-    the same bits alone, in a batch of 5 (the 8-lane kernels: blocks in pairs, an odd last
-    block alone) and in a batch of 40 (the 16-lane ones), and within 8-bit error of the
+    """Legacy rows of every length around 16 blocks (Gemma 3 270M's rows are 20 blocks;
+    the one-row kernel once took chunks of 16 and a tail of 1-8, and a packed tile takes
+    blocks in pairs, an odd last block alone): for 35 weight rows (two groups of 16 and
+    three rows alone) a row's result is the same bits alone, in a batch of 5 (the 8-lane
+    kernels) and in a batch of 40 (the 16-lane ones), and within 8-bit error of the
     oracle."""
     rng = np.random.default_rng(nb)
     k = 32 * nb

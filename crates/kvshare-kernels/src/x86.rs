@@ -90,47 +90,6 @@ pub(crate) fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
     out
 }
 
-/// Within each 128-bit lane `L`, the 4 x 4 transpose of `r[0..4]`: `out[c]` lane `4L + i` =
-/// `r[i]` lane `4L + c` (`out[4..]` zero).
-#[target_feature(enable = "avx512f")]
-#[inline]
-pub(crate) fn transpose4x4_lanes(r: &[__m512; 8]) -> [__m512; 8] {
-    let pd = |v: __m512| _mm512_castps_pd(v);
-    let t0 = pd(_mm512_unpacklo_ps(r[0], r[1]));
-    let t1 = pd(_mm512_unpackhi_ps(r[0], r[1]));
-    let t2 = pd(_mm512_unpacklo_ps(r[2], r[3]));
-    let t3 = pd(_mm512_unpackhi_ps(r[2], r[3]));
-    let z = _mm512_setzero_ps();
-    [
-        _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2)),
-        _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2)),
-        _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3)),
-        _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3)),
-        z,
-        z,
-        z,
-        z,
-    ]
-}
-
-/// Within each 256-bit half `h`, the 8 x 8 transpose of `r`: `out[c]` lane `8h + i` = `r[i]`
-/// lane `8h + c`.
-#[target_feature(enable = "avx512f")]
-#[inline]
-pub(crate) fn transpose8x8_halves(r: &[__m512; 8]) -> [__m512; 8] {
-    let lo = transpose4x4_lanes(&[r[0], r[1], r[2], r[3], r[0], r[0], r[0], r[0]]);
-    let hi = transpose4x4_lanes(&[r[4], r[5], r[6], r[7], r[0], r[0], r[0], r[0]]);
-    // out[c] for c < 4: 128-bit lanes [lo[c].0, hi[c].0, lo[c].2, hi[c].2]; c >= 4: lanes 1, 3
-    let mut out = [_mm512_setzero_ps(); 8];
-    for c in 0..4 {
-        let even = _mm512_shuffle_f32x4::<0b10_00_10_00>(lo[c], hi[c]);
-        let odd = _mm512_shuffle_f32x4::<0b11_01_11_01>(lo[c], hi[c]);
-        out[c] = _mm512_shuffle_f32x4::<0b11_01_10_00>(even, even);
-        out[4 + c] = _mm512_shuffle_f32x4::<0b11_01_10_00>(odd, odd);
-    }
-    out
-}
-
 /// The 4 words of 16 rows' 16-byte headers (`h[r]`, stored contiguously) as 4 vectors:
 /// `out[w]` lane `r` = word `w` of `h[r]`. Two rounds of two-source permutes (8 in all).
 /// SAFETY: `h` points at 16 x 16 readable bytes.

@@ -789,6 +789,64 @@ unsafe fn lane_words32(p: *const u8, rb: usize) -> [__m512i; 8] {
 /// (`lanes_legacy`).
 const LEGACY_LANE_ROWS: usize = 16;
 
+/// Quantized activations as `lanes_legacy` reads them: an 8-row `Tile` (2-8 rows) or
+/// `OneRow`s (a decode step of one sequence). Arguments: the row's block count `nb`, block
+/// `b`, 4-code group `g` (0..8), activation row `r`.
+trait LegacyActs {
+    /// Codes `4g..4g + 4` of block `b` of row `r`, as one little-endian word.
+    /// SAFETY: the activations hold block `b` of row `r`.
+    unsafe fn codes4(&self, nb: usize, b: usize, g: usize, r: usize) -> i32;
+    /// Block `b`'s code sum.
+    /// SAFETY: as `codes4`.
+    unsafe fn code_sum(&self, nb: usize, b: usize, r: usize) -> i32;
+    /// Block `b`'s scale.
+    /// SAFETY: as `codes4`.
+    unsafe fn scale(&self, nb: usize, b: usize, r: usize) -> f32;
+}
+
+impl LegacyActs for Tile {
+    #[inline(always)]
+    unsafe fn codes4(&self, nb: usize, b: usize, g: usize, r: usize) -> i32 {
+        // where group g of block b starts (see `Packed`: pairs of blocks, an odd last block
+        // as a K-quant tile's)
+        let at = if b + 1 == nb && nb % 2 == 1 {
+            b * 8 * LANES * 4 + ((g % 4) * 2 + g / 4) * LANES * 4
+        } else {
+            (b / 2) * 16 * LANES * 4 + (g * 2 + (b & 1)) * LANES * 4
+        };
+        // SAFETY: the tile holds block b of its 8 rows
+        unsafe { (self.qs.add(at + 4 * r) as *const i32).read_unaligned() }
+    }
+    #[inline(always)]
+    unsafe fn code_sum(&self, _nb: usize, b: usize, r: usize) -> i32 {
+        // SAFETY: the tile holds block b of its 8 rows
+        unsafe { *self.isum32.add(b * LANES + r) }
+    }
+    #[inline(always)]
+    unsafe fn scale(&self, _nb: usize, b: usize, r: usize) -> f32 {
+        // SAFETY: the tile holds block b of its 8 rows
+        unsafe { *self.d.add(b * LANES + r) }
+    }
+}
+
+impl LegacyActs for OneRow {
+    #[inline(always)]
+    unsafe fn codes4(&self, _nb: usize, b: usize, g: usize, _r: usize) -> i32 {
+        // SAFETY: the row holds block b (plain order: 32 codes a block)
+        unsafe { (self.q().add(32 * b + 4 * g) as *const i32).read_unaligned() }
+    }
+    #[inline(always)]
+    unsafe fn code_sum(&self, _nb: usize, b: usize, _r: usize) -> i32 {
+        // SAFETY: the row holds block b
+        unsafe { *self.isum32.get_unchecked(b) }
+    }
+    #[inline(always)]
+    unsafe fn scale(&self, _nb: usize, b: usize, _r: usize) -> f32 {
+        // SAFETY: the row holds block b
+        unsafe { *self.d.get_unchecked(b) }
+    }
+}
+
 /// Legacy weights (`T`) times the first `M` (2, 4 or 8) rows of an 8-row tile, 16 weight rows
 /// (`rb` bytes apart from `row0`) at a time with the weight rows in lanes: per block, the
 /// 16 rows' codes turned by an 8 x 8 transpose of 32-bit groups (one vector per 4-code
@@ -802,11 +860,11 @@ const LEGACY_LANE_ROWS: usize = 16;
 /// SAFETY: rows `0..16` of `row0` hold `nb` blocks; the tile holds them; `end` is the
 /// weight's last byte + 1.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn lanes_legacy<const T: u32, const M: usize>(
+unsafe fn lanes_legacy<const T: u32, const M: usize, A: LegacyActs>(
     row0: *const u8,
     rb: usize,
     nb: usize,
-    t: &Tile,
+    t: &A,
     end: *const u8,
 ) -> [__m512; M] {
     let (bb, ty) = legacy_layout(T);
@@ -841,38 +899,25 @@ unsafe fn lanes_legacy<const T: u32, const M: usize>(
             }
             transpose_words32(c)
         };
-        // where group g of the tile's block b starts (see `Packed`: pairs of blocks, an odd
-        // last block as a K-quant tile's)
-        let lone = b + 1 == nb && nb % 2 == 1;
-        let group = |g: usize| -> usize {
-            if lone {
-                b * 8 * LANES * 4 + ((g % 4) * 2 + g / 4) * LANES * 4
-            } else {
-                (b / 2) * 16 * LANES * 4 + (g * 2 + (b & 1)) * LANES * 4
-            }
-        };
         // the activation rows side by side: each row's 8 multiply-adds are a chain, from
         // minus the zero point times the row's sum (integers: the same sum in any order)
         let mut s = [_mm512_setzero_si512(); M];
         for (r, sr) in s.iter_mut().enumerate() {
-            // SAFETY: the tile holds block b of its 8 rows
-            let zp = unsafe { *t.isum32.add(b * LANES + r) } << legacy_zero_shift(T);
+            // SAFETY: the activations hold block b of row r
+            let zp = unsafe { t.code_sum(nb, b, r) } << legacy_zero_shift(T);
             *sr = _mm512_set1_epi32(-zp);
         }
         for (g, wg) in w.iter().enumerate() {
             for (r, sr) in s.iter_mut().enumerate() {
-                // SAFETY: the tile holds block b of its 8 rows
-                let a = unsafe { (t.qs.add(group(g) + 4 * r) as *const i32).read_unaligned() };
+                // SAFETY: the activations hold block b of row r
+                let a = unsafe { t.codes4(nb, b, g, r) };
                 *sr = _mm512_dpbusd_epi32(*sr, *wg, _mm512_set1_epi32(a));
             }
         }
         for (r, (yr, s)) in y.iter_mut().zip(s).enumerate() {
-            // SAFETY: the tile holds block b of its 8 rows
+            // SAFETY: the activations hold block b of row r
             unsafe {
-                let f = _mm512_mul_ps(
-                    _mm512_cvtepi32_ps(s),
-                    _mm512_set1_ps(*t.d.add(b * LANES + r)),
-                );
+                let f = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(t.scale(nb, b, r)));
                 yr[b & 1] = _mm512_fmadd_ps(f, dw, yr[b & 1]);
             }
         }
@@ -881,6 +926,22 @@ unsafe fn lanes_legacy<const T: u32, const M: usize>(
     for (o, yr) in out.iter_mut().zip(&y) {
         *o = _mm512_add_ps(yr[0], yr[1]);
     }
+    out
+}
+
+/// `lanes_legacy` of one activation row (`one`): 16 weight rows' results.
+/// SAFETY: as `lanes_legacy`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn lanes_legacy_one<const T: u32>(
+    row0: *const u8,
+    rb: usize,
+    nb: usize,
+    one: &OneRow,
+    end: *const u8,
+) -> [f32; LANE_ROWS] {
+    let [y] = unsafe { lanes_legacy::<T, 1, OneRow>(row0, rb, nb, one, end) };
+    let mut out = [0f32; LANE_ROWS];
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), y) };
     out
 }
 
@@ -899,9 +960,9 @@ unsafe fn lanes_legacy_rows<const T: u32>(
     let m = ys.len();
     unsafe {
         match m {
-            2 => ys.copy_from_slice(&lanes_legacy::<T, 2>(row0, rb, nb, t, end)),
-            3 | 4 => ys.copy_from_slice(&lanes_legacy::<T, 4>(row0, rb, nb, t, end)[..m]),
-            _ => ys.copy_from_slice(&lanes_legacy::<T, 8>(row0, rb, nb, t, end)[..m]),
+            2 => ys.copy_from_slice(&lanes_legacy::<T, 2, Tile>(row0, rb, nb, t, end)),
+            3 | 4 => ys.copy_from_slice(&lanes_legacy::<T, 4, Tile>(row0, rb, nb, t, end)[..m]),
+            _ => ys.copy_from_slice(&lanes_legacy::<T, 8, Tile>(row0, rb, nb, t, end)[..m]),
         }
     }
 }
@@ -1052,7 +1113,7 @@ impl OneRow {
 
 /// `out[a, c_p + n]` for `m` <= `few_rows_limit` activation rows (see `matmul_parts`): each row
 /// quantized alone (`OneRow`), 16 weight rows at a time in lanes (`lanes_q4_k_16`,
-/// `one_q6_k_16` / `many_q6_k_16`, `one_legacy_16`), the rest of a
+/// `one_q6_k_16` / `many_q6_k_16`, `lanes_legacy_one`), the rest of a
 /// tile row by row (`one_*`); the same bits for a row whatever `m` is.
 fn few_rows_parts(x: &[f32], m: usize, ws: &[BlockMatrix<'_>], out: &mut [f32], threads: usize) {
     let ptr = OutPtr(out.as_mut_ptr());
@@ -1151,9 +1212,9 @@ unsafe fn few_row_rows<const M: usize>(
                 Q8_0 | Q4_0 | Q5_0 if M > 1 => {
                     unreachable!("legacy blocks take one activation row here (few_rows_limit)")
                 }
-                Q8_0 => [one_legacy_16::<{ Q8_0 as u32 }>(row0, rb, nb, ones[0], end); M],
-                Q4_0 => [one_legacy_16::<{ Q4_0 as u32 }>(row0, rb, nb, ones[0], end); M],
-                Q5_0 => [one_legacy_16::<{ Q5_0 as u32 }>(row0, rb, nb, ones[0], end); M],
+                Q8_0 => [lanes_legacy_one::<{ Q8_0 as u32 }>(row0, rb, nb, ones[0], end); M],
+                Q4_0 => [lanes_legacy_one::<{ Q4_0 as u32 }>(row0, rb, nb, ones[0], end); M],
+                Q5_0 => [lanes_legacy_one::<{ Q5_0 as u32 }>(row0, rb, nb, ones[0], end); M],
                 Q4_K => lanes_q4_k_16::<M>(row0, rb, nsb, ones, end),
                 _ if M == 1 => [one_q6_k_16(row0, rb, nsb, ones[0], end); M],
                 _ => many_q6_k_16::<M>(row0, rb, nsb, ones, end),
@@ -1449,49 +1510,6 @@ unsafe fn legacy_chunk_sums(
     v
 }
 
-/// `legacy_chunk_sums` and `legacy_chunk_scales` of a whole chunk (16 blocks from `c0`) of
-/// `row`, the scales taken from a 64-byte load at each pair (both blocks' first two bytes)
-/// by one masked word permute, where the chunk's 16-lane gather cost a hot Q8_0 product
-/// 15-30% of its time (Zen 4, one thread).
-/// SAFETY: the blocks exist; `one` holds their activations.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c")]
-#[inline]
-unsafe fn legacy_full_chunk<const T: u32>(
-    row: *const u8,
-    c0: usize,
-    one: &OneRow,
-) -> ([__m512i; 8], __m512) {
-    let (bb, ty) = legacy_layout(T);
-    // even word lanes take word 0 of the pair's bytes (block 2i's scale), odd lanes word
-    // bb / 2 (block 2i + 1's)
-    let h = (bb / 2) as i16;
-    let idx = _mm512_set_epi16(
-        h, 0, h, 0, h, 0, h, 0, h, 0, h, 0, h, 0, h, 0, h, 0, h, 0, h, 0, h, 0, h, 0, h, 0, h, 0,
-        h, 0,
-    );
-    let mut v = [_mm512_setzero_si512(); 8];
-    let mut sc = _mm512_setzero_si512();
-    for (i, vi) in v.iter_mut().enumerate() {
-        let b = c0 + 2 * i;
-        // SAFETY: blocks b and b + 1 exist (Q8_0's pair is 68 bytes: 64 from its start lie
-        // inside it)
-        unsafe {
-            let p = row.add(bb * b);
-            let a = _mm512_loadu_si512(one.q().add(32 * b) as *const _);
-            *vi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), legacy_pair(ty, p), a);
-            // (Q4_0 / Q5_0: the pair's bytes only, a masked load, which cannot fault past
-            // the weight's end)
-            let x = if 2 * bb >= 64 {
-                _mm512_loadu_si512(p as *const _)
-            } else {
-                _mm512_maskz_loadu_epi8((1u64 << (2 * bb)) - 1, p as *const i8)
-            };
-            sc = _mm512_mask_permutexvar_epi16(sc, 0b11 << (2 * i), idx, x);
-        }
-    }
-    (v, _mm512_cvtph_ps(_mm512_castsi512_si256(sc)))
-}
-
 /// The f16 scales of blocks `c0..c0 + 16` of `row` as f32 (`at`: the 16 blocks' offsets;
 /// lanes outside `valid` 0): each the low half of 4 bytes read at its block's start.
 /// SAFETY: the blocks in `valid` exist.
@@ -1586,10 +1604,6 @@ const LANE_ROWS: usize = 16;
 /// moves to the next row (a window: `WINDOW_PAIRS` x 16 rows x 64 bytes of sums per
 /// activation row).
 const WINDOW_PAIRS: usize = 12;
-
-/// Chunks of 16 blocks a legacy lane kernel (`one_legacy_16`) takes from a weight row before
-/// it moves to the next row (4,096 values: 2 x 8 x 16 x 64 bytes of sums and scales).
-const WINDOW_CHUNKS: usize = 8;
 
 /// A slot of a window's buffers, written before it is read.
 type Uninit<T> = std::mem::MaybeUninit<T>;
@@ -2068,207 +2082,6 @@ unsafe fn one_q6_k_16(
     let mut out = [0f32; LANE_ROWS];
     unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(y[0], y[1])) };
     out
-}
-
-/// Q8_0 / Q4_0 / Q5_0 (`T`) with one activation row, 16 weight rows at a time with the
-/// weight rows in lanes for the float steps (see `many_q6_k_16`): `one_legacy`'s products and
-/// scales of 16 blocks per row, both turned by a transpose, then lane `r` runs row `r`'s two
-/// chains, the same operations in the same order as `one_legacy`'s scalars. Each weight row
-/// is read in order, a window of up to `WINDOW_CHUNKS` chunks of 16 blocks at a time (see
-/// `one_q6_k_16`); a last chunk of 1-8 blocks goes to `legacy_tail`. (More activation rows
-/// take the packed kernels: see `few_rows_limit`.)
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn one_legacy_16<const T: u32>(
-    row0: *const u8,
-    rb: usize,
-    nb: usize,
-    one: &OneRow,
-    end: *const u8,
-) -> [f32; LANE_ROWS] {
-    let (bb, ty) = legacy_layout(T);
-    let at = lane_offsets(bb);
-    let mut y = [_mm512_setzero_ps(); 2];
-    // a last chunk of up to 8 blocks takes 2 or 4 rows to a reduction (`legacy_tail`)
-    let tail = match nb % 16 {
-        t @ 1..=8 => t,
-        _ => 0,
-    };
-    let nb_full = nb - tail;
-    // tv[r]: row r's products of the tail's block pairs (`legacy_tail_pairs`)
-    let mut tv = [Uninit::<TailRow>::uninit(); LANE_ROWS];
-    let mut w0 = 0;
-    loop {
-        let nb = nb_full;
-        let wb = (nb - w0).min(16 * WINDOW_CHUNKS);
-        let nchunks = wb.div_ceil(16);
-        let last = w0 + wb == nb;
-        // fs[chunk][r], dw[chunk][r]: row r's 16 scaled sums and weight scales of the chunk
-        let mut fs = [[Uninit::<__m512>::uninit(); LANE_ROWS]; WINDOW_CHUNKS];
-        let mut dw = [[Uninit::<__m512>::uninit(); LANE_ROWS]; WINDOW_CHUNKS];
-        for r in 0..LANE_ROWS {
-            let row = row0.wrapping_add(r * rb);
-            for ci in 0..nchunks {
-                let c0 = w0 + 16 * ci;
-                let cnt = (nb - c0).min(16);
-                // (a row's last chunk asks for the tail's bytes too)
-                let ahead = if c0 + cnt == nb { cnt + tail } else { cnt };
-                prefetch_ahead(row.wrapping_add(bb * c0), bb * ahead, end);
-                let valid = (((1u32 << cnt) - 1) & 0xFFFF) as u16;
-                // SAFETY: blocks c0..c0 + cnt of row r exist; `one` holds their activations
-                // and is padded with 16 blocks of zeros
-                unsafe {
-                    let (z, d_act) = legacy_chunk_acts::<T>(one, c0);
-                    let (v, w) = if cnt == 16 {
-                        legacy_full_chunk::<T>(row, c0, one)
-                    } else {
-                        (
-                            legacy_chunk_sums(ty, bb, row, c0, cnt, one),
-                            legacy_chunk_scales(row, bb, c0, valid, at),
-                        )
-                    };
-                    let isum = _mm512_sub_epi32(half_sums(v), z);
-                    fs[ci][r] = Uninit::new(_mm512_mul_ps(_mm512_cvtepi32_ps(isum), d_act));
-                    dw[ci][r] = Uninit::new(w);
-                }
-            }
-            if last && tail > 0 {
-                if nchunks == 0 {
-                    prefetch_ahead(row, bb * tail, end);
-                }
-                // SAFETY: the row's blocks nb_full.. exist; `one` holds their activations
-                tv[r] = Uninit::new(unsafe { legacy_tail_pairs(ty, bb, row, nb_full, tail, one) });
-            }
-        }
-        for ci in 0..nchunks {
-            let cnt = (nb - w0 - 16 * ci).min(16);
-            // SAFETY: every row filled fs[ci] and dw[ci]
-            let (f, d) = unsafe {
-                (
-                    crate::x86::transpose16(filled(&fs[ci])),
-                    crate::x86::transpose16(filled(&dw[ci])),
-                )
-            };
-            for j in 0..cnt {
-                y[j & 1] = _mm512_fmadd_ps(f[j], d[j], y[j & 1]);
-            }
-        }
-        w0 += wb;
-        if last {
-            break;
-        }
-    }
-    // SAFETY: every row filled tv (when there is a tail); the blocks exist
-    unsafe {
-        match tail {
-            0 => {}
-            1..=4 => legacy_tail::<T, 4>(&filled(&tv), nb_full, tail, one, &mut y),
-            _ => legacy_tail::<T, 2>(&filled(&tv), nb_full, tail, one, &mut y),
-        }
-    }
-    let mut out = [0f32; LANE_ROWS];
-    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_add_ps(y[0], y[1])) };
-    out
-}
-
-/// A row's part of a legacy tail (`legacy_tail`): the products of its block pairs, and its
-/// blocks' f16 scales, 4 to a word (zeros past the tail).
-type TailRow = ([__m512i; 4], [u64; 2]);
-
-/// The products of blocks `c0..c0 + cnt` (`cnt <= 8`) of `row` (type `ty`, `bb` bytes a
-/// block) with the activations (`legacy_chunk_sums`' first four vectors), and their scales. The scales are read one by one here, while the row's lines are in L1: a
-/// gather of 16 scales across 4 rows after the group made the Gemma 3 270M head's product
-/// from memory 1.16x slower than with none.
-/// SAFETY: the blocks exist; `one` holds their activations.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2")]
-#[inline]
-unsafe fn legacy_tail_pairs(
-    ty: BlockType,
-    bb: usize,
-    row: *const u8,
-    c0: usize,
-    cnt: usize,
-    one: &OneRow,
-) -> TailRow {
-    let mut scales = [0u64; 2];
-    for j in 0..cnt {
-        // SAFETY: block c0 + j exists; its f16 scale is its first two bytes
-        let d = unsafe { (row.add(bb * (c0 + j)) as *const u16).read_unaligned() };
-        scales[j / 4] |= (d as u64) << (16 * (j % 4));
-    }
-    // SAFETY: as the caller's (cnt <= 8: the pairs fill v[..4])
-    let v = unsafe { legacy_chunk_sums(ty, bb, row, c0, cnt, one) };
-    ([v[0], v[1], v[2], v[3]], scales)
-}
-
-/// The last `cnt` blocks (from `c0`, a multiple of 16; `cnt <= 16 / G`) of 16 legacy weight
-/// rows `T` with one activation row, continuing `one_legacy_16`'s chains `y` (`tv[r]`: row
-/// `r`'s `legacy_tail_pairs`): `G` rows share one `half_sums` (a vector's lanes
-/// `q * 16 / G + j`: block `c0 + j` of row `i + q * 16 / G`), where a chunk of its own wasted
-/// the reduction, the scale gather and the transposes on 8-15 empty lanes (Gemma 3 270M's
-/// rows are 20 blocks: 16 + 4). Each lane gets the same integers and float steps as in a
-/// full chunk, so the same bits.
-/// SAFETY: the blocks exist; `one` holds their activations (zeros past the row's end).
-#[allow(clippy::needless_range_loop)]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn legacy_tail<const T: u32, const G: usize>(
-    tv: &[TailRow; LANE_ROWS],
-    c0: usize,
-    cnt: usize,
-    one: &OneRow,
-    y: &mut [__m512; 2],
-) {
-    // block slots per row in a vector, and the rows a vector takes (i + q * w)
-    let w = LANE_ROWS / G;
-    debug_assert!(cnt <= w && c0.is_multiple_of(16));
-    let (z, d_act) = unsafe { legacy_chunk_acts::<T>(one, c0) };
-    // the first w blocks' zero-point terms and scales, once per row slot
-    let (z, d_act) = if G == 4 {
-        (
-            _mm512_broadcast_i32x4(_mm512_castsi512_si128(z)),
-            _mm512_broadcast_f32x4(_mm512_castps512_ps128(d_act)),
-        )
-    } else {
-        (
-            _mm512_broadcast_i64x4(_mm512_castsi512_si256(z)),
-            _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
-                _mm512_castps512_ps256(d_act),
-            ))),
-        )
-    };
-    let mut fs = [_mm512_setzero_ps(); 8];
-    let mut dw = [_mm512_setzero_ps(); 8];
-    for i in 0..w {
-        let mut v = [_mm512_setzero_si512(); 8];
-        for g in 0..G {
-            for pr in 0..w / 2 {
-                v[g * w / 2 + pr] = tv[i + g * w].0[pr];
-            }
-        }
-        let isum = _mm512_sub_epi32(half_sums(v), z);
-        fs[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), d_act);
-        let sc = |r: usize, h: usize| tv[r].1[h] as i64;
-        let h = if G == 4 {
-            _mm256_setr_epi64x(sc(i, 0), sc(i + 4, 0), sc(i + 8, 0), sc(i + 12, 0))
-        } else {
-            _mm256_setr_epi64x(sc(i, 0), sc(i, 1), sc(i + 8, 0), sc(i + 8, 1))
-        };
-        dw[i] = _mm512_cvtph_ps(h);
-    }
-    // tf[j] lane r: block c0 + j of row r
-    let (tf, td) = if G == 4 {
-        (
-            crate::x86::transpose4x4_lanes(&fs),
-            crate::x86::transpose4x4_lanes(&dw),
-        )
-    } else {
-        (
-            crate::x86::transpose8x8_halves(&fs),
-            crate::x86::transpose8x8_halves(&dw),
-        )
-    };
-    for j in 0..cnt {
-        y[j & 1] = _mm512_fmadd_ps(tf[j], td[j], y[j & 1]);
-    }
 }
 
 /// Weight rows a wide kernel walks together: each 64-byte load of the tile's activations
