@@ -867,6 +867,41 @@ unsafe fn lanes_legacy<const T: u32, const M: usize, A: LegacyActs>(
     t: &A,
     end: *const u8,
 ) -> [__m512; M] {
+    if T != 8 && nibble_lanes_available() {
+        // SAFETY: as this function's; the CPU has nibble_lanes' instructions
+        unsafe { lanes_legacy_nibbles::<T, M, A>(row0, rb, nb, t, end) }
+    } else {
+        // SAFETY: as this function's
+        unsafe { lanes_legacy_body::<T, M, A, false>(row0, rb, nb, t, end) }
+    }
+}
+
+/// `lanes_legacy` where Q4_0 / Q5_0 blocks take `nibble_lanes`.
+/// SAFETY: as `lanes_legacy`; `nibble_lanes_available()`.
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c,avx512vbmi2,avx512bitalg"
+)]
+unsafe fn lanes_legacy_nibbles<const T: u32, const M: usize, A: LegacyActs>(
+    row0: *const u8,
+    rb: usize,
+    nb: usize,
+    t: &A,
+    end: *const u8,
+) -> [__m512; M] {
+    // SAFETY: as this function's
+    unsafe { lanes_legacy_body::<T, M, A, true>(row0, rb, nb, t, end) }
+}
+
+/// The body of `lanes_legacy`, inlined into a function with its target features (and with
+/// `NIBBLES`, `nibble_lanes`' too).
+#[inline(always)]
+unsafe fn lanes_legacy_body<const T: u32, const M: usize, A: LegacyActs, const NIBBLES: bool>(
+    row0: *const u8,
+    rb: usize,
+    nb: usize,
+    t: &A,
+    end: *const u8,
+) -> [__m512; M] {
     let (bb, ty) = legacy_layout(T);
     // the 16 rows' f16 scales of block b, one per lane (low halves), from each row's first
     // 16 bytes (a 16-lane gather took a fifth of a hot Q8_0 product's time)
@@ -876,29 +911,52 @@ unsafe fn lanes_legacy<const T: u32, const M: usize, A: LegacyActs>(
     let next = row0.wrapping_add(LEGACY_LANE_ROWS * rb);
     let share = LEGACY_LANE_ROWS * bb;
     let mut y = [[_mm512_setzero_ps(); 2]; M];
-    let mut h = scales(0);
+    // Q4_0 / Q5_0: blocks whose 32 bytes from their start lie inside the weight (all but a
+    // weight's last block) take `nibble_lanes` where the CPU has its instructions; their
+    // scales come with their codes
+    let whole = if T != 8 && NIBBLES {
+        let last = row0.wrapping_add((LEGACY_LANE_ROWS - 1) * rb);
+        (0..nb)
+            .take_while(|&b| last.wrapping_add(bb * b + 32) <= end)
+            .count()
+    } else {
+        0
+    };
+    // the scales of the next block not in `whole`, read one block ahead
+    let mut h = if whole < nb {
+        scales(whole)
+    } else {
+        _mm512_setzero_si512()
+    };
     for b in 0..nb {
         prefetch_lines::<_MM_HINT_T1>(next.wrapping_add(share * b), share, end);
-        let dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
-        if b + 1 < nb {
-            h = scales(b + 1);
-        }
-        // w[g] lane i: group g of weight row i
-        let w = if T == 8 {
-            // SAFETY: block b of rows 0..16 exists
-            let mut w = unsafe { lane_words32(row0.add(bb * b + 2), rb) };
-            for wg in w.iter_mut() {
-                *wg = _mm512_xor_si512(*wg, _mm512_set1_epi8(-128));
-            }
-            w
+        // w[g] lane i: group g of weight row i; hw lane i: its scale in the low half
+        let (hw, w) = if b < whole {
+            // SAFETY: 32 bytes from block b of each of the 16 rows exist (b < whole)
+            unsafe { nibble_lanes::<T>(row0.add(bb * b), rb) }
         } else {
-            let mut c = [_mm256_setzero_si256(); 16];
-            for (i, ci) in c.iter_mut().enumerate() {
-                // SAFETY: block b of rows 0..16 exists
-                *ci = unsafe { legacy_codes(ty, row0.add(i * rb + bb * b)) };
+            let hw = h;
+            if b + 1 < nb {
+                h = scales(b + 1);
             }
-            transpose_words32(c)
+            let w = if T == 8 {
+                // SAFETY: block b of rows 0..16 exists
+                let mut w = unsafe { lane_words32(row0.add(bb * b + 2), rb) };
+                for wg in w.iter_mut() {
+                    *wg = _mm512_xor_si512(*wg, _mm512_set1_epi8(-128));
+                }
+                w
+            } else {
+                let mut c = [_mm256_setzero_si256(); 16];
+                for (i, ci) in c.iter_mut().enumerate() {
+                    // SAFETY: block b of rows 0..16 exists
+                    *ci = unsafe { legacy_codes(ty, row0.add(i * rb + bb * b)) };
+                }
+                transpose_words32(c)
+            };
+            (hw, w)
         };
+        let dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hw));
         // the activation rows side by side: each row's 8 multiply-adds are a chain, from
         // minus the zero point times the row's sum (integers: the same sum in any order)
         let mut s = [_mm512_setzero_si512(); M];
@@ -927,6 +985,51 @@ unsafe fn lanes_legacy<const T: u32, const M: usize, A: LegacyActs>(
         *o = _mm512_add_ps(yr[0], yr[1]);
     }
     out
+}
+
+/// Whether this CPU runs `nibble_lanes` (AVX512-VBMI2 and BITALG: Ice Lake, Zen 4 and later;
+/// Cascade Lake has VNNI without them).
+fn nibble_lanes_available() -> bool {
+    std::is_x86_feature_detected!("avx512vbmi2") && std::is_x86_feature_detected!("avx512bitalg")
+}
+
+/// The scales and codes of a Q4_0 / Q5_0 (`T`) block of 16 rows (`p + i rb`) as
+/// `lanes_legacy` takes them (lane `i` of the first: row `i`'s f16 scale in its low half;
+/// vector `g` lane `i` of the second: codes `4g..4g + 4` of row `i`, unsigned), turned before they
+/// are unpacked: one `lane_words32` of the 32 bytes from each block's start, the 4-byte
+/// groups of `qs` (and Q5_0's `qh`) cut out by a funnel shift, the nibbles split by masks
+/// and Q5_0's fifth bits set by a bit shuffle of `qh` (a byte mask per group). Per row the
+/// plain unpack (`legacy_codes`) took 6-8 operations on 256 bits; here each is on 16 rows.
+/// The same codes, so the same bits.
+/// SAFETY: 32 bytes at `p + i rb` exist for `i < 16`; `nibble_lanes_available()`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi2,avx512bitalg")]
+#[inline]
+unsafe fn nibble_lanes<const T: u32>(p: *const u8, rb: usize) -> (__m512i, [__m512i; 8]) {
+    // v[j] lane i: bytes 4j..4j + 4 of row i's block (d: 0..2, Q5_0's qh 2..6, qs after)
+    let v = unsafe { lane_words32(p, rb) };
+    // qs starts 2 bytes into v[0] (Q4_0) or v[1] (Q5_0)
+    let first = usize::from(T == 6);
+    let low = _mm512_set1_epi8(0x0F);
+    let mut w = [_mm512_setzero_si512(); 8];
+    for h in 0..4 {
+        let q = _mm512_shrdi_epi32::<16>(v[first + h], v[first + h + 1]);
+        w[h] = _mm512_and_si512(q, low);
+        w[h + 4] = _mm512_and_si512(_mm512_srli_epi32::<4>(q), low);
+    }
+    if T == 6 {
+        // code j's fifth bit is bit j of qh; byte b of group g in lane i (of 64-bit lane
+        // i / 2) takes bit 4g + b of row i's qh, which sits in that 64-bit lane at
+        // 32 (i % 2) + 4g + b
+        let qh = _mm512_shrdi_epi32::<16>(v[0], v[1]);
+        let pick = _mm512_set1_epi64(0x2322_2120_0302_0100);
+        let sixteen = _mm512_set1_epi8(0x10);
+        for (g, wg) in w.iter_mut().enumerate() {
+            let at = _mm512_add_epi8(pick, _mm512_set1_epi8(4 * g as i8));
+            let m = _mm512_bitshuffle_epi64_mask(qh, at);
+            *wg = _mm512_mask_add_epi8(*wg, m, *wg, sixteen);
+        }
+    }
+    (v[0], w)
 }
 
 /// `lanes_legacy` of one activation row (`one`): 16 weight rows' results.
