@@ -187,10 +187,10 @@ pub fn decode_layer<T: KvStore>(
         let (cos, sin) = (&rows.cos[i * half..][..half], &rows.sin[i * half..][..half]);
         let (qr, kv) = r.split_at_mut(qd);
         for (heads, norm) in [(&mut *qr, w.q_norm), (&mut kv[..kd], w.k_norm)] {
+            if !norm.is_empty() {
+                norm_rows_in_place(heads, hd, norm, s.eps);
+            }
             for head in heads.chunks_exact_mut(hd) {
-                if !norm.is_empty() {
-                    norm_row_in_place(head, norm, s.eps);
-                }
                 rope(head, cos, sin, s.neox);
             }
         }
@@ -229,9 +229,7 @@ pub fn decode_layer<T: KvStore>(
     let mut o = vec![0f32; n * d];
     block_matmul_t_vnni(&attn, n, w.wo, &mut o, threads)?;
     if !w.post_attn_norm.is_empty() {
-        for r in o.chunks_exact_mut(d) {
-            norm_row_in_place(r, w.post_attn_norm, s.eps);
-        }
+        norm_rows_in_place(&mut o, d, w.post_attn_norm, s.eps);
     }
     x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
 
@@ -241,16 +239,21 @@ pub fn decode_layer<T: KvStore>(
     let mut gu = vec![0f32; n * ff2];
     block_matmul_t_vnni(&h, n, w.w_gate_up, &mut gu, threads)?;
     glu_in_place(&mut gu, ff2 / 2, s.glu)?;
-    let a: Vec<f32> = gu
-        .chunks_exact(ff2)
-        .flat_map(|r| &r[..ff2 / 2])
-        .copied()
-        .collect();
+    // the GLU's rows side by side (one row: already so)
+    let ff = ff2 / 2;
+    let a = if n == 1 {
+        gu.truncate(ff);
+        gu
+    } else {
+        let mut a = vec![0f32; n * ff];
+        for (dst, src) in a.chunks_exact_mut(ff).zip(gu.chunks_exact(ff2)) {
+            dst.copy_from_slice(&src[..ff]);
+        }
+        a
+    };
     block_matmul_t_vnni(&a, n, w.w_down, &mut o, threads)?;
     if !w.post_ffn_norm.is_empty() {
-        for r in o.chunks_exact_mut(d) {
-            norm_row_in_place(r, w.post_ffn_norm, s.eps);
-        }
+        norm_rows_in_place(&mut o, d, w.post_ffn_norm, s.eps);
     }
     x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
     Ok(())
@@ -276,38 +279,73 @@ fn rms_norm_rows(
             x.len()
         )));
     }
-    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        or.copy_from_slice(xr);
-        norm_row_in_place(or, w, eps);
-    }
+    out.copy_from_slice(x);
+    norm_rows_in_place(out, d, w, eps);
     Ok(())
 }
 
-/// `rms_norm_rows` of one row in place.
-fn norm_row_in_place(x: &mut [f32], w: &[f32], eps: f32) {
-    let mut acc = 0f64;
-    for &v in x.iter() {
-        let v = v as f64;
-        acc += v * v;
+/// Rows that `norm_rows_in_place` sums side by side.
+const NORM_ROWS: usize = 8;
+
+/// `rms_norm_rows` in place on the rows of `x` (rows of `d`). Each row's squares are summed
+/// in f64 in order, one dependent add after another (the Numba loop's order, so the same
+/// bits); up to `NORM_ROWS` rows' chains run side by side, since one chain waits on the add
+/// latency (a batch of 8 rows' norms, the layer's per-head norms).
+fn norm_rows_in_place(x: &mut [f32], d: usize, w: &[f32], eps: f32) {
+    for group in x.chunks_mut(NORM_ROWS * d) {
+        let sums = match group.len() / d {
+            1 => sums_of_squares::<1>(group, d),
+            2 => sums_of_squares::<2>(group, d),
+            3 => sums_of_squares::<3>(group, d),
+            4 => sums_of_squares::<4>(group, d),
+            5 => sums_of_squares::<5>(group, d),
+            6 => sums_of_squares::<6>(group, d),
+            7 => sums_of_squares::<7>(group, d),
+            _ => sums_of_squares::<8>(group, d),
+        };
+        for (row, acc) in group.chunks_exact_mut(d).zip(sums) {
+            let r = (1.0f64 / ((((acc / d as f64) as f32) + eps).sqrt()) as f64) as f32;
+            if w.is_empty() {
+                row.iter_mut().for_each(|v| *v *= r);
+            } else {
+                row.iter_mut().zip(w).for_each(|(v, &g)| *v = (*v * r) * g);
+            }
+        }
     }
-    let r = (1.0f64 / ((((acc / x.len() as f64) as f32) + eps).sqrt()) as f64) as f32;
-    if w.is_empty() {
-        x.iter_mut().for_each(|v| *v *= r);
-    } else {
-        x.iter_mut().zip(w).for_each(|(v, &g)| *v = (*v * r) * g);
+}
+
+/// The f64 sums of squares of the first `M` rows of `x` (rows of `d`), each in order; the
+/// rest of `NORM_ROWS` zeros.
+fn sums_of_squares<const M: usize>(x: &[f32], d: usize) -> [f64; NORM_ROWS] {
+    let rows: [&[f32]; M] = std::array::from_fn(|i| &x[i * d..(i + 1) * d]);
+    let mut acc = [0f64; M];
+    for j in 0..d {
+        for (a, row) in acc.iter_mut().zip(&rows) {
+            let v = row[j] as f64;
+            *a += v * v;
+        }
     }
+    let mut out = [0f64; NORM_ROWS];
+    out[..M].copy_from_slice(&acc);
+    out
 }
 
 /// `ops.rope`'s rotation of one head in place: for each pair `(a, b)` (NEOX: `(t, t + half)`,
 /// else `(2t, 2t + 1)`), `a c - b s` and `b c + a s`, each product rounded.
 fn rope(x: &mut [f32], cos: &[f32], sin: &[f32], neox: bool) {
     let half = cos.len();
+    if neox {
+        // the same products and sums as below, over slices the compiler vectorizes
+        let (lo, hi) = x.split_at_mut(half);
+        for ((a, b), (&c, &s)) in lo.iter_mut().zip(&mut hi[..half]).zip(cos.iter().zip(sin)) {
+            let (av, bv) = (*a, *b);
+            *a = av * c - bv * s;
+            *b = bv * c + av * s;
+        }
+        return;
+    }
     for t in 0..half {
-        let (ia, ib) = if neox {
-            (t, t + half)
-        } else {
-            (2 * t, 2 * t + 1)
-        };
+        let (ia, ib) = (2 * t, 2 * t + 1);
         let (a, b, c, s) = (x[ia], x[ib], cos[t], sin[t]);
         x[ia] = a * c - b * s;
         x[ib] = b * c + a * s;
