@@ -406,3 +406,45 @@ def test_vnni_bad_input_raises_value_error():
         _core.block_matmul_t_vnni(x, [raw], [int(Q.Q4_K)], np.empty((2, 5), np.float32))
     with pytest.raises(ValueError):
         BlockWeight(raw, int(Q.Q4_K), 256, activations="int4")
+
+
+@pytest.mark.skipif(not VNNI, reason="needs AVX512-VNNI")
+def test_vnni_nibble_lanes_match_the_per_row_unpack(tmp_path):
+    """Q4_0 / Q5_0 blocks are turned before they are unpacked where the CPU has AVX512-VBMI2
+    and BITALG (`nibble_lanes`), else unpacked row by row. The two give the same bits: the
+    products of 1, 2, 5 and 8 activation rows with 35 weight rows (a last group whose last
+    block takes the per-row path either way) of 1, 7 and 20 blocks, here and in a process
+    with `KVSHARE_KERNEL_NO_VBMI2=1` (the per-row path on every block)."""
+    import os
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(21)
+    cases = {}
+    for t in (Q.Q4_0, Q.Q5_0):
+        for nb in (1, 7, 20):
+            k = 32 * nb
+            raw = make_raw(t, 35, k, rng)
+            x = rng.standard_normal((8, k)).astype(np.float32)
+            np.save(tmp_path / f"raw_{t.name}_{nb}.npy", raw)
+            np.save(tmp_path / f"x_{t.name}_{nb}.npy", x)
+            w = BlockWeight(raw, int(t), k, activations="vnni")
+            cases[(t.name, nb)] = [w.matmul_t(x[:m]) for m in (1, 2, 5, 8)]
+    script = f"""
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from kvshare.ops.blockweight import BlockWeight
+d = {str(tmp_path)!r}
+for t in (Q.Q4_0, Q.Q5_0):
+    for nb in (1, 7, 20):
+        raw = np.load(f"{{d}}/raw_{{t.name}}_{{nb}}.npy"); x = np.load(f"{{d}}/x_{{t.name}}_{{nb}}.npy")
+        w = BlockWeight(raw, int(t), 32 * nb, activations="vnni")
+        for m in (1, 2, 5, 8):
+            np.save(f"{{d}}/y_{{t.name}}_{{nb}}_{{m}}.npy", w.matmul_t(x[:m]))
+"""
+    env = dict(os.environ, KVSHARE_KERNEL_NO_VBMI2="1")
+    subprocess.run([sys.executable, "-c", script], env=env, check=True)
+    for (name, nb), ys in cases.items():
+        for m, y in zip((1, 2, 5, 8), ys):
+            other = np.load(tmp_path / f"y_{name}_{nb}_{m}.npy")
+            np.testing.assert_array_equal(other, y, err_msg=f"{name}, {nb} blocks, {m} rows")

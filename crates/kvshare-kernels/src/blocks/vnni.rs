@@ -988,9 +988,15 @@ unsafe fn lanes_legacy_body<const T: u32, const M: usize, A: LegacyActs, const N
 }
 
 /// Whether this CPU runs `nibble_lanes` (AVX512-VBMI2 and BITALG: Ice Lake, Zen 4 and later;
-/// Cascade Lake has VNNI without them).
+/// Cascade Lake has VNNI without them). `KVSHARE_KERNEL_NO_VBMI2=1` (read once) takes the
+/// per-row unpack instead, so that the tests run both paths on one machine.
 fn nibble_lanes_available() -> bool {
-    std::is_x86_feature_detected!("avx512vbmi2") && std::is_x86_feature_detected!("avx512bitalg")
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        std::env::var_os("KVSHARE_KERNEL_NO_VBMI2").is_none_or(|v| v.is_empty() || v == "0")
+            && std::is_x86_feature_detected!("avx512vbmi2")
+            && std::is_x86_feature_detected!("avx512bitalg")
+    })
 }
 
 /// The scales and codes of a Q4_0 / Q5_0 (`T`) block of 16 rows (`p + i rb`) as
