@@ -867,7 +867,7 @@ unsafe fn lanes_legacy<const T: u32, const M: usize, A: LegacyActs>(
     t: &A,
     end: *const u8,
 ) -> [__m512; M] {
-    if T != 8 && nibble_lanes_available() {
+    if T != BlockType::Q8_0 as u32 && nibble_lanes_available() {
         // SAFETY: as this function's; the CPU has nibble_lanes' instructions
         unsafe { lanes_legacy_nibbles::<T, M, A>(row0, rb, nb, t, end) }
     } else {
@@ -914,7 +914,7 @@ unsafe fn lanes_legacy_body<const T: u32, const M: usize, A: LegacyActs, const N
     // Q4_0 / Q5_0: blocks whose 32 bytes from their start lie inside the weight (all but a
     // weight's last block) take `nibble_lanes` where the CPU has its instructions; their
     // scales come with their codes
-    let whole = if T != 8 && NIBBLES {
+    let whole = if T != BlockType::Q8_0 as u32 && NIBBLES {
         let last = row0.wrapping_add((LEGACY_LANE_ROWS - 1) * rb);
         (0..nb)
             .take_while(|&b| last.wrapping_add(bb * b + 32) <= end)
@@ -1013,8 +1013,9 @@ fn nibble_lanes_available() -> bool {
 unsafe fn nibble_lanes<const T: u32>(p: *const u8, rb: usize) -> (__m512i, [__m512i; 8]) {
     // v[j] lane i: bytes 4j..4j + 4 of row i's block (d: 0..2, Q5_0's qh 2..6, qs after)
     let v = unsafe { lane_words32(p, rb) };
+    let q5 = T == BlockType::Q5_0 as u32;
     // qs starts 2 bytes into v[0] (Q4_0) or v[1] (Q5_0)
-    let first = usize::from(T == 6);
+    let first = usize::from(q5);
     let low = _mm512_set1_epi8(0x0F);
     let mut w = [_mm512_setzero_si512(); 8];
     for h in 0..4 {
@@ -1022,7 +1023,7 @@ unsafe fn nibble_lanes<const T: u32>(p: *const u8, rb: usize) -> (__m512i, [__m5
         w[h] = _mm512_and_si512(q, low);
         w[h + 4] = _mm512_and_si512(_mm512_srli_epi32::<4>(q), low);
     }
-    if T == 6 {
+    if q5 {
         // code j's fifth bit is bit j of qh; byte b of group g in lane i (of 64-bit lane
         // i / 2) takes bit 4g + b of row i's qh, which sits in that 64-bit lane at
         // 32 (i % 2) + 4g + b
