@@ -13,14 +13,16 @@
 //!   `few_rows_parts`): 64 codes of a weight row per
 //!   vector, the integer sums of 16 blocks at a time by a transposing reduction
 //!   (`half_sums`); 16 weight rows at a time those sums are turned by a 16 x 16 transpose so
-//!   that each lane runs one weight row's float chain (one activation row: each weight row
-//!   read in order for a window of its blocks, `one_*_16`; 2-4: the 16 rows read side by
-//!   side, `many_q6_k_16`), the rest of a tile one or two rows at a time with the chain in
-//!   scalars (`one_*`); Q4_K at 1-8 rows instead turns the 16 rows' codes (`lanes_q4_k_16`:
-//!   no reduction of sums);
-//! - 2-8 rows of legacy weights (`Packed` tiles of 8, `lanes_legacy`): 16 weight rows'
-//!   codes turned per block so that lane `i` holds row `i`'s, each activation row's 4 codes
-//!   broadcast into `vpdpbusd`: the products land in the weight rows' lanes;
+//!   that each lane runs one weight row's float chain (Q6_K: one activation row, each
+//!   weight row read in order for a window of its blocks, `one_q6_k_16`; 2-4: the 16 rows
+//!   read side by side, `many_q6_k_16`), the rest of a tile one or two rows at a time with
+//!   the chain in scalars (`one_*`); Q4_K at 1-8 rows instead turns the 16 rows' codes
+//!   (`lanes_q4_k_16`: no reduction of sums);
+//! - 1-8 rows of legacy weights (one row: `OneRow`, `lanes_legacy_one`; 2-8: `Packed`
+//!   tiles of 8, `lanes_legacy`): 16 weight rows' codes turned per block so that lane `i`
+//!   holds row `i`'s (Q4_0/Q5_0 turned before they are unpacked, `nibble_lanes`, where the
+//!   CPU has AVX512-VBMI2 and BITALG), each activation row's 4 codes broadcast into
+//!   `vpdpbusd`: the products land in the weight rows' lanes;
 //! - more, up to 8 rows (`Packed` tiles of 8, `dot_*`; the legacy types' last 1-15 weight
 //!   rows of a part): lanes hold rows (4 bytes of each row side by
 //!   side), a block's unsigned codes broadcast 4 at a time (`vpshufd`), the zero point (8,
@@ -939,7 +941,7 @@ unsafe fn lanes_legacy_body<const T: u32, const M: usize, A: LegacyActs, const N
             if b + 1 < nb {
                 h = scales(b + 1);
             }
-            let w = if T == 8 {
+            let w = if T == BlockType::Q8_0 as u32 {
                 // SAFETY: block b of rows 0..16 exists
                 let mut w = unsafe { lane_words32(row0.add(bb * b + 2), rb) };
                 for wg in w.iter_mut() {
