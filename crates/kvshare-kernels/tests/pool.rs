@@ -107,3 +107,42 @@ fn many_short_calls_never_lose_or_repeat_a_part() {
         );
     }
 }
+
+#[test]
+fn run_ranges_covers_every_unit_once_in_whole_ranges() {
+    use std::sync::Mutex;
+    // regions of unequal sizes (one empty), chunk sizes that do and do not divide them, and
+    // a slow first region, so that the other threads steal from its back
+    for (regions, own, steal) in [
+        (vec![0, 10], 3, 1),
+        (vec![0, 50, 100], 2, 1),
+        (vec![0, 0, 7, 40], 4, 3),
+        (vec![5, 6, 90, 91], 1, 2),
+    ] {
+        let (lo, hi) = (regions[0], *regions.last().unwrap());
+        let hits: Vec<AtomicUsize> = (0..hi).map(|_| AtomicUsize::new(0)).collect();
+        let ranges = Mutex::new(Vec::new());
+        kvshare_kernels::pool::run_ranges(&regions, own, steal, &|a, b| {
+            assert!(a < b && b <= hi, "range {a}..{b}");
+            if a < regions[1] {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            for h in &hits[a..b] {
+                h.fetch_add(1, Ordering::SeqCst);
+            }
+            ranges.lock().unwrap().push((a, b));
+        });
+        for (u, h) in hits.iter().enumerate() {
+            let want = usize::from(u >= lo);
+            assert_eq!(h.load(Ordering::SeqCst), want, "unit {u} of {regions:?}");
+        }
+        // no range crosses a region's bound, and none is longer than `own` or `steal` allows
+        for &(a, b) in ranges.lock().unwrap().iter() {
+            assert!(
+                regions.iter().all(|&r| r <= a || r >= b),
+                "{a}..{b} in {regions:?}"
+            );
+            assert!(b - a <= own.max(steal), "{a}..{b}");
+        }
+    }
+}

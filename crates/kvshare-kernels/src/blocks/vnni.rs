@@ -40,7 +40,7 @@
 //! batch-invariant attention (`attention::paged_attention_invariant`), prefix sharing, which
 //! moves chunk boundaries, still changes nothing but speed.
 
-use super::{k4_scale_min_words, split_row_tiles, BlockMatrix, BlockType, OutPtr};
+use super::{k4_scale_min_words, row_tile_regions, BlockMatrix, BlockType, OutPtr};
 use std::arch::x86_64::*;
 
 /// Activation rows per tile of a product with at most 8 rows: the lanes of a 256-bit vector
@@ -337,6 +337,11 @@ unsafe fn quantize_row(x: &[f32], o: RowOut, k: usize, f: ActFormat) {
     }
 }
 
+/// Tiles a thread takes at a time from its own region of a product, and from the back of
+/// another's once its own is done (`pool::run_ranges`).
+const OWN_TILES: usize = 2;
+const STEAL_TILES: usize = 1;
+
 /// For each weight `ws[p]` (`[n_p, k]`, all `supports`ed), `out[:, c_p..c_p + n_p]` = the
 /// products of `x` (`[m, k]`, any `m`) quantized to 8 bits with the rows of `ws[p]`, `c_p`
 /// the rows of the weights before it and `out` `[m, sum n_p]` (sizes checked by the caller,
@@ -371,11 +376,11 @@ pub(super) fn matmul_parts(
         ActFormat::Q8K => q8k.as_ref().expect("quantized for the parts that take it"),
     };
     let n_tiles = m.div_ceil(lanes);
-    let (tiles, bounds, threads) = split_row_tiles(ws, n_tiles, threads);
-    crate::pool::run_on(threads, bounds.len() - 1, &|i| {
-        for &(p, lo, hi, col) in &tiles[bounds[i]..bounds[i + 1]] {
+    let (tiles, regions) = row_tile_regions(ws, n_tiles, threads);
+    crate::pool::run_ranges(&regions, OWN_TILES, STEAL_TILES, &|a, b| {
+        for &(p, lo, hi, col) in &tiles[a..b] {
             // SAFETY: available(); rows lo..hi of ws[p] exist and their output columns
-            // belong to this part alone
+            // belong to this range alone
             unsafe { weight_rows(packed_for(ws[p].ty), &ws[p], lo, hi, ptr, col, ld) };
         }
     });
@@ -1245,9 +1250,9 @@ fn few_rows_parts(x: &[f32], m: usize, ws: &[BlockMatrix<'_>], out: &mut [f32], 
         ActFormat::Per32 => &p32,
         ActFormat::Q8K => &q8k,
     };
-    let (tiles, bounds, threads) = split_row_tiles(ws, 1, threads);
-    crate::pool::run_on(threads, bounds.len() - 1, &|i| {
-        for &(p, lo, hi, col) in &tiles[bounds[i]..bounds[i + 1]] {
+    let (tiles, regions) = row_tile_regions(ws, 1, threads);
+    crate::pool::run_ranges(&regions, OWN_TILES, STEAL_TILES, &|a, b| {
+        for &(p, lo, hi, col) in &tiles[a..b] {
             let ones = rows_for(ws[p].ty);
             let tile = RowsOut { out: ptr, col, ld };
             // SAFETY: available(); rows lo..hi of ws[p] exist and their output columns
