@@ -1901,34 +1901,38 @@ fn q4_k_lane_scales(
     u1: __m512i,
     u2: __m512i,
 ) -> ([__m512; 8], [__m512; 8]) {
-    let low6 = _mm512_set1_epi32(0x3f);
-    let low4 = _mm512_set1_epi32(0x0f);
-    let low2 = _mm512_set1_epi32(0x03);
     let mut dsc = [_mm512_setzero_ps(); 8];
     let mut dmn = [_mm512_setzero_ps(); 8];
     let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
     let dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dd)));
-    for jj in 0..8 {
-        // ggml's get_scale_min_k4, lane by lane (see `k4_scale_min_words`)
-        let byte = |u: __m512i, t: usize| _mm512_srl_epi32(u, _mm_cvtsi32_si128(8 * t as i32));
-        let (sc, mn) = if jj < 4 {
-            (
-                _mm512_and_si512(byte(u0, jj), low6),
-                _mm512_and_si512(byte(u1, jj), low6),
-            )
-        } else {
-            let t = jj - 4;
-            let hi = |u| {
-                _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(byte(u, t)), low2))
-            };
-            let b2 = byte(u2, t);
-            (
-                _mm512_or_si512(_mm512_and_si512(b2, low4), hi(u0)),
-                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32::<4>(b2), low4), hi(u1)),
-            )
-        };
-        dsc[jj] = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), d);
-        dmn[jj] = _mm512_mul_ps(_mm512_cvtepi32_ps(mn), dmin);
+    // ggml's get_scale_min_k4 on all four bytes of a word at once (see `k4_scale_min_words`):
+    // byte t of `sc_lo` / `mn_lo` is sub-block t's scale / min, of `sc_hi` / `mn_hi` sub-block
+    // t + 4's (its 4 low bits from u2's nibbles, its 2 high bits from the top of u0's / u1's
+    // byte t, shifted into place within the byte and masked)
+    let (m6, m4, m30) = (
+        _mm512_set1_epi8(0x3f),
+        _mm512_set1_epi8(0x0f),
+        _mm512_set1_epi8(0x30),
+    );
+    let (top0, top1) = (
+        _mm512_and_si512(_mm512_srli_epi32::<2>(u0), m30),
+        _mm512_and_si512(_mm512_srli_epi32::<2>(u1), m30),
+    );
+    let sc_lo = _mm512_and_si512(u0, m6);
+    let mn_lo = _mm512_and_si512(u1, m6);
+    let sc_hi = _mm512_or_si512(_mm512_and_si512(u2, m4), top0);
+    let mn_hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32::<4>(u2), m4), top1);
+    // lane q of a 128-bit lane: byte 4q + t, zero-extended (vpshufb works within 128-bit
+    // lanes; an index with its top bit set gives 0)
+    let lanes = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
+    let zero_ext = _mm512_add_epi32(lanes, _mm512_set1_epi32(0x8080_8000u32 as i32));
+    for t in 0..4 {
+        let pick = _mm512_add_epi32(zero_ext, _mm512_set1_epi32(t as i32));
+        let f = |w: __m512i| _mm512_cvtepi32_ps(_mm512_shuffle_epi8(w, pick));
+        dsc[t] = _mm512_mul_ps(f(sc_lo), d);
+        dmn[t] = _mm512_mul_ps(f(mn_lo), dmin);
+        dsc[t + 4] = _mm512_mul_ps(f(sc_hi), d);
+        dmn[t + 4] = _mm512_mul_ps(f(mn_hi), dmin);
     }
     (dsc, dmn)
 }
