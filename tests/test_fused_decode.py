@@ -151,3 +151,45 @@ def test_bad_arguments_are_value_errors(qwen3):
         call(kc=vc)
     with pytest.raises(IndexError):  # position 100 is past the table's blocks
         call(sp=np.array([100], np.int64))
+
+
+def test_a_prepared_layer_gives_the_tuple_s_bits_and_checks_its_use(qwen3):
+    """`_core.FusedLayer` (the weights borrowed once) in the tuple's place: the same x and
+    pool; a layer prepared for other sizes, or from a bad tuple, is a ValueError."""
+    L = qwen3.layers[0]
+    args = fused.layer_args(L)
+    cfg = qwen3.config
+    shape = (cfg.n_head, cfg.n_head_kv, cfg.head_dim, float(cfg.norm_eps), True, "silu",
+             0, float(cfg.q_scale))
+    prepared = _core.FusedLayer(args, shape)
+    half = cfg.n_rot // 2
+    rng = np.random.default_rng(7)
+    x0 = rng.standard_normal((1, cfg.n_embd)).astype(np.float32)
+    cos = rng.standard_normal((1, half)).astype(np.float32)
+    sin = rng.standard_normal((1, half)).astype(np.float32)
+    table = np.arange(4, dtype=np.int32)[None]
+    qs, sp = np.array([0, 1], np.int64), np.array([20], np.int64)
+    results = []
+    for layer in (args, prepared):
+        cache = qwen3.new_cache(4, 16)
+        kc, vc = cache.layer_kv(0)
+        kc[...] = rng.standard_normal(kc.shape).astype(kc.dtype) if not results else results[0][1]
+        vc[...] = rng.standard_normal(vc.shape).astype(vc.dtype) if not results else results[0][2]
+        before = (kc.copy(), vc.copy())
+        x = x0.copy()
+        _core.decode_layer(layer, shape, x, cos, sin, np.array([20], np.int64), kc, vc, table,
+                           qs, sp, 1 << 62, True, 2)
+        results.append((x, before[0], before[1], kc.copy(), vc.copy()))
+    (xa, _, _, ka, va), (xb, _, _, kb, vb) = results
+    assert np.isfinite(xa).all() and not np.array_equal(xa, x0)
+    assert np.array_equal(xa, xb) and np.array_equal(ka, kb) and np.array_equal(va, vb)
+    cache = qwen3.new_cache(4, 16)
+    kc, vc = cache.layer_kv(0)
+    wide = np.zeros((1, cfg.n_embd + 32), np.float32)
+    with pytest.raises(ValueError, match="prepared"):
+        _core.decode_layer(prepared, shape, wide, cos, sin, np.array([0], np.int64), kc, vc,
+                           table, qs, np.array([0], np.int64), 1 << 62, True, 1)
+    with pytest.raises(ValueError):
+        _core.FusedLayer(args[:10], shape)
+    with pytest.raises(ValueError):
+        _core.FusedLayer((None,) + tuple(args[1:]), shape)

@@ -440,7 +440,12 @@ pub(crate) struct TypedArray<'py> {
     _owner: Bound<'py, PyAny>,
 }
 
-impl TypedArray<'_> {
+impl<'py> TypedArray<'py> {
+    /// The array the data belongs to.
+    pub(crate) fn owner(&self) -> &Bound<'py, PyAny> {
+        &self._owner
+    }
+
     /// `[start, end)` addresses of the data, to refuse overlapping input and output.
     pub(crate) fn span(&self, itemsize: usize) -> (usize, usize) {
         (self.ptr, self.ptr + self.n_items * itemsize)

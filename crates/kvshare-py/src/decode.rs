@@ -1,9 +1,9 @@
 //! Binding of `kvshare_kernels::decode::decode_layer`: one attention + MLP layer of a CPU
 //! decode step in one call (arrays borrowed in place, the GIL released).
 
-use crate::blocks::{as_value_error, overlaps, raw_matrices, raw_parts, value_error};
+use crate::blocks::{as_value_error, overlaps, raw_parts, value_error};
 use crate::convert::{typed_array, TypedArray};
-use kvshare_kernels::blocks::BlockType;
+use kvshare_kernels::blocks::{BlockMatrix, BlockType};
 use kvshare_kernels::decode::{
     decode_layer as core_decode_layer, LayerShape, LayerWeights, StepRows,
 };
@@ -45,9 +45,154 @@ fn vector<'py>(obj: &Bound<'py, PyAny>, what: &str) -> PyResult<Option<TypedArra
     array(obj, b'f', 4, false, what).map(Some)
 }
 
-fn slice_of<'a>(a: &'a Option<TypedArray<'_>>) -> &'a [f32] {
-    // SAFETY: dtype f32 checked by typed_array; the array stays referenced for the call
-    a.as_ref().map_or(&[], |a| unsafe { a.as_slice::<f32>() })
+/// A weight part borrowed from its array: data address, bytes, type, rows.
+#[derive(Clone, Copy)]
+struct Part {
+    ptr: usize,
+    len: usize,
+    ty: BlockType,
+    n: usize,
+}
+
+/// A layer's weights checked and borrowed (from a `FusedLayer`, or from the 11-tuple for
+/// one call): parts of `wqkv`, `wo`, `w_gate_up`, `w_down`, and the seven vectors
+/// `(attn_norm, bqkv, q_norm, k_norm, post_attn_norm, ffn_norm, post_ffn_norm)` as (address,
+/// values), `None` where absent.
+#[derive(Clone)]
+struct Borrowed {
+    d: usize,
+    qd: usize,
+    weights: [Vec<Part>; 4],
+    vectors: [Option<(usize, usize)>; 7],
+}
+
+impl Borrowed {
+    /// Checks the 11-tuple `layer` of a model with `d`-wide rows and `qd` query values per
+    /// row; `keep` holds the arrays' references for as long as the result is used.
+    fn new<'py>(
+        layer: &Bound<'py, PyTuple>,
+        d: usize,
+        qd: usize,
+        keep: &mut Vec<Bound<'py, PyAny>>,
+    ) -> PyResult<Self> {
+        if layer.len() != 11 {
+            return Err(value_error("layer must be an 11-tuple of weights"));
+        }
+        let item = |i: usize| layer.get_item(i);
+        let borrow = |ps: Vec<(TypedArray<'py>, BlockType, usize)>, keep: &mut Vec<_>| {
+            ps.into_iter()
+                .map(|(a, ty, n)| {
+                    let (ptr, end) = a.span(1);
+                    keep.push(a.owner().clone());
+                    Part {
+                        ptr,
+                        len: end - ptr,
+                        ty,
+                        n,
+                    }
+                })
+                .collect::<Vec<_>>()
+        };
+        let gu = parts(&item(8)?, d)?;
+        let ff = gu.iter().map(|p| p.2).sum::<usize>() / 2;
+        let wqkv = borrow(parts(&item(1)?, d)?, keep);
+        let wo = borrow(parts(&item(5)?, qd)?, keep);
+        let gu = borrow(gu, keep);
+        let down = borrow(parts(&item(9)?, ff)?, keep);
+        let mut vectors = [None; 7];
+        for (slot, i) in vectors.iter_mut().zip([0, 2, 3, 4, 6, 7, 10]) {
+            if let Some(a) = vector(&item(i)?, "a norm or bias")? {
+                let (ptr, end) = a.span(4);
+                keep.push(a.owner().clone());
+                *slot = Some((ptr, (end - ptr) / 4));
+            }
+        }
+        let [attn_norm, _, _, _, post_attn_norm, ffn_norm, post_ffn_norm] = vectors;
+        if attn_norm.is_none() || ffn_norm.is_none() {
+            return Err(value_error("attn_norm and ffn_norm are required"));
+        }
+        for v in [attn_norm, ffn_norm, post_attn_norm, post_ffn_norm]
+            .into_iter()
+            .flatten()
+        {
+            if v.1 != d {
+                return Err(value_error(format!("a norm must have {d} values")));
+            }
+        }
+        Ok(Borrowed {
+            d,
+            qd,
+            weights: [wqkv, wo, gu, down],
+            vectors,
+        })
+    }
+
+    /// The arrays' `[start, end)` addresses.
+    fn spans(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let parts = self
+            .weights
+            .iter()
+            .flatten()
+            .map(|p| (p.ptr, p.ptr + p.len));
+        let vecs = self.vectors.iter().flatten().map(|&(p, n)| (p, p + 4 * n));
+        parts.chain(vecs)
+    }
+
+    /// The kernels' matrices of weight `w`, rows of `k` values.
+    /// SAFETY: the arrays are alive (referenced) and unchanged while they are used.
+    unsafe fn matrices(&self, w: usize, k: usize) -> Vec<BlockMatrix<'_>> {
+        self.weights[w]
+            .iter()
+            .map(|p| BlockMatrix {
+                // SAFETY: see above; ptr/len describe a u8 array's data
+                raw: unsafe { std::slice::from_raw_parts(p.ptr as *const u8, p.len) },
+                ty: p.ty,
+                n: p.n,
+                k,
+            })
+            .collect()
+    }
+
+    /// Vector `i` (see the struct), empty when absent.
+    /// SAFETY: as `matrices`.
+    unsafe fn vector(&self, i: usize) -> &[f32] {
+        self.vectors[i].map_or(&[], |(p, n)| unsafe {
+            std::slice::from_raw_parts(p as *const f32, n)
+        })
+    }
+}
+
+/// A layer's weights for `decode_layer`, checked and borrowed once: `FusedLayer(layer,
+/// shape)` with `decode_layer`'s 11-tuple and shape tuple. Passed in the tuple's place, it
+/// saves re-reading ~13 arrays' buffers every decode step (~1 us apiece). It holds the
+/// arrays (they must not be changed while it lives; a model's weights are not).
+#[pyclass(frozen, module = "kvshare._core")]
+pub struct FusedLayer {
+    weights: Borrowed,
+    _owners: Vec<Py<PyAny>>,
+}
+
+#[pymethods]
+impl FusedLayer {
+    #[new]
+    fn new(
+        layer: &Bound<'_, PyTuple>,
+        shape: (usize, usize, usize, f32, bool, String, usize, f32),
+    ) -> PyResult<Self> {
+        let (n_head, _, head_dim, ..) = shape;
+        if layer.len() != 11 {
+            return Err(value_error("layer must be an 11-tuple of weights"));
+        }
+        let attn_norm = vector(&layer.get_item(0)?, "attn_norm")?
+            .ok_or_else(|| value_error("attn_norm and ffn_norm are required"))?;
+        let d = attn_norm.shape.iter().product::<usize>();
+        let mut keep = Vec::new();
+        let weights = Borrowed::new(layer, d, n_head * head_dim, &mut keep)?;
+        Ok(FusedLayer {
+            weights,
+            _owners: keep.into_iter().map(Bound::unbind).collect(),
+        })
+    }
 }
 
 /// One decoder layer of a decode step, in place on `x` (float32 `[n, n_embd]`): the same
@@ -61,7 +206,7 @@ fn slice_of<'a>(a: &'a Option<TypedArray<'_>>) -> &'a [f32] {
 #[allow(clippy::too_many_arguments)]
 fn decode_layer(
     py: Python<'_>,
-    layer: &Bound<'_, PyTuple>,
+    layer: &Bound<'_, PyAny>,
     shape: (usize, usize, usize, f32, bool, String, usize, f32),
     x: &Bound<'_, PyAny>,
     cos: &Bound<'_, PyAny>,
@@ -82,40 +227,32 @@ fn decode_layer(
         "silu" => Glu::Silu,
         other => return Err(value_error(format!("unknown activation {other:?}"))),
     };
-    if layer.len() != 11 {
-        return Err(value_error("layer must be an 11-tuple of weights"));
-    }
     let xa = array(x, b'f', 4, true, "x")?;
     let &[n, d] = xa.shape.as_slice() else {
         return Err(value_error("x must be 2-D float32 [n, n_embd]"));
     };
-    let item = |i: usize| layer.get_item(i);
     let qd = n_head * head_dim;
-    let gu = parts(&item(8)?, d)?;
-    let ff = gu.iter().map(|p| p.2).sum::<usize>() / 2;
-    let (wqkv, wo, down) = (
-        parts(&item(1)?, d)?,
-        parts(&item(5)?, qd)?,
-        parts(&item(9)?, ff)?,
-    );
-    let vectors =
-        [0, 2, 3, 4, 6, 7, 10].map(|i| item(i).and_then(|o| vector(&o, "a norm or bias")));
-    let [attn_norm, bqkv, q_norm, k_norm, post_attn_norm, ffn_norm, post_ffn_norm] = vectors;
-    let (attn_norm, bqkv, q_norm, k_norm) = (attn_norm?, bqkv?, q_norm?, k_norm?);
-    let (post_attn_norm, ffn_norm, post_ffn_norm) = (post_attn_norm?, ffn_norm?, post_ffn_norm?);
-    if attn_norm.is_none() || ffn_norm.is_none() {
-        return Err(value_error("attn_norm and ffn_norm are required"));
-    }
-    for (v, len) in [
-        (&attn_norm, d),
-        (&ffn_norm, d),
-        (&post_attn_norm, d),
-        (&post_ffn_norm, d),
-    ] {
-        if v.as_ref().is_some_and(|a| a.shape != [len]) {
-            return Err(value_error(format!("a norm must have {len} values")));
+    let mut keep = Vec::new();
+    let prepared;
+    let w: &Borrowed = match layer.cast::<FusedLayer>() {
+        Ok(f) => {
+            prepared = f.get().weights.clone();
+            if prepared.d != d || prepared.qd != qd {
+                return Err(value_error(format!(
+                    "the layer was prepared for rows of {} and {} query values, not {d} and {qd}",
+                    prepared.d, prepared.qd
+                )));
+            }
+            &prepared
         }
-    }
+        Err(_) => {
+            let tuple = layer
+                .cast::<PyTuple>()
+                .map_err(|_| value_error("layer must be an 11-tuple of weights or a FusedLayer"))?;
+            prepared = Borrowed::new(tuple, d, qd, &mut keep)?;
+            &prepared
+        }
+    };
     let ca = array(cos, b'f', 4, false, "cos")?;
     let sa = array(sin, b'f', 4, false, "sin")?;
     let pa = array(slots, b'i', 8, false, "slots")?;
@@ -161,23 +298,7 @@ fn decode_layer(
         qa.span(8),
         spa.span(8),
     ];
-    for ps in [&wqkv, &wo, &gu, &down] {
-        read.extend(ps.iter().map(|p| p.0.span(1)));
-    }
-    for v in [
-        &attn_norm,
-        &bqkv,
-        &q_norm,
-        &k_norm,
-        &post_attn_norm,
-        &ffn_norm,
-        &post_ffn_norm,
-    ]
-    .into_iter()
-    .flatten()
-    {
-        read.push(v.span(4));
-    }
+    read.extend(w.spans());
     for (i, w) in written.iter().enumerate() {
         if read
             .iter()
@@ -189,24 +310,31 @@ fn decode_layer(
             ));
         }
     }
-    let (mqkv, mo, mgu, mdown) = (
-        raw_matrices(&wqkv, d),
-        raw_matrices(&wo, qd),
-        raw_matrices(&gu, d),
-        raw_matrices(&down, ff),
-    );
+    let ff = w.weights[2].iter().map(|p| p.n).sum::<usize>() / 2;
+    // SAFETY: the arrays are referenced (by `keep` or the FusedLayer) for this call, and a
+    // model's weights do not change
+    let (mqkv, mo, mgu, mdown) = unsafe {
+        (
+            w.matrices(0, d),
+            w.matrices(1, qd),
+            w.matrices(2, d),
+            w.matrices(3, ff),
+        )
+    };
+    // SAFETY: as above
+    let v = |i| unsafe { w.vector(i) };
     let weights = LayerWeights {
-        attn_norm: slice_of(&attn_norm),
+        attn_norm: v(0),
         wqkv: &mqkv,
-        bqkv: slice_of(&bqkv),
-        q_norm: slice_of(&q_norm),
-        k_norm: slice_of(&k_norm),
+        bqkv: v(1),
+        q_norm: v(2),
+        k_norm: v(3),
         wo: &mo,
-        post_attn_norm: slice_of(&post_attn_norm),
-        ffn_norm: slice_of(&ffn_norm),
+        post_attn_norm: v(4),
+        ffn_norm: v(5),
         w_gate_up: &mgu,
         w_down: &mdown,
-        post_ffn_norm: slice_of(&post_ffn_norm),
+        post_ffn_norm: v(6),
     };
     let s = LayerShape {
         n_head,
@@ -270,5 +398,6 @@ fn decode_layer(
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<FusedLayer>()?;
     m.add_function(wrap_pyfunction!(decode_layer, m)?)
 }

@@ -277,6 +277,8 @@ class AttentionLayer:
     fused: Any = field(default=None, repr=False, compare=False)
     # and its shape tuple (`fused.run`)
     fused_shape: Any = field(default=None, repr=False, compare=False)
+    # and `_core.FusedLayer(fused, fused_shape)`: the weights checked and borrowed once
+    fused_layer: Any = field(default=None, repr=False, compare=False)
 
 
 class RecurrentLayer:

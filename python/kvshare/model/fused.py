@@ -23,7 +23,7 @@ from kvshare.ops.attention import DECODE_ROWS, KERNEL_MAX_ROWS
 from kvshare.ops.blockweight import BLOCK_KERNEL_MAX, BlockWeight
 from kvshare.ops.rope import NEOX
 
-ENABLED = (hasattr(_core, "decode_layer")
+ENABLED = (hasattr(_core, "decode_layer") and hasattr(_core, "FusedLayer")
            and os.environ.get("KVSHARE_FUSED_DECODE", "1") != "0")
 MAX_ROWS = BLOCK_KERNEL_MAX
 _POOL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
@@ -83,6 +83,8 @@ def run(model: Any, L: Any, x: np.ndarray, plan: Any, kc: Any, vc: Any, tables: 
         shape = L.fused_shape = (cfg.n_head, cfg.n_head_kv, cfg.head_dim, float(cfg.norm_eps),
                                  cfg.rope_style == NEOX, model._act, int(L.window),
                                  float(cfg.q_scale))
-    _core.decode_layer(L.fused, shape, x, cos, sin, slots, kc, vc, tables, plan.q_starts,
+        # the weights' buffers read and checked once, not at every step (~13 arrays a layer)
+        L.fused_layer = _core.FusedLayer(L.fused, shape)
+    _core.decode_layer(L.fused_layer, shape, x, cos, sin, slots, kc, vc, tables, plan.q_starts,
                        plan.start_positions, KERNEL_MAX_ROWS, bool(model.batch_invariant),
                        CPU_THREADS.kernel_threads)
