@@ -47,17 +47,17 @@ def qwen3(tmp_path_factory):
 
 
 class Counter:
-    """Counts `_core.decode_layer` calls (the fused path taken)."""
+    """Counts the layers `_core.decode_layers` runs (the fused path taken)."""
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        real = _core.decode_layer
+        real = _core.decode_layers
 
-        def counted(*a):
-            self.calls += 1
-            return real(*a)
+        def counted(layers, *a):
+            self.calls += len(layers)
+            return real(layers, *a)
 
-        monkeypatch.setattr(_core, "decode_layer", counted)
+        monkeypatch.setattr(_core, "decode_layers", counted)
 
 
 def decode(model, enabled, monkeypatch, kv_dtype=None, lens=(40, 7, 600), steps=4):
@@ -193,3 +193,38 @@ def test_a_prepared_layer_gives_the_tuple_s_bits_and_checks_its_use(qwen3):
         _core.FusedLayer(args[:10], shape)
     with pytest.raises(ValueError):
         _core.FusedLayer((None,) + tuple(args[1:]), shape)
+
+
+def test_decode_layers_checks_every_layer_before_running_any(qwen3):
+    """A bad argument of a later layer, or two layers writing one pool: a ValueError, and the
+    rows and pools are as they were."""
+    cfg = qwen3.config
+    shape = (cfg.n_head, cfg.n_head_kv, cfg.head_dim, float(cfg.norm_eps), True, "silu",
+             0, float(cfg.q_scale))
+    cache = qwen3.new_cache(4, 16)
+    half = cfg.n_rot // 2
+    cos, sin = np.ones((1, half), np.float32), np.zeros((1, half), np.float32)
+    table = np.arange(4, dtype=np.int32)[None]
+    slots = np.array([3], np.int64)
+    qs, sp = np.array([0, 1], np.int64), np.array([3], np.int64)
+    x = np.random.default_rng(2).standard_normal((1, cfg.n_embd)).astype(np.float32)
+
+    def call(il, **kw):
+        L = qwen3.layers[il]
+        kc, vc = cache.layer_kv(L.attn_index)
+        a = dict(layer=_core.FusedLayer(fused.layer_args(L), shape), shape=shape, cos=cos,
+                 sin=sin, slots=slots, kc=kc, vc=vc, tables=table)
+        a.update(kw)
+        return tuple(a.values())
+
+    before = (x.copy(), [np.array(a) for kv in cache.kv for a in kv])
+    bad_slots = [call(0), call(1, slots=slots.astype(np.int32))]
+    shared_pool = [call(0), call(1, kc=cache.layer_kv(0)[0])]
+    for layers, match in ((bad_slots, "slots"), (shared_pool, "overlap")):
+        with pytest.raises(ValueError, match=match):
+            _core.decode_layers(layers, x, qs, sp, 1 << 62, True, 1)
+        assert np.array_equal(x, before[0])
+        assert all(np.array_equal(a, b) for a, b in
+                   zip([a for kv in cache.kv for a in kv], before[1]))
+    _core.decode_layers([call(0), call(1)], x, qs, sp, 1 << 62, True, 1)
+    assert not np.array_equal(x, before[0]) and np.isfinite(x).all()

@@ -10,8 +10,9 @@ use kvshare_kernels::decode::{
 use kvshare_kernels::rowops::Glu;
 use kvshare_kernels::{KernelError, Queries, F16};
 use pyo3::exceptions::PyIndexError;
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyList, PyTuple};
 
 /// `typed_array`, its InvalidArgument as ValueError (what the layer promises for every bad
 /// argument, as the block kernels do).
@@ -195,110 +196,177 @@ impl FusedLayer {
     }
 }
 
-/// One decoder layer of a decode step, in place on `x` (float32 `[n, n_embd]`): the same
-/// operations and float formulas as `DecoderModel`'s Python ops (see
-/// `kvshare_kernels::decode`). `layer`: `(attn_norm, wqkv, bqkv, q_norm, k_norm, wo,
-/// post_attn_norm, ffn_norm, w_gate_up, w_down, post_ffn_norm)`, each weight a
-/// `(raws, qtypes)` pair, each optional vector None when absent. `shape`: `(n_head, n_kv,
-/// head_dim, eps, neox, activation, window, scale)`. The rest as `paged_attention`'s and
-/// `write_kv`'s arguments (an f32 or f16 pool).
-#[pyfunction]
+/// The step's arrays shared by its layers: `x` (written) and the sequences' `q_starts` and
+/// `start_positions`.
+struct StepArrays<'py> {
+    x: TypedArray<'py>,
+    n: usize,
+    d: usize,
+    q_starts: TypedArray<'py>,
+    start_positions: TypedArray<'py>,
+    n_seq: usize,
+}
+
+impl<'py> StepArrays<'py> {
+    fn new(
+        x: &Bound<'py, PyAny>,
+        q_starts: &Bound<'py, PyAny>,
+        start_positions: &Bound<'py, PyAny>,
+    ) -> PyResult<Self> {
+        let xa = array(x, b'f', 4, true, "x")?;
+        let &[n, d] = xa.shape.as_slice() else {
+            return Err(value_error("x must be 2-D float32 [n, n_embd]"));
+        };
+        let qa = array(q_starts, b'i', 8, false, "q_starts")?;
+        let spa = array(start_positions, b'i', 8, false, "start_positions")?;
+        let &[n_seq] = spa.shape.as_slice() else {
+            return Err(value_error("start_positions must be [n_seq]"));
+        };
+        if qa.shape != [n_seq + 1] {
+            return Err(value_error(
+                "start_positions must be [n_seq] and q_starts [n_seq + 1]",
+            ));
+        }
+        Ok(StepArrays {
+            x: xa,
+            n,
+            d,
+            q_starts: qa,
+            start_positions: spa,
+            n_seq,
+        })
+    }
+}
+
+/// One layer's arguments, checked (with the GIL).
+struct CheckedLayer<'py> {
+    w: Borrowed,
+    s: LayerShape,
+    ff: usize,
+    cos: TypedArray<'py>,
+    sin: TypedArray<'py>,
+    slots: TypedArray<'py>,
+    tables: TypedArray<'py>,
+    width: usize,
+    k: TypedArray<'py>,
+    v: TypedArray<'py>,
+    itemsize: usize,
+    block_size: usize,
+}
+
 #[allow(clippy::too_many_arguments)]
-fn decode_layer(
-    py: Python<'_>,
-    layer: &Bound<'_, PyAny>,
+fn check_layer<'py>(
+    step: &StepArrays<'py>,
+    layer: &Bound<'py, PyAny>,
     shape: (usize, usize, usize, f32, bool, String, usize, f32),
-    x: &Bound<'_, PyAny>,
-    cos: &Bound<'_, PyAny>,
-    sin: &Bound<'_, PyAny>,
-    slots: &Bound<'_, PyAny>,
-    k_cache: &Bound<'_, PyAny>,
-    v_cache: &Bound<'_, PyAny>,
-    block_tables: &Bound<'_, PyAny>,
-    q_starts: &Bound<'_, PyAny>,
-    start_positions: &Bound<'_, PyAny>,
-    max_rows: usize,
-    invariant: bool,
-    threads: usize,
-) -> PyResult<()> {
+    cos: &Bound<'py, PyAny>,
+    sin: &Bound<'py, PyAny>,
+    slots: &Bound<'py, PyAny>,
+    k_cache: &Bound<'py, PyAny>,
+    v_cache: &Bound<'py, PyAny>,
+    block_tables: &Bound<'py, PyAny>,
+    keep: &mut Vec<Bound<'py, PyAny>>,
+) -> PyResult<CheckedLayer<'py>> {
     let (n_head, n_kv, head_dim, eps, neox, act, window, scale) = shape;
     let glu = match act.as_str() {
         "gelu_tanh" => Glu::GeluTanh,
         "silu" => Glu::Silu,
         other => return Err(value_error(format!("unknown activation {other:?}"))),
     };
-    let xa = array(x, b'f', 4, true, "x")?;
-    let &[n, d] = xa.shape.as_slice() else {
-        return Err(value_error("x must be 2-D float32 [n, n_embd]"));
-    };
-    let qd = n_head * head_dim;
-    let mut keep = Vec::new();
-    let prepared;
-    let w: &Borrowed = match layer.cast::<FusedLayer>() {
+    let (d, qd) = (step.d, n_head * head_dim);
+    let w = match layer.cast::<FusedLayer>() {
         Ok(f) => {
-            prepared = f.get().weights.clone();
-            if prepared.d != d || prepared.qd != qd {
+            let w = f.get().weights.clone();
+            if w.d != d || w.qd != qd {
                 return Err(value_error(format!(
                     "the layer was prepared for rows of {} and {} query values, not {d} and {qd}",
-                    prepared.d, prepared.qd
+                    w.d, w.qd
                 )));
             }
-            &prepared
+            w
         }
         Err(_) => {
             let tuple = layer
                 .cast::<PyTuple>()
                 .map_err(|_| value_error("layer must be an 11-tuple of weights or a FusedLayer"))?;
-            prepared = Borrowed::new(tuple, d, qd, &mut keep)?;
-            &prepared
+            Borrowed::new(tuple, d, qd, keep)?
         }
     };
-    let ca = array(cos, b'f', 4, false, "cos")?;
-    let sa = array(sin, b'f', 4, false, "sin")?;
-    let pa = array(slots, b'i', 8, false, "slots")?;
-    let ta = array(block_tables, b'i', 4, false, "block_tables")?;
-    let qa = array(q_starts, b'i', 8, false, "q_starts")?;
-    let spa = array(start_positions, b'i', 8, false, "start_positions")?;
-    let &[n_seq, width] = ta.shape.as_slice() else {
+    let ff = w.weights[2].iter().map(|p| p.n).sum::<usize>() / 2;
+    let cos = array(cos, b'f', 4, false, "cos")?;
+    let sin = array(sin, b'f', 4, false, "sin")?;
+    let slots = array(slots, b'i', 8, false, "slots")?;
+    let tables = array(block_tables, b'i', 4, false, "block_tables")?;
+    let &[n_seq, width] = tables.shape.as_slice() else {
         return Err(value_error("block_tables must be 2-D"));
     };
-    if qa.shape != [n_seq + 1] || spa.shape != [n_seq] {
+    if n_seq != step.n_seq {
         return Err(value_error(
             "start_positions must be [n_seq] and q_starts [n_seq + 1]",
         ));
     }
     let itemsize = k_cache
-        .getattr("dtype")
-        .and_then(|d| d.getattr("itemsize"))
+        .getattr(intern!(k_cache.py(), "dtype"))
+        .and_then(|d| d.getattr(intern!(k_cache.py(), "itemsize")))
         .and_then(|n| n.extract::<usize>())
         .map_err(|_| value_error("k_cache must be a NumPy array"))?;
-    let kind = b'f';
     if itemsize != 2 && itemsize != 4 {
         return Err(value_error("the fused layer takes an f32 or f16 pool"));
     }
-    let ka = array(k_cache, kind, itemsize, true, "k_cache")?;
-    let va = array(v_cache, kind, itemsize, true, "v_cache")?;
-    let &[_, block_size, pool_kv, pool_hd] = ka.shape.as_slice() else {
+    let k = array(k_cache, b'f', itemsize, true, "k_cache")?;
+    let v = array(v_cache, b'f', itemsize, true, "v_cache")?;
+    let &[_, block_size, pool_kv, pool_hd] = k.shape.as_slice() else {
         return Err(value_error(
             "k_cache must be [n_blocks, block_size, n_kv_heads, head_dim]",
         ));
     };
-    if va.shape != ka.shape || pool_kv != n_kv || pool_hd != head_dim {
+    if v.shape != k.shape || pool_kv != n_kv || pool_hd != head_dim {
         return Err(value_error(
             "k_cache and v_cache must be [n_blocks, block_size, n_kv, head_dim]",
         ));
     }
-    // x, the pool's K and V are written: none may overlap another array
-    let written = [xa.span(4), ka.span(itemsize), va.span(itemsize)];
-    let mut read: Vec<(usize, usize)> = vec![
-        ca.span(4),
-        sa.span(4),
-        pa.span(8),
-        ta.span(4),
-        qa.span(8),
-        spa.span(8),
-    ];
-    read.extend(w.spans());
+    let s = LayerShape {
+        n_head,
+        n_kv,
+        head_dim,
+        eps,
+        neox,
+        glu,
+        window,
+        scale,
+    };
+    Ok(CheckedLayer {
+        w,
+        s,
+        ff,
+        cos,
+        sin,
+        slots,
+        tables,
+        width,
+        k,
+        v,
+        itemsize,
+        block_size,
+    })
+}
+
+/// Refuses arrays written by a call (`x`, every layer's K and V) that overlap any other
+/// array of the call.
+fn check_overlaps(step: &StepArrays<'_>, layers: &[CheckedLayer<'_>]) -> PyResult<()> {
+    let mut written = vec![step.x.span(4)];
+    let mut read = vec![step.q_starts.span(8), step.start_positions.span(8)];
+    for c in layers {
+        written.push(c.k.span(c.itemsize));
+        written.push(c.v.span(c.itemsize));
+        read.extend([
+            c.cos.span(4),
+            c.sin.span(4),
+            c.slots.span(8),
+            c.tables.span(4),
+        ]);
+        read.extend(c.w.spans());
+    }
     for (i, w) in written.iter().enumerate() {
         if read
             .iter()
@@ -310,94 +378,270 @@ fn decode_layer(
             ));
         }
     }
-    let ff = w.weights[2].iter().map(|p| p.n).sum::<usize>() / 2;
-    // SAFETY: the arrays are referenced (by `keep` or the FusedLayer) for this call, and a
-    // model's weights do not change
-    let (mqkv, mo, mgu, mdown) = unsafe {
-        (
-            w.matrices(0, d),
-            w.matrices(1, qd),
-            w.matrices(2, d),
-            w.matrices(3, ff),
-        )
-    };
-    // SAFETY: as above
-    let v = |i| unsafe { w.vector(i) };
-    let weights = LayerWeights {
-        attn_norm: v(0),
-        wqkv: &mqkv,
-        bqkv: v(1),
-        q_norm: v(2),
-        k_norm: v(3),
-        wo: &mo,
-        post_attn_norm: v(4),
-        ffn_norm: v(5),
-        w_gate_up: &mgu,
-        w_down: &mdown,
-        post_ffn_norm: v(6),
-    };
-    let s = LayerShape {
-        n_head,
-        n_kv,
-        head_dim,
-        eps,
-        neox,
-        glu,
-        window,
-        scale,
-    };
-    // SAFETY: dtypes checked by typed_array; the written arrays overlap nothing (above); all
-    // arrays stay referenced for this call
-    let (xs, cs, ss, ps, ts, qs, sps) = unsafe {
-        (
-            xa.as_mut_slice::<f32>(),
-            ca.as_slice::<f32>(),
-            sa.as_slice::<f32>(),
-            pa.as_slice::<i64>(),
-            ta.as_slice::<i32>(),
-            qa.as_slice::<i64>(),
-            spa.as_slice::<i64>(),
-        )
-    };
-    let rows = StepRows {
-        n,
-        cos: cs,
-        sin: ss,
-        slots: ps,
-        queries: Queries {
-            q: &[],
-            n_head,
-            tables: ts,
-            width,
-            q_starts: qs,
-            start_positions: sps,
-        },
-    };
-    let threads = threads.max(1);
-    // SAFETY (both arms): the element type is the pool's (itemsize checked above); K and V
-    // overlap no other array and nothing else borrows them
-    let res = if itemsize == 2 {
-        let (kc, vc) = unsafe { (ka.as_mut_slice::<F16>(), va.as_mut_slice::<F16>()) };
-        py.detach(|| {
-            core_decode_layer(
-                &weights, &s, xs, &rows, kc, vc, block_size, max_rows, invariant, threads,
-            )
-        })
-    } else {
-        let (kc, vc) = unsafe { (ka.as_mut_slice::<f32>(), va.as_mut_slice::<f32>()) };
-        py.detach(|| {
-            core_decode_layer(
-                &weights, &s, xs, &rows, kc, vc, block_size, max_rows, invariant, threads,
-            )
-        })
-    };
-    res.map_err(|e| match e {
+    Ok(())
+}
+
+/// A layer's pool: f16 or f32 rows.
+enum Pool<'a> {
+    F16(&'a mut [F16], &'a mut [F16]),
+    F32(&'a mut [f32], &'a mut [f32]),
+}
+
+/// A checked layer's data as plain slices (no Python objects: it runs without the GIL).
+struct PlainLayer<'a> {
+    mats: [Vec<BlockMatrix<'a>>; 4],
+    vecs: [&'a [f32]; 7],
+    s: LayerShape,
+    cos: &'a [f32],
+    sin: &'a [f32],
+    slots: &'a [i64],
+    tables: &'a [i32],
+    width: usize,
+    pool: Pool<'a>,
+    block_size: usize,
+}
+
+impl<'a> PlainLayer<'a> {
+    /// SAFETY: the arrays are referenced for as long as the result lives; the written ones
+    /// (K and V) overlap no other array (`check_overlaps`) and are borrowed nowhere else.
+    unsafe fn new(c: &'a CheckedLayer<'_>, d: usize) -> Self {
+        let (qd, ff) = (c.s.n_head * c.s.head_dim, c.ff);
+        // SAFETY: see above; the dtypes were checked by typed_array
+        unsafe {
+            PlainLayer {
+                mats: [
+                    c.w.matrices(0, d),
+                    c.w.matrices(1, qd),
+                    c.w.matrices(2, d),
+                    c.w.matrices(3, ff),
+                ],
+                vecs: std::array::from_fn(|i| c.w.vector(i)),
+                s: c.s,
+                cos: c.cos.as_slice::<f32>(),
+                sin: c.sin.as_slice::<f32>(),
+                slots: c.slots.as_slice::<i64>(),
+                tables: c.tables.as_slice::<i32>(),
+                width: c.width,
+                pool: if c.itemsize == 2 {
+                    Pool::F16(c.k.as_mut_slice::<F16>(), c.v.as_mut_slice::<F16>())
+                } else {
+                    Pool::F32(c.k.as_mut_slice::<f32>(), c.v.as_mut_slice::<f32>())
+                },
+                block_size: c.block_size,
+            }
+        }
+    }
+
+    /// The layer over the rows `x` (`n` of them; the sequences' `q_starts` and
+    /// `start_positions`).
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &mut self,
+        x: &mut [f32],
+        n: usize,
+        q_starts: &[i64],
+        start_positions: &[i64],
+        max_rows: usize,
+        invariant: bool,
+        threads: usize,
+    ) -> Result<(), KernelError> {
+        let [wqkv, wo, w_gate_up, w_down] = &self.mats;
+        let v = &self.vecs;
+        let weights = LayerWeights {
+            attn_norm: v[0],
+            wqkv,
+            bqkv: v[1],
+            q_norm: v[2],
+            k_norm: v[3],
+            wo,
+            post_attn_norm: v[4],
+            ffn_norm: v[5],
+            w_gate_up,
+            w_down,
+            post_ffn_norm: v[6],
+        };
+        let rows = StepRows {
+            n,
+            cos: self.cos,
+            sin: self.sin,
+            slots: self.slots,
+            queries: Queries {
+                q: &[],
+                n_head: self.s.n_head,
+                tables: self.tables,
+                width: self.width,
+                q_starts,
+                start_positions,
+            },
+        };
+        let (s, bs) = (&self.s, self.block_size);
+        match &mut self.pool {
+            Pool::F16(k, v) => core_decode_layer(
+                &weights, s, x, &rows, k, v, bs, max_rows, invariant, threads,
+            ),
+            Pool::F32(k, v) => core_decode_layer(
+                &weights, s, x, &rows, k, v, bs, max_rows, invariant, threads,
+            ),
+        }
+    }
+}
+
+fn kernel_error(e: KernelError) -> PyErr {
+    match e {
         KernelError::Uncovered(m) => PyIndexError::new_err(m),
         e => value_error(e.to_string()),
+    }
+}
+
+/// A layer's shape tuple (see `decode_layer`).
+type ShapeArgs = (usize, usize, usize, f32, bool, String, usize, f32);
+
+/// A layer's arguments: the layer, its shape, and `[cos, sin, slots, k_cache, v_cache,
+/// block_tables]`.
+type LayerArgs<'py> = (Bound<'py, PyAny>, ShapeArgs, [Bound<'py, PyAny>; 6]);
+
+/// Checks `layers` (each `(layer, shape, cos, sin, slots, k_cache, v_cache, block_tables)`)
+/// and runs them in order over `x` with the GIL released once.
+#[allow(clippy::too_many_arguments)]
+fn run_layers<'py>(
+    py: Python<'py>,
+    layers: &[LayerArgs<'py>],
+    x: &Bound<'py, PyAny>,
+    q_starts: &Bound<'py, PyAny>,
+    start_positions: &Bound<'py, PyAny>,
+    max_rows: usize,
+    invariant: bool,
+    threads: usize,
+) -> PyResult<()> {
+    let step = StepArrays::new(x, q_starts, start_positions)?;
+    let mut keep = Vec::new();
+    let checked = layers
+        .iter()
+        .map(|(layer, shape, [cos, sin, slots, kc, vc, tables])| {
+            check_layer(
+                &step,
+                layer,
+                shape.clone(),
+                cos,
+                sin,
+                slots,
+                kc,
+                vc,
+                tables,
+                &mut keep,
+            )
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    check_overlaps(&step, &checked)?;
+    let d = step.d;
+    // SAFETY: every array is referenced (by `step`, `checked` and `keep`) until this returns;
+    // the written ones overlap nothing else (checked above), and each is borrowed once here
+    let mut plain: Vec<PlainLayer<'_>> = checked
+        .iter()
+        .map(|c| unsafe { PlainLayer::new(c, d) })
+        .collect();
+    let (xs, qs, sps) = unsafe {
+        (
+            step.x.as_mut_slice::<f32>(),
+            step.q_starts.as_slice::<i64>(),
+            step.start_positions.as_slice::<i64>(),
+        )
+    };
+    let (n, threads) = (step.n, threads.max(1));
+    py.detach(|| {
+        plain
+            .iter_mut()
+            .try_for_each(|l| l.run(xs, n, qs, sps, max_rows, invariant, threads))
     })
+    .map_err(kernel_error)
+}
+
+/// One decoder layer of a decode step, in place on `x` (float32 `[n, n_embd]`): the same
+/// operations and float formulas as `DecoderModel`'s Python ops (see
+/// `kvshare_kernels::decode`). `layer`: a `FusedLayer`, or `(attn_norm, wqkv, bqkv, q_norm,
+/// k_norm, wo, post_attn_norm, ffn_norm, w_gate_up, w_down, post_ffn_norm)`, each weight a
+/// `(raws, qtypes)` pair, each optional vector None when absent. `shape`: `(n_head, n_kv,
+/// head_dim, eps, neox, activation, window, scale)`. The rest as `paged_attention`'s and
+/// `write_kv`'s arguments (an f32 or f16 pool).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn decode_layer<'py>(
+    py: Python<'py>,
+    layer: &Bound<'py, PyAny>,
+    shape: (usize, usize, usize, f32, bool, String, usize, f32),
+    x: &Bound<'py, PyAny>,
+    cos: &Bound<'py, PyAny>,
+    sin: &Bound<'py, PyAny>,
+    slots: &Bound<'py, PyAny>,
+    k_cache: &Bound<'py, PyAny>,
+    v_cache: &Bound<'py, PyAny>,
+    block_tables: &Bound<'py, PyAny>,
+    q_starts: &Bound<'py, PyAny>,
+    start_positions: &Bound<'py, PyAny>,
+    max_rows: usize,
+    invariant: bool,
+    threads: usize,
+) -> PyResult<()> {
+    let arrays = [cos, sin, slots, k_cache, v_cache, block_tables].map(|a| a.clone());
+    run_layers(
+        py,
+        &[(layer.clone(), shape, arrays)],
+        x,
+        q_starts,
+        start_positions,
+        max_rows,
+        invariant,
+        threads,
+    )
+}
+
+/// `decode_layer` for consecutive layers of one step in one call: `layers` is a list of
+/// `(layer, shape, cos, sin, slots, k_cache, v_cache, block_tables)`, run in order over `x`
+/// (each layer's arguments as `decode_layer`'s). Every layer is checked before any runs.
+/// A decode step of Gemma 3 270M spent ~30 us a layer between Python and the kernels.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn decode_layers<'py>(
+    py: Python<'py>,
+    layers: &Bound<'py, PyList>,
+    x: &Bound<'py, PyAny>,
+    q_starts: &Bound<'py, PyAny>,
+    start_positions: &Bound<'py, PyAny>,
+    max_rows: usize,
+    invariant: bool,
+    threads: usize,
+) -> PyResult<()> {
+    let calls = layers
+        .iter()
+        .map(|t| {
+            let t = t
+                .cast_into::<PyTuple>()
+                .map_err(|_| value_error("each layer is an 8-tuple of decode_layer's arguments"))?;
+            if t.len() != 8 {
+                return Err(value_error(
+                    "each layer is an 8-tuple of decode_layer's arguments",
+                ));
+            }
+            let shape = t.get_item(1)?.extract()?;
+            let arrays = [2, 3, 4, 5, 6, 7].map(|i| t.get_item(i));
+            let [a, b, c, d, e, f] = arrays;
+            Ok((t.get_item(0)?, shape, [a?, b?, c?, d?, e?, f?]))
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    run_layers(
+        py,
+        &calls,
+        x,
+        q_starts,
+        start_positions,
+        max_rows,
+        invariant,
+        threads,
+    )
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<FusedLayer>()?;
-    m.add_function(wrap_pyfunction!(decode_layer, m)?)
+    m.add_function(wrap_pyfunction!(decode_layer, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_layers, m)?)
 }

@@ -275,7 +275,7 @@ class AttentionLayer:
     kind: str = ATTENTION
     # `model.fused`'s arguments for the layer, built on first use (() when it cannot take it)
     fused: Any = field(default=None, repr=False, compare=False)
-    # and its shape tuple (`fused.run`)
+    # and its shape tuple (`fused.layer_call`)
     fused_shape: Any = field(default=None, repr=False, compare=False)
     # and `_core.FusedLayer(fused, fused_shape)`: the weights checked and borrowed once
     fused_layer: Any = field(default=None, repr=False, compare=False)
@@ -336,8 +336,18 @@ class DecoderModel(Model):
                       cfg.embed_scale, backend=be)
         plan.fused = not be.is_gpu and fused.step_applies(plan, x)
         n_layers = len(self.layers)
+        # consecutive layers that take the fused path, run by one Rust call (`fused.run_layers`)
+        batch: list[tuple] = []
         for il, layer in enumerate(self.layers):
             last = il == n_layers - 1
+            if plan.fused and layer.kind == ATTENTION:
+                call = self._fused_call(layer, x, plan, cache, last)
+                if call is not None:
+                    batch.append(call)
+                    continue
+            if batch:
+                fused.run_layers(self, x, plan, batch)
+                batch = []
             if layer.kind == ATTENTION:
                 x = self._attention_layer(layer, x, plan, cache, last)
             else:
@@ -346,7 +356,23 @@ class DecoderModel(Model):
                     x = x[plan.logit_rows]
             if x is None:  # nothing more to compute: no logits requested
                 break
+        if batch:
+            fused.run_layers(self, x, plan, batch)
         return self._logits(x, plan)
+
+    def _fused_call(self, L: Any, x: Any, plan: BatchPlan, cache: ModelCache,
+                    last: bool) -> tuple | None:
+        """The layer's arguments for `fused.run_layers` (a decode step's attention layer on
+        the CPU), or None where `_attention_layer` computes it (another kind of attention
+        layer, or the fused path does not apply)."""
+        if type(L) is not AttentionLayer:
+            return None
+        kc, vc = cache.layer_kv(L.attn_index)
+        tables, slots = plan.group(cache.group_of(L.attn_index))
+        if tables is None or not fused.applies(L, x, plan, kc, last):
+            return None
+        cos, sin = self._rope(plan, L.rope_base, L.rope_scale)
+        return fused.layer_call(self, L, cos, sin, slots, kc, vc, tables)
 
     def _rope(self, plan: BatchPlan, base: float, scale: float) -> tuple[Any, Any]:
         key = (base, scale)
@@ -383,9 +409,6 @@ class DecoderModel(Model):
         tables, slots = plan.group(cache.group_of(L.attn_index))
         if tables is None:
             raise ValueError("the cache keeps window layers apart: chunks need win_block_table")
-        if plan.fused and fused.applies(L, x, plan, kc, last):
-            fused.run(self, L, x, plan, kc, vc, tables, slots, cos, sin)
-            return x
         parts = split_rows(n, plan.row_parts) if plan.row_parts > 1 else None
         # every layer stores its K/V, even the last one of a step that wants no logits
         if parts is None:
