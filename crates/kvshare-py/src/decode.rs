@@ -1,5 +1,6 @@
-//! Binding of `kvshare_kernels::decode::decode_layer`: one attention + MLP layer of a CPU
-//! decode step in one call (arrays borrowed in place, the GIL released).
+//! Binding of `kvshare_kernels::decode::decode_layer`: attention + MLP layers of a CPU
+//! decode step, one (`decode_layer`) or a run of them (`decode_layers`) in one call, arrays
+//! borrowed in place and the GIL released; `FusedLayer` holds a layer's weights checked once.
 
 use crate::blocks::{as_value_error, overlaps, raw_parts, value_error};
 use crate::convert::{typed_array, TypedArray};
@@ -13,6 +14,9 @@ use pyo3::exceptions::PyIndexError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
+
+/// A layer's shape tuple: `(n_head, n_kv, head_dim, eps, neox, activation, window, scale)`.
+type ShapeArgs = (usize, usize, usize, f32, bool, String, usize, f32);
 
 /// `typed_array`, its InvalidArgument as ValueError (what the layer promises for every bad
 /// argument, as the block kernels do).
@@ -176,10 +180,7 @@ pub struct FusedLayer {
 #[pymethods]
 impl FusedLayer {
     #[new]
-    fn new(
-        layer: &Bound<'_, PyTuple>,
-        shape: (usize, usize, usize, f32, bool, String, usize, f32),
-    ) -> PyResult<Self> {
+    fn new(layer: &Bound<'_, PyTuple>, shape: ShapeArgs) -> PyResult<Self> {
         let (n_head, _, head_dim, ..) = shape;
         if layer.len() != 11 {
             return Err(value_error("layer must be an 11-tuple of weights"));
@@ -258,7 +259,7 @@ struct CheckedLayer<'py> {
 fn check_layer<'py>(
     step: &StepArrays<'py>,
     layer: &Bound<'py, PyAny>,
-    shape: (usize, usize, usize, f32, bool, String, usize, f32),
+    shape: &ShapeArgs,
     cos: &Bound<'py, PyAny>,
     sin: &Bound<'py, PyAny>,
     slots: &Bound<'py, PyAny>,
@@ -267,7 +268,7 @@ fn check_layer<'py>(
     block_tables: &Bound<'py, PyAny>,
     keep: &mut Vec<Bound<'py, PyAny>>,
 ) -> PyResult<CheckedLayer<'py>> {
-    let (n_head, n_kv, head_dim, eps, neox, act, window, scale) = shape;
+    let &(n_head, n_kv, head_dim, eps, neox, ref act, window, scale) = shape;
     let glu = match act.as_str() {
         "gelu_tanh" => Glu::GeluTanh,
         "silu" => Glu::Silu,
@@ -493,9 +494,6 @@ fn kernel_error(e: KernelError) -> PyErr {
     }
 }
 
-/// A layer's shape tuple (see `decode_layer`).
-type ShapeArgs = (usize, usize, usize, f32, bool, String, usize, f32);
-
 /// A layer's arguments: the layer, its shape, and `[cos, sin, slots, k_cache, v_cache,
 /// block_tables]`.
 type LayerArgs<'py> = (Bound<'py, PyAny>, ShapeArgs, [Bound<'py, PyAny>; 6]);
@@ -519,16 +517,7 @@ fn run_layers<'py>(
         .iter()
         .map(|(layer, shape, [cos, sin, slots, kc, vc, tables])| {
             check_layer(
-                &step,
-                layer,
-                shape.clone(),
-                cos,
-                sin,
-                slots,
-                kc,
-                vc,
-                tables,
-                &mut keep,
+                &step, layer, shape, cos, sin, slots, kc, vc, tables, &mut keep,
             )
         })
         .collect::<PyResult<Vec<_>>>()?;
@@ -568,7 +557,7 @@ fn run_layers<'py>(
 fn decode_layer<'py>(
     py: Python<'py>,
     layer: &Bound<'py, PyAny>,
-    shape: (usize, usize, usize, f32, bool, String, usize, f32),
+    shape: ShapeArgs,
     x: &Bound<'py, PyAny>,
     cos: &Bound<'py, PyAny>,
     sin: &Bound<'py, PyAny>,
