@@ -257,6 +257,7 @@ def main() -> None:
         "load_seconds": load_s, "rss_after_load_mib": rss_loaded,
         "rss_after_first_forward_mib": rss_used,
         "peak_rss_mib": peak_rss_mib(), "batch4_over_batch1": d4 / d1,
+        "huge_page_fraction": getattr(model, "huge_page_fraction", 0.0),
         "batch8_over_batch1": d8 / d1, "file_mib": file_mib, "rss_bound_mib": rss_bound,
         "rows": rows,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
@@ -282,6 +283,7 @@ def main() -> None:
     print(f"{'RSS after 1st forward (MiB)':<28}{rss_used:>12.0f}   (target <= file x 1.1 + 300 = "
           f"{rss_bound:.0f}: {'met' if rss_used <= rss_bound else 'MISSED'})")
     print(f"{'peak RSS (MiB)':<28}{result['peak_rss_mib']:>12.0f}")
+    print(f"{'weights in 2 MiB pages':<28}{result['huge_page_fraction']:>12.0%}")
     print(f"load average during run: {os.getloadavg()}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from kvshare.model.huge_pages import map_in_huge_pages
+
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
@@ -90,7 +92,9 @@ class GGUFFile:
     """An open GGUF file. `metadata` maps GGUF keys to Python values (arrays as lists);
     `tensors` maps tensor names to `TensorInfo`; `raw(name)` is a zero-copy view of the bytes."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, huge_pages: bool = False):
+        """`huge_pages`: map the file in 2 MiB pages where Linux can (`huge_pages.py`; for
+        a model whose weights are read from the map at every step)."""
         self.path = Path(path)
         if not self.path.is_file():
             raise GGUFError(f"model file not found: {self.path}")
@@ -99,6 +103,10 @@ class GGUFFile:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             except ValueError as exc:  # empty file
                 raise GGUFError(f"{self.path}: not a valid GGUF file (empty)") from exc
+        # the share of the map in 2 MiB entries (0.0: not asked for, or none)
+        self.huge_fraction = 0.0
+        if huge_pages:
+            self._map, self.huge_fraction = map_in_huge_pages(self.path, self._map)
         try:
             self._parse()
         except GGUFError:

@@ -65,7 +65,8 @@ def load_model(path: str | Path, device: str | Backend = "cpu", *,
     """Load a GGUF model. Raises `GGUFError` for a missing, truncated or corrupt file and
     `UnsupportedModelError` for an architecture kvshare does not run."""
     backend = get_backend(device)
-    gf = GGUFFile(path)
+    # on a CPU the quantized weights stay views of the map, read at every decode step
+    gf = GGUFFile(path, huge_pages=backend.name == "cpu")
     try:
         check_supported(gf)
         cfg = config_from_metadata(gf.metadata)
@@ -78,6 +79,7 @@ def load_model(path: str | Path, device: str | Backend = "cpu", *,
         finally:
             ld.close()
         model.path = gf.path.resolve()
+        model.huge_page_fraction = gf.huge_fraction
         model.metadata = gf.metadata
         return model
     finally:
