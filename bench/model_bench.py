@@ -257,7 +257,7 @@ def main() -> None:
         "load_seconds": load_s, "rss_after_load_mib": rss_loaded,
         "rss_after_first_forward_mib": rss_used,
         "peak_rss_mib": peak_rss_mib(), "batch4_over_batch1": d4 / d1,
-        "huge_page_fraction": getattr(model, "huge_page_fraction", 0.0),
+        "huge_page_fraction": model.huge_page_fraction,
         "batch8_over_batch1": d8 / d1, "file_mib": file_mib, "rss_bound_mib": rss_bound,
         "rows": rows,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),

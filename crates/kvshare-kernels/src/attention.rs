@@ -1080,14 +1080,7 @@ fn tile_keys<T: KvElem>(
 /// Asks for the `len` bytes at `p` to be brought into the cache (a hint: never faults).
 fn prefetch_row(p: *const u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
-    for b in (0..len).step_by(64) {
-        // SAFETY: a prefetch reads nothing and never faults, whatever the address
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                p.wrapping_add(b) as *const i8
-            )
-        };
-    }
+    crate::x86::prefetch_lines::<{ std::arch::x86_64::_MM_HINT_T0 }>(p, len, p.wrapping_add(len));
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (p, len);
 }

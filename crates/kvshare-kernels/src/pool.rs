@@ -269,26 +269,22 @@ pub fn run_ranges(regions: &[usize], own: usize, steal: usize, f: &(dyn Fn(usize
             }
         }
     };
+    let remaining = |i: usize| {
+        let (a, b) = unpack(left[i].load(Ordering::Acquire));
+        b.saturating_sub(a)
+    };
     run(n, &|r| {
         while let Some((a, b)) = take(r, true) {
             f(a, b);
         }
+        // then from the back of the region with the most left, until none has any
         loop {
-            let most = (0..n).max_by_key(|&i| {
-                let (a, b) = unpack(left[i].load(Ordering::Acquire));
-                b.saturating_sub(a)
-            });
-            let Some(i) = most else { break };
-            match take(i, false) {
-                Some((a, b)) => f(a, b),
-                None => {
-                    if (0..n).all(|i| {
-                        let (a, b) = unpack(left[i].load(Ordering::Acquire));
-                        a >= b
-                    }) {
-                        break;
-                    }
-                }
+            let i = (0..n).max_by_key(|&i| remaining(i)).expect("n > 0 regions");
+            if remaining(i) == 0 {
+                break;
+            }
+            if let Some((a, b)) = take(i, false) {
+                f(a, b);
             }
         }
     });

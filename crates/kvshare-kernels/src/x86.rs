@@ -2,6 +2,20 @@
 
 use std::arch::x86_64::*;
 
+/// Prefetches (hint `H`) the lines of `from..from + len` that lie before `end` (a weight's
+/// last byte + 1, say). One comparison a line: ~8% of a hot Q4_K product's time went to this
+/// loop with two.
+#[inline]
+pub(crate) fn prefetch_lines<const H: i32>(from: *const u8, len: usize, end: *const u8) {
+    let mut pf = from;
+    let stop = pf.wrapping_add(len).min(end);
+    while pf < stop {
+        // SAFETY: a prefetch reads nothing and never faults, whatever the address
+        unsafe { _mm_prefetch::<H>(pf as *const i8) };
+        pf = pf.wrapping_add(64);
+    }
+}
+
 /// The sum of the 8 lanes of `v`.
 #[target_feature(enable = "avx")]
 #[inline]

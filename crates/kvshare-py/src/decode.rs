@@ -605,12 +605,11 @@ fn decode_layers<'py>(
         .map(|t| {
             let t = t
                 .cast_into::<PyTuple>()
-                .map_err(|_| value_error("each layer is an 8-tuple of decode_layer's arguments"))?;
-            if t.len() != 8 {
-                return Err(value_error(
-                    "each layer is an 8-tuple of decode_layer's arguments",
-                ));
-            }
+                .ok()
+                .filter(|t| t.len() == 8)
+                .ok_or_else(|| {
+                    value_error("each layer is an 8-tuple of decode_layer's arguments")
+                })?;
             let shape = t.get_item(1)?.extract()?;
             let arrays = [2, 3, 4, 5, 6, 7].map(|i| t.get_item(i));
             let [a, b, c, d, e, f] = arrays;

@@ -59,6 +59,8 @@ class Model(ABC):
     config: ModelConfig
     backend: Backend
     path: Path | None = None
+    # the share of the file's map in 2 MiB pages (`model/huge_pages.py`; 0.0: not mapped so)
+    huge_page_fraction: float = 0.0
     _fingerprint: str | None = None
 
     @property

@@ -100,12 +100,7 @@ def map_in_huge_pages(path: Path, mm: mmap.mmap) -> tuple[mmap.mmap, float]:
     and the share of it in 2 MiB entries. `mm` must have no buffer exported yet."""
     if not enabled() or len(mm) < 2 * HUGE:  # no whole 2 MiB stretch worth a re-read
         return mm, 0.0
-    advise = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advise is not None:
-        try:  # faults on pages not yet cached read them in 2 MiB folios
-            mm.madvise(advise)
-        except OSError:
-            pass
+    _ask_for_huge_pages(mm)
     frac = huge_fraction(mm)
     if frac >= 0.5 or _fs_type(path) not in _LARGE_FOLIO_FS or not hasattr(os, "posix_fadvise"):
         return mm, frac
@@ -117,9 +112,17 @@ def map_in_huge_pages(path: Path, mm: mmap.mmap) -> tuple[mmap.mmap, float]:
             pass
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         fresh = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    if advise is not None:
-        try:
-            fresh.madvise(advise)
-        except OSError:
-            pass
+    _ask_for_huge_pages(fresh)
     return fresh, huge_fraction(fresh)
+
+
+def _ask_for_huge_pages(mm: mmap.mmap) -> None:
+    """MADV_HUGEPAGE where Linux has it: faults on pages not yet cached read them in 2 MiB
+    folios."""
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advise is None:
+        return
+    try:
+        mm.madvise(advise)
+    except OSError:
+        pass

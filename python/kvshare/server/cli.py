@@ -752,7 +752,7 @@ def _load_engine(args: argparse.Namespace, path: str, label: str,
          f"{engine.n_blocks} blocks of {config.block_size} tokens) + RAM tier "
          + (f"up to {_mib(ram)}" if ram else "off")
          + f" = {_mib(w + kv + ram)} at most")
-    huge = getattr(model, "huge_page_fraction", 0.0)
+    huge = model.huge_page_fraction
     if huge:
         _say(f"weights mapped in 2 MiB pages: {huge:.0%} of the file")
     remote = getattr(engine.tiers, "remote", None)

@@ -41,6 +41,7 @@
 //! moves chunk boundaries, still changes nothing but speed.
 
 use super::{k4_scale_min_words, row_tile_regions, BlockMatrix, BlockType, OutPtr};
+use crate::x86::prefetch_lines;
 use std::arch::x86_64::*;
 
 /// Activation rows per tile of a product with at most 8 rows: the lanes of a 256-bit vector
@@ -1768,20 +1769,6 @@ const READ_AHEAD: usize = 8192;
 #[inline]
 fn prefetch_ahead(at: *const u8, len: usize, end: *const u8) {
     prefetch_lines::<_MM_HINT_T1>(at.wrapping_add(READ_AHEAD), len, end);
-}
-
-/// Prefetches (hint `H`) the lines of `from..from + len` that lie before `end` (the weight's
-/// last byte + 1). One comparison a line: ~8% of a hot Q4_K product's time went to this
-/// loop with two.
-#[inline]
-fn prefetch_lines<const H: i32>(from: *const u8, len: usize, end: *const u8) {
-    let mut pf = from;
-    let stop = pf.wrapping_add(len).min(end);
-    while pf < stop {
-        // SAFETY: a prefetch never faults; pf is inside the weight's bytes
-        unsafe { _mm_prefetch::<H>(pf as *const i8) };
-        pf = pf.wrapping_add(64);
-    }
 }
 
 /// The byte offsets of 16 rows `rb` bytes apart.
