@@ -1,5 +1,6 @@
 """A model file mapped in 2 MiB pages (`kvshare.model.huge_pages`): a file just written (its
-page cache in 4 KiB pages) comes back mapped in 2 MiB entries, with the same bytes."""
+page cache in 4 KiB pages), or one partly reclaimed and read back in small pieces, comes back
+mapped in 2 MiB entries, with the same bytes."""
 
 import os
 import platform
@@ -71,6 +72,43 @@ def test_a_file_just_written_is_mapped_in_huge_pages(tmp_path):
     again = GGUFFile(path)
     assert huge_pages.huge_fraction(again._map) >= 0.9
     again.close()
+
+
+def _read_back_in_small_folios(path: Path, start: int) -> None:
+    """Drop the file's cached pages from `start` on and read them back 4 KiB at a time with
+    readahead off (POSIX_FADV_RANDOM): cached again, in small folios, as the holes a reclaim
+    leaves are filled."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, start, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, start, 0, os.POSIX_FADV_RANDOM)
+        size = os.fstat(fd).st_size
+        for off in range(start, size, 4096):
+            os.pread(fd, 4096, off)
+    finally:
+        os.close(fd)
+
+
+def test_a_partly_reclaimed_file_is_read_again(tmp_path):
+    """A file cached in large folios, then its last 10 MiB reclaimed and read back in small
+    folios (~60% of its map in 2 MiB entries: over half, under `REREAD_BELOW`): loading
+    re-reads it into 2 MiB entries again, with the same bytes."""
+    if not _large_folios(tmp_path):
+        pytest.skip(f"no large folios for {huge_pages._fs_type(tmp_path)} on {platform.release()}")
+    path = tmp_path / "blob.gguf"
+    data = _write_gguf(path, 24, seed=3)
+    f = GGUFFile(path, huge_pages=True)
+    assert f.huge_fraction >= 0.9, f.huge_fraction
+    f.close()
+    _read_back_in_small_folios(path, 14 * MIB)
+    plain = GGUFFile(path)
+    part = huge_pages.huge_fraction(plain._map)
+    plain.close()
+    assert 0.5 < part < huge_pages.REREAD_BELOW, part
+    f = GGUFFile(path, huge_pages=True)
+    assert f.huge_fraction >= 0.9, f.huge_fraction
+    np.testing.assert_array_equal(f.raw("blob").view(np.float32), data)
+    f.close()
 
 
 def test_switched_off_the_map_is_left_as_it_comes(tmp_path, monkeypatch):

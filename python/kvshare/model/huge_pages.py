@@ -13,11 +13,20 @@ Whether the page cache holds a file in 2 MiB folios depends on how its pages cam
 by a large readahead (a fresh mapping; ext4 and xfs on Linux 6.x) they are; written by a
 process (a download, a copy, the test-model generator) they stay 4 KiB as long as they are
 cached. `map_in_huge_pages` touches one byte per 2 MiB of the map and reads how much of it
-Linux mapped in 2 MiB entries; when less than half, it drops the file's clean cached pages
-(POSIX_FADV_DONTNEED: pages another process maps, or dirty ones, stay) and maps the file
-afresh, so that it is read back in large folios: one extra read of the file, once, after
+Linux mapped in 2 MiB entries; when less than `REREAD_BELOW`, it drops the file's clean
+cached pages (POSIX_FADV_DONTNEED: pages another process maps, or dirty ones, stay) and maps
+the file afresh, so that it is read back in large folios: one extra read of the file, after
 which later starts find it cached in large folios. Set KVSHARE_HUGE_PAGES=0 to leave the
 map as it comes.
+
+A file cached in large folios does not stay so: when the kernel reclaims some of its pages
+(memory pressure, or proactive reclaim such as DAMON's `pageout`, which this project's VMs
+run), what is read back later fills only the holes, in small folios. The 1.9B model's file,
+fully in 2 MiB entries after a re-read, was found 82% so the next day and 61% two days
+later; from 61% and from 100% (two copies of the file, decode rounds alternating in one
+process) a step took 1.00x and 0.978x the time (quartiles 0.946-1.022, 12 rounds). Hence
+the re-read below 90%, not below half: a partly reclaimed file is read once more at
+startup (~1 s per GB from disk) for the whole life of the server.
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ HUGE = 2 << 20
 # filesystems whose page cache takes large folios (Linux >= 6.x): a re-read elsewhere would
 # come back in 4 KiB pages again, so it is not tried
 _LARGE_FOLIO_FS = {"ext4", "xfs"}
+# re-read the file when less of its map than this is in 2 MiB entries
+REREAD_BELOW = 0.9
 
 
 def enabled() -> bool:
@@ -102,7 +113,7 @@ def map_in_huge_pages(path: Path, mm: mmap.mmap) -> tuple[mmap.mmap, float]:
         return mm, 0.0
     _ask_for_huge_pages(mm)
     frac = huge_fraction(mm)
-    if frac >= 0.5 or _fs_type(path) not in _LARGE_FOLIO_FS or not hasattr(os, "posix_fadvise"):
+    if frac >= REREAD_BELOW or _fs_type(path) not in _LARGE_FOLIO_FS or not hasattr(os, "posix_fadvise"):
         return mm, frac
     mm.close()
     with open(path, "rb") as f:
