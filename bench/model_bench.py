@@ -12,9 +12,12 @@ an hour), and the table gets its best run and our ratio to it (the issue's targe
 ratios to llama.cpp on the same machine). Prompts are random token ids (the
 forward pass cost does not depend on which tokens). Prefill runs in chunks of `--chunk`
 tokens (default: the engine's prefill budget), asking for the last logits only, like a server does.
-Each number is the best of `--repeat` runs (other processes share this machine's cores);
-the decode cases run in interleaved rounds (each case once per round), so the batch-8 /
-batch-1 ratio compares runs seconds apart rather than minutes.
+Each number is the best of `--repeat` runs (default 5; other processes share this machine's
+cores, and its memory's rate moves by 1.5x from minute to minute, so both sides' best runs
+are the ones least disturbed); the decode cases run in interleaved rounds (each case once
+per round), so the batch-8 / batch-1 ratio compares runs seconds apart rather than minutes.
+The JSON keeps every round's rate for both sides (`round_tokens_per_s`,
+`llama_cpp_round_tokens_per_s`), so a reader can see how far a best run stands from the rest.
 "tok/CPU-s" divides by the process's CPU time instead of wall time: with
 OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 it is the single-core throughput, which other
 processes on the machine disturb far less than wall time (with more threads, spinning
@@ -80,15 +83,17 @@ class PrefillCase:
         nb = -(-n // block_size) + 1
         self.cache = model.new_cache(nb, block_size, kv_dtype=kv_dtype)
         self.table = np.arange(nb, dtype=np.int32)
-        self.best, self.cpu = float("inf"), []
+        self.best, self.cpu, self.rounds = float("inf"), [], []
 
     def round(self) -> None:
-        self.best = min(self.best, prefill(self.model, self.cache, self.tokens, self.table,
-                                           self.chunk, self.cpu))
+        t = prefill(self.model, self.cache, self.tokens, self.table, self.chunk, self.cpu)
+        self.rounds.append(self.n / t)
+        self.best = min(self.best, t)
 
-    def result(self) -> tuple[float, float, float]:
-        """tokens/s, seconds and tokens per CPU-second of the best round."""
-        return self.n / self.best, self.best, self.n / min(self.cpu)
+    def result(self) -> tuple[float, float, float, list[float]]:
+        """tokens/s, seconds and tokens per CPU-second of the best round; every round's
+        tokens/s."""
+        return self.n / self.best, self.best, self.n / min(self.cpu), self.rounds
 
 
 class DecodeCase:
@@ -109,6 +114,7 @@ class DecodeCase:
                     .astype(np.int32), t, chunk)
         self.pos = context
         self.best = self.best_cpu = float("inf")
+        self.rounds: list[float] = []
 
     def round(self) -> None:
         """Time `steps` decode steps; keep the best round."""
@@ -118,13 +124,16 @@ class DecodeCase:
             self.model.forward([SeqChunk([toks[i]], self.pos, self.tables[i], logits="last")
                                 for i in range(self.batch)], self.cache)
             self.pos += 1
-        self.best = min(self.best, time.perf_counter() - t0)
+        t = time.perf_counter() - t0
+        self.rounds.append(self.batch * self.steps / t)
+        self.best = min(self.best, t)
         self.best_cpu = min(self.best_cpu, time.process_time() - c0)
 
-    def result(self) -> tuple[float, float, float]:
-        """tokens/s, seconds per step and tokens per CPU-second of the best round."""
+    def result(self) -> tuple[float, float, float, list[float]]:
+        """tokens/s, seconds per step and tokens per CPU-second of the best round; every
+        round's tokens/s."""
         n = self.batch * self.steps
-        return n / self.best, self.best / self.steps, n / self.best_cpu
+        return n / self.best, self.best / self.steps, n / self.best_cpu, self.rounds
 
 
 class LlamaBench:
@@ -137,6 +146,7 @@ class LlamaBench:
     def __init__(self, binary: str, model: str, threads: int):
         self.cmd = [binary, "-m", model, "-t", str(threads), "-r", "1", "-o", "json"]
         self.best: dict[str, float] = {}
+        self.rounds: dict[str, list[float]] = {}
 
     def _run(self, args: list[str], key) -> None:
         res = subprocess.run(self.cmd + args, capture_output=True, text=True, check=True)
@@ -144,6 +154,7 @@ class LlamaBench:
             k = key(r)
             rate = max(r.get("samples_ts") or [r["avg_ts"]])
             self.best[k] = max(self.best.get(k, 0.0), rate)
+            self.rounds.setdefault(k, []).append(rate)
 
     def prefill(self, n: int) -> None:
         self._run(["-p", str(n), "-n", "0"], lambda r: f"prefill {r['n_prompt']}")
@@ -189,7 +200,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--chunk", type=int, default=EngineConfig.prefill_chunk,
                     help="prefill tokens per forward call (default: the engine's default)")
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=5,
+                    help="rounds per case, best kept (each side's)")
     ap.add_argument("--quick", action="store_true", help="1K prefill and batch 1/4 only")
     ap.add_argument("--only", choices=["prefill", "decode"], default=None)
     ap.add_argument("--kv-dtype", choices=["f16", "f32", "q8_0"], default=None,
@@ -224,9 +236,9 @@ def main() -> None:
         peer = LlamaBench(args.llama_bench, str(path), CPU_THREADS.max_threads)
     prefills = bench_prefill(model, prefill_sizes, args.chunk, args.repeat,
                              kv_dtype=args.kv_dtype, peer=peer)
-    for n, (tps, secs, tpc) in zip(prefill_sizes, prefills):
+    for n, (tps, secs, tpc, rounds) in zip(prefill_sizes, prefills):
         rows.append({"test": f"prefill {n}", "tokens_per_s": tps, "seconds": secs,
-                     "tokens_per_cpu_s": tpc})
+                     "tokens_per_cpu_s": tpc, "round_tokens_per_s": rounds})
         print(f"prefill {n:>5}: {tps:8.1f} tok/s ({secs:.2f} s; {tpc:.1f} tok per CPU-s)",
               flush=True)
     decode_cases = [(1, 64), (4, 64)] if args.quick else [(1, 64), (4, 64), (8, 64), (1, 6144)]
@@ -235,15 +247,17 @@ def main() -> None:
         decode_cases = []
     results = bench_decode(model, decode_cases, steps=16, repeat=args.repeat, chunk=args.chunk,
                            kv_dtype=args.kv_dtype, peer=peer)
-    for (batch, ctx), (tps, step_s, tpc) in zip(decode_cases, results):
+    for (batch, ctx), (tps, step_s, tpc, rounds) in zip(decode_cases, results):
         rows.append({"test": f"decode batch {batch} @ctx {ctx}", "tokens_per_s": tps,
-                     "step_ms": step_s * 1e3, "tokens_per_cpu_s": tpc})
+                     "step_ms": step_s * 1e3, "tokens_per_cpu_s": tpc,
+                     "round_tokens_per_s": rounds})
         print(f"decode batch {batch} ctx {ctx:>5}: {tps:8.1f} tok/s ({step_s * 1e3:.1f} ms/step;"
               f" {tpc:.1f} tok per CPU-s)", flush=True)
     if peer:
         for r in rows:
             if r["test"] in peer.best:
                 r["llama_cpp_tokens_per_s"] = peer.best[r["test"]]
+                r["llama_cpp_round_tokens_per_s"] = peer.rounds[r["test"]]
                 r["ratio_to_llama_cpp"] = r["tokens_per_s"] / peer.best[r["test"]]
     rates = {r["test"]: r["tokens_per_s"] for r in rows}
     d1 = rates.get("decode batch 1 @ctx 64", float("nan"))
