@@ -279,8 +279,13 @@ pub fn run_ranges(regions: &[usize], own: usize, steal: usize, f: &(dyn Fn(usize
         }
         // then from the back of the region with the most left, until none has any
         loop {
-            let i = (0..n).max_by_key(|&i| remaining(i)).expect("n > 0 regions");
-            if remaining(i) == 0 {
+            // each region's remainder read once: what is taken only ever shrinks, so a
+            // largest of 0 means every region is done
+            let (i, most) = (0..n)
+                .map(|i| (i, remaining(i)))
+                .max_by_key(|&(_, left)| left)
+                .expect("n > 0 regions");
+            if most == 0 {
                 break;
             }
             if let Some((a, b)) = take(i, false) {
