@@ -83,17 +83,18 @@ class PrefillCase:
         nb = -(-n // block_size) + 1
         self.cache = model.new_cache(nb, block_size, kv_dtype=kv_dtype)
         self.table = np.arange(nb, dtype=np.int32)
-        self.best, self.cpu, self.rounds = float("inf"), [], []
+        self.seconds: list[float] = []
+        self.cpu: list[float] = []
 
     def round(self) -> None:
-        t = prefill(self.model, self.cache, self.tokens, self.table, self.chunk, self.cpu)
-        self.rounds.append(self.n / t)
-        self.best = min(self.best, t)
+        self.seconds.append(prefill(self.model, self.cache, self.tokens, self.table,
+                                    self.chunk, self.cpu))
 
     def result(self) -> tuple[float, float, float, list[float]]:
         """tokens/s, seconds and tokens per CPU-second of the best round; every round's
         tokens/s."""
-        return self.n / self.best, self.best, self.n / min(self.cpu), self.rounds
+        best = min(self.seconds)
+        return self.n / best, best, self.n / min(self.cpu), [self.n / t for t in self.seconds]
 
 
 class DecodeCase:
@@ -113,48 +114,45 @@ class DecodeCase:
             prefill(model, self.cache, self.rng.integers(1000, self.hi, context)
                     .astype(np.int32), t, chunk)
         self.pos = context
-        self.best = self.best_cpu = float("inf")
-        self.rounds: list[float] = []
+        self.seconds: list[float] = []
+        self.best_cpu = float("inf")
 
     def round(self) -> None:
-        """Time `steps` decode steps; keep the best round."""
+        """Time `steps` decode steps (every round kept; `result` takes the best)."""
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(self.steps):
             toks = self.rng.integers(1000, self.hi, self.batch)
             self.model.forward([SeqChunk([toks[i]], self.pos, self.tables[i], logits="last")
                                 for i in range(self.batch)], self.cache)
             self.pos += 1
-        t = time.perf_counter() - t0
-        self.rounds.append(self.batch * self.steps / t)
-        self.best = min(self.best, t)
+        self.seconds.append(time.perf_counter() - t0)
         self.best_cpu = min(self.best_cpu, time.process_time() - c0)
 
     def result(self) -> tuple[float, float, float, list[float]]:
         """tokens/s, seconds per step and tokens per CPU-second of the best round; every
         round's tokens/s."""
-        n = self.batch * self.steps
-        return n / self.best, self.best / self.steps, n / self.best_cpu, self.rounds
+        n, best = self.batch * self.steps, min(self.seconds)
+        return n / best, best / self.steps, n / self.best_cpu, [n / t for t in self.seconds]
 
 
 class LlamaBench:
     """llama.cpp's `llama-bench` on the same model and threads, one repetition per call, so
-    that its runs can alternate with ours; keeps its best sample per test, as we keep our best
-    round (the machine is shared: both sides' best runs are the ones least disturbed). Keys
+    that its runs can alternate with ours; keeps every run's rate per test, and its best is
+    compared with our best round (the machine is shared: both sides' best runs are the ones
+    least disturbed). Keys
     are like our rows: 'prefill N' (pp N at depth 0), 'decode batch 1 @ctx D' (tg 16 at
     depth D)."""
 
     def __init__(self, binary: str, model: str, threads: int):
         self.cmd = [binary, "-m", model, "-t", str(threads), "-r", "1", "-o", "json"]
-        self.best: dict[str, float] = {}
+        # every run's rate per key; the best is the largest
         self.rounds: dict[str, list[float]] = {}
 
     def _run(self, args: list[str], key) -> None:
         res = subprocess.run(self.cmd + args, capture_output=True, text=True, check=True)
         for r in json.loads(res.stdout):
             k = key(r)
-            rate = max(r.get("samples_ts") or [r["avg_ts"]])
-            self.best[k] = max(self.best.get(k, 0.0), rate)
-            self.rounds.setdefault(k, []).append(rate)
+            self.rounds.setdefault(k, []).append(max(r.get("samples_ts") or [r["avg_ts"]]))
 
     def prefill(self, n: int) -> None:
         self._run(["-p", str(n), "-n", "0"], lambda r: f"prefill {r['n_prompt']}")
@@ -255,10 +253,11 @@ def main() -> None:
               f" {tpc:.1f} tok per CPU-s)", flush=True)
     if peer:
         for r in rows:
-            if r["test"] in peer.best:
-                r["llama_cpp_tokens_per_s"] = peer.best[r["test"]]
+            if r["test"] in peer.rounds:
+                best = max(peer.rounds[r["test"]])
+                r["llama_cpp_tokens_per_s"] = best
                 r["llama_cpp_round_tokens_per_s"] = peer.rounds[r["test"]]
-                r["ratio_to_llama_cpp"] = r["tokens_per_s"] / peer.best[r["test"]]
+                r["ratio_to_llama_cpp"] = r["tokens_per_s"] / best
     rates = {r["test"]: r["tokens_per_s"] for r in rows}
     d1 = rates.get("decode batch 1 @ctx 64", float("nan"))
     d4 = rates.get("decode batch 4 @ctx 64", float("nan"))
