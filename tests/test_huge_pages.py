@@ -32,6 +32,11 @@ def _large_folios(path: Path) -> bool:
     return platform.system() == "Linux" and need is not None and _kernel() >= need
 
 
+def _need_large_folios(path: Path) -> None:
+    if not _large_folios(path):
+        pytest.skip(f"no large folios for {huge_pages._fs_type(path)} on {platform.release()}")
+
+
 def _write_gguf(path: Path, mib: int, seed: int) -> np.ndarray:
     """A GGUF file of one `mib` MiB tensor, written 4 KiB at a time (as a download streams
     in): its page cache in small folios."""
@@ -56,8 +61,7 @@ def _copy_in_small_writes(src: Path, dst: Path) -> None:
 
 
 def test_a_file_just_written_is_mapped_in_huge_pages(tmp_path):
-    if not _large_folios(tmp_path):
-        pytest.skip(f"no large folios for {huge_pages._fs_type(tmp_path)} on {platform.release()}")
+    _need_large_folios(tmp_path)
     path = tmp_path / "blob.gguf"
     data = _write_gguf(path, 24, seed=1)
     # written in small pieces: cached in small folios, mapped in 4 KiB entries
@@ -93,8 +97,7 @@ def test_a_partly_reclaimed_file_is_read_again(tmp_path):
     """A file cached in large folios, then its last 10 MiB reclaimed and read back in small
     folios (~60% of its map in 2 MiB entries: over half, under `REREAD_BELOW`): loading
     re-reads it into 2 MiB entries again, with the same bytes."""
-    if not _large_folios(tmp_path):
-        pytest.skip(f"no large folios for {huge_pages._fs_type(tmp_path)} on {platform.release()}")
+    _need_large_folios(tmp_path)
     path = tmp_path / "blob.gguf"
     data = _write_gguf(path, 24, seed=3)
     f = GGUFFile(path, huge_pages=True)
