@@ -12,12 +12,16 @@ an hour), and the table gets its best run and our ratio to it (the issue's targe
 ratios to llama.cpp on the same machine). Prompts are random token ids (the
 forward pass cost does not depend on which tokens). Prefill runs in chunks of `--chunk`
 tokens (default: the engine's prefill budget), asking for the last logits only, like a server does.
-Each number is the best of `--repeat` runs (default 5; other processes share this machine's
-cores, and its memory's rate moves by 1.5x from minute to minute, so both sides' best runs
-are the ones least disturbed); the decode cases run in interleaved rounds (each case once
-per round), so the batch-8 / batch-1 ratio compares runs seconds apart rather than minutes.
-The JSON keeps every round's rate for both sides (`round_tokens_per_s`,
-`llama_cpp_round_tokens_per_s`), so a reader can see how far a best run stands from the rest.
+Each number is the best of `--repeat` runs (default 5), `--decode-repeat` (default 10) for
+decode at contexts up to 512 (other processes share this machine's cores, and its memory's
+rate switches between ~32 and ~50 GB/s in windows from a fraction of a second to minutes, so
+both sides' best runs are the ones least disturbed: over 30 alternating rounds of the 1.9B
+model's decode at context 64, best against best was 1.125, but 15% of the 5-round stretches
+gave below 1.0 and none of the 8-round ones; docs/model.md, session 25); the decode cases run in interleaved rounds (each case once per round), so the
+batch-8 / batch-1 ratio compares runs seconds apart rather than minutes. The JSON keeps
+every round's rate for both sides (`round_tokens_per_s`, `llama_cpp_round_tokens_per_s`),
+so a reader can see how far a best run stands from the rest; "paired" in the table is the
+median of our rounds' ratios to llama.cpp's run right after each.
 "tok/CPU-s" divides by the process's CPU time instead of wall time: with
 OPENBLAS_NUM_THREADS=1 NUMBA_NUM_THREADS=1 it is the single-core throughput, which other
 processes on the machine disturb far less than wall time (with more threads, spinning
@@ -99,13 +103,16 @@ class PrefillCase:
 
 class DecodeCase:
     """`batch` sequences, each with `context` tokens already prefilled, stepped one token per
-    sequence per step (logits 'last' for all)."""
+    sequence per step (logits 'last' for all). Every round decodes positions `context ..
+    context + steps` again (overwriting the last round's keys there), as `llama-bench`'s
+    `tg N` at depth `context` does in each of its runs: rounds that went on from where the
+    last one stopped would run at ever longer contexts (5 rounds of 16 steps at "context 64"
+    ended at 144), with more attention per step than llama.cpp's runs."""
 
-    def __init__(self, model, batch, context, steps, repeat, chunk, block_size=16,
-                 kv_dtype=None):
+    def __init__(self, model, batch, context, steps, chunk, block_size=16, kv_dtype=None):
         self.model, self.batch, self.context, self.steps = model, batch, context, steps
         self.rng = np.random.default_rng(batch * 7919 + context)
-        per_seq = -(-(context + steps * repeat + 1) // block_size)
+        per_seq = -(-(context + steps + 1) // block_size)
         self.cache = model.new_cache(per_seq * batch, block_size, kv_dtype=kv_dtype)
         self.tables = [np.arange(i * per_seq, (i + 1) * per_seq, dtype=np.int32)
                        for i in range(batch)]
@@ -118,7 +125,9 @@ class DecodeCase:
         self.best_cpu = float("inf")
 
     def round(self) -> None:
-        """Time `steps` decode steps (every round kept; `result` takes the best)."""
+        """Time `steps` decode steps from position `context` (every round kept; `result`
+        takes the best)."""
+        self.pos = self.context
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(self.steps):
             toks = self.rng.integers(1000, self.hi, self.batch)
@@ -177,18 +186,28 @@ def bench_prefill(model, sizes, chunk, repeat, kv_dtype=None, peer=None):
     return out
 
 
-def bench_decode(model, cases, steps, repeat, chunk, kv_dtype=None, peer=None):
+# Contexts up to this take `--decode-repeat` rounds; longer ones `--repeat` (a llama.cpp run
+# at depth 6K first prefills 6K tokens: about a minute on the 1.9B model)
+SHORT_CONTEXT = 512
+
+
+def bench_decode(model, cases, steps, repeat, chunk, kv_dtype=None, peer=None,
+                 short_repeat=None):
     """Each `(batch, context)` case's decode rate. The cases run in interleaved rounds (every
-    case once per round, `repeat` rounds, best round each) so that the batch-8 / batch-1
-    ratio compares rounds run within seconds of each other on this shared machine, not
-    minutes apart; with `peer`, llama.cpp's batch-1 decode runs once after each round."""
-    runs = [DecodeCase(model, b, c, steps, repeat, chunk, kv_dtype=kv_dtype) for b, c in cases]
-    depths = [c for b, c in cases if b == 1]
-    for _ in range(repeat):
-        for r in runs:
-            r.round()
+    case once per round, best round each) so that the batch-8 / batch-1 ratio compares
+    rounds run within seconds of each other on this shared machine, not minutes apart; with
+    `peer`, llama.cpp's batch-1 decode runs once after each round. Cases at contexts up to
+    `SHORT_CONTEXT` run `short_repeat` rounds (default `repeat`), longer ones the first
+    `repeat` of them."""
+    short_repeat = repeat if short_repeat is None else short_repeat
+    runs = [DecodeCase(model, b, c, steps, chunk, kv_dtype=kv_dtype) for b, c in cases]
+    rounds = [short_repeat if c <= SHORT_CONTEXT else repeat for _, c in cases]
+    for i in range(max(rounds, default=0)):
+        live = [k for k, n in enumerate(rounds) if i < n]
+        for k in live:
+            runs[k].round()
         if peer:
-            peer.decode(depths)
+            peer.decode([cases[k][1] for k in live if cases[k][0] == 1])
     return [r.result() for r in runs]
 
 
@@ -199,7 +218,10 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=EngineConfig.prefill_chunk,
                     help="prefill tokens per forward call (default: the engine's default)")
     ap.add_argument("--repeat", type=int, default=5,
-                    help="rounds per case, best kept (each side's)")
+                    help="rounds per prefill size and long-context decode case, best kept "
+                         "(each side's)")
+    ap.add_argument("--decode-repeat", type=int, default=10,
+                    help=f"rounds per decode case at contexts up to {SHORT_CONTEXT}")
     ap.add_argument("--quick", action="store_true", help="1K prefill and batch 1/4 only")
     ap.add_argument("--only", choices=["prefill", "decode"], default=None)
     ap.add_argument("--kv-dtype", choices=["f16", "f32", "q8_0"], default=None,
@@ -244,7 +266,7 @@ def main() -> None:
     if args.only == "prefill":
         decode_cases = []
     results = bench_decode(model, decode_cases, steps=16, repeat=args.repeat, chunk=args.chunk,
-                           kv_dtype=args.kv_dtype, peer=peer)
+                           kv_dtype=args.kv_dtype, peer=peer, short_repeat=args.decode_repeat)
     for (batch, ctx), (tps, step_s, tpc, rounds) in zip(decode_cases, results):
         rows.append({"test": f"decode batch {batch} @ctx {ctx}", "tokens_per_s": tps,
                      "step_ms": step_s * 1e3, "tokens_per_cpu_s": tpc,
@@ -258,6 +280,10 @@ def main() -> None:
                 r["llama_cpp_tokens_per_s"] = best
                 r["llama_cpp_round_tokens_per_s"] = peer.rounds[r["test"]]
                 r["ratio_to_llama_cpp"] = r["tokens_per_s"] / best
+                # each of our rounds against llama.cpp's run right after it
+                pairs = sorted(a / b for a, b in zip(r["round_tokens_per_s"],
+                                                     peer.rounds[r["test"]]))
+                r["paired_ratio_median"] = float(np.median(pairs))
     rates = {r["test"]: r["tokens_per_s"] for r in rows}
     d1 = rates.get("decode batch 1 @ctx 64", float("nan"))
     d4 = rates.get("decode batch 4 @ctx 64", float("nan"))
@@ -282,11 +308,12 @@ def main() -> None:
     }
     print()
     head = f"{'test':<28}{'tokens/s':>12}{'tok/CPU-s':>12}"
-    print(head + (f"{'llama.cpp':>12}{'ratio':>8}" if peer else ""))
+    print(head + (f"{'llama.cpp':>12}{'ratio':>8}{'paired':>8}" if peer else ""))
     for r in rows:
         line = f"{r['test']:<28}{r['tokens_per_s']:>12.1f}{r['tokens_per_cpu_s']:>12.1f}"
         if "ratio_to_llama_cpp" in r:
-            line += f"{r['llama_cpp_tokens_per_s']:>12.1f}{r['ratio_to_llama_cpp']:>8.2f}"
+            line += (f"{r['llama_cpp_tokens_per_s']:>12.1f}{r['ratio_to_llama_cpp']:>8.2f}"
+                     f"{r['paired_ratio_median']:>8.2f}")
         print(line)
     print(f"{'batch-4 / batch-1':<28}{result['batch4_over_batch1']:>12.2f}")
     print(f"{'batch-8 / batch-1':<28}{result['batch8_over_batch1']:>12.2f}   (target >= 4)")
