@@ -127,20 +127,17 @@ class DecodeCase:
         for t in self.tables:
             prefill(model, self.cache, self.rng.integers(1000, self.hi, context)
                     .astype(np.int32), t, chunk)
-        self.pos = context
         self.seconds: list[float] = []
         self.best_cpu = float("inf")
 
     def round(self) -> None:
         """Time `steps` decode steps from position `context` (every round kept; `result`
         takes the best)."""
-        self.pos = self.context
         t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(self.steps):
+        for pos in range(self.context, self.context + self.steps):
             toks = self.rng.integers(1000, self.hi, self.batch)
-            self.model.forward([SeqChunk([toks[i]], self.pos, self.tables[i], logits="last")
+            self.model.forward([SeqChunk([toks[i]], pos, self.tables[i], logits="last")
                                 for i in range(self.batch)], self.cache)
-            self.pos += 1
         self.seconds.append(time.perf_counter() - t0)
         self.best_cpu = min(self.best_cpu, time.process_time() - c0)
 
@@ -153,10 +150,9 @@ class DecodeCase:
 
 class LlamaBench:
     """llama.cpp's `llama-bench` on the same model and threads, one repetition per call, so
-    that its runs can alternate with ours; keeps every run's rate per test, and its best is
-    compared with our best round (the machine is shared: both sides' best runs are the ones
-    least disturbed). Keys
-    are like our rows: 'prefill N' (pp N at depth 0), 'decode batch 1 @ctx D' (tg 16 at
+    that its runs can alternate with ours; keeps every run's rate per test, in order, so that
+    run i pairs with our round i (the "paired" ratio) and its best with our best. Keys are
+    like our rows: 'prefill N' (pp N at depth 0), 'decode batch 1 @ctx D' (tg 16 at
     depth D)."""
 
     def __init__(self, binary: str, model: str, threads: int):
@@ -288,8 +284,7 @@ def main() -> None:
                 r["llama_cpp_round_tokens_per_s"] = peer.rounds[r["test"]]
                 r["ratio_to_llama_cpp"] = r["tokens_per_s"] / best
                 # each of our rounds against llama.cpp's run right after it
-                pairs = sorted(a / b for a, b in zip(r["round_tokens_per_s"],
-                                                     peer.rounds[r["test"]]))
+                pairs = [a / b for a, b in zip(r["round_tokens_per_s"], peer.rounds[r["test"]])]
                 r["paired_ratio_median"] = float(np.median(pairs))
     rates = {r["test"]: r["tokens_per_s"] for r in rows}
     d1 = rates.get("decode batch 1 @ctx 64", float("nan"))
