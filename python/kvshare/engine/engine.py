@@ -14,6 +14,7 @@ ends with a 503.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -153,7 +154,7 @@ class Engine:
         while time.monotonic() < deadline and (self._handles or self._inbox):
             time.sleep(0.02)
         for rid in list(self._handles):
-            self._cancel(rid)
+            self.cancel(rid)
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
@@ -253,7 +254,7 @@ class Engine:
                                   "context_length_exceeded")
         rid = req.request_id or f"req-{next(self._ids)}"
         req.request_id = rid
-        handle = RequestHandle(rid, self, n=req.n)
+        handle = RequestHandle(rid, functools.partial(self.cancel, rid), n=req.n)
         seq = Sequence(seq_id=next(self._ids), request=req, sampler=Sampler(req.sampling, req.prompt_tokens))
         seq.tokens = list(req.prompt_tokens)
         seq.n_prompt = n
@@ -266,7 +267,8 @@ class Engine:
         self._wake.set()
         return handle
 
-    def _cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str) -> None:
+        """Stop a request; its handle gets FinishEvent(reason="cancelled"). Any thread."""
         self._cancels.append(request_id)
         self._wake.set()
 
@@ -529,7 +531,7 @@ class Engine:
                 index=seq.choice,
             )
         if handle is not None:
-            handle._put(event)
+            handle.put(event)
         if hit_stop:
             self._finish(seq, "stop", flush=False)
         elif grammar_done:  # the grammar is complete: only EOS could follow
@@ -558,7 +560,7 @@ class Engine:
         if flush and asm is not None and handle is not None and reason in ("stop", "length"):
             tail = asm.flush()
             if tail:
-                handle._put(TokenEvent(token_id=-1, text=tail, index=seq.choice))
+                handle.put(TokenEvent(token_id=-1, text=tail, index=seq.choice))
         seq.finished_at = time.perf_counter()
         seq.cancelled = reason == "cancelled"
         self._seqs.pop(seq.key, None)
@@ -584,7 +586,7 @@ class Engine:
         # The client gets its finish before the tier save runs: the save (device reads, RAM
         # copies, queueing the disk write) is no part of this response's latency.
         if handle is not None:
-            handle._put(FinishEvent(reason=reason, prompt_tokens=seq.n_prompt,
+            handle.put(FinishEvent(reason=reason, prompt_tokens=seq.n_prompt,
                                     completion_tokens=seq.n_generated, timings=timings,
                                     time_to_first_token_s=ttft, error=error,
                                     error_status=status, error_cause=cause,

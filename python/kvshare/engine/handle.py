@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import queue
-from typing import TYPE_CHECKING, AsyncIterator, Iterator, Union
+from typing import AsyncIterator, Callable, Iterator, Union
 
 from kvshare.engine.api import FinishEvent, TokenEvent
-
-if TYPE_CHECKING:
-    from kvshare.engine.engine import Engine
 
 Event = Union[TokenEvent, FinishEvent]
 
@@ -18,11 +15,14 @@ class RequestHandle:
     """Created by `Engine.submit`. Iterate it (async inside an event loop, or `events()` from a
     plain thread) to get TokenEvents followed by exactly one FinishEvent per choice (`n`, each
     event's `index` says which); the stream ends after the last one, or at the first that
-    ends in an error or a cancellation (cancel the handle then: the other choices stop)."""
+    ends in an error or a cancellation (cancel the handle then: the other choices stop).
 
-    def __init__(self, request_id: str, engine: "Engine", n: int = 1):
+    `cancel` asks the engine to stop this request; it is all the handle knows of the engine,
+    so that this module sits below `kvshare.engine.engine` and the engine alone feeds it."""
+
+    def __init__(self, request_id: str, cancel: Callable[[], None], n: int = 1):
         self.request_id = request_id
-        self._engine = engine
+        self._request_cancel = cancel
         self._open = n  # choices without their FinishEvent yet
         self._sync: queue.SimpleQueue[Event] = queue.SimpleQueue()
         try:
@@ -33,8 +33,8 @@ class RequestHandle:
             self._async = None
         self.finished = False
 
-    def _put(self, event: Event) -> None:
-        """Called on the engine thread."""
+    def put(self, event: Event) -> None:
+        """Deliver one event; called on the engine thread."""
         if self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self._async.put_nowait, event)
@@ -45,7 +45,7 @@ class RequestHandle:
 
     def cancel(self) -> None:
         """Stop generating; a FinishEvent(reason="cancelled") follows. Safe from any thread."""
-        self._engine._cancel(self.request_id)
+        self._request_cancel()
 
     def events(self, timeout: float | None = None) -> Iterator[Event]:
         if self._loop is not None:
