@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvshare.toolcalls.base import ParsedOutput, ToolCall, ToolFormat, collect, new_call_id
+from kvshare.toolcalls.base import ToolFormat
+from kvshare.toolcalls.calls import ParsedOutput, ToolCall, collect, new_call_id
 from kvshare.toolcalls.detect import detect_format
 from kvshare.toolcalls.grammar import allow_reasoning
 from kvshare.toolcalls.hermes import Hermes

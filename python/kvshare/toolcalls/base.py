@@ -1,5 +1,4 @@
-"""What a tool call is once read (`ToolCall`, `ParsedOutput`) and what every format offers
-(`ToolFormat`).
+"""What every tool-call format offers (`ToolFormat`).
 
 A format's `parse` is its stream fed the whole text at once and buffered (`collect` of its deltas),
 so a parsed output and the concatenation of a stream's deltas agree by construction; the stream
@@ -8,60 +7,13 @@ only has to make every decision from the text seen so far, never from where a ch
 
 from __future__ import annotations
 
-import secrets
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import Sequence
 
-if TYPE_CHECKING:
-    from kvshare.toolcalls.stream import Region, Sink, ToolCallStream
+from kvshare.toolcalls.calls import ParsedOutput, collect
+from kvshare.toolcalls.stream import Region, Sink, ToolCallStream
 
-__all__ = ["ToolCall", "ParsedOutput", "ToolFormat", "collect", "new_call_id"]
-
-
-@dataclass
-class ToolCall:
-    """One call: `arguments` is the text of a JSON object."""
-
-    id: str
-    name: str
-    arguments: str
-    type: str = "function"
-
-    def to_openai(self) -> dict:
-        """The `message.tool_calls[i]` object of a chat.completion."""
-        return {"id": self.id, "type": self.type,
-                "function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclass
-class ParsedOutput:
-    """A reply split into its text (markup of the calls removed) and its calls."""
-
-    content: str
-    tool_calls: list[ToolCall] = field(default_factory=list)
-
-
-def new_call_id() -> str:
-    """`call_` and 24 random hex digits, as OpenAI's ids look."""
-    return "call_" + secrets.token_hex(12)
-
-
-def collect(deltas: Iterable[dict]) -> ParsedOutput:
-    """Accumulate `chat.completion.chunk` deltas the way a client does: content joined, tool calls
-    by index (id and name from their first delta, arguments concatenated)."""
-    content: list[str] = []
-    calls: dict[int, ToolCall] = {}
-    for delta in deltas:
-        if delta.get("content"):
-            content.append(delta["content"])
-        for tc in delta.get("tool_calls") or ():
-            call = calls.get(tc["index"])
-            fn = tc.get("function") or {}
-            if call is None:
-                call = calls[tc["index"]] = ToolCall(tc.get("id", ""), fn.get("name", ""), "")
-            call.arguments += fn.get("arguments") or ""
-    return ParsedOutput("".join(content), [calls[i] for i in sorted(calls)])
+__all__ = ["ToolFormat"]
 
 
 class ToolFormat(ABC):
@@ -92,14 +44,12 @@ class ToolFormat(ABC):
         s = self.stream(incremental=False)
         return collect(s.feed(text) + s.finish())
 
-    def stream(self, incremental: bool = True) -> "ToolCallStream":
+    def stream(self, incremental: bool = True) -> ToolCallStream:
         """A reader for one reply arriving in pieces (see `ToolCallStream`)."""
-        from kvshare.toolcalls.stream import ToolCallStream
-
         return ToolCallStream(self, incremental=incremental)
 
     @abstractmethod
-    def region(self, opener: str, sink: "Sink") -> "Region":
+    def region(self, opener: str, sink: Sink) -> Region:
         """A reader for one block of calls starting with `opener` (used by the stream)."""
 
     @abstractmethod

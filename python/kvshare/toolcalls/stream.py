@@ -18,14 +18,12 @@ go out only once the whole block has parsed, and the deltas always add up to `pa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from kvshare.toolcalls.base import new_call_id
+from kvshare.toolcalls.calls import new_call_id
 
-if TYPE_CHECKING:
-    from kvshare.toolcalls.base import ToolFormat
-
-__all__ = ["ToolCallStream", "Region", "Cursor", "NeedMore", "Malformed", "Sink", "held"]
+__all__ = ["ToolCallStream", "Region", "Cursor", "NeedMore", "Malformed", "Sink", "Markup",
+           "held"]
 
 WS = " \t\r\n"
 
@@ -103,12 +101,23 @@ class Sink:
         raise NotImplementedError
 
 
+class Markup(Protocol):
+    """What the stream reads of a format (`kvshare.toolcalls.base.ToolFormat`, which is built
+    on this module): where call blocks open, and a reader for one block."""
+
+    openers: tuple[str, ...]
+    start_openers: tuple[str, ...]
+    separators: str
+
+    def region(self, opener: str, sink: Sink) -> Region: ...
+
+
 class Region:
     """Reads one call block from its opener on. `run` reads from `self.pos` and moves
     `self.pos` forward only past what it has reported to the sink (its checkpoints), so a
     `NeedMore` resumes there; it returns the block's end offset once the block is complete."""
 
-    def __init__(self, fmt: "ToolFormat", opener: str, sink: Sink):
+    def __init__(self, fmt: Markup, opener: str, sink: Sink):
         self.fmt, self.opener, self.sink = fmt, opener, sink
         self.pos = len(opener)
 
@@ -145,7 +154,7 @@ class ToolCallStream(Sink):
     finish_reason is "tool_calls"); `broken_calls`: indices of calls announced in a block that
     then failed (incremental mode only; their arguments stop where the block broke)."""
 
-    def __init__(self, fmt: "ToolFormat", incremental: bool = True):
+    def __init__(self, fmt: Markup, incremental: bool = True):
         self._fmt = fmt
         self._incremental = incremental
         self._buf = ""  # text not yet decided; a region's text starts at its offset 0
