@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 # the same number checks (and error wording) as `kvshare serve`'s flags
-from kvshare.server.cli import _port, _positive_float, _positive_int
+from kvshare.argtypes import port, positive_float, positive_int
 
 DEFAULT_MAX_BODY = 32 * 1024 * 1024
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -69,7 +69,7 @@ def add_route_parser(sub: Any, environ: dict[str, str]) -> argparse.ArgumentPars
                         "comma-separated; at least one) [env KVSHARE_BACKENDS]")
     p.add_argument("--host", default=environ.get("KVSHARE_HOST", "127.0.0.1"),
                    help="address to listen on [env KVSHARE_HOST]")
-    p.add_argument("--port", type=_port, default=environ.get("KVSHARE_PORT", 8080),
+    p.add_argument("--port", type=port, default=environ.get("KVSHARE_PORT", 8080),
                    help="port to listen on (0: any free port) [env KVSHARE_PORT]")
     p.add_argument("--api-key", action=_Append, default=_FromEnv(keys), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' (all but "
@@ -79,7 +79,7 @@ def add_route_parser(sub: Any, environ: dict[str, str]) -> argparse.ArgumentPars
                    help="the keys of a `kvshare serve --api-key-file` (one per line, an optional "
                         "tenant name after it): the router accepts the replicas' keys "
                         "[env KVSHARE_API_KEY_FILE]")
-    p.add_argument("--health-interval", type=_positive_float,
+    p.add_argument("--health-interval", type=positive_float,
                    default=environ.get("KVSHARE_HEALTH_INTERVAL", 2.0),
                    help="seconds between health checks (GET /health) of each backend "
                         "[env KVSHARE_HEALTH_INTERVAL]")
@@ -92,15 +92,15 @@ def add_route_parser(sub: Any, environ: dict[str, str]) -> argparse.ArgumentPars
                    help="a backend with more than this x the mean requests in flight (and at "
                         "least --spill-min) is overloaded: its prefixes' requests spill to the "
                         "least-loaded one (>= 1) [env KVSHARE_OVERLOAD_FACTOR]")
-    p.add_argument("--spill-min", type=_positive_int,
+    p.add_argument("--spill-min", type=positive_int,
                    default=environ.get("KVSHARE_SPILL_MIN", 32),
                    help="a backend with fewer requests in flight is never overloaded "
                         "[env KVSHARE_SPILL_MIN]")
-    p.add_argument("--timeout", type=_positive_float,
+    p.add_argument("--timeout", type=positive_float,
                    default=environ.get("KVSHARE_TIMEOUT", 600.0),
                    help="seconds to wait for a backend's next bytes (read timeout) "
                         "[env KVSHARE_TIMEOUT]")
-    p.add_argument("--max-body", type=_positive_int,
+    p.add_argument("--max-body", type=positive_int,
                    default=environ.get("KVSHARE_MAX_BODY", DEFAULT_MAX_BODY),
                    help="largest request body in bytes (larger: 413) [env KVSHARE_MAX_BODY]")
     p.add_argument("--root-path", default=environ.get("KVSHARE_ROOT_PATH", ""),

@@ -20,6 +20,9 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
+from kvshare.argtypes import (non_negative_float, non_negative_int, port, positive_float,
+                              positive_int)
+
 ENV_PREFIX = "KVSHARE_"
 _TRUE = {"1", "true", "yes", "on", "enabled"}
 _FALSE = {"0", "false", "no", "off", "disabled", ""}
@@ -27,27 +30,6 @@ _FALSE = {"0", "false", "no", "off", "disabled", ""}
 
 def _env_name(flag: str) -> str:
     return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
-
-
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise ValueError(s)
-    return v
-
-
-def _port(s: str) -> int:
-    v = int(s)
-    if not 0 <= v <= 65535:
-        raise ValueError(s)
-    return v
-
-
-def _non_negative_int(s: str) -> int:
-    v = int(s)
-    if v < 0:
-        raise ValueError(s)
-    return v
 
 
 def _cache_scope(s: str) -> str:
@@ -72,26 +54,6 @@ def _redis_url(s: str) -> str:
 
 _redis_url.__name__ = "Redis URL (redis://host:port/db, rediss://..., unix:///path)"
 
-
-def _positive_float(s: str) -> float:
-    v = float(s)
-    if not v > 0 or v == float("inf"):
-        raise ValueError(s)
-    return v
-
-
-_positive_int.__name__ = "positive integer"
-_positive_float.__name__ = "positive number"
-
-
-def _non_negative_float(s: str) -> float:
-    v = float(s)
-    if not 0 <= v < float("inf"):  # also refuses nan
-        raise ValueError(s)
-    return v
-
-
-_non_negative_float.__name__ = "non-negative number"
 
 KV_DTYPES = ("f32", "f16", "q8_0")
 
@@ -147,8 +109,6 @@ _reasoning_format.__name__ = "reasoning format (none, auto, deepseek or deepseek
 
 # `type` of an OPTIONS entry that is a `--flag` / `--no-flag` pair (a boolean, default on).
 TOGGLE = "toggle"
-_non_negative_int.__name__ = "non-negative integer"
-_port.__name__ = "port"
 
 # flag, type (None: boolean switch), default, help
 OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
@@ -159,23 +119,23 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
      "directory of fetched catalog models (default: $XDG_CACHE_HOME/kvshare/models or "
      "~/.cache/kvshare/models)"),
     ("--host", str, "127.0.0.1", "address to listen on"),
-    ("--port", _port, 8080, "port to listen on (0: any free port)"),
-    ("--parallel", _positive_int, 4, "sequences decoded together"),
+    ("--port", port, 8080, "port to listen on (0: any free port)"),
+    ("--parallel", positive_int, 4, "sequences decoded together"),
     ("--ctx-size", _ctx_size, None,
      "context size per sequence in tokens, each from the shared KV pool (llama-server splits "
      "-c across its -np slots; 0: the model's trained context) (default: 8192)"),
     ("--n-predict", _n_predict, None,
      "max_tokens of a request that gives none (-1: until the context is full; a request's "
      "own limit wins)"),
-    ("--kv-mem", _positive_int, None, "KV pool size in MiB"),
-    ("--kv-blocks", _positive_int, None, "KV pool size in blocks (instead of --kv-mem)"),
-    ("--block-size", _positive_int, None, "tokens per KV block (default: 16)"),
+    ("--kv-mem", positive_int, None, "KV pool size in MiB"),
+    ("--kv-blocks", positive_int, None, "KV pool size in blocks (instead of --kv-mem)"),
+    ("--block-size", positive_int, None, "tokens per KV block (default: 16)"),
     ("--kv-dtype", _kv_dtype, None,
      "element type of the KV cache: f16 (the default, as llama.cpp), f32 (twice the memory) "
      "or q8_0 (ggml's Q8_0 blocks as llama.cpp's -ctk/-ctv q8_0: 34 bytes per 32 values, "
      "0.53x f16; CPU only, head_dim a multiple of 32)"),
-    ("--prefill-chunk", _positive_int, None, "prompt tokens computed per step (default: 512)"),
-    ("--queue-timeout", _non_negative_float, None,
+    ("--prefill-chunk", positive_int, None, "prompt tokens computed per step (default: 512)"),
+    ("--queue-timeout", non_negative_float, None,
      "seconds a request may wait to be admitted before it gets 503 with Retry-After "
      "(default 600; 0: no limit)"),
     ("--no-slot-attach", None, False, "turn cross-session prefix sharing off"),
@@ -197,29 +157,29 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--tool-parser", str, None,
      "tool-call format: hermes, qwen35, lfm2 or llama3 (default: detected from the chat "
      "template)"),
-    ("--max-n", _positive_int, None, "most choices (n) one request may ask for (default 8)"),
-    ("--cache-ram", _non_negative_int, None, "RAM tier budget in MiB (default 8192; 0: off)"),
-    ("--cache-ram-pin", _non_negative_int, None,
+    ("--max-n", positive_int, None, "most choices (n) one request may ask for (default 8)"),
+    ("--cache-ram", non_negative_int, None, "RAM tier budget in MiB (default 8192; 0: off)"),
+    ("--cache-ram-pin", non_negative_int, None,
      "of the RAM tier, MiB that prefix entries (up to the first user message) may pin "
      "(default: half of --cache-ram)"),
     ("--cache-dir", str, None, "directory of the crash-safe disk tier (default: off)"),
-    ("--cache-disk-max", _positive_int, None, "disk tier budget in MiB (default 10240)"),
-    ("--cache-ttl", _non_negative_float, None,
+    ("--cache-disk-max", positive_int, None, "disk tier budget in MiB (default 10240)"),
+    ("--cache-ttl", non_negative_float, None,
      "seconds a disk entry lives unused, and a stored Responses API response lives "
      "(default 259200 = 3 days; 0: no limit)"),
-    ("--cache-min-tokens", _non_negative_int, None,
+    ("--cache-min-tokens", non_negative_int, None,
      "shortest prompt written to disk or Redis (default 256)"),
     ("--cache-redis", _redis_url, None,
      "shared tier on Redis or Valkey, e.g. redis://127.0.0.1:6379/0: replicas pointing at one "
      "server share computed prefixes (default: off; docs/replicas.md)"),
-    ("--cache-redis-timeout", _positive_float, None,
+    ("--cache-redis-timeout", positive_float, None,
      "seconds one Redis command may take before it counts as a miss (default 0.5)"),
-    ("--checkpoint-min-step", _positive_int, None,
+    ("--checkpoint-min-step", positive_int, None,
      "hybrid models: a state checkpoint every N prompt tokens (default 1024)"),
-    ("--checkpoint-min-gain", _positive_int, None,
+    ("--checkpoint-min-gain", positive_int, None,
      "hybrid models: a checkpoint where a prompt splits from a cached one (before the first "
      "user message) when it saves at least N tokens of recomputation (default 64)"),
-    ("--ctx-checkpoints", _non_negative_int, None,
+    ("--ctx-checkpoints", non_negative_int, None,
      "hybrid models: at most N checkpoints per sequence (default 8)"),
     ("--api-key", str, None,
      "require 'Authorization: Bearer <key>' (all but /health); several keys: comma-separated "
@@ -254,15 +214,15 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--metrics", None, False, "accepted: kvshare always serves /metrics"),
     ("--cont-batching", None, False, "accepted: kvshare always batches continuously"),
     ("--no-webui", None, False, "accepted: kvshare has no web UI"),
-    ("--max-body-mib", _positive_int, 16, "largest request body in MiB (larger: 413)"),
-    ("--body-timeout", _positive_float, 30.0,
+    ("--max-body-mib", positive_int, 16, "largest request body in MiB (larger: 413)"),
+    ("--body-timeout", positive_float, 30.0,
      "seconds a client gets to send a request's headers, and the longest gap while it sends "
      "a body (the whole body: 10x this); then 408 and the connection closed. Also the "
      "keep-alive idle time"),
-    ("--max-connections", _positive_int, 1024,
+    ("--max-connections", positive_int, 1024,
      "requests in progress at once (/health, /metrics not counted); more get 503 with "
      "Retry-After"),
-    ("--graceful-timeout", _non_negative_float, 10.0, "seconds in-flight requests get at shutdown"),
+    ("--graceful-timeout", non_negative_float, 10.0, "seconds in-flight requests get at shutdown"),
     ("--log-level", str, "info", "debug, info, warning or error"),
 ]
 
@@ -832,7 +792,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from .app import create_app
     from .launcher import bind_socket, run, socket_url
-    from .limits import raise_fd_limit
+    from .launcher import raise_fd_limit
     from .settings import ServerSettings
 
     try:
