@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from kvshare.constrain import GrammarError, TokenVocab, apply_mask, compile_grammar
-from kvshare import gbnf
-from kvshare.gbnf import GBNFError, _convert, gbnf_to_lark
+from kvshare.gbnf import GBNFError, automata, gbnf_to_lark, tree
+from kvshare.gbnf.convert import convert
+from kvshare.gbnf.parse import Parser
 from kvshare.model.tokenizer import Tokenizer
 
 DATA = Path(__file__).parent / "data"
@@ -32,7 +33,7 @@ class Qwen:
                                                eos_id=self.eos)
 
     def compile(self, gbnf: str, fuse: bool = True, **kw):
-        lark = gbnf_to_lark(gbnf, **kw) if fuse else _convert(gbnf, None, fuse=False)
+        lark = gbnf_to_lark(gbnf, **kw) if fuse else convert(gbnf, None, fuse=False)
         return compile_grammar(self.vocab, "lark", lark)
 
     def accepts(self, grammar, text: str) -> bool:
@@ -400,14 +401,14 @@ def random_grammar(rng: random.Random) -> str:
     return "\n".join(f"{n} ::= {expr(0, i)}" for i, n in enumerate(names)) + "\n"
 
 
-@pytest.mark.parametrize("limit", ["_CHECK_BUDGET", "_BUILD_BUDGET", "_MAX_NFA_STATES"])
+@pytest.mark.parametrize("limit", ["CHECK_BUDGET", "BUILD_BUDGET", "MAX_NFA_STATES"])
 def test_out_of_budget_only_splits_more(qwen, monkeypatch, limit):
     """Past the check's budgets, or for lexemes too big to check, lexemes are split unchecked:
     same language."""
-    monkeypatch.setattr(gbnf, limit, 6 if limit == "_MAX_NFA_STATES" else 0)
+    monkeypatch.setattr(automata, limit, 6 if limit == "MAX_NFA_STATES" else 0)
     for name in ("arithmetic.gbnf", "c.gbnf", "json.gbnf"):
         text = (GBNF / name).read_text()
-        g = compile_grammar(qwen.vocab, "lark", _convert(text, None, fuse=True))
+        g = compile_grammar(qwen.vocab, "lark", convert(text, None, fuse=True))
         valid, invalid = GRAMMARS[name]
         assert all(qwen.accepts(g, s) for s in valid)
         assert not any(qwen.accepts(g, s) for s in invalid)
@@ -416,7 +417,7 @@ def test_out_of_budget_only_splits_more(qwen, monkeypatch, limit):
 def reference_match(text: str, s: str) -> bool:
     """Whether the GBNF grammar `text` matches `s`: a memoized search over the syntax tree,
     every alternative kept alive (as llama.cpp); no left recursion."""
-    p = gbnf._Parser(text, None)
+    p = Parser(text, None)
     p.parse()
     memo: dict[tuple[int, int], frozenset[int]] = {}
 
@@ -425,20 +426,20 @@ def reference_match(text: str, s: str) -> bool:
         if key in memo:
             return memo[key]
         out: set[int] = set()
-        if isinstance(node, gbnf._Lit):
+        if isinstance(node, tree.Lit):
             if s.startswith(node.text, i):
                 out.add(i + len(node.text))
-        elif isinstance(node, gbnf._Cls):
+        elif isinstance(node, tree.Cls):
             if i < len(s) and any(lo <= ord(s[i]) <= hi for lo, hi in node.ranges):
                 out.add(i + 1)
-        elif isinstance(node, gbnf._Ref):
+        elif isinstance(node, tree.Ref):
             out = set(ends(p.rules[node.name], i))
-        elif isinstance(node, gbnf._Seq):
+        elif isinstance(node, tree.Seq):
             cur = {i}
             for it in node.items:
                 cur = {k for j in cur for k in ends(it, j)}
             out = cur
-        elif isinstance(node, gbnf._Alt):
+        elif isinstance(node, tree.Alt):
             out = {k for a in node.alts for k in ends(a, i)}
         else:
             cur, count = {i}, 0
