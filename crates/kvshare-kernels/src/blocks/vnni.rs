@@ -1738,7 +1738,7 @@ unsafe fn filled<T: Copy>(v: &[Uninit<T>; LANE_ROWS]) -> [T; LANE_ROWS] {
 /// bytes apart from `row0`), the bytes a lane kernel reads from row `r` of this group next:
 /// its 16 streams a thread are more than the hardware prefetcher follows (without these
 /// prefetches the 1.9B model's Q4_K products ran 1.5-1.8x slower from memory). Into L2 (T1):
-/// on Zen 5 non-temporal prefetches beat T1 by 4-12% (session 17), but on Zen 4 T1 against
+/// on Zen 5 non-temporal prefetches beat T1 by 4-12%, but on Zen 4 T1 against
 /// NTA, A/B from the mmap, two threads: the 1.9B model's `ffn_gate` at 3 rows 0.83x the
 /// time, `ffn_down` at 4 rows 0.91x, `attn_q` at 2 rows 0.77x (see `prefetch_ahead`: an L1
 /// miss waits for memory; an L2 prefetch does not hold the core's L1 miss buffers).
@@ -1760,7 +1760,7 @@ const READ_AHEAD: usize = 8192;
 
 /// Prefetches the `len` bytes `READ_AHEAD` past `at` into L2 (a kernel reading its rows in
 /// order is about to read `at..at + len`). The hardware prefetcher follows one stream, but
-/// from too close behind on Zen 4. Prefetching into L1 (T0, 2 KB ahead, session 18) held
+/// from too close behind on Zen 4. Prefetching into L1 (T0, 2 KB ahead) held
 /// the core's L1 miss buffers for a whole trip to memory: the prefetches themselves stalled
 /// and a core drew 11-15 GB/s where a plain read draws 20+. Into L2 (T1) 8 KB ahead, A/B
 /// against T0 2 KB (Zen 4, two threads, from the GGUF mmap): Gemma 3 270M's Q8_0 head 0.72x
@@ -2130,7 +2130,7 @@ unsafe fn many_q6_k_16<const M: usize>(
 /// `many_*_16` read the 16 rows side by side, two blocks of each at a time: 16 streams,
 /// which the hardware prefetcher does not follow, and their software prefetches cost more
 /// than they saved on Zen 4; reading each row in order made the 1.9B model's Q4_K and Q6_K
-/// products from memory 0.71-0.82x `many_*_16`'s time (session 16). With more activation
+/// products from memory 0.71-0.82x `many_*_16`'s time. With more activation
 /// rows the windows' sums outgrow L1, so they keep `many_q6_k_16`. (Q4_K takes
 /// `lanes_q4_k_16` at 1-8 rows, which reads the 16 rows' blocks side by side but prefetches
 /// the next 16 rows as one stream.)
