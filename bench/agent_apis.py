@@ -70,7 +70,7 @@ def chat_turns(oa, system: str, n_turns: int, max_tokens: int) -> list[dict]:
                                             stream_options={"include_usage": True})
         text: list[str] = []
 
-        def first(ch) -> bool:
+        def first(ch, text=text) -> bool:
             if ch.choices and ch.choices[0].delta.content:
                 text.append(ch.choices[0].delta.content)
                 return True
@@ -98,7 +98,7 @@ def messages_turns(an, system: str, n_turns: int, max_tokens: int) -> list[dict]
                                                   "cache_control": {"type": "ephemeral"}}]})
         text: list[str] = []
 
-        def first(ev) -> bool:
+        def first(ev, text=text) -> bool:
             if ev.type == "content_block_delta" and getattr(ev.delta, "text", None):
                 text.append(ev.delta.text)
                 return True

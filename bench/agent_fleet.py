@@ -31,6 +31,7 @@ Writes bench/out/agent_fleet.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -410,10 +411,8 @@ def main() -> None:
         if server:
             print("kvshare: running the fleet...", flush=True)
             results["runs"]["kvshare"] = run_fleet(server.url, prompts, args)
-            try:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
                 results["runs"]["kvshare"]["server_cache"] = server.client.get("/cache").json()
-            except (httpx.HTTPError, ValueError):
-                pass
     finally:
         if server:
             server.stop()

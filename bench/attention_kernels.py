@@ -76,7 +76,7 @@ def run(chunks: list[int], start: int, repeat: int) -> list[dict]:
             q, kc, vc, bt = _case(rng, start, n, dtype)
             qs, sp = np.array([0, n]), np.array([start])
             for window, kind in ((512, "local"), (0, "global")):
-                def call(q=q, kc=kc, vc=vc, bt=bt, qs=qs, sp=sp, window=window):
+                def call(q=q, kc=kc, vc=vc, bt=bt, qs=qs, sp=sp, window=window, n=n):
                     return paged_attention(q, kc, vc, bt, qs, sp, scale=SCALE, window=window,
                                            parts=CPU_THREADS.for_tokens(n, row_parallel=True))
 

@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -78,10 +79,10 @@ def main() -> None:
             out = np.empty((m, N), np.float32)
             for threads in sorted({1, all_threads}):
                 calls = {
-                    "q8 act": lambda: _core.block_matmul_t(x, raw, int(t), out, threads),
-                    "f32 act": lambda: _core.block_matmul_t_f32(x, raw, int(t), out, threads),
-                    "int8 split": lambda: _core.qmatmul_t(x, qs, scale, mins, out, group,
-                                                          threads),
+                    "q8 act": partial(_core.block_matmul_t, x, raw, int(t), out, threads),
+                    "f32 act": partial(_core.block_matmul_t_f32, x, raw, int(t), out, threads),
+                    "int8 split": partial(_core.qmatmul_t, x, qs, scale, mins, out, group,
+                                          threads),
                 }
                 row = {"type": name, "rows": m, "threads": threads}
                 cells = []

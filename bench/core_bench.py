@@ -67,7 +67,7 @@ def bench_hashing(results: dict, repeat: int) -> None:
     toks = prompt_tokens(PROMPT_TOKENS)
     as_list = toks.tolist()
     for label, arg in (("numpy", toks), ("list", as_list)):
-        s = summary_ms(timed(lambda: _core.hash_blocks(root, arg, BLOCK_SIZE), repeat))
+        s = summary_ms(timed(lambda arg=arg: _core.hash_blocks(root, arg, BLOCK_SIZE), repeat))
         s["tokens_per_s"] = PROMPT_TOKENS / (s["median_ms"] / 1e3)
         results[f"hash_blocks_32k_{label}"] = s
     # the core alone: prefix_key returns one key (no list of 2048 bytes objects to build)
@@ -97,7 +97,7 @@ def bench_lookup(results: dict, repeat: int) -> None:
     pool, keys = populated_pool(root, toks)
     as_list = toks.tolist()
     for label, arg in (("numpy", toks), ("list", as_list)):
-        def lookup():
+        def lookup(arg=arg):
             ids, n = pool.match_prefix(_core.hash_blocks(root, arg, BLOCK_SIZE))
             assert n == PROMPT_TOKENS
 

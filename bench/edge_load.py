@@ -56,9 +56,11 @@ from serve_process import ServeProcess
 
 OUT = Path(__file__).parent / "out"
 MiB = 1024 * 1024
-WORDS = ("cache prefix session agent token block server request model layer restore disk memory "
-         "budget eviction checkpoint attention state conversation returning history tool schema "
-         "system prompt user reply turn write read verify checksum index entry commit").split()
+WORDS = ["cache", "prefix", "session", "agent", "token", "block", "server", "request", "model",
+         "layer", "restore", "disk", "memory", "budget", "eviction", "checkpoint", "attention",
+         "state", "conversation", "returning", "history", "tool", "schema", "system", "prompt",
+         "user", "reply", "turn", "write", "read", "verify", "checksum", "index", "entry",
+         "commit"]
 
 
 # ---------------------------------------------------------------------------- server process
@@ -347,17 +349,17 @@ def scenario_slowloris(server: Server, n: int, body_timeout: float) -> dict:
 def stream_speed(server: Server, body: dict) -> float:
     """Decode tokens/s of one streamed completion (first token excluded)."""
     n, t_first = 0, None
-    with httpx.Client(timeout=600) as c:
-        with c.stream("POST", server.url + "/v1/completions", json=body) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                ev = json.loads(line[6:])
-                if ev.get("choices") and ev["choices"][0].get("text"):
-                    n += 1
-                    if t_first is None:
-                        t_first = time.perf_counter()
-                        n = 0
+    with (httpx.Client(timeout=600) as c,
+          c.stream("POST", server.url + "/v1/completions", json=body) as r):
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("choices") and ev["choices"][0].get("text"):
+                n += 1
+                if t_first is None:
+                    t_first = time.perf_counter()
+                    n = 0
     dt = time.perf_counter() - (t_first or time.perf_counter())
     return n / dt if dt > 0 else 0.0
 

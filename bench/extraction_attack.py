@@ -44,9 +44,10 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
 TINY = ROOT / "tests" / "data" / "models" / "tiny-qwen3-chat.gguf"
 KEYS = {"alice": "sk-bench-alice-5f0c2e", "bob": "sk-bench-bob-91d7aa"}
-WORDS = ("account card branch transfer balance statement limit payment deposit loan savings "
-         "fraud dispute customer verify identity address phone email notice policy fee rate "
-         "interest overdraft cheque online mobile login reset security question answer").split()
+WORDS = ["account", "card", "branch", "transfer", "balance", "statement", "limit", "payment",
+         "deposit", "loan", "savings", "fraud", "dispute", "customer", "verify", "identity",
+         "address", "phone", "email", "notice", "policy", "fee", "rate", "interest", "overdraft",
+         "cheque", "online", "mobile", "login", "reset", "security", "question", "answer"]
 
 
 class Server(ServeProcess):

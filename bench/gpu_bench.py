@@ -85,7 +85,7 @@ def model_path(choice: str, tmp: Path, keep: str | None = None) -> tuple[str, st
             return default_model_path(), "gemma-3-270m-q4_k_m"
         except Exception as exc:  # package missing
             if choice == "default":
-                raise SystemExit(f"default model unavailable: {exc}")
+                raise SystemExit(f"default model unavailable: {exc}") from exc
     if choice in ("synthetic", "auto"):
         p = Path(keep) if keep else tmp / "gemma3-270m-shaped.gguf"
         if not p.exists():

@@ -104,7 +104,8 @@ def tool_lark(schemas: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-WORDS = "alpha beta gamma delta ship fix ui api docs plan review merge build test".split()
+WORDS = ["alpha", "beta", "gamma", "delta", "ship", "fix", "ui", "api", "docs", "plan", "review",
+         "merge", "build", "test"]
 
 
 def instance(schema: dict, rng: random.Random):

@@ -20,6 +20,7 @@ Also printed: Redis's memory after the run (INFO memory) and the bytes written p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -178,10 +179,8 @@ def main() -> None:
         mem = redis.Redis(port=port).info("memory")["used_memory"]
     finally:
         for p in reversed(procs):
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 p.stop()
-            except Exception:  # noqa: BLE001 - already gone
-                pass
         redis_proc.kill()
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -46,10 +46,12 @@ from serve_process import ServeProcess
 
 OUT = Path(__file__).parent / "out"
 CTX = 24576
-WORDS = ("cache prefix session agent token block server request model layer restore disk memory "
-         "budget eviction checkpoint attention state conversation returning history tool schema "
-         "system prompt user reply turn write read verify checksum index entry commit rename "
-         "fsync crash kill restart sweep pool shared reference hash chain salt tenant").split()
+WORDS = ["cache", "prefix", "session", "agent", "token", "block", "server", "request", "model",
+         "layer", "restore", "disk", "memory", "budget", "eviction", "checkpoint", "attention",
+         "state", "conversation", "returning", "history", "tool", "schema", "system", "prompt",
+         "user", "reply", "turn", "write", "read", "verify", "checksum", "index", "entry",
+         "commit", "rename", "fsync", "crash", "kill", "restart", "sweep", "pool", "shared",
+         "reference", "hash", "chain", "salt", "tenant"]
 
 
 # ---------------------------------------------------------------------------- server process
@@ -92,10 +94,9 @@ class Server(ServeProcess):
                     continue
                 chunk = json.loads(line[6:])
                 for ch in chunk.get("choices") or []:
-                    if ch.get("logprobs") or ch.get("text"):
-                        if first is None:
-                            first = time.perf_counter() - t0
-                            text = ch.get("logprobs", {}).get("tokens", [ch.get("text")])[0]
+                    if (ch.get("logprobs") or ch.get("text")) and first is None:
+                        first = time.perf_counter() - t0
+                        text = ch.get("logprobs", {}).get("tokens", [ch.get("text")])[0]
                 if chunk.get("timings"):
                     timings = chunk["timings"]
         server = self.server_ttft()

@@ -104,19 +104,19 @@ def main() -> None:
     for name, text in _texts(tok).items():
         ids = tok.encode(text)
 
-        def cold(parse_special=True):
+        def cold(parse_special=True, text=text):
             tok.clear_cache()  # no fragment remembered from earlier calls
             return tok.encode(text, parse_special=parse_special)
 
         enc = _timeit(cold, args.repeat)
         enc_cpu = _cputime(cold, args.repeat)
         enc_plain = _timeit(lambda: cold(False), args.repeat)
-        warm = _timeit(lambda: tok.encode(text), args.repeat)
+        warm = _timeit(lambda text=text: tok.encode(text), args.repeat)
         parts = tok.split_special(text)
         raw = [p for p in parts if isinstance(p, str)]
-        dec = _timeit(lambda: tok.decode(ids), args.repeat)
+        dec = _timeit(lambda ids=ids: tok.decode(ids), args.repeat)
 
-        def stream():
+        def stream(ids=ids):
             d = tok.stream_decoder()
             for i in ids:
                 d.feed(i)

@@ -305,7 +305,7 @@ def run_ours(model, tokens: np.ndarray, kv_dtype: str, emulate: set = frozenset(
     names[id(model.output_norm)] = ("output_norm", -1)
     state = {"layer": 0, "rope": 0}
     orig = {k: getattr(base, k) for k in ("rms_norm", "linear", "apply_rope", "paged_attention",
-                                 "write_kv")}
+                                 "write_kv", "glu")}
     cfg = model.config
     H, K, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
 
@@ -371,10 +371,12 @@ def run_ours(model, tokens: np.ndarray, kv_dtype: str, emulate: set = frozenset(
         rec[f"kqv_out-{state['layer']}"] = np.array(y).reshape(len(y), -1)
         return y
 
-    act = model._act
-
-    def act_rec(gate, up, **kw):
-        y = (geglu_f16_table if "gelu" in emulate else act)(gate, up, **kw)
+    def glu(gu, kind, **kw):
+        if "gelu" in emulate:
+            ff = gu.shape[1] // 2
+            y = geglu_f16_table(gu[:, :ff], gu[:, ff:], out=gu[:, :ff])
+        else:
+            y = orig["glu"](gu, kind, **kw)
         rec[f"ffn_geglu-{state['layer']}"] = np.array(y)
         return y
 
@@ -392,9 +394,8 @@ def run_ours(model, tokens: np.ndarray, kv_dtype: str, emulate: set = frozenset(
     try:
         for k, f in (("rms_norm", rms_norm), ("linear", linear), ("apply_rope", apply_rope),
                      ("paged_attention", paged_attention), ("write_kv", write_kv),
-                     ("CPU_THREADS", OnePart())):
+                     ("glu", glu), ("CPU_THREADS", OnePart())):
             setattr(base, k, f)
-        model._act = act_rec
         cache = model.new_cache(nb, 16, kv_dtype=kv_dtype)
         (lg,) = model.forward([SeqChunk(np.asarray(tokens, np.int32), 0, np.arange(nb),
                                         logits="all")], cache)
@@ -402,7 +403,6 @@ def run_ours(model, tokens: np.ndarray, kv_dtype: str, emulate: set = frozenset(
         for k, f in orig.items():
             setattr(base, k, f)
         base.CPU_THREADS = threads
-        model._act = act
     rec["result_output"] = lg
     return rec
 

@@ -101,7 +101,9 @@ def serve_parser() -> argparse.ArgumentParser:
     from kvshare.server.cli import build_parser  # noqa: PLC0415
 
     parser = build_parser(environ={})
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    # argparse has no public way to list a parser's actions or to reach a subparser
+    sub = next(a for a in parser._actions  # noqa: SLF001 - no public list of actions
+               if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001 - nor of its class
     return sub.choices["serve"]
 
 
@@ -111,14 +113,14 @@ def serve_flags() -> list[tuple[str, str, str, str]]:
 
     notes = _defaults()
     rows = []
-    for a in serve_parser()._actions:
+    for a in serve_parser()._actions:  # noqa: SLF001 - argparse has no public list of them
         if not a.option_strings or a.dest == "help":
             continue
         flag = a.option_strings[0]
         help_ = re.sub(r"\s*\[env [A-Z_]+\]$", "", a.help or "")
         if flag in notes:
             default = notes[flag]
-        elif isinstance(a, argparse._StoreTrueAction):
+        elif isinstance(a, argparse._StoreTrueAction):  # noqa: SLF001 - store_true's class
             default = "off"
         elif a.default not in (None, ""):
             default = f"`{a.default}`"

@@ -545,7 +545,7 @@ def test_agents_sdk_three_turns_reuse_the_prefix(server):
     tc = t1["choices"][0]["message"]["tool_calls"]
     assert [c["function"]["name"] for c in tc] == ["get_weather"]
     assert json.loads(tc[0]["function"]["arguments"])["city"] == calls[0]
-    for i, t in ((2, t2), (3, t3)):
+    for t in (t2, t3):
         assert t["choices"][0]["finish_reason"] in ("stop", "length"), t
         assert not t["choices"][0]["message"].get("tool_calls"), t
     # turns 2 and 3 carry the previous turns' messages (the tool call and its result)

@@ -264,10 +264,10 @@ def test_bad_requests(server, messages, needle):
 
 def test_bad_request_while_streaming(server):
     c = client(server)
-    with pytest.raises(anthropic.BadRequestError):
-        with c.messages.stream(model=MODEL, max_tokens=8, messages=ASK,
-                               tools=[{"type": "web_search_20250305", "name": "web_search"}]):
-            pass
+    with (pytest.raises(anthropic.BadRequestError),
+          c.messages.stream(model=MODEL, max_tokens=8, messages=ASK,
+                            tools=[{"type": "web_search_20250305", "name": "web_search"}])):
+        pass
     assert_serves(c)
 
 

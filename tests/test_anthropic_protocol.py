@@ -377,7 +377,10 @@ def finish(reason="stop", prompt=100, completion=7, cache_n=0, stop_string=None)
                        time_to_first_token_s=0.01, stop_string=stop_string)
 
 
-def make_format(rules=None, prompt=PromptInfo(100), **kw):
+PROMPT = PromptInfo(100)
+
+
+def make_format(rules=None, prompt=PROMPT, **kw):
     req = API.parse(body(**kw), CTX)
     return API.make_format("msg_test123", req, rules, prompt)
 

@@ -4,6 +4,8 @@ product must equal `x @ dequantize(raw).T` up to f32 summation order, on the AVX
 portable paths."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, quants
@@ -109,8 +111,8 @@ def test_checks_raise_value_error():
                                  buf[1:3].reshape(1, 2))
 
 
-HAS_AVX512 = "avx512f" in open("/proc/cpuinfo").read() if __import__("os").path.exists(
-    "/proc/cpuinfo") else False
+_CPUINFO = Path("/proc/cpuinfo")
+HAS_AVX512 = _CPUINFO.exists() and "avx512f" in _CPUINFO.read_text()
 
 
 @pytest.mark.parametrize("specs", [

@@ -395,10 +395,11 @@ class _Server:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvshare.server.cli", "serve", "--port", str(self.port),
-             "--parallel", "1", "--ctx-size", "1024", "--cache-ram", "0", *args],
-            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=_env())
+        with open(log, "w") as out:  # the server writes through its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvshare.server.cli", "serve", "--port", str(self.port),
+                 "--parallel", "1", "--ctx-size", "1024", "--cache-ram", "0", *args],
+                stdout=out, stderr=subprocess.STDOUT, env=_env())
         deadline = time.time() + 600
         while time.time() < deadline:
             if self.proc.poll() is not None:

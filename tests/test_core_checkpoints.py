@@ -168,8 +168,9 @@ def test_deepest_checkpoint_along_a_prompt():
     for n in [0, 4, 6, 13, 19]:
         store.insert(_core.Checkpoint.at(root(), toks[:n], BS, bytes([n]), account=acct))
     keys = _core.hash_blocks(root(), toks, BS)
+    r0 = root()
 
-    def deepest(max_position=None, t=toks, r=root()):
+    def deepest(max_position=None, t=toks, r=r0):
         c = store.deepest(r, _core.hash_blocks(r, t, BS), t, max_position)
         return None if c is None else c.position
 

@@ -257,7 +257,7 @@ def test_random_operations_against_a_reference_model():
             keyed[victim] = False
         refs[got], toks[got] = 1, []
 
-    for step in range(600):
+    for _step in range(600):
         op = rng.random()
         try:
             if op < 0.05 and lru:

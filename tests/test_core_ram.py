@@ -112,7 +112,7 @@ def test_held_bytes_equal_sum_of_entries_under_random_load():
     acct = _core.CheckpointAccount()
     ram = _core.RamTier(5000, acct)
     sizes = {}
-    for step in range(400):
+    for _step in range(400):
         i = int(rng.integers(0, 40))
         if rng.random() < 0.7:
             size = sizes.setdefault(i, int(rng.integers(0, 900)))

@@ -137,11 +137,11 @@ def test_hashing_releases_the_gil():
     """While one thread hashes a long prompt, another Python thread keeps running."""
     root = _core.root_key(b"fp", "f16", BS)
     toks = np.random.default_rng(2).integers(0, 50000, size=4_000_000, dtype=np.int32)
-    for attempt in range(3):
+    for _attempt in range(3):
         stamps = []
         done = threading.Event()
 
-        def ticker():
+        def ticker(done=done, stamps=stamps):
             while not done.is_set():
                 stamps.append(time.perf_counter())
 

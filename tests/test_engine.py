@@ -72,7 +72,7 @@ def test_sharing_on_and_off_give_identical_tokens(parts):
         eng.run_until_idle()
         outs[attach] = [collect(h) for h in handles]
         assert_idle(eng)
-    for (a, fa), (b, fb) in zip(outs[True], outs[False]):
+    for (a, _fa), (b, fb) in zip(outs[True], outs[False]):
         assert a == b
         assert fb.timings.cache_n == 0
     # With sharing the 2nd and 3rd sessions reuse the common prefix.

@@ -191,10 +191,10 @@ def _define(src: str, name: str) -> int:
 def test_launch_constants_match_the_cuda_source():
     src = kernels.source("paged_attention")
     nw, rpw = _define(src, "PA_NW"), _define(src, "PA_RPW")
-    assert gpu.PA_THREADS == nw * 32
-    assert gpu.PA_ROWS == nw * rpw
+    assert nw * 32 == gpu.PA_THREADS
+    assert nw * rpw == gpu.PA_ROWS
     assert gpu.PA_BN == _define(src, "PA_BN") == 32  # one key per lane
-    assert gpu.PA_MAXD == _define(src, "PA_MAXD")
+    assert _define(src, "PA_MAXD") == gpu.PA_MAXD
     for hd in gpu.PA_SPECIALISED_HD:
         assert f"paged_attn_f16_hd{hd}" in gpu.ENTRY_POINTS["paged_attention"]
     # the shared-memory size the host asks for: Hopper/Ampere opt-in limits must hold

@@ -217,7 +217,7 @@ def test_real_server_metrics(launcher):
     try:
         msgs = [{"role": "system", "content": "You are terse. " * 20},
                 {"role": "user", "content": "Count to five."}]
-        for i in range(3):  # the same prompt: the later ones reuse the cached prefix
+        for _ in range(3):  # the same prompt: the later ones reuse the cached prefix
             r = s.chat(msgs, max_tokens=5)
             assert r["usage"]["completion_tokens"] >= 1
         deadline = time.monotonic() + 30

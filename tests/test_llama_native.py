@@ -149,7 +149,7 @@ def test_completion_shape(client, engine):
     assert d["has_new_line"] is False and d["truncated"] is False
     assert d["stop_type"] == "limit" and d["stopping_word"] == ""
     assert d["tokens_cached"] == 4 + 5 - 1  # llama-server: the tokens in the slot's cache
-    assert TIMINGS_KEYS <= set(d["timings"]) and d["timings"]["predicted_n"] == 5
+    assert set(d["timings"]) >= TIMINGS_KEYS and d["timings"]["predicted_n"] == 5
     gs = d["generation_settings"]
     assert list(gs) == SETTINGS_KEYS
     assert gs["temperature"] == 0.8 and gs["top_k"] == 40 and gs["top_p"] == 0.95

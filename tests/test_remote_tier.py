@@ -7,6 +7,7 @@ here, that a damaged value read back through Redis is deleted, never used."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -153,10 +154,8 @@ def test_slow_redis_costs_at_most_the_timeout_then_nothing():
     def accept() -> None:
         srv.settimeout(0.1)
         while not stop.is_set():
-            try:
+            with contextlib.suppress(OSError):
                 held.append(srv.accept()[0])
-            except OSError:
-                pass
 
     t = threading.Thread(target=accept, daemon=True)
     t.start()

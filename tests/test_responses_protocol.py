@@ -418,7 +418,10 @@ def token_events(text: str, rng: random.Random | None = None) -> list[TokenEvent
     return [TokenEvent(token_id=1, text=p) for p in pieces(text, rng)]
 
 
-def make(req, rules: OutputRules | None = RULES, store=None, prompt=PromptInfo(100, 64)):
+PROMPT = PromptInfo(100, 64)
+
+
+def make(req, rules: OutputRules | None = RULES, store=None, prompt=PROMPT):
     a = api(store)
     return a.make_format("resp_" + "0" * 24, req, rules, prompt)
 

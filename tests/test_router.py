@@ -390,12 +390,12 @@ def test_an_overloaded_home_spills_without_moving_the_prefix(cluster):
 
 def test_stream_cut_by_the_backend_is_cut_for_the_client(two, cluster):
     r, client = two
-    with pytest.raises(httpx.RemoteProtocolError):
-        with client.stream("POST", "/v1/chat/completions",
-                           json=chat_body("Cut me.", stream=True, cut=True)) as resp:
-            assert resp.status_code == 200
-            for _ in resp.iter_lines():
-                pass
+    with (pytest.raises(httpx.RemoteProtocolError),
+          client.stream("POST", "/v1/chat/completions",
+                        json=chat_body("Cut me.", stream=True, cut=True)) as resp):
+        assert resp.status_code == 200
+        for _ in resp.iter_lines():
+            pass
     wait_for(lambda: sum(metric(client.get("/metrics").text, "kvshare_router_errors_total",
                                 backend=u, kind="stream") for u in cluster.states) == 1)
     wait_for(lambda: r.router.backends.inflight() == {u: 0 for u in cluster.states})

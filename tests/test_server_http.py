@@ -825,11 +825,10 @@ def test_real_server_disconnect_cancels(live):
     engine = FakeEngine(delay=0.2)
     s = live(engine)
     # streaming: read the first chunk, then hang up
-    with httpx.Client(timeout=10) as c:
-        with c.stream("POST", s.url + "/v1/chat/completions",
-                      json=dict(CHAT, stream=True)) as r:
-            it = r.iter_lines()
-            assert next(it).startswith("data: ")
+    with (httpx.Client(timeout=10) as c,
+          c.stream("POST", s.url + "/v1/chat/completions", json=dict(CHAT, stream=True)) as r):
+        it = r.iter_lines()
+        assert next(it).startswith("data: ")
     # non-streaming: give up before the reply is complete
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(s.url + "/v1/chat/completions", json=CHAT, timeout=0.5)

@@ -51,13 +51,15 @@ class ServerProcess:
         importlib.import_module("kvshare.engine.engine")
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.logfile = tempfile.NamedTemporaryFile("w+", prefix="kvshare-server-",
-                                                   suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "kvshare.server.cli", "serve", "--host", "127.0.0.1",
                "--port", str(self.port), *SERVER_ARGS, *self.extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSHARE_")}
-        self.proc = subprocess.Popen(cmd, stdout=self.logfile, stderr=subprocess.STDOUT,
-                                     env=env)
+        # the server writes the log through its own copy of the descriptor
+        with tempfile.NamedTemporaryFile("w+", prefix="kvshare-server-", suffix=".log",
+                                         delete=False) as logfile:
+            self.proc = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT,
+                                         env=env)
+        self.logpath = Path(logfile.name)
         deadline = time.time() + STARTUP_TIMEOUT
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -78,8 +80,7 @@ class ServerProcess:
         return self
 
     def log(self) -> str:
-        self.logfile.flush()
-        return Path(self.logfile.name).read_text()[-5000:]
+        return self.logpath.read_text()[-5000:]
 
     def terminate(self, timeout: float = 60.0) -> int:
         assert self.proc is not None

@@ -731,7 +731,7 @@ def test_grammar_accepts_valid_calls(vocab, fmt):
     required = f.grammar(GRAMMAR_TOOLS)
     single = f.grammar(GRAMMAR_TOOLS, parallel=False)
     auto = f.auto_grammar(GRAMMAR_TOOLS)
-    for i, calls in enumerate(VALID):
+    for calls in VALID:
         text = render(fmt, calls)
         assert _calls(f.parse(text)) == calls, text
         for seed in range(2):

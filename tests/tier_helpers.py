@@ -17,6 +17,7 @@ parsing, model load, engine, tiers, Hypercorn on a socket) in its own process:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -47,11 +48,10 @@ class SubprocessLauncher:
         self._procs: dict[int, subprocess.Popen] = {}
 
     def spawn(self, argv: list[str], log_path: str, env: dict[str, str] | None = None) -> int:
-        log = open(log_path, "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "kvshare.server.cli", *argv],
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**_clean_env(), **(env or {})})
-        log.close()
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "kvshare.server.cli", *argv],
+                                    stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env={**_clean_env(), **(env or {})})
         self._procs[proc.pid] = proc
         return proc.pid
 
@@ -64,7 +64,7 @@ class SubprocessLauncher:
         return rc
 
     def close(self) -> None:
-        for pid, proc in list(self._procs.items()):
+        for proc in list(self._procs.values()):
             if proc.poll() is None:
                 proc.kill()
             proc.wait(10)
@@ -280,10 +280,8 @@ class Server:
     def kill9(self) -> int:
         """SIGKILL, no drain: whatever the disk writer was doing is cut off."""
         if self.pid is not None and self.rc is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             self.rc = self.launcher.wait(self.pid, 30)
         self._close_client()
         return self.rc

@@ -107,7 +107,8 @@ ENTRY_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\
 LAUNCHES = []
 
 def _build(code):
-    h = hashlib.sha1(code.encode() + open(os.path.join(HERE, "shim.h"), "rb").read()).hexdigest()[:16]
+    with open(os.path.join(HERE, "shim.h"), "rb") as f: shim = f.read()
+    h = hashlib.sha1(code.encode() + shim).hexdigest()[:16]
     so = os.path.join(BUILD, f"k_{h}.so")
     if os.path.exists(so):
         return so
@@ -141,7 +142,7 @@ extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned g
 '''
     full = '#include "shim.h"\n' + src + reg
     cpp = so[:-3] + ".cpp"
-    open(cpp, "w").write(full)
+    with open(cpp, "w") as f: f.write(full)
     r = subprocess.run(["g++", "-std=c++17", "-O2", "-g", "-fPIC", "-shared", "-Wno-unknown-pragmas",
                         "-I", HERE, cpp, "-o", so], capture_output=True, text=True)
     if r.returncode:
