@@ -17,10 +17,10 @@ from kvshare.model.tokenizer import (
     StreamDecoder,
     Tokenizer,
     TokenizerError,
-    _splits,
-    _splits_python,
     prefix_token_count,
 )
+from kvshare.model.tokenizer.spm import splits as _splits
+from kvshare.model.tokenizer.spm import splits_python as _splits_python
 
 DATA = Path(__file__).parent / "data"
 TINY = ("tiny-qwen35", "tiny-lfm2")
@@ -410,9 +410,9 @@ def test_add_space_prefix_spm():
 
 
 def _byte_level_chars() -> list[str]:
-    from kvshare.model.tokenizer import _BYTE_TO_CHAR
+    from kvshare.model.tokenizer.bpe import BYTE_TO_CHAR
 
-    return [_BYTE_TO_CHAR[b] for b in range(256)]
+    return [BYTE_TO_CHAR[b] for b in range(256)]
 
 
 GPT2_EXTRA = ["th", "the", "Ġthe", "Ġa", "12", "123", "he", "ll", "hell", "hello", "Ġworld"]
@@ -517,7 +517,7 @@ def test_characters_inside_tokens_that_are_not_tokens():
 
 
 def test_fragment_cache_is_transparent(gemma, monkeypatch):
-    import kvshare.model.tokenizer as T
+    import kvshare.model.tokenizer.core as T
 
     text = TEXTS["gemma"]["tools_long"]
     gemma.clear_cache()
@@ -526,7 +526,7 @@ def test_fragment_cache_is_transparent(gemma, monkeypatch):
     assert gemma.encode(text) == first  # all hits
     assert first == TOKENS["gemma"]["tools_long/tokens"].tolist()
     # a tiny budget evicts old fragments but never changes results
-    monkeypatch.setattr(T, "_FRAGMENT_CACHE_CHARS", 200)
+    monkeypatch.setattr(T, "FRAGMENT_CACHE_CHARS", 200)
     gemma.clear_cache()
     assert gemma.encode(text) == first and gemma._frag_chars <= 200
     gemma.clear_cache()
