@@ -36,29 +36,9 @@ import numpy as np
 
 from kvshare.backend import CPU, Backend
 from kvshare.ops._dispatch import gpu_op
+from kvshare.ops.gated_delta_xp import CHUNK, chunked_impl, heads, step_impl
 
-CHUNK = 64
-# chunks processed per group in the vectorised part: bounds the [H, n, C, C] temporaries
-_GROUP_ELEMS = 1 << 18  # ~1 MB per temporary: stays in cache (4x faster than 16 MB)
-
-
-def _heads(x: Any, n_v: int, xp: Any = np) -> Any:
-    """`[..., H_k, d]` key/query heads broadcast to `n_v` value heads (head h <- h % H_k)."""
-    n_k = x.shape[-2]
-    if n_k == n_v:
-        return x
-    if n_v % n_k:
-        raise ValueError(f"{n_v} value heads are not a multiple of {n_k} key heads")
-    return x[..., xp.arange(n_v) % n_k, :]
-
-
-def _unit_lower_solve(xp: Any, A: Any, X: Any) -> None:
-    """`X <- (I + A)^-1 X` in place for strictly lower-triangular A `[..., C, C]` and X
-    `[..., C, m]`: forward substitution, one row of every matrix of the batch at a time
-    (faster than a batched LAPACK solve at C = 64, and no pivoting is involved)."""
-    C = A.shape[-1]
-    for i in range(1, C):
-        X[..., i, :] -= xp.matmul(A[..., i : i + 1, :i], X[..., :i, :])[..., 0, :]
+__all__ = ["CHUNK", "gated_delta_chunked", "gated_delta_step", "gated_delta_reference"]
 
 
 def gated_delta_chunked(q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, *,
@@ -75,86 +55,6 @@ def gated_delta_chunked(q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, *
     return chunked_impl(np, q, k, v, g, beta, state, scale=scale, chunk_size=chunk_size)
 
 
-def chunked_impl(xp: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, *,
-                 scale: float, chunk_size: int = CHUNK) -> Any:
-    """`gated_delta_chunked` written against an array module `xp` (NumPy, or CuPy for the GPU
-    twin in `kvshare.ops.gpu_hybrid`)."""
-    np = xp  # noqa: N806 - the same code runs on both array modules
-    T, H, Dv = v.shape
-    Dk = k.shape[-1]
-    if state.shape != (H, Dk, Dv):
-        raise ValueError(f"state has shape {state.shape}, expected {(H, Dk, Dv)}")
-    C = min(int(chunk_size), T)
-    n_c = -(-T // C)
-    Tp = n_c * C
-    f32 = np.float32
-
-    def heads_first(x: np.ndarray, width: int | None) -> np.ndarray:
-        """[T, H, d] -> [H, n_c, C, d] (zero padded); [T, H] -> [H, n_c, C]."""
-        if width is None:
-            out = np.zeros((H, Tp), f32)
-            out[:, :T] = x.T
-            return out.reshape(H, n_c, C)
-        out = np.zeros((H, Tp, width), f32)
-        out[:, :T] = x.transpose(1, 0, 2)
-        return out.reshape(H, n_c, C, width)
-
-    Q = heads_first(_heads(np.asarray(q, f32), H, xp), Dk)
-    Q *= f32(scale)
-    K = heads_first(_heads(np.asarray(k, f32), H, xp), Dk)
-    V = heads_first(np.asarray(v, f32), Dv)
-    Gc = np.cumsum(heads_first(np.asarray(g, f32), None), axis=-1, dtype=f32)  # [H, n_c, C]
-    B = heads_first(np.asarray(beta, f32), None)
-    out = np.empty((H, Tp, Dv), f32)
-    out4 = out.reshape(H, n_c, C, Dv)
-
-    tril = np.tri(C, dtype=bool)  # j <= i
-    strict_f = np.tri(C, k=-1, dtype=f32)  # j < i
-    S = state.astype(f32, copy=True)
-    # chunks per group: the largest per-chunk temporaries are C x C (decay mask, A, QK),
-    # C x (Dk + Dv) (the solved right-hand sides) and Dk x Dv (each chunk's initial state)
-    group = max(1, _GROUP_ELEMS // (H * max(C * C, C * (Dk + Dv), Dk * Dv)))
-    for c0 in range(0, n_c, group):
-        c1 = min(n_c, c0 + group)
-        Qg, Kg, Vg = Q[:, c0:c1], K[:, c0:c1], V[:, c0:c1]
-        G, Bg = Gc[:, c0:c1], B[:, c0:c1]
-        diff = G[..., :, None] - G[..., None, :]  # [H, n, C, C]: G_i - G_j
-        D = np.exp(np.where(tril, diff, f32(-np.inf)))  # 0 above the diagonal
-        A = np.matmul(Kg, Kg.swapaxes(-1, -2))
-        A *= D
-        A *= strict_f
-        A *= Bg[..., :, None]
-        eG = np.exp(G)  # [H, n, C]
-        X = np.concatenate([Vg * Bg[..., None], Kg * (Bg * eG)[..., None]], axis=-1)
-        if Dk + Dv > C:  # wide right-hand sides: substitute on I (C columns), then one GEMM
-            Tinv = np.broadcast_to(np.eye(C, dtype=f32), A.shape).copy()
-            _unit_lower_solve(xp, A, Tinv)
-            X = np.matmul(Tinv, X)
-        else:
-            _unit_lower_solve(xp, A, X)  # X <- (I + A)^-1 X: [H, n, C, Dv + Dk]
-        U0, W = X[..., :Dv], X[..., Dv:]
-        gl = G[..., -1]  # [H, n]
-        Kd = Kg * np.exp(gl[..., None] - G)[..., None]  # [H, n, C, Dk]
-        KdT = np.ascontiguousarray(Kd.swapaxes(-1, -2))  # [H, n, Dk, C]
-        egl = np.exp(gl)
-        # the sequential part: each chunk's initial state S_c and new values U_c
-        Ss = np.empty((H, c1 - c0, Dk, Dv), f32)
-        for i in range(c1 - c0):
-            Ss[:, i] = S
-            U = U0[:, i]
-            U -= np.matmul(W[:, i], S)  # [H, C, Dv], in place in X
-            S *= egl[:, i, None, None]
-            S += np.matmul(KdT[:, i], U)
-        # outputs of the whole group at once: exp(G) Q S_c + (Q K^T o D) U_c
-        QK = np.matmul(Qg, Kg.swapaxes(-1, -2))
-        QK *= D
-        o = np.matmul(Qg * eG[..., None], Ss)
-        o += np.matmul(QK, U0)
-        out4[:, c0:c1] = o
-    state[...] = S
-    return np.ascontiguousarray(out[:, :T].transpose(1, 0, 2))
-
-
 def gated_delta_step(q: Any, k: Any, v: Any, g: Any, beta: Any, states: Any, *, scale: float,
                      backend: Backend = CPU) -> Any:
     """One token for each of B sequences (decode): q, k `[B, H_k, Dk]`, v `[B, H_v, Dv]`,
@@ -164,29 +64,13 @@ def gated_delta_step(q: Any, k: Any, v: Any, g: Any, beta: Any, states: Any, *, 
     return step_impl(np, q, k, v, g, beta, states, scale=scale)
 
 
-def step_impl(xp: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, states: Any, *,
-              scale: float) -> Any:
-    """`gated_delta_step` against an array module `xp` (NumPy or CuPy)."""
-    H = v.shape[1]
-    qh = _heads(q, H, xp)
-    kh = _heads(k, H, xp)
-    states *= xp.exp(g)[..., None, None]
-    kv = xp.matmul(kh[..., None, :], states)[..., 0, :]  # S^T k: [B, H, Dv]
-    delta = v - kv
-    delta *= beta[..., None]
-    states += kh[..., :, None] * delta[..., None, :]
-    o = xp.matmul(qh[..., None, :], states)[..., 0, :]
-    o *= xp.float32(scale)
-    return o
-
-
 def gated_delta_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
                           beta: np.ndarray, state: np.ndarray, *, scale: float
                           ) -> tuple[np.ndarray, np.ndarray]:
     """Token-by-token float64 recurrence for tests: `(o [T, H_v, Dv], new_state)`."""
     H = v.shape[1]
-    qh = _heads(q, H).astype(np.float64)
-    kh = _heads(k, H).astype(np.float64)
+    qh = heads(q, H).astype(np.float64)
+    kh = heads(k, H).astype(np.float64)
     S = state.astype(np.float64).copy()
     outs = []
     for t in range(v.shape[0]):

@@ -21,14 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from kvshare import kernels
 from kvshare.backend import cupy_module
 from kvshare.ops import gpu_blocks
+from kvshare.ops import gpu_runtime as rt
 from kvshare.ops.gpu_blocks import GpuBlockWeight
+from kvshare.ops.gpu_runtime import ELEMWISE_THREADS, ROWS_PER_BLOCK
 
-# Every kernel this module launches, by kernel module (tests/test_kernels_compile.py checks
-# that each one is an entry point of the compiled module).
-ENTRY_POINTS: dict[str, tuple[str, ...]] = {
+# The kernels this module launches, by kernel module.
+_OWN_ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "paged_attention": tuple(f"paged_attn_{dt}_{hd}" for dt in ("f16", "f32")
                              for hd in ("hd64", "hd128", "hd256", "hdx")) + ("paged_attn_combine",),
     "kv_write": ("kv_write_f16", "kv_write_f32"),
@@ -37,8 +37,13 @@ ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "activation": ("geglu_tanh_f32", "swiglu_f32"),
     "embedding": ("embedding_f16", "embedding_f32"),
     "linear": ("f32_to_f16_rowscaled", "rowscale_bias_f32"),
-    "blocks": gpu_blocks.ENTRY_POINTS,  # GGUF block weights (GpuBlockWeight), ops/gpu_blocks.py
 }
+for _module, _entries in _OWN_ENTRY_POINTS.items():
+    rt.declare_entry_points(_module, _entries)
+# Every kernel the GPU ops launch, by kernel module: this module's and gpu_blocks.py's (GGUF
+# block weights); tests/test_kernels_compile.py checks that each one is an entry point of the
+# compiled module.
+ENTRY_POINTS: dict[str, tuple[str, ...]] = rt.ENTRY_POINTS
 
 # Launch constants that must match the CUDA sources.
 PA_THREADS = 128  # paged_attention.cu: PA_NW * 32
@@ -46,113 +51,14 @@ PA_ROWS = 16  # PA_NW * PA_RPW: (token, head) rows per CTA
 PA_BN = 32  # keys per tile
 PA_MAXD = 512  # largest head_dim of the generic kernels
 PA_SPECIALISED_HD = (64, 128, 256)
-ROWS_PER_BLOCK = 4  # rms_norm / row-scaled conversion: 128 threads, one warp per row
-ELEMWISE_THREADS = 256
-_MAX_GRID = 65535 * 4  # grid-stride kernels: enough CTAs to fill any current GPU
 _DEFAULT_SMEM = 48 * 1024
 _LOG2E = 1.4426950408889634
 
-_lock = threading.Lock()
-_kernel_cache: dict[tuple[str, str, int], Any] = {}
-_upload_cache: OrderedDict = OrderedDict()
-_UPLOAD_CACHE_SIZE = 64
-_device_attrs: dict[tuple[int, str], int] = {}
+_plan_lock = threading.Lock()
 _smem_opt_in: dict[tuple[str, int], int] = {}
-# cudaDeviceAttr codes, for CuPy versions whose Device.attributes lacks a name
-_ATTR_CODES = {"MultiProcessorCount": 16, "MaxSharedMemoryPerBlockOptin": 97}
 
 
 # --- plumbing ------------------------------------------------------------------------------------
-
-def _cp() -> Any:
-    return cupy_module()
-
-
-def _device_id() -> int:
-    return int(_cp().cuda.runtime.getDevice())
-
-
-def _kernel(module: str, entry: str) -> Any:
-    if entry not in ENTRY_POINTS.get(module, ()):
-        raise KeyError(f"{entry!r} is not a listed entry point of kernel module {module!r}")
-    key = (module, entry, _device_id())
-    fn = _kernel_cache.get(key)
-    if fn is None:
-        with _lock:
-            fn = _kernel_cache.get(key)
-            if fn is None:
-                fn = kernels.get_function(module, entry)
-                _kernel_cache[key] = fn
-    return fn
-
-
-def _attr(name: str) -> int:
-    """A device attribute of the current device (cached): MultiProcessorCount,
-    MaxSharedMemoryPerBlockOptin."""
-    dev = _device_id()
-    key = (dev, name)
-    v = _device_attrs.get(key)
-    if v is None:
-        cp = _cp()
-        try:
-            v = int(cp.cuda.Device(dev).attributes[name])
-        except (KeyError, AttributeError):
-            v = int(cp.cuda.runtime.deviceGetAttribute(_ATTR_CODES[name], dev))
-        _device_attrs[key] = v
-    return v
-
-
-def _grid(total: int, threads: int = ELEMWISE_THREADS) -> tuple[int, int, int]:
-    return (max(1, min(_MAX_GRID, -(-int(total) // threads))), 1, 1)
-
-
-def _is_device(a: Any) -> bool:
-    return isinstance(a, _cp().ndarray)
-
-
-def _upload(a: Any, dtype: Any) -> Any:
-    """`a` as a C-contiguous device array of `dtype`. Host arrays are cached by content (the
-    same block tables / slots / tiles are uploaded once for all layers of a forward call)."""
-    cp = _cp()
-    if isinstance(a, cp.ndarray):
-        return cp.ascontiguousarray(a, dtype=dtype)
-    h = np.ascontiguousarray(a, dtype=dtype)
-    key = (_device_id(), h.dtype.str, h.shape, h.tobytes())
-    with _lock:
-        d = _upload_cache.get(key)
-        if d is not None:
-            _upload_cache.move_to_end(key)
-            return d
-    d = cp.asarray(h)
-    with _lock:
-        _upload_cache[key] = d
-        while len(_upload_cache) > _UPLOAD_CACHE_SIZE:
-            _upload_cache.popitem(last=False)
-    return d
-
-
-def _host(a: Any, dtype: Any = None) -> np.ndarray:
-    if _is_device(a):
-        a = _cp().asnumpy(a)
-    return np.asarray(a, dtype=dtype)
-
-
-def _estrides(a: Any) -> tuple[int, ...]:
-    """Strides in elements (every array here has element-aligned strides)."""
-    it = a.dtype.itemsize
-    return tuple(int(s) // it for s in a.strides)
-
-
-def _f32_lastdim_view(a: Any, ndim: int) -> Any:
-    """`a` unchanged when it is a float32 device array of `ndim` dims with unit stride along the
-    last axis (any other strides), else a C-contiguous float32 copy."""
-    cp = _cp()
-    if (isinstance(a, cp.ndarray) and a.dtype == np.float32 and a.ndim == ndim
-            and (a.shape[-1] <= 1 or a.strides[-1] == 4)
-            and all(s % 4 == 0 for s in a.strides)):
-        return a
-    return cp.ascontiguousarray(cp.asarray(a), dtype=np.float32)
-
 
 def _kv_tag(dtype: Any) -> str:
     dt = np.dtype(dtype)
@@ -164,7 +70,7 @@ def _kv_tag(dtype: Any) -> str:
 
 
 def _check_cache(k_cache: Any, v_cache: Any) -> None:
-    cp = _cp()
+    cp = cupy_module()
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(c, cp.ndarray) or c.ndim != 4:
             raise TypeError(f"{name} must be a 4-D CuPy array [n_blocks, block_size, n_kv, hd]")
@@ -182,13 +88,13 @@ def write_kv(k_cache: Any, v_cache: Any, slots: Any, k: Any, v: Any) -> None:
     _check_cache(k_cache, v_cache)
     nb, bs, n_kv, hd = (int(s) for s in k_cache.shape)
     n_slots = nb * bs
-    k = _f32_lastdim_view(k, 3)
-    v = _f32_lastdim_view(v, 3)
+    k = rt.f32_lastdim_view(k, 3)
+    v = rt.f32_lastdim_view(v, 3)
     n = int(k.shape[0])
     if tuple(k.shape) != (n, n_kv, hd) or tuple(v.shape) != (n, n_kv, hd):
         raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match the cache's "
                          f"[N, {n_kv}, {hd}]")
-    if not _is_device(slots):
+    if not rt.is_device(slots):
         hs = np.asarray(slots).reshape(-1)
         if hs.size != n:
             raise ValueError(f"{hs.size} slots for {n} tokens")
@@ -198,10 +104,10 @@ def write_kv(k_cache: Any, v_cache: Any, slots: Any, k: Any, v: Any) -> None:
         raise ValueError(f"{int(slots.size)} slots for {n} tokens")
     if n == 0:
         return None
-    d_slots = _upload(slots, np.int64).reshape(-1)
-    ks, vs = _estrides(k), _estrides(v)
-    fn = _kernel("kv_write", f"kv_write_{_kv_tag(k_cache.dtype)}")
-    fn(_grid(n * n_kv * hd), (ELEMWISE_THREADS, 1, 1),
+    d_slots = rt.upload(slots, np.int64).reshape(-1)
+    ks, vs = rt.estrides(k), rt.estrides(v)
+    fn = rt.kernel("kv_write", f"kv_write_{_kv_tag(k_cache.dtype)}")
+    fn(rt.grid(n * n_kv * hd), (ELEMWISE_THREADS, 1, 1),
        (k_cache, v_cache, d_slots, k, np.int64(ks[0]), np.int64(ks[1]), v, np.int64(vs[0]),
         np.int64(vs[1]), np.int32(n), np.int32(n_kv), np.int32(hd), np.int64(n_slots)))
     return None
@@ -290,14 +196,14 @@ def _pa_plan(block_tables: Any, q_starts: Any, start_positions: Any, n_head: int
              bs: int, n_blocks: int, window: int, hd: int, n_tok: int) -> _PaPlan:
     """Tiles, uploaded block table and split count of one call (cached by content: the layers
     of a forward call with the same window share it)."""
-    qs = _host(q_starts, np.int64).reshape(-1)
-    sp = _host(start_positions, np.int64).reshape(-1)
-    bt = _host(block_tables, np.int32)
+    qs = rt.host(q_starts, np.int64).reshape(-1)
+    sp = rt.host(start_positions, np.int64).reshape(-1)
+    bt = rt.host(block_tables, np.int32)
     if bt.ndim == 1:
         bt = bt.reshape(1, -1)
-    key = (_device_id(), qs.tobytes(), sp.tobytes(), bt.shape, bt.tobytes(), n_head, n_kv, bs,
+    key = (rt.device_id(), qs.tobytes(), sp.tobytes(), bt.shape, bt.tobytes(), n_head, n_kv, bs,
            n_blocks, window, hd)
-    with _lock:
+    with _plan_lock:
         plan = _plan_cache.get(key)
         if plan is not None:
             _plan_cache.move_to_end(key)
@@ -318,15 +224,15 @@ def _pa_plan(block_tables: Any, q_starts: Any, start_positions: Any, n_head: int
     plan = _PaPlan()
     plan.n_tiles = int(tiles.shape[0])
     plan.n_splits = pa_splits(tiles, window, n_kv, n_gchunks, n_tok, n_head, hd,
-                              _attr("MultiProcessorCount"))
-    plan.tiles = _upload(tiles.reshape(-1), np.int32)
-    plan.tables = _upload(bt, np.int32)
+                              rt.device_attr("MultiProcessorCount"))
+    plan.tiles = rt.upload(tiles.reshape(-1), np.int32)
+    plan.tables = rt.upload(bt, np.int32)
     plan.gc = gc
     plan.n_gchunks = n_gchunks
     plan.width = int(bt.shape[1])
-    with _lock:
+    with _plan_lock:
         _plan_cache[key] = plan
-        while len(_plan_cache) > _UPLOAD_CACHE_SIZE:
+        while len(_plan_cache) > rt.UPLOAD_CACHE_SIZE:
             _plan_cache.popitem(last=False)
     return plan
 
@@ -336,10 +242,10 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
                     out: Any | None = None) -> Any:
     """GPU twin of `kvshare.ops.attention.paged_attention` (returns float32
     `[N, n_head, head_dim]`, into `out` when given)."""
-    cp = _cp()
+    cp = cupy_module()
     _check_cache(k_cache, v_cache)
     nb, bs, n_kv, hd = (int(s) for s in k_cache.shape)
-    q = _f32_lastdim_view(q, 3)
+    q = rt.f32_lastdim_view(q, 3)
     n_tok, n_head, qhd = (int(s) for s in q.shape)
     if qhd != hd:
         raise ValueError(f"q head size {qhd} != cache head size {hd}")
@@ -365,17 +271,17 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     if n_tok == 0 or plan.n_tiles == 0:
         return out if out is not None else res
     smem = _pa_smem_bytes(hd, k_cache.dtype.itemsize)
-    fn = _kernel("paged_attention", entry)
+    fn = rt.kernel("paged_attention", entry)
     if smem > _DEFAULT_SMEM:
-        limit = _attr("MaxSharedMemoryPerBlockOptin")
+        limit = rt.device_attr("MaxSharedMemoryPerBlockOptin")
         if smem > limit:
             raise NotImplementedError(f"paged attention needs {smem} bytes of shared memory "
                                       f"per block; this device allows {limit}")
-        key = (entry, _device_id())
+        key = (entry, rt.device_id())
         if _smem_opt_in.get(key, 0) < smem:
             fn.max_dynamic_shared_size_bytes = smem
             _smem_opt_in[key] = smem
-    qs = _estrides(q)
+    qs = rt.estrides(q)
     n_splits = plan.n_splits
     if n_splits > 1:
         part_o = cp.empty((n_splits, n_tok, n_head, hd), np.float32)
@@ -391,7 +297,7 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
         np.int32(n_splits)),
        shared_mem=smem)
     if n_splits > 1:
-        comb = _kernel("paged_attention", "paged_attn_combine")
+        comb = rt.kernel("paged_attention", "paged_attn_combine")
         comb((n_tok * n_head, 1, 1), (128, 1, 1),
              (part_o, part_ml, res, np.int32(n_tok * n_head), np.int32(hd),
               np.int32(n_splits)))
@@ -408,11 +314,11 @@ _ROPE_STYLES = {"neox": 0, "norm": 1}
 
 def apply_rope(x: Any, cos: Any, sin: Any, style: str = "neox") -> Any:
     """GPU twin of `kvshare.ops.rope.apply_rope`: rotates `x` in place and returns it."""
-    cp = _cp()
+    cp = cupy_module()
     if style not in _ROPE_STYLES:
         raise ValueError(f"unknown rope style {style!r}")
-    cos = _upload(cos, np.float32)
-    sin = _upload(sin, np.float32)
+    cos = rt.upload(cos, np.float32)
+    sin = rt.upload(sin, np.float32)
     half = int(cos.shape[-1])
     if x.ndim != 3 or cos.ndim != 2 or tuple(sin.shape) != tuple(cos.shape):
         raise ValueError(f"x {tuple(x.shape)} must be [N, heads, head_dim] and cos/sin "
@@ -427,9 +333,9 @@ def apply_rope(x: Any, cos: Any, sin: Any, style: str = "neox") -> Any:
     if not ok:
         raise TypeError("apply_rope on the GPU needs a float32 CuPy array with unit stride "
                         "along head_dim (it rotates in place)")
-    xs = _estrides(x)
-    _kernel("rope", "rope_f32")(
-        _grid(n * heads * half), (ELEMWISE_THREADS, 1, 1),
+    xs = rt.estrides(x)
+    rt.kernel("rope", "rope_f32")(
+        rt.grid(n * heads * half), (ELEMWISE_THREADS, 1, 1),
         (x, np.int64(xs[0]), np.int64(xs[1]), cos, sin, np.int32(n), np.int32(heads),
          np.int32(half), np.int32(_ROPE_STYLES[style])))
     return x
@@ -444,7 +350,7 @@ def _row_layout(a: Any) -> tuple[int, int, int, int] | None:
         return None
     if a.ndim >= 1 and a.shape[-1] > 1 and a.strides[-1] != 4:
         return None
-    st = _estrides(a)
+    st = rt.estrides(a)
     if a.ndim == 1:
         return 1, 1, 0, 0
     if a.ndim == 2:
@@ -459,7 +365,7 @@ def _row_layout(a: Any) -> tuple[int, int, int, int] | None:
 
 def rms_norm(x: Any, weight: Any | None, eps: float, *, out: Any | None = None) -> Any:
     """GPU twin of `kvshare.ops.norm.rms_norm`."""
-    cp = _cp()
+    cp = cupy_module()
     if not isinstance(x, cp.ndarray):
         x = cp.asarray(x)
     if x.ndim == 0:
@@ -478,15 +384,15 @@ def rms_norm(x: Any, weight: Any | None, eps: float, *, out: Any | None = None) 
     if olay is None:
         olay = _row_layout(dst)
     if weight is not None:
-        w = _upload(weight, np.float32).reshape(-1)
+        w = rt.upload(weight, np.float32).reshape(-1)
         if int(w.size) != d:
             raise ValueError(f"weight has {int(w.size)} elements, rows have {d}")
     else:
         w = x  # unused (has_weight = 0)
     n_rows, inner, s0, s1 = lay
     if n_rows and d:
-        _kernel("rms_norm", "rms_norm_f32")(
-            _grid(n_rows, ROWS_PER_BLOCK), (32 * ROWS_PER_BLOCK, 1, 1),
+        rt.kernel("rms_norm", "rms_norm_f32")(
+            rt.grid(n_rows, ROWS_PER_BLOCK), (32 * ROWS_PER_BLOCK, 1, 1),
             (x, np.int64(s0), np.int64(s1), dst, np.int64(olay[2]), np.int64(olay[3]), w,
              np.int32(weight is not None), np.int64(n_rows), np.int32(inner), np.int32(d),
              np.float32(eps)))
@@ -498,21 +404,11 @@ def rms_norm(x: Any, weight: Any | None, eps: float, *, out: Any | None = None) 
 
 # --- activations ---------------------------------------------------------------------------------
 
-def _as_rows(a: Any) -> Any:
-    """A 2-D float32 view with unit column stride (a copy only when needed)."""
-    cp = _cp()
-    if not isinstance(a, cp.ndarray):
-        a = cp.asarray(a)
-    if a.ndim != 2:
-        a = cp.ascontiguousarray(a, dtype=np.float32).reshape(-1, a.shape[-1] if a.ndim else 1)
-    return _f32_lastdim_view(a, 2)
-
-
 def _gated(entry: str, gate: Any, up: Any | None, out: Any | None) -> Any:
-    cp = _cp()
+    cp = cupy_module()
     shape = tuple(gate.shape)
-    g = _as_rows(gate)
-    u = _as_rows(up) if up is not None else None
+    g = rt.as_rows(gate)
+    u = rt.as_rows(up) if up is not None else None
     if u is not None and tuple(u.shape) != tuple(g.shape):
         raise ValueError(f"gate {shape} and up {tuple(up.shape)} differ")
     n_rows, n_cols = (int(s) for s in g.shape)
@@ -523,15 +419,15 @@ def _gated(entry: str, gate: Any, up: Any | None, out: Any | None) -> Any:
               and out.strides[0] % 4 == 0)
     dst = out if direct else cp.empty((n_rows, n_cols), np.float32)
     if n_rows * n_cols:
-        gs, ds = _estrides(g)[0], _estrides(dst)[0]
+        gs, ds = rt.estrides(g)[0], rt.estrides(dst)[0]
         if entry == "geglu_tanh_f32":
             args = (g, np.int64(gs), u if u is not None else g,
-                    np.int64(_estrides(u)[0] if u is not None else 0), np.int32(u is not None),
+                    np.int64(rt.estrides(u)[0] if u is not None else 0), np.int32(u is not None),
                     dst, np.int64(ds), np.int64(n_rows), np.int64(n_cols))
         else:
-            args = (g, np.int64(gs), u, np.int64(_estrides(u)[0]), dst, np.int64(ds),
+            args = (g, np.int64(gs), u, np.int64(rt.estrides(u)[0]), dst, np.int64(ds),
                     np.int64(n_rows), np.int64(n_cols))
-        _kernel("activation", entry)(_grid(n_rows * n_cols), (ELEMWISE_THREADS, 1, 1), args)
+        rt.kernel("activation", entry)(rt.grid(n_rows * n_cols), (ELEMWISE_THREADS, 1, 1), args)
     if out is not None and dst is not out:
         out[...] = dst.reshape(shape)
         return out
@@ -563,62 +459,28 @@ def embedding(table: Any, tokens: Any, scale: float = 1.0) -> Any:
     a NaN row. A `GpuBlockWeight` table (GGUF blocks) goes to `gpu_blocks.embedding`."""
     if isinstance(table, GpuBlockWeight):
         return gpu_blocks.embedding(table, tokens, scale)
-    cp = _cp()
+    cp = cupy_module()
     if not isinstance(table, cp.ndarray) or table.ndim != 2:
         raise TypeError("the embedding table must be a 2-D CuPy array")
     vocab, d = (int(s) for s in table.shape)
-    if not _is_device(tokens):
+    if not rt.is_device(tokens):
         ht = np.asarray(tokens).reshape(-1)
         if ht.size and (ht.min() < 0 or ht.max() >= vocab):
             raise IndexError(f"token id out of range [0, {vocab})")
-    tok = _upload(tokens, np.int32).reshape(-1)
+    tok = rt.upload(tokens, np.int32).reshape(-1)
     n = int(tok.size)
     tag = _kv_tag(table.dtype)
     if not table.flags.c_contiguous:
         table = cp.ascontiguousarray(table)
     out = cp.empty((n, d), np.float32)
     if n and d:
-        _kernel("embedding", f"embedding_{tag}")(
-            _grid(n * d), (ELEMWISE_THREADS, 1, 1),
+        rt.kernel("embedding", f"embedding_{tag}")(
+            rt.grid(n * d), (ELEMWISE_THREADS, 1, 1),
             (table, tok, out, np.int32(n), np.int32(d), np.int32(vocab), np.float32(scale)))
     return out
 
 
 # --- linear --------------------------------------------------------------------------------------
-
-_CUDA_R_32F = 0  # cudaDataType_t values (library_types.h)
-_CUDA_R_16F = 2
-_CUBLAS_COMPUTE_32F = 68  # cublasComputeType_t
-_CUBLAS_GEMM_DEFAULT = -1
-_CUBLAS_OP_N = 0
-_CUBLAS_OP_T = 1
-
-
-def _gemm_f16(x16: Any, w: Any, y: Any) -> None:
-    """y[N, out] (float32, C-contiguous) = x16[N, in] @ w[out, in].T, both f16 C-contiguous,
-    float32 accumulation (cublasGemmEx). Column-major view: y^T = w . x16^T, i.e. m = out,
-    n = N, k = in, A = w read transposed (lda = in), B = x16^T (ldb = in), C ldc = out."""
-    cp = _cp()
-    cublas = cp.cuda.cublas
-    n, k = (int(s) for s in x16.shape)
-    m = int(w.shape[0])
-    handle = cp.cuda.device.get_cublas_handle()
-    one = np.ones(1, np.float32)
-    zero = np.zeros(1, np.float32)
-    mode = cublas.getPointerMode(handle)
-    cublas.setPointerMode(handle, getattr(cublas, "CUBLAS_POINTER_MODE_HOST", 0))
-    try:
-        cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
-        cublas.gemmEx(handle, getattr(cublas, "CUBLAS_OP_T", _CUBLAS_OP_T),
-                      getattr(cublas, "CUBLAS_OP_N", _CUBLAS_OP_N), m, n, k,
-                      one.ctypes.data, w.data.ptr, _CUDA_R_16F, k,
-                      x16.data.ptr, _CUDA_R_16F, k,
-                      zero.ctypes.data, y.data.ptr, _CUDA_R_32F, m,
-                      getattr(cublas, "CUBLAS_COMPUTE_32F", _CUBLAS_COMPUTE_32F),
-                      getattr(cublas, "CUBLAS_GEMM_DEFAULT", _CUBLAS_GEMM_DEFAULT))
-    finally:
-        cublas.setPointerMode(handle, mode)
-
 
 def linear(x: Any, w: Any, bias: Any | None = None, *, out: Any | None = None) -> Any:
     """GPU twin of `kvshare.ops.linear.linear`: `x @ w.T (+ bias)` as float32 `[N, out]`.
@@ -629,11 +491,11 @@ def linear(x: Any, w: Any, bias: Any | None = None, *, out: Any | None = None) -
     (float32 SGEMM). `GpuBlockWeight` (GGUF blocks read in place): `gpu_blocks.linear`."""
     if isinstance(w, GpuBlockWeight):
         return gpu_blocks.linear(x, w, bias, out=out)
-    cp = _cp()
+    cp = cupy_module()
     if not isinstance(w, cp.ndarray) or w.ndim != 2:
         raise TypeError("linear weights must be a 2-D CuPy array [out, in]")
     n_out, n_in = (int(s) for s in w.shape)
-    x = _as_rows(x)
+    x = rt.as_rows(x)
     n = int(x.shape[0])
     if int(x.shape[1]) != n_in:
         raise ValueError(f"x has {int(x.shape[1])} features, w expects {n_in}")
@@ -642,7 +504,7 @@ def linear(x: Any, w: Any, bias: Any | None = None, *, out: Any | None = None) -
     direct = (out is not None and isinstance(out, cp.ndarray) and out.dtype == np.float32
               and out.flags.c_contiguous)
     y = out if direct else cp.empty((n, n_out), np.float32)
-    b = _upload(bias, np.float32).reshape(-1) if bias is not None else None
+    b = rt.upload(bias, np.float32).reshape(-1) if bias is not None else None
     if b is not None and int(b.size) != n_out:
         raise ValueError(f"bias has {int(b.size)} elements, expected {n_out}")
     if n and n_out:
@@ -652,15 +514,15 @@ def linear(x: Any, w: Any, bias: Any | None = None, *, out: Any | None = None) -
             x16 = cp.empty((n, n_in), np.float16)
             inv = cp.empty(n, np.float32)
             if n_in:
-                _kernel("linear", "f32_to_f16_rowscaled")(
-                    _grid(n, ROWS_PER_BLOCK), (32 * ROWS_PER_BLOCK, 1, 1),
-                    (x, np.int64(_estrides(x)[0]), x16, inv, np.int64(n), np.int32(n_in)))
-                _gemm_f16(x16, w, y)
+                rt.kernel("linear", "f32_to_f16_rowscaled")(
+                    rt.grid(n, ROWS_PER_BLOCK), (32 * ROWS_PER_BLOCK, 1, 1),
+                    (x, np.int64(rt.estrides(x)[0]), x16, inv, np.int64(n), np.int32(n_in)))
+                rt.gemm_f16(x16, w, y)
             else:
                 y.fill(0)
                 inv.fill(1)
-            _kernel("linear", "rowscale_bias_f32")(
-                _grid(n * n_out), (ELEMWISE_THREADS, 1, 1),
+            rt.kernel("linear", "rowscale_bias_f32")(
+                rt.grid(n * n_out), (ELEMWISE_THREADS, 1, 1),
                 (y, inv, b if b is not None else inv, np.int32(b is not None), np.int64(n),
                  np.int64(n_out)))
         elif w.dtype == np.float32:

@@ -31,6 +31,10 @@ from typing import Any, Iterable
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from kvshare.backend import cupy_module
+from kvshare.ops import gpu_runtime as rt
+from kvshare.ops.gpu_runtime import ELEMWISE_THREADS, ROWS_PER_BLOCK
+
 # GGML type id -> (kernel name suffix, elements per block, bytes per block)
 BLOCK_TYPES: dict[int, tuple[str, int, int]] = {
     int(Q.Q4_0): ("q4_0", 32, 18),
@@ -59,12 +63,9 @@ DEQUANT_TILE_ELEMS = 1 << 25  # weights per dequantized f16 tile (64 MB of scrat
 ENTRY_POINTS: tuple[str, ...] = tuple(
     e for tag, _, _ in BLOCK_TYPES.values()
     for e in (*(f"bmv_{tag}_m{m}" for m in BMV_M), f"bdq_{tag}", f"bemb_{tag}"))
-
-
-def _gpu() -> Any:
-    from kvshare.ops import gpu  # noqa: PLC0415 - gpu imports this module at its top
-
-    return gpu
+rt.declare_entry_points("blocks", ENTRY_POINTS)
+# large batches convert x and scale y back as an f16 weight's linear does (kernels/linear.cu)
+rt.declare_entry_points("linear", ("f32_to_f16_rowscaled", "rowscale_bias_f32"))
 
 
 def row_bytes(qtype: int, k: int) -> int:
@@ -133,7 +134,7 @@ class GpuBlockWeight:
         the GGUF file (a uint8 `[n, row_bytes]` array, or any array whose bytes are the rows:
         flat uint8, float16 `[n, k]`, ...), copied to the device unchanged. `backend`: the
         CUDA `Backend` (its device; None: CuPy's current device)."""
-        cp = _gpu()._cp()
+        cp = cupy_module()
         built, col0 = [], 0
         for raw, qtype, k in parts:
             k = int(k)
@@ -197,7 +198,7 @@ class GpuBlockWeight:
     def dequantize_f16(self, r0: int = 0, r1: int | None = None) -> Any:
         """Rows `[r0, r1)` as a new f16 CuPy array `[r1 - r0, k]` (the values bdq_ gives
         the large-batch GEMM)."""
-        cp = _gpu()._cp()
+        cp = cupy_module()
         r1 = self.shape[0] if r1 is None else int(r1)
         r0 = int(r0)
         if not 0 <= r0 <= r1 <= self.shape[0]:
@@ -212,48 +213,15 @@ class GpuBlockWeight:
 
 def _dequant_rows(p: BlockPart, r0: int, n: int, out: Any) -> None:
     """f16 rows [r0, r0 + n) of part p into `out` (C-contiguous f16 [n, k])."""
-    g = _gpu()
-    g._kernel("blocks", f"bdq_{p.tag}")(
-        g._grid(n * (p.k // 8)), (g.ELEMWISE_THREADS, 1, 1),
+    rt.kernel("blocks", f"bdq_{p.tag}")(
+        rt.grid(n * (p.k // 8)), (ELEMWISE_THREADS, 1, 1),
         (p.data, np.int64(p.row_bytes), np.int64(r0), np.int64(n), np.int32(p.k), out))
-
-
-_CUDA_R_32F = 0
-_CUDA_R_16F = 2
-
-
-def _gemm_f16_cols(x16: Any, w16: Any, y: Any, col: int) -> None:
-    """y[:, col : col + t] = x16 @ w16.T for f16 x16 `[N, k]` and w16 `[t, k]` (both
-    C-contiguous), y a C-contiguous float32 `[N, n_out]`: the column-major GEMM of
-    `gpu._gemm_f16` with C offset by `col` and ldc = n_out."""
-    g = _gpu()
-    cp = g._cp()
-    cublas = cp.cuda.cublas
-    n, k = (int(s) for s in x16.shape)
-    t = int(w16.shape[0])
-    ldc = int(y.shape[1])
-    handle = cp.cuda.device.get_cublas_handle()
-    one = np.ones(1, np.float32)
-    zero = np.zeros(1, np.float32)
-    mode = cublas.getPointerMode(handle)
-    cublas.setPointerMode(handle, getattr(cublas, "CUBLAS_POINTER_MODE_HOST", 0))
-    try:
-        cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
-        cublas.gemmEx(handle, getattr(cublas, "CUBLAS_OP_T", g._CUBLAS_OP_T),
-                      getattr(cublas, "CUBLAS_OP_N", g._CUBLAS_OP_N), t, n, k,
-                      one.ctypes.data, w16.data.ptr, _CUDA_R_16F, k,
-                      x16.data.ptr, _CUDA_R_16F, k,
-                      zero.ctypes.data, y.data.ptr + 4 * col, _CUDA_R_32F, ldc,
-                      getattr(cublas, "CUBLAS_COMPUTE_32F", g._CUBLAS_COMPUTE_32F),
-                      getattr(cublas, "CUBLAS_GEMM_DEFAULT", g._CUBLAS_GEMM_DEFAULT))
-    finally:
-        cublas.setPointerMode(handle, mode)
 
 
 def _aligned_rows(x: Any) -> Any:
     """x (float32 rows, unit column stride) itself when its rows can be read as float4 (base
     16-byte aligned, row stride a multiple of 4 floats), else an aligned contiguous copy."""
-    cp = _gpu()._cp()
+    cp = cupy_module()
     if (x.data.ptr % 16 == 0 and (x.shape[0] <= 1 or x.strides[0] % 16 == 0)
             and (x.shape[1] <= 1 or x.strides[1] == 4)):
         return x
@@ -263,10 +231,9 @@ def _aligned_rows(x: Any) -> Any:
 def linear(x: Any, w: GpuBlockWeight, bias: Any | None = None, *, out: Any | None = None) -> Any:
     """`x @ w.T (+ bias)` as float32 `[N, n]` for a `GpuBlockWeight` (see the module doc);
     the contract of `kvshare.ops.gpu.linear`."""
-    g = _gpu()
-    cp = g._cp()
+    cp = cupy_module()
     n_out, n_in = w.shape
-    x = g._as_rows(x)
+    x = rt.as_rows(x)
     n = int(x.shape[0])
     if int(x.shape[1]) != n_in:
         raise ValueError(f"x has {int(x.shape[1])} features, w expects {n_in}")
@@ -275,17 +242,17 @@ def linear(x: Any, w: GpuBlockWeight, bias: Any | None = None, *, out: Any | Non
     direct = (out is not None and isinstance(out, cp.ndarray) and out.dtype == np.float32
               and out.flags.c_contiguous)
     y = out if direct else cp.empty((n, n_out), np.float32)
-    b = g._upload(bias, np.float32).reshape(-1) if bias is not None else None
+    b = rt.upload(bias, np.float32).reshape(-1) if bias is not None else None
     if b is not None and int(b.size) != n_out:
         raise ValueError(f"bias has {int(b.size)} elements, expected {n_out}")
     if n and n_out:
         if n <= BMV_MAX_M:
             xa = _aligned_rows(x)
             mm = next(v for v in BMV_M if v >= n)
-            xs = g._estrides(xa)[0] if n > 1 else n_in
+            xs = rt.estrides(xa)[0] if n > 1 else n_in
             for p in w.parts:
-                g._kernel("blocks", f"bmv_{p.tag}_m{mm}")(
-                    (max(1, min(g._MAX_GRID, -(-p.n // (BMV_WARPS * BMV_ROWS_PER_WARP[mm])))),
+                rt.kernel("blocks", f"bmv_{p.tag}_m{mm}")(
+                    (max(1, min(rt.MAX_GRID, -(-p.n // (BMV_WARPS * BMV_ROWS_PER_WARP[mm])))),
                      1, 1),
                     (32 * BMV_WARPS, 1, 1),
                     (p.data, np.int64(p.row_bytes), np.int32(p.n), np.int32(n_in), xa,
@@ -294,9 +261,9 @@ def linear(x: Any, w: GpuBlockWeight, bias: Any | None = None, *, out: Any | Non
         else:
             x16 = cp.empty((n, n_in), np.float16)
             inv = cp.empty(n, np.float32)
-            g._kernel("linear", "f32_to_f16_rowscaled")(
-                g._grid(n, g.ROWS_PER_BLOCK), (32 * g.ROWS_PER_BLOCK, 1, 1),
-                (x, np.int64(g._estrides(x)[0]), x16, inv, np.int64(n), np.int32(n_in)))
+            rt.kernel("linear", "f32_to_f16_rowscaled")(
+                rt.grid(n, ROWS_PER_BLOCK), (32 * ROWS_PER_BLOCK, 1, 1),
+                (x, np.int64(rt.estrides(x)[0]), x16, inv, np.int64(n), np.int32(n_in)))
             tile = max(1, min(max(p.n for p in w.parts), DEQUANT_TILE_ELEMS // n_in))
             scratch = cp.empty((tile, n_in), np.float16)
             for p in w.parts:
@@ -304,9 +271,9 @@ def linear(x: Any, w: GpuBlockWeight, bias: Any | None = None, *, out: Any | Non
                     t = min(tile, p.n - r0)
                     w16 = scratch[:t]
                     _dequant_rows(p, r0, t, w16)
-                    _gemm_f16_cols(x16, w16, y, p.col0 + r0)
-            g._kernel("linear", "rowscale_bias_f32")(
-                g._grid(n * n_out), (g.ELEMWISE_THREADS, 1, 1),
+                    rt.gemm_f16(x16, w16, y, p.col0 + r0)
+            rt.kernel("linear", "rowscale_bias_f32")(
+                rt.grid(n * n_out), (ELEMWISE_THREADS, 1, 1),
                 (y, inv, b if b is not None else inv, np.int32(b is not None), np.int64(n),
                  np.int64(n_out)))
     if out is not None and y is not out:
@@ -319,22 +286,21 @@ def embedding(table: GpuBlockWeight, tokens: Any, scale: float = 1.0) -> Any:
     """Rows `table[tokens] * scale` as float32 `[N, k]` for a one-part `GpuBlockWeight`: the
     contract of `kvshare.ops.gpu.embedding` (host ids range-checked with IndexError; a bad id
     already on the device gives a NaN row)."""
-    g = _gpu()
-    cp = g._cp()
+    cp = cupy_module()
     if len(table.parts) != 1:
         raise ValueError("an embedding table must be a one-part GpuBlockWeight")
     p = table.parts[0]
     vocab, d = table.shape
-    if not g._is_device(tokens):
+    if not rt.is_device(tokens):
         ht = np.asarray(tokens).reshape(-1)
         if ht.size and (ht.min() < 0 or ht.max() >= vocab):
             raise IndexError(f"token id out of range [0, {vocab})")
-    tok = g._upload(tokens, np.int32).reshape(-1)
+    tok = rt.upload(tokens, np.int32).reshape(-1)
     n = int(tok.size)
     out = cp.empty((n, d), np.float32)
     if n:
-        g._kernel("blocks", f"bemb_{p.tag}")(
-            g._grid(n * (d // 8)), (g.ELEMWISE_THREADS, 1, 1),
+        rt.kernel("blocks", f"bemb_{p.tag}")(
+            rt.grid(n * (d // 8)), (ELEMWISE_THREADS, 1, 1),
             (p.data, np.int64(p.row_bytes), np.int32(vocab), np.int32(d), tok, np.int32(n),
              np.float32(scale), out))
     return out

@@ -1,11 +1,11 @@
 """CuPy twins of the hybrid-model ops (`kvshare.ops.gated_delta`, `kvshare.ops.short_conv`),
 re-exported by `kvshare.ops.gpu` so that `gpu_op(name)` finds them.
 
-They run the very same array code as the NumPy ops (`chunked_impl`, `step_impl`, `conv_impl`,
-`conv_step_impl` are written against an array module) with CuPy as the module: cuBLAS batched
-GEMMs for the chunkwise delta rule (the triangular systems of every chunk and head in one
-batch of forward-substitution steps; one small loop over chunks for the state), CuPy
-element-wise kernels elsewhere. Same signatures as the NumPy ops less `backend`, same
+They run the very same array code as the NumPy ops (`chunked_impl`, `step_impl` of
+`gated_delta_xp`, `conv_impl`, `conv_step_impl` of `short_conv_xp`, written against an array
+module) with CuPy as the module: cuBLAS batched GEMMs for the chunkwise delta rule (the
+triangular systems of every chunk and head in one batch of forward-substitution steps; one
+small loop over chunks for the state), CuPy element-wise kernels elsewhere. Same signatures as the NumPy ops less `backend`, same
 contracts (states updated in place). Nothing GPU-related is imported before first use.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvshare.backend import cupy_module
-from kvshare.ops.gated_delta import CHUNK, chunked_impl, step_impl
-from kvshare.ops.short_conv import conv_impl, conv_step_impl
+from kvshare.ops.gated_delta_xp import CHUNK, chunked_impl, step_impl
+from kvshare.ops.short_conv_xp import conv_impl, conv_step_impl
 
 __all__ = ["causal_conv1d", "causal_conv1d_step", "gated_delta_chunked", "gated_delta_step"]
 

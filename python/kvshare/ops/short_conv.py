@@ -21,6 +21,9 @@ import numpy as np
 
 from kvshare.backend import CPU, Backend
 from kvshare.ops._dispatch import gpu_op
+from kvshare.ops.short_conv_xp import conv_impl, conv_step_impl
+
+__all__ = ["causal_conv1d", "causal_conv1d_step", "causal_conv1d_reference"]
 
 
 def causal_conv1d(x: Any, weight: Any, state: Any, *, backend: Backend = CPU,
@@ -36,27 +39,6 @@ def causal_conv1d(x: Any, weight: Any, state: Any, *, backend: Backend = CPU,
     return conv_impl(np, x, weight, state, out=out)
 
 
-def conv_impl(xp: Any, x: Any, weight: Any, state: Any, *, out: Any | None = None) -> Any:
-    """`causal_conv1d` against an array module `xp` (NumPy or CuPy)."""
-    np = xp  # noqa: N806 - the same code runs on both array modules
-    T, C = x.shape
-    K = weight.shape[1]
-    km1 = K - 1
-    if state.shape != (km1, C):
-        raise ValueError(f"conv state has shape {state.shape}, expected {(km1, C)}")
-    xpad = np.empty((km1 + T, C), np.float32)
-    xpad[:km1] = state
-    xpad[km1:] = x
-    wt = np.ascontiguousarray(weight.T)  # [K, C]
-    if out is None:
-        out = np.empty((T, C), np.float32)
-    np.multiply(xpad[0:T], wt[0], out=out)
-    for j in range(1, K):
-        out += xpad[j : j + T] * wt[j]
-    state[...] = xpad[T:]
-    return out
-
-
 def causal_conv1d_step(x: Any, weight: Any, states: Any, *, backend: Backend = CPU) -> Any:
     """One new token for each of B sequences (the decode step), states advanced in place.
 
@@ -66,21 +48,6 @@ def causal_conv1d_step(x: Any, weight: Any, states: Any, *, backend: Backend = C
     if backend.is_gpu:
         return gpu_op("causal_conv1d_step")(x, weight, states)
     return conv_step_impl(np, x, weight, states)
-
-
-def conv_step_impl(xp: Any, x: Any, weight: Any, states: Any) -> Any:
-    """`causal_conv1d_step` against an array module `xp` (NumPy or CuPy)."""
-    K = weight.shape[1]
-    wt = xp.ascontiguousarray(weight.T)  # [K, C]
-    out = states[:, 0] * wt[0]
-    for j in range(1, K - 1):
-        out += states[:, j] * wt[j]
-    out += x * wt[K - 1]
-    if K > 2:
-        states[:, :-1] = states[:, 1:].copy()
-    if K > 1:
-        states[:, -1] = x
-    return out
 
 
 def causal_conv1d_reference(x: np.ndarray, weight: np.ndarray, state: np.ndarray

@@ -1,0 +1,180 @@
+"""The CuPy plumbing every GPU op module shares (`kvshare.ops.gpu`, `kvshare.ops.gpu_blocks`):
+kernels by name, launch grids, device attributes, host-to-device uploads, element strides, the
+float32 row views the kernels read, and the f16 cuBLAS GEMM.
+
+It sits below the op modules so that they need not import one another for it. Like them, it
+imports nothing GPU-related at import time (CuPy comes from `kvshare.backend` on first use).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from kvshare import kernels
+from kvshare.backend import cupy_module
+
+__all__ = [
+    "ENTRY_POINTS", "declare_entry_points", "kernel", "device_id", "device_attr", "grid",
+    "is_device", "upload", "host", "estrides", "f32_lastdim_view", "as_rows", "gemm_f16",
+    "ELEMWISE_THREADS", "ROWS_PER_BLOCK", "MAX_GRID",
+]
+
+# Every kernel the GPU ops launch, by kernel module: each op module declares the ones it
+# launches (tests/test_kernels_compile.py checks each against the compiled module), and
+# `kernel` loads no other.
+ENTRY_POINTS: dict[str, tuple[str, ...]] = {}
+
+ROWS_PER_BLOCK = 4  # rms_norm / row-scaled conversion: 128 threads, one warp per row
+ELEMWISE_THREADS = 256
+MAX_GRID = 65535 * 4  # grid-stride kernels: enough CTAs to fill any current GPU
+UPLOAD_CACHE_SIZE = 64  # host arrays kept uploaded (and plans cached) by content
+
+_lock = threading.Lock()
+_kernel_cache: dict[tuple[str, str, int], Any] = {}
+_upload_cache: OrderedDict = OrderedDict()
+_device_attrs: dict[tuple[int, str], int] = {}
+# cudaDeviceAttr codes, for CuPy versions whose Device.attributes lacks a name
+_ATTR_CODES = {"MultiProcessorCount": 16, "MaxSharedMemoryPerBlockOptin": 97}
+
+_CUDA_R_32F = 0  # cudaDataType_t values (library_types.h)
+_CUDA_R_16F = 2
+_CUBLAS_COMPUTE_32F = 68  # cublasComputeType_t
+_CUBLAS_GEMM_DEFAULT = -1
+_CUBLAS_OP_N = 0
+_CUBLAS_OP_T = 1
+
+
+def declare_entry_points(module: str, entries: tuple[str, ...]) -> None:
+    """Add the kernels of kernel module `module` that an op module launches."""
+    ENTRY_POINTS[module] = tuple(dict.fromkeys((*ENTRY_POINTS.get(module, ()), *entries)))
+
+
+def device_id() -> int:
+    return int(cupy_module().cuda.runtime.getDevice())
+
+
+def kernel(module: str, entry: str) -> Any:
+    """Kernel `entry` of kernel module `module` on the current device (compiled once)."""
+    if entry not in ENTRY_POINTS.get(module, ()):
+        raise KeyError(f"{entry!r} is not a listed entry point of kernel module {module!r}")
+    key = (module, entry, device_id())
+    fn = _kernel_cache.get(key)
+    if fn is None:
+        with _lock:
+            fn = _kernel_cache.get(key)
+            if fn is None:
+                fn = kernels.get_function(module, entry)
+                _kernel_cache[key] = fn
+    return fn
+
+
+def device_attr(name: str) -> int:
+    """A device attribute of the current device (cached): MultiProcessorCount,
+    MaxSharedMemoryPerBlockOptin."""
+    dev = device_id()
+    key = (dev, name)
+    v = _device_attrs.get(key)
+    if v is None:
+        cp = cupy_module()
+        try:
+            v = int(cp.cuda.Device(dev).attributes[name])
+        except (KeyError, AttributeError):
+            v = int(cp.cuda.runtime.deviceGetAttribute(_ATTR_CODES[name], dev))
+        _device_attrs[key] = v
+    return v
+
+
+def grid(total: int, threads: int = ELEMWISE_THREADS) -> tuple[int, int, int]:
+    """The grid of a grid-stride kernel over `total` items, `threads` per CTA."""
+    return (max(1, min(MAX_GRID, -(-int(total) // threads))), 1, 1)
+
+
+def is_device(a: Any) -> bool:
+    return isinstance(a, cupy_module().ndarray)
+
+
+def upload(a: Any, dtype: Any) -> Any:
+    """`a` as a C-contiguous device array of `dtype`. Host arrays are cached by content (the
+    same block tables / slots / tiles are uploaded once for all layers of a forward call)."""
+    cp = cupy_module()
+    if isinstance(a, cp.ndarray):
+        return cp.ascontiguousarray(a, dtype=dtype)
+    h = np.ascontiguousarray(a, dtype=dtype)
+    key = (device_id(), h.dtype.str, h.shape, h.tobytes())
+    with _lock:
+        d = _upload_cache.get(key)
+        if d is not None:
+            _upload_cache.move_to_end(key)
+            return d
+    d = cp.asarray(h)
+    with _lock:
+        _upload_cache[key] = d
+        while len(_upload_cache) > UPLOAD_CACHE_SIZE:
+            _upload_cache.popitem(last=False)
+    return d
+
+
+def host(a: Any, dtype: Any = None) -> np.ndarray:
+    """`a` as a NumPy array (copied from the device when it is there)."""
+    if is_device(a):
+        a = cupy_module().asnumpy(a)
+    return np.asarray(a, dtype=dtype)
+
+
+def estrides(a: Any) -> tuple[int, ...]:
+    """Strides in elements (every array here has element-aligned strides)."""
+    it = a.dtype.itemsize
+    return tuple(int(s) // it for s in a.strides)
+
+
+def f32_lastdim_view(a: Any, ndim: int) -> Any:
+    """`a` unchanged when it is a float32 device array of `ndim` dims with unit stride along the
+    last axis (any other strides), else a C-contiguous float32 copy."""
+    cp = cupy_module()
+    if (isinstance(a, cp.ndarray) and a.dtype == np.float32 and a.ndim == ndim
+            and (a.shape[-1] <= 1 or a.strides[-1] == 4)
+            and all(s % 4 == 0 for s in a.strides)):
+        return a
+    return cp.ascontiguousarray(cp.asarray(a), dtype=np.float32)
+
+
+def as_rows(a: Any) -> Any:
+    """A 2-D float32 view with unit column stride (a copy only when needed)."""
+    cp = cupy_module()
+    if not isinstance(a, cp.ndarray):
+        a = cp.asarray(a)
+    if a.ndim != 2:
+        a = cp.ascontiguousarray(a, dtype=np.float32).reshape(-1, a.shape[-1] if a.ndim else 1)
+    return f32_lastdim_view(a, 2)
+
+
+def gemm_f16(x16: Any, w: Any, y: Any, col: int = 0) -> None:
+    """y[:, col : col + t] = x16[N, k] @ w[t, k].T, both f16 C-contiguous, into y a
+    C-contiguous float32 `[N, n_out]`, float32 accumulation (cublasGemmEx). Column-major
+    view: y^T = w . x16^T, i.e. m = t, n = N, k = k, A = w read transposed (lda = k),
+    B = x16^T (ldb = k), C offset by `col` with ldc = n_out."""
+    cp = cupy_module()
+    cublas = cp.cuda.cublas
+    n, k = (int(s) for s in x16.shape)
+    t = int(w.shape[0])
+    ldc = int(y.shape[1])
+    handle = cp.cuda.device.get_cublas_handle()
+    one = np.ones(1, np.float32)
+    zero = np.zeros(1, np.float32)
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, getattr(cublas, "CUBLAS_POINTER_MODE_HOST", 0))
+    try:
+        cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+        cublas.gemmEx(handle, getattr(cublas, "CUBLAS_OP_T", _CUBLAS_OP_T),
+                      getattr(cublas, "CUBLAS_OP_N", _CUBLAS_OP_N), t, n, k,
+                      one.ctypes.data, w.data.ptr, _CUDA_R_16F, k,
+                      x16.data.ptr, _CUDA_R_16F, k,
+                      zero.ctypes.data, y.data.ptr + 4 * col, _CUDA_R_32F, ldc,
+                      getattr(cublas, "CUBLAS_COMPUTE_32F", _CUBLAS_COMPUTE_32F),
+                      getattr(cublas, "CUBLAS_GEMM_DEFAULT", _CUBLAS_GEMM_DEFAULT))
+    finally:
+        cublas.setPointerMode(handle, mode)
