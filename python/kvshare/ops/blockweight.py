@@ -160,11 +160,13 @@ class BlockWeight:
             self.parts.append(_Part(raw, qtype, start))
             start += raw.shape[0]
         self.n = start
-        # with "vnni", parts of a type without a VNNI kernel take the exact f32 path alone
-        self._vnni_all = activations == "vnni" and all(
+        # with "vnni": every part has a VNNI kernel, so one call multiplies them all (the
+        # fused decode layer takes only such weights); parts of a type without one take the
+        # exact f32 path alone
+        self.vnni_all = activations == "vnni" and all(
             _core.block_vnni_supports(p.qtype) for p in self.parts)
         self._fallback: dict[int, BlockWeight] = {}
-        if activations == "vnni" and not self._vnni_all:
+        if activations == "vnni" and not self.vnni_all:
             for i, p in enumerate(self.parts):
                 if not _core.block_vnni_supports(p.qtype):
                     self._fallback[i] = BlockWeight(p.raw, p.qtype, self.k)
@@ -182,7 +184,7 @@ class BlockWeight:
                 raw, qtype, k = p
                 flat.append((raw, qtype, k))
         w = cls.__new__(cls)
-        w._init(flat, activations)
+        w._init(flat, activations)  # noqa: SLF001 - the class initialising its own new instance
         return w
 
     @property
@@ -265,24 +267,7 @@ class BlockWeight:
         if self.activations == "vnni":
             return self._matmul_vnni(x, out)
         if M <= BLOCK_KERNEL_MAX:
-            x = np.ascontiguousarray(x, dtype=np.float32)
-            threads = CPU_THREADS.kernel_threads
-            direct = out.flags.c_contiguous and out.dtype == np.float32
-            if len(self.parts) == 1 and direct:
-                p = self.parts[0]
-                self._kernel(x, p.raw, p.qtype, out, threads)
-                return out
-            if direct and self.activations == "f32" and HAVE_PARTS_KERNEL:
-                # fused Q/K/V, gate/up: all parts in one call (one hand-off to the kernel
-                # threads, rows split by bytes across parts, no per-part copies)
-                _core.block_matmul_t_f32_parts(x, [p.raw for p in self.parts],
-                                               [p.qtype for p in self.parts], out, threads)
-                return out
-            for p in self.parts:
-                tmp = np.empty((M, p.rows), np.float32)
-                self._kernel(x, p.raw, p.qtype, tmp, threads)
-                out[:, p.start : p.start + p.rows] = tmp
-            return out
+            return self._matmul_blocks(x, out)
         # with "q8" the block kernel multiplies 8-bit activations: here BLAS multiplies the
         # values they stand for, so both paths compute the same products
         xq = x
@@ -290,20 +275,54 @@ class BlockWeight:
             xq = np.array(x, dtype=np.float32, order="C", copy=True)
             _core.block_act_round_trip(xq)
         if USE_GEMM and self.activations == "f32":
-            # inside a row-parallel part the other parts hold the other cores
-            threads = 1 if ROWS.inside() else CPU_THREADS.kernel_threads
-            x = np.ascontiguousarray(x, dtype=np.float32)
-            direct = out.flags.c_contiguous and out.dtype == np.float32
-            dst = out if direct else np.empty((M, N), np.float32)
-            for p in self.parts:
-                if p.qtype in FLOAT_TYPES:
-                    np.matmul(x, self.dequantize(p.start, p.start + p.rows).T,
-                              out=dst[:, p.start : p.start + p.rows])
-                else:
-                    _core.block_gemm_f32(x, p.raw, p.qtype, dst, p.start, threads)
-            if not direct:
-                out[...] = dst
+            return self._matmul_gemm(x, out)
+        return self._matmul_tiles(x, xq, out)
+
+    def _matmul_blocks(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """`matmul_t` of a few rows (at most BLOCK_KERNEL_MAX): the block kernels."""
+        M = x.shape[0]
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        threads = CPU_THREADS.kernel_threads
+        direct = out.flags.c_contiguous and out.dtype == np.float32
+        if len(self.parts) == 1 and direct:
+            p = self.parts[0]
+            self._kernel(x, p.raw, p.qtype, out, threads)
             return out
+        if direct and self.activations == "f32" and HAVE_PARTS_KERNEL:
+            # fused Q/K/V, gate/up: all parts in one call (one hand-off to the kernel
+            # threads, rows split by bytes across parts, no per-part copies)
+            _core.block_matmul_t_f32_parts(x, [p.raw for p in self.parts],
+                                           [p.qtype for p in self.parts], out, threads)
+            return out
+        for p in self.parts:
+            tmp = np.empty((M, p.rows), np.float32)
+            self._kernel(x, p.raw, p.qtype, tmp, threads)
+            out[:, p.start : p.start + p.rows] = tmp
+        return out
+
+    def _matmul_gemm(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """`matmul_t` of many rows with f32 activations: the blocked GEMM kernel per part
+        (float parts: NumPy's matmul of the dequantized rows)."""
+        M, N = x.shape[0], self.n
+        # inside a row-parallel part the other parts hold the other cores
+        threads = 1 if ROWS.inside() else CPU_THREADS.kernel_threads
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        direct = out.flags.c_contiguous and out.dtype == np.float32
+        dst = out if direct else np.empty((M, N), np.float32)
+        for p in self.parts:
+            if p.qtype in FLOAT_TYPES:
+                np.matmul(x, self.dequantize(p.start, p.start + p.rows).T,
+                          out=dst[:, p.start : p.start + p.rows])
+            else:
+                _core.block_gemm_f32(x, p.raw, p.qtype, dst, p.start, threads)
+        if not direct:
+            out[...] = dst
+        return out
+
+    def _matmul_tiles(self, x: np.ndarray, xq: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """`matmul_t` of many rows through BLAS: tiles of dequantized rows times `x` (times
+        `xq`, the activations as the block kernel rounds them, for quantized parts)."""
+        N = self.n
         tile = max(32, min(N, _TILE_VALUES // self.k))
         buf = _tile_buffer(min(tile, N) * self.k)
         for p in self.parts:
@@ -323,7 +342,7 @@ class BlockWeight:
         threads = (1 if M > BLOCK_KERNEL_MAX and ROWS.inside()
                    else CPU_THREADS.kernel_threads)
         direct = out.flags.c_contiguous and out.dtype == np.float32
-        if self._vnni_all and direct:
+        if self.vnni_all and direct:
             _core.block_matmul_t_vnni(x, [p.raw for p in self.parts],
                                       [p.qtype for p in self.parts], out, threads)
             return out

@@ -36,6 +36,25 @@ def _unit_lower_solve(xp: Any, A: Any, X: Any) -> None:
         X[..., i, :] -= xp.matmul(A[..., i : i + 1, :i], X[..., :i, :])[..., 0, :]
 
 
+def _solve_chunks(xp: Any, K: Any, V: Any, B: Any, D: Any, eG: Any, strict_f: Any) -> Any:
+    """The triangular systems of a group of chunks, `(I + A) X = [beta V, beta exp(G) K]`
+    with `A = (K K^T o D o strict lower) * beta` (rows scaled): X `[H, n, C, Dv + Dk]`,
+    the state-free parts U0 (first Dv columns) and W (the rest) of the new values."""
+    np = xp  # noqa: N806 - the same code runs on both array modules
+    C = K.shape[-2]
+    A = np.matmul(K, K.swapaxes(-1, -2))
+    A *= D
+    A *= strict_f
+    A *= B[..., :, None]
+    X = np.concatenate([V * B[..., None], K * (B * eG)[..., None]], axis=-1)
+    if X.shape[-1] > C:  # wide right-hand sides: substitute on I (C columns), then one GEMM
+        Tinv = np.broadcast_to(np.eye(C, dtype=np.float32), A.shape).copy()
+        _unit_lower_solve(xp, A, Tinv)
+        return np.matmul(Tinv, X)
+    _unit_lower_solve(xp, A, X)  # X <- (I + A)^-1 X
+    return X
+
+
 def chunked_impl(xp: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any, *,
                  scale: float, chunk_size: int = CHUNK) -> Any:
     """`gated_delta_chunked` written against an array module `xp` (NumPy, or CuPy for the GPU
@@ -81,18 +100,8 @@ def chunked_impl(xp: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any,
         G, Bg = Gc[:, c0:c1], B[:, c0:c1]
         diff = G[..., :, None] - G[..., None, :]  # [H, n, C, C]: G_i - G_j
         D = np.exp(np.where(tril, diff, f32(-np.inf)))  # 0 above the diagonal
-        A = np.matmul(Kg, Kg.swapaxes(-1, -2))
-        A *= D
-        A *= strict_f
-        A *= Bg[..., :, None]
         eG = np.exp(G)  # [H, n, C]
-        X = np.concatenate([Vg * Bg[..., None], Kg * (Bg * eG)[..., None]], axis=-1)
-        if Dk + Dv > C:  # wide right-hand sides: substitute on I (C columns), then one GEMM
-            Tinv = np.broadcast_to(np.eye(C, dtype=f32), A.shape).copy()
-            _unit_lower_solve(xp, A, Tinv)
-            X = np.matmul(Tinv, X)
-        else:
-            _unit_lower_solve(xp, A, X)  # X <- (I + A)^-1 X: [H, n, C, Dv + Dk]
+        X = _solve_chunks(xp, Kg, Vg, Bg, D, eG, strict_f)
         U0, W = X[..., :Dv], X[..., Dv:]
         gl = G[..., -1]  # [H, n]
         Kd = Kg * np.exp(gl[..., None] - G)[..., None]  # [H, n, C, Dk]
