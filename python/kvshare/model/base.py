@@ -321,7 +321,9 @@ class DecoderModel(Model):
     def __init__(self, config: ModelConfig, backend: Backend = CPU):
         self.config = config
         self.backend = backend
-        self._act = "gelu_tanh" if config.activation == "gelu_tanh" else "silu"
+        # the gated FFN's activation, as `ops.activation.glu` names it (the fused decode
+        # layer passes it on too)
+        self.glu_activation = "gelu_tanh" if config.activation == "gelu_tanh" else "silu"
         # rope key -> (block number, cos, sin) of ROPE_BLOCK positions (`_rope_row`)
         self._rope_blocks: dict[tuple[float, float], tuple[int, np.ndarray, np.ndarray]] = {}
 
@@ -471,7 +473,7 @@ class DecoderModel(Model):
         x += o
         h = rms_norm(x, L.ffn_norm, eps, backend=be)
         gu = linear(h, L.w_gate_up, backend=be)
-        a = glu(gu, self._act, backend=be)
+        a = glu(gu, self.glu_activation, backend=be)
         y = linear(a, L.w_down, backend=be)
         if L.post_ffn_norm is not None:
             rms_norm(y, L.post_ffn_norm, eps, backend=be, out=y)

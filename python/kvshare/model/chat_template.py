@@ -196,9 +196,8 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             for seq, k in ((left, right), (right, left)):
                 if isinstance(seq, (str, list, tuple)) and isinstance(k, int) and len(seq) * k > _MAX_SEQUENCE:
                     raise SecurityError("template tried to build a value that is too large")
-        elif operator == "**":
-            if isinstance(right, (int, float)) and abs(right) > _MAX_EXPONENT:
-                raise SecurityError("template tried to compute a power that is too large")
+        elif operator == "**" and isinstance(right, (int, float)) and abs(right) > _MAX_EXPONENT:
+            raise SecurityError("template tried to compute a power that is too large")
         return super().call_binop(context, operator, left, right)
 
 

@@ -33,7 +33,7 @@ _POOL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 def _parts(w: Any) -> tuple[list[np.ndarray], list[int]] | None:
     """A weight's `(raws, qtypes)`, or None when it is not all 8-bit-activation blocks."""
-    if not isinstance(w, BlockWeight) or w.activations != "vnni" or not w._vnni_all:
+    if not isinstance(w, BlockWeight) or w.activations != "vnni" or not w.vnni_all:
         return None
     return [p.raw for p in w.parts], [p.qtype for p in w.parts]
 
@@ -83,7 +83,7 @@ def layer_call(model: Any, L: Any, cos: np.ndarray, sin: np.ndarray, slots: np.n
     if shape is None:  # built once per layer
         cfg = model.config
         shape = L.fused_shape = (cfg.n_head, cfg.n_head_kv, cfg.head_dim, float(cfg.norm_eps),
-                                 cfg.rope_style == NEOX, model._act, int(L.window),
+                                 cfg.rope_style == NEOX, model.glu_activation, int(L.window),
                                  float(cfg.q_scale))
         # the weights' buffers read and checked once, not at every step (~13 arrays a layer)
         L.fused_layer = _core.FusedLayer(L.fused, shape)

@@ -31,6 +31,7 @@ startup (~1 s per GB from disk) for the whole life of the server.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -117,10 +118,8 @@ def map_in_huge_pages(path: Path, mm: mmap.mmap) -> tuple[mmap.mmap, float]:
         return mm, frac
     mm.close()
     with open(path, "rb") as f:
-        try:
+        with contextlib.suppress(OSError):
             os.fsync(f.fileno())  # pages still dirty (a file just written) are not dropped
-        except OSError:
-            pass
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         fresh = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     _ask_for_huge_pages(fresh)
@@ -133,7 +132,5 @@ def _ask_for_huge_pages(mm: mmap.mmap) -> None:
     advise = getattr(mmap, "MADV_HUGEPAGE", None)
     if advise is None:
         return
-    try:
+    with contextlib.suppress(OSError):
         mm.madvise(advise)
-    except OSError:
-        pass

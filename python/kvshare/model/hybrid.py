@@ -69,8 +69,8 @@ class HybridModel(DecoderModel):
                     arr[c.state_slot] = 0
         return super().forward(chunks, cache)
 
-    # helpers for subclasses ------------------------------------------------------------
-    def _ffn(self, x: Any, norm: Any, w_gate_up: Any, w_down: Any) -> Any:
+    # shared by the layers of the subclasses ---------------------------------------------
+    def ffn(self, x: Any, norm: Any, w_gate_up: Any, w_down: Any) -> Any:
         """`x += down(silu(gate(h)) * up(h))` with `h = rms_norm(x, norm)` (in place)."""
         be = self.backend
         h = rms_norm(x, norm, self.config.norm_eps, backend=be)

@@ -65,7 +65,7 @@ class ShortConvLayer(HybridRecurrentLayer):
             scatter_states(states, dec_slots, self.rec_index, st, view, xp)
         y *= bcx[:, E : 2 * E]
         x += linear(y, self.out_proj, backend=be)
-        return m._ffn(x, self.ffn_norm, self.w_gate_up, self.w_down)
+        return m.ffn(x, self.ffn_norm, self.w_gate_up, self.w_down)
 
 
 class Lfm2Model(HybridModel):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Callable
 
@@ -83,10 +84,8 @@ def load_model(path: str | Path, device: str | Backend = "cpu", *,
         model.metadata = gf.metadata
         return model
     finally:
-        try:
+        with contextlib.suppress(BufferError):
             gf.close()  # the weights are copies: drop the mapping (and its resident pages)
-        except BufferError:
-            pass
 
 
 def _block_format_supported(qtype) -> bool:

@@ -120,7 +120,7 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
         rms_norm(o, self.ssm_norm, eps, backend=be, out=o)
         o *= silu(z, xp).reshape(n, Hv, Dv)
         x += linear(o.reshape(n, vd), self.ssm_out, backend=be)
-        return m._ffn(x, self.ffn_norm, self.w_gate_up, self.w_down)
+        return m.ffn(x, self.ffn_norm, self.w_gate_up, self.w_down)
 
 
 class Qwen35Model(HybridModel):
@@ -191,7 +191,7 @@ class Qwen35Model(HybridModel):
                                    mask_cache=plan.masks)
         attn *= sigmoid(gate, xp)
         x += linear(attn.reshape(n, H * D), L.wo, backend=be)
-        return self._ffn(x, L.ffn_norm, L.w_gate_up, L.w_down)
+        return self.ffn(x, L.ffn_norm, L.w_gate_up, L.w_down)
 
 
 def load_ffn(ld: Any, p: str) -> tuple[Any, Any]:
