@@ -111,74 +111,85 @@ class PythonicRegion(Region):
         self.vstart = 0
 
     def run(self, cur: Cursor) -> int:
-        while True:
-            phase = self.phase
-            if phase == "open":
-                cur.ws()
-                cur.expect("[")
-                list_start = cur.pos - 1
-                cur.ws()
-                c = cur.char()
-                if c == "{":
-                    self.scan, self.vstart = JsonScanner(list_start), list_start
-                    self._to("json", cur)
-                elif c == "]":
-                    cur.pos += 1
-                    self._to("close", cur)
-                else:
-                    self._to("name", cur)
-            elif phase == "name":
-                cur.ws()
-                name = _word(cur, _NAME)
-                cur.ws()
-                cur.expect("(")
-                self.nargs = 0
-                self.sink.begin(name)
-                self._to("args", cur)
-            elif phase == "args":
-                cur.ws()
-                if cur.char() == ")":
-                    cur.pos += 1
-                    self.sink.args("}" if self.nargs else "{}")
-                    self._to("after", cur)
-                    continue
-                key = _word(cur, _KEY)
-                cur.ws()
-                cur.expect("=")
-                cur.ws()
-                cur.char()
-                self.key, self.vstart = key, cur.pos
-                self.scan = PyLiteralScanner(cur.pos)
-                self._to("value", cur)
-            elif phase == "value":
-                end = self.scan.run(cur.text)
-                if end is None:
-                    cur.more()
-                value = _dumps(literal(cur.text[self.vstart:end]))
-                self.nargs += 1
-                self.sink.args(("{" if self.nargs == 1 else ", ")
-                               + dumps(self.key) + ": " + value)
-                cur.pos = end
-                if cur.text[end] == ",":
-                    cur.pos += 1
-                self._to("args", cur)
-            elif phase == "after":
-                cur.ws()
-                if cur.choose(",", "]") == "]":
-                    self._to("close", cur)
-                else:
-                    self._to("name", cur)
-            elif phase == "json":
-                end = self.scan.run(cur.text)
-                if end is None:
-                    cur.more()
-                self._json_calls(cur.text[self.vstart:end])
-                cur.pos = end
-                self._to("close", cur)
-            else:  # close
-                cur.ws()
-                cur.expect(CLOSE)
-                return cur.pos
+        # each phase reads what it can and names the next one (`_to`, a checkpoint)
+        while self.phase != "close":
+            self._PHASES[self.phase](self, cur)
+        cur.ws()
+        cur.expect(CLOSE)
+        return cur.pos
+
+    def _open(self, cur: Cursor) -> None:
+        """`[`, then a pythonic call's name, a JSON call object, or `]` (no calls)."""
+        cur.ws()
+        cur.expect("[")
+        list_start = cur.pos - 1
+        cur.ws()
+        c = cur.char()
+        if c == "{":
+            self.scan, self.vstart = JsonScanner(list_start), list_start
+            self._to("json", cur)
+        elif c == "]":
+            cur.pos += 1
+            self._to("close", cur)
+        else:
+            self._to("name", cur)
+
+    def _name(self, cur: Cursor) -> None:
+        cur.ws()
+        name = _word(cur, _NAME)
+        cur.ws()
+        cur.expect("(")
+        self.nargs = 0
+        self.sink.begin(name)
+        self._to("args", cur)
+
+    def _args(self, cur: Cursor) -> None:
+        """`)` ending the call, or the next `key=` (its value follows)."""
+        cur.ws()
+        if cur.char() == ")":
+            cur.pos += 1
+            self.sink.args("}" if self.nargs else "{}")
+            self._to("after", cur)
+            return
+        key = _word(cur, _KEY)
+        cur.ws()
+        cur.expect("=")
+        cur.ws()
+        cur.char()
+        self.key, self.vstart = key, cur.pos
+        self.scan = PyLiteralScanner(cur.pos)
+        self._to("value", cur)
+
+    def _value(self, cur: Cursor) -> None:
+        end = self.scan.run(cur.text)
+        if end is None:
+            cur.more()
+        value = _dumps(literal(cur.text[self.vstart:end]))
+        self.nargs += 1
+        self.sink.args(("{" if self.nargs == 1 else ", ") + dumps(self.key) + ": " + value)
+        cur.pos = end
+        if cur.text[end] == ",":
+            cur.pos += 1
+        self._to("args", cur)
+
+    def _after(self, cur: Cursor) -> None:
+        """`,` and another call, or `]`."""
+        cur.ws()
+        if cur.choose(",", "]") == "]":
+            self._to("close", cur)
+        else:
+            self._to("name", cur)
+
+    def _json(self, cur: Cursor) -> None:
+        end = self.scan.run(cur.text)
+        if end is None:
+            cur.more()
+        self._json_calls(cur.text[self.vstart:end])
+        cur.pos = end
+        self._to("close", cur)
+
+    _PHASES = {"open": _open, "name": _name, "args": _args, "value": _value, "after": _after,
+               "json": _json}
 
     def _to(self, phase: str, cur: Cursor) -> None:
         self.phase, self.pos = phase, cur.pos

@@ -76,31 +76,20 @@ class PyLiteralScanner:
         self.pos, self.stack, self.quote, self.esc = start, [], "", False
 
     def run(self, text: str) -> int | None:
-        i, n, stack, quote, esc = self.pos, len(text), self.stack, self.quote, self.esc
+        i, n, stack = self.pos, len(text), self.stack
         end = None
         while i < n:
-            c = text[i]
-            if quote:
-                if esc:
-                    esc = False
-                elif c == "\\":
-                    esc = True
-                elif c == quote[0]:
-                    if len(quote) == 1:
-                        quote = ""
-                    elif text.startswith(quote, i):
-                        quote = ""
-                        i += 3
-                        continue
-                    elif i + 3 > n and quote.startswith(text[i:]):
-                        break  # maybe the closing triple quote: wait
-                i += 1
+            if self.quote:
+                i, closed = self._string(text, i)
+                if not closed:
+                    break
                 continue
+            c = text[i]
             if c == "'" or c == '"':
                 if i + 3 > n and (c * 3).startswith(text[i:]):
                     break  # one quote, an empty string or a triple quote: wait
-                quote = c * 3 if text.startswith(c * 3, i) else c
-                i += len(quote)
+                self.quote = c * 3 if text.startswith(c * 3, i) else c
+                i += len(self.quote)
                 continue
             if c in _PY_CLOSE:
                 stack.append(_PY_CLOSE[c])
@@ -119,5 +108,28 @@ class PyLiteralScanner:
             elif not (c.isalnum() or c in _PY_OUT):
                 raise Malformed(f"{c!r} in a Python literal")
             i += 1
-        self.pos, self.quote, self.esc = i, quote, esc
+        self.pos = i
         return end
+
+    def _string(self, text: str, i: int) -> tuple[int, bool]:
+        """Read on inside the string opened by `self.quote`, from `i`: `(offset past its
+        closing quote, True)`, or `(where to resume, False)` when the text ends first."""
+        n, quote, esc = len(text), self.quote, self.esc
+        while i < n:
+            c = text[i]
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == quote[0]:
+                if len(quote) == 1:
+                    self.quote, self.esc = "", False
+                    return i + 1, True
+                if text.startswith(quote, i):
+                    self.quote, self.esc = "", False
+                    return i + 3, True
+                if i + 3 > n and quote.startswith(text[i:]):
+                    break  # maybe the closing triple quote: wait
+            i += 1
+        self.esc = esc
+        return i, False

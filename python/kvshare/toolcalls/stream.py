@@ -225,33 +225,16 @@ class ToolCallStream(Sink):
 
     def _text(self, final: bool) -> bool:
         """Text mode: emit what is surely content; start a region at an opener (True)."""
-        buf, fmt = self._buf, self._fmt
-        pos, opener = -1, ""
-        for o in fmt.openers:
-            i = buf.find(o)
-            if i >= 0 and (pos < 0 or i < pos):
-                pos, opener = i, o
+        buf = self._buf
+        starts = self._fmt.start_openers if (self._fresh or self._after_call) else ()
         lead = 0  # separators at the start, where a start opener may follow
-        starts = fmt.start_openers if (self._fresh or self._after_call) else ()
         if starts:
             seps = self._separators()
             while lead < len(buf) and buf[lead] in seps:
                 lead += 1
-            for o in starts:
-                if buf.startswith(o, lead) and (pos < 0 or lead <= pos):
-                    pos, opener = lead, o
+        pos, opener = self._first_opener(buf, starts, lead)
         if pos >= 0:
-            pre = buf[:pos]
-            if opener in starts and pos == lead:
-                body, ws = "", pre
-            else:
-                body = pre.rstrip(WS)
-                ws = pre[len(body):]
-            self._content(body)
-            self._lead_ws, self._opener = ws, opener
-            self._buf = buf[pos:]
-            self._block, self._block_calls = [], 0
-            self._region = fmt.region(opener, self)
+            self._open_region(pos, opener, at_start=opener in starts and pos == lead)
             return True
         if final:
             if not (self._after_call and buf.strip(self._separators()) == ""):
@@ -260,7 +243,42 @@ class ToolCallStream(Sink):
             return False
         if starts and lead == len(buf):
             return False  # only separators so far: a start opener may still follow
-        keep = max((held(buf, o) for o in fmt.openers), default=0)
+        self._hold_back(buf, starts, lead)
+        return False
+
+    def _first_opener(self, buf: str, starts: tuple[str, ...], lead: int) -> tuple[int, str]:
+        """`(offset, opener)` of the first call opener in `buf`, `(-1, "")` if none: an opener
+        anywhere, or one of `starts` right after the `lead` separators."""
+        pos, opener = -1, ""
+        for o in self._fmt.openers:
+            i = buf.find(o)
+            if i >= 0 and (pos < 0 or i < pos):
+                pos, opener = i, o
+        for o in starts:
+            if buf.startswith(o, lead) and (pos < 0 or lead <= pos):
+                pos, opener = lead, o
+        return pos, opener
+
+    def _open_region(self, pos: int, opener: str, at_start: bool) -> None:
+        """Send the text before the opener at `pos` (less the whitespace touching it, held in
+        case the block parses; all of it for a start opener) and start reading the block."""
+        buf = self._buf
+        pre = buf[:pos]
+        if at_start:
+            body, ws = "", pre
+        else:
+            body = pre.rstrip(WS)
+            ws = pre[len(body):]
+        self._content(body)
+        self._lead_ws, self._opener = ws, opener
+        self._buf = buf[pos:]
+        self._block, self._block_calls = [], 0
+        self._region = self._fmt.region(opener, self)
+
+    def _hold_back(self, buf: str, starts: tuple[str, ...], lead: int) -> None:
+        """Send the text that is surely content: all but an end that may still become an
+        opener, and the whitespace before it (dropped if a call follows)."""
+        keep = max((held(buf, o) for o in self._fmt.openers), default=0)
         if starts and lead < len(buf):
             rest = buf[lead:]
             if any(o.startswith(rest) for o in starts):
@@ -272,7 +290,6 @@ class ToolCallStream(Sink):
             cut = 0
         self._content(buf[:cut])
         self._buf = buf[cut:]
-        return False
 
     def _content(self, text: str) -> None:
         if not text:
