@@ -12,7 +12,7 @@ import pytest
 from kvshare.model.chat_template import ChatTemplate
 from kvshare.model.loader import default_model_path
 from kvshare.model.tokenizer import Tokenizer
-from kvshare.server import protocol as P
+from kvshare.apis import parsing as P
 from kvshare.server.constraints import closed_objects
 from kvshare.server.errors import APIError
 

@@ -11,10 +11,10 @@ import random
 import pytest
 
 from kvshare.engine.api import FinishEvent, Timings, TokenEvent
-from kvshare.server import anthropic as A
-from kvshare.server.chat_output import OutputRules
+from kvshare.apis import anthropic as A
+from kvshare.apis.chat_output import OutputRules
 from kvshare.server.errors import APIError
-from kvshare.server.frontend import CachePoint, PromptInfo, RequestContext
+from kvshare.apis.base import CachePoint, PromptInfo, RequestContext
 from kvshare.toolcalls import get_format
 
 anthropic = pytest.importorskip("anthropic")
@@ -77,7 +77,7 @@ def test_options():
     assert (s.temperature, s.top_p, s.top_k) == (0.0, 0.5, 40)
     assert r.opts.stop == ["END"] and r.opts.stream
     assert r.chat.template_kwargs == {"enable_thinking": True}
-    assert r.extra["thinking"] is True
+    assert r.thinking is True
     assert parse(thinking={"type": "disabled"}).chat.template_kwargs == \
         {"enable_thinking": False}
     assert parse().chat.template_kwargs == {}
@@ -124,7 +124,7 @@ def test_blocks_translate():
         "name": "get_weather", "description": "Weather of a city",
         "parameters": WEATHER["input_schema"]}}]
     assert r.chat.tool_choice == "auto" and r.chat.parallel_tool_calls
-    assert r.extra["tool_names"] == ["get_weather"]
+    assert [t["function"]["name"] for t in r.chat.tools] == ["get_weather"]
 
 
 def test_consecutive_turns_merge():

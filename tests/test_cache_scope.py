@@ -30,12 +30,13 @@ import re
 import pytest
 from starlette.testclient import TestClient
 
-from kvshare.engine.api import FinishEvent, GenerationRequest, Timings, TokenEvent
+from kvshare.engine.api import FinishEvent, GenerationRequest, RenderedChat, Timings, TokenEvent
 from kvshare.server import cli
 from kvshare.server.app import create_app
 from kvshare.server.settings import ServerSettings
 from kvshare.server.tenancy import (ApiKey, KeyRing, Tenancy, TenancyError, common_prefix,
                                     read_key_file, read_public_prefix, split_keys, tenant_of)
+from fake_engine import FakeEngine
 from tier_helpers import TINY_MODEL, Server, text
 
 BS = 16  # the server's default block size
@@ -167,19 +168,13 @@ class _Handle:
         return self._events()
 
 
-class RecordingEngine:
+class RecordingEngine(FakeEngine):
     """Byte 'tokenizer' (BOS 1), a ChatML-like template; records each GenerationRequest."""
 
-    model_name, vocab_size, ctx_size = "fake", 256, 4096
+    model_name = "fake"
 
     def __init__(self):
-        self.requests: list[GenerationRequest] = []
-
-    def start(self) -> None:
-        pass
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        pass
+        super().__init__(ctx_size=4096)
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True):
         return ([1] if add_special else []) + list(text.encode())
@@ -189,9 +184,7 @@ class RecordingEngine:
         return out + ("<assistant>" if add_generation_prompt else ""), None
 
     def chat_prompt(self, messages, tools=None, *, add_generation_prompt=True,
-                    template_kwargs=None, cache_after=None):
-        from kvshare.engine.api import RenderedChat
-
+                    template_kwargs=None, cache_after=None, continue_final=False):
         text, _ = self.apply_chat_template(messages, tools, add_generation_prompt)
         return RenderedChat(self.tokenize(text, True, True))
 

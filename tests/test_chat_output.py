@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from kvshare.server.chat_output import ChoiceOutput, OutputRules
+from kvshare.apis.chat_output import ChoiceOutput, OutputRules
 from kvshare.toolcalls import get_format
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

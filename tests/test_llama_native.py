@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-from types import SimpleNamespace
 
 import pytest
 from starlette.testclient import TestClient
 
 from kvshare.engine.api import GenerationRequest, RequestRejected
-from kvshare.server import llama_native as N
-from kvshare.server import protocol as P
+from kvshare.apis import llama_server as N
+from kvshare.apis import parsing as P
 from kvshare.server.app import create_app
 from kvshare.server.errors import APIError
 from kvshare.server.settings import ServerSettings
@@ -70,10 +69,8 @@ class LlamaFake(FakeEngine):
     """The fake engine with `--parallel 2`, FIM tokens, a BOS id and continue_final."""
 
     def __init__(self, *a, fim: bool = True, **kw):
-        super().__init__(*a, **kw)
-        self.config = SimpleNamespace(parallel=2, block_size=16, max_n=8)
-        self.fim_ids = {"pre": PRE, "suf": SUF, "mid": MID} if fim else {}
-        self.bos_id = BOS
+        super().__init__(*a, parallel=2, block_size=16, max_n=8,
+                         fim_ids={"pre": PRE, "suf": SUF, "mid": MID} if fim else {}, **kw)
         self.stop_string: str | None = None
         self.continued: list[bool] = []
 

@@ -13,10 +13,10 @@ import random
 import pytest
 
 from kvshare.engine.api import FinishEvent, Timings, TokenEvent
-from kvshare.server import responses as R
-from kvshare.server.chat_output import OutputRules
+from kvshare.apis import responses as R
+from kvshare.apis.chat_output import OutputRules
 from kvshare.server.errors import APIError
-from kvshare.server.frontend import CachePoint, PromptInfo, RequestContext
+from kvshare.apis.base import CachePoint, PromptInfo, RequestContext
 from kvshare.toolcalls import get_format
 
 openai = pytest.importorskip("openai")
@@ -76,10 +76,10 @@ def test_minimal_request():
     assert r.opts.max_tokens is None and r.opts.n == 1 and not r.opts.stream
     assert r.opts.sampling.temperature == 1.0 and r.opts.sampling.top_p == 1.0
     assert r.output is None and r.opts.cache_salt is None
-    assert r.extra["store"] is True and r.extra["previous_response_id"] is None
+    assert r.store is True and r.echo["previous_response_id"] is None
     # stored by default: the whole prompt is pinned for the follow-up
     assert r.cache_point == CachePoint(0)
-    e = r.extra["echo"]
+    e = r.echo
     assert e["tool_choice"] == "auto" and e["tools"] == [] and e["store"] is True
     assert e["text"] == {"format": {"type": "text"}} and e["metadata"] == {}
 
@@ -97,14 +97,14 @@ def test_options():
     s = r.opts.sampling
     assert (s.temperature, s.top_p) == (0.0, 0.5)
     assert r.opts.max_tokens == 64 and r.opts.stream
-    assert r.extra["store"] is False and r.cache_point is None
-    assert r.opts.cache_salt is not None and len(r.opts.cache_salt) == 32
+    assert r.store is False and r.cache_point is None
+    assert r.opts.cache_salt == "s3cret"  # hashed into the cache keys by the pipeline
     assert r.chat.template_kwargs == {"enable_thinking": False}
-    e = r.extra["echo"]
+    e = r.echo
     assert e["metadata"] == {"k": "v"} and e["user"] == "u1" and e["truncation"] == "auto"
     assert e["reasoning"] == {"effort": "low"} and e["max_output_tokens"] == 64
     # the owner the routes compute from the raw salt is the one parse stored under
-    assert r.extra["owner"] == R.owner_of(CTX, "s3cret") != R.owner_of(CTX, None)
+    assert r.owner == R.owner_of(CTX, "s3cret") != R.owner_of(CTX, None)
 
 
 def test_instructions_are_a_system_message_first():
@@ -113,7 +113,7 @@ def test_instructions_are_a_system_message_first():
                                {"role": "user", "content": "Hi"}]
     assert r.cache_point == CachePoint(1)
     # the stored conversation leaves the instructions out
-    assert r.extra["conversation"] == [{"role": "user", "content": "Hi"}]
+    assert r.conversation == [{"role": "user", "content": "Hi"}]
 
 
 def test_message_items():
@@ -211,11 +211,11 @@ def test_tools_and_tool_choice():
     r = parse(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
     assert r.chat.tools == CHAT_TOOLS
     assert r.chat.tool_choice == "required" and r.chat.parallel_tool_calls is False
-    assert r.extra["echo"]["tools"] == [{**WEATHER, "strict": None}]
-    assert r.extra["echo"]["tool_choice"] == "required"
+    assert r.echo["tools"] == [{**WEATHER, "strict": None}]
+    assert r.echo["tool_choice"] == "required"
     r = parse(tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"})
     assert r.chat.tool_choice == "function:get_weather"
-    assert r.extra["echo"]["tool_choice"] == {"type": "function", "name": "get_weather"}
+    assert r.echo["tool_choice"] == {"type": "function", "name": "get_weather"}
     assert parse(tools=[WEATHER]).chat.tool_choice == "auto"
     assert parse(tools=[WEATHER], tool_choice="none").chat.tool_choice == "none"
     # strict is kept (strict tools get the auto grammar); the chat-completions shape is taken
@@ -258,7 +258,7 @@ def test_bad_tool_choice(tc, tools, needle):
 
 def test_text_format():
     assert parse(text={"format": {"type": "text"}}).output is None
-    assert parse(text={"verbosity": "low"}).extra["echo"]["text"] == {
+    assert parse(text={"verbosity": "low"}).echo["text"] == {
         "verbosity": "low", "format": {"type": "text"}}
     r = parse(text={"format": {"type": "json_object"}})
     assert (r.output.kind, r.output.param) == ("json_object", "text.format")
@@ -267,7 +267,7 @@ def test_text_format():
                                "strict": True}})
     assert r.output.kind == "json_schema" and json.loads(r.output.source) == schema
     assert r.output.param == "text.format.schema"
-    assert r.extra["echo"]["text"]["format"] == {"type": "json_schema", "name": "thing",
+    assert r.echo["text"]["format"] == {"type": "json_schema", "name": "thing",
                                                  "schema": schema, "strict": True}
 
 
@@ -767,7 +767,7 @@ def test_store_and_continue_with_function_call_output(streamed):
     else:
         resp = fmt.response({0: (text, token_events(text), f)}, f)
     call_id = resp["output"][1]["call_id"]
-    recd = store.get("resp_1", req1.extra["owner"])
+    recd = store.get("resp_1", req1.owner)
     assert recd is not None and recd.response == resp
     assert recd.instructions == "Sys one." and recd.tools == [{**WEATHER, "strict": None}]
     # the conversation: input without the instructions, and the reply with the ids sent
@@ -785,7 +785,7 @@ def test_store_and_continue_with_function_call_output(streamed):
     assert req2.chat.messages == [{"role": "system", "content": "Sys two."}, *recd.messages,
                                   {"role": "tool", "tool_call_id": call_id, "content": "sunny"}]
     assert req2.cache_point == CachePoint(2)  # the end of the stored conversation
-    assert req2.extra["echo"]["previous_response_id"] == "resp_1"
+    assert req2.echo["previous_response_id"] == "resp_1"
     r2 = a.make_format("resp_2", req2, RULES, PromptInfo(80, 64)).response(
         {0: ("It is sunny.", token_events("It is sunny."), fin())}, fin())
     assert r2["previous_response_id"] == "resp_1" and r2["instructions"] == "Sys two."
@@ -812,7 +812,7 @@ def test_store_false_is_not_stored():
         {0: ("hi", token_events("hi"), fin())}, fin())
     assert resp["store"] is False and len(store) == 0
     with pytest.raises(APIError) as e:
-        a.get_response("resp_x", req.extra["owner"])
+        a.get_response("resp_x", req.owner)
     assert e.value.status == 404
 
 
@@ -887,7 +887,7 @@ def test_reasoning_is_not_stored():
     rules = OutputRules(reasoning=True)
     a.make_format("resp_r", req, rules, PromptInfo(10)).response(
         {0: ("<think>plan</think>Answer.", [], fin())}, fin())
-    assert store.get("resp_r", req.extra["owner"]).messages[-1] == {
+    assert store.get("resp_r", req.owner).messages[-1] == {
         "role": "assistant", "content": "Answer."}
 
 
@@ -895,7 +895,7 @@ def test_stored_messages_are_shared_not_copied_nor_mutated():
     store = R.ResponseStore()
     a = api(store)
     req1 = _stored(a, "resp_1")
-    rec1 = store.get("resp_1", req1.extra["owner"])
+    rec1 = store.get("resp_1", req1.owner)
     snapshot = copy.deepcopy(rec1.messages)
     # a continuation starting with a call item makes a message of its own
     req2 = a.parse(body(previous_response_id="resp_1", input=[
@@ -907,6 +907,6 @@ def test_stored_messages_are_shared_not_copied_nor_mutated():
         {"id": "call_9", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
     a.make_format("resp_2", req2, RULES, PromptInfo(10)).response(
         {0: ("done", token_events("done"), fin())}, fin())
-    rec2 = store.get("resp_2", req2.extra["owner"])
+    rec2 = store.get("resp_2", req2.owner)
     assert rec2.messages[0] is rec1.messages[0] and rec1.messages == snapshot
     assert len(rec2.messages) == len(rec1.messages) + 3

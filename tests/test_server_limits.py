@@ -1,4 +1,4 @@
-"""Bounded resources at the edge (issue 15, part 3; server/limits.py).
+"""Bounded resources at the edge (issue 15, part 3; server/edge.py, body.py, prompt_bounds.py).
 
 Unit tests of the pieces (JSON value count, lone surrogates, the no-tokenization context bound
 against the real tokenizers, the heavy-work slots), endpoint limits through the fake engine,
@@ -33,8 +33,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from kvshare.server import limits
-from kvshare.server import protocol as P
+from kvshare.engine.engine import max_token_chars
+from kvshare.server import body as body_limits
+from kvshare.server import edge
+from kvshare.server import prompt_bounds
+from kvshare.apis import parsing as P
 from kvshare.server.app import create_app
 from kvshare.server.errors import APIError
 from kvshare.server.settings import ServerSettings
@@ -86,32 +89,32 @@ _json = st.recursive(
 @given(_json)
 def test_json_value_count_bounds_the_values_json_loads_creates(obj):
     data = json.dumps(obj, ensure_ascii=False).encode()
-    exact = limits.count_outside_strings(data, cap=10**9)
+    exact = body_limits.count_outside_strings(data, cap=10**9)
     assert exact == _reference_count(data)
     # never fewer than the objects json.loads makes, never many more (empty containers)
     true = _true_values(obj)
     assert true <= exact <= 2 * true + 1
     # the fast bound counts inside strings too: an upper bound of the exact count
-    assert limits.json_value_count(data, cap=10**9) >= exact
-    assert limits.json_value_count(data, cap=0) >= 1
+    assert body_limits.json_value_count(data, cap=10**9) >= exact
+    assert body_limits.json_value_count(data, cap=0) >= 1
 
 
 def test_json_value_count_is_exact_for_text_with_commas():
     body = json.dumps({"prompt": "a, b: [c] {d}, " * 100_000, "x": [1, 2, 3]}).encode()
     # the fast bound is fooled by the text; the string-aware count is not
-    assert limits.json_value_count(body, cap=10**9) > 400_000
-    assert limits.json_value_count(body, cap=1000) == limits.count_outside_strings(body, 10**9)
-    assert limits.count_outside_strings(body, 10**9) == 1 + 7  # { : , : [ , ,
+    assert body_limits.json_value_count(body, cap=10**9) > 400_000
+    assert body_limits.json_value_count(body, cap=1000) == body_limits.count_outside_strings(body, 10**9)
+    assert body_limits.count_outside_strings(body, 10**9) == 1 + 7  # { : , : [ , ,
 
 
 def test_parse_json_body_rejects_too_many_values_and_bad_unicode():
-    big = b'{"prompt": [' + b",".join([b"1"] * (limits.MAX_JSON_VALUES + 10)) + b"]}"
+    big = b'{"prompt": [' + b",".join([b"1"] * (body_limits.MAX_JSON_VALUES + 10)) + b"]}"
     with pytest.raises(APIError) as e:
-        limits.parse_json_body(bytearray(big))
+        body_limits.parse_json_body(bytearray(big))
     assert e.value.status == 413 and e.value.code == "request_too_large"
     # many values inside one string are fine
-    ok = json.dumps({"prompt": "1," * (limits.MAX_JSON_VALUES + 10)}).encode()
-    assert limits.parse_json_body(bytearray(ok))["prompt"].startswith("1,1,")
+    ok = json.dumps({"prompt": "1," * (body_limits.MAX_JSON_VALUES + 10)}).encode()
+    assert body_limits.parse_json_body(bytearray(ok))["prompt"].startswith("1,1,")
     for raw, param in [(b'{"model": "\\ud800"}', "model"),
                        (b'{"cache_salt": "x\\uDFFFy"}', "cache_salt"),
                        (b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages"),
@@ -119,26 +122,26 @@ def test_parse_json_body_rejects_too_many_values_and_bad_unicode():
                        (b'{"chat_template_kwargs": {"\\ud800": 1}}', "chat_template_kwargs"),
                        (b'{"\\ud800": 1}', "<key>")]:
         with pytest.raises(APIError) as e:
-            limits.parse_json_body(bytearray(raw))
+            body_limits.parse_json_body(bytearray(raw))
         assert (e.value.status, e.value.param, e.value.code) == (400, param, "invalid_json"), raw
         assert "\ud800" not in e.value.message and "surrogate" in e.value.message
         e.value.response()  # renders (a surrogate in the message would raise)
     # a surrogate pair is one valid character; an escaped backslash before "ud800" is text
-    assert limits.parse_json_body(bytearray(b'{"a": "\\ud83d\\ude00"}')) == {"a": "\U0001f600"}
-    assert limits.parse_json_body(bytearray(b'{"a": "\\\\ud800"}')) == {"a": "\\ud800"}
+    assert body_limits.parse_json_body(bytearray(b'{"a": "\\ud83d\\ude00"}')) == {"a": "\U0001f600"}
+    assert body_limits.parse_json_body(bytearray(b'{"a": "\\\\ud800"}')) == {"a": "\\ud800"}
     # raw surrogate bytes (CESU-8) are not UTF-8
     with pytest.raises(APIError) as e:
-        limits.parse_json_body(bytearray(b'{"a": "\xed\xa0\x80"}'))
+        body_limits.parse_json_body(bytearray(b'{"a": "\xed\xa0\x80"}'))
     assert e.value.status == 400 and e.value.code == "invalid_json"
     for bad in (b"[1]", b'"x"', b"{", b"\xff{}"):
         with pytest.raises(APIError) as e:
-            limits.parse_json_body(bytearray(bad))
+            body_limits.parse_json_body(bytearray(bad))
         assert e.value.status == 400
 
 
 def test_slots_fifo_weights_and_timeout():
     async def main():
-        s = limits.Slots(10)
+        s = edge.Slots(10)
         assert await s.acquire(6)
         order = []
 
@@ -193,7 +196,7 @@ def test_prompt_bound_never_exceeds_the_real_token_count(tokenizers):
 
     rng = random.Random(7)
     for tok in tokenizers:
-        per = limits.max_token_chars(tok)
+        per = max_token_chars(tok)
         assert per == max(len(t) for t in tok._texts)
         texts = _adversarial_texts(tok)
         alphabet = [" ", "  ", "\n", "\t", "a", "é", "日", "\U0001f600", "<", ">", "|", "_",
@@ -213,12 +216,12 @@ def test_prompt_bound_holds_for_any_text(text):
     from kvshare.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(TINY_MODEL)
-    per = limits.max_token_chars(tok)
+    per = max_token_chars(tok)
     assert len(tok.encode(text)) >= math.ceil(len(text) / per)
 
 
 def test_long_fragments_tokenize_the_same_without_holding_the_gil(tokenizers, monkeypatch):
-    import kvshare.model.tokenizer as T
+    import kvshare.model.tokenizer.core as T
 
     rng = __import__("random").Random(3)
     texts = ["".join(rng.choice("abcdefgh ij\n") for _ in range(20_000)),
@@ -227,7 +230,7 @@ def test_long_fragments_tokenize_the_same_without_holding_the_gil(tokenizers, mo
         tok.clear_cache()
         new = [tok.encode(t) for t in texts]
         tok.clear_cache()
-        monkeypatch.setattr(T, "_GIL_FREE_CHARS", 10**9)  # the single-call path, as before
+        monkeypatch.setattr(T, "GIL_FREE_CHARS", 10**9)  # the single-call path, as before
         old = [tok.encode(t) for t in texts]
         monkeypatch.undo()
         tok.clear_cache()
@@ -253,19 +256,19 @@ def test_stop_string_limits():
 def test_tokenize_and_detokenize_limits(monkeypatch):
     engine = FakeEngine()  # byte-level: one token per character
     with TestClient(create_app(engine, ServerSettings(max_body_bytes=64 * MiB))) as c:
-        n = limits.TOKENIZE_MAX_PIECES
+        n = prompt_bounds.TOKENIZE_MAX_PIECES
         r = c.post("/tokenize", json={"content": "a" * n, "with_pieces": True})
         assert r.status_code == 200 and len(r.json()["tokens"]) == n
         err = assert_error(c.post("/tokenize", json={"content": "a" * (n + 1),
                                                      "with_pieces": True}),
                            400, param="with_pieces", code="response_too_large")
         assert str(n) in err["message"]
-        big = limits.tokenize_max_chars(engine.ctx_size)
+        big = prompt_bounds.tokenize_max_chars(engine.ctx_size)
         r = c.post("/tokenize", json={"content": "a" * big})
         assert r.status_code == 200 and len(r.json()["tokens"]) == big
         assert_error(c.post("/tokenize", json={"content": "a" * (big + 1)}), 413,
                      param="content", code="request_too_large")
-        m = limits.DETOKENIZE_MAX_TOKENS
+        m = prompt_bounds.DETOKENIZE_MAX_TOKENS
         assert c.post("/detokenize", json={"tokens": [97] * m}).json()["content"] == "a" * m
         assert_error(c.post("/detokenize", json={"tokens": [97] * (m + 1)}), 413,
                      param="tokens", code="request_too_large")
@@ -421,7 +424,7 @@ def test_prompts_that_fit_are_tokenized_as_before(server):
     n_tok = len(c.post("/tokenize", json={"content": text, "add_special": True}).json()["tokens"])
     r = c.post("/v1/completions", json={"prompt": text, "max_tokens": 1})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == n_tok
-    per = limits.max_token_chars(__import__("kvshare.model.tokenizer", fromlist=["x"])
+    per = max_token_chars(__import__("kvshare.model.tokenizer", fromlist=["x"])
                                  .Tokenizer.from_gguf(TINY_MODEL))
     bound = (CTX - 1) * per
     # just over the bound: rejected without tokenizing ("at least")

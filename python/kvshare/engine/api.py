@@ -8,7 +8,7 @@ are the whole contract between them. The engine runs model steps on its own thre
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import AsyncIterator, Literal, Mapping, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -39,9 +39,11 @@ class RequestRejected(ValueError):
     """`Engine.submit` refused a request before queueing it; `code` says why
     ("context_length_exceeded", "invalid_request") for the client's error."""
 
-    def __init__(self, message: str, code: str = "invalid_request"):
+    def __init__(self, message: str, code: str = "invalid_request",
+                 details: dict | None = None):
         super().__init__(message)
         self.code = code
+        self.details = details  # llama-server's extra error fields (n_prompt_tokens, n_ctx)
 
 
 @dataclass(frozen=True)
@@ -164,3 +166,116 @@ class FinishEvent:
     # With reason "stop": the request's stop string that ended this choice (None: EOS/EOT,
     # a stop token, or a grammar that completed).
     stop_string: str | None = None
+
+
+# --------------------------------------------------------------------------- the server's view
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the HTTP APIs read about the loaded model (`EngineClient.info`): names, sizes and
+    the tokenizer's special tokens. Plain values, so a fake engine can give the same."""
+
+    name: str  # the model's name as responses echo it by default (the file's stem)
+    ctx_size: int  # longest sequence (prompt + completion) in tokens
+    vocab_size: int
+    fingerprint: str = ""  # content hash of the weights ("": unknown, e.g. a fake)
+    path: str = ""  # the model file ("": none)
+    block_size: int = 16  # KV block size in tokens (cache breakpoints are block-aligned)
+    max_n: int = 8  # most choices (OpenAI `n`) one request may ask for
+    parallel: int = 4  # sequences decoded at once (llama-server's slots)
+    chat_template: str = ""  # the template's source ("": the model has none)
+    bos_token: str = ""
+    eos_token: str = ""
+    # The BOS id a text prompt gets (None: this model's tokenizer adds none)
+    bos_id: int | None = None
+    # Fill-in-the-middle token ids by role ("pre", "suf", "mid", "rep", "sep", "pad")
+    fim_ids: Mapping[str, int | None] = field(default_factory=dict)
+    # The longest token text in characters (prompt bounds); None: unknown, no bound
+    max_token_chars: int | None = None
+
+
+class EngineHandle(Protocol):
+    """One submitted request (`engine.handle.RequestHandle`): iterate it for TokenEvents and
+    one FinishEvent per choice; `cancel` from any thread."""
+
+    request_id: str
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent | FinishEvent]: ...
+
+    def cancel(self) -> None: ...
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """Everything the HTTP server uses of the engine (`kvshare.engine.Engine` implements it;
+    tests use a fake that does too). The server never reaches past it to the model, the
+    tokenizer or the template."""
+
+    info: ModelInfo
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]: ...
+
+    def detokenize(self, ids: list[int]) -> str: ...
+
+    def token_piece(self, token_id: int) -> str:
+        """The token's text as the vocabulary spells it (special tokens included)."""
+        ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes the token decodes to (a piece of a multi-byte character for byte tokens)."""
+        ...
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None, *,
+                    add_generation_prompt: bool, template_kwargs: dict,
+                    cache_after: int | None, continue_final: bool) -> RenderedChat:
+        """The chat rendered by the model's template and tokenized once."""
+        ...
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None, *,
+                    add_generation_prompt: bool, template_kwargs: dict,
+                    continue_final: bool) -> str:
+        """The chat rendered by the model's template, not tokenized."""
+        ...
+
+    def compile_grammar(self, kind: str, source: str) -> object:
+        """A compiled grammar for `GenerationRequest.grammar`; raises
+        `kvshare.constrain.GrammarError` (a 400) on a bad one."""
+        ...
+
+    def submit(self, req: GenerationRequest) -> EngineHandle:
+        """Queue a request; raises `RequestRejected` for one the engine cannot take (the only
+        check of what the engine accepts: empty or too long prompts, token ids, `n`)."""
+        ...
+
+    def snapshot(self) -> dict:
+        """The pool, tiers, counters and live sequences (`/cache`, `/slots`, `/metrics`)."""
+        ...
+
+    def stalled_for(self) -> float:
+        """Seconds the engine step now running has taken (0.0 when idle)."""
+        ...
+
+    def start(self) -> None: ...
+
+    def shutdown(self, timeout: float = 10.0) -> None: ...
+
+
+def check_request(req: GenerationRequest, info: ModelInfo) -> None:
+    """What every engine accepts, checked the same way by the real engine and the fakes:
+    a non-empty prompt that leaves room for a token, ids in the vocabulary, 1 <= n <= max_n,
+    max_tokens >= 1. Raises `RequestRejected` with the message the client gets."""
+    n = len(req.prompt_tokens)
+    if n == 0:
+        raise RequestRejected("the prompt is empty")
+    if n >= info.ctx_size:
+        raise RequestRejected(
+            f"This model's maximum context length is {info.ctx_size} tokens, but the prompt "
+            f"has {n} tokens (at least one token must be left for the completion)",
+            "context_length_exceeded", {"n_prompt_tokens": n, "n_ctx": info.ctx_size})
+    if req.max_tokens < 1:
+        raise RequestRejected("max_tokens must be at least 1")
+    if not 1 <= req.n <= info.max_n:
+        raise RequestRejected(f"n must be between 1 and {info.max_n}, got {req.n}")
+    vocab = info.vocab_size
+    if any((t < 0 or t >= vocab) for t in req.prompt_tokens):
+        raise RequestRejected(f"prompt token ids must be in [0, {vocab})", "invalid_token_id")

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from kvshare.backend import set_cpu_threads
-from kvshare.engine.api import (FinishEvent, GenerationRequest, RenderedChat, RequestRejected,
-                               Timings, TokenEvent, TokenLogprob)
+from kvshare.engine.api import (FinishEvent, GenerationRequest, ModelInfo, RenderedChat,
+                               RequestRejected, Timings, TokenEvent, TokenLogprob, check_request)
 from kvshare.engine.cache import build_cache
 from kvshare.engine.faults import SequenceFault, injected, maybe_inject
 from kvshare.engine.grammar_masks import MaskJob, compute_mask
@@ -41,6 +41,13 @@ log = logging.getLogger("kvshare.engine")
 
 # Seconds a client is told to wait (Retry-After) after its request timed out in the queue.
 QUEUE_RETRY_AFTER_S = 5.0
+
+
+def max_token_chars(tokenizer) -> int | None:
+    """The longest token text of the vocabulary in characters (GPT-2 byte-level texts have
+    one character per byte): a prompt of C characters has at least C / this many tokens."""
+    n = tokenizer.vocab_size
+    return max(1, max((len(tokenizer.token_text(i)) for i in range(n)), default=1))
 
 
 @dataclass
@@ -162,6 +169,25 @@ class Engine:
             self._thread = None
         self.tiers.close()  # drains the disk writer's queue
 
+    # ---- what the server reads (engine.api.EngineClient) -------------------------------
+    @functools.cached_property
+    def info(self) -> ModelInfo:
+        tok, model = self.tokenizer, self.model
+        try:
+            fingerprint = model.fingerprint
+        except ValueError:  # a model built in memory has no file
+            fingerprint = ""
+        template = self.chat_template
+        return ModelInfo(
+            name=self.model_name, ctx_size=self.ctx_size, vocab_size=self.vocab_size,
+            fingerprint=fingerprint, path=str(model.path) if model.path else "",
+            block_size=self.config.block_size, max_n=self.config.max_n,
+            parallel=self.config.parallel,
+            chat_template=template.source if template is not None else "",
+            bos_token=tok.bos_token or "", eos_token=tok.eos_token or "",
+            bos_id=tok.bos_id if tok.add_bos else None, fim_ids=dict(tok.fim_ids),
+            max_token_chars=max_token_chars(tok))
+
     # ---- text -------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special))
@@ -210,6 +236,19 @@ class Engine:
     def token_piece(self, token_id: int) -> str:
         return self.tokenizer.token_to_piece(int(token_id))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.tokenizer.token_to_bytes(int(token_id))
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, *,
+                    add_generation_prompt: bool = True, template_kwargs: dict | None = None,
+                    continue_final: bool = False) -> str:
+        """The chat rendered by the model's template, not tokenized (/apply-template, and the
+        server's length check of a huge chat before it is tokenized)."""
+        more = {"continue_final": True} if continue_final else {}
+        return self.chat_template.render(messages, tools=tools,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **more, **(template_kwargs or {}))
+
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True, **kwargs) -> tuple[str, int | None]:
         if not self.wants_user_boundary:  # locating the boundary costs a re-render
@@ -235,19 +274,8 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------
     def submit(self, req: GenerationRequest) -> RequestHandle:
+        check_request(req, self.info)
         n = len(req.prompt_tokens)
-        if n == 0:
-            raise RequestRejected("the prompt is empty")
-        if n >= self.ctx_size:
-            raise RequestRejected(f"the prompt has {n} tokens; the context holds {self.ctx_size}",
-                                  "context_length_exceeded")
-        if req.max_tokens < 1:
-            raise RequestRejected("max_tokens must be at least 1")
-        if not 1 <= req.n <= self.config.max_n:
-            raise RequestRejected(f"n must be between 1 and {self.config.max_n}, got {req.n}")
-        vocab = self.model.config.vocab_size
-        if any((t < 0 or t >= vocab) for t in req.prompt_tokens):
-            raise RequestRejected(f"prompt token ids must be in [0, {vocab})", "invalid_token_id")
         if -(-(n + 1) // self.config.block_size) > self.n_blocks:
             raise RequestRejected(f"the prompt has {n} tokens; the KV pool holds "
                                   f"{self.n_blocks * self.config.block_size} (context)",

@@ -38,7 +38,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvshare.server.app import error_json, is_anthropic_path
 from kvshare.server.errors import APIError
-from kvshare.server.llama_native import error_object
+from kvshare.apis.llama_server import error_object
 
 from .backends import Backend, BackendSet
 from .metrics import RouterMetrics

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 
-from . import protocol as P
-from .chat_output import OutputRules
+from kvshare.apis import parsing as P
+from kvshare.apis.chat_output import OutputRules
 from .errors import APIError, bad_request
 
 

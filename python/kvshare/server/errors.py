@@ -20,6 +20,7 @@ class APIError(Exception):
         code: str | None = None,
         type: str | None = None,
         headers: dict[str, str] | None = None,
+        details: dict | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -28,6 +29,8 @@ class APIError(Exception):
         self.code = code
         self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
         self.headers = headers
+        # Extra fields of llama-server's error object (n_prompt_tokens, n_ctx)
+        self.details = details
 
     def body(self) -> dict:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)

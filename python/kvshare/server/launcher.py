@@ -14,12 +14,12 @@ import asyncio
 import logging
 import signal
 import socket
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config
 
-from .limits import install_json_error_bodies
+from .hypercorn_errors import install_json_error_bodies
 
 log = logging.getLogger("kvshare.server")
 
@@ -63,18 +63,36 @@ def make_config(sock: socket.socket, *, root_path: str = "", graceful_timeout: f
     return config
 
 
+@runtime_checkable
+class Lifecycle(Protocol):
+    """What the launcher drives at shutdown (`app.KVShareServer`)."""
+
+    body_timeout: float | None
+
+    def begin_shutdown(self) -> None: ...
+
+    def cancel_all(self) -> None: ...
+
+    def in_flight(self) -> int: ...
+
+
 async def serve_app(app: Any, sock: socket.socket, *, root_path: str = "",
                     graceful_timeout: float = 10.0, log_level: str = "INFO",
                     stop: asyncio.Event | None = None,
-                    install_signal_handlers: bool = True) -> None:
-    """Serve until `stop` is set (or, with `install_signal_handlers`, SIGTERM/SIGINT)."""
+                    install_signal_handlers: bool = True,
+                    server: Lifecycle | None = None) -> None:
+    """Serve until `stop` is set (or, with `install_signal_handlers`, SIGTERM/SIGINT).
+    `server`: what to tell about the shutdown (kvshare's `app.state.server`; None: nothing,
+    e.g. the router)."""
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
-    server = getattr(getattr(app, "state", None), "server", None)
-    settings = getattr(server, "settings", None)
+    if server is None:  # kvshare's app carries its server; the router's app has none
+        found = getattr(getattr(app, "state", None), "server", None)
+        server = found if isinstance(found, Lifecycle) else None
     config = make_config(sock, root_path=root_path, graceful_timeout=graceful_timeout,
                          log_level=log_level,
-                         header_timeout=getattr(settings, "body_timeout", None) or 30.0)
+                         header_timeout=(server.body_timeout if server is not None else None)
+                         or 30.0)
     install_json_error_bodies()  # Hypercorn's own 400/431/500 get an OpenAI error body
     signals = 0
 
@@ -104,9 +122,9 @@ async def serve_app(app: Any, sock: socket.socket, *, root_path: str = "",
             server.begin_shutdown()
 
             def cancel_late() -> None:
-                if server.active:
+                if server.in_flight():
                     log.info("graceful timeout near: cancelling %d in-flight request(s)",
-                             len(server.active))
+                             server.in_flight())
                 server.cancel_all()
 
             loop.call_later(max(graceful_timeout - 1.0, graceful_timeout * 0.8), cancel_late)
@@ -120,3 +138,14 @@ async def serve_app(app: Any, sock: socket.socket, *, root_path: str = "",
 
 def run(app: Any, sock: socket.socket, **kwargs: Any) -> None:
     asyncio.run(serve_app(app, sock, **kwargs))
+def raise_fd_limit(wanted: int) -> None:
+    """Raise the soft open-files limit towards `wanted` (each connection is a descriptor)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    except (ImportError, ValueError, OSError):
+        pass

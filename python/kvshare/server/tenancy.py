@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .protocol import ChatInput
+    from kvshare.apis.parsing import ChatInput
 
 log = logging.getLogger("kvshare.server")
 
@@ -188,7 +188,7 @@ def read_public_prefix(path: str) -> PublicPrefix:
             raise TenancyError(f"--public-prefix {path} is empty")
         return PublicPrefix(path, text=data)
     from .errors import APIError
-    from .protocol import ChatInput, parse_chat
+    from kvshare.apis.parsing import ChatInput, parse_chat
 
     try:
         body = json.loads(data)
@@ -269,6 +269,11 @@ class Tenancy:
             parts.append("public prefixes " + ", ".join(
                 f"{os.path.basename(src)} ({len(t)} tokens)" for src, t in self.public))
         return "; ".join(parts)
+
+
+def hash_salt(cache_salt: str | None) -> bytes | None:
+    """A request's `cache_salt` as the cache keys use it (SHA-256 of its UTF-8 bytes)."""
+    return hashlib.sha256(cache_salt.encode("utf-8")).digest() if cache_salt else None
 
 
 def default_scope(scope: str | None, have_keys: bool) -> str:

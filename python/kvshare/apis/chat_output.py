@@ -32,6 +32,12 @@ class ChoiceOutput:
         self._tools = rules.tool_format.stream() if rules.tool_format is not None else None
         self.has_calls = False
 
+    @property
+    def broken_calls(self) -> frozenset[int]:
+        """Indices of calls announced in a tool-call block that then broke (cut off by
+        max_tokens): their markup follows as text."""
+        return frozenset(self._tools.broken_calls) if self._tools is not None else frozenset()
+
     # ---- streaming ---------------------------------------------------------------------
     def feed(self, text: str) -> list[dict]:
         if not text:

@@ -1,4 +1,5 @@
-"""OpenAI request validation and response shapes.
+"""Request fields every API shares, parsed one way: typed accessors, sampling options, stop
+strings, logit bias, `cache_salt`, chat messages, tools and tool choice, output constraints.
 
 Parsing is strict about types (a bool is not a number, a float is not an int) and lenient about
 unknown fields (OpenAI clients send `user`, `metadata`, `store`, ... which are ignored). Every
@@ -7,15 +8,15 @@ problem raises `APIError` (400 unless stated) naming the offending field in `par
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
-from kvshare.engine.api import FinishEvent, SamplingParams, Timings, TokenEvent
+from kvshare.engine.api import SamplingParams
 
-from .errors import bad_request
+from kvshare.server.errors import APIError, bad_request
+
+from .base import ChatInput, CommonOptions, OutputConstraint
 
 MAX_STOP_STRINGS = 16
 # Every generated token is checked against every stop string, and text that could still become
@@ -32,11 +33,11 @@ CHAT_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 # --------------------------------------------------------------------------- typed accessors
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
+def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
@@ -47,8 +48,8 @@ def get_int(body: dict, name: str, default: int | None = None, *, lo: int | None
         return default
     if isinstance(v, float) and v.is_integer() and math.isfinite(v):
         v = int(v)  # JSON writers sometimes emit 16.0 for 16
-    if not _is_int(v):
-        raise bad_request(f"'{name}' must be an integer, got {_json_type(v)}", name)
+    if not is_int(v):
+        raise bad_request(f"'{name}' must be an integer, got {json_type(v)}", name)
     if lo is not None and v < lo:
         raise bad_request(f"'{name}' must be >= {lo}, got {v}", name)
     if hi is not None and v > hi:
@@ -70,8 +71,8 @@ def get_float(body: dict, name: str, default: float | None = None, *, lo: float 
     v = body.get(name)
     if v is None:
         return default
-    if not _is_number(v) or not math.isfinite(v):
-        raise bad_request(f"'{name}' must be a finite number, got {_json_type(v)}", name)
+    if not is_number(v) or not math.isfinite(v):
+        raise bad_request(f"'{name}' must be a finite number, got {json_type(v)}", name)
     v = float(v)
     if lo is not None and (v < lo or (lo_open and v == lo)):
         raise bad_request(f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {v}", name)
@@ -85,7 +86,7 @@ def get_bool(body: dict, name: str, default: bool = False) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise bad_request(f"'{name}' must be a boolean, got {_json_type(v)}", name)
+        raise bad_request(f"'{name}' must be a boolean, got {json_type(v)}", name)
     return v
 
 
@@ -94,11 +95,11 @@ def get_str(body: dict, name: str, default: str | None = None) -> str | None:
     if v is None:
         return default
     if not isinstance(v, str):
-        raise bad_request(f"'{name}' must be a string, got {_json_type(v)}", name)
+        raise bad_request(f"'{name}' must be a string, got {json_type(v)}", name)
     return v
 
 
-def _json_type(v: Any) -> str:
+def json_type(v: Any) -> str:
     if v is None:
         return "null"
     if isinstance(v, bool):
@@ -115,11 +116,11 @@ def _json_type(v: Any) -> str:
 
 
 def is_token_list(v: Any) -> bool:
-    return isinstance(v, list) and len(v) > 0 and all(_is_int(t) for t in v)
+    return isinstance(v, list) and len(v) > 0 and all(is_int(t) for t in v)
 
 
 def check_token_ids(tokens: list, vocab_size: int | None, param: str) -> list[int]:
-    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+    if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
         raise bad_request(f"'{param}' must be an array of integer token ids", param)
     for t in tokens:
         if t < 0 or (vocab_size is not None and t >= vocab_size):
@@ -131,18 +132,18 @@ def check_token_ids(tokens: list, vocab_size: int | None, param: str) -> list[in
 
 # --------------------------------------------------------------------------- common options
 
-@dataclass
-class CommonOptions:
-    max_tokens: int | None  # None: until the context is full
-    sampling: SamplingParams
-    stop: list[str] = field(default_factory=list)
-    stream: bool = False
-    include_usage: bool = False
-    cache_salt: bytes | None = None
-    ignore_eos: bool = False
-    logprobs: bool = False
-    top_logprobs: int = 0
-    n: int = 1  # choices
+def parse_cache_salt(body: dict, bad: Callable[[str, str], APIError] | None = None
+                     ) -> str | None:
+    """kvshare's `cache_salt` extension (every API): a non-empty string, hashed into the
+    cache keys by the pipeline. `bad(param, message)`: the API's own 400 wording."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        if bad is not None:
+            raise bad("cache_salt", "Input should be a non-empty string")
+        raise bad_request("'cache_salt' must be a non-empty string", "cache_salt")
+    return salt
 
 
 def requested_model(body: dict, model_name: str) -> str:
@@ -153,7 +154,7 @@ def requested_model(body: dict, model_name: str) -> str:
     if model is None or model == "":
         return model_name
     if not isinstance(model, str):
-        raise bad_request(f"'model' must be a string, got {_json_type(model)}", "model")
+        raise bad_request(f"'model' must be a string, got {json_type(model)}", "model")
     return model
 
 
@@ -177,7 +178,7 @@ def parse_logit_bias(body: dict, vocab_size: int | None) -> tuple[tuple[int, flo
     for key, bias in items:
         if isinstance(key, str) and key.strip().lstrip("-").isdigit():
             tok = int(key)
-        elif _is_int(key):
+        elif is_int(key):
             tok = key
         else:
             raise bad_request(f"'logit_bias' key {key!r} is not a token id", "logit_bias")
@@ -290,13 +291,7 @@ def parse_common(body: dict, *, ctx_size: int, chat: bool, max_n: int = 8,
         logprobs = top is not None
         top_logprobs = top or 0
 
-    # cache salt --------------------------------------------------------------------------
-    salt = body.get("cache_salt")
-    cache_salt = None
-    if salt is not None:
-        if not isinstance(salt, str) or not salt:
-            raise bad_request("'cache_salt' must be a non-empty string", "cache_salt")
-        cache_salt = hashlib.sha256(salt.encode("utf-8")).digest()
+    cache_salt = parse_cache_salt(body)
 
     return CommonOptions(
         max_tokens=max_tokens, sampling=sampling, stop=stop, stream=stream,
@@ -307,33 +302,6 @@ def parse_common(body: dict, *, ctx_size: int, chat: bool, max_n: int = 8,
 
 
 # --------------------------------------------------------------------------- chat
-
-@dataclass
-class ChatInput:
-    messages: list[dict]
-    tools: list[dict] | None
-    template_kwargs: dict
-    # "none", "auto", "required", or the name of the one function the model must call
-    tool_choice: str = "auto"
-    parallel_tool_calls: bool = True
-    # llama-server's reasoning_format: "none" keeps <think>...</think> in content; "auto" /
-    # "deepseek" split it into reasoning_content when the template thinks
-    reasoning_format: str = "auto"
-    # The prompt continues the last (assistant) message instead of opening a new turn:
-    # llama-server's assistant prefill, vLLM's `continue_final_message`.
-    continue_final: bool = False
-
-
-@dataclass(frozen=True)
-class OutputConstraint:
-    """What a request forces the output to be (compiled into a grammar for the engine):
-    kind is "json_schema" (source: the schema as JSON text), "json_object", "lark" or
-    "gbnf"; `param` names the request field it came from (for errors)."""
-
-    kind: str
-    source: str
-    param: str
-
 
 def parse_output_constraint(body: dict, *, chat: bool) -> OutputConstraint | None:
     """`response_format` (OpenAI: json_object, json_schema) and llama-server's `json_schema`
@@ -347,7 +315,7 @@ def parse_output_constraint(body: dict, *, chat: bool) -> OutputConstraint | Non
         if rtype == "json_object":
             schema = rf.get("schema")  # llama-server also takes a schema here
             if schema is not None:
-                found.append(_schema_constraint(schema, "response_format.schema"))
+                found.append(schema_constraint(schema, "response_format.schema"))
             else:
                 found.append(OutputConstraint("json_object", "", "response_format"))
         elif rtype == "json_schema":
@@ -358,12 +326,12 @@ def parse_output_constraint(body: dict, *, chat: bool) -> OutputConstraint | Non
             schema = js.get("schema")
             if schema is None:
                 schema = {}  # OpenAI: an absent schema means any JSON value
-            found.append(_schema_constraint(schema, "response_format.json_schema.schema"))
+            found.append(schema_constraint(schema, "response_format.json_schema.schema"))
         elif rtype != "text":
             raise bad_request(f"response_format type {rtype!r} is not one of 'text', "
                               "'json_object', 'json_schema'", "response_format")
     if body.get("json_schema") is not None:
-        found.append(_schema_constraint(body["json_schema"], "json_schema"))
+        found.append(schema_constraint(body["json_schema"], "json_schema"))
     g = body.get("grammar")
     if g is not None and g != "":
         if not isinstance(g, str):
@@ -378,7 +346,7 @@ def parse_output_constraint(body: dict, *, chat: bool) -> OutputConstraint | Non
     return found[0] if found else None
 
 
-def _schema_constraint(schema: Any, param: str) -> OutputConstraint:
+def schema_constraint(schema: Any, param: str) -> OutputConstraint:
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
@@ -420,6 +388,42 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "continue_final", "s
                                        "boundary", "cache_after", "tokenizer"})
 
 
+def parse_messages(messages: Any) -> list[dict]:
+    """OpenAI chat `messages`: each a role and text content (content parts joined);
+    `developer` is a system message."""
+    if messages is None:
+        raise bad_request("'messages' is required", "messages")
+    if not isinstance(messages, list):
+        raise bad_request(f"'messages' must be an array, got {json_type(messages)}", "messages")
+    if not messages:
+        raise bad_request("'messages' must contain at least one message", "messages")
+    return [_message(m, i) for i, m in enumerate(messages)]
+
+
+def _message(m: Any, i: int) -> dict:
+    if not isinstance(m, dict):
+        raise bad_request(f"'messages[{i}]' must be an object", "messages")
+    role = m.get("role")
+    if not isinstance(role, str):
+        raise bad_request(f"'messages[{i}].role' is required and must be a string", "messages")
+    if role not in CHAT_ROLES:
+        raise bad_request(f"'messages[{i}].role' {role!r} is not one of "
+                          f"{sorted(CHAT_ROLES)}", "messages")
+    msg = dict(m)
+    content = _content_text(m.get("content"), i)
+    if content is None:
+        if role in ("user", "system", "developer"):
+            raise bad_request(f"'messages[{i}].content' is required for role {role!r}",
+                              "messages")
+        content = ""
+    msg["content"] = content
+    if role == "developer":
+        msg["role"] = "system"
+    if msg.get("tool_calls") is not None and not isinstance(msg["tool_calls"], list):
+        raise bad_request(f"'messages[{i}].tool_calls' must be an array", "messages")
+    return msg
+
+
 def parse_chat(body: dict, *, reasoning_format: str | None = None) -> ChatInput:
     """A chat request's messages, tools and template options. `reasoning_format`: the
     default when the request gives none (the server's `--reasoning-format`).
@@ -428,41 +432,9 @@ def parse_chat(body: dict, *, reasoning_format: str | None = None) -> ChatInput:
     inside its turn, the reply goes on from its text) unless `continue_final_message` is
     false; vLLM's `continue_final_message` / `add_generation_prompt` are honoured (both true
     is a 400, and continuing needs a final assistant message without tool calls)."""
-    messages = body.get("messages")
-    if messages is None:
-        raise bad_request("'messages' is required", "messages")
-    if not isinstance(messages, list):
-        raise bad_request(f"'messages' must be an array, got {_json_type(messages)}", "messages")
-    if not messages:
-        raise bad_request("'messages' must contain at least one message", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise bad_request(f"'messages[{i}]' must be an object", "messages")
-        role = m.get("role")
-        if not isinstance(role, str):
-            raise bad_request(f"'messages[{i}].role' is required and must be a string",
-                              "messages")
-        if role not in CHAT_ROLES:
-            raise bad_request(f"'messages[{i}].role' {role!r} is not one of "
-                              f"{sorted(CHAT_ROLES)}", "messages")
-        msg = dict(m)
-        content = _content_text(m.get("content"), i)
-        if content is None:
-            if role in ("user", "system", "developer"):
-                raise bad_request(f"'messages[{i}].content' is required for role {role!r}",
-                                  "messages")
-            content = ""
-        msg["content"] = content
-        if role == "developer":
-            msg["role"] = "system"
-        if "tool_calls" in msg and msg["tool_calls"] is not None:
-            if not isinstance(msg["tool_calls"], list):
-                raise bad_request(f"'messages[{i}].tool_calls' must be an array", "messages")
-        out.append(msg)
-
-    tools = _parse_tools(body.get("tools"))
-    tool_choice = _parse_tool_choice(body.get("tool_choice"), tools)
+    out = parse_messages(body.get("messages"))
+    tools = parse_tools(body.get("tools"))
+    tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
     parallel = get_bool(body, "parallel_tool_calls", True)
     reasoning_format = get_str(body, "reasoning_format", reasoning_format or "auto")
     if reasoning_format not in ("none", "auto", "deepseek", "deepseek-legacy"):
@@ -487,7 +459,7 @@ def _continuation(body: dict, messages: list[dict], kwargs: dict) -> bool:
     kwargs["add_generation_prompt"] from the request's top-level field."""
     agp = body.get("add_generation_prompt")
     if agp is not None and not isinstance(agp, bool):
-        raise bad_request(f"'add_generation_prompt' must be a boolean, got {_json_type(agp)}",
+        raise bad_request(f"'add_generation_prompt' must be a boolean, got {json_type(agp)}",
                           "add_generation_prompt")
     cfm = body.get("continue_final_message")
     if cfm == "content":  # llama-server's spelling of true
@@ -497,7 +469,7 @@ def _continuation(body: dict, messages: list[dict], kwargs: dict) -> bool:
                           "continuing reasoning_content is not supported",
                           "continue_final_message")
     elif cfm is not None and not isinstance(cfm, bool):
-        raise bad_request(f"'continue_final_message' must be a boolean, got {_json_type(cfm)}",
+        raise bad_request(f"'continue_final_message' must be a boolean, got {json_type(cfm)}",
                           "continue_final_message")
     last = messages[-1]
     if cfm is None:  # llama-server: a final assistant message is a prefill
@@ -526,10 +498,10 @@ def _continuation(body: dict, messages: list[dict], kwargs: dict) -> bool:
     return cont
 
 
-_TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+TOOL_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 
 
-def _parse_tools(tools: Any) -> list[dict] | None:
+def parse_tools(tools: Any) -> list[dict] | None:
     """OpenAI `tools`: function tools with a name (letters, digits, _ - ., at most 64, as
     OpenAI requires), an optional description and a `parameters` JSON schema object.
     Returned normalized (`type` and `parameters` filled in, keys in one order, unknown keys
@@ -551,7 +523,7 @@ def _parse_tools(tools: Any) -> list[dict] | None:
             raise bad_request(f"'tools[{j}]' must be {{\"type\": \"function\", "
                               f"\"function\": {{\"name\": ..., ...}}}}", "tools")
         name = fn["name"]
-        if not name or len(name) > 64 or not set(name) <= _TOOL_NAME_CHARS:
+        if not name or len(name) > 64 or not set(name) <= TOOL_NAME_CHARS:
             raise bad_request(f"'tools[{j}].function.name' {name!r} must be 1-64 letters, "
                               "digits, '_', '-' or '.'", "tools")
         if name in seen:
@@ -592,7 +564,7 @@ def template_tools(tools: list[dict] | None) -> list[dict] | None:
             for t in tools]
 
 
-def _parse_tool_choice(tc: Any, tools: list[dict] | None) -> str:
+def parse_tool_choice(tc: Any, tools: list[dict] | None) -> str:
     if tc is None:
         return "auto" if tools else "none"
     if isinstance(tc, str):
@@ -614,116 +586,3 @@ def _parse_tool_choice(tc: Any, tools: list[dict] | None) -> str:
         raise bad_request(f"'tool_choice' names the function {name!r}, which is not in "
                           f"'tools' ({', '.join(names) or 'none declared'})", "tool_choice")
     return "function:" + name
-
-
-# --------------------------------------------------------------------------- completions
-
-@dataclass
-class CompletionInput:
-    text: str | None  # exactly one of text / tokens
-    tokens: list[int] | None
-    echo: bool
-
-
-def parse_completion(body: dict, vocab_size: int | None) -> CompletionInput:
-    if "prompt" not in body or body["prompt"] is None:
-        raise bad_request("'prompt' is required", "prompt")
-    p = body["prompt"]
-    text = tokens = None
-    if isinstance(p, str):
-        text = p
-    elif isinstance(p, list):
-        if not p:
-            raise bad_request("'prompt' must not be empty", "prompt")
-        if all(_is_int(t) for t in p):
-            tokens = p
-        elif len(p) == 1 and isinstance(p[0], str):
-            text = p[0]
-        elif len(p) == 1 and is_token_list(p[0]):
-            tokens = p[0]
-        elif all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
-            raise bad_request("multiple prompts in one request are not supported: send one "
-                              "request per prompt", "prompt")
-        else:
-            raise bad_request("'prompt' must be a string, an array of token ids, or an array "
-                              "with one string", "prompt")
-    else:
-        raise bad_request(f"'prompt' must be a string or an array, got {_json_type(p)}",
-                          "prompt")
-    if tokens is not None:
-        check_token_ids(tokens, vocab_size, "prompt")
-    suffix = body.get("suffix")
-    if suffix not in (None, ""):
-        raise bad_request("'suffix' is not supported", "suffix")
-    echo = get_bool(body, "echo", False)
-    return CompletionInput(text=text, tokens=tokens, echo=echo)
-
-
-# --------------------------------------------------------------------------- responses
-
-def usage(fin: FinishEvent) -> dict:
-    return {
-        "prompt_tokens": fin.prompt_tokens,
-        "completion_tokens": fin.completion_tokens,
-        "total_tokens": fin.prompt_tokens + fin.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": fin.timings.cache_n},
-    }
-
-
-def merge_finishes(fins: list[FinishEvent]) -> FinishEvent:
-    """One request's totals over its choices (n > 1): the prompt counted once (choice 0
-    computed it, the others reused it), completion tokens summed."""
-    if len(fins) == 1:
-        return fins[0]
-    first = min(fins, key=lambda f: f.index)
-    t = first.timings
-    timings = Timings(
-        prompt_n=sum(f.timings.prompt_n for f in fins), cache_n=t.cache_n,
-        prompt_ms=t.prompt_ms, predicted_n=sum(f.timings.predicted_n for f in fins),
-        predicted_ms=max(f.timings.predicted_ms for f in fins), restore_ms=t.restore_ms)
-    return replace(first, completion_tokens=sum(f.completion_tokens for f in fins),
-                   timings=timings)
-
-
-def finish_reason(fin: FinishEvent, tool_calls: bool = False) -> str:
-    if fin.reason == "length":
-        return "length"
-    return "tool_calls" if tool_calls else "stop"
-
-
-def _lp_entry(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-
-def chat_logprob_entry(ev: TokenEvent) -> dict | None:
-    if ev.logprob is None or ev.token_id < 0:
-        return None
-    entry = _lp_entry(ev.logprob.text, ev.logprob.logprob)
-    entry["top_logprobs"] = [_lp_entry(t.text, t.logprob) for t in ev.top_logprobs]
-    return entry
-
-
-class LegacyLogprobs:
-    """The /v1/completions `logprobs` object: tokens, token_logprobs, top_logprobs,
-    text_offset."""
-
-    def __init__(self, offset: int = 0):
-        self.offset = offset
-        self.tokens: list[str] = []
-        self.token_logprobs: list[float] = []
-        self.top_logprobs: list[dict] = []
-        self.text_offset: list[int] = []
-
-    def add(self, ev: TokenEvent) -> bool:
-        if ev.logprob is None or ev.token_id < 0:
-            return False
-        self.tokens.append(ev.logprob.text)
-        self.token_logprobs.append(ev.logprob.logprob)
-        self.top_logprobs.append({t.text: t.logprob for t in ev.top_logprobs})
-        self.text_offset.append(self.offset)
-        self.offset += len(ev.logprob.text)
-        return True
-
-    def as_dict(self) -> dict:
-        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs,
-                "top_logprobs": self.top_logprobs, "text_offset": self.text_offset}

@@ -1,0 +1,55 @@
+"""The server's own small endpoints: `/v1/models`, `/health`, `/metrics` and `/cache`."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvshare.apis.llama_request import error_object
+
+from .metrics import ServerMetrics
+from .pipeline import GenerationPipeline
+
+# /health answers 503 while one engine step has run longer than this (a hung read or device).
+STALL_LIMIT_S = 60.0
+
+
+class ServerEndpoints:
+    def __init__(self, pipeline: GenerationPipeline, metrics: ServerMetrics):
+        self.pipeline, self.engine = pipeline, pipeline.engine
+        self.info, self.settings = pipeline.info, pipeline.settings
+        self.metrics = metrics
+        self.started = int(time.time())
+
+    async def models(self, request: Request) -> Response:
+        info = self.info
+        names = self.settings.aliases or [info.name]
+        return JSONResponse({"object": "list", "data": [{
+            "id": name, "object": "model", "created": self.started,
+            "owned_by": "kvshare", "meta": {"n_ctx": info.ctx_size, "n_vocab": info.vocab_size},
+        } for name in names]})
+
+    async def health(self, request: Request) -> Response:
+        """llama-server's /health ({"status": "ok"}; a 503 carries its error object), with
+        kvshare's reasons to be unhealthy (shutting down, an engine step that hangs)."""
+        if self.pipeline.shutting_down:
+            return JSONResponse({"status": "shutting down", "error": error_object(
+                503, "The server is shutting down")}, status_code=503)
+        stalled = self.engine.stalled_for()
+        if stalled > STALL_LIMIT_S:  # one step should take well under a second or two
+            return JSONResponse({"status": "engine stalled", "step_seconds": round(stalled, 1),
+                                 "error": error_object(
+                                     503, f"An engine step has run for {stalled:.0f} s")},
+                                status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        data = await run_in_threadpool(self.metrics.render)
+        return Response(data, media_type=self.metrics.content_type)
+
+    async def cache(self, request: Request) -> Response:
+        snap = await run_in_threadpool(self.engine.snapshot)
+        return JSONResponse({k: v for k, v in snap.items() if k != "slots"})
