@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 from typing import AsyncIterator, Callable, Iterator, Union
 
@@ -36,10 +37,9 @@ class RequestHandle:
     def put(self, event: Event) -> None:
         """Deliver one event; called on the engine thread."""
         if self._loop is not None:
-            try:
+            # a closed loop raises RuntimeError: nobody is listening any more
+            with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._async.put_nowait, event)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
         else:
             self._sync.put(event)
 

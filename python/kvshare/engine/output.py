@@ -39,11 +39,11 @@ class TextAssembler:
         return self._take(text.rstrip("\ufffd") if text.endswith("\ufffd") else text)
 
     def _take(self, upto: str) -> str:
-        if len(upto) <= len(self.emitted) or not upto.startswith(self.emitted):
-            # Re-decoding can in rare cases change earlier characters (e.g. a space merged by
-            # the detokenizer); never take back what was sent, just send what follows.
-            if len(upto) <= len(self.emitted):
-                return ""
+        # Re-decoding can in rare cases change earlier characters (e.g. a space merged by the
+        # detokenizer), so `upto` need not extend what was sent: never take that back, just
+        # send what follows it.
+        if len(upto) <= len(self.emitted):
+            return ""
         delta = upto[len(self.emitted):]
         self.emitted = upto
         return delta

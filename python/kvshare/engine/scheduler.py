@@ -145,10 +145,8 @@ class Scheduler:
         out = Schedule()
         self._admit(out.failed)
         suspects = [s for s in self.running if s.suspect]
-        if suspects:  # after a failed batch: one suspect alone per step finds the culprit
-            candidates = suspects[:1]
-        else:
-            candidates = self.running
+        # after a failed batch: one suspect alone per step finds the culprit
+        candidates = suspects[:1] if suspects else self.running
         plan: list[Planned] = []
         budget = self.prefill_budget
         for seq in candidates:

@@ -91,9 +91,11 @@ class LayerGroupManager(ABC):
         """New blocks so that positions [0, end) have room (not yet in the sequence's table);
         None, having taken nothing, when the pool cannot supply them."""
 
+    @abstractmethod
     def install(self, seq: Sequence, ids: list[int]) -> None:
         """Append blocks from `allocate` to the sequence's table."""
 
+    @abstractmethod
     def cancel(self, ids: list[int]) -> None:
         """Give back blocks from `allocate` that will not be installed."""
 
@@ -105,9 +107,11 @@ class LayerGroupManager(ABC):
     def release(self, seq: Sequence) -> None:
         """Give back everything the sequence holds in this group."""
 
+    @abstractmethod
     def pin(self, seq: Sequence) -> None:
         """(lead) Once the prompt's prefix entry is computed, pin it in the RAM tier."""
 
+    @abstractmethod
     def save(self, seq: Sequence) -> None:
         """(lead) A finishing sequence: copy what later sessions resume from to the tiers."""
 

@@ -149,6 +149,12 @@ class RecurrentStateManager(LayerGroupManager):
     def allocate(self, seq: Sequence, end: int) -> list[int] | None:
         return []  # the state slot was taken at admission
 
+    def install(self, seq: Sequence, ids: list[int]) -> None:
+        """Nothing: this group holds no blocks (`allocate` gives none)."""
+
+    def cancel(self, ids: list[int]) -> None:
+        """Nothing: this group holds no blocks (`allocate` gives none)."""
+
     def commit(self, seq: Sequence, start: int, end: int) -> None:
         """At a planned position: snapshot the state. Past the prompt, with tiers: keep a
         checkpoint at the reply's latest block boundary. A failed snapshot costs a future

@@ -31,6 +31,7 @@ Never slower, never wrong, never an error to a client:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -256,10 +257,8 @@ class RemoteTier:
     def _drop_corrupt(self, rkey: bytes, exc: Exception) -> None:
         self.stats_.corrupt += 1
         log.warning("damaged value in Redis (%s): deleted, recomputing", exc)
-        try:
+        with contextlib.suppress(RemoteUnavailable):
             self._run(lambda p: p.delete(rkey))
-        except RemoteUnavailable:
-            pass
 
     def find_checkpoint(self, candidates: list[tuple[int, bytes]]) -> tuple[int, bytes] | None:
         """The deepest `(position, block key)` among `candidates` with a checkpoint in Redis."""
@@ -344,7 +343,7 @@ class RemoteTier:
         ex = self.ttl_s
         for b0 in range(0, len(keys), WRITE_BATCH):
             batch = keys[b0:b0 + WRITE_BATCH]
-            there = self._run(lambda p: [p.exists(self._block_key(k)) for k in batch])
+            there = self._run(lambda p, batch=batch: [p.exists(self._block_key(k)) for k in batch])
             todo = [(b0 + i, k) for i, (k, t) in enumerate(zip(batch, there)) if not t]
             held = [self._block_key(k) for k, t in zip(batch, there) if t]
             self.stats_.blocks_skipped += len(held)
@@ -371,7 +370,8 @@ class RemoteTier:
         for key, position, layout, data in cks:
             value = _core.remote_value("checkpoint", self.fingerprint, key, data,
                                        int(position), layout)
-            self._run(lambda p: p.set(self._ckpt_key(key), value, ex=ex, nx=True))
+            rkey = self._ckpt_key(key)
+            self._run(lambda p, rkey=rkey, value=value: p.set(rkey, value, ex=ex, nx=True))
             self.stats_.checkpoints_written += 1
             self.stats_.bytes_written += len(value)
 
@@ -424,7 +424,5 @@ class RemoteTier:
             self._closing = True
             self._cv.notify_all()
         self._writer.join(timeout=2.0)
-        try:
+        with contextlib.suppress(Exception):  # closing a dead connection
             self._r.close()
-        except Exception:  # noqa: BLE001 - closing a dead connection
-            pass

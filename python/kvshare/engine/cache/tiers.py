@@ -22,6 +22,7 @@ to them zero-copy; a conversation whose blocks are still in the pool costs no ti
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -194,10 +195,8 @@ class TierManager:
                     break
         finally:
             for _, fut in ahead.values():  # no read may still write a reused buffer
-                try:
+                with contextlib.suppress(Exception):  # dropped reads; a corrupt one was logged
                     fut.result()
-                except Exception:  # noqa: BLE001 - dropped reads; a corrupt one was logged
-                    pass
         return ids
 
     def _install(self, tokens, keys, j0: int, blocks: np.ndarray, root: bytes,
@@ -348,10 +347,8 @@ class TierManager:
         if self.ram is not None:
             self._save_ram(keys, block_table, n)
             for c in cks:
-                try:
+                with contextlib.suppress(_core.OverBudget):
                     self.ram.put_checkpoint(c)
-                except _core.OverBudget:
-                    pass
             prefix = next((c for c in cks if prefix_tokens and c.position == prefix_tokens), None)
             if prefix is not None:
                 self.pin_checkpoint(keys, prefix)
