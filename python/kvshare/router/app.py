@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -189,10 +189,8 @@ class Router:
     async def stop(self) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
-            try:
+            with suppress(asyncio.CancelledError):
                 await self._health_task
-            except asyncio.CancelledError:
-                pass
         if self.client is not None:
             await self.client.aclose()
 
