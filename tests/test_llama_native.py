@@ -409,7 +409,7 @@ def test_engine_errors_in_llama_shape(client, engine):
 
 def test_json_schema_and_grammar(client, engine, monkeypatch):
     seen = []
-    monkeypatch.setattr("kvshare.server.app.compile_constraint",
+    monkeypatch.setattr("kvshare.server.pipeline.compile_constraint",
                         lambda eng, c, rules=None: seen.append(c) or object())
     client.post("/completion", json={"prompt": "a", "n_predict": 1, "json_schema": {}})
     assert seen[-1].kind == "json_schema" and json.loads(seen[-1].source) == {"type": "object"}

@@ -177,6 +177,10 @@ class MessagesFormat(ApiFormat):
     def error_body(self, err: APIError) -> dict:
         return anthropic_error(err)
 
+    def _open_index(self) -> int:
+        assert self._open is not None, "a block was just started"
+        return self._open[0]
+
     # ---- the reader: ChoiceOutput deltas -> blocks (and their stream events)
     def _close(self) -> list[bytes]:
         if self._open is None:
@@ -206,7 +210,7 @@ class MessagesFormat(ApiFormat):
             if r and self.thinking:
                 if self._open is None or self._open[1] != "thinking":
                     out += self._start({"type": "thinking", "thinking": "", "signature": ""})
-                index = self._open[0]
+                index = self._open_index()
                 self._blocks[index]["thinking"] += r
                 out.append(self._delta(index, {"type": "thinking_delta", "thinking": r}))
             text = d.get("content")
@@ -219,7 +223,7 @@ class MessagesFormat(ApiFormat):
                         text, self._ws = self._ws + text, ""
                         out += self._start({"type": "text", "text": ""})
                 if text:
-                    index = self._open[0]
+                    index = self._open_index()
                     self._blocks[index]["text"] += text
                     out.append(self._delta(index, {"type": "text_delta", "text": text}))
             for c in d.get("tool_calls") or ():
@@ -229,7 +233,7 @@ class MessagesFormat(ApiFormat):
                     self._ws = ""
                     out += self._start({"type": "tool_use", "id": tool_use_id(c.get("id")),
                                         "name": fn.get("name") or "", "input": {}})
-                    self._calls[i] = self._open[0]
+                    self._calls[i] = self._open_index()
                     self._args[self._calls[i]] = ""
                 args = fn.get("arguments")
                 if args:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvshare.toolcalls.base import ToolFormat
+
 
 @dataclass(frozen=True)
 class OutputRules:
@@ -15,7 +17,7 @@ class OutputRules:
     no tool parsing) and whether `<think>` blocks are split out (starting inside one when the
     prompt opened it)."""
 
-    tool_format: object | None = None
+    tool_format: ToolFormat | None = None
     reasoning: bool = False
     starts_in_reasoning: bool = False
     parallel_tool_calls: bool = True

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from kvshare.engine.api import GenerationRequest, SamplingParams
 from kvshare.server.errors import APIError, bad_request
@@ -334,7 +334,7 @@ def parse_native(body: dict, ctx: RequestContext, default_max_tokens: int | None
     return opts, native, _output(body)
 
 
-def generation_settings(sampling: SamplingParams, *, n_predict: int, stop: list[str] = (),
+def generation_settings(sampling: SamplingParams, *, n_predict: int, stop: Sequence[str] = (),
                         ignore_eos: bool = False, stream: bool = False, n_probs: int = 0,
                         grammar: str = "", samplers: list[str] | tuple = KVSHARE_SAMPLERS,
                         timings_per_token: bool = False,

@@ -395,31 +395,35 @@ def format_infill(engine: Any, fim: dict[str, int | None], prefix: list[int],
     model has FIM_REP / FIM_SEP tokens, then [BOS] FIM_PRE prefix prompt FIM_SUF suffix
     FIM_MID; the prefix keeps its last 3/4 of a batch, the suffix its first 1/4 less the
     prompt, the extra context what is left of the context."""
+    pre, suf, mid = fim.get("pre"), fim.get("suf"), fim.get("mid")
+    rep, sep = fim.get("rep"), fim.get("sep")
+    assert pre is not None and suf is not None and mid is not None, "checked by the caller"
+
     def tok(text: str) -> list[int]:
         return list(engine.tokenize(text, False, False))
 
     extra_tokens: list[int] = []
-    if fim.get("rep") is not None:
-        extra_tokens += [fim["rep"], *tok("myproject\n")]
+    if rep is not None:
+        extra_tokens += [rep, *tok("myproject\n")]
     for chunk in extra:
         text = chunk.get("text", "")
         filename = chunk.get("filename") or "tmp"
-        if fim.get("sep") is not None:
-            extra_tokens += [fim["sep"], *tok(filename + "\n")]
+        if sep is not None:
+            extra_tokens += [sep, *tok(filename + "\n")]
         else:
             extra_tokens += tok("\n\n--- snippet ---\n\n")
         extra_tokens += tok(text)
-    if fim.get("sep") is not None:
-        extra_tokens += [fim["sep"], *tok("filename\n")]
+    if sep is not None:
+        extra_tokens += [sep, *tok("filename\n")]
 
     n_prefix_take = min(len(prefix), 3 * (n_batch // 4))
     n_suffix_take = min(len(suffix), max(0, n_batch // 4 - (2 + len(prompt))))
     n_extra_take = min(max(0, n_ctx - n_batch - 2 * n_predict), len(extra_tokens))
     prefix = prefix[len(prefix) - n_prefix_take:]
     suffix = suffix[:n_suffix_take]
-    head = [fim["pre"], *prefix, *prompt]
-    tail = [fim["suf"], *suffix]
+    head = [pre, *prefix, *prompt]
+    tail = [suf, *suffix]
     if bos_id is not None:
         head.insert(0, bos_id)
     taken = extra_tokens[len(extra_tokens) - n_extra_take:] if n_extra_take else []
-    return [*taken, *head, *tail, fim["mid"]]
+    return [*taken, *head, *tail, mid]

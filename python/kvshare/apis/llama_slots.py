@@ -242,6 +242,8 @@ def load_slot_file(path: str, model: str, vocab_size: int | None) -> tuple[list[
                           "filename")
     tokens = data.get("tokens")
     try:
+        if not isinstance(tokens, list):
+            raise bad_request("not a list", "tokens")
         P.check_token_ids(tokens, vocab_size, "tokens")
     except APIError:
         raise bad_request("Unable to restore slot: Invalid tokens in slot save file",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Callable
+from typing import Any, Callable, overload
 
 from kvshare.engine.api import SamplingParams
 
@@ -41,6 +41,16 @@ def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+@overload
+def get_int(body: dict, name: str, default: int, *, lo: int | None = None,
+            hi: int | None = None) -> int: ...
+
+
+@overload
+def get_int(body: dict, name: str, default: None = None, *, lo: int | None = None,
+            hi: int | None = None) -> int | None: ...
+
+
 def get_int(body: dict, name: str, default: int | None = None, *, lo: int | None = None,
             hi: int | None = None) -> int | None:
     v = body.get(name)
@@ -66,6 +76,16 @@ def get_seed(body: dict, name: str = "seed") -> int | None:
     return seed % 2**64
 
 
+@overload
+def get_float(body: dict, name: str, default: float, *, lo: float | None = None,
+              hi: float | None = None, lo_open: bool = False) -> float: ...
+
+
+@overload
+def get_float(body: dict, name: str, default: None = None, *, lo: float | None = None,
+              hi: float | None = None, lo_open: bool = False) -> float | None: ...
+
+
 def get_float(body: dict, name: str, default: float | None = None, *, lo: float | None = None,
               hi: float | None = None, lo_open: bool = False) -> float | None:
     v = body.get(name)
@@ -88,6 +108,14 @@ def get_bool(body: dict, name: str, default: bool = False) -> bool:
     if not isinstance(v, bool):
         raise bad_request(f"'{name}' must be a boolean, got {json_type(v)}", name)
     return v
+
+
+@overload
+def get_str(body: dict, name: str, default: str) -> str: ...
+
+
+@overload
+def get_str(body: dict, name: str, default: None = None) -> str | None: ...
 
 
 def get_str(body: dict, name: str, default: str | None = None) -> str | None:

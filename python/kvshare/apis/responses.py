@@ -254,12 +254,12 @@ class _Items:
                                             call_id=call_id, name=fn.get("name") or "")
                     ev += start
                     self._calls[i] = op["index"]
-                op = self._open
+                cur = self._open
                 args = fn.get("arguments")
-                if args and op is not None and op["index"] == self._calls[i]:
-                    op["text"] += args
+                if args and cur is not None and cur["index"] == self._calls[i]:
+                    cur["text"] += args
                     ev.append({"type": "response.function_call_arguments.delta",
-                               "item_id": op["id"], "output_index": op["index"],
+                               "item_id": cur["id"], "output_index": cur["index"],
                                "delta": args})
         return ev
 

@@ -69,9 +69,9 @@ def _text_parts(content: Any, path: str, *, required: bool = True) -> str:
                               f"{_type_name(part)}.", ppath, "invalid_type")
         ptype = part.get("type")
         if ptype in TEXT_PARTS:
-            texts.append(_str_field(part, "text", ppath, empty_ok=True))
+            texts.append(_str_field(part, "text", ppath, empty_ok=True) or "")
         elif ptype == "refusal":
-            texts.append(_str_field(part, "refusal", ppath, empty_ok=True))
+            texts.append(_str_field(part, "refusal", ppath, empty_ok=True) or "")
         elif ptype in UNSUPPORTED_PARTS:
             raise bad_request(f"Content parts of type '{ptype}' ('{ppath}.type') are not "
                               "supported by this server: text only.", f"{ppath}.type",
@@ -145,8 +145,8 @@ class _Conversation:
         self._open_assistant = len(self.out) - 1 if role == "assistant" else None
 
     def _function_call(self, item: dict, path: str) -> None:
-        call_id = _str_field(item, "call_id", path)
-        name = _str_field(item, "name", path)
+        call_id = _str_field(item, "call_id", path) or ""  # required: never empty here
+        name = _str_field(item, "name", path) or ""
         args = _str_field(item, "arguments", path, required=False, empty_ok=True) or ""
         call = {"id": call_id, "type": "function",
                 "function": {"name": name, "arguments": args}}
@@ -187,7 +187,7 @@ def _tools(tools: Any) -> tuple[list[dict] | None, list[dict]]:
                               "server: only function tools (hosted tools such as web_search "
                               "and file_search run at OpenAI).", f"{path}.type",
                               "unsupported_tool")
-        fn = t.get("function") if isinstance(t.get("function"), dict) and "name" not in t \
+        fn: dict = t["function"] if isinstance(t.get("function"), dict) and "name" not in t \
             else t  # also the chat-completions shape
         name = fn.get("name")
         if not isinstance(name, str):

@@ -36,7 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from kvshare.server.app import error_json, is_anthropic_path
+from kvshare.server.middleware import error_json, is_anthropic_path
 from kvshare.server.errors import APIError
 from kvshare.apis.llama_server import error_object
 

@@ -68,7 +68,8 @@ class ToolCalls:
 def request_constraint(chat: P.ChatInput | None, output: P.OutputConstraint | None,
                        tool_calls: ToolCalls | None) -> P.OutputConstraint | None:
     tool_c = tool_calls.constraint(chat) if chat is not None and tool_calls else None
-    if tool_c is not None and output is not None and tool_c.param == "tool_choice":
+    if (tool_c is not None and output is not None and chat is not None
+            and tool_c.param == "tool_choice"):
         raise bad_request(f"'tool_choice' {chat.tool_choice.replace('function:', '')!r} "
                           f"forces tool calls; it cannot be combined with '{output.param}'",
                           output.param.split(".")[0])

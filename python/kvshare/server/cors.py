@@ -95,9 +95,9 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 class CORSMiddleware:
-    def __init__(self, app: ASGIApp, policy: CORSPolicy | None = None, **kw):
+    def __init__(self, app: ASGIApp, policy: CORSPolicy):
         self.app = app
-        self.policy = policy if policy is not None else CORSPolicy(**kw)
+        self.policy = policy
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -27,9 +27,10 @@ from typing import Any, Callable
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import APIError, error_body
+from .settings import ServerSettings
 
 log = logging.getLogger("kvshare.server")
 
@@ -133,12 +134,11 @@ class EdgeLimits:
         self.timed_out = 0  # 408: a body stopped arriving
 
     @classmethod
-    def from_settings(cls, settings: Any) -> "EdgeLimits":
-        return cls(body_timeout=getattr(settings, "body_timeout", 30.0),
-                   max_connections=getattr(settings, "max_connections", 1024),
+    def from_settings(cls, settings: ServerSettings) -> "EdgeLimits":
+        return cls(body_timeout=settings.body_timeout,
+                   max_connections=settings.max_connections,
                    max_body_bytes=settings.max_body_bytes,
-                   body_budget_bytes=getattr(settings, "body_budget_bytes",
-                                             DEFAULT_BODY_BUDGET))
+                   body_budget_bytes=settings.body_budget_bytes)
 
 
 class RequestEdge:
@@ -211,7 +211,7 @@ class EdgeMiddleware:
         loop = asyncio.get_running_loop()
         timeout = lim.body_timeout
 
-        async def timed_receive() -> dict:
+        async def timed_receive() -> Message:
             if edge.body_done or timeout is None:
                 return await receive()
             now = loop.time()

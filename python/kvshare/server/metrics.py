@@ -134,33 +134,8 @@ class EngineCollector(Collector):
                                 "Longest sequence seen (prompt + generated tokens)",
                                 value=self.tokens_max(snap))
 
-        slots = snap.get("slots")
-        if isinstance(slots, list):
-            seqs = GaugeMetricFamily("kvshare_sequences", "Sequences in the engine by state",
-                                     labels=["state"])
-            for state, n in sorted(_Tally(str(s.get("state", "unknown")) for s in slots
-                                          if isinstance(s, dict)).items()):
-                seqs.add_metric([state], n)
-            yield seqs
-
-        faults = snap.get("faults") or {}
-        if faults:
-            yield GaugeMetricFamily("kvshare_requests_queued",
-                                    "Requests waiting to be admitted", value=faults["queued"])
-            failed = CounterMetricFamily("kvshare_requests_failed",
-                                         "Requests ended by an engine-side error, by cause",
-                                         labels=["cause"])
-            for cause, n in sorted(faults["failed"].items()):
-                failed.add_metric([cause], n)
-            yield failed
-            recovered = CounterMetricFamily("kvshare_faults_recovered",
-                                            "Faults absorbed without failing a request "
-                                            "(recomputed, retried or skipped), by kind",
-                                            labels=["kind"])
-            for kind, n in sorted(faults["recovered"].items()):
-                recovered.add_metric([kind], n)
-            yield recovered
-
+        yield from _sequence_metrics(snap.get("slots"))
+        yield from _fault_metrics(snap.get("faults") or {})
         yield from _tier_metrics(snap.get("tiers") or {})
         ckpt = snap.get("checkpoints")
         if ckpt:
@@ -170,6 +145,36 @@ class EngineCollector(Collector):
                                     "Bytes of distinct live checkpoints (each counted once, "
                                     "however many sequences and tiers hold it)",
                                     value=ckpt["live_bytes"])
+
+
+def _sequence_metrics(slots: Any):
+    if isinstance(slots, list):
+        seqs = GaugeMetricFamily("kvshare_sequences", "Sequences in the engine by state",
+                                 labels=["state"])
+        for state, n in sorted(_Tally(str(s.get("state", "unknown")) for s in slots
+                                      if isinstance(s, dict)).items()):
+            seqs.add_metric([state], n)
+        yield seqs
+
+
+def _fault_metrics(faults: dict):
+    if not faults:
+        return
+    yield GaugeMetricFamily("kvshare_requests_queued",
+                            "Requests waiting to be admitted", value=faults["queued"])
+    failed = CounterMetricFamily("kvshare_requests_failed",
+                                 "Requests ended by an engine-side error, by cause",
+                                 labels=["cause"])
+    for cause, n in sorted(faults["failed"].items()):
+        failed.add_metric([cause], n)
+    yield failed
+    recovered = CounterMetricFamily("kvshare_faults_recovered",
+                                    "Faults absorbed without failing a request "
+                                    "(recomputed, retried or skipped), by kind",
+                                    labels=["kind"])
+    for kind, n in sorted(faults["recovered"].items()):
+        recovered.add_metric([kind], n)
+    yield recovered
 
 
 # (snapshot key, metric suffix, kind, help) for each cache tier (RAM, disk, remote).

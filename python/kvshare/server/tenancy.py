@@ -33,10 +33,12 @@ import re
 import secrets
 import stat
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+from .errors import APIError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvshare.apis.parsing import ChatInput
+    from kvshare.apis.base import ChatInput
 
 log = logging.getLogger("kvshare.server")
 
@@ -187,8 +189,8 @@ def read_public_prefix(path: str) -> PublicPrefix:
         if not data:
             raise TenancyError(f"--public-prefix {path} is empty")
         return PublicPrefix(path, text=data)
-    from .errors import APIError
-    from kvshare.apis.parsing import ChatInput, parse_chat
+    from kvshare.apis.base import ChatInput
+    from kvshare.apis.parsing import parse_chat
 
     try:
         body = json.loads(data)
@@ -280,26 +282,36 @@ def default_scope(scope: str | None, have_keys: bool) -> str:
     return scope or ("key" if have_keys else "global")
 
 
-def build_tenancy(settings, tokenize_text: Callable[[str], list[int]],
+class TenancySettings(Protocol):
+    """The `ServerSettings` fields the policy is built from."""
+
+    api_key: str | None
+    api_keys: list[ApiKey]
+    cache_scope: str | None
+    public_prefixes: list[PublicPrefix]
+
+
+def build_tenancy(settings: TenancySettings, tokenize_text: Callable[[str], list[int]],
                   tokenize_chat: Callable[[Any], list[int]]) -> Tenancy:
     """The policy for `settings` (ServerSettings); public prefixes are tokenized here."""
-    keys = list(getattr(settings, "api_keys", None) or [])
+    keys = list(settings.api_keys)
     if settings.api_key:
         keys.insert(0, ApiKey(settings.api_key))
     check_unique(keys)
-    scope = default_scope(getattr(settings, "cache_scope", None), bool(keys))
+    scope = default_scope(settings.cache_scope, bool(keys))
     if scope not in SCOPES:
         raise TenancyError(f"unknown cache scope {scope!r} (use {', '.join(SCOPES)})")
     if scope == "key" and not keys:
         raise TenancyError("--cache-scope key needs API keys (--api-key or --api-key-file)")
     public = []
-    for pp in getattr(settings, "public_prefixes", None) or []:
+    for pp in settings.public_prefixes:
         try:
-            toks = tokenize_chat(pp.chat) if pp.chat is not None else tokenize_text(pp.text)
+            toks = (tokenize_chat(pp.chat) if pp.chat is not None
+                    else tokenize_text(pp.text or ""))
         except TenancyError:
             raise
         except Exception as e:  # noqa: BLE001 - template errors, bad text: one line at start-up
-            msg = getattr(e, "message", None) or str(e) or type(e).__name__
+            msg = (e.message if isinstance(e, APIError) else str(e)) or type(e).__name__
             raise TenancyError(f"--public-prefix {pp.source}: {msg.splitlines()[0]}") from None
         if not toks:
             raise TenancyError(f"--public-prefix {pp.source} has no tokens")
