@@ -14,6 +14,7 @@ refused with one line naming it (exit 2), never ignored.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
@@ -312,7 +313,23 @@ class _Toggle(argparse.Action):
 
 
 class _Parser(argparse.ArgumentParser):
-    """Errors are one line on stderr (`kvshare: error: ...`), exit status 2."""
+    """Errors are one line on stderr (`kvshare: error: ...`), exit status 2. Remembers what
+    argparse keeps only in private fields: each option string and whether it takes a value
+    (`takes_value`), and the subcommands (`subcommands`, the `add_subparsers` action)."""
+
+    def __init__(self, *args, **kwargs):
+        self.takes_value: dict[str, bool] = {}  # before argparse adds -h/--help
+        self.subcommands: argparse.Action | None = None
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        self.takes_value.update({s: action.nargs != 0 for s in action.option_strings})
+        return action
+
+    def add_subparsers(self, **kwargs):
+        self.subcommands = super().add_subparsers(**kwargs)
+        return self.subcommands
 
     def error(self, message):
         self.exit(2, f"kvshare: error: {message}\n")
@@ -338,7 +355,8 @@ def _env_default(flag: str, typ: Callable[[str], Any] | str | None, default: Any
     try:
         return typ(raw)
     except ValueError:
-        raise _EnvError(f"{name}={raw!r} is not a valid {getattr(typ, '__name__', 'value')}")
+        raise _EnvError(f"{name}={raw!r} is not a valid {getattr(typ, '__name__', 'value')}"
+                        ) from None
 
 
 # `kvshare pull` and `kvshare models` take these of OPTIONS.
@@ -370,7 +388,7 @@ def _add_options(parser: argparse.ArgumentParser, sub: argparse.ArgumentParser,
             sub.add_argument(*names, type=typ, default=d, help=h)
 
 
-def build_parser(environ: dict[str, str] | None = None) -> argparse.ArgumentParser:
+def build_parser(environ: dict[str, str] | None = None) -> _Parser:
     environ = dict(os.environ if environ is None else environ)
     parser = _Parser(
         prog="kvshare", description="OpenAI-compatible LLM server that shares prompt prefixes",
@@ -407,11 +425,11 @@ def _is_number(s: str) -> bool:
     return True
 
 
-def unsupported_flags(sub: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+def unsupported_flags(sub: _Parser, argv: Sequence[str]) -> list[str]:
     """The flags in `argv` that `sub` does not have, exactly as written (no abbreviations, no
     value glued to a short flag: llama-server has neither, and `-ngl` must not read as
     `-n gl`). The tokens after a known flag that takes a value are its value."""
-    takes_value = {s: a.nargs != 0 for a in sub._actions for s in a.option_strings}
+    takes_value = sub.takes_value
     out: list[str] = []
     it = iter(argv)
     for tok in it:
@@ -434,9 +452,8 @@ def _unsupported_message(flags: list[str]) -> str:
             "docs/llama-server.md maps llama-server's")
 
 
-def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices["serve"]
+def _serve_parser(parser: _Parser) -> _Parser:
+    return parser.subcommands.choices["serve"]
 
 
 def parse_args(argv: Sequence[str] | None = None,
@@ -596,10 +613,8 @@ def _describe_file(path: str, label: str) -> None:
         params = sum(math.prod(t.shape) for t in gf.tensors.values())
         arch = gf.architecture
     finally:
-        try:
+        with contextlib.suppress(BufferError):
             gf.close()
-        except BufferError:
-            pass
     _say(f"loading {label}: {path} ({arch}, {_count(params)} parameters, "
          f"{_mib(os.path.getsize(path))}, block formats {formats})")
 
@@ -707,7 +722,7 @@ def _load_engine(args: argparse.Namespace, path: str, label: str,
     w = weight_bytes(model)
     kv = _kv_pool_bytes(engine)
     ram = int(config.cache_ram_mib * 2**20)
-    kv_name = getattr(engine, "kv_dtype", None) or config.kv_dtype or "f32"
+    kv_name = engine.kv_dtype
     _say(f"memory: weights {_mib(w)} + KV pool {_mib(kv)} ({kv_name}, "
          f"{engine.n_blocks} blocks of {config.block_size} tokens) + RAM tier "
          + (f"up to {_mib(ram)}" if ram else "off")
@@ -715,7 +730,7 @@ def _load_engine(args: argparse.Namespace, path: str, label: str,
     huge = model.huge_page_fraction
     if huge:
         _say(f"weights mapped in 2 MiB pages: {huge:.0%} of the file")
-    remote = getattr(engine.tiers, "remote", None)
+    remote = engine.tiers.remote
     if remote is not None:
         ok = remote.ping()
         _say(f"shared tier: Redis at {remote.display_url} "
@@ -747,10 +762,7 @@ def _kv_dtype_problem(kv_dtype: str | None, device: str = "cpu") -> str | None:
 
 
 def _kv_pool_bytes(engine) -> int:
-    kv = getattr(engine.kv, "kv", None)
-    n = int(getattr(kv, "nbytes", 0) or 0)
-    for st in getattr(engine.kv, "states", None) or ():
-        n += int(getattr(st, "nbytes", 0) or 0)
+    n = int(engine.kv.kv.nbytes) + sum(int(st.nbytes) for st in engine.kv.states)
     if n:
         return n
     try:
@@ -760,24 +772,74 @@ def _kv_pool_bytes(engine) -> int:
         return 0
 
 
-def serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+class _StartupError(Exception):
+    """A startup step failed: `message` is the one line for stderr, `code` the exit status."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.message, self.code = message, code
+
+
+def _flag_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the model name, --kv-dtype, --cache-dir or --slot-save-path, found
+    before anything slow (a typo is one line), or None."""
     from kvshare.model import catalog
 
-    if not catalog.is_known(args.model):  # before anything slow: a typo is one line
-        return _fail(catalog.not_found_message(args.model), 2)
+    if not catalog.is_known(args.model):
+        return catalog.not_found_message(args.model)
     problem = _kv_dtype_problem(args.kv_dtype, args.device)
     if problem:
-        return _fail(f"cannot use --kv-dtype {args.kv_dtype}: {problem}", 2)
+        return f"cannot use --kv-dtype {args.kv_dtype}: {problem}"
     if args.cache_dir:
         problem = _cache_dir_problem(args.cache_dir)
         if problem:
-            return _fail(f"cannot use --cache-dir {args.cache_dir}: {problem}", 2)
-
+            return f"cannot use --cache-dir {args.cache_dir}: {problem}"
     if args.slot_save_path is not None and not os.path.isdir(args.slot_save_path):
-        return _fail(f"cannot use --slot-save-path {args.slot_save_path}: it is not a "
-                     "directory", 2)
+        return f"cannot use --slot-save-path {args.slot_save_path}: it is not a directory"
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _open_model(args: argparse.Namespace, template_override: tuple[str, str] | None):
+    """The engine of the model `--model` names (a catalog name is fetched into the model
+    cache on first use); every failure is a `_StartupError` naming the flag to blame."""
+    from kvshare._core import CacheIoError, KvshareError
+    from kvshare.backend import BackendError
+    from kvshare.model import catalog
+
+    shown = args.model or catalog.DEFAULT_MODEL
+    try:
+        path, name = catalog.resolve(args.model, args.model_cache)
+    except catalog.CatalogError as e:
+        raise _StartupError(f"cannot load model {shown}: {e}") from e
+    except KeyboardInterrupt:
+        raise _StartupError("interrupted while fetching the model", 130) from None
+    try:
+        return _load_engine(args, path, name or os.path.splitext(os.path.basename(path))[0],
+                            template_override)
+    except CacheIoError as e:  # e.g. the cache dir is locked by another running kvshare
+        where = f"cannot use --cache-dir {args.cache_dir}" if args.cache_dir else "cache error"
+        raise _StartupError(f"{where}: {_first_line(e)}") from e
+    except BackendError as e:  # e.g. --device cuda without a usable device
+        raise _StartupError(f"cannot use --device {args.device}: {_first_line(e)}") from e
+    except _KvDtypeError as e:
+        logging.getLogger("kvshare.server").debug("engine construction failed", exc_info=True)
+        if args.kv_dtype not in (None, "f32"):
+            raise _StartupError(f"cannot use --kv-dtype {args.kv_dtype}: {e}") from e
+        raise _StartupError(f"cannot start the engine: {e}") from e
+    except (KvshareError, *_model_errors()) as e:
+        raise _StartupError(f"cannot load model {shown}: {_first_line(e)}") from e
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    problem = _flag_problem(args)
+    if problem:
+        return _fail(problem, 2)
     try:
         template_override = chat_template_override(args)
     except _TemplateError as e:
@@ -791,49 +853,18 @@ def serve(args: argparse.Namespace) -> int:
         return _fail(str(e), 2)
 
     from .app import create_app
-    from .launcher import bind_socket, run, socket_url
-    from .launcher import raise_fd_limit
+    from .launcher import bind_socket, raise_fd_limit, run, socket_url
     from .settings import ServerSettings
 
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
         return _fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}", 2)
-
-    from kvshare._core import CacheIoError, KvshareError
-    from kvshare.backend import BackendError
-
-    shown = args.model or catalog.DEFAULT_MODEL
-    try:  # a catalog name: fetched into the model cache on first use
-        path, name = catalog.resolve(args.model, args.model_cache)
-    except catalog.CatalogError as e:
-        sock.close()
-        return _fail(f"cannot load model {shown}: {e}", 2)
-    except KeyboardInterrupt:
-        sock.close()
-        return _fail("interrupted while fetching the model", 130)
     try:
-        engine = _load_engine(args, path, name or os.path.splitext(os.path.basename(path))[0],
-                              template_override)
-    except CacheIoError as e:  # e.g. the cache dir is locked by another running kvshare
+        engine = _open_model(args, template_override)
+    except _StartupError as e:
         sock.close()
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        where = f"cannot use --cache-dir {args.cache_dir}" if args.cache_dir else "cache error"
-        return _fail(f"{where}: {msg}", 2)
-    except BackendError as e:  # e.g. --device cuda without a usable device
-        sock.close()
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        return _fail(f"cannot use --device {args.device}: {msg}", 2)
-    except _KvDtypeError as e:
-        logging.getLogger("kvshare.server").debug("engine construction failed", exc_info=True)
-        sock.close()
-        if args.kv_dtype not in (None, "f32"):
-            return _fail(f"cannot use --kv-dtype {args.kv_dtype}: {e}", 2)
-        return _fail(f"cannot start the engine: {e}", 2)
-    except (KvshareError, *_model_errors()) as e:
-        sock.close()
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        return _fail(f"cannot load model {shown}: {msg}", 2)
+        return _fail(e.message, e.code)
 
     url = socket_url(sock, args.root_path)
     aliases = [a.strip() for a in (args.alias or "").split(",") if a.strip()]
