@@ -16,6 +16,7 @@ from kvshare.engine.api import SamplingParams
 from kvshare.server.errors import APIError, bad_request
 
 from . import parsing as P
+from .output_fields import schema_constraint
 from .base import ApiRequest, CachePoint, ChatInput, CommonOptions, OutputConstraint, RequestContext
 
 MAX_BREAKPOINTS = 4  # cache_control blocks per request (Anthropic's limit)
@@ -440,7 +441,7 @@ def _output_format(body: dict) -> OutputConstraint | None:
     schema = fmt.get("schema")
     if schema is None:
         raise _bad("output_config.format.schema", "Field required")
-    return P.schema_constraint(schema, "output_config.format.schema")
+    return schema_constraint(schema, "output_config.format.schema")
 
 
 def parse_messages_request(body: Any, ctx: RequestContext, *, generate: bool) -> MessagesRequest:

@@ -13,6 +13,7 @@ from kvshare.engine.api import GenerationRequest, SamplingParams
 from kvshare.server.errors import APIError, bad_request
 
 from . import parsing as P
+from .output_fields import parse_output_constraint
 from .base import CommonOptions, OutputConstraint, RequestContext
 
 # --------------------------------------------------------------------------- llama-server
@@ -268,12 +269,12 @@ def _output(body: dict) -> OutputConstraint | None:
     """llama-server's `grammar` (wins) or `json_schema`."""
     g = body.get("grammar")
     if g is not None and g != "":
-        return P.parse_output_constraint({"grammar": g}, chat=False)
+        return parse_output_constraint({"grammar": g}, chat=False)
     if body.get("json_schema") is not None:
         schema = body["json_schema"]
         if schema == {}:
             schema = {"type": "object"}  # llama-server: an empty schema means any object
-        return P.parse_output_constraint({"json_schema": schema}, chat=False)
+        return parse_output_constraint({"json_schema": schema}, chat=False)
     return None
 
 

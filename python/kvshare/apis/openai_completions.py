@@ -11,6 +11,7 @@ from kvshare.engine.api import EngineClient, FinishEvent, TokenEvent
 from kvshare.server.errors import APIError, bad_request
 
 from . import parsing as P
+from .output_fields import parse_output_constraint
 from .base import ApiFormat, ApiRequest, CommonOptions, PromptInfo, RequestContext
 from .chat_output import OutputRules
 from .openai_format import LegacyLogprobs, OpenAIFormat, finish_reason
@@ -124,7 +125,7 @@ class CompletionsApi:
         model = P.requested_model(body, ctx.model_name)
         opts = P.parse_common(body, ctx_size=ctx.ctx_size, chat=False, max_n=ctx.max_n,
                               vocab_size=ctx.vocab_size)
-        output = P.parse_output_constraint(body, chat=False)
+        output = parse_output_constraint(body, chat=False)
         comp = parse_completion(body, ctx.vocab_size)
         pieces: list[str | int] = list(comp.tokens) if comp.tokens is not None else [comp.text or ""]
         return CompletionRequest(chat=None, opts=opts, output=output, model=model,

@@ -8,7 +8,6 @@ problem raises `APIError` (400 unless stated) naming the offending field in `par
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any, Callable, overload
 
@@ -16,7 +15,7 @@ from kvshare.engine.api import SamplingParams
 
 from kvshare.server.errors import APIError, bad_request
 
-from .base import ChatInput, CommonOptions, OutputConstraint
+from .base import ChatInput, CommonOptions
 
 MAX_STOP_STRINGS = 16
 # Every generated token is checked against every stop string, and text that could still become
@@ -27,7 +26,6 @@ MAX_STOP_TOTAL_CHARS = 1024  # all of them together
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries; each is applied to every sampled token
 MAX_TOOLS = 256
-MAX_GRAMMAR_CHARS = 256 * 1024  # a schema or grammar; compiling it runs on a worker thread
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
@@ -330,61 +328,6 @@ def parse_common(body: dict, *, ctx_size: int, chat: bool, max_n: int = 8,
 
 
 # --------------------------------------------------------------------------- chat
-
-def parse_output_constraint(body: dict, *, chat: bool) -> OutputConstraint | None:
-    """`response_format` (OpenAI: json_object, json_schema) and llama-server's `json_schema`
-    and `grammar` fields; at most one of them."""
-    found: list[OutputConstraint] = []
-    rf = body.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict):
-            raise bad_request("'response_format' must be an object", "response_format")
-        rtype = rf.get("type", "text")
-        if rtype == "json_object":
-            schema = rf.get("schema")  # llama-server also takes a schema here
-            if schema is not None:
-                found.append(schema_constraint(schema, "response_format.schema"))
-            else:
-                found.append(OutputConstraint("json_object", "", "response_format"))
-        elif rtype == "json_schema":
-            js = rf.get("json_schema")
-            if not isinstance(js, dict):
-                raise bad_request("'response_format.json_schema' must be an object with a "
-                                  "'schema'", "response_format")
-            schema = js.get("schema")
-            if schema is None:
-                schema = {}  # OpenAI: an absent schema means any JSON value
-            found.append(schema_constraint(schema, "response_format.json_schema.schema"))
-        elif rtype != "text":
-            raise bad_request(f"response_format type {rtype!r} is not one of 'text', "
-                              "'json_object', 'json_schema'", "response_format")
-    if body.get("json_schema") is not None:
-        found.append(schema_constraint(body["json_schema"], "json_schema"))
-    g = body.get("grammar")
-    if g is not None and g != "":
-        if not isinstance(g, str):
-            raise bad_request("'grammar' must be a string (a GBNF grammar)", "grammar")
-        if len(g) > MAX_GRAMMAR_CHARS:
-            raise bad_request(f"'grammar' has {len(g)} characters; at most "
-                              f"{MAX_GRAMMAR_CHARS} are supported", "grammar")
-        found.append(OutputConstraint("gbnf", g, "grammar"))
-    if len(found) > 1:
-        raise bad_request("give at most one of 'response_format' (json), 'json_schema' and "
-                          "'grammar'", found[1].param.split(".")[0])
-    return found[0] if found else None
-
-
-def schema_constraint(schema: Any, param: str) -> OutputConstraint:
-    if isinstance(schema, bool):
-        schema = {} if schema else {"not": {}}
-    if not isinstance(schema, dict):
-        raise bad_request(f"'{param}' must be a JSON schema object", param.split(".")[0])
-    text = json.dumps(schema, ensure_ascii=False, sort_keys=False)
-    if len(text) > MAX_GRAMMAR_CHARS:
-        raise bad_request(f"'{param}' has {len(text)} characters; at most {MAX_GRAMMAR_CHARS} "
-                          "are supported", param.split(".")[0])
-    return OutputConstraint("json_schema", text, param)
-
 
 def _content_text(content: Any, i: int) -> str | None:
     param, where = "messages", f"messages[{i}].content"

@@ -13,6 +13,7 @@ from kvshare.engine.api import SamplingParams
 from kvshare.server.errors import APIError, bad_request
 
 from . import parsing as P
+from .output_fields import schema_constraint
 from .base import ApiRequest, CachePoint, ChatInput, CommonOptions, OutputConstraint, RequestContext
 from .responses_store import ResponseStore, owner_of
 
@@ -257,7 +258,7 @@ def _text_format(text: Any) -> tuple[OutputConstraint | None, dict]:
             raise bad_request("Invalid type for 'text.format.name': expected a string.",
                               "text.format.name", "invalid_type")
         schema = fmt.get("schema")
-        constraint = P.schema_constraint({} if schema is None else schema, "text.format.schema")
+        constraint = schema_constraint({} if schema is None else schema, "text.format.schema")
         strict = fmt.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise bad_request("Invalid type for 'text.format.strict': expected a boolean.",
