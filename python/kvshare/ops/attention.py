@@ -102,8 +102,8 @@ def write_kv(k_cache: Any, v_cache: Any, slots: Any, k: Any, v: Any, *,
 
 # A sequence's blocks are read in place as views of their ascending runs (a shared prefix
 # computed in one go is one run, a session's own tail another) up to this many runs; a more
-# fragmented table is gathered into one copy. A decode step at 6K context used to copy each
-# sequence's keys and values (12 MB per global layer) every step.
+# fragmented table is gathered into one copy. Gathering every table would copy each
+# sequence's keys and values at every decode step (12 MB per global layer at 6K context).
 _MAX_RUNS = 8
 
 
