@@ -22,6 +22,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -36,6 +37,11 @@ from kvshare.engine.output import TextAssembler
 from kvshare.engine.sampling import Sampler, top_logprobs
 from kvshare.engine.scheduler import Planned, Scheduler
 from kvshare.engine.sequence import Sequence, SeqState
+
+if TYPE_CHECKING:
+    from kvshare.model.base import Model
+    from kvshare.model.chat_template import ChatTemplate
+    from kvshare.model.tokenizer import Tokenizer
 
 log = logging.getLogger("kvshare.engine")
 
@@ -82,8 +88,8 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, chat_template, fingerprint: bytes, config: EngineConfig,
-                 model_name: str = "model"):
+    def __init__(self, model: Model, tokenizer: Tokenizer, chat_template: ChatTemplate | None,
+                 fingerprint: bytes, config: EngineConfig, model_name: str = "model"):
         self.model = model
         self.tokenizer = tokenizer
         self.chat_template = chat_template
