@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from kvshare.apis import parsing as P
+from kvshare.apis.base import ChatInput, OutputConstraint
 from kvshare.apis.chat_output import OutputRules
 from .errors import APIError, bad_request
 
@@ -36,7 +36,7 @@ class ToolCalls:
     # formats whose call markers are control tokens: the reply keeps their text
     SPECIAL_MARKERS = frozenset({"lfm2", "llama3"})
 
-    def rules(self, chat: P.ChatInput, starts_in_reasoning: bool) -> OutputRules:
+    def rules(self, chat: ChatInput, starts_in_reasoning: bool) -> OutputRules:
         parse_tools = bool(chat.tools) and chat.tool_choice != "none"
         return OutputRules(
             tool_format=self.format(chat.tools) if parse_tools else None,
@@ -44,7 +44,7 @@ class ToolCalls:
             starts_in_reasoning=starts_in_reasoning,
             parallel_tool_calls=chat.parallel_tool_calls)
 
-    def constraint(self, chat: P.ChatInput) -> P.OutputConstraint | None:
+    def constraint(self, chat: ChatInput) -> OutputConstraint | None:
         """The grammar the tool choice asks for: required / named, or strict tools under
         auto; None when the reply is free."""
         tools = chat.tools or []
@@ -53,20 +53,20 @@ class ToolCalls:
         tools = closed_tools(tools)
         fmt = self.format(tools)
         if chat.tool_choice == "required":
-            return P.OutputConstraint("lark", fmt.grammar(tools, None, chat.parallel_tool_calls),
+            return OutputConstraint("lark", fmt.grammar(tools, None, chat.parallel_tool_calls),
                                       "tool_choice")
         if chat.tool_choice.startswith("function:"):
             name = chat.tool_choice.split(":", 1)[1]
-            return P.OutputConstraint("lark", fmt.grammar(tools, name, False), "tool_choice")
+            return OutputConstraint("lark", fmt.grammar(tools, name, False), "tool_choice")
         if any(t["function"].get("strict") for t in tools):
             g = fmt.auto_grammar(tools)
             if g is not None:
-                return P.OutputConstraint("lark", g, "tools")
+                return OutputConstraint("lark", g, "tools")
         return None
 
 
-def request_constraint(chat: P.ChatInput | None, output: P.OutputConstraint | None,
-                       tool_calls: ToolCalls | None) -> P.OutputConstraint | None:
+def request_constraint(chat: ChatInput | None, output: OutputConstraint | None,
+                       tool_calls: ToolCalls | None) -> OutputConstraint | None:
     tool_c = tool_calls.constraint(chat) if chat is not None and tool_calls else None
     if (tool_c is not None and output is not None and chat is not None
             and tool_c.param == "tool_choice"):
@@ -76,7 +76,7 @@ def request_constraint(chat: P.ChatInput | None, output: P.OutputConstraint | No
     return output or tool_c
 
 
-def compile_constraint(engine, c: P.OutputConstraint, rules: OutputRules | None = None):
+def compile_constraint(engine, c: OutputConstraint, rules: OutputRules | None = None):
     """The engine's compiled grammar for `c`; 400 naming the field when it does not compile.
     For a model that thinks (`rules.reasoning`), the grammar starts with an optional
     reasoning block (a required rest of one when the prompt opened it): forced output comes
