@@ -272,7 +272,7 @@ def test_tokenize_and_detokenize_limits(monkeypatch):
         assert c.post("/detokenize", json={"tokens": [97] * m}).json()["content"] == "a" * m
         assert_error(c.post("/detokenize", json={"tokens": [97] * (m + 1)}), 413,
                      param="tokens", code="request_too_large")
-        monkeypatch.setattr(limits, "DETOKENIZE_MAX_CHARS", 100)
+        monkeypatch.setattr("kvshare.apis.llama_info.DETOKENIZE_MAX_CHARS", 100)
         assert_error(c.post("/detokenize", json={"tokens": [97] * 101}), 400, param="tokens",
                      code="response_too_large")
 
