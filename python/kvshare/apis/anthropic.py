@@ -1,6 +1,6 @@
 """The Anthropic Messages API: `POST /v1/messages` and `POST /v1/messages/count_tokens`.
 
-A front end (`frontend.FrontEnd`): `MessagesApi.parse` validates a Messages request and
+An `Api` (`apis.base`): `MessagesApi.parse` validates a Messages request and
 translates it into the one chat form the pipeline knows (OpenAI-shaped messages and function
 tools), and `MessagesFormat` turns the engine's events back into a `message` object or the
 Messages stream (`message_start`, `content_block_*`, `message_delta`, `message_stop`).
@@ -302,7 +302,7 @@ class MessagesFormat(ApiFormat):
 
 
 class MessagesApi:
-    """`/v1/messages` as a front end (frontend.FrontEnd)."""
+    """`/v1/messages` (an `Api`)."""
 
     endpoint = "messages"
     id_prefix = "msg_"

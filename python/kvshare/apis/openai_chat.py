@@ -79,7 +79,7 @@ class ChatFormat(OpenAIFormat):
 
 
 class ChatCompletionsApi:
-    """`/v1/chat/completions` as a front end (frontend.FrontEnd). `reasoning_format`: the
+    """`/v1/chat/completions` (an `Api`). `reasoning_format`: the
     default of a request that gives none; `system_fingerprint`: what responses carry."""
 
     endpoint, id_prefix = "chat", "chatcmpl-"

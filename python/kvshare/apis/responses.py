@@ -1,7 +1,7 @@
 """The OpenAI Responses API: `POST /v1/responses`, `GET /v1/responses/{id}`,
 `DELETE /v1/responses/{id}`.
 
-A front end (`frontend.FrontEnd`): `ResponsesApi.parse` validates a Responses request and
+An `Api` (`apis.base`): `ResponsesApi.parse` validates a Responses request and
 translates it into the one chat form the pipeline knows (OpenAI chat messages and function
 tools), and `ResponsesFormat` turns the engine's events back into a `response` object or the
 Responses stream (`response.created`, `response.in_progress`, `response.output_item.*`,
@@ -39,7 +39,7 @@ Translation (Responses -> OpenAI chat):
   stored responses (GET / DELETE take it as a query parameter); `chat_template_kwargs`.
 
 Caching: a request that continues a stored response marks the end of the stored conversation
-as its cache point (`frontend.CachePoint`), and a stored request without a previous response
+as its cache point (`apis.base.CachePoint`), and a stored request without a previous response
 marks the end of its input, so the KV of the conversation so far is pinned for the next turn.
 
 Output:

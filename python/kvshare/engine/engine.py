@@ -268,7 +268,7 @@ class Engine:
                     add_generation_prompt: bool = True, template_kwargs: dict | None = None,
                     cache_after: int | None = None, continue_final: bool = False):
         """A chat request as final token ids, rendered and tokenized once (the server's
-        `frontend.EngineClient.chat_prompt`): the first-user boundary when the cache uses it
+        `engine.api.EngineClient.chat_prompt`): the first-user boundary when the cache uses it
         (hybrid checkpoints, the RAM tier's pinned prefix entry), and the token position of a
         cache breakpoint at the end of messages[cache_after] (-1: the first-user boundary).
         `continue_final`: the prompt continues the last message (an assistant prefill)."""

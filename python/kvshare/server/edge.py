@@ -1,8 +1,8 @@
 """The edge middleware: what one client can make the server hold or wait for before a request
 reaches an endpoint.
 
-`EdgeMiddleware` (outermost but the root-path layer): at most `max_connections` requests in
-progress (503 + `Retry-After` beyond it; `/health` and `/metrics` are exempt), and deadlines on
+`EdgeMiddleware` (inside the root-path and CORS layers, before auth): at most
+`max_connections` requests in progress (503 + `Retry-After` beyond it; `/health` and `/metrics` are exempt), and deadlines on
 reading a request body (no gap over `body_timeout` between its pieces, all of it within
 `BODY_TOTAL_FACTOR` times that; a silent client gets 408 and its connection is closed).
 Hypercorn's `keep_alive_timeout` (set to the same value by the launcher) drops a client that

@@ -239,7 +239,7 @@ class Tenancy:
 
     def salt(self, tenant: Tenant | None, cache_salt: bytes | None) -> bytes | None:
         """The cache salt the engine gets for a request from `tenant` that sent `cache_salt`
-        (already hashed by the protocol layer; None when absent)."""
+        (`hash_salt` of the request's, by the pipeline; None when absent)."""
         if self.scope == "global":
             return cache_salt
         if self.scope == "salt":
