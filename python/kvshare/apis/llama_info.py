@@ -70,13 +70,13 @@ class LlamaInfoEndpoints:
         chat endpoints render it, assistant prefill included), not tokenized."""
         body = await read_json(request, self.settings)
         chat = P.parse_chat(body, reasoning_format=self.settings.reasoning_format)
-        size = body_size(request)
-        if self.pipeline.bounds.may_exceed(size, self.info.ctx_size):
-            # the rendered text is what the check is about: render once, check, answer
-            text = await run_heavy(request, True, chat_text, self.engine, chat)
-            self.pipeline.bounds.check_text(len(text), self.info.ctx_size, "messages")
-        else:
-            text = await run_heavy(request, size > HEAVY_BYTES, chat_text, self.engine, chat)
+        size, ctx = body_size(request), self.info.ctx_size
+        bounds = self.pipeline.bounds
+        exceed = bounds.may_exceed(size, ctx)  # a body this large: check the rendered text
+        text = await run_heavy(request, size > HEAVY_BYTES or exceed, chat_text, self.engine,
+                               chat)
+        if exceed:
+            bounds.check_text(len(text), ctx, "messages")
         return JSONResponse({"prompt": text})
 
     async def tokenize(self, request: Request) -> Response:

@@ -38,10 +38,7 @@ class ChatFormat(OpenAIFormat):
 
     def _chunk(self, delta: dict, index: int = 0, finish: str | None = None,
                logprobs: Any = None) -> dict:
-        c = self.base(self.object_chunk)
-        c["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs,
-                         "finish_reason": finish}]
-        return c
+        return self.choice_chunk({"delta": delta}, index, finish, logprobs)
 
     def start_chunks(self) -> list[dict]:
         return [self._chunk({"role": "assistant", "content": ""}, i)

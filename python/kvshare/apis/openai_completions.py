@@ -69,10 +69,7 @@ class CompletionFormat(OpenAIFormat):
 
     def _chunk(self, text: str, index: int = 0, finish: str | None = None,
                logprobs: Any = None) -> dict:
-        c = self.base(self.object_chunk)
-        c["choices"] = [{"index": index, "text": text, "logprobs": logprobs,
-                         "finish_reason": finish}]
-        return c
+        return self.choice_chunk({"text": text}, index, finish, logprobs)
 
     def start_chunks(self) -> list[dict]:
         return [self._chunk(self.echo_text, i) for i in range(self.opts.n)] \

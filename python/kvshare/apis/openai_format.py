@@ -6,6 +6,7 @@ stream in which the last choice's finish chunk carries the request's usage and t
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from kvshare.engine.api import FinishEvent, TokenEvent
 from kvshare.server.errors import APIError
@@ -119,6 +120,13 @@ class OpenAIFormat(ApiFormat):
     def base(self, obj: str) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": self.system_fingerprint}
+
+    def choice_chunk(self, fields: dict, index: int, finish: str | None,
+                     logprobs: Any) -> dict:
+        """One chunk of one choice: its `fields` (chat: `delta`; completions: `text`)."""
+        c = self.base(self.object_chunk)
+        c["choices"] = [{"index": index, **fields, "logprobs": logprobs, "finish_reason": finish}]
+        return c
 
     def final_extras(self, total: FinishEvent, chunk: dict) -> dict:
         """The last choice's finish chunk carries the request's usage and timings."""

@@ -250,10 +250,9 @@ class Engine:
                     continue_final: bool = False) -> str:
         """The chat rendered by the model's template, not tokenized (/apply-template, and the
         server's length check of a huge chat before it is tokenized)."""
-        more = {"continue_final": True} if continue_final else {}
         return self.chat_template.render(messages, tools=tools,
                                          add_generation_prompt=add_generation_prompt,
-                                         **more, **(template_kwargs or {}))
+                                         continue_final=continue_final, **(template_kwargs or {}))
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True, **kwargs) -> tuple[str, int | None]:

@@ -61,7 +61,6 @@ class KVShareServer:
             engine, settings, self.tenancy,
             RequestLog(self.metrics, self.tenant_metrics, self.slot_table))
         fingerprint = system_fingerprint(info.fingerprint)
-        self.system_fingerprint = fingerprint
         self.response_store = ResponseStore(ttl_s=settings.response_ttl_s)
         self.chat = ChatCompletionsApi(settings.reasoning_format, fingerprint)
         self.completions = CompletionsApi(engine, fingerprint)
@@ -73,10 +72,6 @@ class KVShareServer:
         self.slots = SlotEndpoints(self.pipeline, self.slot_table)
         self.llama_info = LlamaInfoEndpoints(self.pipeline, len(self.slot_table), fingerprint)
         self.server = ServerEndpoints(self.pipeline, self.metrics)
-
-    @property
-    def shutting_down(self) -> bool:
-        return self.pipeline.shutting_down
 
     @property
     def body_timeout(self) -> float | None:
