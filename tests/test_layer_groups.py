@@ -1,5 +1,5 @@
 """KV by layer kind, in the model: a cache that keeps Gemma 3's sliding-window layers in their
-own block pool (`ModelCache.split`) computes exactly what the single-array cache computes,
+own block pool (`KVArrays.split`) computes exactly what the single-array cache computes,
 whatever the window group's block ids are and whatever it holds before each query's window
 (never read: a zero block stands there)."""
 

@@ -325,7 +325,7 @@ def test_bad_inputs(tiny):
 
 
 def test_prefault_populates_the_pool_and_keeps_its_contents(tiny):
-    """`ModelCache.prefault` maps the host pool's pages (MADV_POPULATE_WRITE) without changing
+    """`KVArrays.prefault` maps the host pool's pages (MADV_POPULATE_WRITE) without changing
     a byte, also while KV is being written."""
     import psutil
 

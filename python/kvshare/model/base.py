@@ -9,8 +9,8 @@ query attends over the blocks of its own sequence. Only rows whose logits are re
 through the last layer's MLP and the output head.
 
 A layer is either an `AttentionLayer` (KV in the paged cache, slot `attn_index` of
-`ModelCache.kv`) or a `RecurrentLayer` (state in the sequence's `state_slot` of
-`ModelCache.states`). The recurrent kind is the hook for hybrid architectures: subclasses
+`KVArrays.kv`) or a `RecurrentLayer` (state in the sequence's `state_slot` of
+`KVArrays.states`). The recurrent kind is the hook for hybrid architectures: subclasses
 implement `RecurrentLayer.forward`; this module only defines its contract.
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 
 from kvshare.backend import CPU, CPU_THREADS, Backend
 from kvshare.model.batch import SeqChunk
-from kvshare.model.cache import ModelCache
+from kvshare.model.kv_arrays import KVArrays
 from kvshare.model import fused
 from kvshare.model.config import ATTENTION, RECURRENT, ModelConfig
 from kvshare.ops.activation import glu
@@ -86,7 +86,7 @@ class Model(ABC):
         """Bytes of paged KV one token takes (K and V): of all attention layers (`group`
         None), of the full-attention ones (0) or of the sliding-window ones (1). q8_0: 34 bytes
         per 32 values."""
-        from kvshare.model.cache import kv_row_bytes  # noqa: PLC0415
+        from kvshare.model.kv_arrays import kv_row_bytes  # noqa: PLC0415
 
         dt = kv_dtype if kv_dtype is not None else self._default_kv_dtype()
         c = self.config
@@ -117,20 +117,20 @@ class Model(ABC):
         return np.float16
 
     def new_cache(self, n_blocks: int, block_size: int = 16, n_state_slots: int = 0,
-                  kv_dtype: Any = None, n_win_blocks: int | None = None) -> ModelCache:
+                  kv_dtype: Any = None, n_win_blocks: int | None = None) -> KVArrays:
         """A KV pool of `n_blocks` blocks of `block_size` tokens (`kv_dtype`: a dtype or "f32" /
         "f16" / "q8_0" (CPU only); default f16) plus `n_state_slots` recurrent-state slots
         (hybrid models only).
         `n_win_blocks`: the sliding-window layers get their own pool of that many blocks
-        (`ModelCache.split`)."""
+        (`KVArrays.split`)."""
         if kv_dtype is None:
             kv_dtype = self._default_kv_dtype()
-        return ModelCache(self.config, n_blocks, block_size, n_state_slots=n_state_slots,
+        return KVArrays(self.config, n_blocks, block_size, n_state_slots=n_state_slots,
                           kv_dtype=kv_dtype, backend=self.backend,
                           state_shapes=self.state_shapes(), n_win_blocks=n_win_blocks)
 
     @abstractmethod
-    def forward(self, chunks: Sequence[SeqChunk], cache: ModelCache) -> list[np.ndarray | None]:
+    def forward(self, chunks: Sequence[SeqChunk], cache: KVArrays) -> list[np.ndarray | None]:
         ...
 
 
@@ -160,7 +160,7 @@ class BatchPlan:
     max_seq_rows: int = 0  # most rows of one sequence in the step
 
     def group(self, g: int) -> tuple[np.ndarray, np.ndarray]:
-        """(block tables, KV slots) of layer group `g` (ModelCache.group_of)."""
+        """(block tables, KV slots) of layer group `g` (KVArrays.group_of)."""
         if g == 1:
             return self.win_block_tables, self.win_slots
         return self.block_tables, self.slots
@@ -299,7 +299,7 @@ class RecurrentLayer:
         self.index = index
         self.name = name
 
-    def forward(self, x: Any, plan: BatchPlan, cache: ModelCache) -> Any:
+    def forward(self, x: Any, plan: BatchPlan, cache: KVArrays) -> Any:
         raise NotImplementedError(
             f"layer {self.index} is a {self.name} (recurrent) layer; recurrent layers are not "
             "implemented yet (hybrid-model support)")
@@ -328,7 +328,7 @@ class DecoderModel(Model):
         self._rope_blocks: dict[tuple[float, float], tuple[int, np.ndarray, np.ndarray]] = {}
 
     # ------------------------------------------------------------------------------------
-    def forward(self, chunks: Sequence[SeqChunk], cache: ModelCache) -> list[np.ndarray | None]:
+    def forward(self, chunks: Sequence[SeqChunk], cache: KVArrays) -> list[np.ndarray | None]:
         cfg, be = self.config, self.backend
         plan = make_plan(chunks, cache.block_size, cfg)
         if not be.is_gpu:
@@ -364,7 +364,7 @@ class DecoderModel(Model):
             fused.run_layers(self, x, plan, batch)
         return self._logits(x, plan)
 
-    def _fused_call(self, L: Any, x: Any, plan: BatchPlan, cache: ModelCache,
+    def _fused_call(self, L: Any, x: Any, plan: BatchPlan, cache: KVArrays,
                     last: bool) -> tuple | None:
         """The layer's arguments for `fused.run_layers` (a decode step's attention layer on
         the CPU), or None where `_attention_layer` computes it (another kind of attention
@@ -404,7 +404,7 @@ class DecoderModel(Model):
         i = pos % ROPE_BLOCK
         return cached[1][i : i + 1], cached[2][i : i + 1]
 
-    def _attention_layer(self, L: AttentionLayer, x: Any, plan: BatchPlan, cache: ModelCache,
+    def _attention_layer(self, L: AttentionLayer, x: Any, plan: BatchPlan, cache: KVArrays,
                          last: bool) -> Any:
         cfg, be = self.config, self.backend
         n = x.shape[0]

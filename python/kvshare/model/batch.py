@@ -20,7 +20,7 @@ class SeqChunk:
     `logits`: "none" (prefill chunk whose logits nobody reads), "last" (one row, the logits
     after the chunk's last token) or "all" (one row per token). `state_slot`: the sequence's
     recurrent-state slot in the cache (hybrid models only; None for attention-only models).
-    `win_block_table`: the sliding-window layers' table in a split cache (`ModelCache.split`;
+    `win_block_table`: the sliding-window layers' table in a split cache (`KVArrays.split`;
     same indexing, entries before the window may be any valid block: they are never read).
     """
 

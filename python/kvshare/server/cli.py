@@ -116,8 +116,8 @@ OPTIONS: list[tuple[str, Callable[[str], Any] | None, Any, str]] = [
     ("--model", str, None,
      "a catalog model name (fetched on first use; `kvshare models` lists them) or a GGUF "
      "file (default: smollm2-135m-instruct)"),
-    ("--model-cache", str, None,
-     "directory of fetched catalog models (default: $XDG_CACHE_HOME/kvshare/models or "
+    ("--model-store", str, None,
+     "directory of fetched models (older name: --model-cache) (default: $XDG_CACHE_HOME/kvshare/models or "
      "~/.cache/kvshare/models)"),
     ("--host", str, "127.0.0.1", "address to listen on"),
     ("--port", port, 8080, "port to listen on (0: any free port)"),
@@ -359,8 +359,11 @@ def _env_default(flag: str, typ: Callable[[str], Any] | str | None, default: Any
                         ) from None
 
 
+# Older spellings still accepted (not shown in --help).
+OLD_NAMES: dict[str, tuple[str, ...]] = {"--model-store": ("--model-cache",)}
+
 # `kvshare pull` and `kvshare models` take these of OPTIONS.
-CATALOG_OPTIONS = ("--model-cache",)
+CATALOG_OPTIONS = ("--model-store",)
 
 
 def _add_options(parser: argparse.ArgumentParser, sub: argparse.ArgumentParser,
@@ -375,7 +378,7 @@ def _add_options(parser: argparse.ArgumentParser, sub: argparse.ArgumentParser,
         also = [*aliases] + ([f"env {llama_env}"] if llama_env else [])
         h = help_ + (f" (llama-server: {', '.join(also)})" if also else "")
         h = f"{h} [env {_env_name(flag)}]"
-        names = [flag, *aliases]
+        names = [flag, *aliases, *OLD_NAMES.get(flag, ())]
         if typ == TOGGLE:
             sub.add_argument(*names, "--no-" + flag[2:], action=_Toggle, default=d, help=h,
                              dest=flag[2:].replace("-", "_"))
@@ -745,11 +748,11 @@ class _KvDtypeError(Exception):
 
 def _kv_dtype_problem(kv_dtype: str | None, device: str = "cpu") -> str | None:
     """Why the KV pool cannot hold `kv_dtype` on `device` (asked of
-    kvshare.model.cache.kv_dtype_of, which every pool allocation goes through), or None.
+    kvshare.model.kv_arrays.kv_dtype_of, which every pool allocation goes through), or None.
     q8_0 is CPU-only (the CUDA attention kernels read f16 or f32)."""
     if kv_dtype is None:
         return None
-    from kvshare.model.cache import kv_dtype_name, kv_dtype_of
+    from kvshare.model.kv_arrays import kv_dtype_name, kv_dtype_of
 
     try:
         kv_dtype_of(kv_dtype)
@@ -812,7 +815,7 @@ def _open_model(args: argparse.Namespace, template_override: tuple[str, str] | N
 
     shown = args.model or catalog.DEFAULT_MODEL
     try:
-        path, name = catalog.resolve(args.model, args.model_cache)
+        path, name = catalog.resolve(args.model, args.model_store)
     except catalog.CatalogError as e:
         raise _StartupError(f"cannot load model {shown}: {e}") from e
     except KeyboardInterrupt:
@@ -907,7 +910,7 @@ def pull(args: argparse.Namespace) -> int:
     from kvshare.model import catalog
 
     try:
-        path = catalog.ensure(args.name, args.model_cache, verify=True)
+        path = catalog.ensure(args.name, args.model_store, verify=True)
     except catalog.UnknownModelError as e:
         return _fail(str(e), 2)
     except catalog.CatalogError as e:
@@ -925,12 +928,12 @@ def models(args: argparse.Namespace) -> int:
     rows = [("NAME", "SIZE", "STATUS", "FOR")]
     for m in catalog.MODELS.values():
         note = " (default)" if m.name == catalog.DEFAULT_MODEL else ""
-        rows.append((m.name, _mib(m.size), catalog.status(m.name, args.model_cache),
+        rows.append((m.name, _mib(m.size), catalog.status(m.name, args.model_store),
                      m.summary + note))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
-    print(f"model cache: {catalog.cache_dir() if not args.model_cache else args.model_cache}")
+    print(f"model store: {args.model_store or catalog.store_dir()}")
     print("use one: kvshare serve --model NAME (or a GGUF file path); fetch ahead: "
           "kvshare pull NAME")
     return 0

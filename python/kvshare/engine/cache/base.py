@@ -37,7 +37,7 @@ class CacheContext:
     at all, and the counters of faults recovered from (a failed restore is a miss, a
     copy-on-write without room recomputes, ...)."""
 
-    kv: object  # kvshare.model.cache.ModelCache
+    kv: object  # kvshare.model.kv_arrays.KVArrays
     keys: BlockKeys
     tiers: object = None  # tiers.TierManager, or None
     attach: bool = True

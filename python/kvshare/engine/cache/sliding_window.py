@@ -1,7 +1,7 @@
 """The sliding-window layer group: its own block pool, holding each sequence's window only.
 
 Gemma 3 attends over the last W = 512 positions in 15 of its 18 layers. Their K/V live in a
-second block pool (`ModelCache.split`, same block size and chain keys as the main pool), and a
+second block pool (`KVArrays.split`, same block size and chain keys as the main pool), and a
 sequence holds there only the blocks some future query of its can still see:
 - before each step it holds blocks from `first_needed(start)` (the block of position
   start - W + 1) to the chunk's end; entries before that are the reserved zero block `null`
@@ -39,7 +39,7 @@ from kvshare.engine.sequence import Sequence
 
 log = logging.getLogger("kvshare.cache")
 
-WINDOW_GROUP = 1  # the window pool's arrays in ModelCache (group 0: full attention)
+WINDOW_GROUP = 1  # the window pool's arrays in KVArrays (group 0: full attention)
 
 
 class SlidingWindowManager(LayerGroupManager):

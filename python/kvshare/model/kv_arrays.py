@@ -1,4 +1,4 @@
-"""`ModelCache`: the paged KV pool of a model (and, for hybrid models, its recurrent-state
+"""`KVArrays`: the paged KV pool of a model (and, for hybrid models, its recurrent-state
 slots) on one backend.
 
 KV layout: one array `kv[n_attn_layers, 2, n_blocks, block_size, n_kv_heads, head_dim]`
@@ -73,7 +73,7 @@ def kv_row_bytes(head_dim: int, kv_dtype: Any) -> int:
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
 
-class ModelCache:
+class KVArrays:
     def __init__(self, config: ModelConfig, n_blocks: int, block_size: int = 16, *,
                  n_state_slots: int = 0, kv_dtype: Any = np.float32,
                  backend: Backend = CPU, state_shapes: list[tuple[int, ...]] | None = None,
