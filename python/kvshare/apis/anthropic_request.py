@@ -18,6 +18,7 @@ from kvshare.server.errors import APIError, bad_request
 from . import parsing as P
 from .output_fields import schema_constraint
 from .base import ApiRequest, CachePoint, ChatInput, CommonOptions, OutputConstraint, RequestContext
+from .sampling_fields import NumberReader, Range, anthropic_dialect, parse_sampling
 
 MAX_BREAKPOINTS = 4  # cache_control blocks per request (Anthropic's limit)
 ROLES = ("user", "assistant")
@@ -74,6 +75,21 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
     if v > hi:
         raise _bad(name, f"Input should be less than or equal to {hi:g}")
     return float(v)
+
+
+class _AnthropicNumbers(NumberReader):
+    """Sampling numbers with Anthropic's wording of a bad value."""
+
+    def number(self, body: dict, name: str, r: Range) -> float | None:
+        lo = -math.inf if r.lo is None else r.lo
+        hi = math.inf if r.hi is None else r.hi
+        return None if body.get(name) is None else _number(body, name, 0.0, lo, hi)
+
+    def integer(self, body: dict, name: str, r: Range) -> int | None:
+        return _int(body, name, lo=-(2**63) if r.lo is None else int(r.lo))
+
+
+_SAMPLING = anthropic_dialect(_AnthropicNumbers())
 
 
 def _bool(obj: dict, name: str, path: str, default: bool = False) -> bool:
@@ -476,10 +492,8 @@ def parse_messages_request(body: Any, ctx: RequestContext, *, generate: bool) ->
 
     if generate:
         max_tokens = _int(body, "max_tokens", lo=1, required=True)
-        sampling = SamplingParams(
-            temperature=_number(body, "temperature", 1.0, 0.0, 1.0),
-            top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-            top_k=_int(body, "top_k", lo=0) or 0)
+        sampling = parse_sampling(body, _SAMPLING, ctx_size=ctx.ctx_size,
+                                  server_defaults=ctx.sampling_defaults)
         stop = _stop_sequences(body)
         stream = _bool(body, "stream", "stream")
         meta = body.get("metadata")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from kvshare.engine.api import FinishEvent, SamplingParams, TokenEvent
 from kvshare.server.errors import APIError
@@ -114,6 +114,9 @@ class RequestContext:
     max_n: int
     tenant: Any = None  # tenancy.Tenant or None (no API keys configured)
     tenant_id: str = ""  # stable identity for binding stored objects (key name, or "")
+    # The server's sampling defaults (llama-server's --temp, --top-k, ...) by SamplingParams
+    # name: what a request that leaves a field out gets (apis/sampling_fields.py).
+    sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

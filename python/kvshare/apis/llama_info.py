@@ -36,7 +36,8 @@ class LlamaInfoEndpoints:
         tools = tool_calls is not None and tool_calls.name is not None
         return JSONResponse({
             "default_generation_settings": {
-                "params": default_settings(settings.default_max_tokens),
+                "params": default_settings(settings.default_max_tokens,
+                                           settings.sampling_defaults),
                 "n_ctx": info.ctx_size},
             "total_slots": self.total_slots,
             "model_alias": (settings.aliases or [info.name])[0],

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from kvshare.engine.api import GenerationRequest, SamplingParams
 from kvshare.server.errors import APIError, bad_request
@@ -15,16 +15,11 @@ from kvshare.server.errors import APIError, bad_request
 from . import parsing as P
 from .output_fields import parse_output_constraint
 from .base import CommonOptions, OutputConstraint, RequestContext
+from .sampling_fields import LLAMA_SERVER
+from .sampling_fields import parse_sampling as _sampling
 
 # --------------------------------------------------------------------------- llama-server
 
-# common_params_sampling's defaults (llama-server without sampling flags)
-DEFAULT_TEMPERATURE = 0.8
-DEFAULT_TOP_K = 40
-DEFAULT_TOP_P = 0.95
-DEFAULT_MIN_P = 0.05
-DEFAULT_REPEAT_LAST_N = 64
-DEFAULT_REPEAT_PENALTY = 1.0
 N_BATCH = 2048  # llama-server's default --batch-size (the infill prompt's budget)
 MAX_N_PROBS = 100
 RANDOM_SEED = 4294967295  # how llama-server reports seed -1 (LLAMA_DEFAULT_SEED)
@@ -99,17 +94,6 @@ class NativeOptions:
     timings_per_token: bool = False
     grammar: str = ""
     cache_prompt: bool = True
-
-
-def _num(body: dict, name: str, default: float, lo: float | None = None,
-         hi: float | None = None) -> float:
-    """A number llama-server clamps into [lo, hi] (its soft limits)."""
-    v = P.get_float(body, name, default)
-    if lo is not None:
-        v = max(lo, v)
-    if hi is not None:
-        v = min(hi, v)
-    return v
 
 
 def _first(body: dict, *names: str) -> tuple[str, Any]:
@@ -239,30 +223,13 @@ def _samplers(body: dict) -> list[str]:
     return [s for s in KVSHARE_SAMPLERS if s in chosen]
 
 
-def parse_sampling(body: dict, samplers: list[str], ctx_size: int, vocab_size: int | None,
+def parse_sampling(body: dict, samplers: list[str], ctx: RequestContext,
                    tokenize: Callable[[str], list[int]] | None) -> SamplingParams:
     """llama-server's sampling fields with its defaults and soft limits (clamped); a sampler
     that `samplers` leaves out is off."""
-    temperature = _num(body, "temperature", DEFAULT_TEMPERATURE, lo=0.0)
-    if temperature > 100.0:
-        raise bad_request(f"'temperature' must be <= 100, got {temperature}", "temperature")
-    last_n = P.get_int(body, "repeat_last_n", DEFAULT_REPEAT_LAST_N, lo=-1)
-    penalties = "penalties" in samplers
-    return SamplingParams(
-        temperature=temperature if "temperature" in samplers else 1.0,
-        top_k=int(_num(body, "top_k", DEFAULT_TOP_K, lo=0)) if "top_k" in samplers else 0,
-        top_p=_num(body, "top_p", DEFAULT_TOP_P, 0.0, 1.0) if "top_p" in samplers else 1.0,
-        min_p=_num(body, "min_p", DEFAULT_MIN_P, 0.0, 1.0) if "min_p" in samplers else 0.0,
-        seed=P.get_seed(body),
-        presence_penalty=(P.get_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0)
-                          if penalties else 0.0),
-        frequency_penalty=(P.get_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0)
-                           if penalties else 0.0),
-        repetition_penalty=(P.get_float(body, "repeat_penalty", DEFAULT_REPEAT_PENALTY,
-                                        lo=0.01, hi=10.0) if penalties else 1.0),
-        penalty_last_n=ctx_size if last_n == -1 else last_n,
-        logit_bias=parse_logit_bias(body, vocab_size, tokenize),
-    )
+    return _sampling(body, LLAMA_SERVER, ctx_size=ctx.ctx_size,
+                     server_defaults=ctx.sampling_defaults, samplers=samplers,
+                     logit_bias=parse_logit_bias(body, ctx.vocab_size, tokenize))
 
 
 def _output(body: dict) -> OutputConstraint | None:
@@ -308,7 +275,7 @@ def parse_native(body: dict, ctx: RequestContext, default_max_tokens: int | None
                           "/v1/completions with 'n')", name)
     _refuse_missing_samplers(body)
     samplers = _samplers(body)
-    sampling = parse_sampling(body, samplers, ctx.ctx_size, ctx.vocab_size, tokenize)
+    sampling = parse_sampling(body, samplers, ctx, tokenize)
     n_probs = _n_probs(body)
     rf = body.get("response_fields")
     if rf is None:
@@ -405,13 +372,11 @@ def metrics_only(settings: dict) -> dict:
     return {k: v for k, v in settings.items() if k not in _NOT_METRICS}
 
 
-def default_settings(default_max_tokens: int | None) -> dict:
+def default_settings(default_max_tokens: int | None,
+                     sampling_defaults: Mapping[str, float | int] | None = None) -> dict:
     """`/props` default_generation_settings.params: a native request that sets nothing."""
     n = default_max_tokens if default_max_tokens and default_max_tokens > 0 else -1
-    s = SamplingParams(temperature=DEFAULT_TEMPERATURE, top_k=DEFAULT_TOP_K,
-                       top_p=DEFAULT_TOP_P, min_p=DEFAULT_MIN_P,
-                       penalty_last_n=DEFAULT_REPEAT_LAST_N,
-                       repetition_penalty=DEFAULT_REPEAT_PENALTY)
+    s = _sampling({}, LLAMA_SERVER, ctx_size=0, server_defaults=sampling_defaults)
     return metrics_only(generation_settings(s, n_predict=n))
 
 

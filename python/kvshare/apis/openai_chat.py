@@ -15,6 +15,7 @@ from kvshare.server.errors import APIError
 from kvshare.server.pipeline import GenerationPipeline
 
 from . import parsing as P
+from .openai_options import parse_openai_options
 from .output_fields import parse_output_constraint
 from .base import ApiFormat, ApiRequest, CommonOptions, PromptInfo, RequestContext
 from .chat_output import ChoiceOutput, OutputRules
@@ -88,8 +89,9 @@ class ChatCompletionsApi:
 
     def parse(self, body: dict, ctx: RequestContext) -> ApiRequest:
         model = P.requested_model(body, ctx.model_name)
-        opts = P.parse_common(body, ctx_size=ctx.ctx_size, chat=True, max_n=ctx.max_n,
-                              vocab_size=ctx.vocab_size)
+        opts = parse_openai_options(body, ctx_size=ctx.ctx_size, chat=True,
+                                    max_n=ctx.max_n, vocab_size=ctx.vocab_size,
+                                    sampling_defaults=ctx.sampling_defaults)
         output = parse_output_constraint(body, chat=True)
         chat = P.parse_chat(body, reasoning_format=self.reasoning_format)
         return ApiRequest(chat=chat, opts=opts, output=output, model=model)

@@ -11,6 +11,7 @@ from kvshare.engine.api import EngineClient, FinishEvent, TokenEvent
 from kvshare.server.errors import APIError, bad_request
 
 from . import parsing as P
+from .openai_options import parse_openai_options
 from .output_fields import parse_output_constraint
 from .base import ApiFormat, ApiRequest, CommonOptions, PromptInfo, RequestContext
 from .chat_output import OutputRules
@@ -120,8 +121,9 @@ class CompletionsApi:
 
     def parse(self, body: dict, ctx: RequestContext) -> CompletionRequest:
         model = P.requested_model(body, ctx.model_name)
-        opts = P.parse_common(body, ctx_size=ctx.ctx_size, chat=False, max_n=ctx.max_n,
-                              vocab_size=ctx.vocab_size)
+        opts = parse_openai_options(body, ctx_size=ctx.ctx_size, chat=False,
+                                    max_n=ctx.max_n, vocab_size=ctx.vocab_size,
+                                    sampling_defaults=ctx.sampling_defaults)
         output = parse_output_constraint(body, chat=False)
         comp = parse_completion(body, ctx.vocab_size)
         pieces: list[str | int] = list(comp.tokens) if comp.tokens is not None else [comp.text or ""]

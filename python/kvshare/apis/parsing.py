@@ -11,11 +11,9 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, overload
 
-from kvshare.engine.api import SamplingParams
-
 from kvshare.server.errors import APIError, bad_request
 
-from .base import ChatInput, CommonOptions
+from .base import ChatInput
 
 MAX_STOP_STRINGS = 16
 # Every generated token is checked against every stop string, and text that could still become
@@ -243,88 +241,6 @@ def parse_stop(body: dict) -> list[str]:
         raise bad_request(f"the stop strings have {total} characters together; at most "
                           f"{MAX_STOP_TOTAL_CHARS} are supported", "stop")
     return [s for s in stop if s]
-
-
-def parse_common(body: dict, *, ctx_size: int, chat: bool, max_n: int = 8,
-                 vocab_size: int | None = None) -> CommonOptions:
-    # max_tokens: more than fits is clamped to what fits (finish_reason "length"), as
-    # llama-server does -------------------------------------------------------------------
-    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-    max_tokens = None
-    for name in names:
-        v = get_int(body, name, lo=1)
-        if v is not None:
-            max_tokens = v
-            break
-
-    # n / best_of / logit_bias ---------------------------------------------------------------
-    n = get_int(body, "n", 1, lo=1)
-    if n > max_n:
-        raise bad_request(f"'n' is {n}; this server returns at most {max_n} choices per "
-                          "request (--max-n)", "n")
-    if not chat:
-        best_of = get_int(body, "best_of", 1, lo=1)
-        if best_of != 1 and best_of != n:
-            raise bad_request("best_of other than n is not supported", "best_of")
-    logit_bias = parse_logit_bias(body, vocab_size)
-
-    # sampling --------------------------------------------------------------------------
-    top_k = get_int(body, "top_k", 0, lo=-1)
-    seed = get_seed(body)
-    rep_name = "repeat_penalty" if body.get("repeat_penalty") is not None else "repetition_penalty"
-    last_n_name = "repeat_last_n" if body.get("repeat_last_n") is not None else "penalty_last_n"
-    last_n = get_int(body, last_n_name, 64, lo=-1)
-    if last_n == -1:
-        last_n = ctx_size
-    sampling = SamplingParams(
-        temperature=get_float(body, "temperature", 1.0, lo=0.0, hi=100.0),
-        top_k=max(top_k, 0),
-        top_p=get_float(body, "top_p", 1.0, lo=0.0, hi=1.0),
-        min_p=get_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
-        seed=seed,
-        presence_penalty=get_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
-        frequency_penalty=get_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
-        # >= 0.01: a smaller divisor overflows float32 logits (1e-300 made every score
-        # infinite); the sampler still fails the one sequence if scores turn non-finite.
-        repetition_penalty=get_float(body, rep_name, 1.0, lo=0.01, hi=10.0),
-        penalty_last_n=last_n,
-        logit_bias=logit_bias,
-    )
-
-    stop = parse_stop(body)
-
-    # streaming ---------------------------------------------------------------------------
-    stream = get_bool(body, "stream", False)
-    include_usage = False
-    so = body.get("stream_options")
-    if so is not None:
-        if not isinstance(so, dict):
-            raise bad_request("'stream_options' must be an object", "stream_options")
-        include_usage = get_bool(so, "include_usage", False)
-
-    # logprobs ----------------------------------------------------------------------------
-    if chat:
-        logprobs = get_bool(body, "logprobs", False)
-        top = get_int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-        if top is not None and top > 0 and not logprobs:
-            raise bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
-        top_logprobs = top or 0
-    else:
-        v = body.get("logprobs")
-        if v is False:
-            v = None
-        top = get_int({"logprobs": v}, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-        logprobs = top is not None
-        top_logprobs = top or 0
-
-    cache_salt = parse_cache_salt(body)
-
-    return CommonOptions(
-        max_tokens=max_tokens, sampling=sampling, stop=stop, stream=stream,
-        include_usage=include_usage, cache_salt=cache_salt,
-        ignore_eos=get_bool(body, "ignore_eos", False), logprobs=logprobs,
-        top_logprobs=top_logprobs, n=n,
-    )
 
 
 # --------------------------------------------------------------------------- chat

@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvshare.engine.api import SamplingParams
 from kvshare.server.errors import APIError, bad_request
 
 from . import parsing as P
 from .output_fields import schema_constraint
 from .base import ApiRequest, CachePoint, ChatInput, CommonOptions, OutputConstraint, RequestContext
 from .responses_store import ResponseStore, owner_of
+from .sampling_fields import RESPONSES, parse_sampling
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -348,8 +348,9 @@ def parse_responses_request(body: dict, ctx: RequestContext, store: ResponseStor
     model = P.requested_model(body, ctx.model_name)
     echo = _check_body(body)
     max_tokens = P.get_int(body, "max_output_tokens", lo=1)
-    temperature = P.get_float(body, "temperature", 1.0, lo=0.0, hi=2.0)
-    top_p = P.get_float(body, "top_p", 1.0, lo=0.0, hi=1.0)
+    sampling = parse_sampling(body, RESPONSES, ctx_size=ctx.ctx_size,
+                              server_defaults=ctx.sampling_defaults)
+    temperature, top_p = sampling.temperature, sampling.top_p
     stream = P.get_bool(body, "stream", False)
     keep = P.get_bool(body, "store", True)
     parallel = P.get_bool(body, "parallel_tool_calls", True)
@@ -382,9 +383,8 @@ def parse_responses_request(body: dict, ctx: RequestContext, store: ResponseStor
 
     chat = ChatInput(messages=messages, tools=tools, template_kwargs=kwargs,
                      tool_choice=tool_choice, parallel_tool_calls=parallel)
-    opts = CommonOptions(max_tokens=max_tokens,
-                         sampling=SamplingParams(temperature=temperature, top_p=top_p),
-                         stream=stream, cache_salt=cache_salt)
+    opts = CommonOptions(max_tokens=max_tokens, sampling=sampling, stream=stream,
+                         cache_salt=cache_salt)
     echo.update(instructions=instructions, tools=tools_echo, tool_choice=tool_choice_echo,
                 parallel_tool_calls=parallel, text=text_echo, temperature=temperature,
                 top_p=top_p, max_output_tokens=max_tokens, previous_response_id=prev_id,

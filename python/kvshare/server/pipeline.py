@@ -168,7 +168,8 @@ class GenerationPipeline:
         return RequestContext(
             model_name=self.info.name, ctx_size=self.info.ctx_size,
             vocab_size=self.info.vocab_size, max_n=self.info.max_n, tenant=tenant,
-            tenant_id=tenant.ident.hex() if tenant is not None else "")
+            tenant_id=tenant.ident.hex() if tenant is not None else "",
+            sampling_defaults=self.settings.sampling_defaults)
 
     # ------------------------------------------------------------------ prompts
     def render_chat(self, chat: ChatInput, body_bytes: int,

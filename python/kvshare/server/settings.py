@@ -52,6 +52,10 @@ class ServerSettings:
     # max_completion_tokens, n_predict, max_output_tokens); None (-1): until the context is
     # full. A request's own limit always wins.
     default_max_tokens: int | None = None
+    # Sampling defaults of requests that leave a field out, by SamplingParams name
+    # (llama-server's --temp, --top-k, --seed, ...; apis/sampling_fields.py); each API's own
+    # defaults apply to the fields not given here.
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     # llama-server `--reasoning-format`: reasoning_format of a request that gives none
     # ("none", "auto", "deepseek" or "deepseek-legacy").
     reasoning_format: str = "auto"
