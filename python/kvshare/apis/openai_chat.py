@@ -89,9 +89,7 @@ class ChatCompletionsApi:
 
     def parse(self, body: dict, ctx: RequestContext) -> ApiRequest:
         model = P.requested_model(body, ctx.model_name)
-        opts = parse_openai_options(body, ctx_size=ctx.ctx_size, chat=True,
-                                    max_n=ctx.max_n, vocab_size=ctx.vocab_size,
-                                    sampling_defaults=ctx.sampling_defaults)
+        opts = parse_openai_options(body, ctx, chat=True)
         output = parse_output_constraint(body, chat=True)
         chat = P.parse_chat(body, reasoning_format=self.reasoning_format)
         return ApiRequest(chat=chat, opts=opts, output=output, model=model)

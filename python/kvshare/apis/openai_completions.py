@@ -121,9 +121,7 @@ class CompletionsApi:
 
     def parse(self, body: dict, ctx: RequestContext) -> CompletionRequest:
         model = P.requested_model(body, ctx.model_name)
-        opts = parse_openai_options(body, ctx_size=ctx.ctx_size, chat=False,
-                                    max_n=ctx.max_n, vocab_size=ctx.vocab_size,
-                                    sampling_defaults=ctx.sampling_defaults)
+        opts = parse_openai_options(body, ctx, chat=False)
         output = parse_output_constraint(body, chat=False)
         comp = parse_completion(body, ctx.vocab_size)
         pieces: list[str | int] = list(comp.tokens) if comp.tokens is not None else [comp.text or ""]

@@ -4,20 +4,15 @@ extensions), `stop`, streaming, logprobs and `cache_salt`."""
 
 from __future__ import annotations
 
-from typing import Mapping
-
 from kvshare.server.errors import bad_request
 
-from .base import CommonOptions
+from .base import CommonOptions, RequestContext
 from .parsing import (MAX_TOP_LOGPROBS, get_bool, get_int, parse_cache_salt, parse_logit_bias,
                       parse_stop)
 from .sampling_fields import OPENAI, parse_sampling
 
 
-def parse_openai_options(body: dict, *, ctx_size: int, chat: bool, max_n: int = 8,
-                         vocab_size: int | None = None,
-                         sampling_defaults: Mapping[str, float | int] | None = None
-                         ) -> CommonOptions:
+def parse_openai_options(body: dict, ctx: RequestContext, *, chat: bool) -> CommonOptions:
     # max_tokens: more than fits is clamped to what fits (finish_reason "length"), as
     # llama-server does -------------------------------------------------------------------
     names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
@@ -30,17 +25,17 @@ def parse_openai_options(body: dict, *, ctx_size: int, chat: bool, max_n: int = 
 
     # n / best_of / logit_bias ---------------------------------------------------------------
     n = get_int(body, "n", 1, lo=1)
-    if n > max_n:
-        raise bad_request(f"'n' is {n}; this server returns at most {max_n} choices per "
+    if n > ctx.max_n:
+        raise bad_request(f"'n' is {n}; this server returns at most {ctx.max_n} choices per "
                           "request (--max-n)", "n")
     if not chat:
         best_of = get_int(body, "best_of", 1, lo=1)
         if best_of != 1 and best_of != n:
             raise bad_request("best_of other than n is not supported", "best_of")
-    logit_bias = parse_logit_bias(body, vocab_size)
+    logit_bias = parse_logit_bias(body, ctx.vocab_size)
 
-    sampling = parse_sampling(body, OPENAI, ctx_size=ctx_size,
-                              server_defaults=sampling_defaults, logit_bias=logit_bias)
+    sampling = parse_sampling(body, OPENAI, ctx_size=ctx.ctx_size,
+                              server_defaults=ctx.sampling_defaults, logit_bias=logit_bias)
 
     stop = parse_stop(body)
 
