@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Print the `kvshare serve` flag tables of docs/configuration.md (markdown), read from the
-argparse parser itself (kvshare.server.cli.build_parser), grouped by topic.
+argparse parser itself (kvshare.server.cli.parser.build_parser), grouped by topic.
 
     python scripts/gen_flag_docs.py                              # print the tables
     python scripts/gen_flag_docs.py --write docs/configuration.md  # replace them in the doc
@@ -98,18 +98,14 @@ def _help_default(help_: str) -> str | None:
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    from kvshare.server.cli import build_parser  # noqa: PLC0415
+    from kvshare.server.cli.parser import build_parser, serve_parser  # noqa: PLC0415
 
-    parser = build_parser(environ={})
-    # argparse has no public way to list a parser's actions or to reach a subparser
-    sub = next(a for a in parser._actions  # noqa: SLF001 - no public list of actions
-               if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001 - nor of its class
-    return sub.choices["serve"]
+    return serve_parser(build_parser(environ={}))
 
 
 def serve_flags() -> list[tuple[str, str, str, str]]:
     """(flag, env var, default, help) of every `kvshare serve` option, parser order."""
-    from kvshare.server.cli import _env_name  # noqa: PLC0415
+    from kvshare.server.cli.options import env_name  # noqa: PLC0415
 
     notes = _defaults()
     rows = []
@@ -126,7 +122,7 @@ def serve_flags() -> list[tuple[str, str, str, str]]:
             default = f"`{a.default}`"
         else:
             default = _help_default(help_) or "none"
-        rows.append((flag, _env_name(flag), default, help_))
+        rows.append((flag, env_name(flag), default, help_))
     return rows
 
 

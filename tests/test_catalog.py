@@ -27,6 +27,7 @@ import pytest
 
 from kvshare.model import catalog
 from kvshare.server import cli
+from kvshare.server.cli.preflight import kv_dtype_problem
 
 SMOL = "smollm2-135m-instruct"
 
@@ -376,9 +377,9 @@ def test_kv_dtype_flag():
 def test_q8_0_kv_is_refused_on_the_gpu_only_one_line_exit_2():
     """The CPU pool holds q8_0 (tests/test_kv_q8_0.py); the CUDA attention kernels read f16 or
     f32 only, so `--device cuda --kv-dtype q8_0` stops at start, before loading anything."""
-    assert cli._kv_dtype_problem("q8_0") is None
-    assert cli._kv_dtype_problem("q8_0", "cpu") is None
-    assert cli._kv_dtype_problem("f16", "cuda") is None
+    assert kv_dtype_problem("q8_0") is None
+    assert kv_dtype_problem("q8_0", "cpu") is None
+    assert kv_dtype_problem("f16", "cuda") is None
     p = _kvshare("serve", "--port", "0", "--device", "cuda", "--kv-dtype", "q8_0")
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()

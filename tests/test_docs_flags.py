@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvshare.server.cli import _env_name, build_parser
+from kvshare.server.cli import build_parser
+from kvshare.server.cli.options import env_name
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "configuration.md"
@@ -32,8 +33,8 @@ def problems(doc: str, flags: list[str]) -> list[str]:
     for f in flags:
         if f"`{f}`" not in doc:
             out.append(f"flag {f} is not documented")
-        if f"`{_env_name(f)}`" not in doc:
-            out.append(f"env var {_env_name(f)} of {f} is not documented")
+        if f"`{env_name(f)}`" not in doc:
+            out.append(f"env var {env_name(f)} of {f} is not documented")
     known = set(flags)
     for m in re.finditer(r"^\| `(--[a-z0-9-]+)` \|", doc, re.M):
         if m.group(1) not in known:

@@ -16,6 +16,8 @@ import httpx
 import pytest
 
 from kvshare.server import cli
+from kvshare.server.cli.model_load import load_engine
+from kvshare.server.cli.parser import serve_parser
 from tier_helpers import ROOT, TINY_MODEL, _clean_env
 
 README_LINE = ("-m {model} -c 16384 -np 4 -t 2 --port {port} --jinja --api-key K --alias NAME "
@@ -139,7 +141,7 @@ def test_values_are_not_taken_for_flags():
     a = cli.parse_args(["serve", "-n", "-1", "--api-key", "k", "--alias", "x",
                         "--port", "0"], {})
     assert a.n_predict == -1
-    assert cli.unsupported_flags(cli._serve_parser(cli.build_parser({})),
+    assert cli.unsupported_flags(serve_parser(cli.build_parser({})),
                                  ["--alias=-weird", "--port", "1", "--", "--anything"]) == []
 
 
@@ -161,7 +163,7 @@ def test_unsupported_flag_process_exits_2_with_one_line():
 def _engine(tmp_path, *flags: str):
     a = cli.parse_args(["serve", "-m", str(TINY_MODEL), "--cache-ram", "0", "-c", "512",
                         "-np", "1", *flags], {})
-    return cli._load_engine(a, a.model, "tiny", cli.chat_template_override(a))
+    return load_engine(a, a.model, "tiny", cli.chat_template_override(a))
 
 
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
@@ -196,7 +198,7 @@ def test_chat_template_override_changes_the_prompt(tmp_path):
 def test_ctx_size_0_is_the_trained_context(tmp_path):
     a = cli.parse_args(["serve", "-m", str(TINY_MODEL), "--cache-ram", "0", "-c", "0",
                         "-np", "1"], {})
-    e = cli._load_engine(a, a.model, "tiny")
+    e = load_engine(a, a.model, "tiny")
     assert e.ctx_size == e.model.config.context_length > 0
 
 

@@ -1,0 +1,127 @@
+"""The `kvshare` subcommands that run here: `serve` (load the model, start the engine, serve
+HTTP), `pull` (fetch a catalog model) and `models` (list the catalog). Each takes the parsed
+arguments and returns the exit status."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import sys
+from typing import TYPE_CHECKING, Any
+
+from .chat_template_flags import TemplateError, chat_template_override
+from .config import llama_settings_kwargs
+from .console import fail, mib
+from .model_load import StartupError, open_model
+from .preflight import flag_problem
+
+if TYPE_CHECKING:
+    from kvshare.server.settings import ServerSettings
+
+
+def _server_settings(args: argparse.Namespace, tenancy_kw: dict[str, Any]) -> ServerSettings:
+    from kvshare.server.settings import ServerSettings
+
+    aliases = [a.strip() for a in (args.alias or "").split(",") if a.strip()]
+    return ServerSettings(root_path=args.root_path, aliases=aliases,
+                          tool_parser=args.tool_parser,
+                          max_body_bytes=args.max_body_mib * 1024 * 1024,
+                          body_timeout=args.body_timeout,
+                          max_connections=args.max_connections,
+                          **({} if args.cache_ttl is None
+                             else {"response_ttl_s": args.cache_ttl}),
+                          **llama_settings_kwargs(args), **tenancy_kw)
+
+
+def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    problem = flag_problem(args)
+    if problem:
+        return fail(problem, 2)
+    try:
+        template_override = chat_template_override(args)
+    except TemplateError as e:
+        return fail(str(e), 2)
+
+    from kvshare.server.tenancy import TenancyError, settings_from_args
+
+    try:  # API keys, cache scope, public prefix files: before the slow model load
+        tenancy_kw = settings_from_args(args)
+    except TenancyError as e:
+        return fail(str(e), 2)
+
+    from kvshare.server.app import create_app
+    from kvshare.server.launcher import bind_socket, raise_fd_limit, run, socket_url
+
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        return fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}", 2)
+    try:
+        engine = open_model(args, template_override)
+    except StartupError as e:
+        sock.close()
+        return fail(e.message, e.code)
+
+    url = socket_url(sock, args.root_path)
+    settings = _server_settings(args, tenancy_kw)
+    raise_fd_limit(args.max_connections + 256)  # a descriptor per connection, and files
+
+    def ready() -> None:
+        print(f"kvshare: serving {engine.model_name} at {url} "
+              f"(parallel {args.parallel}, ctx {engine.ctx_size}, "
+              f"slot attach {'off' if args.no_slot_attach else 'on'}, "
+              f"cache scope {settings.cache_scope})", flush=True)
+
+    try:
+        app = create_app(engine, settings, on_startup=ready)
+    except TenancyError as e:  # a public prefix the template or tokenizer rejects
+        sock.close()
+        return fail(str(e), 2)
+    logging.getLogger("kvshare.server").info("%s", app.state.server.tenancy.describe())
+    # what startup built (the model, the tokenizer's tables: ~10^5 objects) lives as long as
+    # the server: out of the collector's full passes, each of which otherwise walked it all
+    # (42 ms with the 1.9B model loaded, a stall inside some decode step)
+    gc.collect()
+    gc.freeze()
+    run(app, sock, root_path=args.root_path, graceful_timeout=args.graceful_timeout,
+        log_level=args.log_level)
+    print("kvshare: stopped", flush=True)
+    return 0
+
+
+def pull(args: argparse.Namespace) -> int:
+    """`kvshare pull NAME`: the catalog model in the model store (fetched if needed, or when
+    the stored file fails its sha256 check); prints its path on stdout."""
+    from kvshare.model import catalog
+
+    try:
+        path = catalog.ensure(args.name, args.model_store, verify=True)
+    except catalog.UnknownModelError as e:
+        return fail(str(e), 2)
+    except catalog.CatalogError as e:
+        return fail(f"cannot fetch {args.name}: {e}", 1)
+    except KeyboardInterrupt:
+        return fail("interrupted", 130)
+    print(path, flush=True)
+    return 0
+
+
+def models(args: argparse.Namespace) -> int:
+    """`kvshare models`: the catalog, one model a line."""
+    from kvshare.model import catalog
+
+    rows = [("NAME", "SIZE", "STATUS", "FOR")]
+    for m in catalog.MODELS.values():
+        note = " (default)" if m.name == catalog.DEFAULT_MODEL else ""
+        rows.append((m.name, mib(m.size), catalog.status(m.name, args.model_store),
+                     m.summary + note))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
+    print(f"model store: {args.model_store or catalog.store_dir()}")
+    print("use one: kvshare serve --model NAME (or a GGUF file path); fetch ahead: "
+          "kvshare pull NAME")
+    return 0

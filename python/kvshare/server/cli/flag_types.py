@@ -1,0 +1,80 @@
+"""The value types of `kvshare serve`'s flags that are more than a number check
+(kvshare.argtypes has those): each parses one string, raises ValueError when it is not a
+valid value, and has the `__name__` argparse shows in its "invalid ... value" error."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+KV_DTYPES = ("f32", "f16", "q8_0")
+
+REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
+
+
+def cache_scope(s: str) -> str:
+    v = s.strip().lower()
+    if v not in ("global", "key", "salt"):
+        raise ValueError(s)
+    return v
+
+
+cache_scope.__name__ = "cache scope (global, key or salt)"
+
+
+def redis_url(s: str) -> str:
+    u = urlsplit(s)
+    if u.scheme not in ("redis", "rediss", "unix", "valkey", "valkeys") or not (u.netloc or u.path):
+        raise ValueError(s)
+    # redis-py speaks the same protocol to Valkey; it knows only the redis schemes
+    return s.replace("valkey", "redis", 1) if u.scheme.startswith("valkey") else s
+
+
+redis_url.__name__ = "Redis URL (redis://host:port/db, rediss://..., unix:///path)"
+
+
+def kv_dtype(s: str) -> str:
+    v = s.strip().lower()
+    if v not in KV_DTYPES:
+        raise ValueError(s)
+    return v
+
+
+kv_dtype.__name__ = "KV dtype (f32, f16 or q8_0)"
+
+
+def ctx_size(s: str) -> int:
+    v = int(s)
+    if v < 0:
+        raise ValueError(s)
+    return v
+
+
+ctx_size.__name__ = "context size (0: the model's trained context)"
+
+
+def threads(s: str) -> int | None:
+    v = int(s)
+    return v if v > 0 else None  # llama-server: <= 0 means one per core
+
+
+threads.__name__ = "thread count"
+
+
+def n_predict(s: str) -> int:
+    v = int(s)
+    if v == 0 or v < -2:
+        raise ValueError(s)
+    return -1 if v < 0 else v
+
+
+n_predict.__name__ = "token count (-1: until the context is full)"
+
+
+def reasoning_format(s: str) -> str:
+    v = s.strip().lower()
+    if v not in REASONING_FORMATS:
+        raise ValueError(s)
+    return v
+
+
+reasoning_format.__name__ = "reasoning format (none, auto, deepseek or deepseek-legacy)"

@@ -1,0 +1,57 @@
+"""llama-server's spelling of kvshare's flags (tools/server/README.md, common/arg.cpp): its
+other names and `LLAMA_ARG_*` environment variables for the flags kvshare has, and the
+llama-server flags kvshare refuses, with the reason each error line gives."""
+
+from __future__ import annotations
+
+# llama-server's names for kvshare's flags (tools/server/README.md, common/arg.cpp): flag ->
+# (other flag names, llama-server's environment variable, read after KVSHARE_<FLAG>).
+LLAMA_NAMES: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "--model": (("-m",), "LLAMA_ARG_MODEL"),
+    "--host": ((), "LLAMA_ARG_HOST"),
+    "--port": ((), "LLAMA_ARG_PORT"),
+    "--parallel": (("-np",), "LLAMA_ARG_N_PARALLEL"),
+    "--ctx-size": (("-c",), "LLAMA_ARG_CTX_SIZE"),
+    "--n-predict": (("-n", "--predict"), "LLAMA_ARG_N_PREDICT"),
+    "--threads": (("-t",), "LLAMA_ARG_THREADS"),
+    "--alias": (("-a",), "LLAMA_ARG_ALIAS"),
+    "--api-key": ((), "LLAMA_API_KEY"),
+    "--api-key-file": ((), "LLAMA_ARG_API_KEY_FILE"),
+    "--cache-ram": (("-cram",), "LLAMA_ARG_CACHE_RAM"),
+    "--swa-full": ((), "LLAMA_ARG_SWA_FULL"),
+    "--ctx-checkpoints": (("-ctxcp", "--swa-checkpoints"), "LLAMA_ARG_CTX_CHECKPOINTS"),
+    "--checkpoint-min-step": (("-cms",), "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT"),
+    "--body-timeout": (("-to", "--timeout"), "LLAMA_ARG_TIMEOUT"),
+    "--chat-template": ((), "LLAMA_ARG_CHAT_TEMPLATE"),
+    "--chat-template-file": ((), "LLAMA_ARG_CHAT_TEMPLATE_FILE"),
+    "--jinja": ((), "LLAMA_ARG_JINJA"),
+    "--reasoning-format": ((), "LLAMA_ARG_THINK"),
+    "--cors-origins": ((), "LLAMA_ARG_CORS_ORIGINS"),
+    "--cors-methods": ((), "LLAMA_ARG_CORS_METHODS"),
+    "--cors-headers": ((), "LLAMA_ARG_CORS_HEADERS"),
+    "--cors-credentials": ((), "LLAMA_ARG_CORS_CREDENTIALS"),
+    "--slots": ((), "LLAMA_ARG_ENDPOINT_SLOTS"),
+    "--metrics": ((), "LLAMA_ARG_ENDPOINT_METRICS"),
+    "--cont-batching": (("-cb",), "LLAMA_ARG_CONT_BATCHING"),
+    "--no-webui": (("--no-ui",), None),
+    "--slot-save-path": ((), None),
+}
+
+# llama-server flags kvshare refuses, with the reason (or what to use instead) in the one-line
+# error. Any other unknown flag is refused too, just without a reason.
+REFUSED = {
+    "--no-jinja": "kvshare renders chat templates with Jinja only",
+    "--no-cont-batching": "kvshare always batches continuously",
+    "-nocb": "kvshare always batches continuously",
+    "-ngl": "kvshare runs every layer on --device (cpu or cuda)",
+    "--n-gpu-layers": "kvshare runs every layer on --device (cpu or cuda)",
+    "--gpu-layers": "kvshare runs every layer on --device (cpu or cuda)",
+    "-dev": "use --device cpu or cuda",
+    "-ctk": "use --kv-dtype", "--cache-type-k": "use --kv-dtype",
+    "-ctv": "use --kv-dtype", "--cache-type-v": "use --kv-dtype",
+    "-b": "use --prefill-chunk", "--batch-size": "use --prefill-chunk",
+    "-ub": "use --prefill-chunk", "--ubatch-size": "use --prefill-chunk",
+    "-v": "use --log-level debug", "--verbose": "use --log-level debug",
+    "-hf": "use --model with a catalog name or a GGUF file",
+    "--hf-repo": "use --model with a catalog name or a GGUF file",
+}

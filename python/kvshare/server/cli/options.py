@@ -1,0 +1,157 @@
+"""The flags of `kvshare serve`: one table (`OPTIONS`) of each flag's name, value type,
+default and help text, from which the parser, `--help` and docs/configuration.md's tables
+(scripts/gen_flag_docs.py) are all made; and each flag's environment variable (`env_name`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from kvshare.argtypes import (non_negative_float, non_negative_int, port, positive_float,
+                              positive_int)
+
+from . import flag_types
+
+ENV_PREFIX = "KVSHARE_"
+
+
+def env_name(flag: str) -> str:
+    """`KVSHARE_<FLAG>`: the flag's environment variable (dashes as underscores)."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+# `type` of an OPTIONS entry that is a `--flag` / `--no-flag` pair (a boolean, default on).
+TOGGLE = "toggle"
+
+# An OPTIONS entry's value type: a parser of one string, TOGGLE, or None (a boolean switch).
+FlagType = Callable[[str], Any] | str | None
+# flag, value type, default, help
+Option = tuple[str, FlagType, Any, str]
+
+OPTIONS: list[Option] = [
+    ("--model", str, None,
+     "a catalog model name (fetched on first use; `kvshare models` lists them) or a GGUF "
+     "file (default: smollm2-135m-instruct)"),
+    ("--model-store", str, None,
+     "directory of fetched models (older name: --model-cache) (default: $XDG_CACHE_HOME/kvshare/models or "
+     "~/.cache/kvshare/models)"),
+    ("--host", str, "127.0.0.1", "address to listen on"),
+    ("--port", port, 8080, "port to listen on (0: any free port)"),
+    ("--parallel", positive_int, 4, "sequences decoded together"),
+    ("--ctx-size", flag_types.ctx_size, None,
+     "context size per sequence in tokens, each from the shared KV pool (llama-server splits "
+     "-c across its -np slots; 0: the model's trained context) (default: 8192)"),
+    ("--n-predict", flag_types.n_predict, None,
+     "max_tokens of a request that gives none (-1: until the context is full; a request's "
+     "own limit wins)"),
+    ("--kv-mem", positive_int, None, "KV pool size in MiB"),
+    ("--kv-blocks", positive_int, None, "KV pool size in blocks (instead of --kv-mem)"),
+    ("--block-size", positive_int, None, "tokens per KV block (default: 16)"),
+    ("--kv-dtype", flag_types.kv_dtype, None,
+     "element type of the KV cache: f16 (the default, as llama.cpp), f32 (twice the memory) "
+     "or q8_0 (ggml's Q8_0 blocks as llama.cpp's -ctk/-ctv q8_0: 34 bytes per 32 values, "
+     "0.53x f16; CPU only, head_dim a multiple of 32)"),
+    ("--prefill-chunk", positive_int, None, "prompt tokens computed per step (default: 512)"),
+    ("--queue-timeout", non_negative_float, None,
+     "seconds a request may wait to be admitted before it gets 503 with Retry-After "
+     "(default 600; 0: no limit)"),
+    ("--no-slot-attach", None, False, "turn cross-session prefix sharing off"),
+    ("--swa-full", None, False,
+     "sliding-window layers keep K/V of every position, as full-attention layers do (default: "
+     "only each sequence's window, in a pool of their own; docs/architecture.md)"),
+    ("--alias", str, None,
+     "name(s) /v1/models lists for the loaded model (repeatable or comma-separated); any "
+     "requested model name is served by the loaded model and echoed back"),
+    ("--chat-template", str, None,
+     "chat template: a built-in name (chatml, gemma) or an inline Jinja template (default: "
+     "the model file's)"),
+    ("--chat-template-file", str, None, "chat template: a Jinja template file"),
+    ("--jinja", None, False,
+     "accepted: kvshare always renders chat templates with Jinja (--no-jinja is refused)"),
+    ("--reasoning-format", flag_types.reasoning_format, "auto",
+     "reasoning_format of a request that gives none: none (thoughts stay in content), auto or "
+     "deepseek (thoughts in reasoning_content), deepseek-legacy"),
+    ("--tool-parser", str, None,
+     "tool-call format: hermes, qwen35, lfm2 or llama3 (default: detected from the chat "
+     "template)"),
+    ("--max-n", positive_int, None, "most choices (n) one request may ask for (default 8)"),
+    ("--cache-ram", non_negative_int, None, "RAM tier budget in MiB (default 8192; 0: off)"),
+    ("--cache-ram-pin", non_negative_int, None,
+     "of the RAM tier, MiB that prefix entries (up to the first user message) may pin "
+     "(default: half of --cache-ram)"),
+    ("--cache-dir", str, None, "directory of the crash-safe disk tier (default: off)"),
+    ("--cache-disk-max", positive_int, None, "disk tier budget in MiB (default 10240)"),
+    ("--cache-ttl", non_negative_float, None,
+     "seconds a disk entry lives unused, and a stored Responses API response lives "
+     "(default 259200 = 3 days; 0: no limit)"),
+    ("--cache-min-tokens", non_negative_int, None,
+     "shortest prompt written to disk or Redis (default 256)"),
+    ("--cache-redis", flag_types.redis_url, None,
+     "shared tier on Redis or Valkey, e.g. redis://127.0.0.1:6379/0: replicas pointing at one "
+     "server share computed prefixes (default: off; docs/replicas.md)"),
+    ("--cache-redis-timeout", positive_float, None,
+     "seconds one Redis command may take before it counts as a miss (default 0.5)"),
+    ("--checkpoint-min-step", positive_int, None,
+     "hybrid models: a state checkpoint every N prompt tokens (default 1024)"),
+    ("--checkpoint-min-gain", positive_int, None,
+     "hybrid models: a checkpoint where a prompt splits from a cached one (before the first "
+     "user message) when it saves at least N tokens of recomputation (default 64)"),
+    ("--ctx-checkpoints", non_negative_int, None,
+     "hybrid models: at most N checkpoints per sequence (default 8)"),
+    ("--api-key", str, None,
+     "require 'Authorization: Bearer <key>' (all but /health); several keys: comma-separated "
+     "or the flag repeated, each key its own tenant"),
+    ("--api-key-file", str, None,
+     "file of API keys, one 'KEY [TENANT-NAME]' per line (# comments); keys sharing a name "
+     "are one tenant"),
+    ("--cache-scope", flag_types.cache_scope, None,
+     "who may share cached prefixes: global (everyone without a cache_salt), key (per tenant; "
+     "the default with API keys) or salt (only requests with the same cache_salt); "
+     "see docs/security.md"),
+    ("--public-prefix", str, None,
+     "a prefix every tenant may share (repeatable; env: paths joined by ':'): a .json file "
+     "{\"messages\": [...], \"tools\": [...]} rendered by the chat template, or a text file "
+     "of prompt text"),
+    ("--device", str, "cpu", "cpu or cuda"),
+    ("--threads", flag_types.threads, None, "CPU threads for the model runtime (<= 0: one per core)"),
+    ("--root-path", str, "", "mount prefix behind a reverse proxy, e.g. /kvshare"),
+    ("--cors-origins", str, None,
+     "origins browsers may call the API from, besides the loopback ones (comma-separated or "
+     "repeated; *: any origin) (default: loopback origins only)"),
+    ("--cors-methods", str, "GET, POST, DELETE, OPTIONS", "methods a CORS preflight allows"),
+    ("--cors-headers", str, None,
+     "request headers a CORS preflight allows (default: those the browser asks for)"),
+    ("--cors-credentials", TOGGLE, True,
+     "CORS responses to allowed origins say Access-Control-Allow-Credentials: true "
+     "(--no-cors-credentials: they do not)"),
+    ("--slots", TOGGLE, True, "serve GET /slots (--no-slots: 501, as llama-server)"),
+    ("--slot-save-path", str, None,
+     "directory of the files POST /slots/{id}?action=save|restore writes and reads (default: "
+     "off)"),
+    ("--metrics", None, False, "accepted: kvshare always serves /metrics"),
+    ("--cont-batching", None, False, "accepted: kvshare always batches continuously"),
+    ("--no-webui", None, False, "accepted: kvshare has no web UI"),
+    ("--max-body-mib", positive_int, 16, "largest request body in MiB (larger: 413)"),
+    ("--body-timeout", positive_float, 30.0,
+     "seconds a client gets to send a request's headers, and the longest gap while it sends "
+     "a body (the whole body: 10x this); then 408 and the connection closed. Also the "
+     "keep-alive idle time"),
+    ("--max-connections", positive_int, 1024,
+     "requests in progress at once (/health, /metrics not counted); more get 503 with "
+     "Retry-After"),
+    ("--graceful-timeout", non_negative_float, 10.0, "seconds in-flight requests get at shutdown"),
+    ("--log-level", str, "info", "debug, info, warning or error"),
+]
+
+
+# Flags that may be given several times: the values are joined with this separator (a value
+# from the environment is replaced, not extended, by the flags on the command line).
+REPEATABLE = {"--api-key": ",", "--public-prefix": os.pathsep, "--alias": ",",
+              "--cors-origins": ","}
+
+
+# Older spellings still accepted (not shown in --help).
+OLD_NAMES: dict[str, tuple[str, ...]] = {"--model-store": ("--model-cache",)}
+
+# `kvshare pull` and `kvshare models` take these of OPTIONS.
+CATALOG_OPTIONS = ("--model-store",)

@@ -1,0 +1,65 @@
+"""Checks of `kvshare serve`'s flags that need more than the parser (the catalog, the KV
+pool's element types, the file system), run before anything slow: a typo costs one error
+line, not a model load."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+
+def kv_dtype_problem(kv_dtype: str | None, device: str = "cpu") -> str | None:
+    """Why the KV pool cannot hold `kv_dtype` on `device` (asked of
+    kvshare.model.kv_arrays.kv_dtype_of, which every pool allocation goes through), or None.
+    q8_0 is CPU-only (the CUDA attention kernels read f16 or f32)."""
+    if kv_dtype is None:
+        return None
+    from kvshare.model.kv_arrays import kv_dtype_name, kv_dtype_of
+
+    try:
+        kv_dtype_of(kv_dtype)
+    except (ValueError, TypeError) as e:
+        return f"the KV pool does not support it yet ({str(e).splitlines()[0] if str(e) else e})"
+    if device != "cpu" and kv_dtype_name(kv_dtype) == "q8_0":
+        return (f"q8_0 KV is CPU-only (--device {device}: the GPU attention kernels read f16 "
+                "or f32; use --kv-dtype f16)")
+    return None
+
+
+def cache_dir_problem(path: str) -> str | None:
+    """Why `--cache-dir path` cannot be used (created if missing, must be a writable
+    directory), or None. The disk store's own lock is checked when it opens."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        return "it exists and is not a directory"
+    except OSError as e:
+        return f"cannot create it: {e.strerror or e}"
+    if not os.path.isdir(path):
+        return "it is not a directory"
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".kvshare-probe-"):
+            pass
+    except OSError as e:
+        return f"it is not writable: {e.strerror or e}"
+    return None
+
+
+def flag_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the model name, --kv-dtype, --cache-dir or --slot-save-path, or
+    None."""
+    from kvshare.model import catalog
+
+    if not catalog.is_known(args.model):
+        return catalog.not_found_message(args.model)
+    problem = kv_dtype_problem(args.kv_dtype, args.device)
+    if problem:
+        return f"cannot use --kv-dtype {args.kv_dtype}: {problem}"
+    if args.cache_dir:
+        problem = cache_dir_problem(args.cache_dir)
+        if problem:
+            return f"cannot use --cache-dir {args.cache_dir}: {problem}"
+    if args.slot_save_path is not None and not os.path.isdir(args.slot_save_path):
+        return f"cannot use --slot-save-path {args.slot_save_path}: it is not a directory"
+    return None
