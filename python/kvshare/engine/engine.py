@@ -22,13 +22,14 @@ import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from kvshare.backend import set_cpu_threads
-from kvshare.engine.api import (FinishEvent, GenerationRequest, ModelInfo, RenderedChat,
-                               RequestRejected, Timings, TokenEvent, TokenLogprob, check_request)
+from kvshare.engine.api import (FinishEvent, FinishReason, GenerationRequest, ModelInfo,
+                               RenderedChat, RequestRejected, Timings, TokenEvent, TokenLogprob,
+                               check_request)
 from kvshare.engine.cache import build_cache
 from kvshare.engine.faults import SequenceFault, injected, maybe_inject
 from kvshare.engine.grammar_masks import MaskJob, compute_mask
@@ -39,6 +40,8 @@ from kvshare.engine.scheduler import Planned, Scheduler
 from kvshare.engine.sequence import Sequence, SeqState
 
 if TYPE_CHECKING:
+    from kvshare._core import Grammar, Matcher, _PoolStats
+    from kvshare.constrain import TokenVocab
     from kvshare.model.base import Model
     from kvshare.model.chat_template import ChatTemplate
     from kvshare.model.tokenizer import Tokenizer
@@ -54,6 +57,15 @@ def max_token_chars(tokenizer) -> int | None:
     one character per byte): a prompt of C characters has at least C / this many tokens."""
     n = tokenizer.vocab_size
     return max(1, max((len(tokenizer.token_text(i)) for i in range(n)), default=1))
+
+
+def new_matcher(req: GenerationRequest) -> Matcher | None:
+    """A fresh matcher of the request's grammar (each choice has its own), or None."""
+    if req.grammar is None:
+        return None
+    # GenerationRequest.grammar is annotated `object` (api.py); what it holds is a compiled
+    # constrain.Grammar (Engine.compile_grammar)
+    return cast("Grammar", req.grammar).matcher()
 
 
 @dataclass
@@ -134,7 +146,7 @@ class Engine:
         self.peak_kv_bytes = 0  # KV bytes in blocks sequences hold (both groups), at most
         self._step_started: float | None = None  # perf_counter while a step runs
         self._grammar_lock = threading.Lock()
-        self._grammar_vocab = None  # kvshare.constrain.TokenVocab, built on first use
+        self._grammar_vocab: TokenVocab | None = None  # built on first use
         self._grammars: OrderedDict = OrderedDict()  # (kind, source) -> compiled grammar
         self.failures: Counter[str] = Counter()  # requests ended by an error, by cause
         self.recovered: Counter[str] = Counter()  # faults absorbed without failing a request
@@ -245,22 +257,30 @@ class Engine:
     def token_bytes(self, token_id: int) -> bytes:
         return self.tokenizer.token_to_bytes(int(token_id))
 
+    @property
+    def _template(self) -> ChatTemplate:
+        """The model's chat template, which the chat methods need (an engine built without one
+        serves token prompts only)."""
+        if self.chat_template is None:
+            raise RuntimeError("the model has no chat template")
+        return self.chat_template
+
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None, *,
                     add_generation_prompt: bool = True, template_kwargs: dict | None = None,
                     continue_final: bool = False) -> str:
         """The chat rendered by the model's template, not tokenized (/apply-template, and the
         server's length check of a huge chat before it is tokenized)."""
-        return self.chat_template.render(messages, tools=tools,
-                                         add_generation_prompt=add_generation_prompt,
-                                         continue_final=continue_final, **(template_kwargs or {}))
+        return self._template.render(messages, tools=tools,
+                                     add_generation_prompt=add_generation_prompt,
+                                     continue_final=continue_final, **(template_kwargs or {}))
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True, **kwargs) -> tuple[str, int | None]:
         if not self.wants_user_boundary:  # locating the boundary costs a re-render
-            return self.chat_template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                             **kwargs), None
-        chat = self.chat_template.apply(self.tokenizer, messages, tools=tools,
-                                        add_generation_prompt=add_generation_prompt, **kwargs)
+            return self._template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                         **kwargs), None
+        chat = self._template.apply(self.tokenizer, messages, tools=tools,
+                                    add_generation_prompt=add_generation_prompt, **kwargs)
         return chat.text, chat.first_user_token
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, *,
@@ -271,7 +291,7 @@ class Engine:
         (hybrid checkpoints, the RAM tier's pinned prefix entry), and the token position of a
         cache breakpoint at the end of messages[cache_after] (-1: the first-user boundary).
         `continue_final`: the prompt continues the last message (an assistant prefill)."""
-        chat = self.chat_template.apply(
+        chat = self._template.apply(
             self.tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt,
             boundary=self.wants_user_boundary, cache_after=cache_after,
             continue_final=continue_final, **(template_kwargs or {}))
@@ -291,8 +311,7 @@ class Engine:
         seq = Sequence(seq_id=next(self._ids), request=req, sampler=Sampler(req.sampling, req.prompt_tokens))
         seq.tokens = list(req.prompt_tokens)
         seq.n_prompt = n
-        if req.grammar is not None:
-            seq.matcher = req.grammar.matcher()
+        seq.matcher = new_matcher(req)
         self._handles[rid] = handle
         self._open_choices[rid] = req.n
         self._seqs[seq.key] = seq
@@ -514,8 +533,7 @@ class Engine:
             child.prefill_started = parent.prefill_started
             self._seqs[child.key] = child
             try:
-                if req.grammar is not None:
-                    child.matcher = req.grammar.matcher()
+                child.matcher = new_matcher(req)
                 self._sample_and_emit(child, row, None)
             except Exception as exc:  # noqa: BLE001 - this choice's fault alone
                 self._fail(child, exc)
@@ -576,7 +594,7 @@ class Engine:
         else:
             seq.tokens.append(token)
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None, flush: bool = True,
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None, flush: bool = True,
                 status: int = 500, cause: str | None = None,
                 retry_after_s: float | None = None) -> None:
         req = seq.request
@@ -635,7 +653,7 @@ class Engine:
             log.exception("releasing %s failed", req.request_id)
 
     # ---- introspection ----------------------------------------------------------------
-    def kv_bytes_held(self, pool_stats: dict | None = None) -> int:
+    def kv_bytes_held(self, pool_stats: _PoolStats | None = None) -> int:
         """Bytes of the KV blocks that sequences hold now (referenced, not merely cached);
         `pool_stats`: the main pool's `stats()` when the caller has them."""
         return self.cache.kv_bytes_held(pool_stats)

@@ -37,6 +37,7 @@ class RequestHandle:
     def put(self, event: Event) -> None:
         """Deliver one event; called on the engine thread."""
         if self._loop is not None:
+            assert self._async is not None  # made with the loop, in __init__
             # a closed loop raises RuntimeError: nobody is listening any more
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._async.put_nowait, event)

@@ -6,9 +6,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvshare.engine.api import GenerationRequest
 from kvshare.engine.sampling import Sampler
+
+if TYPE_CHECKING:
+    from kvshare._core import Checkpoint, Matcher
 
 
 class SeqState(enum.Enum):
@@ -38,15 +42,15 @@ class Sequence:
     win_table: list[int] = field(default_factory=list)
     # How this sequence's chain of keys starts (engine/cache/keys.py, BlockKeys.chain): (root
     # of block 0, index of its first private block, that block's parent key); set on first use.
-    chain: tuple | None = None
+    chain: tuple[bytes, int, bytes | None] | None = None
     generated: list[int] = field(default_factory=list)
     # Hybrid models: the sequence's own recurrent-state slot, the positions where prefill
     # pauses to save a checkpoint, and the checkpoints it holds (shared, never copied).
     state_slot: int | None = None
     checkpoint_at: list[int] = field(default_factory=list)
-    held_checkpoints: list = field(default_factory=list)
+    held_checkpoints: list[Checkpoint] = field(default_factory=list)
     # With tiers: a checkpoint at the reply's latest block boundary (not in the store).
-    tail_checkpoint: object = None
+    tail_checkpoint: Checkpoint | None = None
     # The prompt's prefix entry (full blocks before its first user message) was pinned in RAM.
     prefix_pinned: bool = False
     cancelled: bool = False
@@ -54,7 +58,7 @@ class Sequence:
     # the others fork from it once its logits exist (Engine._fork) and reuse its blocks.
     choice: int = 0
     # Constrained decoding: this sequence's grammar matcher (kvshare.constrain), or None.
-    matcher: object = None
+    matcher: Matcher | None = None
     preemptions: int = 0
     # When the sequence (re)entered the waiting queue (perf_counter s): --queue-timeout.
     queued_since: float = field(default_factory=time.perf_counter)

@@ -51,13 +51,13 @@ def build_cache(model, config, fingerprint: bytes) -> KVCacheManager:
                                      public_prefixes=not hybrid),
                        tiers, config.slot_attach)
     full = FullAttentionManager(pool, ctx)
-    other = None
+    other: LayerGroupManager | None = None
     if hybrid:
         other = RecurrentStateManager(CheckpointManager(
             kv, config.block_size, config.parallel, config.checkpoint_min_step,
             config.ctx_checkpoints, int(config.checkpoint_mem_mib) * 2**20,
             config.checkpoint_min_gain), full, ctx)
-    elif window:
+    elif n_win_blocks is not None:  # set exactly when there is a window group
         other = SlidingWindowManager(_core.BlockPool(n_win_blocks, config.block_size), window,
                                      full, ctx)
     return KVCacheManager(full, ctx, other)
@@ -72,7 +72,7 @@ def pool_blocks(model, config, window: int, n_win_blocks: int | None) -> int:
     per_block = max(1, model.kv_bytes_per_token(config.kv_dtype, group) * config.block_size)
     if config.kv_mem_mib:
         budget = int(config.kv_mem_mib) * 2**20
-        if window:
+        if n_win_blocks is not None:  # given exactly when there is a window group
             budget = max(per_block * 4, budget - n_win_blocks * win_block_bytes(model, config))
         return max(4, budget // per_block)
     want = config.parallel * -(-config.ctx_size // config.block_size)

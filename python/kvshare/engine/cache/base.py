@@ -24,22 +24,28 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvshare import _core
 from kvshare.engine.cache.keys import BlockKeys
 from kvshare.engine.sequence import Sequence
 
+if TYPE_CHECKING:
+    from kvshare.engine.cache.tiers import TierManager
+    from kvshare.model.kv_arrays import KVArrays
+
 
 @dataclass
 class CacheContext:
     """What every group's manager shares: the model's paged KV arrays (the payload of every
-    group's blocks), the chain keys, the tiers behind the pools, whether prefixes are shared
-    at all, and the counters of faults recovered from (a failed restore is a miss, a
-    copy-on-write without room recomputes, ...)."""
+    group's blocks), the chain keys, the tiers behind the pools (always there: `enabled` is
+    False when no tier is configured), whether prefixes are shared at all, and the counters
+    of faults recovered from (a failed restore is a miss, a copy-on-write without room
+    recomputes, ...)."""
 
-    kv: object  # kvshare.model.kv_arrays.KVArrays
+    kv: KVArrays
     keys: BlockKeys
-    tiers: object = None  # tiers.TierManager, or None
+    tiers: TierManager
     attach: bool = True
     counters: Counter = field(default_factory=Counter)
 
@@ -48,7 +54,7 @@ class CacheContext:
         return self.keys.block_size
 
     def tiers_on(self) -> bool:
-        return self.tiers is not None and self.tiers.enabled and self.attach
+        return self.tiers.enabled and self.attach
 
 
 def recomputes(seq: Sequence) -> bool:
@@ -108,8 +114,9 @@ class LayerGroupManager(ABC):
         """Give back everything the sequence holds in this group."""
 
     @abstractmethod
-    def pin(self, seq: Sequence) -> None:
-        """(lead) Once the prompt's prefix entry is computed, pin it in the RAM tier."""
+    def pin(self, seq: Sequence) -> int:
+        """(lead) Once the prompt's prefix entry is computed, pin it in the RAM tier. Returns
+        the tokens pinned now (0: nothing, not yet, or pinned another way)."""
 
     @abstractmethod
     def save(self, seq: Sequence) -> None:
@@ -162,7 +169,10 @@ def allocate_blocks(pool, keys: BlockKeys, seq: Sequence, js: range, null: int |
     got: list[int] = []
     try:
         for j in js:
-            got.append(null if j < null_before else pool.allocate(keys.parent(seq, j)))
+            if null is not None and j < null_before:
+                got.append(null)
+            else:
+                got.append(pool.allocate(keys.parent(seq, j)))
     except _core.OutOfBlocks:
         taken = [b for b in got if b != null]
         if taken:

@@ -65,7 +65,8 @@ class CheckpointManager:
             self._free_slots.append(slot)
 
     # ---- lookup and restore ------------------------------------------------------------
-    def deepest(self, root: bytes, keys: list[bytes], tokens: list[int], max_position: int):
+    def deepest(self, root: bytes, keys: list[bytes], tokens: list[int],
+                max_position: int) -> _core.Checkpoint | None:
         if max_position <= 0:
             return None
         ck = self.store.deepest(root, keys, tokens, max_position)
@@ -73,14 +74,14 @@ class CheckpointManager:
             self._lru.move_to_end(ck.key)
         return ck
 
-    def restore(self, ckpt, slot: int) -> None:
+    def restore(self, ckpt: _core.Checkpoint, slot: int) -> None:
         """Copy a checkpoint's state into `slot` (the checkpoint's bytes are only read).
         ValueError (and the slot untouched) if its layout does not fit this model's state,
         e.g. a damaged or foreign tier entry."""
         self.kv.write_state(slot, self._arrays(ckpt))
         self.restored += 1
 
-    def _arrays(self, ckpt) -> list[np.ndarray]:
+    def _arrays(self, ckpt: _core.Checkpoint) -> list[np.ndarray]:
         try:
             specs = [(tuple(int(d) for d in shape), np.dtype(dtype))
                      for shape, dtype in json.loads(ckpt.layout)["arrays"]]
@@ -99,7 +100,7 @@ class CheckpointManager:
             off += n
         return arrays
 
-    def adopt(self, ckpt):
+    def adopt(self, ckpt: _core.Checkpoint) -> _core.Checkpoint:
         """Hold a checkpoint restored from a tier in the store (later sessions share it);
         returns the stored one."""
         ck = self.store.insert(ckpt)
@@ -109,7 +110,8 @@ class CheckpointManager:
         return ck
 
     # ---- save --------------------------------------------------------------------------
-    def save(self, root: bytes, tokens: list[int], position: int, slot: int):
+    def save(self, root: bytes, tokens: list[int], position: int,
+             slot: int) -> _core.Checkpoint:
         """Snapshot `slot` (the state after tokens[:position]) as a checkpoint; returns the
         stored one (an existing identical-key checkpoint is kept, not replaced)."""
         key = _core.prefix_key(root, tokens[:position], self.block_size)
@@ -123,7 +125,8 @@ class CheckpointManager:
         self._enforce_budget()
         return ck
 
-    def capture(self, root: bytes, tokens: list[int], position: int, slot: int):
+    def capture(self, root: bytes, tokens: list[int], position: int,
+                slot: int) -> _core.Checkpoint:
         """A checkpoint of `slot` (the state after tokens[:position]), not put in the store."""
         arrays = self.kv.read_state(slot)
         layout = json.dumps({"arrays": [[list(a.shape), a.dtype.str] for a in arrays]})

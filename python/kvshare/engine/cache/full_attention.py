@@ -53,7 +53,7 @@ class FullAttentionManager(LayerGroupManager):
         self.keys.ensure(seq, reusable)
         keys = seq.block_keys[: reusable // bs]
         ids = list(self.pool.acquire_prefix(keys)[0])
-        if self.ctx.tiers is not None and self.ctx.tiers.enabled and len(ids) < len(keys):
+        if self.ctx.tiers.enabled and len(ids) < len(keys):
             ids += self.restore(seq, keys, len(ids))
         seq.block_table = ids
         matched = len(ids) * bs
@@ -99,7 +99,7 @@ class FullAttentionManager(LayerGroupManager):
         self.pool.acquire(ids)
         seq.block_table.extend(ids)
 
-    def extend_match(self, seq: Sequence, j: int, tokens: list[int]):
+    def extend_match(self, seq: Sequence, j: int, tokens: list[int]) -> tuple[int, int] | None:
         """(block, n) of the cached block j whose first n tokens match `tokens` the longest
         (a peek), or None."""
         return self.pool.extend_match(self.keys.parent(seq, j), tokens)
@@ -111,8 +111,9 @@ class FullAttentionManager(LayerGroupManager):
         root, p, split = self.keys.chain(seq)
         try:
             maybe_inject(seq.request, "restore")
+            # block p has its own parent (split) exactly when p > 0 (BlockKeys.chain)
             return self.ctx.tiers.restore(seq.tokens, keys, start, root,
-                                          (p, split) if p else None)
+                                          (p, split) if split is not None else None)
         except Exception:  # noqa: BLE001 - the tiers hand back what they installed first
             self.ctx.counters["restore_failed"] += 1
             log.exception("tier restore for %s failed; recomputing", seq.request.request_id)
@@ -180,7 +181,7 @@ class FullAttentionManager(LayerGroupManager):
         if seq.prefix_pinned:
             return 0
         tiers = self.ctx.tiers
-        if tiers is None or tiers.ram is None or not self.ctx.attach or not seq.request.cache_store:
+        if tiers.ram is None or not self.ctx.attach or not seq.request.cache_store:
             seq.prefix_pinned = True  # nothing to do for this sequence
             return 0
         n = self.pinned_tokens(seq)

@@ -57,6 +57,7 @@ class BlockKeys:
         if j == 0:
             return root
         if j == p:
+            assert split is not None  # p > 0 here (j == 0 returned): chain() derived its parent
             return split
         return seq.block_keys[j - 1]
 

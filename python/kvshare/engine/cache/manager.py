@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING, Literal, overload
 
 from kvshare.engine.cache.base import CacheContext, LayerGroupManager, recomputes
 from kvshare.engine.cache.full_attention import FullAttentionManager
 from kvshare.engine.faults import maybe_inject
 from kvshare.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvshare._core import _PoolStats
+    from kvshare.engine.cache.recurrent import RecurrentStateManager
+    from kvshare.engine.cache.sliding_window import SlidingWindowManager
 
 log = logging.getLogger("kvshare.cache")
 
@@ -52,7 +58,15 @@ class KVCacheManager:
     def root_key(self, salt: bytes | None) -> bytes:
         return self.keys.root_key(salt)
 
+    @overload
+    def group(self, kind: Literal["sliding_window"]) -> SlidingWindowManager | None: ...
+    @overload
+    def group(self, kind: Literal["recurrent"]) -> RecurrentStateManager | None: ...
+    @overload
+    def group(self, kind: str) -> LayerGroupManager | None: ...
+
     def group(self, kind: str) -> LayerGroupManager | None:
+        """The group of that kind (each manager class has its own `kind`), or None."""
         return next((g for g in self.groups if g.kind == kind), None)
 
     # ---- admission -------------------------------------------------------------------
@@ -95,7 +109,7 @@ class KVCacheManager:
     def allocate(self, seq: Sequence, end: int) -> bool:
         """Room for positions [0, end) in every group. False, having taken nothing, when one
         group's pool cannot supply it: the scheduler waits or preempts."""
-        grants = []
+        grants: list[tuple[LayerGroupManager, list[int]]] = []
         for g in self.groups:
             ids = g.allocate(seq, end)
             if ids is None:
@@ -142,7 +156,7 @@ class KVCacheManager:
         self.release(seq)
 
     # ---- introspection ----------------------------------------------------------------
-    def kv_bytes_held(self, pool_stats: dict | None = None) -> int:
+    def kv_bytes_held(self, pool_stats: _PoolStats | None = None) -> int:
         """Bytes of the KV blocks that sequences hold now (referenced, not merely cached) in
         every group; `pool_stats`: the main pool's `stats()` when the caller has them."""
         n = int((pool_stats or self.pool.stats())["used"]) * self.kv.block_nbytes

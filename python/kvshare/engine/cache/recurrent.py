@@ -36,6 +36,14 @@ class RecurrentStateManager(LayerGroupManager):
         self.keys = ctx.keys
         self.block_size = ctx.block_size
 
+    @staticmethod
+    def _slot(seq: Sequence) -> int:
+        """The sequence's state slot: taken at admission, held until release, so every step
+        between them has one."""
+        slot = seq.state_slot
+        assert slot is not None, f"{seq.key} has no state slot (not admitted)"
+        return slot
+
     # ---- admission -------------------------------------------------------------------
     def admit(self, seq: Sequence) -> int:
         seq.block_keys = []
@@ -87,7 +95,7 @@ class RecurrentStateManager(LayerGroupManager):
             self.full.release(seq)  # the state is at `resume`: start over
             seq.block_keys = []
             return 0
-        ck_mgr.restore(ck, seq.state_slot)
+        ck_mgr.restore(ck, self._slot(seq))
         seq.held_checkpoints.append(ck)
         seq.n_computed = resume
         return resume
@@ -125,7 +133,7 @@ class RecurrentStateManager(LayerGroupManager):
         ck = load()  # first: a corrupt or foreign checkpoint costs no block reads
         if ck is not None:
             try:
-                ck_mgr.restore(ck, seq.state_slot)
+                ck_mgr.restore(ck, self._slot(seq))
             except ValueError as exc:
                 log.warning("tier checkpoint unusable, recomputing: %s", exc)
                 ck = None
@@ -176,7 +184,7 @@ class RecurrentStateManager(LayerGroupManager):
         At the prefix entry's position (block aligned, before the first user message) the
         blocks and the checkpoint also go to the RAM tier, pinned."""
         ck = self.checkpoints.save(self.keys.root_key(seq.request.cache_salt), seq.tokens,
-                                   seq.n_computed, seq.state_slot)
+                                   seq.n_computed, self._slot(seq))
         seq.held_checkpoints.append(ck)
         n = prefix_entry_tokens(seq, self.block_size)
         tiers = self.ctx.tiers
@@ -196,7 +204,7 @@ class RecurrentStateManager(LayerGroupManager):
             return
         old = seq.tail_checkpoint
         seq.tail_checkpoint = self.checkpoints.save(self.keys.root_key(seq.request.cache_salt),
-                                                    seq.tokens, n, seq.state_slot)
+                                                    seq.tokens, n, self._slot(seq))
         if old is not None and old.key != seq.tail_checkpoint.key:
             self.checkpoints.discard(old.key)
 
@@ -207,8 +215,9 @@ class RecurrentStateManager(LayerGroupManager):
         seq.tail_checkpoint = None
 
     # ---- tiers -------------------------------------------------------------------------
-    def pin(self, seq: Sequence) -> None:
+    def pin(self, seq: Sequence) -> int:
         seq.prefix_pinned = True  # the prefix entry is pinned with its checkpoint (commit)
+        return 0
 
     def save(self, seq: Sequence) -> None:
         """Blocks with the checkpoints that make them resumable (a hybrid resumes only at a

@@ -147,7 +147,9 @@ class SlidingWindowManager(LayerGroupManager):
         nxt = seq.tokens[p: p + rest]
         hit = self.full.extend_match(seq, j, nxt)
         whit = self.pool.extend_match(self.keys.parent(seq, j), nxt)
-        n = min(hit[1], whit[1], rest) if hit is not None and whit is not None else 0
+        if hit is None or whit is None:
+            return 0
+        n = min(hit[1], whit[1], rest)
         if n <= 0 or not self.full.copy_partial(seq, hit[0], n):
             return 0
         dst = copy_on_write(self.pool, self.ctx.kv, whit[0], n, WINDOW_GROUP)
@@ -257,11 +259,12 @@ class SlidingWindowManager(LayerGroupManager):
         seq.win_table = []
 
     # ---- tiers -------------------------------------------------------------------------
-    def pin(self, seq: Sequence) -> None:
+    def pin(self, seq: Sequence) -> int:
         """The full-attention prefix entry and the window ending at it, pinned in RAM."""
         n = self.full.pin(seq)
         if n:
             self._save_window(seq, n, pin=True)
+        return n
 
     def save(self, seq: Sequence) -> None:
         """The full-attention blocks, and the windows the next session resumes at: where the
