@@ -17,13 +17,25 @@ with one generated token, discarded), so the next request that starts with them 
 instead of copying state; `erase` forgets the slot's record (waiting for it to go idle, as
 llama-server does); the blocks stay in the shared cache, where other sequences may use them,
 until evicted.
+
+Slots belong to tenants (with API keys; docs/llama-server.md, "Slots and tenants"): a slot is
+its last request's tenant's (`Slot.owner`, a tag derived from the tenant), and `/slots` lists,
+saves, restores into and erases only the caller's own slots and slots no request has used; a
+saved file carries its tenant and the cache salt its tokens were computed under, and a restore
+or an overwrite of a file another tenant saved reads exactly as a file that does not exist
+(404). A restore recomputes the tokens under the salt the slot's request used (the restorer's
+own, since only the restorer's files restore), so it can warm only the restorer's cache.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import json
 import os
+import stat
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -38,6 +50,7 @@ from kvshare.engine.api import FinishEvent, GenerationRequest, TokenEvent
 from kvshare.server.body import read_json
 from kvshare.server.errors import APIError, bad_request
 from kvshare.server.pipeline import GenerationPipeline
+from kvshare.server.tenancy import Tenant
 
 from . import parsing as P
 from .llama_request import error_object, metrics_only, request_settings
@@ -57,6 +70,13 @@ class Slot:
     prompt: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     idle: asyncio.Event | None = None
+    owner: str | None = None  # owner_tag of the tenant of its last request or restore
+    used: bool = False  # a request or a restore has had it (unused slots are everyone's)
+    salt: bytes | None = None  # the cache salt its tokens were computed under
+    store: bool = True  # whether that salt's blocks go to the tiers (Tenancy.stores)
+
+    def visible_to(self, owner: str | None) -> bool:
+        return not self.used or self.owner == owner
 
     @property
     def tokens(self) -> list[int]:
@@ -71,31 +91,38 @@ class SlotTable:
         self.slots = [Slot(i) for i in range(max(0, n))]
         self.by_rid: dict[str, Slot] = {}
         self.waiting: deque[tuple[str, int, Any]] = deque()
-        self._pending: dict[str, tuple[GenerationRequest, dict | None]] = {}
-        self._tasks = count()
+        self._pending: dict[str, tuple[GenerationRequest, dict | None, str | None]] = {}
+        self._tasks: dict[str | None, count] = {}
 
     def __len__(self) -> int:
         return len(self.slots)
 
     def acquire(self, rid: str, req: GenerationRequest, params: dict | None = None,
-                want: int = -1) -> int:
-        """Give the request a slot (the one it wants if idle, else the lowest idle one), or
-        queue it; returns the slot id or -1."""
+                want: int = -1, tenant: Tenant | None = None) -> int:
+        """Give the request a slot, or queue it; returns the slot id or -1. Of the idle slots
+        it takes the one it wants, else the lowest, among those unused or its tenant's own;
+        another tenant's idle slot (whose record it then replaces) only when no such is
+        idle."""
         if not self.slots:
             return -1
-        self._pending[rid] = (req, params)
+        owner = owner_tag(tenant)
+        self._pending[rid] = (req, params, owner)
         idle = [s for s in self.slots if s.rid is None]
         if not idle:
             self.waiting.append((rid, want, None))
             return -1
-        slot = next((s for s in idle if s.id == want), idle[0])
+        mine = [s for s in idle if s.visible_to(owner)]
+        slot = next((s for s in mine if s.id == want), (mine or idle)[0])
         self._start(slot, rid)
         return slot.id
 
     def _start(self, slot: Slot, rid: str) -> None:
-        req, params = self._pending.pop(rid)
+        req, params, owner = self._pending.pop(rid)
         slot.rid = rid
-        slot.id_task = next(self._tasks)
+        # numbered per tenant: a global count would tell one tenant how busy the others are
+        slot.id_task = next(self._tasks.setdefault(owner, count()))
+        slot.owner, slot.used = owner, True
+        slot.salt, slot.store = req.cache_salt, req.cache_store
         slot.n_prompt = len(req.prompt_tokens)
         slot.n_processed = slot.n_cache = slot.n_decoded = 0
         slot.n_remain = req.max_tokens
@@ -156,12 +183,15 @@ class SlotTable:
     def get(self, id_slot: int) -> Slot | None:
         return self.slots[id_slot] if 0 <= id_slot < len(self.slots) else None
 
-    def to_json(self, ctx_size: int, live: dict[str, list[dict]]) -> list[dict]:
+    def to_json(self, ctx_size: int, live: dict[str, list[dict]],
+                owner: str | None = None) -> list[dict]:
         """llama-server's /slots array (server_slot::to_json(only_metrics), as its GET /slots
         shows it: no prompt text) with `kvshare` figures of a running slot's sequences
-        (`live`: engine snapshot slots by request id)."""
+        (`live`: engine snapshot slots by request id); only the slots `owner` may see."""
         out = []
         for s in self.slots:
+            if not s.visible_to(owner):
+                continue
             d: dict[str, Any] = {"id": s.id, "n_ctx": ctx_size, "speculative": False,
                                  "is_processing": s.rid is not None}
             seqs = live.get(s.rid, []) if s.rid is not None else []
@@ -196,6 +226,34 @@ class SlotTable:
 # --------------------------------------------------------------------------- slot files
 
 SLOT_FILE_FORMAT = "kvshare-slot-v1"
+MAX_SLOT_FILE = 64 * 2**20
+_OWNER_TAG = b"kvshare/slot-owner/v1\0"
+
+
+def owner_tag(tenant: Tenant | None) -> str | None:
+    """Who a slot and its files belong to: a tag derived from the tenant's identity (stable
+    across restarts, like the tenant's cache salt; not the key's digest), None without API
+    keys."""
+    if tenant is None:
+        return None
+    return hashlib.sha256(_OWNER_TAG + tenant.ident).hexdigest()
+
+
+@dataclass
+class SlotFile:
+    """A slot file's contents: its token ids and whose they are (see the module docstring)."""
+
+    tokens: list[int]
+    owner: str | None = None
+    scope: str | None = None  # the cache scope it was saved under
+    salt: bytes | None = None
+    store: bool = True
+
+    def to_json(self, model: str) -> bytes:
+        return json.dumps({"format": SLOT_FILE_FORMAT, "model": model, "tenant": self.owner,
+                           "scope": self.scope, "salt": self.salt.hex() if self.salt else None,
+                           "store": self.store, "tokens": self.tokens},
+                          separators=(",", ":")).encode()
 
 
 def check_filename(name: Any) -> str:
@@ -211,32 +269,46 @@ def check_filename(name: Any) -> str:
     return name
 
 
-def save_slot_file(path: str, tokens: list[int], model: str) -> int:
-    data = json.dumps({"format": SLOT_FILE_FORMAT, "model": model, "tokens": tokens},
-                      separators=(",", ":")).encode()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-    return len(data)
+def not_found(what: str) -> APIError:
+    """A slot or file the caller may not see: the same answer as one that does not exist."""
+    return APIError(404, what, type="not_found_error", code="not_found")
 
 
-def load_slot_file(path: str, model: str, vocab_size: int | None) -> tuple[list[int], int]:
+NO_FILE = "Unable to restore slot: no such slot save file"
+
+
+def read_slot_file(path: str) -> bytes | None:
+    """The file's bytes, None when there is no regular file at `path` (missing, a directory,
+    a FIFO: opened non-blocking, so a FIFO never hangs the read)."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(64 * 2**20 + 1)
-    except FileNotFoundError:
-        raise bad_request("Unable to restore slot: no such slot save file",
-                          "filename") from None
-    if len(raw) > 64 * 2**20:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(MAX_SLOT_FILE + 1)
+    if len(raw) > MAX_SLOT_FILE:
         raise bad_request("Unable to restore slot: the file is too large", "filename")
+    return raw
+
+
+def parse_slot_file(raw: bytes, model: str, vocab_size: int | None) -> SlotFile:
     try:
         data = json.loads(raw)
     except ValueError:
         data = None
     if not isinstance(data, dict) or data.get("format") != SLOT_FILE_FORMAT:
         raise bad_request("Unable to restore slot: not a kvshare slot save file", "filename")
+    owner, scope, salt = data.get("tenant"), data.get("scope"), data.get("salt")
+    try:
+        salt_bytes = bytes.fromhex(salt) if isinstance(salt, str) else None
+    except ValueError:
+        salt_bytes = None
+    out = SlotFile([], owner if isinstance(owner, str) else None,
+                   scope if isinstance(scope, str) else None, salt_bytes,
+                   data.get("store") is not False)
     if data.get("model") != model:
         raise bad_request("Unable to restore slot: the file was saved with another model",
                           "filename")
@@ -248,7 +320,60 @@ def load_slot_file(path: str, model: str, vocab_size: int | None) -> tuple[list[
     except APIError:
         raise bad_request("Unable to restore slot: Invalid tokens in slot save file",
                           "filename") from None
-    return tokens, len(raw)
+    out.tokens = tokens
+    return out
+
+
+def load_slot_file(path: str, owner: str | None, model: str,
+                   vocab_size: int | None) -> tuple[SlotFile, int]:
+    """The caller's slot file at `path` and its size; 404 when there is none or it is another
+    tenant's (one answer for both: a file name tells nothing about another tenant)."""
+    raw = read_slot_file(path)
+    if raw is None:
+        raise not_found(NO_FILE)
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        data = None
+    # ownership first: nothing about a file of another tenant (its model, its length) shows
+    if isinstance(data, dict) and data.get("tenant") != owner:
+        raise not_found(NO_FILE)
+    if owner is not None and not isinstance(data, dict):
+        raise not_found(NO_FILE)
+    return parse_slot_file(raw, model, vocab_size), len(raw)
+
+
+def save_slot_file(path: str, data: SlotFile, model: str) -> int:
+    """Write the file (atomically, through a temporary file beside it). A directory there is a
+    400; a file there that is not the caller's own slot file (another tenant's, or anything
+    else when API keys are set) a 404, as for a restore."""
+    if os.path.isdir(path):
+        raise bad_request("Invalid filename: it names a directory", "filename")
+    if os.path.lexists(path):
+        raw = read_slot_file(path)
+        try:
+            prev = json.loads(raw) if raw is not None else None
+        except ValueError:
+            prev = None
+        if isinstance(prev, dict) and prev.get("format") == SLOT_FILE_FORMAT:
+            mine = prev.get("tenant") == data.owner
+        else:
+            mine = data.owner is None and raw is not None
+        if not mine:
+            raise not_found("Unable to save slot: the file name is not available")
+    body = data.to_json(model)
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".slot-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(body)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return len(body)
 
 
 # --------------------------------------------------------------------------- endpoints
@@ -258,7 +383,8 @@ def llama_error(status: int, message: str, type: str | None = None) -> Response:
 
 
 class SlotEndpoints:
-    """`GET /slots` and `POST /slots/{id}?action=save|restore|erase` over a `SlotTable`."""
+    """`GET /slots` and `POST /slots/{id}?action=save|restore|erase` over a `SlotTable`, each
+    seeing only the calling tenant's slots and files."""
 
     def __init__(self, pipeline: GenerationPipeline, table: SlotTable):
         self.pipeline, self.table = pipeline, table
@@ -269,8 +395,12 @@ class SlotEndpoints:
         """What slot files are bound to: the weights' fingerprint (the model name without)."""
         return self.info.fingerprint or self.info.name
 
+    def tenant(self, request: Request) -> Tenant | None:
+        return self.pipeline.context(request).tenant
+
     async def list(self, request: Request) -> Response:
-        """llama-server's `GET /slots`; 501 with `--no-slots`."""
+        """llama-server's `GET /slots` (the caller's slots and unused ones); 501 with
+        `--no-slots`."""
         if not self.settings.slots_endpoint:
             return llama_error(501, "This server does not support slots endpoint. Start it "
                                     "with `--slots`")
@@ -281,7 +411,18 @@ class SlotEndpoints:
         if request.query_params.get("fail_on_no_slot") and \
                 all(s.rid is not None for s in self.table.slots):
             return llama_error(503, "no slot available")
-        return JSONResponse(self.table.to_json(self.info.ctx_size, live))
+        owner = owner_tag(self.tenant(request))
+        return JSONResponse(self.table.to_json(self.info.ctx_size, live, owner))
+
+    async def own_slot(self, slot: Slot, owner: str | None) -> Slot:
+        """The slot once idle, if it is the caller's to act on (before and after the wait: a
+        waiting request of another tenant may take it meanwhile); else 404."""
+        if not slot.visible_to(owner):
+            raise not_found("Invalid slot ID: no such slot")
+        await self.table.wait_idle(slot)
+        if not slot.visible_to(owner):
+            raise not_found("Invalid slot ID: no such slot")
+        return slot
 
     async def action(self, request: Request) -> Response:
         """llama-server's `POST /slots/{id}?action=save|restore|erase` (see the module
@@ -300,40 +441,51 @@ class SlotEndpoints:
             action = request.query_params.get("action")
             if action not in ("save", "restore", "erase"):
                 raise bad_request("Invalid action", "action")
+            tenant = self.tenant(request)
+            owner = owner_tag(tenant)
             if action == "erase":
-                await self.table.wait_idle(slot)
+                await self.own_slot(slot, owner)
                 n = len(slot.tokens)
                 slot.prompt, slot.generated = [], []
                 return JSONResponse({"id_slot": slot.id, "n_erased": n})
             body = await read_json(request, self.settings)
             filename = check_filename(body.get("filename"))
             path = os.path.join(directory, filename)
-            await self.table.wait_idle(slot)
+            await self.own_slot(slot, owner)
             if action == "save":
-                return await self.save(slot, path, filename)
-            return await self.restore(request, slot, path, filename)
+                return await self.save(slot, path, filename, owner)
+            return await self.restore(slot, path, filename, tenant)
         except OSError as e:
             return llama_error(500, f"Unable to access the slot file: {e.strerror or e}")
 
-    async def save(self, slot: Slot, path: str, filename: str) -> Response:
+    async def save(self, slot: Slot, path: str, filename: str, owner: str | None) -> Response:
         t0 = time.perf_counter()
         tokens = slot.tokens
-        nbytes = await run_in_threadpool(save_slot_file, path, tokens, self.model_id())
+        data = SlotFile(tokens, owner, self.pipeline.tenancy.scope, slot.salt, slot.store)
+        nbytes = await run_in_threadpool(save_slot_file, path, data, self.model_id())
         return JSONResponse({"id_slot": slot.id, "filename": filename, "n_saved": len(tokens),
                              "n_written": nbytes,
                              "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}})
 
-    async def restore(self, request: Request, slot: Slot, path: str,
-                      filename: str) -> Response:
+    async def restore(self, slot: Slot, path: str, filename: str,
+                      tenant: Tenant | None) -> Response:
         t0 = time.perf_counter()
-        tokens, nread = await run_in_threadpool(load_slot_file, path, self.model_id(),
-                                                self.info.vocab_size)
+        owner = owner_tag(tenant)
+        data, nread = await run_in_threadpool(load_slot_file, path, owner, self.model_id(),
+                                              self.info.vocab_size)
+        tokens = data.tokens
         if len(tokens) >= self.info.ctx_size:
             raise bad_request("Unable to restore slot: Restored prompt does not fit in the "
                               "slot context", "filename")
+        tenancy = self.pipeline.tenancy
+        if data.scope == tenancy.scope and (data.salt is not None or tenancy.scope != "key"):
+            salt, store = data.salt, data.store  # the chain keys its tokens had
+        else:  # saved under another scope: the restorer's default keys now
+            salt, store = tenancy.salt(tenant, None), tenancy.stores(None)
         if tokens:
-            await self.pipeline.warm(self.pipeline.context(request).tenant, tokens)
+            await self.pipeline.warm(tokens, salt, store)
         slot.prompt, slot.generated = list(tokens), []
+        slot.owner, slot.used, slot.salt, slot.store = owner, True, salt, store
         return JSONResponse({"id_slot": slot.id, "filename": filename,
                              "n_restored": len(tokens), "n_read": nread,
                              "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}})

@@ -225,7 +225,7 @@ class GenerationPipeline:
             prepared = await self.prepare(request, api, rid, req, ctx.tenant, rec)
             handle = self.submit(prepared.greq, "messages" if req.chat else "prompt")
             self.active[rid] = handle
-            self.slots.acquire(rid, prepared.greq, req.slot_params, req.id_slot)
+            self.slots.acquire(rid, prepared.greq, req.slot_params, req.id_slot, ctx.tenant)
             if req.opts.stream:
                 handed_off = True
 
@@ -429,12 +429,13 @@ class GenerationPipeline:
                 yield c
 
     # ------------------------------------------------------------------ slot restore
-    async def warm(self, tenant: Tenant | None, tokens: list[int]) -> None:
-        """Compute `tokens` into the cache (one generated token, discarded): a restored slot's
-        conversation is then a cached prefix for the tenant that restored it."""
+    async def warm(self, tokens: list[int], cache_salt: bytes | None, cache_store: bool) -> None:
+        """Compute `tokens` into the cache under `cache_salt` (one generated token, discarded):
+        a restored slot's conversation is then a cached prefix for the tenant whose keys
+        those are (the caller's to choose: only a tenant's own slot files restore)."""
         greq = GenerationRequest(
             prompt_tokens=list(tokens), max_tokens=1, sampling=SamplingParams(temperature=0.0),
-            cache_salt=self.tenancy.salt(tenant, None), cache_store=self.tenancy.stores(None),
+            cache_salt=cache_salt, cache_store=cache_store,
             public_prefix_tokens=self.tenancy.public_prefix_tokens(tokens),
             request_id="slot-restore-" + uuid.uuid4().hex[:16])
         try:
