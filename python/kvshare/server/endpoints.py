@@ -34,7 +34,8 @@ class ServerEndpoints:
 
     async def health(self, request: Request) -> Response:
         """llama-server's /health ({"status": "ok"}; a 503 carries its error object), with
-        kvshare's reasons to be unhealthy (shutting down, an engine step that hangs)."""
+        kvshare's reasons to be unhealthy (shutting down, an engine step that hangs) and the
+        remote tier's state (`tiers.remote.state`: `ok` or `degraded`)."""
         if self.pipeline.shutting_down:
             return JSONResponse({"status": "shutting down", "error": error_object(
                 503, "The server is shutting down")}, status_code=503)
@@ -44,7 +45,15 @@ class ServerEndpoints:
                                  "error": error_object(
                                      503, f"An engine step has run for {stalled:.0f} s")},
                                 status_code=503)
-        return JSONResponse({"status": "ok"})
+        body: dict = {"status": "ok"}
+        # A shared tier that is down or slow makes its lookups misses: the replica still
+        # answers every request correctly, so it stays healthy (200, and a router keeps
+        # sending to it) and says which tier is degraded.
+        tiers = getattr(self.engine, "tiers", None)
+        states = tiers.health() if tiers is not None and hasattr(tiers, "health") else {}
+        if states:
+            body["tiers"] = states
+        return JSONResponse(body)
 
     async def metrics_endpoint(self, request: Request) -> Response:
         data = await run_in_threadpool(self.metrics.render)

@@ -22,11 +22,19 @@ Never slower, never wrong, never an error to a client:
   refreshes their LRU age and TTL: this replica still uses them).
 - Reads are pipelined: one round trip probes how many leading blocks Redis holds, then chunks
   are fetched on the tier manager's reader threads while the engine installs earlier ones.
-- Every command has a socket timeout and no retries. Failures feed a circuit breaker: after
-  `breaker_failures` in a row it opens for `breaker_cooldown_s`, during which every read is a
-  miss and every write is dropped without touching the network; then one probe is let through.
-  A Redis that is down, slow or full therefore costs at most a timeout now and then, and the
-  local tiers carry on.
+- Every call has a deadline (`timeout_s`) for the whole of it, connecting, sending and
+  reading every reply (`resp_client.py`: a reply trickling in a byte at a time misses it like
+  one that never comes), and no retries. Failures feed a circuit breaker: a missed deadline
+  opens it at once (a slow Redis would hold the engine thread, and every sequence on it, for
+  a full deadline per call), and `breaker_failures` other failures in a row (refused, reset,
+  an error reply) open it too. While it is open every read is a miss and every write is
+  dropped without touching the network; every `breaker_cooldown_s` the prober thread sends a
+  PING under the same deadline, and the first answer closes it. No request ever waits on a
+  probe, so a Redis that is down, slow or full costs a request at most one deadline now and
+  then, and the local tiers carry on.
+- Damage is healed where it is found: every value of a read that fails its checks is
+  deleted, and so is a key holding another Redis type (a list, a hash: someone else's data
+  under our name); both count as corrupt, not as failures of Redis.
 """
 
 from __future__ import annotations
@@ -36,11 +44,15 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 
 from kvshare import _core
+from kvshare.engine.cache.resp_client import (Arg, DeadlineExceeded, RemoteError, Reply,
+                                              ReplyError, RespClient)
 
 log = logging.getLogger("kvshare.remote")
 
@@ -73,11 +85,13 @@ class RemoteStats:
 
 
 class CircuitBreaker:
-    """Closed: calls go through. `failures` failures in a row open it for `cooldown_s`; then
-    one call (the probe) goes through while the others are refused; its success closes it, its
-    failure opens it again."""
+    """Closed: calls go through. `failures` failures in a row, or one `trip`, open it for
+    `cooldown_s`; while open no call goes through. Once the cooldown has passed, `probe_due`
+    hands out one probe (the tier's prober thread, never a request); its success closes the
+    breaker, its failure opens it for another cooldown."""
 
-    def __init__(self, failures: int = 3, cooldown_s: float = 5.0, clock=time.monotonic):
+    def __init__(self, failures: int = 3, cooldown_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.threshold, self.cooldown_s, self.clock = max(1, failures), cooldown_s, clock
         self._lock = threading.Lock()
         self._failures = 0
@@ -93,24 +107,32 @@ class CircuitBreaker:
 
     def allow(self) -> bool:
         with self._lock:
+            return self._open_until is None
+
+    def probe_due(self) -> float | None:
+        """None while closed; else seconds until a probe is due, 0.0 when this caller got it."""
+        with self._lock:
             if self._open_until is None:
-                return True
-            if self.clock() < self._open_until or self._probing:
-                return False
+                return None
+            if self._probing:  # one probe at a time
+                return self.cooldown_s
+            wait = self._open_until - self.clock()
+            if wait > 0:
+                return wait
             self._probing = True
-            return True
+            return 0.0
 
     def success(self) -> None:
         with self._lock:
             self._failures, self._open_until, self._probing = 0, None, False
 
-    def failure(self) -> bool:
-        """Count a failure; True when this one opened a closed breaker (a failed probe opens
-        it again: the same outage, not a new trip)."""
+    def failure(self, trip: bool = False) -> bool:
+        """Count a failure (`trip`: open at once); True when this one opened a closed breaker
+        (a failed probe opens it again: the same outage, not a new trip)."""
         with self._lock:
             self._failures += 1
             was_open = self._open_until is not None
-            if self._probing or self._failures >= self.threshold:
+            if trip or self._probing or self._failures >= self.threshold:
                 self._open_until = self.clock() + self.cooldown_s
                 self._probing = False
                 return not was_open
@@ -121,17 +143,11 @@ class RemoteTier:
     def __init__(self, url: str, fingerprint: bytes, ttl_s: float | None,
                  namespace: str = "kvshare", timeout_s: float = 0.5, max_queue_mib: float = 256,
                  breaker_failures: int = 3, breaker_cooldown_s: float = 5.0):
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
         self.url = url
         self.fingerprint = fingerprint
         self.ttl_s = int(ttl_s) if ttl_s and ttl_s > 0 else None
-        self._redis_errors = (redis.RedisError, OSError)
-        self._r = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0)
+        self.timeout_s = timeout_s
+        self._r = RespClient(url, timeout_s)
         self._prefix = f"{namespace}:{fingerprint[:8].hex()}:".encode()
         self.breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s)
         self.stats_ = RemoteStats()
@@ -144,9 +160,16 @@ class RemoteTier:
         self._busy = False
         self._closing = False
         self._last_warning = 0.0
+        self._last_error = ""  # why the breaker last opened (for /health)
+        self._opened_at: float | None = None
+        self._stop = threading.Event()
+        self._tripped = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, name="kvshare-remote-writer",
                                         daemon=True)
         self._writer.start()
+        self._prober = threading.Thread(target=self._probe_loop, name="kvshare-remote-probe",
+                                        daemon=True)
+        self._prober.start()
 
     # ---- keys --------------------------------------------------------------------------
     def _block_key(self, key: bytes) -> bytes:
@@ -175,27 +198,59 @@ class RemoteTier:
         return len(keys)
 
     # ---- calls through the breaker -----------------------------------------------------
-    def _run(self, build):
-        """Run the pipeline `build(pipe)` fills; RemoteUnavailable on any failure."""
+    def _run(self, commands: Sequence[Sequence[Arg]]) -> list[Reply | ReplyError]:
+        """Send `commands` as one pipeline under the deadline; RemoteUnavailable on any
+        failure. Error replies come back in place when they say WRONGTYPE (the caller heals
+        the key); any other error reply (e.g. OOM under `noeviction`) fails the call."""
         if not self.breaker.allow():
             raise RemoteUnavailable("circuit breaker open")
         try:
-            pipe = self._r.pipeline(transaction=False)
-            build(pipe)
-            out = pipe.execute()
-        except self._redis_errors as exc:
-            self.stats_.failures += 1
-            if self.breaker.failure():
-                self.stats_.breaker_trips += 1
-                with self._known_lock:  # it may come back empty
-                    self._known.clear()
-                log.warning("Redis at %s failed (%s: %s): the shared tier is off for %.0f s",
-                            self.display_url, type(exc).__name__, exc, self.breaker.cooldown_s)
-            else:
-                self._warn(exc)
+            out = self._r.call(commands)
+            for r in out:
+                if isinstance(r, ReplyError) and not r.wrong_type:
+                    raise RemoteError(f"error reply: {r}")
+        except RemoteError as exc:
+            self._failed(exc)
             raise RemoteUnavailable(str(exc)) from exc
         self.breaker.success()
         return out
+
+    def _failed(self, exc: RemoteError) -> None:
+        self.stats_.failures += 1
+        missed = isinstance(exc, DeadlineExceeded)
+        if self.breaker.failure(trip=missed):
+            self.stats_.breaker_trips += 1
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            self._opened_at = time.monotonic()
+            with self._known_lock:  # it may come back empty
+                self._known.clear()
+            self._tripped.set()
+            log.warning("Redis at %s failed (%s: %s): the shared tier is off; probing every "
+                        "%.0f s", self.display_url, type(exc).__name__, exc,
+                        self.breaker.cooldown_s)
+        else:
+            self._warn(exc)
+
+    def _probe_loop(self) -> None:
+        """While the breaker is open: a PING every cooldown; the first answer closes it."""
+        while not self._stop.is_set():
+            wait = self.breaker.probe_due()
+            if wait is None:
+                self._tripped.wait(1.0)
+                self._tripped.clear()
+                continue
+            if wait > 0:
+                self._stop.wait(wait)
+                continue
+            try:
+                self._r.call([["PING"]])
+            except RemoteError as exc:
+                self.breaker.failure()
+                self._last_error = f"{type(exc).__name__}: {exc}"
+                continue
+            self.breaker.success()
+            self._opened_at = None
+            log.warning("Redis at %s answers again: the shared tier is back", self.display_url)
 
     def _warn(self, exc: Exception) -> None:
         now = time.monotonic()
@@ -210,11 +265,11 @@ class RemoteTier:
         if not keys:
             return 0
         try:
-            got = self._run(lambda p: [p.exists(self._block_key(k)) for k in keys])
+            got = self._run([[b"EXISTS", self._block_key(k)] for k in keys])
         except RemoteUnavailable:
             return 0
         n = 0
-        while n < len(got) and got[n]:
+        while n < len(got) and got[n] == 1:
             n += 1
         if n == 0:
             self.stats_.misses += 1
@@ -222,55 +277,74 @@ class RemoteTier:
 
     def read_blocks(self, keys: list[bytes], staging: np.ndarray) -> int:
         """Fetch `keys` (pipelined) into `staging[i]` (one block each); returns how many leading
-        blocks were read and verified. A damaged value is deleted and ends the read there."""
+        blocks were read and verified. Every damaged value among them is deleted (the read
+        ends at the first one)."""
         try:
-            values = self._run(lambda p: [self._get(p, self._block_key(k)) for k in keys])
+            values = self._run([self._get(self._block_key(k)) for k in keys])
         except RemoteUnavailable:
             return 0
+        n_ok: int | None = None
+        damaged: list[bytes] = []
         for i, (key, value) in enumerate(zip(keys, values)):
+            rkey = self._block_key(key)
             if value is None:
-                return i
+                n_ok = i if n_ok is None else n_ok
+                continue
             out = staging[i].reshape(-1).view(np.uint8)
-            if not self._decode_into(value, "block", key, self._block_key(key), out):
-                return i
-            self.stats_.hits += 1
-            self.stats_.bytes_read += len(value)
-            self._remember([key])
-        return len(keys)
+            if not self._decode_into(value, "block", key, rkey, out, damaged):
+                n_ok = i if n_ok is None else n_ok
+                continue
+            if n_ok is None:
+                assert isinstance(value, bytes)
+                self.stats_.hits += 1
+                self.stats_.bytes_read += len(value)
+                self._remember([key])
+        self._drop_corrupt(damaged)
+        return len(keys) if n_ok is None else n_ok
 
-    def _get(self, pipe, rkey: bytes) -> None:
+    def _get(self, rkey: bytes) -> list[Arg]:
         if self.ttl_s:
-            pipe.getex(rkey, ex=self.ttl_s)  # a read refreshes the TTL
-        else:
-            pipe.get(rkey)
+            return [b"GETEX", rkey, b"EX", self.ttl_s]  # a read refreshes the TTL
+        return [b"GET", rkey]
 
-    def _decode_into(self, value: bytes, kind: str, key: bytes, rkey: bytes, out) -> bool:
+    def _decode_into(self, value: Reply | ReplyError, kind: Literal["block", "checkpoint"],
+                     key: bytes, rkey: bytes,
+                     out: Any, damaged: list[bytes]) -> bool:
+        """Verify `value` into `out`; a damaged one (or a key of another Redis type) is added
+        to `damaged`."""
+        if not isinstance(value, bytes):  # WRONGTYPE: another type under our key
+            self._count_corrupt(rkey, damaged, f"a Redis {type(value).__name__}, not a string")
+            return False
         try:
             _core.remote_value_into(value, kind, self.fingerprint, key, out)
             return True
         except _core.FingerprintMismatch:
             return False  # not ours: a miss (it cannot be, keys bind the model; never used)
         except _core.CorruptEntry as exc:
-            self._drop_corrupt(rkey, exc)
+            self._count_corrupt(rkey, damaged, str(exc))
             return False
 
-    def _drop_corrupt(self, rkey: bytes, exc: Exception) -> None:
+    def _count_corrupt(self, rkey: bytes, damaged: list[bytes], why: str) -> None:
         self.stats_.corrupt += 1
-        log.warning("damaged value in Redis (%s): deleted, recomputing", exc)
-        with contextlib.suppress(RemoteUnavailable):
-            self._run(lambda p: p.delete(rkey))
+        damaged.append(rkey)
+        log.warning("damaged value in Redis (%s): deleted, recomputing", why)
+
+    def _drop_corrupt(self, rkeys: list[bytes]) -> None:
+        if rkeys:
+            with contextlib.suppress(RemoteUnavailable):
+                self._run([[b"DEL", *rkeys]])
 
     def find_checkpoint(self, candidates: list[tuple[int, bytes]]) -> tuple[int, bytes] | None:
         """The deepest `(position, block key)` among `candidates` with a checkpoint in Redis."""
         if not candidates:
             return None
         try:
-            got = self._run(lambda p: [p.exists(self._ckpt_key(k)) for _, k in candidates])
+            got = self._run([[b"EXISTS", self._ckpt_key(k)] for _, k in candidates])
         except RemoteUnavailable:
             return None
         best = None
         for (pos, key), there in zip(candidates, got):
-            if there and (best is None or pos > best[0]):
+            if there == 1 and (best is None or pos > best[0]):
                 best = (pos, key)
         return best
 
@@ -279,29 +353,36 @@ class RemoteTier:
         verified; None if missing, damaged (deleted) or unavailable."""
         rkey = self._ckpt_key(block_key)
         try:
-            value = self._run(lambda p: self._get(p, rkey))[0]
+            value = self._run([self._get(rkey)])[0]
         except RemoteUnavailable:
             return None
         if value is None:
             return None
+        damaged: list[bytes] = []
         try:
-            pos, layout, data = _core.remote_value_open(value, "checkpoint", self.fingerprint,
-                                                        block_key)
-        except _core.FingerprintMismatch:
-            return None
-        except _core.CorruptEntry as exc:
-            self._drop_corrupt(rkey, exc)
-            return None
-        if pos != position:
-            self._drop_corrupt(rkey, ValueError(f"checkpoint at {pos}, expected {position}"))
-            return None
+            if not isinstance(value, bytes):
+                self._count_corrupt(rkey, damaged, "a checkpoint key of another Redis type")
+                return None
+            try:
+                pos, layout, data = _core.remote_value_open(value, "checkpoint",
+                                                            self.fingerprint, block_key)
+            except _core.FingerprintMismatch:
+                return None
+            except _core.CorruptEntry as exc:
+                self._count_corrupt(rkey, damaged, str(exc))
+                return None
+            if pos != position:
+                self._count_corrupt(rkey, damaged, f"checkpoint at {pos}, expected {position}")
+                return None
+        finally:
+            self._drop_corrupt(damaged)
         self.stats_.hits += 1
         self.stats_.bytes_read += len(value)
         return layout, data
 
     # ---- writes ------------------------------------------------------------------------
     def submit(self, keys: list[bytes], blocks: np.ndarray | None,
-               checkpoints: list[tuple[bytes, int, str, object]] = ()) -> bool:
+               checkpoints: Sequence[tuple[bytes, int, str, Any]] = ()) -> bool:
         """Queue `blocks[i]` (host copies, one per key) and `checkpoints` ((block key, position,
         layout, data) each) for writing. False if dropped (queue full or Redis off)."""
         nbytes = (blocks.nbytes if blocks is not None else 0) + sum(
@@ -339,39 +420,33 @@ class RemoteTier:
                     self._busy = False
                     self._cv.notify_all()
 
-    def _write(self, keys: list[bytes], blocks, cks) -> None:
-        ex = self.ttl_s
+    def _write(self, keys: list[bytes], blocks: Any, cks: list) -> None:
+        ex: list[Arg] = [b"EX", self.ttl_s] if self.ttl_s else []
         for b0 in range(0, len(keys), WRITE_BATCH):
             batch = keys[b0:b0 + WRITE_BATCH]
-            there = self._run(lambda p, batch=batch: [p.exists(self._block_key(k)) for k in batch])
-            todo = [(b0 + i, k) for i, (k, t) in enumerate(zip(batch, there)) if not t]
-            held = [self._block_key(k) for k, t in zip(batch, there) if t]
+            there = self._run([[b"EXISTS", self._block_key(k)] for k in batch])
+            todo = [(b0 + i, k) for i, (k, t) in enumerate(zip(batch, there)) if t != 1]
+            held = [self._block_key(k) for k, t in zip(batch, there) if t == 1]
             self.stats_.blocks_skipped += len(held)
             values = [(self._block_key(k), _core.remote_value(
                 "block", self.fingerprint, k, blocks[j])) for j, k in todo]
-
-            def fill(p, values=values, held=held) -> None:
-                for rk, v in values:
-                    p.set(rk, v, ex=ex, nx=True)
-                # EXISTS does not count as a use for Redis's LRU: a prefix that every replica
-                # holds locally is never read from Redis and would age out there, just when a
-                # replica without it needs it. Refresh what this replica still uses.
-                if held:
-                    p.touch(*held)
-                    if ex:
-                        for rk in held:
-                            p.expire(rk, ex)
-
-            if values or held:
-                self._run(fill)
+            commands: list[list[Arg]] = [[b"SET", rk, v, *ex, b"NX"] for rk, v in values]
+            # EXISTS does not count as a use for Redis's LRU: a prefix that every replica
+            # holds locally is never read from Redis and would age out there, just when a
+            # replica without it needs it. Refresh what this replica still uses.
+            if held:
+                commands.append([b"TOUCH", *held])
+                if self.ttl_s:
+                    commands += [[b"EXPIRE", rk, self.ttl_s] for rk in held]
+            if commands:
+                self._run(commands)
             self.stats_.blocks_written += len(values)
             self.stats_.bytes_written += sum(len(v) for _, v in values)
             self._remember(batch)
         for key, position, layout, data in cks:
             value = _core.remote_value("checkpoint", self.fingerprint, key, data,
                                        int(position), layout)
-            rkey = self._ckpt_key(key)
-            self._run(lambda p, rkey=rkey, value=value: p.set(rkey, value, ex=ex, nx=True))
+            self._run([[b"SET", self._ckpt_key(key), value, *ex, b"NX"]])
             self.stats_.checkpoints_written += 1
             self.stats_.bytes_written += len(value)
 
@@ -405,8 +480,9 @@ class RemoteTier:
         return urlunsplit((u.scheme, user + netloc, u.path, u.query, u.fragment))
 
     def ping(self) -> bool:
+        """One PING under the deadline (start-up's report); a failure counts as any other."""
         try:
-            self._run(lambda p: p.ping())
+            self._run([[b"PING"]])
             return True
         except RemoteUnavailable:
             return False
@@ -416,7 +492,17 @@ class RemoteTier:
             queued, qbytes = len(self._queue) + (1 if self._busy else 0), self._queued_bytes
         state = self.breaker.state
         return {**vars(self.stats_), "queued": queued, "queued_bytes": qbytes,
-                "breaker": state, "breaker_open": int(state == "open")}
+                "breaker": state, "breaker_open": int(state != "closed")}
+
+    def health(self) -> dict:
+        """`{"state": "ok"}` while the breaker is closed; otherwise the tier is `degraded`
+        (reads are misses, writes are dropped: the replica serves from its local tiers), with
+        the failure that opened it and for how long."""
+        if self.breaker.allow():
+            return {"state": "ok"}
+        opened = self._opened_at
+        return {"state": "degraded", "error": self._last_error,
+                "seconds": round(time.monotonic() - opened, 1) if opened is not None else 0.0}
 
     def close(self, timeout: float = 10.0) -> None:
         self.flush(timeout)
@@ -424,5 +510,7 @@ class RemoteTier:
             self._closing = True
             self._cv.notify_all()
         self._writer.join(timeout=2.0)
-        with contextlib.suppress(Exception):  # closing a dead connection
-            self._r.close()
+        self._stop.set()
+        self._tripped.set()
+        self._prober.join(timeout=2.0 + self.timeout_s)
+        self._r.close()

@@ -28,11 +28,15 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from kvshare import _core
 from kvshare.engine.cache.remote_tier import RemoteTier
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 log = logging.getLogger("kvshare.tiers")
 
@@ -52,6 +56,11 @@ DISK_DEPTH = 2
 # conversation's save held the engine (and every other session's next step) 0.17-0.35 s,
 # ~4x that at 8K. At most this many saves wait; beyond, the engine waits for the oldest.
 MAX_PENDING_SAVES = 2
+
+
+def _flat_bytes(a: np.ndarray) -> "Buffer":
+    """`a`'s bytes as one flat uint8 array (a view): what the Rust stores read and write."""
+    return cast("Buffer", a.reshape(-1).view(np.uint8))
 
 
 @dataclass
@@ -222,14 +231,17 @@ class TierManager:
         return ids
 
     def _read_ram(self, keys: list[bytes], staging: np.ndarray) -> int:
+        ram = self.ram
+        assert ram is not None
         for i, key in enumerate(keys):
-            if not self.ram.get_block_into(key, staging[i]):
+            if not ram.get_block_into(key, staging[i]):
                 return i
         return len(keys)
 
     def _read_disk(self, keys: list[bytes], staging: np.ndarray) -> int:
         """One verified bulk read (adjacent regions coalesced) straight into the staging."""
-        return int(self.disk.read_blocks(keys, staging.reshape(-1).view(np.uint8)))
+        assert self.disk is not None
+        return int(self.disk.read_blocks(keys, _flat_bytes(staging)))
 
     # ---- save --------------------------------------------------------------------------
     def save(self, tokens: list[int], keys: list[bytes], block_table: list[int], n_tokens: int,
@@ -262,6 +274,10 @@ class TierManager:
                   ram_missing: list[int], stored: int, n_prefix: int,
                   remote_from: int | None = None) -> None:
         n_full = len(keys)
+        if host is None:  # every tier holds all of it already
+            if self.ram is not None and n_prefix:
+                self.ram.pin_blocks(keys[:n_prefix])
+            return
         if self.remote is not None and remote_from is not None and remote_from < n_full:
             self.remote.submit(keys[remote_from:], host[remote_from - first:])
         if self.ram is not None:
@@ -269,7 +285,7 @@ class TierManager:
             if n_prefix:
                 self.ram.pin_blocks(keys[:n_prefix])
         if self.disk is not None and stored < n_full:
-            payload = host[stored - first:].reshape(-1).view(np.uint8)
+            payload = _flat_bytes(host[stored - first:])
             self.disk.submit(keys, payload, self.kv.block_nbytes, n_full * self.block_size,
                              None, stored)
 
@@ -312,19 +328,23 @@ class TierManager:
                       lambda j: self.kv.read_block(block_table[j]))
 
     def _ram_missing(self, keys: list[bytes]) -> list[int]:
-        return [j for j, key in enumerate(keys) if not self.ram.contains_block(key)]
+        ram = self.ram
+        assert ram is not None
+        return [j for j, key in enumerate(keys) if not ram.contains_block(key)]
 
     def _put_ram(self, keys: list[bytes], missing: list[int], block_of) -> None:
         """Put blocks `missing` (indexes into `keys`; `block_of(j)` is block j's data) into
         RAM. Refresh what is held first, so the puts evict other conversations before this
         chain's head; put deepest first; then leave the chain head-most-recent."""
-        self.ram.touch_blocks(keys)
+        ram = self.ram
+        assert ram is not None
+        ram.touch_blocks(keys)
         for j in reversed(missing):
             try:
-                self.ram.put_block(keys[j], block_of(j))
+                ram.put_block(keys[j], block_of(j))
             except _core.OverBudget:
                 return
-        self.ram.touch_blocks(keys)
+        ram.touch_blocks(keys)
 
     # ---- hybrid models: blocks plus recurrent-state checkpoints ---------------------------
     # A hybrid sequence can resume only where a checkpoint of its recurrent state exists, and
@@ -364,7 +384,8 @@ class TierManager:
             # Checkpoints already stored are referenced, not rewritten (the writer skips an
             # entry with nothing new).
             self.disk.submit(keys[:n], payload, self.kv.block_nbytes, n * bs,
-                             [(c.position, c.key, c.layout, np.asarray(c)) for c in cks], stored)
+                             [(c.position, c.key, c.layout, _flat_bytes(np.asarray(c)))
+                              for c in cks], stored)
 
     def pin_checkpoint(self, keys: list[bytes], ckpt) -> None:
         """Pin a hybrid prefix entry: the blocks up to `ckpt` (held in RAM) and `ckpt` itself."""
@@ -466,7 +487,7 @@ class TierManager:
             return True
         if self.disk is not None and self.disk.lookup([wk])[0]:
             try:
-                if self.disk.read_blocks([wk], out.reshape(-1).view(np.uint8)) == 1:
+                if self.disk.read_blocks([wk], _flat_bytes(out)) == 1:
                     return True
             except (_core.CorruptEntry, _core.CacheIoError) as exc:
                 log.warning("disk window block unreadable, recomputing: %s", exc)
@@ -491,7 +512,7 @@ class TierManager:
                 if pin:
                     self.ram.pin_blocks(tkeys)
             if self.disk is not None and stored < n:
-                self.disk.submit(tkeys, host[stored:].reshape(-1).view(np.uint8), nbytes,
+                self.disk.submit(tkeys, _flat_bytes(host[stored:]), nbytes,
                                  n * self.block_size, None, stored)
             if self.remote is not None and rf < n:
                 self.remote.submit(tkeys[rf:], host[rf:])
@@ -514,6 +535,12 @@ class TierManager:
             out["remote"] = {**self.remote.stats(), **vars(self.remote_counters)}
             out["remote"]["queued"] += self._pending_saves()
         return out
+
+    def health(self) -> dict:
+        """The remote tiers' states (`{"remote": {"state": "ok" | "degraded", ...}}`; empty
+        without one). A degraded tier is a cache miss, never a failed request, so it is
+        reported, not counted against the replica's health."""
+        return {"remote": self.remote.health()} if self.remote is not None else {}
 
     def _pending_saves(self) -> int:
         return sum(1 for fut, _ in list(self._saves) if not fut.done())
