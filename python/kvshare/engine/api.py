@@ -8,7 +8,10 @@ are the whole contract between them. The engine runs model steps on its own thre
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Literal, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, AsyncIterator, Literal, Mapping, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from kvshare._core import Grammar
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -96,7 +99,7 @@ class GenerationRequest:
     n: int = 1
     # A compiled grammar (kvshare.constrain.Grammar) every choice must follow: its own matcher
     # masks the logits before sampling (constrained decoding). None: unconstrained.
-    grammar: object | None = None
+    grammar: Grammar | None = None
     # Test hook (kvshare.engine.faults): an injection point that fails this sequence; set by
     # the server only when fault injection is enabled.
     fault: str | None = None
@@ -237,7 +240,7 @@ class EngineClient(Protocol):
         """The chat rendered by the model's template, not tokenized."""
         ...
 
-    def compile_grammar(self, kind: str, source: str) -> object:
+    def compile_grammar(self, kind: str, source: str) -> Grammar:
         """A compiled grammar for `GenerationRequest.grammar`; raises
         `kvshare.constrain.GrammarError` (a 400) on a bad one."""
         ...

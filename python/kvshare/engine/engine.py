@@ -22,7 +22,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -63,9 +63,7 @@ def new_matcher(req: GenerationRequest) -> Matcher | None:
     """A fresh matcher of the request's grammar (each choice has its own), or None."""
     if req.grammar is None:
         return None
-    # GenerationRequest.grammar is annotated `object` (api.py); what it holds is a compiled
-    # constrain.Grammar (Engine.compile_grammar)
-    return cast("Grammar", req.grammar).matcher()
+    return req.grammar.matcher()
 
 
 @dataclass
@@ -221,7 +219,7 @@ class Engine:
         # Control tokens (<start_of_turn>, ...) are not part of a reply's text, as in llama-server.
         return self.tokenizer.decode(list(ids), skip_special=True)
 
-    def compile_grammar(self, kind: str, source: str):
+    def compile_grammar(self, kind: str, source: str) -> Grammar:
         """A compiled grammar (kvshare.constrain) for constrained decoding: "json_schema",
         "json_object", "lark", "regex" or "gbnf". Raises `kvshare.constrain.GrammarError`.
         The token trie over the vocabulary is built once, on first use; compiled grammars are

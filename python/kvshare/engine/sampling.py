@@ -26,7 +26,7 @@ class Sampler:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
         self.history: list[int] = list(prompt_tokens)
-        self.generated = Counter()
+        self.generated: Counter[int] = Counter()
 
     def _apply_penalties(self, logits: np.ndarray) -> np.ndarray:
         p = self.params
