@@ -37,8 +37,8 @@ def test_readme_command_line_parses(command):
     assert (a.model, a.ctx_size, a.parallel, a.threads, a.port) == ("model.gguf", 16384, 4, 2,
                                                                      8080)
     assert a.jinja is True and a.api_key == "K" and a.alias == "NAME"
-    kw = cli.engine_config_kwargs(a)
-    assert (kw["ctx_size"], kw["parallel"], kw["threads"]) == (16384, 4, 2)
+    kw = cli.engine_config_kwargs(a)  # -c with -np: all slots together, as llama-server's
+    assert (kw["ctx_size"], kw["parallel"], kw["threads"]) == (4096, 4, 2)
     st = cli.llama_settings_kwargs(a)
     assert st["cors_origins"] == ["http://localhost:3000"]
     assert st["default_max_tokens"] is None and st["reasoning_format"] == "auto"
@@ -107,7 +107,7 @@ def test_llama_env_fallbacks():
 
 @pytest.mark.parametrize("env,words", [
     ({"LLAMA_ARG_PORT": "http"}, "LLAMA_ARG_PORT='http'"),
-    ({"LLAMA_ARG_JINJA": "false"}, "Jinja only"),
+    ({"LLAMA_ARG_FLASH_ATTN": "maybe"}, "LLAMA_ARG_FLASH_ATTN='maybe'"),
     ({"LLAMA_ARG_ENDPOINT_SLOTS": "maybe"}, "LLAMA_ARG_ENDPOINT_SLOTS"),
 ])
 def test_bad_llama_env_exit_2_one_line(env, words, capsys):
@@ -119,8 +119,8 @@ def test_bad_llama_env_exit_2_one_line(env, words, capsys):
 
 
 @pytest.mark.parametrize("extra,named", [
-    (["-ngl", "99", "--flash-attn", "on"], ["-ngl", "--flash-attn"]),
-    (["--no-jinja"], ["--no-jinja"]),
+    (["--embedding", "--lora", "a.gguf"], ["--embedding", "--lora"]),
+    (["--mmproj", "p.gguf", "-md", "d.gguf"], ["--mmproj", "-md"]),
     (["-mg", "0"], ["-mg"]),  # not `-m g`
     (["-ctk", "q8_0", "-ctv", "q8_0"], ["-ctk", "-ctv"]),  # not `-c tk`
     (["--ctx", "100"], ["--ctx"]),  # no abbreviations of --ctx-size / --ctx-checkpoints
@@ -150,11 +150,11 @@ def test_unsupported_flag_process_exits_2_with_one_line():
     llama-server command line without a command, an unsupported flag among supported ones."""
     exe = shutil.which("kvshare")
     base = [exe] if exe else [sys.executable, "-m", "kvshare.server.cli"]
-    p = subprocess.run([*base, *readme_argv(str(TINY_MODEL), 0), "-ngl", "99", "-fa", "on"],
+    p = subprocess.run([*base, *readme_argv(str(TINY_MODEL), 0), "--reranking", "-mm", "p"],
                        capture_output=True, text=True, env=_clean_env(), timeout=120)
     assert p.returncode == 2, p
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "-ngl" in lines[0] and "-fa" in lines[0], p.stderr
+    assert len(lines) == 1 and "--reranking" in lines[0] and "-mm" in lines[0], p.stderr
     assert p.stdout == ""  # refused before anything was loaded
 
 
@@ -249,7 +249,7 @@ def test_readme_command_line_starts_a_server(tmp_path):
                 assert time.monotonic() < deadline, log.read_text()
                 time.sleep(0.05)
             text = log.read_text()
-            assert "parallel 4, ctx 16384" in text, text
+            assert "parallel 4, ctx 4096" in text, text  # -c 16384 over -np 4, as llama-server
             body = {"model": "NAME", "messages": [{"role": "user", "content": "hi"}],
                     "max_tokens": 4}
             assert c.post("/v1/chat/completions", json=body).status_code == 401

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from .chat_template_flags import TemplateError, chat_template_override
 from .config import llama_settings_kwargs
-from .console import fail, mib
+from .console import fail, mib, say
 from .model_load import StartupError, open_model
-from .preflight import flag_problem
+from .preflight import choose_device, flag_problem
 
 if TYPE_CHECKING:
     from kvshare.server.settings import ServerSettings
@@ -37,6 +37,9 @@ def _server_settings(args: argparse.Namespace, tenancy_kw: dict[str, Any]) -> Se
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    note = choose_device(args)
+    if note:
+        say(note)
     problem = flag_problem(args)
     if problem:
         return fail(problem, 2)
@@ -96,12 +99,13 @@ def pull(args: argparse.Namespace) -> int:
     """`kvshare pull NAME`: the catalog model in the model store (fetched if needed, or when
     the stored file fails its sha256 check); prints its path on stdout."""
     from kvshare.model import catalog
+    from kvshare.model.store import FetchError, ModelNotFound
 
     try:
         path = catalog.ensure(args.name, args.model_store, verify=True)
-    except catalog.UnknownModelError as e:
+    except ModelNotFound as e:
         return fail(str(e), 2)
-    except catalog.CatalogError as e:
+    except FetchError as e:
         return fail(f"cannot fetch {args.name}: {e}", 1)
     except KeyboardInterrupt:
         return fail("interrupted", 130)

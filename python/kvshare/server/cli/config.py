@@ -9,13 +9,56 @@ import os
 from typing import Any
 
 
+# llama-server's sampling flags (their argparse names) -> SamplingParams fields
+SAMPLING_FLAGS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                  "seed": "seed", "repeat_penalty": "repetition_penalty",
+                  "repeat_last_n": "penalty_last_n", "presence_penalty": "presence_penalty",
+                  "frequency_penalty": "frequency_penalty"}
+
+
+def sampling_defaults(args: argparse.Namespace) -> dict[str, float | int]:
+    """ServerSettings.sampling_defaults: the sampling flags given, by SamplingParams name.
+    ValueError (one line naming the flag) for a value the engine would refuse."""
+    from kvshare.apis.sampling_fields import check_server_defaults
+
+    out: dict[str, float | int] = {}
+    for dest, param in SAMPLING_FLAGS.items():
+        v = getattr(args, dest, None)
+        if v is None:
+            continue
+        try:
+            check_server_defaults({param: v})
+        except ValueError as e:
+            raise ValueError(f"cannot use --{dest.replace('_', '-')} {v}: {e}") from None
+        out[param] = v
+    return out
+
+
+def ctx_per_sequence(args: argparse.Namespace) -> int | None:
+    """Each sequence's context: `-c` split over the slots where it is llama-server's total
+    (llama_meanings), else as given; None: 0 or unset (the model's or the engine's)."""
+    if not args.ctx_size:
+        return None
+    if getattr(args, "ctx_is_total", False):
+        return int(args.ctx_size // args.parallel)
+    return int(args.ctx_size)
+
+
+def prefill_chunk(args: argparse.Namespace) -> int | None:
+    """Prompt tokens per step: the smallest of --prefill-chunk and llama-server's -b / -ub
+    (its physical batch bounds what one forward call computes); None: the engine's."""
+    given = [v for v in (args.prefill_chunk, getattr(args, "batch_size", None),
+                         getattr(args, "ubatch_size", None)) if v is not None]
+    return min(given) if given else None
+
+
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig fields of the engine's flags."""
     kw: dict[str, Any] = {"parallel": args.parallel, "slot_attach": not args.no_slot_attach,
                           "device": args.device}
-    for name, value in (("ctx_size", args.ctx_size or None), ("kv_blocks", args.kv_blocks),
+    for name, value in (("ctx_size", ctx_per_sequence(args)), ("kv_blocks", args.kv_blocks),
                         ("kv_mem_mib", args.kv_mem), ("block_size", args.block_size),
-                        ("prefill_chunk", args.prefill_chunk), ("threads", args.threads),
+                        ("prefill_chunk", prefill_chunk(args)), ("threads", args.threads),
                         ("kv_dtype", args.kv_dtype),
                         ("queue_timeout_s", args.queue_timeout),
                         ("cache_ram_mib", args.cache_ram), ("cache_ram_pin_mib", args.cache_ram_pin),
@@ -36,13 +79,14 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def llama_settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The ServerSettings fields of llama-server's flags (-n, --reasoning-format, CORS,
-    --slots, --slot-save-path)."""
+    """The ServerSettings fields of llama-server's flags (-n, sampling defaults,
+    --reasoning-format, CORS, --slots, --slot-save-path)."""
     from kvshare.server.cors import parse_origins
 
     n = getattr(args, "n_predict", None)
     return {
         "default_max_tokens": n if n is not None and n > 0 else None,
+        "sampling_defaults": sampling_defaults(args),
         "reasoning_format": args.reasoning_format,
         "cors_origins": parse_origins(args.cors_origins),
         "cors_methods": args.cors_methods,

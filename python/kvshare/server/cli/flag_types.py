@@ -78,3 +78,30 @@ def reasoning_format(s: str) -> str:
 
 
 reasoning_format.__name__ = "reasoning format (none, auto, deepseek or deepseek-legacy)"
+
+
+FLASH_ATTN = ("on", "off", "auto")
+
+
+def flash_attn(s: str) -> str:
+    v = s.strip().lower()
+    v = {"1": "on", "true": "on", "enabled": "on", "0": "off", "false": "off",
+         "disabled": "off"}.get(v, v)
+    if v not in FLASH_ATTN:
+        raise ValueError(s)
+    return v
+
+
+flash_attn.__name__ = "flash attention setting (on, off or auto)"
+
+
+def gpu_layers(s: str) -> int:
+    """llama-server's `-ngl`: a layer count, `auto` or `all` (-1: as many as fit)."""
+    v = s.strip().lower()
+    if v in ("auto", "all"):
+        return -1
+    n = int(v)
+    return -1 if n < 0 else n
+
+
+gpu_layers.__name__ = "layer count (auto, all or a number)"

@@ -35,23 +35,34 @@ LLAMA_NAMES: dict[str, tuple[tuple[str, ...], str | None]] = {
     "--cont-batching": (("-cb",), "LLAMA_ARG_CONT_BATCHING"),
     "--no-webui": (("--no-ui",), None),
     "--slot-save-path": ((), None),
+    "--batch-size": (("-b",), "LLAMA_ARG_BATCH"),
+    "--ubatch-size": (("-ub",), "LLAMA_ARG_UBATCH"),
+    "--kv-unified": (("-kvu",), "LLAMA_ARG_KV_UNIFIED"),
+    "--n-gpu-layers": (("-ngl", "--gpu-layers"), "LLAMA_ARG_N_GPU_LAYERS"),
+    "--flash-attn": (("-fa",), "LLAMA_ARG_FLASH_ATTN"),
+    "--offline": ((), "LLAMA_OFFLINE"),
+    "--verbose": (("-v", "--log-verbose"), None),
+    "--seed": (("-s",), None),
 }
 
 # llama-server flags kvshare refuses, with the reason (or what to use instead) in the one-line
 # error. Any other unknown flag is refused too, just without a reason.
+_NO_EMBEDDINGS = "kvshare generates text only: no embeddings or reranking"
+_NO_LORA = "kvshare has no LoRA adapters"
+_NO_DRAFT = "kvshare has no speculative decoding"
+_TEXT_ONLY = "kvshare is text only: no vision or audio projector"
 REFUSED = {
-    "--no-jinja": "kvshare renders chat templates with Jinja only",
     "--no-cont-batching": "kvshare always batches continuously",
     "-nocb": "kvshare always batches continuously",
-    "-ngl": "kvshare runs every layer on --device (cpu or cuda)",
-    "--n-gpu-layers": "kvshare runs every layer on --device (cpu or cuda)",
-    "--gpu-layers": "kvshare runs every layer on --device (cpu or cuda)",
     "-dev": "use --device cpu or cuda",
     "-ctk": "use --kv-dtype", "--cache-type-k": "use --kv-dtype",
     "-ctv": "use --kv-dtype", "--cache-type-v": "use --kv-dtype",
-    "-b": "use --prefill-chunk", "--batch-size": "use --prefill-chunk",
-    "-ub": "use --prefill-chunk", "--ubatch-size": "use --prefill-chunk",
-    "-v": "use --log-level debug", "--verbose": "use --log-level debug",
     "-hf": "use --model with a catalog name or a GGUF file",
     "--hf-repo": "use --model with a catalog name or a GGUF file",
+    "--embedding": _NO_EMBEDDINGS, "--embeddings": _NO_EMBEDDINGS, "--rerank": _NO_EMBEDDINGS,
+    "--reranking": _NO_EMBEDDINGS, "--pooling": _NO_EMBEDDINGS,
+    "--lora": _NO_LORA, "--lora-scaled": _NO_LORA, "--lora-init-without-apply": _NO_LORA,
+    "-md": _NO_DRAFT, "--model-draft": _NO_DRAFT, "-hfd": _NO_DRAFT, "--spec-default": _NO_DRAFT,
+    "--draft-max": _NO_DRAFT, "--draft-min": _NO_DRAFT, "--draft": _NO_DRAFT,
+    "-mm": _TEXT_ONLY, "--mmproj": _TEXT_ONLY, "-mmu": _TEXT_ONLY, "--mmproj-url": _TEXT_ONLY,
 }

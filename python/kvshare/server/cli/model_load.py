@@ -157,11 +157,17 @@ def open_model(args: argparse.Namespace, template_override: tuple[str, str] | No
     from kvshare._core import CacheIoError, KvshareError
     from kvshare.backend import BackendError
     from kvshare.model import catalog
+    from kvshare.model.store import FetchError
 
     shown = args.model or catalog.DEFAULT_MODEL
+    key = shown.strip().lower()
+    if getattr(args, "offline", False) and key in catalog.MODELS and not os.path.isfile(shown) \
+            and catalog.status(key, args.model_store) == "not downloaded":
+        raise StartupError(f"cannot load model {shown}: --offline and it is not in the model "
+                           f"store (fetch it first: kvshare pull {shown})")
     try:
         path, name = catalog.resolve(args.model, args.model_store)
-    except catalog.CatalogError as e:
+    except FetchError as e:
         raise StartupError(f"cannot load model {shown}: {e}") from e
     except KeyboardInterrupt:
         raise StartupError("interrupted while fetching the model", 130) from None

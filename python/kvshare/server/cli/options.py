@@ -52,6 +52,15 @@ OPTIONS: list[Option] = [
      "or q8_0 (ggml's Q8_0 blocks as llama.cpp's -ctk/-ctv q8_0: 34 bytes per 32 values, "
      "0.53x f16; CPU only, head_dim a multiple of 32)"),
     ("--prefill-chunk", positive_int, None, "prompt tokens computed per step (default: 512)"),
+    ("--batch-size", positive_int, None,
+     "llama-server's logical batch: prompt tokens computed per step are at most this "
+     "(with --ubatch-size and --prefill-chunk: the smallest)"),
+    ("--ubatch-size", positive_int, None,
+     "llama-server's physical batch: prompt tokens computed per step are at most this "
+     "(with --batch-size and --prefill-chunk: the smallest)"),
+    ("--kv-unified", None, False,
+     "llama-server's unified KV cache: with it, -c is each sequence's context, not the "
+     "total of -np sequences (kvshare's KV pool is always one pool shared by all)"),
     ("--queue-timeout", non_negative_float, None,
      "seconds a request may wait to be admitted before it gets 503 with Retry-After "
      "(default 600; 0: no limit)"),
@@ -66,8 +75,9 @@ OPTIONS: list[Option] = [
      "chat template: a built-in name (chatml, gemma) or an inline Jinja template (default: "
      "the model file's)"),
     ("--chat-template-file", str, None, "chat template: a Jinja template file"),
-    ("--jinja", None, False,
-     "accepted: kvshare always renders chat templates with Jinja (--no-jinja is refused)"),
+    ("--jinja", TOGGLE, True,
+     "accepted either way: kvshare renders the chat template with Jinja (--no-jinja: "
+     "llama-server's C++ copies of known templates; kvshare renders the template itself)"),
     ("--reasoning-format", flag_types.reasoning_format, "auto",
      "reasoning_format of a request that gives none: none (thoughts stay in content), auto or "
      "deepseek (thoughts in reasoning_content), deepseek-legacy"),
@@ -113,6 +123,14 @@ OPTIONS: list[Option] = [
      "{\"messages\": [...], \"tools\": [...]} rendered by the chat template, or a text file "
      "of prompt text"),
     ("--device", str, "cpu", "cpu or cuda"),
+    ("--n-gpu-layers", flag_types.gpu_layers, None,
+     "llama-server's GPU offload: 0 runs on the CPU, any other count (auto, all) on a CUDA "
+     "device when one is usable, else on the CPU; kvshare puts every layer on one device "
+     "(--device, when given, wins)"),
+    ("--flash-attn", flag_types.flash_attn, "auto",
+     "accepted: on, off or auto; kvshare's attention is always tiled (flash-style)"),
+    ("--offline", None, False,
+     "fetch nothing: a catalog model must already be in the model store"),
     ("--threads", flag_types.threads, None, "CPU threads for the model runtime (<= 0: one per core)"),
     ("--root-path", str, "", "mount prefix behind a reverse proxy, e.g. /kvshare"),
     ("--cors-origins", str, None,
@@ -141,6 +159,23 @@ OPTIONS: list[Option] = [
      "Retry-After"),
     ("--graceful-timeout", non_negative_float, 10.0, "seconds in-flight requests get at shutdown"),
     ("--log-level", str, "info", "debug, info, warning or error"),
+    ("--verbose", None, False, "log everything: --log-level debug"),
+    # llama-server's sampling defaults: a request that leaves a field out gets this value
+    # (server/settings.py ServerSettings.sampling_defaults, apis/sampling_fields.py)
+    ("--temp", float, None,
+     "temperature of requests that give none (0: greedy)"),
+    ("--top-k", int, None, "top_k of requests that give none (0: off)"),
+    ("--top-p", float, None, "top_p of requests that give none (1: off)"),
+    ("--min-p", float, None, "min_p of requests that give none (0: off)"),
+    ("--seed", int, None,
+     "seed of requests that give none: a fixed seed makes them reproducible (-1: random)"),
+    ("--repeat-penalty", float, None, "repeat_penalty of requests that give none (1: off)"),
+    ("--repeat-last-n", int, None,
+     "repeat_last_n of requests that give none: tokens the penalties look back over "
+     "(-1: the context)"),
+    ("--presence-penalty", float, None, "presence_penalty of requests that give none (0: off)"),
+    ("--frequency-penalty", float, None,
+     "frequency_penalty of requests that give none (0: off)"),
 ]
 
 

@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any, NoReturn, Sequence
 
+from .llama_meanings import apply_llama_meanings
 from .llama_names import LLAMA_NAMES, REFUSED
 from .options import (CATALOG_OPTIONS, OLD_NAMES, OPTIONS, REPEATABLE, TOGGLE, FlagType, Option,
                       env_name)
@@ -178,10 +179,11 @@ def _is_number(s: str) -> bool:
     return True
 
 
-def unsupported_flags(sub: Parser, argv: Sequence[str]) -> list[str]:
-    """The flags in `argv` that `sub` does not have, exactly as written (no abbreviations, no
-    value glued to a short flag: llama-server has neither, and `-ngl` must not read as
-    `-n gl`). The tokens after a known flag that takes a value are its value."""
+def written_flags(sub: Parser, argv: Sequence[str]) -> list[str]:
+    """The flags in `argv` in order, each name exactly as written (`--ctx-size=512` is
+    `--ctx-size`); the token after a flag of `sub` that takes a value is its value, not a
+    flag. No abbreviations, no value glued to a short flag: llama-server has neither, and
+    `-ngl` must not read as `-n gl`."""
     takes_value = sub.takes_value
     out: list[str] = []
     it = iter(argv)
@@ -191,12 +193,15 @@ def unsupported_flags(sub: Parser, argv: Sequence[str]) -> list[str]:
         if not tok.startswith("-") or tok == "-" or _is_number(tok):
             continue
         name, eq, _ = tok.partition("=") if tok.startswith("--") else (tok, "", "")
-        if name in takes_value:
-            if takes_value[name] and not eq:
-                next(it, None)
-        elif name not in out:
-            out.append(name)
+        out.append(name)
+        if takes_value.get(name) and not eq:
+            next(it, None)
     return out
+
+
+def unsupported_flags(sub: Parser, argv: Sequence[str]) -> list[str]:
+    """The flags in `argv` that `sub` does not have, as written, each once."""
+    return [f for f in dict.fromkeys(written_flags(sub, argv)) if f not in sub.takes_value]
 
 
 def _unsupported_message(flags: list[str]) -> str:
@@ -205,12 +210,8 @@ def _unsupported_message(flags: list[str]) -> str:
             "docs/llama-server.md maps llama-server's")
 
 
-def _serve_args_problem(args: argparse.Namespace, environ: dict[str, str]) -> str | None:
+def _serve_args_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with a combination of `kvshare serve`'s flags, or None."""
-    if not args.jinja and "LLAMA_ARG_JINJA" in environ:
-        low = environ["LLAMA_ARG_JINJA"].strip().lower()
-        if low in FALSE_WORDS:
-            return f"LLAMA_ARG_JINJA={low!r}: kvshare renders chat templates with Jinja only"
     if args.chat_template is not None and args.chat_template_file is not None:
         return "use either --chat-template or --chat-template-file, not both"
     if args.kv_mem is not None and args.kv_blocks is not None:
@@ -235,14 +236,18 @@ def parse_args(argv: Sequence[str] | None = None,
     if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["serve", *argv]  # a llama-server command line: flags, no command
     parser = build_parser(environ)
+    written: list[str] = []
     if argv and argv[0] == "serve":
-        unknown = unsupported_flags(serve_parser(parser), argv[1:])
+        serve = serve_parser(parser)
+        written = written_flags(serve, argv[1:])
+        unknown = [f for f in dict.fromkeys(written) if f not in serve.takes_value]
         if unknown:
             parser.error(_unsupported_message(unknown))
     args = parser.parse_args(argv)
     if args.command != "serve":
         return args
-    problem = _serve_args_problem(args, dict(os.environ if environ is None else environ))
+    env = dict(os.environ if environ is None else environ)
+    problem = _serve_args_problem(args) or apply_llama_meanings(args, written, env)
     if problem:
         parser.error(problem)
     return args

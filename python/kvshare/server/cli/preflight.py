@@ -63,3 +63,25 @@ def flag_problem(args: argparse.Namespace) -> str | None:
     if args.slot_save_path is not None and not os.path.isdir(args.slot_save_path):
         return f"cannot use --slot-save-path {args.slot_save_path}: it is not a directory"
     return None
+
+
+def choose_device(args: argparse.Namespace) -> str | None:
+    """llama-server's `-ngl N` as kvshare's `--device`, unless `--device` was given: 0 is the
+    CPU, any other count a CUDA device when one is usable, else the CPU. Sets `args.device`;
+    returns a line for the log when a GPU was asked for and is not there, else None."""
+    n = getattr(args, "n_gpu_layers", None)
+    if n is None or getattr(args, "device_given", False):
+        return None
+    if n == 0:
+        args.device = "cpu"
+        return None
+    from kvshare.backend import BackendError, get_backend
+
+    try:
+        get_backend("cuda")
+    except BackendError as e:
+        args.device = "cpu"
+        shown = "all" if n < 0 else n
+        return f"-ngl {shown}: no usable CUDA device ({str(e).splitlines()[0]}): running on the CPU"
+    args.device = "cuda"
+    return None

@@ -1,0 +1,237 @@
+"""llama-server's common flags keep their meaning in kvshare (server/cli/, docs/llama-server.md):
+sampling defaults (`--temp`, `--seed`, ...), `-b`/`-ub` as the prefill chunk, `-c` over `-np`
+slots as the total context, `-ngl`, `-fa`, `--no-jinja`, `--offline`, `--kv-unified`, `-v`;
+parsed, then as real `kvshare` processes started with llama-server command lines (as its README
+and tools/server/tests write them) against the tiny model."""
+
+from __future__ import annotations
+
+import math
+import re
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from kvshare.server import cli
+from kvshare.server.cli.preflight import choose_device
+from tier_helpers import ROOT, TINY_MODEL, _clean_env
+
+# --------------------------------------------------------------------------- parsing
+
+
+def test_sampling_flags_are_server_defaults():
+    a = cli.parse_args(["-m", "x.gguf", "--temp", "0.5", "--top-k", "20", "--top-p", "0.9",
+                        "--min-p", "0.1", "-s", "7", "--repeat-penalty", "1.1",
+                        "--repeat-last-n", "32", "--presence-penalty", "0.2",
+                        "--frequency-penalty", "0.3"], {})
+    assert cli.llama_settings_kwargs(a)["sampling_defaults"] == {
+        "temperature": 0.5, "top_k": 20, "top_p": 0.9, "min_p": 0.1, "seed": 7,
+        "repetition_penalty": 1.1, "penalty_last_n": 32, "presence_penalty": 0.2,
+        "frequency_penalty": 0.3}
+    assert cli.llama_settings_kwargs(cli.parse_args(["serve"], {}))["sampling_defaults"] == {}
+    assert cli.parse_args(["serve"], {"KVSHARE_TEMP": "0"}).temp == 0.0
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--temp", "-1"], "cannot use --temp -1.0"),
+    (["--top-p", "2"], "cannot use --top-p 2.0"),
+    (["-c", "3", "-np", "4"], "-c 3 is the context of all 4 slots"),
+    (["-fa", "sometimes"], "flash attention setting"),
+    (["-ngl", "many"], "layer count"),
+])
+def test_bad_values_exit_2_one_line(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["-m", "x.gguf", *argv], {})
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+
+
+@pytest.mark.parametrize("argv,env,per_seq", [
+    (["-c", "1024", "-np", "2"], {}, 512),  # llama-server's total over its slots
+    (["-c", "1024", "--parallel", "2"], {}, 512),
+    (["--ctx-size", "1024", "-np", "2"], {}, 1024),  # kvshare's own spelling: per sequence
+    (["-c", "1024"], {}, 1024),  # no slot count: llama-server's unified KV, each gets it all
+    (["-c", "1024", "-np", "2", "--kv-unified"], {}, 1024),
+    (["-c", "1024", "-np", "2", "-kvu"], {}, 1024),
+    ([], {"LLAMA_ARG_CTX_SIZE": "1024", "LLAMA_ARG_N_PARALLEL": "4"}, 256),
+    ([], {"KVSHARE_CTX_SIZE": "1024", "LLAMA_ARG_N_PARALLEL": "4"}, 1024),
+    (["-c", "1024"], {"LLAMA_ARG_N_PARALLEL": "2"}, 512),
+    (["-c", "0", "-np", "2"], {}, None),  # the model's trained context
+])
+def test_ctx_over_slots_is_llama_servers_total(argv, env, per_seq):
+    kw = cli.engine_config_kwargs(cli.parse_args(["serve", *argv], env))
+    assert kw.get("ctx_size") == per_seq
+
+
+def test_batch_sizes_bound_the_prefill_chunk():
+    def chunk(*argv: str) -> int | None:
+        return cli.engine_config_kwargs(cli.parse_args(["serve", *argv], {})).get("prefill_chunk")
+
+    assert chunk() is None
+    assert chunk("-b", "32") == 32 and chunk("-ub", "64") == 64
+    assert chunk("-b", "2048", "-ub", "512") == 512
+    assert chunk("--batch-size", "64", "--prefill-chunk", "128") == 64
+    assert cli.engine_config_kwargs(
+        cli.parse_args(["serve"], {"LLAMA_ARG_UBATCH": "16"}))["prefill_chunk"] == 16
+
+
+def test_accepted_flags():
+    a = cli.parse_args(["-m", "x.gguf", "--no-jinja", "-fa", "on", "--offline", "-v"], {})
+    assert (a.jinja, a.flash_attn, a.offline, a.log_level) == (False, "on", True, "debug")
+    a = cli.parse_args(["serve", "--flash-attn", "auto", "--jinja", "--verbose"],
+                       {"LLAMA_ARG_JINJA": "false"})
+    assert a.jinja is True and a.log_level == "debug"
+    assert cli.parse_args(["serve"], {"LLAMA_ARG_JINJA": "0"}).jinja is False
+    assert cli.parse_args(["serve"], {"LLAMA_OFFLINE": "1"}).offline is True
+
+
+@pytest.mark.parametrize("argv,env,device", [
+    (["-ngl", "0"], {}, "cpu"),
+    (["-ngl", "99", "--device", "cpu"], {}, "cpu"),  # --device wins
+    (["--device", "cpu"], {"LLAMA_ARG_N_GPU_LAYERS": "99"}, "cpu"),
+    (["--n-gpu-layers", "0", "--device", "cuda"], {}, "cuda"),
+])
+def test_gpu_layers_pick_the_device(argv, env, device):
+    a = cli.parse_args(["serve", *argv], env)
+    assert choose_device(a) is None and a.device == device
+
+
+def test_gpu_layers_without_a_gpu_run_on_the_cpu():
+    pytest.importorskip("kvshare.backend")
+    from kvshare.backend import BackendError, get_backend
+
+    try:
+        get_backend("cuda")
+        pytest.skip("a CUDA device is usable here")
+    except BackendError:
+        pass
+    a = cli.parse_args(["serve", "-ngl", "all"], {})
+    note = choose_device(a)
+    assert a.device == "cpu" and note is not None and "running on the CPU" in note
+
+
+def test_offline_refuses_a_model_not_in_the_store(tmp_path, capsys):
+    code = cli.main(["serve", "--offline", "--model-store", str(tmp_path), "--port", "0"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--offline" in err[0] and "kvshare pull" in err[0], err
+    assert not any(tmp_path.iterdir())  # nothing fetched
+
+
+# --------------------------------------------------------------------------- real servers
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def _kvshare(argv: list[str], log: Path) -> Iterator[httpx.Client]:
+    """`python -m kvshare.server.cli ARGV` (flags only: a llama-server command line), until
+    /health answers; stopped with SIGTERM afterwards."""
+    port = int(argv[argv.index("--port") + 1])
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvshare.server.cli", *argv],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=_clean_env(), cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
+            while True:
+                assert proc.poll() is None, log.read_text()
+                try:
+                    if c.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+            yield c
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, log.read_text()
+
+
+def _steps(c: httpx.Client) -> int:
+    m = re.search(r"^llamacpp:n_decode_total (\S+)$", c.get("/metrics").text, re.M)
+    assert m is not None
+    return int(float(m.group(1)))
+
+
+def _complete(c: httpx.Client, prompt: str, **fields) -> dict:
+    r = c.post("/completion", json={"prompt": prompt, "n_predict": 8, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_issue_command_line_greedy_chunked_total_ctx(tmp_path):
+    """`-m M --temp 0 --seed 42 -b 32 -ub 32 -fa on -ngl 0 --no-jinja --offline -np 2 -c 1024
+    --verbose`: n_ctx 512 a slot, unsampled requests greedy, prompts computed 32 tokens a
+    step, debug logging."""
+    port = _free_port()
+    argv = ["-m", str(TINY_MODEL), "--port", str(port), "--temp", "0", "--seed", "42",
+            "-b", "32", "-ub", "32", "-fa", "on", "-ngl", "0", "--no-jinja", "--offline",
+            "-np", "2", "-c", "1024", "--verbose"]
+    log = tmp_path / "server.log"
+    with _kvshare(argv, log) as c:
+        props = c.get("/props").json()
+        gen = props["default_generation_settings"]
+        assert gen["n_ctx"] == 512 and props["total_slots"] == 2
+        assert gen["params"]["temperature"] == 0 and gen["params"]["seed"] == 42
+        # greedy: a request without a temperature equals one asking for 0
+        prompt = "The quick brown fox jumps over the lazy dog. " * 3
+        plain = _complete(c, prompt, cache_prompt=False)
+        assert plain["content"] == _complete(c, prompt, temperature=0,
+                                             cache_prompt=False)["content"]
+        assert plain["generation_settings"]["temperature"] == 0
+        # -b 32: a ~100-token prompt takes several steps (the default chunk takes one)
+        long_prompt = " ".join(f"word{i}" for i in range(60))
+        before = _steps(c)
+        r = _complete(c, long_prompt, n_predict=1, cache_prompt=False)
+        n_prompt = r["timings"]["prompt_n"]
+        assert n_prompt > 64, r
+        assert _steps(c) - before >= math.ceil(n_prompt / 32), (before, _steps(c), n_prompt)
+        chat = c.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert chat.status_code == 200, chat.text
+    text = log.read_text()
+    assert "parallel 2, ctx 512" in text, text
+    assert " DEBUG " in text, text
+
+
+def test_server_tests_command_line_seed_reproducible(tmp_path):
+    """tools/server/tests' preset flags (long names, `--temp 0.8 --seed 42`), plus `-ngl 99`
+    and `--kv-unified`: unseeded sampled requests repeat exactly; n_ctx per slot is -c."""
+    port = _free_port()
+    argv = ["--host", "127.0.0.1", "--port", str(port), "--temp", "0.8", "--seed", "42",
+            "--model", str(TINY_MODEL), "--batch-size", "32", "--ubatch-size", "32",
+            "--ctx-size", "512", "--parallel", "2", "--n-predict", "16", "--no-jinja",
+            "--offline", "--slots", "--metrics", "--no-webui", "-c", "512", "-np", "2",
+            "--kv-unified", "-ngl", "99", "-fa", "off"]
+    with _kvshare(argv, tmp_path / "server.log") as c:
+        assert c.get("/props").json()["default_generation_settings"]["n_ctx"] == 512
+        prompt = "Once upon a time"
+        first = _complete(c, prompt, n_predict=16, cache_prompt=False)
+        again = _complete(c, prompt, n_predict=16, cache_prompt=False)
+        assert first["content"] == again["content"]
+        assert first["generation_settings"]["temperature"] == pytest.approx(0.8)
+        seeded = _complete(c, prompt, n_predict=16, seed=42, cache_prompt=False)
+        assert seeded["content"] == first["content"]
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 16})
+        r2 = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 16})
+        assert r.status_code == r2.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == r2.json()["choices"][0]["text"]
