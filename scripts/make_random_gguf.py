@@ -1,10 +1,23 @@
 #!/usr/bin/env python3
 """Write a random-weight GGUF of a real model's shapes and block formats, for memory and speed
-work on models larger than the ones the tests ship.
+work on models larger than the ones the tests ship, and the tiny test models.
 
     python scripts/make_random_gguf.py --arch qwen3 --size 1.5b --out /tmp/qwen3-1.5b-rand.gguf
     python scripts/make_random_gguf.py --arch qwen3 --size tiny --out /tmp/tiny.gguf \\
         --tokenizer-from tests/data/models/tiny-qwen3-chat.gguf
+    python scripts/make_random_gguf.py --arch qwen3moe --size test \\
+        --out tests/data/models/tiny-qwen3moe.gguf \\
+        --tokenizer-from tests/data/models/tiny-qwen35.gguf
+
+`--arch qwen3moe` (Qwen3 MoE: the qwen3 layer with a mixture of experts, `expert_count`,
+`expert_used_count`, `expert_feed_forward_length`; tensors `ffn_gate_inp` (the router, F32 as
+llama.cpp's quantizer leaves it) and the stacked `ffn_{gate,up,down}_exps [n_expert, rows,
+cols]`): `--size 30b-a3b` is Qwen3-30B-A3B's shape (hidden 2048, 48 layers, 32 query heads, 4
+KV heads, head size 128, 128 experts of FFN 768, 8 per token, untied output head, ~17 GiB:
+written tensor by tensor, it needs the disk but not the memory), `--size tiny` a 2-layer
+hidden-256 one in the same Q4_K_M mix, `--size test` the test model
+`tests/data/models/tiny-qwen3moe.gguf` (below; `tiny-qwen3moe-q8.gguf` is the same with
+`--expert-types q8_0,q4_0,q5_0 --seed 1`).
 
 `--size 1.5b` is Qwen3-1.7B's shape: hidden 2048, 28 layers, 16 query heads, 8 KV heads, head
 size 128, FFN 6144, per-head q/k RMSNorm, rope theta 1e6, RMS eps 1e-6, context 40960, output
@@ -15,6 +28,11 @@ Block formats follow llama.cpp's Q4_K_M mix (src/llama-quant.cpp, llama_tensor_g
 for every matrix except attn_v and ffn_down of the layers `use_more_bits` picks (the first and
 last eighth of the layers and every third one between) and the tied token embedding (quantized
 as the output head), which are Q6_K; norms F32.
+
+The `test` sizes are the shipped test models: hidden 64, F32 attention, embedding and router
+(normal values of std 1/sqrt(fan-in), the router's twice that so that routing is decided),
+the experts in block formats (`TEST_EXPERT_TYPES`, quantized with gguf-py from normal values
+of the same std), norms 1.0.
 
 The blocks are random but valid: random quant bytes (nibbles, Q6_K high bits), random 6-bit
 sub-block scales and mins (Q4_K) or int8 scales (Q6_K), and f16 super-block scales `d` / `dmin`
@@ -42,6 +60,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFReader, GGUFValueType, GGUFWriter
 
+LLAMA_FTYPE_MOSTLY_F32 = 0
 LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
 TARGET_STD = 0.02  # standard deviation of a weight matrix's elements
 
@@ -58,16 +77,39 @@ class Shape:
     rope_base: float = 1e6
     rms_eps: float = 1e-6
     tied: bool = True
+    n_expert: int = 0  # mixture of experts: experts per layer, used per token, their FFN size
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    mix: str = "q4_k_m"  # block formats: llama.cpp's Q4_K_M mix, or "test" (module docstring)
 
 
-SIZES = {
-    # Qwen3-1.7B (config.json: hidden_size 2048, num_hidden_layers 28, num_attention_heads 16,
-    # num_key_value_heads 8, head_dim 128, intermediate_size 6144, rope_theta 1e6,
-    # rms_norm_eps 1e-6, max_position_embeddings 40960, tie_word_embeddings true)
-    "1.5b": Shape(28, 2048, 16, 8, 128, 6144, 40960),
-    "tiny": Shape(2, 256, 4, 2, 64, 768, 4096),
+SIZES: dict[str, dict[str, Shape]] = {
+    "qwen3": {
+        # Qwen3-1.7B (config.json: hidden_size 2048, num_hidden_layers 28, num_attention_heads
+        # 16, num_key_value_heads 8, head_dim 128, intermediate_size 6144, rope_theta 1e6,
+        # rms_norm_eps 1e-6, max_position_embeddings 40960, tie_word_embeddings true)
+        "1.5b": Shape(28, 2048, 16, 8, 128, 6144, 40960),
+        "tiny": Shape(2, 256, 4, 2, 64, 768, 4096),
+    },
+    "qwen3moe": {
+        # Qwen3-30B-A3B (config.json: hidden_size 2048, num_hidden_layers 48,
+        # num_attention_heads 32, num_key_value_heads 4, head_dim 128, num_experts 128,
+        # num_experts_per_tok 8, moe_intermediate_size 768, intermediate_size 6144,
+        # rope_theta 1e6, max_position_embeddings 40960, tie_word_embeddings false)
+        "30b-a3b": Shape(48, 2048, 32, 4, 128, 6144, 40960, tied=False, n_expert=128,
+                         n_expert_used=8, n_ff_exp=768),
+        "tiny": Shape(2, 256, 4, 2, 64, 768, 4096, n_expert=8, n_expert_used=2, n_ff_exp=256),
+        "test": Shape(4, 64, 2, 1, 32, 128, 32768, rope_base=1e7, n_expert=16, n_expert_used=4,
+                      n_ff_exp=32, mix="test"),
+    },
 }
-ARCHS = ("qwen3",)
+ARCHS = tuple(SIZES)
+ALL_SIZES = sorted({s for sizes in SIZES.values() for s in sizes})
+# the experts' block formats of the `test` mix (gate, up, down; `--expert-types`): f16
+# blocks, which llama.cpp multiplies with activations rounded to f16 only, so that its
+# logits and kvshare's differ by float rounding only; with a quantized format llama.cpp
+# rounds the activations to 8 bits (tiny-qwen3moe-q8.gguf: Q8_0, Q4_0, Q5_0)
+TEST_EXPERT_TYPES = (Q.F16, Q.F16, Q.F16)
 
 
 def use_more_bits(i_layer: int, n_layers: int) -> bool:
@@ -76,34 +118,54 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
             or (i_layer - n_layers // 8) % 3 == 2)
 
 
-def tensor_plan(arch: str, s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...], Q]]:
-    """(name, numpy shape [rows, cols] or [n], block format) of every tensor, in llama.cpp's
-    order."""
-    if arch != "qwen3":
+def tensor_plan(arch: str, s: Shape, vocab: int, expert_types: tuple[Q, Q, Q] | None = None
+                ) -> list[tuple[str, tuple[int, ...], Q]]:
+    """(name, numpy shape [rows, cols], [n_expert, rows, cols] or [n], block format) of every
+    tensor, in llama.cpp's order."""
+    if arch not in SIZES:
         raise ValueError(f"architecture {arch!r} is not supported (one of {', '.join(ARCHS)})")
     H, K, D, E, F = s.n_head, s.n_head_kv, s.head_dim, s.n_embd, s.n_ff
+    test = s.mix == "test"
+    q4k = Q.F32 if test else Q.Q4_K
+
+    def q6k(more: bool) -> Q:
+        return Q.F32 if test else Q.Q6_K if more else Q.Q4_K
+
     plan: list[tuple[str, tuple[int, ...], Q]] = [
         # tied: the embedding is quantized as the output head (Q6_K)
-        ("token_embd.weight", (vocab, E), Q.Q6_K if s.tied else Q.Q4_K)]
+        ("token_embd.weight", (vocab, E), q6k(s.tied))]
     for il in range(s.n_layers):
         p = f"blk.{il}."
         more = use_more_bits(il, s.n_layers)
         plan += [
             (p + "attn_norm.weight", (E,), Q.F32),
-            (p + "attn_q.weight", (H * D, E), Q.Q4_K),
-            (p + "attn_k.weight", (K * D, E), Q.Q4_K),
-            (p + "attn_v.weight", (K * D, E), Q.Q6_K if more else Q.Q4_K),
+            (p + "attn_q.weight", (H * D, E), q4k),
+            (p + "attn_k.weight", (K * D, E), q4k),
+            (p + "attn_v.weight", (K * D, E), q6k(more)),
             (p + "attn_q_norm.weight", (D,), Q.F32),
             (p + "attn_k_norm.weight", (D,), Q.F32),
-            (p + "attn_output.weight", (E, H * D), Q.Q4_K),
+            (p + "attn_output.weight", (E, H * D), q4k),
             (p + "ffn_norm.weight", (E,), Q.F32),
-            (p + "ffn_gate.weight", (F, E), Q.Q4_K),
-            (p + "ffn_up.weight", (F, E), Q.Q4_K),
-            (p + "ffn_down.weight", (E, F), Q.Q6_K if more else Q.Q4_K),
         ]
+        if s.n_expert:
+            X, FX = s.n_expert, s.n_ff_exp
+            gate_t, up_t, down_t = ((expert_types or TEST_EXPERT_TYPES) if test
+                                    else (Q.Q4_K, Q.Q4_K, q6k(more)))
+            plan += [
+                (p + "ffn_gate_inp.weight", (X, E), Q.F32),
+                (p + "ffn_gate_exps.weight", (X, FX, E), gate_t),
+                (p + "ffn_up_exps.weight", (X, FX, E), up_t),
+                (p + "ffn_down_exps.weight", (X, E, FX), down_t),
+            ]
+        else:
+            plan += [
+                (p + "ffn_gate.weight", (F, E), q4k),
+                (p + "ffn_up.weight", (F, E), q4k),
+                (p + "ffn_down.weight", (E, F), q6k(more)),
+            ]
     plan.append(("output_norm.weight", (E,), Q.F32))
     if not s.tied:
-        plan.append(("output.weight", (vocab, E), Q.Q6_K))
+        plan.append(("output.weight", (vocab, E), q6k(True)))
     return plan
 
 
@@ -139,15 +201,28 @@ def random_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator) -> np.ndarr
 def tensor_data(name: str, shape: tuple[int, ...], qtype: Q, seed: int, index: int) -> np.ndarray:
     """The stored bytes (or f32 values) of one tensor; its own seeded stream, so each tensor is
     the same whatever else is generated."""
-    if qtype == Q.F32:
+    if len(shape) == 1:
         return np.ones(shape, np.float32)  # norm weights
     block, type_size = GGML_QUANT_SIZES[qtype]
-    rows, cols = shape
+    *lead, cols = shape
+    rows = int(np.prod(lead))
     if cols % block:
         raise ValueError(f"{name}: row length {cols} is not a multiple of {qtype.name}'s {block}")
     rng = np.random.default_rng([seed, index])
-    blocks = random_blocks(qtype, rows * cols // block, rng)
-    return blocks.reshape(rows, cols // block * type_size)
+    if qtype in (Q.Q4_K, Q.Q6_K):
+        blocks = random_blocks(qtype, rows * cols // block, rng)
+        return blocks.reshape(*lead, cols // block * type_size)
+    # the test mix: normal values of std 1/sqrt(fan-in) (a router twice that), stored as f32
+    # or quantized by gguf-py
+    std = (2.0 if "ffn_gate_inp" in name else 1.0) / np.sqrt(cols)
+    values = (rng.standard_normal((rows, cols)) * std).astype(np.float32)
+    if qtype == Q.F32:
+        return values.reshape(shape)
+    if qtype == Q.F16:
+        return values.astype(np.float16).view(np.uint8).reshape(*lead, cols * 2)
+    from gguf import quants  # noqa: PLC0415
+
+    return np.asarray(quants.quantize(values, qtype)).reshape(*lead, cols // block * type_size)
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -181,17 +256,22 @@ def tokenizer_fields(path: str | os.PathLike) -> list[tuple[str, object, GGUFVal
 
 def write(out: str | os.PathLike, arch: str = "qwen3", size: str = "1.5b",
           tokenizer_from: str | os.PathLike | None = None, seed: int = 0,
-          verbose: bool = False) -> dict:
-    """Write the GGUF; returns a summary (vocab, parameter count, bytes per block format)."""
-    s = SIZES[size]
+          verbose: bool = False, expert_types: tuple[Q, Q, Q] | None = None) -> dict:
+    """Write the GGUF; returns a summary (vocab, parameter count, bytes per block format).
+    `expert_types`: the experts' formats (gate, up, down) of a `test` size."""
+    try:
+        s = SIZES[arch][size]
+    except KeyError:
+        raise ValueError(f"{arch} has no size {size!r} (one of "
+                         f"{', '.join(SIZES.get(arch, {}))})") from None
     src = tokenizer_from or default_tokenizer_source()
     tok = tokenizer_fields(src)
     vocab = len(next(v for k, v, *_ in tok if k == "tokenizer.ggml.tokens"))
-    plan = tensor_plan(arch, s, vocab)
+    plan = tensor_plan(arch, s, vocab, expert_types)
 
     w = GGUFWriter(str(out), arch)
     w.add_name(f"random {arch} {size} (kvshare scripts/make_random_gguf.py, seed {seed})")
-    w.add_file_type(LLAMA_FTYPE_MOSTLY_Q4_K_M)
+    w.add_file_type(LLAMA_FTYPE_MOSTLY_Q4_K_M if s.mix == "q4_k_m" else LLAMA_FTYPE_MOSTLY_F32)
     w.add_quantization_version(2)
     w.add_block_count(s.n_layers)
     w.add_context_length(s.context_length)
@@ -203,6 +283,10 @@ def write(out: str | os.PathLike, arch: str = "qwen3", size: str = "1.5b",
     w.add_value_length(s.head_dim)
     w.add_rope_freq_base(s.rope_base)
     w.add_layer_norm_rms_eps(s.rms_eps)
+    if s.n_expert:
+        w.add_expert_count(s.n_expert)
+        w.add_expert_used_count(s.n_expert_used)
+        w.add_expert_feed_forward_length(s.n_ff_exp)
     for key, val, vtype, sub in tok:
         w.add_key_value(key, val, vtype, sub_type=sub)
 
@@ -214,9 +298,9 @@ def write(out: str | os.PathLike, arch: str = "qwen3", size: str = "1.5b",
             nbytes = int(np.prod(shape)) * 4
         else:
             block, type_size = GGML_QUANT_SIZES[qtype]
-            rows, cols = shape
-            nbytes = rows * cols // block * type_size
-            w.add_tensor_info(name, (rows, cols // block * type_size), np.dtype(np.uint8),
+            *lead, cols = shape
+            nbytes = int(np.prod(lead)) * cols // block * type_size
+            w.add_tensor_info(name, (*lead, cols // block * type_size), np.dtype(np.uint8),
                               nbytes, raw_dtype=qtype)
         by_type[qtype.name] = by_type.get(qtype.name, 0) + nbytes
         params += int(np.prod(shape))
@@ -239,15 +323,27 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="qwen3", choices=ARCHS)
-    ap.add_argument("--size", default="1.5b", choices=sorted(SIZES))
+    ap.add_argument("--size", default="1.5b", choices=ALL_SIZES,
+                    help="per architecture: " + "; ".join(
+                        f"{a}: {', '.join(sz)}" for a, sz in SIZES.items()))
     ap.add_argument("--out", required=True, help="GGUF file to write")
     ap.add_argument("--tokenizer-from", default=None,
                     help="GGUF whose tokenizer.* metadata is copied (default: the packaged "
                          "Gemma 3 270M, kvshare.model.loader.default_model_path())")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--expert-types", default=None,
+                    help="a test size's expert formats, gate,up,down (e.g. q8_0,q4_0,q5_0)")
     args = ap.parse_args(argv)
+    if args.size not in SIZES[args.arch]:
+        ap.error(f"--arch {args.arch} has no size {args.size!r}")
     t0 = time.perf_counter()
-    info = write(args.out, args.arch, args.size, args.tokenizer_from, args.seed, verbose=True)
+    types = None
+    if args.expert_types:
+        types = tuple(Q[t.strip().upper()] for t in args.expert_types.split(","))
+        if len(types) != 3:
+            ap.error("--expert-types takes three formats: gate,up,down")
+    info = write(args.out, args.arch, args.size, args.tokenizer_from, args.seed, verbose=True,
+                 expert_types=types)
     mib = {k: round(v / 2**20, 1) for k, v in info["bytes_by_type"].items()}
     print(f"wrote {info['path']}: {args.arch} {args.size}, vocab {info['vocab']} (from "
           f"{info['tokenizer_from']}), {info['params'] / 1e9:.3f}B parameters, "

@@ -16,7 +16,8 @@ RECURRENT = "recurrent"
 # adjacent pairs (2i, 2i + 1) (the converter permutes llama's Q/K weights to match).
 ROPE_NEOX = "neox"
 ROPE_NORM = "norm"
-_ROPE_STYLE = {"gemma3": ROPE_NEOX, "qwen2": ROPE_NEOX, "qwen3": ROPE_NEOX, "llama": ROPE_NORM}
+_ROPE_STYLE = {"gemma3": ROPE_NEOX, "qwen2": ROPE_NEOX, "qwen3": ROPE_NEOX, "qwen3moe": ROPE_NEOX,
+               "llama": ROPE_NORM}
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,10 @@ def config_from_metadata(md: dict[str, Any]) -> ModelConfig:
         )
         if n_layers == 62:  # Gemma 3 27B: 1/sqrt(n_embd / n_head)
             kw["attn_scale"] = 1.0 / math.sqrt(n_embd / n_head)
-    elif arch in ("llama", "qwen2", "qwen3"):
+    elif arch in ("llama", "qwen2", "qwen3", "qwen3moe"):
         kw.update(rope_base_swa=rope_base, rope_scale_swa=rope_scale, activation="silu")
+        if arch == "qwen3moe":
+            kw["extra"] = _moe_extra(md, p)
         if sliding and arch == "qwen2" and md.get(p + "attention.use_sliding_window"):
             raise GGUFError("qwen2 sliding-window attention is not supported")
     elif arch in ("qwen35", "lfm2"):
@@ -174,6 +177,18 @@ def config_from_metadata(md: dict[str, Any]) -> ModelConfig:
         rope_style=_ROPE_STYLE.get(arch, ROPE_NEOX), sliding_window=sliding,
         layer_kinds=tuple(kinds), layer_windows=tuple(windows), **kw,
     )
+
+
+def _moe_extra(md: dict[str, Any], p: str) -> dict[str, Any]:
+    """The experts' metadata of a mixture-of-experts architecture (`kvshare.model.moe`), keyed
+    without the architecture prefix."""
+    keys = ("expert_count", "expert_used_count", "expert_feed_forward_length",
+            "expert_shared_feed_forward_length")
+    out = {k: int(md[p + k]) for k in keys if p + k in md}
+    for k in ("expert_count", "expert_used_count"):
+        if not out.get(k):
+            raise GGUFError(f"{p[:-1]} metadata lacks {p + k!r}")
+    return out
 
 
 def _hybrid_extra(md: dict[str, Any], p: str) -> dict[str, Any]:

@@ -29,6 +29,12 @@ def _llama(cfg, ld, be):
     return LlamaModel(cfg, ld, be)
 
 
+def _qwen3moe(cfg, ld, be):
+    from kvshare.model.qwen3moe import Qwen3MoeModel  # noqa: PLC0415
+
+    return Qwen3MoeModel(cfg, ld, be)
+
+
 def _qwen35(cfg, ld, be):
     from kvshare.model.qwen35 import Qwen35Model  # noqa: PLC0415
 
@@ -46,6 +52,7 @@ _ARCHITECTURES: dict[str, Callable] = {
     "llama": _llama,
     "qwen2": _llama,
     "qwen3": _llama,
+    "qwen3moe": _qwen3moe,  # qwen3 attention + mixture of experts
     "qwen35": _qwen35,  # hybrid: gated delta net + gated attention
     "lfm2": _lfm2,  # hybrid: short conv + attention
 }

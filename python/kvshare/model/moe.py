@@ -1,0 +1,144 @@
+"""Experts as a layer's feed-forward block: `MoeFFN` (router, routed experts, optional shared
+expert) loaded from a GGUF layer's tensors, its routing read as llama.cpp reads it per
+architecture. The computation is `kvshare.ops.moe`.
+
+GGUF layout (ggml's dimension order reversed, as NumPy shapes): `ffn_gate_inp [n_expert,
+n_embd]` (the router), `ffn_gate_exps` / `ffn_up_exps [n_expert, n_ff_exp, n_embd]` (or one
+`ffn_gate_up_exps [n_expert, 2 n_ff_exp, n_embd]`), `ffn_down_exps [n_expert, n_embd,
+n_ff_exp]`; a shared expert as `ffn_{gate,up,down}_shexp` with its gate `ffn_gate_inp_shexp
+[n_embd]`.
+
+Each expert's rows of a stacked tensor are a contiguous run of its bytes, so on the CPU every
+expert's matrices are `BlockWeight`s over views of the mapped file, in the file's block format
+(its gate and up rows one fused weight, as the dense layers' are): nothing is dequantized or
+copied at load, a model costs its file size, and a product reads only the experts its tokens
+use. With `KVSHARE_CPU_WEIGHTS=int8` / `f32`, a block format without kernels, or on a GPU,
+each expert is dequantized to the backend's dense form instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvshare.model.config import ModelConfig
+from kvshare.model.weights import cpu_weight_mode, dequantize
+from kvshare.ops.moe import Routing, moe_ffn
+
+# How llama.cpp's graph routes each architecture (`build_moe_ffn`'s gating, `norm_w` and
+# `w_scale` arguments). For qwen3moe and qwen35moe it passes softmax gating and norm_w = true
+# whatever the file says, and reads no `expert_weights_scale` (so 0: no scaling).
+ARCH_ROUTING: dict[str, dict[str, Any]] = {
+    "qwen3moe": dict(gating="softmax", norm=True),
+    "qwen35moe": dict(gating="softmax", norm=True),
+}
+
+
+def routing_for(cfg: ModelConfig) -> Routing:
+    ex = cfg.extra
+    try:
+        n_expert, k = int(ex["expert_count"]), int(ex["expert_used_count"])
+    except KeyError as exc:
+        raise ValueError(f"{cfg.arch} metadata lacks {exc}") from exc
+    return Routing(n_expert=n_expert, k=k, **ARCH_ROUTING[cfg.arch])
+
+
+@dataclass
+class MoeFFN:
+    """One layer's experts: `__call__(h)` is the block's output for the normed rows h."""
+
+    routing: Routing
+    router: Any  # [n_expert, n_embd]
+    gate_up: list[Any]  # per expert [2 n_ff_exp, n_embd]
+    down: list[Any]  # per expert [n_embd, n_ff_exp]
+    backend: Any
+    shared_gate_up: Any = None  # [2 n_ff_shexp, n_embd]
+    shared_down: Any = None
+    shared_gate: Any = None  # [1, n_embd]: sigmoid(shared_gate . h) scales the shared expert
+
+    def __call__(self, h: Any) -> Any:
+        from kvshare.ops.activation import glu  # noqa: PLC0415
+        from kvshare.ops.linear import linear  # noqa: PLC0415
+
+        be = self.backend
+        y = moe_ffn(h, self.router, self.gate_up, self.down, self.routing, backend=be)
+        if self.shared_gate_up is not None:
+            s = linear(glu(linear(h, self.shared_gate_up, backend=be), "silu", backend=be),
+                       self.shared_down, backend=be)
+            if self.shared_gate is not None:
+                g = linear(h, self.shared_gate, backend=be)
+                s *= 1.0 / (1.0 + be.xp.exp(-g))
+            y += s
+        return y
+
+    @property
+    def n_ff_exp(self) -> int:
+        return int(self.down[0].shape[1])
+
+
+def _expert_views(ld: Any, name: str, n_expert: int) -> tuple[list[np.ndarray], int, tuple]:
+    """The bytes of each expert's matrix in stacked tensor `name`: (views, qtype, [rows, k])."""
+    info = ld.gf.tensors.get(name)
+    if info is None:
+        raise KeyError(name)
+    shape = info.numpy_shape
+    if len(shape) != 3 or shape[0] != n_expert:
+        raise ValueError(f"{name} has shape {shape}, expected [{n_expert}, rows, cols]")
+    raw = ld.gf.raw(name)
+    per = raw.size // n_expert
+    return [raw[e * per : (e + 1) * per] for e in range(n_expert)], int(info.qtype), shape[1:]
+
+
+def load_experts(ld: Any, names: list[str], n_expert: int) -> list[Any]:
+    """Per expert, the row-wise stack of its matrices in the stacked tensors `names` (one name,
+    or gate then up), in the form `ld`'s backend multiplies (see the module docstring)."""
+    from kvshare.ops.blockweight import BLOCK_TYPES, BlockWeight  # noqa: PLC0415
+
+    parts = [_expert_views(ld, n, n_expert) for n in names]
+    ks = {shape[1] for _, _, shape in parts}
+    if len(ks) != 1:
+        raise ValueError(f"{', '.join(names)}: experts' input sizes differ ({sorted(ks)})")
+    k = ks.pop()
+    mode = cpu_weight_mode(ld.vnni_model)
+    blocks_ok = (not ld.backend.is_gpu and mode.startswith("blocks")
+                 and all(q in BLOCK_TYPES and k % BLOCK_TYPES[q][0] == 0 for _, q, _ in parts))
+    out: list[Any] = []
+    if blocks_ok:
+        activations = {"blocks-q8": "q8", "blocks-vnni": "vnni"}.get(mode, "f32")
+        for e in range(n_expert):
+            out.append(BlockWeight.concat([(views[e], q, k) for views, q, _ in parts],
+                                          activations=activations))
+        return out
+    for e in range(n_expert):
+        dense = [dequantize(views[e], q).reshape(shape) for views, q, shape in parts]
+        out.append(ld.put(np.concatenate(dense, axis=0)))
+    return out
+
+
+def load_moe(ld: Any, cfg: ModelConfig, il: int) -> MoeFFN:
+    """Layer `il`'s experts (`blk.{il}.ffn_*`), shared expert included where the file has one."""
+    p = f"blk.{il}."
+    routing = routing_for(cfg)
+    E = routing.n_expert
+    router = ld.matrix([p + "ffn_gate_inp.weight"])
+    if tuple(router.shape) != (E, cfg.n_embd):
+        raise ValueError(f"layer {il}: router has shape {tuple(router.shape)}, expected "
+                         f"{(E, cfg.n_embd)}")
+    if ld.has(p + "ffn_gate_up_exps.weight"):
+        gate_up = load_experts(ld, [p + "ffn_gate_up_exps.weight"], E)
+    else:
+        gate_up = load_experts(ld, [p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"], E)
+    down = load_experts(ld, [p + "ffn_down_exps.weight"], E)
+    ff = int(down[0].shape[1])
+    if tuple(gate_up[0].shape) != (2 * ff, cfg.n_embd) or down[0].shape[0] != cfg.n_embd:
+        raise ValueError(f"layer {il}: experts' gate/up {tuple(gate_up[0].shape)} and down "
+                         f"{tuple(down[0].shape)} do not fit n_embd {cfg.n_embd}")
+    moe = MoeFFN(routing, router, gate_up, down, ld.backend)
+    if ld.has(p + "ffn_up_shexp.weight"):
+        moe.shared_gate_up = ld.matrix([p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"])
+        moe.shared_down = ld.matrix([p + "ffn_down_shexp.weight"])
+        if ld.has(p + "ffn_gate_inp_shexp.weight"):
+            moe.shared_gate = ld.put(ld.host(p + "ffn_gate_inp_shexp.weight").reshape(1, -1))
+    return moe

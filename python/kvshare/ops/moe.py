@@ -1,0 +1,154 @@
+"""Mixture-of-experts feed-forward block: the router's choice of experts per token and the
+experts' gated FFNs over the tokens routed to them (llama.cpp's `build_moe_ffn`).
+
+Routing (`route`): router logits `[N, n_expert]` -> gating probabilities (softmax, or sigmoid)
+-> the top k experts by probability (highest first) -> their probabilities as weights,
+divided by their sum when `norm` (the sum clamped to >= 2^-14, as ggml clamps it) and
+multiplied by `scale` when it is neither 0 nor 1. "softmax_weight" picks by the raw logits and
+takes the softmax of the k picked logits as weights.
+
+Products (`moe_ffn`): the (token, slot) pairs are grouped by expert (`group_by_expert`), and
+each expert with at least one pair runs one product per matrix over its tokens' rows: its
+gate|up rows, the gated activation, its down rows. A pair's output is weighted and the k
+slots of a token are added in slot order (highest weight first), as llama.cpp adds its
+`ffn_moe_weighted` views. Each expert's matrices are whatever `ops.linear.linear` takes (a
+`BlockWeight` on the CPU: one block-format product per active expert on its rows), so a
+token's result does not depend on which other tokens share its step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvshare.backend import CPU, Backend
+from kvshare.ops.activation import glu
+from kvshare.ops.linear import linear
+
+GATINGS = ("softmax", "sigmoid", "softmax_weight")
+# ggml clamps the sum of the selected weights to the smallest normal f16 before dividing
+_MIN_WEIGHT_SUM = np.float32(6.103515625e-5)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a layer's router picks and weighs experts."""
+
+    n_expert: int
+    k: int  # experts per token (`expert_used_count`)
+    gating: str = "softmax"
+    norm: bool = True  # divide the k weights by their sum
+    scale: float = 0.0  # multiply the weights by this (0 and 1: unchanged)
+
+    def __post_init__(self) -> None:
+        if self.gating not in GATINGS:
+            raise ValueError(f"gating {self.gating!r}: expected one of {', '.join(GATINGS)}")
+        if not 0 < self.k <= self.n_expert:
+            raise ValueError(f"{self.k} experts per token out of {self.n_expert}")
+
+
+def _softmax_rows(x: Any, xp: Any) -> Any:
+    """ggml_soft_max of f32 rows: exp(x - max), divided by the row's sum."""
+    e = xp.exp(x - x.max(axis=1, keepdims=True))
+    s = e.sum(axis=1, keepdims=True, dtype=xp.float64)
+    e *= (1.0 / s).astype(xp.float32)
+    return e
+
+
+def _top_k(scores: Any, k: int, xp: Any) -> Any:
+    """Per row, the indices of the k largest scores, largest first (ties: lower index)."""
+    if k == 1:
+        return scores.argmax(axis=1)[:, None]
+    return xp.argsort(-scores, axis=1, kind="stable")[:, :k]
+
+
+def route(logits: Any, routing: Routing, *, backend: Backend = CPU) -> tuple[Any, Any]:
+    """The experts of each token and their weights: `(ids int64 [N, k], weights f32 [N, k])`,
+    slot 0 the most probable expert. `logits`: f32 `[N, n_expert]`, the router's output."""
+    xp = backend.xp
+    logits = logits.astype(xp.float32, copy=False)
+    if logits.ndim != 2 or logits.shape[1] != routing.n_expert:
+        raise ValueError(f"router logits must be [N, {routing.n_expert}], got {logits.shape}")
+    if routing.gating == "softmax":
+        probs = _softmax_rows(logits, xp)
+    elif routing.gating == "sigmoid":
+        probs = 1.0 / (1.0 + xp.exp(-logits))
+    else:
+        probs = logits
+    ids = _top_k(probs, routing.k, xp)
+    w = xp.take_along_axis(probs, ids, axis=1)
+    if routing.gating == "softmax_weight":
+        w = _softmax_rows(w, xp)
+    if routing.norm:
+        s = xp.maximum(w.sum(axis=1, keepdims=True, dtype=xp.float64).astype(xp.float32),
+                       _MIN_WEIGHT_SUM)
+        w = w / s
+    if routing.scale not in (0.0, 1.0):
+        w = w * xp.float32(routing.scale)
+    return ids.astype(xp.int64, copy=False), w.astype(xp.float32, copy=False)
+
+
+def group_by_expert(ids: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(pairs, offsets)`: the flat (token, slot) pair indices `t * k + j` of `ids` ([N, k],
+    host) sorted by expert, token order kept within an expert, and `offsets [n_expert + 1]`:
+    expert e's pairs are `pairs[offsets[e]:offsets[e + 1]]` (empty for an idle expert)."""
+    flat = np.asarray(ids, np.int64).reshape(-1)
+    if flat.size and (flat.min() < 0 or flat.max() >= n_expert):
+        raise IndexError(f"expert id out of range [0, {n_expert})")
+    pairs = np.argsort(flat, kind="stable")
+    offsets = np.zeros(n_expert + 1, np.int64)
+    np.cumsum(np.bincount(flat, minlength=n_expert), out=offsets[1:])
+    return pairs, offsets
+
+
+def moe_ffn(h: Any, router: Any, gate_up: Sequence[Any], down: Sequence[Any],
+            routing: Routing, activation: str = "silu", *, router_bias: Any = None,
+            backend: Backend = CPU) -> Any:
+    """The experts' output `[N, n_embd]` for the normed hidden rows `h` (`[N, n_embd]` f32).
+
+    `router`: `[n_expert, n_embd]`; `gate_up[e]`: expert e's gate rows then up rows
+    (`[2 n_ff_exp, n_embd]`); `down[e]`: `[n_embd, n_ff_exp]`; any weight form `linear`
+    takes. `router_bias`: optional `[n_expert]` added to the router logits."""
+    xp = backend.xp
+    n = h.shape[0]
+    logits = linear(h, router, router_bias, backend=backend)
+    ids, w = route(logits, routing, backend=backend)
+    k = routing.k
+    ids_host = backend.to_host(ids) if backend.is_gpu else ids
+    pairs, offsets = group_by_expert(ids_host, routing.n_expert)
+    y = xp.empty((n * k, h.shape[1]), xp.float32)
+    wflat = w.reshape(-1)
+    active = np.nonzero(offsets[1:] > offsets[:-1])[0]
+    for e in active.tolist():
+        p = pairs[offsets[e] : offsets[e + 1]]
+        rows = p // k
+        if backend.is_gpu:
+            p, rows = backend.asarray(p), backend.asarray(rows)
+        a = glu(linear(h[rows], gate_up[e], backend=backend), activation, backend=backend)
+        out = linear(a, down[e], backend=backend)
+        out *= wflat[p][:, None]
+        y[p] = out
+    y = y.reshape(n, k, h.shape[1])
+    acc = y[:, 0].copy()
+    for j in range(1, k):
+        acc += y[:, j]
+    return acc
+
+
+def moe_ffn_reference(h: np.ndarray, router: np.ndarray, gate_up: Sequence[np.ndarray],
+                      down: Sequence[np.ndarray], routing: Routing) -> np.ndarray:
+    """`moe_ffn` token by token in float64 on dense f32 weights: the test oracle (SwiGLU)."""
+    ids, w = route(np.asarray(h @ router.T, np.float32), routing)
+    out = np.zeros(h.shape, np.float64)
+    ff = gate_up[0].shape[0] // 2
+    for t in range(h.shape[0]):
+        x = h[t].astype(np.float64)
+        for j in range(routing.k):
+            e = int(ids[t, j])
+            gu = gate_up[e].astype(np.float64) @ x
+            g, u = gu[:ff], gu[ff:]
+            a = g / (1.0 + np.exp(-g)) * u
+            out[t] += float(w[t, j]) * (down[e].astype(np.float64) @ a)
+    return out
