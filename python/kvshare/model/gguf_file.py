@@ -9,7 +9,9 @@ Dequantization and weight layout live in `weights.py`.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,7 @@ class TensorInfo:
     qtype: GGMLQuantizationType
     offset: int  # absolute byte offset in the file
     n_bytes: int
+    part: int = 0  # which file of a split GGUF holds it (0: the first, or the only one)
 
     @property
     def numpy_shape(self) -> tuple[int, ...]:
@@ -88,9 +91,16 @@ class _Cursor:
         raise GGUFError(f"unknown GGUF value type {vtype}")
 
 
+_SPLIT_NAME = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
 class GGUFFile:
     """An open GGUF file. `metadata` maps GGUF keys to Python values (arrays as lists);
-    `tensors` maps tensor names to `TensorInfo`; `raw(name)` is a zero-copy view of the bytes."""
+    `tensors` maps tensor names to `TensorInfo`; `raw(name)` is a zero-copy view of the bytes.
+
+    A split GGUF (`NAME-00001-of-00003.gguf`, as llama.cpp's gguf-split writes it, metadata
+    `split.count`) opens from its first part: the other parts are found beside it by name and
+    their tensors join `tensors`; the metadata is the first part's."""
 
     def __init__(self, path: str | Path, *, huge_pages: bool = False):
         """`huge_pages`: map the file in 2 MiB pages where Linux can (`huge_pages.py`; for
@@ -107,27 +117,51 @@ class GGUFFile:
         self.huge_fraction = 0.0
         if huge_pages:
             self._map, self.huge_fraction = map_in_huge_pages(self.path, self._map)
+        self._maps = [self._map]
+        self.tensors: dict[str, TensorInfo] = {}
         try:
-            self._parse()
+            self.metadata = self._parse(self.path, self._map, 0)
+            n_parts = int(self.metadata.get("split.count", 1) or 1)
+            for i in range(1, n_parts):
+                self._open_part(i, n_parts)
         except GGUFError:
+            self.close()
             raise
         except (struct.error, ValueError, KeyError, OverflowError) as exc:
+            self.close()
             raise GGUFError(f"{self.path}: not a valid GGUF file ({type(exc).__name__}: {exc})") from exc
 
-    def _parse(self) -> None:
-        cur = _Cursor(memoryview(self._map))
+    def _open_part(self, i: int, n_parts: int) -> None:
+        m = _SPLIT_NAME.search(self.path.name)
+        if m is None or int(m.group(1)) != 1 or int(m.group(2)) != n_parts:
+            raise GGUFError(f"{self.path}: a split GGUF of {n_parts} files opens from its "
+                            f"first part, named NAME-00001-of-{n_parts:05d}.gguf")
+        part = self.path.with_name(_SPLIT_NAME.sub(f"-{i + 1:05d}-of-{n_parts:05d}.gguf",
+                                                   self.path.name))
+        if not part.is_file():
+            raise GGUFError(f"{self.path}: part {i + 1} of {n_parts} is missing ({part})")
+        with open(part, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._maps.append(mm)
+        self._parse(part, mm, i)
+
+    def _parse(self, path: Path, buf: mmap.mmap, part: int) -> dict[str, Any]:
+        """The file's metadata; its tensors are added to `tensors`."""
+        cur = _Cursor(memoryview(buf))
         if bytes(cur.buf[:4]) != GGUF_MAGIC:
-            raise GGUFError(f"{self.path}: not a GGUF file (bad magic)")
+            raise GGUFError(f"{path}: not a GGUF file (bad magic)")
         cur.pos = 4
-        self.version = cur.unpack("<I")
-        if self.version not in (2, 3):
-            raise GGUFError(f"{self.path}: unsupported GGUF version {self.version}")
+        version = cur.unpack("<I")
+        if version not in (2, 3):
+            raise GGUFError(f"{path}: unsupported GGUF version {version}")
+        if part == 0:
+            self.version = version
         n_tensors = cur.unpack("<Q")
         n_kv = cur.unpack("<Q")
-        self.metadata: dict[str, Any] = {}
+        metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = cur.string()
-            self.metadata[key] = cur.value(cur.unpack("<I"))
+            metadata[key] = cur.value(cur.unpack("<I"))
         infos = []
         for _ in range(n_tensors):
             name = cur.string()
@@ -136,9 +170,8 @@ class GGUFFile:
             qtype = GGMLQuantizationType(cur.unpack("<I"))
             offset = cur.unpack("<Q")
             infos.append((name, shape, qtype, offset))
-        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
         data_start = -(-cur.pos // alignment) * alignment
-        self.tensors: dict[str, TensorInfo] = {}
         for name, shape, qtype, offset in infos:
             block, type_size = GGML_QUANT_SIZES[qtype]
             n_elems = int(np.prod(shape)) if shape else 1
@@ -146,9 +179,10 @@ class GGUFFile:
                 raise GGUFError(f"tensor {name}: {n_elems} elements not a multiple of {block}")
             n_bytes = n_elems // block * type_size
             start = data_start + offset
-            if start + n_bytes > len(self._map):
-                raise GGUFError(f"{self.path}: tensor {name} runs past the end of the file (truncated?)")
-            self.tensors[name] = TensorInfo(name, shape, qtype, start, n_bytes)
+            if start + n_bytes > len(buf):
+                raise GGUFError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
+            self.tensors[name] = TensorInfo(name, shape, qtype, start, n_bytes, part)
+        return metadata
 
     @property
     def architecture(self) -> str:
@@ -157,10 +191,13 @@ class GGUFFile:
     def raw(self, name: str) -> np.ndarray:
         """The tensor's stored bytes as a read-only uint8 view of the memory map."""
         info = self.tensors[name]
-        return np.frombuffer(self._map, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
+        return np.frombuffer(self._maps[info.part], dtype=np.uint8, count=info.n_bytes,
+                             offset=info.offset)
 
     def close(self) -> None:
-        self._map.close()
+        for m in self._maps:
+            with contextlib.suppress(BufferError):  # a view still exported keeps its map
+                m.close()
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
