@@ -9,8 +9,15 @@ never buffered). What it answers itself:
 - GET /v1/models: the union of the healthy backends' model lists;
 - GET /metrics: its own metrics (metrics.py), not a replica's;
 - its own failures, in the error shape of the API at the request's path (the replicas' own
-  `error_json`): 401 bad key, 413 body too big, 503 nothing healthy, 502 the backend failed.
+  `error_json`): 401 bad key, 408 body stopped arriving, 413 body too big, 503 nothing healthy
+  or too many requests in progress, 502 the backend failed, 504 its response headers did not
+  come within `timeout`.
 Everything else, whatever the method or path, is proxied.
+
+What a client or a backend can hold is bounded as in `kvshare serve`, with the same code:
+`EdgeMiddleware` (server/edge.py: requests in progress, the body's gap and total deadlines),
+Hypercorn's header timeout (launcher.py), and here a total deadline on a backend's response
+headers (httpx's timeouts are per read: a backend trickling its headers never hits them).
 """
 
 from __future__ import annotations
@@ -30,14 +37,17 @@ from urllib.parse import quote
 import anyio
 import httpx
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from kvshare.server.middleware import error_json, is_anthropic_path
+from kvshare.server.body import body_timeout_error
+from kvshare.server.edge import BodyTimeout, EdgeLimits, EdgeMiddleware
 from kvshare.server.errors import APIError
+from kvshare.server.middleware import error_json, is_anthropic_path
 from kvshare.apis.llama_server import error_object
 
 from .backends import Backend, BackendSet
@@ -70,11 +80,17 @@ class RouterSettings:
     load_factor: float = 1.0
     overload_factor: float = 1.5
     spill_min: int = 32  # a backend with fewer requests in flight is never overloaded
-    timeout: float = 600.0  # upstream read timeout: the longest silence of a replica
+    # upstream read timeout (the longest silence of a replica), and the deadline for its
+    # response headers as a whole
+    timeout: float = 600.0
     connect_timeout: float = 5.0
     max_body: int = 32 * 1024 * 1024
     root_path: str = ""
     response_owners: int = 100_000  # response ids remembered for previous_response_id
+    # as `kvshare serve`'s flags: a client's request head and the gaps in its body (the whole
+    # body: BODY_TOTAL_FACTOR x this), and requests in progress
+    body_timeout: float = 30.0
+    max_connections: int = 1024
 
 
 class _BodyTooLarge(Exception):
@@ -213,7 +229,7 @@ class Router:
             # closed under a client that reuses it for its next request
             try:
                 await self.read_body(request)
-            except (_BodyTooLarge, ClientDisconnect):
+            except (_BodyTooLarge, ClientDisconnect, BodyTimeout):
                 denied.headers["Connection"] = "close"
             return denied
         if method in ("GET", "HEAD") and path in MODELS_PATHS:
@@ -229,7 +245,13 @@ class Router:
                           headers={"Connection": "close"})
         except ClientDisconnect:
             return Response(status_code=400)  # nobody is listening
+        except BodyTimeout:
+            return self._body_timeout(path)
         return await self.forward(request, path, body)
+
+    def _body_timeout(self, path: str) -> JSONResponse:
+        err = body_timeout_error(self.settings.body_timeout)
+        return JSONResponse(error_json(path, err), status_code=err.status, headers=err.headers)
 
     def check_auth(self, request: Request, path: str) -> Response | None:
         """None when no keys are configured or the request carries one of them (as `kvshare
@@ -367,7 +389,16 @@ class Router:
             self.metrics.inflight.labels(backend).inc()
             t0 = time.perf_counter()
             try:
-                upstream = await self.client.send(upstream_req, stream=True)
+                upstream = await asyncio.wait_for(
+                    self.client.send(upstream_req, stream=True), self.settings.timeout)
+            except asyncio.TimeoutError:
+                # the request was sent: no retry (it may be running)
+                self._done(backend)
+                self.metrics.error(backend, "header_timeout")
+                log.warning("%s %s via %s: no response headers within %g s", method, path,
+                            backend, self.settings.timeout)
+                return _error(path, 504, "The backend sent no response headers within "
+                              f"{self.settings.timeout:g} s", "gateway_timeout")
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 # nothing reached the backend: it is down, and the request may go elsewhere
                 self._done(backend)
@@ -500,7 +531,14 @@ def create_app(settings: RouterSettings, on_startup: Callable[[], None] | None =
         finally:
             await router.stop()
 
+    limits = EdgeLimits(body_timeout=settings.body_timeout,
+                        max_connections=settings.max_connections,
+                        max_body_bytes=settings.max_body)
     app = Starlette(routes=[Route("/{path:path}", router.handle, methods=METHODS)],
-                    lifespan=lifespan)
+                    lifespan=lifespan,
+                    middleware=[Middleware(EdgeMiddleware, limits=limits,
+                                           exempt=OPEN_PATHS | {"/metrics"},
+                                           route_path=router.path_of)])
     app.state.router = router
+    app.state.edge = limits
     return app

@@ -98,8 +98,17 @@ def add_route_parser(sub: Any, environ: dict[str, str]) -> argparse.ArgumentPars
                         "[env KVSHARE_SPILL_MIN]")
     p.add_argument("--timeout", type=positive_float,
                    default=environ.get("KVSHARE_TIMEOUT", 600.0),
-                   help="seconds to wait for a backend's next bytes (read timeout) "
-                        "[env KVSHARE_TIMEOUT]")
+                   help="seconds a backend may stay silent (read timeout), and the most it "
+                        "may take to send its response headers (then 504) [env KVSHARE_TIMEOUT]")
+    p.add_argument("--body-timeout", type=positive_float,
+                   default=environ.get("KVSHARE_BODY_TIMEOUT", 30.0),
+                   help="seconds a client gets to send a request's headers, and the longest "
+                        "gap while it sends a body (the whole body: 10x this); then 408 and the "
+                        "connection closed (as kvshare serve) [env KVSHARE_BODY_TIMEOUT]")
+    p.add_argument("--max-connections", type=positive_int,
+                   default=environ.get("KVSHARE_MAX_CONNECTIONS", 1024),
+                   help="requests in progress at once (/health, /metrics not counted); more "
+                        "get 503 with Retry-After [env KVSHARE_MAX_CONNECTIONS]")
     p.add_argument("--max-body", type=positive_int,
                    default=environ.get("KVSHARE_MAX_BODY", DEFAULT_MAX_BODY),
                    help="largest request body in bytes (larger: 413) [env KVSHARE_MAX_BODY]")
@@ -152,7 +161,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
     return RouterSettings(backends=backends, api_keys=tuple(keys),
                           health_interval=args.health_interval, load_factor=args.load_factor,
                           overload_factor=args.overload_factor, spill_min=args.spill_min,
-                          timeout=args.timeout,
+                          timeout=args.timeout, body_timeout=args.body_timeout,
+                          max_connections=args.max_connections,
                           max_body=args.max_body, root_path=args.root_path.rstrip("/"))
 
 
@@ -163,7 +173,7 @@ def route(args: argparse.Namespace) -> int:
         return _fail(str(e), 2)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from kvshare.server.launcher import bind_socket, run, socket_url
+    from kvshare.server.launcher import bind_socket, raise_fd_limit, run, socket_url
 
     from .app import create_app
 
@@ -178,9 +188,10 @@ def route(args: argparse.Namespace) -> int:
               f"{', '.join(settings.backends)}", flush=True)
 
     app = create_app(settings, on_startup=ready)
+    raise_fd_limit(settings.max_connections * 2 + 256)  # a client and a backend connection each
     # no graceful drain of long streams beyond Hypercorn's: the replicas own the generations
     run(app, sock, root_path=settings.root_path, graceful_timeout=10.0,
-        log_level=args.log_level)
+        log_level=args.log_level, header_timeout=settings.body_timeout)
     print("kvshare: stopped", flush=True)
     return 0
 

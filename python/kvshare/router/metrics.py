@@ -5,7 +5,8 @@ and a replica in one process (tests) never mix their series.
   why (policy.Choice.reason: affinity, ring, spill, least_loaded; `response`: a Responses API
   request following its previous_response_id to the replica that stored it);
 - `kvshare_router_errors_total{backend,kind}`: `connect` (not reachable; marked down),
-  `upstream` (failed after the request was sent, before its answer), `stream` (failed while
+  `upstream` (failed after the request was sent, before its answer), `header_timeout` (its
+  response headers did not come within the router's --timeout), `stream` (failed while
   the answer was passed on), `status_5xx` (the replica answered 5xx), `no_backend`
   (backend="none": nothing healthy to send to);
 - `kvshare_router_request_seconds{backend}`: time from forwarding to the replica's response

@@ -47,7 +47,8 @@ def _curl_form(content_type: str | None, request: Request) -> bool:
     return mt in _SIMPLE_TYPES and "origin" not in request.headers
 
 
-def _timeout_error(limit: float | None) -> APIError:
+def body_timeout_error(limit: float | None) -> APIError:
+    """The 408 for a body that stopped arriving (`kvshare serve` and `kvshare route`)."""
     return APIError(408, f"The request body stopped arriving (nothing for {limit:g} s, or "
                          f"not complete after {BODY_TOTAL_FACTOR * (limit or 0):g} s)",
                     code="request_timeout", headers={"Connection": "close"})
@@ -99,7 +100,7 @@ async def read_json(request: Request, settings: Any) -> dict:
             if declared is None and n > SMALL_BODY and not edge.reserved:
                 await edge.reserve(limit)
     except BodyTimeout:
-        raise _timeout_error(edge.limits.body_timeout) from None
+        raise body_timeout_error(edge.limits.body_timeout) from None
     edge.body_bytes = n
     if not n:
         raise bad_request("request body is empty; expected a JSON object")

@@ -80,10 +80,12 @@ async def serve_app(app: Any, sock: socket.socket, *, root_path: str = "",
                     graceful_timeout: float = 10.0, log_level: str = "INFO",
                     stop: asyncio.Event | None = None,
                     install_signal_handlers: bool = True,
-                    server: Lifecycle | None = None) -> None:
+                    server: Lifecycle | None = None,
+                    header_timeout: float | None = None) -> None:
     """Serve until `stop` is set (or, with `install_signal_handlers`, SIGTERM/SIGINT).
     `server`: what to tell about the shutdown (kvshare's `app.state.server`; None: nothing,
-    e.g. the router)."""
+    e.g. the router). `header_timeout`: see `make_config` (default: the server's body
+    timeout, else 30 s)."""
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     if server is None:  # kvshare's app carries its server; the router's app has none
@@ -91,8 +93,8 @@ async def serve_app(app: Any, sock: socket.socket, *, root_path: str = "",
         server = found if isinstance(found, Lifecycle) else None
     config = make_config(sock, root_path=root_path, graceful_timeout=graceful_timeout,
                          log_level=log_level,
-                         header_timeout=(server.body_timeout if server is not None else None)
-                         or 30.0)
+                         header_timeout=header_timeout
+                         or (server.body_timeout if server is not None else None) or 30.0)
     install_json_error_bodies()  # Hypercorn's own 400/431/500 get an OpenAI error body
     signals = 0
 
