@@ -152,7 +152,7 @@ def config_from_metadata(md: dict[str, Any]) -> ModelConfig:
             kw["extra"] = _moe_extra(md, p)
         if sliding and arch == "qwen2" and md.get(p + "attention.use_sliding_window"):
             raise GGUFError("qwen2 sliding-window attention is not supported")
-    elif arch in ("qwen35", "lfm2"):
+    elif arch in ("qwen35", "qwen35moe", "lfm2"):
         # hybrid models (kvshare.model.qwen35 / lfm2): recurrent-layer hyper-parameters go to
         # `extra`. qwen35's recurrent layers are the ones llama.cpp marks: an explicit
         # `attention.recurrent_layers` array, else every layer but each
@@ -160,7 +160,9 @@ def config_from_metadata(md: dict[str, Any]) -> ModelConfig:
         # gives every section the same position for text, which is plain NEOX rope.
         kw.update(rope_base_swa=rope_base, rope_scale_swa=rope_scale, activation="silu",
                   extra=_hybrid_extra(md, p))
-        if arch == "qwen35":
+        if arch == "qwen35moe":
+            kw["extra"].update(_moe_extra(md, p))
+        if arch in ("qwen35", "qwen35moe"):
             rec = md.get(p + "attention.recurrent_layers")
             if isinstance(rec, list) and len(rec) == n_layers:
                 is_rec = [bool(v) for v in rec]

@@ -41,6 +41,12 @@ def _qwen35(cfg, ld, be):
     return Qwen35Model(cfg, ld, be)
 
 
+def _qwen35moe(cfg, ld, be):
+    from kvshare.model.qwen35moe import Qwen35MoeModel  # noqa: PLC0415
+
+    return Qwen35MoeModel(cfg, ld, be)
+
+
 def _lfm2(cfg, ld, be):
     from kvshare.model.lfm2 import Lfm2Model  # noqa: PLC0415
 
@@ -54,6 +60,7 @@ _ARCHITECTURES: dict[str, Callable] = {
     "qwen3": _llama,
     "qwen3moe": _qwen3moe,  # qwen3 attention + mixture of experts
     "qwen35": _qwen35,  # hybrid: gated delta net + gated attention
+    "qwen35moe": _qwen35moe,  # the qwen35 hybrid with experts and a shared expert
     "lfm2": _lfm2,  # hybrid: short conv + attention
 }
 

@@ -146,6 +146,10 @@ class Qwen35Model(HybridModel):
         self.conv_dim = 2 * self.n_k_heads * self.d_k + self.n_v_heads * self.d_v
         _load(self, loader)
 
+    def load_ffn(self, ld: Any, il: int) -> tuple[Any, Any]:
+        """Layer `il`'s feed-forward weights as `ffn` takes them (the MoE subclass: experts)."""
+        return load_ffn(ld, f"blk.{il}.")
+
     def state_shapes(self) -> list[tuple[int, ...]]:
         """`[conv (n_rec, K-1, conv_dim), ssm (n_rec, H_v, Dk, Dv)]` per slot."""
         r = self.config.n_recurrent_layers
@@ -221,7 +225,7 @@ def _load(model: Qwen35Model, ld: Any) -> None:
     attn_idx = cfg.attn_layer_index
     for il in range(cfg.n_layers):
         p = f"blk.{il}."
-        gate_up, down = load_ffn(ld, p)
+        gate_up, down = model.load_ffn(ld, il)
         if cfg.layer_kinds[il] == ATTENTION:
             names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
             w = ld.matrix(names)
