@@ -34,6 +34,7 @@ from kvshare._core import (
 __all__ = [
     "GrammarError", "Grammar", "Matcher", "TokenVocab", "compile_grammar", "MaskBatch",
     "apply_mask", "allowed_tokens", "masked_argmax", "mask_logits", "GRAMMAR_KINDS",
+    "probe_grammar",
 ]
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "lark", "regex")
@@ -89,10 +90,38 @@ class TokenVocab:
 def compile_grammar(vocab: TokenVocab | ConstraintVocab, kind: str, source: str) -> Grammar:
     """Compile `source` as `kind` (one of GRAMMAR_KINDS; `json_object` ignores the source).
     Raises GrammarError (a ValueError) with llguidance's message, e.g. for a schema keyword
-    it cannot enforce ("Unimplemented keys: [\"uniqueItems\"]", "Unknown format: ..."). GBNF
-    is not accepted: convert it to Lark first."""
+    it cannot enforce ("Unimplemented keys: [\"uniqueItems\"]", "Unknown format: ...") or
+    that fails in its first steps (`probe_grammar`). GBNF is not accepted: convert it to Lark
+    first."""
     core = vocab.core if isinstance(vocab, TokenVocab) else vocab
-    return Grammar(core, kind, source)
+    grammar = Grammar(core, kind, source)
+    probe_grammar(grammar, core.eos)
+    return grammar
+
+
+def probe_grammar(grammar: Grammar, eos: Sequence[int]) -> None:
+    """Run a throwaway matcher's first steps (its first mask, one allowed token, the next
+    mask): llguidance reports some grammars only when it computes a mask (a schema that
+    allows no value, `NoExtensionBias`; an Earley row over its limit after the first token),
+    which would otherwise fail the request mid-generation. Raises GrammarError."""
+    m = grammar.matcher()
+    mask = np.empty(m.mask_words, np.uint32)
+    m.fill_mask(mask)
+    if m.error is not None:
+        raise GrammarError(m.error)
+    stops = set(eos)
+    for i in np.flatnonzero(mask):
+        bits = int(mask[i])
+        while bits:
+            low = bits & -bits
+            token = int(i) * 32 + low.bit_length() - 1
+            if token not in stops:
+                m.consume(token)
+                m.fill_mask(mask)
+                if m.error is not None:
+                    raise GrammarError(m.error)
+                return
+            bits ^= low
 
 
 _worker: ThreadPoolExecutor | None = None

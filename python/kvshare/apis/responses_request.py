@@ -6,6 +6,7 @@ the whole mapping."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,9 @@ def _text_parts(content: Any, path: str, *, required: bool = True) -> str:
             raise bad_request(f"Invalid type for '{ppath}': expected an object, but got "
                               f"{_type_name(part)}.", ppath, "invalid_type")
         ptype = part.get("type")
+        if not isinstance(ptype, str):  # an object or array is not hashable: check first
+            raise bad_request(f"Invalid type for '{ppath}.type': expected a string, but got "
+                              f"{_type_name(ptype)}.", f"{ppath}.type", "invalid_type")
         if ptype in TEXT_PARTS:
             texts.append(_str_field(part, "text", ppath, empty_ok=True) or "")
         elif ptype == "refusal":
@@ -313,13 +317,51 @@ def _check_body(body: dict) -> dict:
         raise bad_request(f"Invalid value for 'truncation': {truncation!r}; supported "
                           "values are 'auto' and 'disabled'.", "truncation",
                           "invalid_value")
-    reasoning = _loose(body, "reasoning", (dict,), "an object")
+    reasoning = _reasoning(body)
     include = _loose(body, "include", (list,), "an array")
     if include is not None and not all(isinstance(x, str) for x in include):
         raise bad_request("Invalid 'include': expected an array of strings.", "include",
                           "invalid_type")
     return {"metadata": dict(metadata) if metadata else {}, "user": user,
             "truncation": truncation or "disabled", "reasoning": reasoning}
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
+
+
+def _reasoning(body: dict) -> dict | None:
+    """`reasoning` (echoed, not acted on): `effort` and `summary` (or the older
+    `generate_summary`) are null or one of OpenAI's values, so the echo is always JSON."""
+    reasoning = _loose(body, "reasoning", (dict,), "an object")
+    if reasoning is None:
+        return None
+    for key, allowed in (("effort", REASONING_EFFORTS), ("summary", REASONING_SUMMARIES),
+                         ("generate_summary", REASONING_SUMMARIES)):
+        v = reasoning.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, str) or v not in allowed:
+            shown = repr(v) if isinstance(v, str) else _type_name(v)
+            raise bad_request(f"Invalid value for 'reasoning.{key}': {shown[:64]}; supported "
+                              f"values are {', '.join(map(repr, allowed))}.",
+                              f"reasoning.{key}", "invalid_value")
+    return reasoning
+
+
+def _check_finite(value: Any, path: str) -> None:
+    """400 for NaN or ±Infinity anywhere in `value` (what the response echoes): JSON has no
+    such numbers, and the response is written only after the whole reply was generated."""
+    stack = [(value, path)]
+    while stack:
+        v, p = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            raise bad_request(f"Invalid value for '{p}': {v} is not a JSON number.", p,
+                              "invalid_value")
+        if isinstance(v, dict):
+            stack.extend((x, f"{p}.{k}") for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((x, f"{p}[{i}]") for i, x in enumerate(v))
 
 
 def _template_kwargs(body: dict) -> dict:
@@ -389,6 +431,8 @@ def parse_responses_request(body: dict, ctx: RequestContext, store: ResponseStor
                 parallel_tool_calls=parallel, text=text_echo, temperature=temperature,
                 top_p=top_p, max_output_tokens=max_tokens, previous_response_id=prev_id,
                 store=keep)
+    for name in ("reasoning", "metadata", "tools", "text"):
+        _check_finite(echo.get(name), name)
     return ResponsesRequest(chat=chat, opts=opts, output=output, model=model,
                             cache_point=cache_point, echo=echo, store=keep, owner=owner,
                             conversation=messages[n_head:], instructions=instructions,

@@ -9,8 +9,10 @@ from collections.abc import Callable
 
 from kvshare.gbnf.analysis import analyse
 from kvshare.gbnf.automata import Automata
+from kvshare.constraint_limits import MAX_GBNF_RULES
 from kvshare.gbnf.conflicts import ConflictCheck
 from kvshare.gbnf.emit import Emitter
+from kvshare.gbnf.errors import GBNFError
 from kvshare.gbnf.lark import LarkWriter
 from kvshare.gbnf.lexemes import Lexemes
 from kvshare.gbnf.parse import Parser
@@ -19,7 +21,8 @@ from kvshare.gbnf.parse import Parser
 def gbnf_to_lark(text: str, token_id: Callable[[str], int | None] | None = None) -> str:
     """The llguidance Lark grammar matching what the GBNF grammar `text` matches (see the
     package docstring). `token_id` resolves `<text>` tokens to ids (None: unknown token).
-    Raises GBNFError (a ValueError). The result has one `start:` rule, on its own line, and
+    Raises GBNFError (a ValueError), also for a grammar of more than
+    `constraint_limits.MAX_GBNF_RULES` rules. The result has one `start:` rule, on its own line, and
     no name beginning with `kvshare_` / `KVSHARE_`. ~1 s per 25 KB of JSON-schema-like grammar
     (the fusion check has a budget); without `token_id` the last 32 results are cached."""
     if token_id is None:
@@ -40,6 +43,9 @@ def convert(text: str, token_id: Callable[[str], int | None] | None, fuse: bool)
     parser = Parser(text, token_id)
     parser.parse()
     rules = parser.rules
+    if len(rules) > MAX_GBNF_RULES:  # before the passes: they take seconds on such grammars
+        raise GBNFError(f"the grammar has {len(rules)} rules; at most {MAX_GBNF_RULES} are "
+                        "accepted (the limit)", 1, 1)
     writer = LarkWriter(analyse(rules, parser.order))
     lexemes = Lexemes(rules, writer, fuse)
     check = ConflictCheck(rules, lexemes, Automata(rules))

@@ -50,6 +50,8 @@ class ToolCalls:
         tools = chat.tools or []
         if not tools or chat.tool_choice == "none":
             return None
+        for i, t in enumerate(tools):
+            check_limits(t["function"].get("parameters"), f"tools[{i}].function.parameters")
         tools = closed_tools(tools)
         fmt = self.format(tools)
         if chat.tool_choice == "required":
@@ -86,7 +88,9 @@ def compile_constraint(engine, c: OutputConstraint, rules: OutputRules | None = 
 
     kind, source = c.kind, c.source
     if kind == "json_schema":
-        source = output_schema_text(json.loads(source))
+        schema = json.loads(source)
+        check_limits(schema, c.param)
+        source = output_schema_text(schema)
     elif kind == "json_object":
         kind, source = "json_schema", output_schema_text({"type": "object"})
     elif kind == "gbnf":  # llama-server's grammar field: llguidance reads Lark
@@ -110,6 +114,18 @@ def compile_constraint(engine, c: OutputConstraint, rules: OutputRules | None = 
             what = "tool parameters schema"
         raise APIError(400, f"invalid or unsupported {what} in '{c.param}': {_short(e)}",
                        param=c.param.split(".")[0], code="invalid_schema") from None
+
+
+def check_limits(schema, param: str) -> None:
+    """A forced JSON schema within `constraint_limits` (nesting, size, `$ref` cycles without a
+    base case), else a 400 naming the limit."""
+    from kvshare.constraint_limits import ConstraintLimitError, check_schema
+
+    try:
+        check_schema(schema, param)
+    except ConstraintLimitError as e:
+        raise APIError(400, str(e), param=param.split(".")[0].split("[")[0],
+                       code="invalid_schema") from None
 
 
 def _short(e: Exception) -> str:
