@@ -7,7 +7,9 @@ for a backend's response headers.
   cut at 10x the body timeout;
 - a request head that never ends is closed within the header timeout;
 - over --max-connections requests in progress get 503 (/health still answers);
-- a backend that trickles its response headers gets the client a 504 at --timeout.
+- a backend that trickles its response headers gets the client a 504 at --timeout;
+- shutdown with slow connections open logs one line, not a CancelledError traceback each
+  (launcher.py, shared with `kvshare serve`).
 """
 
 from __future__ import annotations
@@ -263,3 +265,23 @@ def test_a_backend_trickling_its_headers_gets_504_at_the_deadline(routed):
     # in llama-server's shape on its own endpoints, as every router error
     r = httpx.post(f"{router.url}/completion", json={"prompt": "x"}, timeout=30)
     assert r.status_code == 504 and r.json()["error"]["code"] == 504
+
+
+def test_shutdown_with_slow_connections_open_logs_one_line(caplog):
+    backend = RawBackend("hold")
+    router = Served(RouterSettings(backends=[backend.url], body_timeout=30.0))
+    socks = [_open(router, POST + b"content-length: 1000\r\n\r\n{") for _ in range(20)]
+    try:
+        time.sleep(0.5)
+        with caplog.at_level("INFO"):
+            router.stop()
+            time.sleep(0.2)
+    finally:
+        for s in socks:
+            s.close()
+        backend.close()
+    assert not router.thread.is_alive()
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert not errors, errors[0].getMessage()
+    said = [r for r in caplog.records if "closing the connections still open" in r.getMessage()]
+    assert len(said) == 1

@@ -5,7 +5,8 @@ Graceful shutdown: on the first signal the app stops admitting completions (503,
 Hypercorn stops accepting connections and waits up to `graceful_timeout` seconds for in-flight
 requests; shortly before that deadline the remaining generations are cancelled, so their streams
 end with an error event and `data: [DONE]` rather than a cut connection. A second signal cancels
-them at once. Then the lifespan shuts the engine down.
+them at once. Then the lifespan shuts the engine down. Connections still open then (slow
+clients) are cut with one log line (`quiet_cancelled_connections`).
 """
 
 from __future__ import annotations
@@ -131,11 +132,38 @@ async def serve_app(app: Any, sock: socket.socket, *, root_path: str = "",
 
             loop.call_later(max(graceful_timeout - 1.0, graceful_timeout * 0.8), cancel_late)
 
+    quiet_cancelled_connections(loop, stop)
     try:
         await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger)
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
+
+
+def quiet_cancelled_connections(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """One log line, not a traceback per connection, for connections cut at shutdown.
+
+    Hypercorn cancels the task of every connection still open when it stops (a slow client
+    in the middle of its request head or body); asyncio's stream callback then asks the
+    cancelled task for its exception, which raises CancelledError into the loop's exception
+    handler: a 30-line traceback for each. Once shutdown has begun, those are expected; any
+    other error still goes to the handler that was there."""
+    previous = loop.get_exception_handler()
+    told = False
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        nonlocal told
+        if stop.is_set() and isinstance(context.get("exception"), asyncio.CancelledError):
+            if not told:
+                told = True
+                log.info("shutdown: closing the connections still open")
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
 
 
 def run(app: Any, sock: socket.socket, **kwargs: Any) -> None:
