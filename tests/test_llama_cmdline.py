@@ -118,11 +118,16 @@ def test_gpu_layers_without_a_gpu_run_on_the_cpu():
     assert a.device == "cpu" and note is not None and "running on the CPU" in note
 
 
-def test_offline_refuses_a_model_not_in_the_store(tmp_path, capsys):
-    code = cli.main(["serve", "--offline", "--model-store", str(tmp_path), "--port", "0"])
+@pytest.mark.parametrize("model,words", [
+    ([], "kvshare pull"),  # the default PyPI catalog model
+    (["-m", "hf:some-org/some-model-GGUF"], "offline"),  # a hub reference
+])
+def test_offline_refuses_a_model_not_in_the_store(model, words, tmp_path, capsys):
+    code = cli.main(["serve", "--offline", *model, "--model-store", str(tmp_path),
+                     "--port", "0"])
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--offline" in err[0] and "kvshare pull" in err[0], err
+    assert len(err) == 1 and "offline" in err[0] and words in err[0], err
     assert not any(tmp_path.iterdir())  # nothing fetched
 
 

@@ -12,7 +12,8 @@ subcommand (`kvshare -m FILE ...`) mean `kvshare serve`. A flag kvshare does not
 refused with one line naming it (exit 2), never ignored.
 
 Modules: `options` (the flag table), `flag_types` (value parsers), `llama_names`
-(llama-server's spellings, refused flags), `parser` (argparse, environment fallbacks, checks),
+(llama-server's spellings, refused flags), `llama_meanings` (what its spellings mean: `-c`
+over `-np` slots, `-v`), `parser` (argparse, environment fallbacks, checks),
 `preflight` (checks before the model load), `chat_template_flags`, `config` (flags to
 EngineConfig / ServerSettings fields), `model_load` (the model to an Engine), `commands`
 (`serve`, `pull`, `models`), `console` (what the command prints).

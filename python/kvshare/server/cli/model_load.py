@@ -117,7 +117,7 @@ def _describe_memory(engine: Any, model: Any, config: Any) -> None:
     huge = model.huge_page_fraction
     if huge:
         say(f"weights mapped in 2 MiB pages: {huge:.0%} of the file")
-    remote = getattr(engine.tiers, "remote", None)
+    remote = engine.tiers.remote
     if remote is not None:
         ok = remote.ping()
         say(f"shared tier: Redis at {remote.display_url} "
@@ -151,6 +151,24 @@ def load_engine(args: argparse.Namespace, path: str, label: str,
     return engine
 
 
+def _resolve_offline(model: str, store: str | None) -> tuple[str, str | None]:
+    """`catalog.resolve` without the network (`--offline`): a file, or a model already in the
+    model store (a hub model's stored files; a PyPI catalog model stored or installed)."""
+    from kvshare.model import catalog, hub
+
+    key = model.strip().lower()
+    if os.path.isfile(model):
+        return model, None
+    if hub.is_reference(model) or key in catalog.HUB_MODELS:
+        ref = model if hub.is_reference(model) else catalog.HUB_MODELS[key].ref
+        found = hub.resolve(ref, store, settings=hub.HubSettings.from_env(offline=True))
+        return str(found), None if hub.is_reference(model) else key
+    if key in catalog.MODELS and catalog.status(key, store) == "not downloaded":
+        raise catalog.CatalogError(f"--offline and it is not in the model store (fetch it "
+                                   f"first: kvshare pull {model})")
+    return catalog.resolve(model, store)
+
+
 def open_model(args: argparse.Namespace, template_override: tuple[str, str] | None) -> Any:
     """The engine of the model `--model` names (a catalog name is fetched into the model
     store on first use); every failure is a `StartupError` naming the flag to blame."""
@@ -160,14 +178,10 @@ def open_model(args: argparse.Namespace, template_override: tuple[str, str] | No
     from kvshare.model.store import FetchError
 
     shown = args.model or catalog.DEFAULT_MODEL
-    key = shown.strip().lower()
-    if getattr(args, "offline", False) and key in catalog.MODELS and not os.path.isfile(shown) \
-            and catalog.status(key, args.model_store) == "not downloaded":
-        raise StartupError(f"cannot load model {shown}: --offline and it is not in the model "
-                           f"store (fetch it first: kvshare pull {shown})")
     try:
-        path, name = catalog.resolve(args.model, args.model_store)
-    except FetchError as e:
+        path, name = (_resolve_offline(shown, args.model_store) if args.offline
+                      else catalog.resolve(args.model, args.model_store))
+    except FetchError as e:  # the catalog's and the hub's
         raise StartupError(f"cannot load model {shown}: {e}") from e
     except KeyboardInterrupt:
         raise StartupError("interrupted while fetching the model", 130) from None
