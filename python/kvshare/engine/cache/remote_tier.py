@@ -492,7 +492,8 @@ class RemoteTier:
             queued, qbytes = len(self._queue) + (1 if self._busy else 0), self._queued_bytes
         state = self.breaker.state
         return {**vars(self.stats_), "queued": queued, "queued_bytes": qbytes,
-                "breaker": state, "breaker_open": int(state != "closed")}
+                "breaker": state, "breaker_open": int(state != "closed"),
+                "health": self.health()}
 
     def health(self) -> dict:
         """`{"state": "ok"}` while the breaker is closed; otherwise the tier is `degraded`

@@ -536,12 +536,6 @@ class TierManager:
             out["remote"]["queued"] += self._pending_saves()
         return out
 
-    def health(self) -> dict:
-        """The remote tiers' states (`{"remote": {"state": "ok" | "degraded", ...}}`; empty
-        without one). A degraded tier is a cache miss, never a failed request, so it is
-        reported, not counted against the replica's health."""
-        return {"remote": self.remote.health()} if self.remote is not None else {}
-
     def _pending_saves(self) -> int:
         return sum(1 for fut, _ in list(self._saves) if not fut.done())
 
