@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs kvshare with its test extras (building the Rust extension; no GPU packages) and
 # redis-server where missing (apt-get), checks
-# lint, types and formatting (`ruff check`, `mypy` on the request path, `cargo fmt --check`,
+# lint, types and formatting (`ruff check`, `mypy` on apis/, server/ and engine/, `cargo fmt --check`,
 # `cargo clippy -D warnings`), then runs
 # every test: `cargo test --workspace`, then pytest. Exit code is non-zero on any finding or
 # failure, and pytest's "no tests collected" (exit 5) counts as a failure. Arguments go to pytest.
@@ -19,10 +19,10 @@ fi
 export KVSHARE_REQUIRE_REDIS=1  # from here a missing redis-server fails those tests
 step "ruff check"
 python3 -m ruff check .
-step "mypy (the request path: apis/, server/)"
+step "mypy (apis/, server/, engine/)"
 # the typed seams between the HTTP APIs, the pipeline and the engine (engine.api.EngineClient)
-python3 -m mypy --ignore-missing-imports --follow-imports=silent --exclude 'server/cli\.py$' \
-    python/kvshare/apis python/kvshare/server
+python3 -m mypy --ignore-missing-imports --follow-imports=silent \
+    python/kvshare/apis python/kvshare/server python/kvshare/engine
 step "cargo fmt --check"
 cargo fmt --all --check
 step "cargo clippy -D warnings"
