@@ -554,15 +554,17 @@ def test_stream_and_whole_agree(text, parallel):
 
 @pytest.mark.parametrize("parallel", [True, False])
 def test_text_after_a_call_is_a_block_after_it(parallel):
-    """Blocks keep the order the model wrote them, streamed or whole: text after a call (here
-    a second call cut off by max_tokens, which stays text) is a text block after the call."""
+    """Blocks keep the order the model wrote them, streamed or whole: text after a call is a
+    text block after the call; a second call cut off by max_tokens is dropped (stop_reason
+    max_tokens)."""
     rules = tool_rules(parallel_tool_calls=parallel)
-    for text in ["A " + CALL + " B", CALL + "\n" + CALL[:30]]:
-        fin = finish("length")
+    for text, fin, last, reason in [("A " + CALL + " B", finish(), ["tool_use", "text"], "tool_use"),
+                                    (CALL + "\n" + CALL[:30], finish("length"), ["tool_use"],
+                                     "max_tokens")]:
         whole = sdk_whole(make_format(rules, tools=[WEATHER]).response({0: (text, [], fin)},
                                                                        fin))
-        assert [b.type for b in whole.content][-2:] == ["tool_use", "text"]
-        assert whole.stop_reason == "tool_use"
+        assert [b.type for b in whole.content][-len(last):] == last
+        assert whole.stop_reason == reason
         for seed in [None, 1]:
             rng = random.Random(seed) if seed is not None else None
             streamed, _ = sdk_stream(stream_bytes(make_format(rules, tools=[WEATHER]), text,
@@ -572,12 +574,12 @@ def test_text_after_a_call_is_a_block_after_it(parallel):
 
 def test_call_cut_off_inside_its_arguments():
     """The one difference: a stream has announced the call before it breaks (partial input);
-    the whole reply leaves it out. Both carry its markup as text; stop_reason max_tokens."""
+    the whole reply leaves it out. Neither carries its markup; stop_reason max_tokens."""
     text = "Sure. " + CALL[:60]
     fin = finish("length")
     whole = sdk_whole(make_format(tool_rules(), tools=[WEATHER]).response({0: (text, [], fin)},
                                                                           fin))
-    assert blocks_of(whole) == [{"type": "text", "text": text}]
+    assert blocks_of(whole) == [{"type": "text", "text": "Sure."}]
     assert whole.stop_reason == "max_tokens"
     streamed, _ = sdk_stream(stream_bytes(make_format(tool_rules(), tools=[WEATHER]), text, fin,
                                           random.Random(2)))
@@ -592,7 +594,7 @@ def test_stop_reasons():
     assert fmt.stop(finish(stop_string="END"), False) == ("stop_sequence", "END")
     assert fmt.stop(finish(), False) == ("end_turn", None)
     assert fmt.stop(finish(stop_string="</s>"), False) == ("end_turn", None)  # not the client's
-    assert fmt.stop(finish("length"), True) == ("tool_use", None)
+    assert fmt.stop(finish("length"), True) == ("max_tokens", None)  # a call was cut off
     fin = finish(stop_string="END")
     msg = sdk_whole(fmt.response({0: ("abc", [], fin)}, fin))
     assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", "END")

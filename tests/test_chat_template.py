@@ -236,10 +236,13 @@ def test_hf_environment_features():
     src = ("{%- for m in messages %}{% generation %}{{ m.role }}{% endgeneration %}"
            "{% if loop.index == 2 %}{% break %}{% endif %}{% endfor %}"
            "|{{ {'a': [1, 'é']} | tojson }}|{{ {'b': 1} | tojson(indent=2) }}|{{ strftime_now('%Y') | length }}")
-    assert ChatTemplate(src).render(CONVERSATION) == 'systemuser|{"a": [1, "é"]}|{\n  "b": 1\n}|4'
+    # (it prints no content, so it has no system role: the system message is folded into
+    # the first user message, kvshare.model.tool_polyfill)
+    assert ChatTemplate(src).render(CONVERSATION) == 'userassistant|{"a": [1, "é"]}|{\n  "b": 1\n}|4'
     # trim_blocks / lstrip_blocks as in transformers
     src = "{% for m in messages %}\n    {% if m.role == 'user' %}\n{{ m.content }}\n    {% endif %}\n{% endfor %}"
-    assert ChatTemplate(src).render(CONVERSATION) == "What is the capital of France?\nAnd of Italy?\n"
+    assert ChatTemplate(src).render(CONVERSATION) == (  # (the system message folded in)
+        "You are a terse assistant.\n\nWhat is the capital of France?\nAnd of Italy?\n")
     assert ChatTemplate("{{ enable_thinking }}").render(CONVERSATION, enable_thinking=False) == "False"
 
 

@@ -158,11 +158,14 @@ class MessagesFormat(ApiFormat):
 
     # ---- common
     def stop(self, fin: FinishEvent, calls: bool) -> tuple[str, str | None]:
-        """(stop_reason, stop_sequence)."""
-        if calls:
-            return "tool_use", None
+        """(stop_reason, stop_sequence). A reply cut by max_tokens is `max_tokens` even when
+        it holds complete calls (the cut-off one was dropped), as chat's `length`; the
+        request log records `tool_calls` for `tool_use`, as for chat."""
         if fin.reason == "length":
             return "max_tokens", None
+        if calls:
+            self.client_finish_reason = "tool_calls"
+            return "tool_use", None
         seq = fin.stop_string
         if seq and seq in self.opts.stop:
             return "stop_sequence", seq

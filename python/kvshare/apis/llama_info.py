@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvshare.server.body import read_json
+from kvshare.server.constraints import template_caps
 from kvshare.server.edge import HEAVY_BYTES, body_size, run_heavy
 from kvshare.server.errors import APIError, bad_request
 from kvshare.server.pipeline import GenerationPipeline, chat_text
@@ -32,8 +33,7 @@ class LlamaInfoEndpoints:
         from kvshare import __version__ as version
 
         info, settings = self.info, self.settings
-        tool_calls = self.pipeline.tool_calls
-        tools = tool_calls is not None and tool_calls.name is not None
+        caps = template_caps(info, self.pipeline.tool_calls)
         return JSONResponse({
             "default_generation_settings": {
                 "params": default_settings(settings.default_max_tokens,
@@ -48,10 +48,8 @@ class LlamaInfoEndpoints:
             "endpoint_metrics": True,
             "ui": False,
             "chat_template": info.chat_template,
-            "chat_template_caps": {"supports_tools": tools, "supports_tool_calls": tools,
-                                   "supports_parallel_tool_calls": tools,
-                                   "supports_system_role": True,
-                                   "supports_string_content": True},
+            "chat_template_caps": {**caps, "supports_string_content": True},
+            "chat_template_polyfills": list(info.template_polyfills),
             "bos_token": info.bos_token,
             "eos_token": info.eos_token,
             "build_info": f"kvshare-{version}",

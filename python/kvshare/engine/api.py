@@ -187,6 +187,10 @@ class ModelInfo:
     max_n: int = 8  # most choices (OpenAI `n`) one request may ask for
     parallel: int = 4  # sequences decoded at once (llama-server's slots)
     chat_template: str = ""  # the template's source ("": the model has none)
+    # what the template renders itself ({"supports_tools": ..., ...}, model.template_caps) and
+    # what kvshare renders for it ("tools", "tool_calls", ...; model.tool_polyfill)
+    template_caps: Mapping[str, bool] = field(default_factory=dict)
+    template_polyfills: tuple[str, ...] = ()
     bos_token: str = ""
     eos_token: str = ""
     # The BOS id a text prompt gets (None: this model's tokenizer adds none)

@@ -200,6 +200,8 @@ class Engine:
             block_size=self.config.block_size, max_n=self.config.max_n,
             parallel=self.config.parallel,
             chat_template=template.source if template is not None else "",
+            template_caps=template.caps.as_dict() if template is not None else {},
+            template_polyfills=template.polyfills if template is not None else (),
             bos_token=tok.bos_token or "", eos_token=tok.eos_token or "",
             bos_id=tok.bos_id if tok.add_bos else None, fim_ids=dict(tok.fim_ids),
             max_token_chars=max_token_chars(tok))

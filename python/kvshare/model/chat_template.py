@@ -15,6 +15,11 @@ Messages are normalised before rendering: `content` may be a string, None (-> ""
 take string content); a tool call's JSON-string `arguments` are parsed into an object (HF
 convention) whose `str()` is its JSON, so templates that print it without `tojson` still print
 JSON. Anything a template raises, including sandbox violations, becomes `ChatTemplateError`.
+
+What the template renders by itself is probed once (`caps`, kvshare.model.template_caps);
+where it lacks a system role or tool support, every render rewrites the conversation first
+(`polyfills`, kvshare.model.tool_polyfill): tools in the system message, past calls and
+results as text in the generic JSON call format.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kvshare.model import tool_polyfill
+from kvshare.model.builtin_templates import CHATML_TEMPLATE, GEMMA3_TEMPLATE
+from kvshare.model.template_caps import TemplateCaps, detect_caps, polyfills
 from kvshare.model.tokenizer import Tokenizer, prefix_token_count
 
 __all__ = [
@@ -43,122 +51,6 @@ __all__ = [
 class ChatTemplateError(ValueError):
     """The chat template could not be compiled or rendered for these messages."""
 
-
-_TOOLS_INTRO = (
-    "# Tools\\n\\nYou may call one or more of the following tools to help with the request."
-    "\\n\\n<tools>"
-)
-_TOOLS_OUTRO = (
-    "\\n</tools>\\n\\nTo call a tool, reply with a JSON object holding the tool name and its "
-    "arguments inside <tool_call></tool_call> tags, one pair of tags per call:\\n<tool_call>\\n"
-    '{"name": <tool name>, "arguments": <arguments object>}\\n</tool_call>'
-)
-
-# The official Gemma 3 template (HF tokenizer_config.json of google/gemma-3-*-it), extended
-# for agents: tools are described in the first user turn after the system prompt; assistant
-# tool calls are rendered as <tool_call>{json}</tool_call> blocks in the model turn; tool results
-# as <tool_response> blocks in a user turn (consecutive results share one turn); a system
-# message after the first is rendered as a user turn; roles need not alternate; a conversation
-# with only a system prompt (and/or tools) renders it as a user turn. Plain system / user /
-# assistant conversations render exactly as the official template does.
-GEMMA3_TEMPLATE = (
-    """{{- bos_token }}
-{%- if messages and messages[0]['role'] == 'system' -%}
-    {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = '' -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- if tools -%}
-    {%- set ns = namespace(text='"""
-    + _TOOLS_INTRO
-    + """') -%}
-    {%- for tool in tools -%}
-        {%- set ns.text = ns.text + '\\n' + (tool | tojson) -%}
-    {%- endfor -%}
-    {%- set first_user_prefix = first_user_prefix + ns.text + '"""
-    + _TOOLS_OUTRO
-    + """\\n\\n' -%}
-{%- endif -%}
-{%- if not loop_messages and first_user_prefix -%}
-    {{- '<start_of_turn>user\\n' + first_user_prefix | trim + '<end_of_turn>\\n' -}}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- set is_tool = message['role'] == 'tool' -%}
-    {%- set prev_tool = not loop.first and loop.previtem['role'] == 'tool' -%}
-    {%- set next_tool = not loop.last and loop.nextitem['role'] == 'tool' -%}
-    {%- if not (is_tool and prev_tool) -%}
-        {{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else 'user') + '\\n' + (first_user_prefix if loop.first else '') -}}
-    {%- endif -%}
-    {%- if is_tool -%}
-        {{- '<tool_response>\\n' + message['content'] | trim + '\\n</tool_response>' -}}
-        {%- if next_tool -%}{{- '\\n' -}}{%- endif -%}
-    {%- else -%}
-        {{- message['content'] | trim -}}
-        {%- if message['role'] == 'assistant' and message['tool_calls'] -%}
-            {%- for tool_call in message['tool_calls'] -%}
-                {%- set call = tool_call['function'] if tool_call['function'] is defined else tool_call -%}
-                {%- if not loop.first or message['content'] | trim -%}{{- '\\n' -}}{%- endif -%}
-                {{- '<tool_call>\\n' + ({'name': call['name'], 'arguments': call['arguments']} | tojson) + '\\n</tool_call>' -}}
-            {%- endfor -%}
-        {%- endif -%}
-    {%- endif -%}
-    {%- if not (is_tool and next_tool) -%}
-        {{- '<end_of_turn>\\n' -}}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<start_of_turn>model\\n' -}}
-{%- endif -%}
-"""
-)
-
-# ChatML (<|im_start|>role\n...<|im_end|>\n), with Qwen2.5-style tools: a system turn lists the
-# tools, tool calls are <tool_call> blocks, tool results <tool_response> blocks in a user turn.
-CHATML_TEMPLATE = (
-    """{%- if tools -%}
-    {{- '<|im_start|>system\\n' -}}
-    {%- if messages and messages[0]['role'] == 'system' -%}
-        {{- messages[0]['content'] + '\\n\\n' -}}
-        {%- set loop_messages = messages[1:] -%}
-    {%- else -%}
-        {%- set loop_messages = messages -%}
-    {%- endif -%}
-    {{- '"""
-    + _TOOLS_INTRO
-    + """' -}}
-    {%- for tool in tools -%}
-        {{- '\\n' + (tool | tojson) -}}
-    {%- endfor -%}
-    {{- '"""
-    + _TOOLS_OUTRO
-    + """<|im_end|>\\n' -}}
-{%- else -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if message['role'] == 'tool' -%}
-        {%- if loop.first or loop.previtem['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
-        {{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' -}}
-        {%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}
-    {%- else -%}
-        {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] -}}
-        {%- if message['role'] == 'assistant' and message['tool_calls'] -%}
-            {%- for tool_call in message['tool_calls'] -%}
-                {%- set call = tool_call['function'] if tool_call['function'] is defined else tool_call -%}
-                {%- if not loop.first or message['content'] -%}{{- '\\n' -}}{%- endif -%}
-                {{- '<tool_call>\\n' + ({'name': call['name'], 'arguments': call['arguments']} | tojson) + '\\n</tool_call>' -}}
-            {%- endfor -%}
-        {%- endif -%}
-        {{- '<|im_end|>\\n' -}}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|im_start|>assistant\\n' -}}
-{%- endif -%}
-"""
-)
 
 _MAX_SEQUENCE = 10_000_000  # largest str/list a template may build with `*`
 _MAX_EXPONENT = 4096
@@ -335,6 +227,7 @@ class ChatTemplate:
         self.add_bos = add_bos
         self.add_eos = add_eos
         self.extra_context = dict(extra_context or {})
+        self._caps: TemplateCaps | None = None
         try:
             self._template = _make_env().from_string(source)
         except TemplateError as exc:
@@ -384,6 +277,19 @@ class ChatTemplate:
         file, or `tokenizer`, for the template source and BOS/EOS handling)."""
         return cls.for_tokenizer(tokenizer if tokenizer is not None else Tokenizer.from_gguf(path))
 
+    @property
+    def caps(self) -> TemplateCaps:
+        """What the template renders by itself (render probes, computed on first use)."""
+        if self._caps is None:
+            self._caps = detect_caps(lambda msgs, tools, agp: self._render(
+                normalize_messages(msgs), tools, agp, None, {}, polyfill=False))
+        return self._caps
+
+    @property
+    def polyfills(self) -> tuple[str, ...]:
+        """What every render rewrites for this template (`template_caps.polyfills`)."""
+        return polyfills(self.caps)
+
     # ---- rendering ----------------------------------------------------------------------------
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Any] | None = None,
@@ -427,7 +333,10 @@ class ChatTemplate:
         return before + content
 
     def _render(self, msgs: list[dict[str, Any]], tools: Any, add_generation_prompt: bool,
-                strip_bos: bool | None, kwargs: Mapping[str, Any]) -> str:
+                strip_bos: bool | None, kwargs: Mapping[str, Any], polyfill: bool = True) -> str:
+        fills = self.polyfills if polyfill else ()
+        if fills:
+            msgs, tools = tool_polyfill.apply(msgs, tools, fills)
         ctx: dict[str, Any] = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         ctx.update(self.extra_context)
         ctx.update(kwargs)

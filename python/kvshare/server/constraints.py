@@ -19,14 +19,18 @@ from .errors import APIError, bad_request
 
 
 class ToolCalls:
-    """The served model's tool-call format (`--tool-parser`, else detected from its chat
-    template) and how a request's tools turn into grammars and parsers."""
+    """The served model's tool-call format (`--tool-parser`, else `generic` when the chat
+    template's tools are polyfilled, else detected from the template) and how a request's
+    tools turn into grammars and parsers; forced calls end after `max_calls`."""
 
-    def __init__(self, template_source: str | None, override: str | None = None):
+    def __init__(self, template_source: str | None, override: str | None = None,
+                 polyfills: tuple[str, ...] = (), max_calls: int = 8):
         from kvshare import toolcalls
 
         self._toolcalls = toolcalls
-        self.name = override or toolcalls.detect_format(template_source)
+        self.max_calls = max_calls
+        self.name = override or ("generic" if "tools" in polyfills
+                                 else toolcalls.detect_format(template_source))
         self.thinking = toolcalls.template_has_thinking(template_source or "")
         toolcalls.get_format(self.name)  # unknown names fail at startup
 
@@ -37,7 +41,8 @@ class ToolCalls:
     SPECIAL_MARKERS = frozenset({"lfm2", "llama3"})
 
     def rules(self, chat: ChatInput, starts_in_reasoning: bool) -> OutputRules:
-        parse_tools = bool(chat.tools) and chat.tool_choice != "none"
+        forced = self._toolcalls.get_format(self.name).forced_auto
+        parse_tools = bool(chat.tools) and (chat.tool_choice != "none" or forced)
         return OutputRules(
             tool_format=self.format(chat.tools) if parse_tools else None,
             reasoning=self.thinking and chat.reasoning_format != "none",
@@ -48,15 +53,19 @@ class ToolCalls:
         """The grammar the tool choice asks for: required / named, or strict tools under
         auto; None when the reply is free."""
         tools = chat.tools or []
-        if not tools or chat.tool_choice == "none":
+        if not tools:
             return None
         for i, t in enumerate(tools):
             check_limits(t["function"].get("parameters"), f"tools[{i}].function.parameters")
         tools = closed_tools(tools)
         fmt = self.format(tools)
+        if fmt.forced_auto:
+            return self._forced_auto(fmt, chat, tools)
+        if chat.tool_choice == "none":
+            return None
         if chat.tool_choice == "required":
-            return OutputConstraint("lark", fmt.grammar(tools, None, chat.parallel_tool_calls),
-                                      "tool_choice")
+            return OutputConstraint("lark", fmt.grammar(tools, None, chat.parallel_tool_calls,
+                                                        self.max_calls), "tool_choice")
         if chat.tool_choice.startswith("function:"):
             name = chat.tool_choice.split(":", 1)[1]
             return OutputConstraint("lark", fmt.grammar(tools, name, False), "tool_choice")
@@ -65,6 +74,47 @@ class ToolCalls:
             if g is not None:
                 return OutputConstraint("lark", g, "tools")
         return None
+
+    def _forced_auto(self, fmt, chat: ChatInput, tools: list[dict]) -> OutputConstraint:
+        """A format whose every reply is its JSON object (`generic`): "auto" is a call or a
+        response, "none" a response, "required" / a name calls."""
+        choice = chat.tool_choice
+        if choice == "required":
+            most = self.max_calls if chat.parallel_tool_calls else 1
+            return OutputConstraint("lark", fmt.grammar(tools, None, True, most), "tool_choice")
+        if choice.startswith("function:"):
+            return OutputConstraint("lark", fmt.grammar(tools, choice.split(":", 1)[1], False),
+                                    "tool_choice")
+        if choice == "none":
+            return OutputConstraint("lark", fmt.response_grammar(), "tools")
+        most = self.max_calls if chat.parallel_tool_calls else 1
+        return OutputConstraint("lark", fmt.auto_grammar(tools, most), "tools")
+
+
+def template_caps(info, tool_calls: ToolCalls | None) -> dict[str, bool]:
+    """What the served chat template supports, itself or polyfilled (`/props`'s
+    `chat_template_caps`): tools count only where requests' calls are read."""
+    caps = dict(info.template_caps)
+    fills = set(info.template_polyfills)
+    for cap in ("system_role", "tools", "tool_calls", "tool_responses"):
+        if cap in fills:
+            caps[f"supports_{cap}"] = True
+    if "tools" in fills:
+        caps["supports_parallel_tool_calls"] = True
+    if tool_calls is None:
+        for cap in ("tools", "tool_calls", "parallel_tool_calls"):
+            caps[f"supports_{cap}"] = False
+    return caps
+
+
+def describe_template(info, tool_calls: ToolCalls | None) -> str:
+    """The startup log's line about the chat template: what it renders itself, what is
+    polyfilled, and the tool-call format."""
+    own = [k.removeprefix("supports_").replace("_", " ")
+           for k, v in info.template_caps.items() if v]
+    fills = ", ".join(info.template_polyfills) or "none"
+    fmt = tool_calls.name if tool_calls is not None else "none"
+    return f"supports {', '.join(own) or 'nothing probed'}; polyfills: {fills}; tool calls: {fmt}"
 
 
 def request_constraint(chat: ChatInput | None, output: OutputConstraint | None,

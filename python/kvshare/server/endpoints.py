@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvshare.apis.llama_request import error_object
 
+from .constraints import template_caps
 from .metrics import ServerMetrics
 from .pipeline import GenerationPipeline
 
@@ -29,7 +30,10 @@ class ServerEndpoints:
         names = self.settings.aliases or [info.name]
         return JSONResponse({"object": "list", "data": [{
             "id": name, "object": "model", "created": self.started,
-            "owned_by": "kvshare", "meta": {"n_ctx": info.ctx_size, "n_vocab": info.vocab_size},
+            "owned_by": "kvshare", "meta": {
+                "n_ctx": info.ctx_size, "n_vocab": info.vocab_size,
+                "chat_template_caps": template_caps(info, self.pipeline.tool_calls),
+                "chat_template_polyfills": list(info.template_polyfills)},
         } for name in names]})
 
     async def health(self, request: Request) -> Response:

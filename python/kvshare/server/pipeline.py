@@ -39,7 +39,7 @@ from kvshare.engine.faults import injection_enabled
 from kvshare.toolcalls import prompt_opens_reasoning
 
 from . import body
-from .constraints import ToolCalls, compile_constraint, request_constraint
+from .constraints import ToolCalls, compile_constraint, describe_template, request_constraint
 from .edge import HEAVY_BYTES, body_size, release_body, run_heavy
 from .errors import APIError, bad_request
 from .prompt_bounds import PromptBounds
@@ -157,8 +157,12 @@ class GenerationPipeline:
         self.fault_injection = injection_enabled()  # tests only: honour X-Kvshare-Fault
         template = self.info.chat_template
         # the model's tool-call format (kvshare.toolcalls); None without a chat template
-        self.tool_calls = (ToolCalls(template or None, settings.tool_parser)
+        self.tool_calls = (ToolCalls(template or None, settings.tool_parser,
+                                     self.info.template_polyfills,
+                                     settings.max_parallel_tool_calls)
                            if template or settings.tool_parser else None)
+        if template:
+            log.info("chat template: %s", describe_template(self.info, self.tool_calls))
         self.active: dict[str, EngineHandle] = {}
         self.shutting_down = False
 

@@ -43,6 +43,10 @@ class ServerSettings:
     # Tool-call format (kvshare.toolcalls: hermes, qwen35, lfm2, llama3); None: detected from
     # the model's chat template.
     tool_parser: str | None = None
+    # Most calls a forced reply (tool_choice required, or any reply in the generic format)
+    # may hold when parallel calls are allowed (`--max-parallel-tool-calls`); the grammar
+    # ends the turn after the last.
+    max_parallel_tool_calls: int = 8
     # Seconds a stored Responses API response (`store`, `previous_response_id`) lives
     # (`--cache-ttl`); None or 0: until evicted by count.
     response_ttl_s: float | None = 259200.0

@@ -21,6 +21,7 @@ from typing import Sequence
 from kvshare.toolcalls.base import ToolFormat
 from kvshare.toolcalls.calls import ParsedOutput, ToolCall, collect, new_call_id
 from kvshare.toolcalls.detect import detect_format
+from kvshare.toolcalls.generic import Generic
 from kvshare.toolcalls.grammar import allow_reasoning
 from kvshare.toolcalls.hermes import Hermes
 from kvshare.toolcalls.lfm2 import Lfm2
@@ -39,7 +40,8 @@ __all__ = [
     "template_has_thinking", "prompt_opens_reasoning",
 ]
 
-_FORMATS: dict[str, type[ToolFormat]] = {f.name: f for f in (Hermes, Qwen35, Lfm2, Llama3)}
+_FORMATS: dict[str, type[ToolFormat]] = {f.name: f for f in (Hermes, Qwen35, Lfm2, Llama3,
+                                                              Generic)}
 FORMATS: tuple[str, ...] = tuple(_FORMATS)
 
 

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from typing import Sequence
 
 from kvshare.toolcalls.calls import ParsedOutput, collect
+from kvshare.toolcalls.grammar import MAX_CALLS
 from kvshare.toolcalls.stream import Region, Sink, ToolCallStream
 
 __all__ = ["ToolFormat"]
@@ -32,6 +33,9 @@ class ToolFormat(ABC):
     start_openers: tuple[str, ...] = ()
     # characters besides whitespace that may separate consecutive calls (dropped with them)
     separators: str = ""
+    # the reply is always in the format's shape when the request has tools: "auto" is
+    # constrained too (`generic`)
+    forced_auto: bool = False
 
     def __init__(self, tools: Sequence[dict] | None = None):
         self.tools: list[dict] = list(tools or [])
@@ -54,10 +58,10 @@ class ToolFormat(ABC):
 
     @abstractmethod
     def grammar(self, tools: Sequence[dict], choice: str | None = None,
-                parallel: bool = True) -> str:
-        """Lark text that admits only calls: one or more of any tool (`choice` None, one if not
-        `parallel`) or exactly one call of the tool named `choice`; arguments follow the tool's
-        `parameters` schema."""
+                parallel: bool = True, max_calls: int = MAX_CALLS) -> str:
+        """Lark text that admits only calls: one to `max_calls` of any tool (`choice` None, one
+        if not `parallel`) or exactly one call of the tool named `choice`; arguments follow the
+        tool's `parameters` schema. The grammar ends after the last call it allows."""
 
     def auto_grammar(self, tools: Sequence[dict]) -> str | None:
         """Lark text for tool_choice "auto": free text, but any call follows the schemas.

@@ -8,7 +8,7 @@ from typing import Sequence
 
 from kvshare.toolcalls.schema import functions
 
-__all__ = ["lit", "pick", "repeat", "allow_reasoning"]
+__all__ = ["lit", "pick", "repeat", "allow_reasoning", "MAX_CALLS"]
 
 
 def lit(text: str) -> str:
@@ -42,9 +42,16 @@ def pick(tools: Sequence[dict], choice: str | None) -> list[tuple[str, dict]]:
     return chosen
 
 
-def repeat(item: str, sep: str, many: bool) -> str:
-    """`item`, or one or more `item`s separated by the literal `sep`."""
-    return f"{item} ({lit(sep)} {item})*" if many else item
+MAX_CALLS = 8  # `--max-parallel-tool-calls`' default
+
+
+def repeat(item: str, sep: str, many: bool, most: int = MAX_CALLS) -> str:
+    """`item`, or (`many`) one to `most` `item`s separated by the literal `sep`. Bounded, so
+    that a forced reply ends: after the last call the grammar is complete and the engine ends
+    the turn (a small model otherwise goes on calling)."""
+    if not many or most <= 1:
+        return item
+    return f"{item} ({lit(sep)} {item}){{0,{most - 1}}}"
 
 
 def allow_reasoning(grammar: str, *, opened: bool = False, start: str = "<think>",

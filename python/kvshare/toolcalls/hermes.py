@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvshare.toolcalls.base import ToolFormat
-from kvshare.toolcalls.grammar import lit, pick, repeat
+from kvshare.toolcalls.grammar import MAX_CALLS, lit, pick, repeat
 from kvshare.toolcalls.jsoncall import HERMES_HEAD, JsonCallRegion
 from kvshare.toolcalls.schema import call_schema, json_rule
 
@@ -39,9 +39,9 @@ class Hermes(ToolFormat):
         return json_rule(call_schema(pick(tools, choice), "arguments"))
 
     def grammar(self, tools: Sequence[dict], choice: str | None = None,
-                parallel: bool = True) -> str:
+                parallel: bool = True, max_calls: int = MAX_CALLS) -> str:
         return "\n".join([
-            "start: " + repeat("call", "\n", parallel and choice is None),
+            "start: " + repeat("call", "\n", parallel and choice is None, max_calls),
             f"call: {lit(OPEN + chr(10))} {self._body(tools, choice)} {lit(chr(10) + CLOSE)}",
         ])
 

@@ -35,6 +35,7 @@ class JsonCallRegion(Region):
         self.head, self.args_keys, self.closing = head, args_keys, closing
         self.args_required = args_required
         self.phase = "open"
+        self.inline = inline
         if inline:
             self.pos = 0
         self.obj: JsonScanner | None = None
@@ -43,6 +44,10 @@ class JsonCallRegion(Region):
         self.name = ""
         self.args: JsonScanner | None = None
         self.args_start = self.sent = 0
+
+    def is_markup(self) -> bool:
+        # a bare object (llama3) is a call only once it opened with a name and arguments
+        return not self.inline or bool(self.streaming)
 
     def run(self, cur: Cursor) -> int:
         if self.phase == "open":

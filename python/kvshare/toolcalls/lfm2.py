@@ -36,7 +36,7 @@ import warnings
 from typing import Any, Sequence
 
 from kvshare.toolcalls.base import ToolFormat
-from kvshare.toolcalls.grammar import lit, pick, repeat
+from kvshare.toolcalls.grammar import MAX_CALLS, lit, pick, repeat
 from kvshare.toolcalls.scan import JsonScanner, PyLiteralScanner
 from kvshare.toolcalls.schema import (
     dumps,
@@ -309,9 +309,9 @@ class Lfm2(ToolFormat):
                 f"PY_STR: {PY_STR}"]
 
     def grammar(self, tools: Sequence[dict], choice: str | None = None,
-                parallel: bool = True) -> str:
+                parallel: bool = True, max_calls: int = MAX_CALLS) -> str:
         return "\n".join([
-            f"start: {OPEN} \"[\" {repeat('call', ', ', parallel and choice is None)} \"]\" "
+            f"start: {OPEN} \"[\" {repeat('call', ', ', parallel and choice is None, max_calls)} \"]\" "
             f"{CLOSE}",
             *self._calls(tools, choice),
         ])

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from kvshare.toolcalls.base import ToolFormat
-from kvshare.toolcalls.grammar import pick, repeat
+from kvshare.toolcalls.grammar import MAX_CALLS, pick, repeat
 from kvshare.toolcalls.jsoncall import LLAMA3_HEAD, JsonCallRegion
 from kvshare.toolcalls.schema import call_schema, json_rule
 
@@ -36,13 +36,13 @@ class Llama3(ToolFormat):
                               args_keys=("parameters", "arguments"), closing=None,
                               inline=opener == "{", args_required=True)
 
-    def _calls(self, tools, choice, parallel: bool) -> list[str]:
-        return [repeat("call", "; ", parallel and choice is None),
+    def _calls(self, tools, choice, parallel: bool, max_calls: int = MAX_CALLS) -> list[str]:
+        return [repeat("call", "; ", parallel and choice is None, max_calls),
                 f"call: {json_rule(call_schema(pick(tools, choice), 'parameters'))}"]
 
     def grammar(self, tools: Sequence[dict], choice: str | None = None,
-                parallel: bool = True) -> str:
-        calls, call = self._calls(tools, choice, parallel)
+                parallel: bool = True, max_calls: int = MAX_CALLS) -> str:
+        calls, call = self._calls(tools, choice, parallel, max_calls)
         return "\n".join([f"start: {calls}", call])
 
     def auto_grammar(self, tools: Sequence[dict]) -> str | None:

@@ -35,7 +35,7 @@ import json
 from typing import Any, Sequence
 
 from kvshare.toolcalls.base import ToolFormat
-from kvshare.toolcalls.grammar import lit, pick, repeat
+from kvshare.toolcalls.grammar import MAX_CALLS, lit, pick, repeat
 from kvshare.toolcalls.schema import (
     dumps,
     embed,
@@ -255,9 +255,9 @@ class Qwen35(ToolFormat):
                 "text_value[lazy]: /(?s:.*)<\\/parameter>/"]
 
     def grammar(self, tools: Sequence[dict], choice: str | None = None,
-                parallel: bool = True) -> str:
+                parallel: bool = True, max_calls: int = MAX_CALLS) -> str:
         return "\n".join([
-            "start: " + repeat("call", "\n", parallel and choice is None),
+            "start: " + repeat("call", "\n", parallel and choice is None, max_calls),
             f"call: {lit(OPEN + chr(10))} fn {lit(CLOSE)}",
             *self._functions(tools, choice),
         ])

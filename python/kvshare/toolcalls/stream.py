@@ -8,8 +8,9 @@ call blocks and without the whitespace that touches them: whitespace before a bl
 blocks and after the last one goes; whitespace after a block that leads into more text stays
 only when content was sent before ("A\\n<call>\\nB" reads "A\\nB", "<call>\\n\\nB" reads "B").
 
-A block that turns out malformed or cut off (max_tokens) becomes content exactly as written, and
-reading goes on right after its opener. In incremental mode (the default) a call's name and its
+A block that turns out malformed becomes content exactly as written, and reading goes on right
+after its opener. A block the reply ends inside (cut off by max_tokens) is dropped: the calls
+before it stand, and no partial markup reaches the client. In incremental mode (the default) a call's name and its
 argument fragments go out as soon as they are known, so a block that fails *after* a call was
 announced leaves that call as sent (its index is in `broken_calls`; the block's raw text still
 follows as content, which is the same in both modes). With `incremental=False` a block's calls
@@ -22,8 +23,8 @@ from typing import Protocol
 
 from kvshare.toolcalls.calls import new_call_id
 
-__all__ = ["ToolCallStream", "Region", "Cursor", "NeedMore", "Malformed", "Sink", "Markup",
-           "held"]
+__all__ = ["ToolCallStream", "Region", "Cursor", "NeedMore", "Malformed", "Truncated", "Sink",
+           "Markup", "held"]
 
 WS = " \t\r\n"
 
@@ -36,6 +37,10 @@ class Malformed(Exception):
     """The block cannot be a call: it is content as written."""
 
 
+class Truncated(Malformed):
+    """The reply ended inside the block: the block is dropped."""
+
+
 class Cursor:
     """A position in a block's text with the small reads the format readers need; reading past
     the end raises `NeedMore` (or `Malformed` once the text is final)."""
@@ -46,7 +51,7 @@ class Cursor:
         self.text, self.pos, self.final = text, pos, final
 
     def more(self):
-        raise Malformed("truncated") if self.final else NeedMore()
+        raise Truncated("truncated") if self.final else NeedMore()
 
     def ws(self) -> None:
         t, n, i = self.text, len(self.text), self.pos
@@ -100,6 +105,9 @@ class Sink:
     def args(self, fragment: str) -> None:  # more of the current call's arguments text
         raise NotImplementedError
 
+    def text(self, fragment: str) -> None:  # reply text found inside a block (generic format)
+        raise NotImplementedError
+
 
 class Markup(Protocol):
     """What the stream reads of a format (`kvshare.toolcalls.base.ToolFormat`, which is built
@@ -131,6 +139,15 @@ class Region:
 
     def run(self, cur: Cursor) -> int:
         raise NotImplementedError
+
+    # each call is announced complete (name and whole arguments at once), so the calls of a
+    # block cut off later stand
+    complete_calls = False
+
+    def is_markup(self) -> bool:
+        """Whether the text read so far is surely call markup (a cut-off block is dropped),
+        rather than possibly a plain answer that starts like one (then it is content)."""
+        return True
 
 
 def held(text: str, tag: str) -> int:
@@ -203,6 +220,12 @@ class ToolCallStream(Sink):
             self._emit({"tool_calls": [{"index": self._index,
                                         "function": {"arguments": fragment}}]})
 
+    def text(self, fragment: str) -> None:
+        # out at once in both modes: text stays even when the block is cut off later
+        if fragment:
+            self._content_sent = True
+            _append(self._out, {"content": fragment})
+
     # ---- the loop -------------------------------------------------------------------------
 
     def _pump(self, final: bool) -> None:
@@ -210,6 +233,12 @@ class ToolCallStream(Sink):
             if self._region is not None:
                 try:
                     end = self._region.advance(self._buf, final)
+                except Truncated:
+                    if self._region.is_markup():
+                        self._drop()
+                        return
+                    self._fail()
+                    continue
                 except Malformed:
                     self._fail()
                     continue
@@ -237,6 +266,10 @@ class ToolCallStream(Sink):
             self._open_region(pos, opener, at_start=opener in starts and pos == lead)
             return True
         if final:
+            # an opener cut off at the very end is markup too: dropped
+            cut = max((held(buf, o) for o in self._fmt.openers), default=0)
+            if cut >= 2:
+                buf = buf[:-cut].rstrip(WS)
             if not (self._after_call and buf.strip(self._separators()) == ""):
                 self._content(buf)  # (separators after the last call are dropped)
             self._buf = ""
@@ -312,6 +345,16 @@ class ToolCallStream(Sink):
         self._region, self._lead_ws = None, ""
         self._after_call, self._fresh = True, False
 
+    def _drop(self) -> None:
+        """The reply ended inside the block: it goes, whitespace before it included (a
+        block of complete calls keeps those)."""
+        if self._region is not None and self._region.complete_calls:
+            self.has_calls = self.has_calls or self._block_calls > 0
+        elif self._incremental:
+            self.broken_calls += range(self._next_index - self._block_calls, self._next_index)
+        self._block, self._block_calls = [], 0
+        self._region, self._lead_ws, self._buf = None, "", ""
+
     def _fail(self) -> None:
         if self._incremental:
             self.broken_calls += range(self._next_index - self._block_calls, self._next_index)
@@ -326,7 +369,8 @@ class ToolCallStream(Sink):
     # ---- output ---------------------------------------------------------------------------
 
     def _emit(self, delta: dict) -> None:
-        block = self._region is not None and not self._incremental
+        block = (self._region is not None and not self._incremental
+                 and not self._region.complete_calls)
         _append(self._block if block else self._out, delta)
 
     def _take(self) -> list[dict]:
