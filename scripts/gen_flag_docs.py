@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT / "python"))
 BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
 
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
-    ("Model and device", ("--model", "--model-store", "--offline", "--device", "--n-gpu-layers",
+    ("Model and device", ("--model", "--hf-repo", "--hf-token", "--model-store", "--offline",
+                          "--device", "--n-gpu-layers",
                           "--threads")),
     ("Network and auth", ("--host", "--port", "--root-path", "--api-key", "--api-key-file",
                           "--cors-origins", "--cors-methods", "--cors-headers",

@@ -163,7 +163,8 @@ def test_pull_command(standin, tmp_path):
 
 
 def test_serve_a_hub_model(standin, tmp_path):
-    """`kvshare serve --model hf:...` fetches the file, loads it and answers."""
+    """`kvshare serve -hf OWNER/NAME:QUANT` (llama-server's spelling of --model hf:...)
+    fetches the file, loads it and answers; `kvshare models` then lists it."""
     import socket
     import time
 
@@ -174,7 +175,7 @@ def test_serve_a_hub_model(standin, tmp_path):
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvshare.server.cli", "serve", "--port", str(port),
-             "--model", f"hf:{REPO}:Q4_K_M", "--model-store", str(tmp_path / "store"),
+             "-hf", f"{REPO}:Q4_K_M", "--model-store", str(tmp_path / "store"),
              "--parallel", "1", "--ctx-size", "256", "--cache-ram", "0"],
             stdout=out, stderr=subprocess.STDOUT, env=_env(standin))
     url = f"http://127.0.0.1:{port}"
@@ -196,3 +197,11 @@ def test_serve_a_hub_model(standin, tmp_path):
         proc.terminate()
         proc.wait(30)
     assert (tmp_path / "store" / "hf" / "acme" / "Tiny-GGUF" / "Tiny-Q4_K_M.gguf").is_file()
+    p = subprocess.run([sys.executable, "-m", "kvshare.server.cli", "models", "--model-store",
+                        str(tmp_path / "store")], capture_output=True, text=True,
+                       env=_env(standin), timeout=60)
+    row = next(ln for ln in p.stdout.splitlines() if ln.startswith(f"hf:{REPO}:Q4_K_M"))
+    assert "downloaded" in row, p.stdout
+    p = subprocess.run([sys.executable, "-m", "kvshare.server.cli", "serve", "-hf", REPO,
+                        "--model", "x.gguf"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "not both" in p.stderr, p.stderr

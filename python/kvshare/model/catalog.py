@@ -186,6 +186,10 @@ def _installed(m: CatalogModel) -> bool:
 def status(name: str, store: str | Path | None = None) -> str:
     """'downloaded' (in the model store), 'installed' (a Python package provides it) or
     'not downloaded'."""
+    key = name.strip().lower()
+    if key in HUB_MODELS:
+        ref = hub.parse_ref(HUB_MODELS[key].ref)
+        return "downloaded" if hub.stored(ref, store) is not None else "not downloaded"
     if stored_path(name, store) is not None:
         return "downloaded"
     return "installed" if _installed(get(name)) else "not downloaded"

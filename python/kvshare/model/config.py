@@ -96,6 +96,17 @@ def _per_layer(value: Any, n_layers: int) -> list[int]:
     return [int(value)] * n_layers
 
 
+def _rope_scale(md: dict[str, Any], p: str) -> float:
+    """The position scale of linear rope scaling (1.0: none); other kinds are refused."""
+    scaling_type = md.get(p + "rope.scaling.type", "none")
+    factor = float(md.get(p + "rope.scaling.factor", 0.0) or 0.0)
+    if scaling_type == "linear" and factor > 0:
+        return 1.0 / factor
+    if scaling_type not in ("none", "linear") and factor not in (0.0, 1.0):
+        raise GGUFError(f"rope scaling type {scaling_type!r} is not supported")
+    return 1.0
+
+
 def config_from_metadata(md: dict[str, Any]) -> ModelConfig:
     arch = str(_get(md, "general.architecture"))
     p = arch + "."
@@ -116,14 +127,7 @@ def config_from_metadata(md: dict[str, Any]) -> ModelConfig:
     ctx = int(_get(md, p + "context_length", 4096))
     rope_base = float(_get(md, p + "rope.freq_base", 10000.0))
     rope_dim = int(_get(md, p + "rope.dimension_count", head_dim))
-    rope_scale = 1.0
-    scaling_type = md.get(p + "rope.scaling.type", "none")
-    factor = float(md.get(p + "rope.scaling.factor", 0.0) or 0.0)
-    if scaling_type == "linear" and factor > 0:
-        rope_scale = 1.0 / factor
-    elif scaling_type not in ("none", "linear") and factor not in (0.0, 1.0):
-        raise GGUFError(f"rope scaling type {scaling_type!r} is not supported")
-
+    rope_scale = _rope_scale(md, p)
     kinds = [ATTENTION if h > 0 else RECURRENT for h in heads_kv]
     windows = [0] * n_layers
     sliding = int(md.get(p + "attention.sliding_window", 0) or 0)

@@ -241,6 +241,23 @@ def stored(ref: HubRef, store: str | Path | None = None) -> Path | None:
     return paths[0] if paths and all(p.is_file() for p in paths) else None
 
 
+def stored_models(store: str | Path | None = None) -> list[tuple[str, int]]:
+    """(`hf:` reference, bytes) of every hub model fetched into the store."""
+    root = Path(store).expanduser() if store else store_dir()
+    out = []
+    for manifest in sorted((root / "hf").glob("*/*/*.json")):
+        owner, name = manifest.parent.parent.name, manifest.parent.name
+        tag, _, revision = manifest.stem.partition("@")
+        ref = HubRef(f"{owner}/{name}", None if tag == "default" else tag, revision or "main")
+        found = stored(ref, root)
+        if found is not None:
+            size = sum(p.stat().st_size for p in found.parent.glob("*.gguf"))
+            rev = "" if ref.revision == "main" else f"@{ref.revision}"
+            out.append((f"{PREFIX}{ref.repo}{rev}" + (f":{ref.quant}" if ref.quant else ""),
+                        size))
+    return out
+
+
 def resolve(spec: str, store: str | Path | None = None, *, settings: HubSettings | None = None,
             progress: bool = True, client: HubClient | None = None) -> Path:
     """A hub reference to the local path of its (first) GGUF file, fetched when needed."""

@@ -14,7 +14,7 @@ from .chat_template_flags import TemplateError, chat_template_override
 from .config import llama_settings_kwargs
 from .console import fail, mib, say
 from .model_load import StartupError, open_model
-from .preflight import choose_device, flag_problem
+from .preflight import choose_device, flag_problem, hub_flags_problem
 
 if TYPE_CHECKING:
     from kvshare.server.settings import ServerSettings
@@ -96,11 +96,13 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def pull(args: argparse.Namespace) -> int:
-    """`kvshare pull NAME`: the catalog model in the model store (fetched if needed, or when
-    the stored file fails its sha256 check); prints its path on stdout."""
+    """`kvshare pull NAME`: the catalog model or hub reference (`hf:OWNER/NAME[:QUANT]`) in
+    the model store (fetched if needed, or when a catalog file fails its sha256 check); prints
+    its path on stdout."""
     from kvshare.model import catalog
     from kvshare.model.store import FetchError, ModelNotFound
 
+    hub_flags_problem(args)
     try:
         path = catalog.ensure(args.name, args.model_store, verify=True)
     except ModelNotFound as e:
@@ -114,18 +116,25 @@ def pull(args: argparse.Namespace) -> int:
 
 
 def models(args: argparse.Namespace) -> int:
-    """`kvshare models`: the catalog, one model a line."""
-    from kvshare.model import catalog
+    """`kvshare models`: the catalog and the hub models in the model store, one a line."""
+    from kvshare.model import catalog, hub
 
     rows = [("NAME", "SIZE", "STATUS", "FOR")]
     for m in catalog.MODELS.values():
         note = " (default)" if m.name == catalog.DEFAULT_MODEL else ""
         rows.append((m.name, mib(m.size), catalog.status(m.name, args.model_store),
                      m.summary + note))
+    for h in catalog.HUB_MODELS.values():
+        rows.append((h.name, "~" + mib(h.size), catalog.status(h.name, args.model_store),
+                     f"{h.summary} [{h.ref}]"))
+    named = {h.ref.lower() for h in catalog.HUB_MODELS.values()}
+    for ref, size in hub.stored_models(args.model_store):
+        if ref.lower() not in named:
+            rows.append((ref, mib(size), "downloaded", "a Hugging Face model"))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
     print(f"model store: {args.model_store or catalog.store_dir()}")
-    print("use one: kvshare serve --model NAME (or a GGUF file path); fetch ahead: "
-          "kvshare pull NAME")
+    print("use one: kvshare serve --model NAME (or hf:OWNER/NAME[:QUANT], or a GGUF file "
+          "path); fetch ahead: kvshare pull NAME")
     return 0

@@ -8,6 +8,8 @@ from __future__ import annotations
 # (other flag names, llama-server's environment variable, read after KVSHARE_<FLAG>).
 LLAMA_NAMES: dict[str, tuple[tuple[str, ...], str | None]] = {
     "--model": (("-m",), "LLAMA_ARG_MODEL"),
+    "--hf-repo": (("-hf", "-hfr"), "LLAMA_ARG_HF_REPO"),
+    "--hf-token": (("-hft",), None),
     "--host": ((), "LLAMA_ARG_HOST"),
     "--port": ((), "LLAMA_ARG_PORT"),
     "--parallel": (("-np",), "LLAMA_ARG_N_PARALLEL"),
@@ -57,8 +59,8 @@ REFUSED = {
     "-dev": "use --device cpu or cuda",
     "-ctk": "use --kv-dtype", "--cache-type-k": "use --kv-dtype",
     "-ctv": "use --kv-dtype", "--cache-type-v": "use --kv-dtype",
-    "-hf": "use --model with a catalog name or a GGUF file",
-    "--hf-repo": "use --model with a catalog name or a GGUF file",
+    "-hff": "name the quantization as --hf-repo OWNER/NAME:QUANT",
+    "--hf-file": "name the quantization as --hf-repo OWNER/NAME:QUANT",
     "--embedding": _NO_EMBEDDINGS, "--embeddings": _NO_EMBEDDINGS, "--rerank": _NO_EMBEDDINGS,
     "--reranking": _NO_EMBEDDINGS, "--pooling": _NO_EMBEDDINGS,
     "--lora": _NO_LORA, "--lora-scaled": _NO_LORA, "--lora-init-without-apply": _NO_LORA,

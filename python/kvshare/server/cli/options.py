@@ -30,8 +30,13 @@ Option = tuple[str, FlagType, Any, str]
 
 OPTIONS: list[Option] = [
     ("--model", str, None,
-     "a catalog model name (fetched on first use; `kvshare models` lists them) or a GGUF "
-     "file (default: smollm2-135m-instruct)"),
+     "a catalog model name (fetched on first use; `kvshare models` lists them), a Hugging "
+     "Face reference hf:OWNER/NAME[:QUANT] or a GGUF file (default: smollm2-135m-instruct)"),
+    ("--hf-repo", str, None,
+     "a Hugging Face GGUF repository to fetch and serve, OWNER/NAME[:QUANT] (the same as "
+     "--model hf:OWNER/NAME[:QUANT]; no QUANT: Q4_K_M, else Q8_0)"),
+    ("--hf-token", str, None,
+     "Hugging Face token for gated and private repositories (default: $HF_TOKEN)"),
     ("--model-store", str, None,
      "directory of fetched models (older name: --model-cache) (default: $XDG_CACHE_HOME/kvshare/models or "
      "~/.cache/kvshare/models)"),
@@ -189,4 +194,4 @@ REPEATABLE = {"--api-key": ",", "--public-prefix": os.pathsep, "--alias": ",",
 OLD_NAMES: dict[str, tuple[str, ...]] = {"--model-store": ("--model-cache",)}
 
 # `kvshare pull` and `kvshare models` take these of OPTIONS.
-CATALOG_OPTIONS = ("--model-store",)
+CATALOG_OPTIONS = ("--model-store", "--hf-token")

@@ -46,11 +46,27 @@ def cache_dir_problem(path: str) -> str | None:
     return None
 
 
+def hub_flags_problem(args: argparse.Namespace) -> str | None:
+    """`--hf-repo R` becomes `--model hf:R`; `--hf-token` the token the hub client sends."""
+    repo = getattr(args, "hf_repo", None)
+    if repo:
+        if args.model:
+            return "give --model or --hf-repo, not both"
+        args.model = repo if repo.startswith("hf:") else "hf:" + repo
+    token = getattr(args, "hf_token", None)
+    if token:
+        os.environ["HF_TOKEN"] = token  # read by kvshare.model.hub.HubSettings.from_env
+    return None
+
+
 def flag_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the model name, --kv-dtype, --cache-dir or --slot-save-path, or
     None."""
     from kvshare.model import catalog
 
+    problem = hub_flags_problem(args)
+    if problem:
+        return problem
     if not catalog.is_known(args.model):
         return catalog.not_found_message(args.model)
     problem = kv_dtype_problem(args.kv_dtype, args.device)
