@@ -25,14 +25,34 @@ from .hypercorn_errors import install_json_error_bodies
 log = logging.getLogger("kvshare.server")
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A bound (not yet listening) TCP socket; raises OSError (e.g. address in use)."""
+class Listeners:
+    """The bound (not yet listening) TCP sockets of one server: one per address of a host
+    list (llama-server's `--host 127.0.0.1,::1`), all on one port."""
+
+    def __init__(self, socks: list[socket.socket]):
+        self.socks = socks
+
+    def getsockname(self) -> Any:
+        return self.socks[0].getsockname()
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+
+    def detach(self) -> list[int]:
+        """The file descriptors, handed over (Hypercorn owns them from here)."""
+        return [s.detach() for s in self.socks]
+
+
+def _bind_one(host: str, port: int, v6only: bool) -> socket.socket:
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, type_, proto, _, addr = infos[0]
     sock = socket.socket(family, type_, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if v6only and family == socket.AF_INET6:  # `::` beside `0.0.0.0` in a list: both bind
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         sock.bind(addr)
     except BaseException:
         sock.close()
@@ -40,20 +60,38 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def socket_url(sock: socket.socket, root_path: str = "") -> str:
+def bind_socket(host: str, port: int) -> Listeners:
+    """Bound sockets for `host`, one address or a comma-separated list; port 0 picks one free
+    port, the first address's, for all. Raises OSError (e.g. address in use)."""
+    hosts = [h.strip().strip("[]") for h in host.split(",") if h.strip()]
+    socks: list[socket.socket] = []
+    try:
+        for h in hosts:
+            socks.append(_bind_one(h, port, v6only=len(hosts) > 1))
+            port = socks[0].getsockname()[1]
+    except BaseException:
+        for s in socks:
+            s.close()
+        raise
+    if not socks:
+        raise OSError(f"no address to listen on in {host!r}")
+    return Listeners(socks)
+
+
+def socket_url(sock: Listeners, root_path: str = "") -> str:
     host, port = sock.getsockname()[:2]
     if ":" in host:
         host = f"[{host}]"
     return f"http://{host}:{port}{root_path.rstrip('/')}"
 
 
-def make_config(sock: socket.socket, *, root_path: str = "", graceful_timeout: float = 10.0,
+def make_config(sock: Listeners, *, root_path: str = "", graceful_timeout: float = 10.0,
                 log_level: str = "INFO", header_timeout: float | None = 30.0) -> Config:
     """Hypercorn's config. `header_timeout` (the server's body timeout): a connection that has
     not sent a complete request head this long after it opened, or after its previous
     response (keep-alive), is closed (Hypercorn's keep_alive_timeout covers both)."""
     config = Config()
-    config.bind = [f"fd://{sock.detach()}"]  # hypercorn owns the file descriptor from here
+    config.bind = [f"fd://{fd}" for fd in sock.detach()]  # hypercorn owns them from here
     config.root_path = root_path
     config.graceful_timeout = graceful_timeout
     config.accesslog = None  # the app logs one structured line per completion request
@@ -77,7 +115,7 @@ class Lifecycle(Protocol):
     def in_flight(self) -> int: ...
 
 
-async def serve_app(app: Any, sock: socket.socket, *, root_path: str = "",
+async def serve_app(app: Any, sock: Listeners, *, root_path: str = "",
                     graceful_timeout: float = 10.0, log_level: str = "INFO",
                     stop: asyncio.Event | None = None,
                     install_signal_handlers: bool = True,
@@ -166,7 +204,7 @@ def quiet_cancelled_connections(loop: asyncio.AbstractEventLoop, stop: asyncio.E
     loop.set_exception_handler(handler)
 
 
-def run(app: Any, sock: socket.socket, **kwargs: Any) -> None:
+def run(app: Any, sock: Listeners, **kwargs: Any) -> None:
     asyncio.run(serve_app(app, sock, **kwargs))
 def raise_fd_limit(wanted: int) -> None:
     """Raise the soft open-files limit towards `wanted` (each connection is a descriptor)."""

@@ -105,3 +105,15 @@ def gpu_layers(s: str) -> int:
 
 
 gpu_layers.__name__ = "layer count (auto, all or a number)"
+
+
+def host(s: str) -> str:
+    """One address or llama-server's comma-separated list (`127.0.0.1,::1`), listened on
+    each. A Unix socket path (llama-server's `*.sock`) is refused: kvshare listens on TCP."""
+    hosts = [h.strip() for h in s.split(",")]
+    if not all(hosts) or any(h.endswith(".sock") or "/" in h for h in hosts):
+        raise ValueError(s)
+    return ",".join(hosts)
+
+
+host.__name__ = "host (an address or a comma-separated list; no Unix socket paths)"

@@ -40,7 +40,8 @@ OPTIONS: list[Option] = [
     ("--model-store", str, None,
      "directory of fetched models (older name: --model-cache) (default: $XDG_CACHE_HOME/kvshare/models or "
      "~/.cache/kvshare/models)"),
-    ("--host", str, "127.0.0.1", "address to listen on"),
+    ("--host", flag_types.host, "127.0.0.1",
+     "address to listen on, or a comma-separated list (each is listened on, one port)"),
     ("--port", port, 8080, "port to listen on (0: any free port)"),
     ("--parallel", positive_int, 4, "sequences decoded together"),
     ("--ctx-size", flag_types.ctx_size, None,
