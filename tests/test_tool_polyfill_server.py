@@ -1,0 +1,131 @@
+"""Tools on a model whose chat template has none (issue 43): a real `kvshare serve` on
+loopback with the default model, SmolLM2-135M-Instruct (its template ignores tools), driven by
+the official `openai` SDK. The tool polyfill puts the tools in the system message and the
+generic JSON call format is forced by the grammar:
+- /props and /v1/models say what the template supports and which polyfills are on;
+- `tool_choice: "auto"` on a question that needs the tool calls it in some of 10 seeds
+  (measured 2 of 10 at temperature 1; the issue's target of 8 is not reached by this 135M
+  model);
+- `required` without max_tokens ends with finish_reason "tool_calls" (the grammar ends after
+  at most --max-parallel-tool-calls calls; one call when parallel calls are off);
+- with a small max_tokens no API's reply carries call markup or a cut-off call.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from kvshare.model import catalog
+from tier_helpers import Server
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "The city name"}}, "required": ["city"]}}}
+QUESTION = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+MARKUP = ('"tool_call', "<tool_call", '"response"', '{"name"')
+
+
+@pytest.fixture(scope="module")
+def server(launcher):
+    path = catalog.ensure(catalog.DEFAULT_MODEL, progress=False)
+    s = Server(launcher, "--parallel", "4", "--ctx-size", "4096", model=path)
+    yield s
+    s.terminate()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="sk-dummy", max_retries=0,
+                         timeout=600)
+
+
+def test_props_and_models_say_what_is_polyfilled(server):
+    props = httpx.get(server.url + "/props").json()
+    caps = props["chat_template_caps"]
+    assert caps["supports_tools"] and caps["supports_tool_calls"]  # polyfilled
+    assert caps["supports_system_role"] and caps["supports_generation_prompt"]
+    assert props["chat_template_polyfills"] == ["tools", "tool_calls", "tool_responses"]
+    meta = httpx.get(server.url + "/v1/models").json()["data"][0]["meta"]
+    assert meta["chat_template_caps"] == {k: v for k, v in caps.items() if k != "supports_string_content"}
+    assert meta["chat_template_polyfills"] == props["chat_template_polyfills"]
+
+
+def test_the_model_sees_the_tools(server):
+    body = {"messages": QUESTION, "tools": [WEATHER]}
+    prompt = httpx.post(server.url + "/apply-template", json=body).json()["prompt"]
+    assert '"name": "get_weather"' in prompt and "Get the current weather" in prompt
+    n = [httpx.post(server.url + "/v1/messages/count_tokens", json={
+        "model": "m", "messages": QUESTION, **extra}).json()["input_tokens"]
+        for extra in ({}, {"tools": [{"name": "get_weather", "description": "Weather.",
+                                      "input_schema": WEATHER["function"]["parameters"]}]})]
+    assert n[1] > n[0]
+
+
+def test_auto_calls_the_tool(client):
+    calls = 0
+    for seed in range(10):
+        r = client.chat.completions.create(model="m", messages=QUESTION, tools=[WEATHER],
+                                           seed=seed, max_tokens=100)
+        choice = r.choices[0]
+        content = choice.message.content or ""
+        assert not any(m in content for m in MARKUP), content
+        if choice.message.tool_calls:
+            calls += 1
+            assert choice.finish_reason == "tool_calls"
+            assert choice.message.tool_calls[0].function.name == "get_weather"
+    print(f"tool_choice auto: a call in {calls} of 10 seeds")
+    assert calls >= 1  # measured 2 of 10; none before the polyfill
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_ends_with_its_calls(client, parallel):
+    tokens = []
+    for seed in range(3):
+        r = client.chat.completions.create(model="m", messages=QUESTION, tools=[WEATHER],
+                                           tool_choice="required", seed=seed,
+                                           parallel_tool_calls=parallel)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        n = len(choice.message.tool_calls)
+        assert 1 <= n <= (8 if parallel else 1)
+        assert all(json.loads(c.function.arguments)["city"] for c in choice.message.tool_calls)
+        tokens.append(r.usage.completion_tokens)
+    one_call = 40  # tokens: a call of this tool is ~25 (its object, then end of turn)
+    assert max(tokens) <= (8 if parallel else 1) * one_call
+    print(f"required (parallel {parallel}): completion tokens {tokens}")
+
+
+@pytest.mark.parametrize("max_tokens", [6, 12, 20])
+def test_cut_replies_carry_no_markup(server, client, max_tokens):
+    for choice in ("required", "auto"):
+        r = client.chat.completions.create(model="m", messages=QUESTION, tools=[WEATHER],
+                                           tool_choice=choice, max_tokens=max_tokens, seed=3)
+        msg = r.choices[0].message
+        assert not any(m in (msg.content or "") for m in MARKUP)
+        assert r.choices[0].finish_reason in ("length", "tool_calls")
+        stream = client.chat.completions.create(
+            model="m", messages=QUESTION, tools=[WEATHER], tool_choice=choice,
+            max_tokens=max_tokens, seed=3, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert not any(m in text for m in MARKUP)
+        tool = {"name": "get_weather", "description": "Weather.",
+                "input_schema": WEATHER["function"]["parameters"]}
+        a = httpx.post(server.url + "/v1/messages", timeout=120, json={
+            "model": "m", "max_tokens": max_tokens, "messages": QUESTION, "tools": [tool],
+            "tool_choice": {"type": "any" if choice == "required" else "auto"}}).json()
+        for block in a["content"]:
+            assert block["type"] in ("text", "tool_use")
+            assert not any(m in block.get("text", "") for m in MARKUP)
+        rs = httpx.post(server.url + "/v1/responses", timeout=120, json={
+            "model": "m", "input": QUESTION[0]["content"], "max_output_tokens": max_tokens,
+            "tools": [{"type": "function", **WEATHER["function"]}],
+            "tool_choice": choice}).json()
+        for item in rs["output"]:
+            for part in item.get("content") or ():
+                assert not any(m in part.get("text", "") for m in MARKUP)
