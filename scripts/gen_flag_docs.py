@@ -45,7 +45,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("Sampling defaults (of requests that leave the field out)",
      ("--temp", "--top-k", "--top-p", "--min-p", "--seed", "--repeat-penalty",
       "--repeat-last-n", "--presence-penalty", "--frequency-penalty")),
-    ("Limits", ("--max-n", "--max-body-mib", "--body-timeout", "--max-connections",
+    ("Limits", ("--max-n", "--max-parallel-tool-calls", "--max-body-mib", "--body-timeout", "--max-connections",
                 "--queue-timeout", "--graceful-timeout")),
     ("API behaviour and logging", ("--alias", "--chat-template", "--chat-template-file",
                                    "--reasoning-format", "--tool-parser", "--slots",

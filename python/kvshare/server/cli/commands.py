@@ -26,6 +26,7 @@ def _server_settings(args: argparse.Namespace, tenancy_kw: dict[str, Any]) -> Se
     aliases = [a.strip() for a in (args.alias or "").split(",") if a.strip()]
     return ServerSettings(root_path=args.root_path, aliases=aliases,
                           tool_parser=args.tool_parser,
+                          max_parallel_tool_calls=args.max_parallel_tool_calls,
                           max_body_bytes=args.max_body_mib * 1024 * 1024,
                           body_timeout=args.body_timeout,
                           max_connections=args.max_connections,

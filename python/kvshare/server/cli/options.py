@@ -91,6 +91,9 @@ OPTIONS: list[Option] = [
      "tool-call format: hermes, qwen35, lfm2 or llama3 (default: detected from the chat "
      "template)"),
     ("--max-n", positive_int, None, "most choices (n) one request may ask for (default 8)"),
+    ("--max-parallel-tool-calls", positive_int, 8,
+     "most tool calls one reply may make when parallel calls are allowed (forced calls end "
+     "after them)"),
     ("--cache-ram", non_negative_int, None, "RAM tier budget in MiB (default 8192; 0: off)"),
     ("--cache-ram-pin", non_negative_int, None,
      "of the RAM tier, MiB that prefix entries (up to the first user message) may pin "
@@ -154,7 +157,8 @@ OPTIONS: list[Option] = [
      "off)"),
     ("--metrics", None, False, "accepted: kvshare always serves /metrics"),
     ("--cont-batching", None, False, "accepted: kvshare always batches continuously"),
-    ("--no-webui", None, False, "accepted: kvshare has no web UI"),
+    ("--no-webui", None, False,
+     "serve no web UI: no page at / (a 404 there) and no /webui/state (docs/webui.md)"),
     ("--max-body-mib", positive_int, 16, "largest request body in MiB (larger: 413)"),
     ("--body-timeout", positive_float, 30.0,
      "seconds a client gets to send a request's headers, and the longest gap while it sends "
