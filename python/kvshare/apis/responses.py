@@ -344,6 +344,9 @@ class ResponsesFormat(ApiFormat):
         """The final response object (stored when `store`) and the closing item events."""
         status = "incomplete" if fin.reason == "length" else "completed"
         events = self._items.finish(status)
+        if status == "completed" and any(it["type"] == "function_call"
+                                         for it in self._items.items):
+            self.client_finish_reason = "tool_calls"  # what the request log records
         resp = self._object(status, list(self._items.items), self._usage(total))
         if self.store is not None and self.req.store:
             conv = list(self.req.conversation)
