@@ -41,6 +41,7 @@ from .pipeline import GenerationPipeline, chat_prompt
 from .request_log import RequestLog
 from .settings import ServerSettings
 from .tenancy import TenantMetrics, build_tenancy
+from .webui import WebUI
 
 
 class KVShareServer:
@@ -57,9 +58,13 @@ class KVShareServer:
         self.tenant_metrics = TenantMetrics(self.metrics.registry, self.tenancy.keyring)
         # llama-server's slots, emulated over the shared pool (apis.llama_slots)
         self.slot_table = SlotTable(info.parallel)
+        # the page at / and its state (webui.py); it follows the requests beside the slots
+        self.webui = WebUI(engine, self.tenancy.keyring) if settings.webui else None
+        observer = (self.webui.observer(self.slot_table) if self.webui is not None
+                    else self.slot_table)
         self.pipeline = GenerationPipeline(
             engine, settings, self.tenancy,
-            RequestLog(self.metrics, self.tenant_metrics, self.slot_table))
+            RequestLog(self.metrics, self.tenant_metrics, observer))
         fingerprint = system_fingerprint(info.fingerprint)
         self.response_store = ResponseStore(ttl_s=settings.response_ttl_s)
         self.chat = ChatCompletionsApi(settings.reasoning_format, fingerprint)
@@ -135,6 +140,7 @@ class KVShareServer:
             *both("/health", server.health, ["GET"]),
             Route("/metrics", server.metrics_endpoint, methods=["GET"]),
             Route("/cache", server.cache, methods=["GET"]),
+            *(self.webui.routes() if self.webui is not None else []),
         ]
 
     def middleware(self) -> list[Middleware]:
@@ -149,6 +155,9 @@ class KVShareServer:
         # connection limit and body deadline (edge.py), before anything reads the body
         layers.append(Middleware(EdgeMiddleware, limits=self.edge,
                                  exempt=OPEN_PATHS | {"/metrics"}, route_path=route_path))
+        # the page's own files, before auth: they hold no data (its state is behind the key)
+        if self.webui is not None:
+            layers.append(self.webui.middleware())
         if self.tenancy.keyring is not None:
             layers.append(Middleware(AuthMiddleware, keys=self.tenancy.keyring))
         return layers

@@ -72,6 +72,9 @@ class ServerSettings:
     cors_credentials: bool = True
     # GET /slots served (`--slots`, the default) or 501 (`--no-slots`), as llama-server.
     slots_endpoint: bool = True
+    # The page at `/` and its state endpoint `/webui/state` (server/webui.py, docs/webui.md);
+    # False (`--no-webui`, llama-server's flag): neither is served, `/` is a 404.
+    webui: bool = True
     # llama-server `--slot-save-path`: directory of `POST /slots/{id}?action=save|restore`
     # files; None: those actions are refused.
     slot_save_path: str | None = None

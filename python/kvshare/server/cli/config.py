@@ -80,7 +80,7 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def llama_settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The ServerSettings fields of llama-server's flags (-n, sampling defaults,
-    --reasoning-format, CORS, --slots, --slot-save-path)."""
+    --reasoning-format, CORS, --slots, --slot-save-path, --no-webui)."""
     from kvshare.server.cors import parse_origins
 
     n = getattr(args, "n_predict", None)
@@ -93,6 +93,7 @@ def llama_settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "cors_headers": args.cors_headers,
         "cors_credentials": args.cors_credentials,
         "slots_endpoint": args.slots,
+        "webui": not args.no_webui,
         "slot_save_path": (os.path.abspath(args.slot_save_path)
                            if args.slot_save_path is not None else None),
     }
