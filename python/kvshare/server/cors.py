@@ -3,10 +3,12 @@
 A pure ASGI middleware, outside the auth middleware (a browser sends its preflight without the
 `Authorization` header, so preflights are answered without a key):
 
-- a preflight (`OPTIONS` with `Origin` and `Access-Control-Request-Method`) from an allowed
-  origin gets 204 with `Access-Control-Allow-Origin: <origin>`, the allowed methods, the allowed
-  headers (by default the ones the browser asked for), `Access-Control-Allow-Credentials`,
-  `Access-Control-Max-Age` and `Vary: Origin`; from any other origin, 403 without them;
+- a preflight (`OPTIONS` with `Origin` and `Access-Control-Request-Method`) gets 200 with an
+  empty body, as llama-server answers every preflight; from an allowed origin it carries
+  `Access-Control-Allow-Origin: <origin>`, the allowed methods, the allowed headers (by
+  default the ones the browser asked for), `Access-Control-Allow-Credentials`,
+  `Access-Control-Max-Age` and `Vary: Origin`; from any other origin only `Vary: Origin`, so
+  the browser refuses the page's request without the server saying more;
 - any other request from an allowed origin is served as usual, its response (errors, a 401 and
   SSE streams included) carrying `Access-Control-Allow-Origin: <origin>`; from another origin it
   is served without that header, so the browser does not let the page read it;
@@ -130,11 +132,8 @@ class CORSMiddleware:
     async def _preflight(self, scope: Scope, send: Send, origin: str, allowed: bool) -> None:
         headers: list[tuple[bytes, bytes]] = [(b"vary", b"Origin"), (b"content-length", b"0")]
         if not allowed:
-            body = f"CORS: origin {origin!r} is not allowed (see --cors-origins)\n".encode()
-            headers = [(b"vary", b"Origin"), (b"content-type", b"text/plain; charset=utf-8"),
-                       (b"content-length", str(len(body)).encode())]
-            await send({"type": "http.response.start", "status": 403, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
             return
         p = self.policy
         asked = _header(scope, b"access-control-request-headers")
@@ -150,7 +149,7 @@ class CORSMiddleware:
         ]
         if p.credentials:
             headers.append((b"access-control-allow-credentials", b"true"))
-        await send({"type": "http.response.start", "status": 204, "headers": headers})
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b""})
 
 
