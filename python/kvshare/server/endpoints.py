@@ -26,15 +26,26 @@ class ServerEndpoints:
         self.started = int(time.time())
 
     async def models(self, request: Request) -> Response:
+        """llama-server's single-model list: one model named by the first `--alias` (else the
+        model's own name) with every alias in `aliases` and `tags` (kvshare takes no
+        `--tags`: empty), beside the Ollama-style `models` entry llama-server also sends."""
         info = self.info
-        names = self.settings.aliases or [info.name]
-        return JSONResponse({"object": "list", "data": [{
-            "id": name, "object": "model", "created": self.started,
-            "owned_by": "kvshare", "meta": {
-                "n_ctx": info.ctx_size, "n_vocab": info.vocab_size,
-                "chat_template_caps": template_caps(info, self.pipeline.tool_calls),
-                "chat_template_polyfills": list(info.template_polyfills)},
-        } for name in names]})
+        name = (self.settings.aliases or [info.name])[0]
+        return JSONResponse({
+            "models": [{
+                "name": name, "model": name, "modified_at": "", "size": "", "digest": "",
+                "type": "model", "description": "", "tags": [""],
+                "capabilities": ["completion"], "parameters": "",
+                "details": {"parent_model": "", "format": "gguf", "family": "",
+                            "families": [""], "parameter_size": "",
+                            "quantization_level": ""}}],
+            "object": "list",
+            "data": [{
+                "id": name, "aliases": list(self.settings.aliases), "tags": [],
+                "object": "model", "created": self.started, "owned_by": "kvshare", "meta": {
+                    "n_ctx": info.ctx_size, "n_vocab": info.vocab_size,
+                    "chat_template_caps": template_caps(info, self.pipeline.tool_calls),
+                    "chat_template_polyfills": list(info.template_polyfills)}}]})
 
     async def health(self, request: Request) -> Response:
         """llama-server's /health ({"status": "ok"}; a 503 carries its error object), with
@@ -61,8 +72,11 @@ class ServerEndpoints:
         return JSONResponse(body)
 
     async def metrics_endpoint(self, request: Request) -> Response:
+        """The Prometheus text, with llama-server's `Process-Start-Time-Unix` header (when
+        the server started, Unix seconds: a scraper tells a restart from a counter reset)."""
         data = await run_in_threadpool(self.metrics.render)
-        return Response(data, media_type=self.metrics.content_type)
+        return Response(data, media_type=self.metrics.content_type,
+                        headers={"Process-Start-Time-Unix": str(self.started)})
 
     async def cache(self, request: Request) -> Response:
         snap = await run_in_threadpool(self.engine.snapshot)

@@ -170,7 +170,8 @@ class GenerationPipeline:
     def context(self, request: Request) -> RequestContext:
         tenant: Tenant | None = (request.scope.get("state") or {}).get("tenant")
         return RequestContext(
-            model_name=self.info.name, ctx_size=self.info.ctx_size,
+            model_name=(self.settings.aliases or [self.info.name])[0],  # --alias, as llama-server
+            ctx_size=self.info.ctx_size,
             vocab_size=self.info.vocab_size, max_n=self.info.max_n, tenant=tenant,
             tenant_id=tenant.ident.hex() if tenant is not None else "",
             sampling_defaults=self.settings.sampling_defaults)
