@@ -355,8 +355,8 @@ def test_t_max_predict_ms(engine):
 
 def test_bad_completion_requests(client, engine):
     bad = [
-        {}, {"prompt": 5}, {"prompt": None}, {"prompt": []}, {"prompt": ["a", "b"]},
-        {"prompt": [[1, 2], [3]]}, {"prompt": [1, {"x": 1}]}, {"prompt": [999]},
+        {}, {"prompt": 5}, {"prompt": None}, {"prompt": []}, {"prompt": ["a", []]},
+        {"prompt": [[1, 2], [999]]}, {"prompt": [1, {"x": 1}]}, {"prompt": [999]},
         {"prompt": "x", "n_predict": "a"}, {"prompt": "x", "n_predict": -2},
         {"prompt": "x", "temperature": "hot"}, {"prompt": "x", "temperature": True},
         {"prompt": "x", "n_probs": 101}, {"prompt": "x", "stop": [1]},

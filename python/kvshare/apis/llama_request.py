@@ -15,6 +15,7 @@ from kvshare.server.errors import APIError, bad_request
 from . import parsing as P
 from .output_fields import parse_output_constraint
 from .base import CommonOptions, OutputConstraint, RequestContext
+from .prompt_list import is_token_id
 from .sampling_fields import LLAMA_SERVER
 from .sampling_fields import parse_sampling as _sampling
 
@@ -388,7 +389,8 @@ def request_settings(req: GenerationRequest) -> dict:
 
 def parse_prompt(v: Any) -> list[str | int]:
     """One llama-server prompt: a string, token ids, a mixed array of strings and ids, or
-    {"prompt_string": ...}. An array of strings (or of arrays) is several prompts: refused."""
+    {"prompt_string": ...} (a request's list of several prompts is split first:
+    `prompt_list.split_prompts`)."""
     if isinstance(v, str):
         return [v]
     if isinstance(v, dict):
@@ -402,17 +404,8 @@ def parse_prompt(v: Any) -> list[str | int]:
     if isinstance(v, list):
         if not v:
             raise bad_request("\"prompt\" must not be empty", "prompt")
-        has_ids = any(isinstance(x, int) and not isinstance(x, bool) for x in v)
-        if has_ids:
-            if not all(isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool))
-                       for x in v):
-                raise bad_request("a mixed 'prompt' holds only strings and token ids",
-                                  "prompt")
+        if all(isinstance(x, str) or is_token_id(x) for x in v):
             return list(v)
-        if len(v) == 1:
-            return parse_prompt(v[0])
-        raise bad_request(f"'prompt' holds {len(v)} prompts; kvshare takes one prompt per "
-                          "request (send one request per prompt)", "prompt")
     raise bad_request("\"prompt\" elements must be a string, a list of tokens, a JSON object "
                       "containing a prompt string, or a list of mixed strings & tokens.",
                       "prompt")

@@ -6,8 +6,9 @@ vendored `tools/server`) running on the same GGUF.
 
 `/completion` (`NativeCompletionApi`, an `Api`): `prompt` is a string, an array of
 token ids, or a mixed array of strings and ids (one prompt; BOS before a leading string, as
-llama-server); an array of strings is several prompts, refused (400: send one request per
-prompt). Sampling defaults are llama-server's (temperature 0.8, top_k 40, top_p 0.95, min_p
+llama-server); an array of strings or of arrays is several prompts (`prompt_list`), each
+generated as its own sequence: the answer is an array of one result per prompt, each with
+its `index`, and a stream interleaves the prompts' chunks, each carrying its `index`. Sampling defaults are llama-server's (temperature 0.8, top_k 40, top_p 0.95, min_p
 0.05, repeat_last_n 64, repeat_penalty 1.0); `n_predict` (aliases `max_tokens`,
 `max_completion_tokens`) -1 means until the context is full, absent means the server's
 `--n-predict` (`settings.default_max_tokens`), 0 generates one token as llama-server does;
@@ -27,8 +28,8 @@ adaptive_p are accepted by name and do nothing, and a non-default `mirostat`, `t
 `n_cache_reuse` (kvshare reuses any cached prefix by itself), `t_max_prompt_ms` (llama-server
 does not implement it either), `min_keep`, `return_progress`, `sse_ping_interval`,
 `timings_per_token` (the final object carries the timings; the chunks do not), `verbose`.
-`model` in responses is the request's model name or the served model's name (llama-server
-answers its alias or file path; `/props` has the path).
+`model` in responses is the request's model name or the served model's first `--alias`, else
+its name (llama-server answers its alias or file path; `/props` has the path).
 
 The response is llama-server's object: `content`, `tokens`, `id_slot`, `stop`, `model`,
 `tokens_predicted`, `tokens_evaluated`, `generation_settings` (the effective settings under
@@ -58,7 +59,7 @@ from __future__ import annotations
 
 import codecs
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvshare.engine.api import EngineClient, FinishEvent, TokenEvent
@@ -67,6 +68,7 @@ from kvshare.server.errors import APIError, bad_request
 from . import parsing as P
 from .base import ApiFormat, ApiRequest, PromptInfo, RequestContext, sse_data
 from .chat_output import OutputRules
+from .prompt_list import PromptListRequest, check_count, split_prompts
 from .llama_request import (N_BATCH, NativeOptions, error_object, generation_settings,
                             llama_error_body, not_supported, parse_native, parse_prompt)
 
@@ -142,6 +144,7 @@ class NativeFormat(ApiFormat):
         self.native = req.native
         self.engine = engine
         self.prompt_tokens = list(prompt.tokens)
+        self.index_base = req.index  # this prompt's place in the request's list of prompts
         self.slot_of = prompt.slot_of
         self.settings = req.slot_params
         self.ctx_size = engine.info.ctx_size
@@ -192,7 +195,7 @@ class NativeFormat(ApiFormat):
                 self.stop_requested = True
 
     def _partial(self, ev: TokenEvent) -> dict:
-        c = {"index": 0, "content": ev.text,
+        c = {"index": self.index_base, "content": ev.text,
              "tokens": [ev.token_id] if ev.token_id >= 0 else [], "stop": False,
              "id_slot": -1, "tokens_predicted": self.n_decoded,
              "tokens_evaluated": self.prompt.n_tokens}
@@ -239,7 +242,7 @@ class NativeFormat(ApiFormat):
         in_cache = n_prompt + n_decoded - 1 if n_decoded else n_prompt
         truncated = stop_type == "limit" and n_prompt + n_decoded >= self.ctx_size
         res: dict[str, Any] = {
-            "index": 0,
+            "index": self.index_base,
             "content": "" if stream else self.text,
             "tokens": self.tokens if (self.native.return_tokens and not stream) else [],
             "id_slot": self.slot_of(),
@@ -269,8 +272,9 @@ class NativeFormat(ApiFormat):
 # --------------------------------------------------------------------------- front ends
 
 @dataclass
-class NativeRequest(ApiRequest):
-    """A native request: llama-server's own options (`llama_request.NativeOptions`)."""
+class NativeRequest(PromptListRequest):
+    """A native request: llama-server's own options (`llama_request.NativeOptions`); with
+    several prompts, one request per prompt in `parts`."""
 
     native: NativeOptions = field(default_factory=lambda: NativeOptions(n_predict=-1))
 
@@ -306,7 +310,12 @@ class NativeCompletionApi:
     def parse(self, body: dict, ctx: RequestContext) -> NativeRequest:
         if "prompt" not in body or body["prompt"] is None:
             raise bad_request("\"prompt\" is required", "prompt")
-        return self.request(body, ctx, parse_prompt(body["prompt"]))
+        prompts = [parse_prompt(p) for p in split_prompts(body["prompt"])]
+        check_count(len(prompts), 1, ctx.max_n)
+        req = self.request(body, ctx, prompts[0])
+        if len(prompts) > 1:
+            req.parts = [replace(req, prompt=p, index=i) for i, p in enumerate(prompts)]
+        return req
 
     def make_format(self, rid: str, req: ApiRequest, rules: OutputRules | None,
                     prompt: PromptInfo) -> ApiFormat:

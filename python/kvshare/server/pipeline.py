@@ -31,6 +31,7 @@ from starlette.types import Receive, Scope, Send
 from kvshare.apis.base import (Api, ApiFormat, ApiRequest, CachePoint, ChatInput, Choices,
                                PromptInfo, RequestContext, json_bytes)
 from kvshare.apis.parsing import check_token_ids, template_tools
+from kvshare.apis.prompt_list import PromptListRequest
 from kvshare.engine.api import (EngineClient, EngineHandle, FinishEvent, GenerationRequest,
                                 RenderedChat, RequestRejected, SamplingParams, Timings,
                                 TokenEvent)
@@ -227,8 +228,14 @@ class GenerationPipeline:
                 raise APIError(503, "The server is shutting down", code="service_unavailable")
             req = api.parse(await body.read_json(request, self.settings), ctx)
             rec.stream = req.opts.stream
-            prepared = await self.prepare(request, api, rid, req, ctx.tenant, rec)
-            handle = self.submit(prepared.greq, "messages" if req.chat else "prompt")
+            handle: EngineHandle
+            if isinstance(req, PromptListRequest) and req.parts:  # several prompts
+                from .prompt_list import submit_list  # (it builds on this module)
+                prepared, handle = await submit_list(self, request, api, rid, req,
+                                                     ctx.tenant, rec)
+            else:
+                prepared = await self.prepare(request, api, rid, req, ctx.tenant, rec)
+                handle = self.submit(prepared.greq, "messages" if req.chat else "prompt")
             self.active[rid] = handle
             self.slots.acquire(rid, prepared.greq, req.slot_params, req.id_slot, ctx.tenant)
             if req.opts.stream:
