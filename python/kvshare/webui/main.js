@@ -60,8 +60,10 @@ function login() {
 
 document.addEventListener("DOMContentLoaded", () => {
   for (const tab of document.querySelectorAll(".tab")) {
-    tab.addEventListener("click", () => select(tab.dataset.view));
+    tab.addEventListener("click", () => { location.hash = tab.dataset.view; });
   }
+  // the view is the URL's fragment (#cache, #chat), so a link or a reload keeps it
+  window.addEventListener("hashchange", () => select(location.hash === "#chat" ? "chat" : "cache"));
   $("login-button").addEventListener("click", login);
   $("api-key").addEventListener("keydown", (e) => { if (e.key === "Enter") login(); });
   $("logout").addEventListener("click", () => {
