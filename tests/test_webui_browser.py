@@ -98,14 +98,16 @@ def test_chat_view_streams_a_reply_and_shows_cached_tokens(browser, server):
     browser.find_element("id", "system").send_keys(SYSTEM)
     browser.find_element("id", "max_tokens").clear()
     browser.find_element("id", "max_tokens").send_keys("8")
+    def done_replies(n: int):
+        metas = [m for m in browser.find_elements("css selector", ".msg .meta")
+                 if m.get_attribute("data-cached")]
+        return metas if len(metas) >= n else None
+
     metas = []
     for i, text in enumerate(("Plan a picnic.", "And the drinks?")):
         browser.find_element("id", "message").send_keys(text)
         browser.find_element("id", "send").click()
-        metas = wait_for(lambda: [m for m in browser.find_elements("css selector", ".msg .meta")
-                                  if m.get_attribute("data-cached")], timeout=60,
-                         what=f"reply {i + 1}")
-        wait_for(lambda: len(metas) == i + 1 or None, timeout=1)
+        metas = wait_for(lambda n=i + 1: done_replies(n), timeout=60, what=f"reply {i + 1}")
     replies = browser.find_elements("css selector", ".msg.assistant .content")
     assert len(replies) == 2 and all(r.text for r in replies)
     # the second turn reuses the first's prompt (the system prompt at least)

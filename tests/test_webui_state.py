@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import time
 
-import pytest
 from starlette.testclient import TestClient
 
 from kvshare.engine.api import FinishEvent, GenerationRequest, Timings
