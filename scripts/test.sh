@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs kvshare with its test extras (building the Rust extension; no GPU packages) and
-# redis-server where missing (apt-get), checks
+# redis-server and headless Chromium where missing (apt-get), checks
 # lint, types and formatting (`ruff check`, `mypy` on apis/, server/ and engine/, `cargo fmt --check`,
 # `cargo clippy -D warnings`), then runs
 # every test: `cargo test --workspace`, then pytest. Exit code is non-zero on any finding or
@@ -17,6 +17,13 @@ if ! command -v redis-server >/dev/null; then
     $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q redis-server >/dev/null
 fi
 export KVSHARE_REQUIRE_REDIS=1  # from here a missing redis-server fails those tests
+# the web page's tests drive a real headless Chromium (Debian's package) through selenium
+if ! command -v chromedriver >/dev/null; then
+    sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update -q >/dev/null
+    $sudo apt-get install -y -q chromium chromium-driver >/dev/null
+fi
+export KVSHARE_REQUIRE_BROWSER=1
 step "ruff check"
 python3 -m ruff check .
 step "mypy (apis/, server/, engine/)"

@@ -25,17 +25,26 @@ def _which(names: tuple[str, ...], env: str) -> str | None:
     return next((p for p in map(shutil.which, names) if p), None)
 
 
+def _missing(why: str) -> None:
+    """Skip, except under scripts/test.sh (KVSHARE_REQUIRE_BROWSER=1, after it installed the
+    browser), where a missing browser fails the test instead of hiding it."""
+    if os.environ.get("KVSHARE_REQUIRE_BROWSER"):
+        pytest.fail(why)
+    pytest.skip(why)
+
+
 def require_browser() -> tuple[str, str]:
     """The Chromium and chromedriver paths, or a skip saying what is missing."""
     try:
         import selenium  # noqa: F401
     except ImportError:
-        pytest.skip("selenium is not installed (pip install selenium)")
+        _missing("selenium is not installed (pip install selenium)")
     browser = _which(CHROMIUM_NAMES, "KVSHARE_CHROMIUM")
     driver = _which(DRIVER_NAMES, "KVSHARE_CHROMEDRIVER")
     if browser is None or driver is None:
-        pytest.skip("headless Chromium is not installed (apt-get install chromium "
-                    "chromium-driver)")
+        _missing("headless Chromium is not installed (apt-get install chromium "
+                 "chromium-driver)")
+    assert browser is not None and driver is not None
     return browser, driver
 
 
