@@ -61,3 +61,23 @@ def test_v1_completions_prompts_times_n(server):
     texts = [c["text"] for c in body["choices"]]
     assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy: a prompt's n agree
     assert body["model"] == "tiny-alias"
+
+
+def test_post_sampling_probs_are_the_chain_distribution(server):
+    body = completion(server, {"prompt": PROMPTS[0], "n_predict": 5, "n_probs": 10,
+                               "temperature": 1.0, "top_k": 3, "seed": 7,
+                               "post_sampling_probs": True})
+    probs = body["completion_probabilities"]
+    assert len(probs) == 5
+    for e in probs:
+        assert 0.0 < e["prob"] <= 1.0 and "logprob" not in e
+        top = e["top_probs"]
+        assert 1 <= len(top) <= 3  # top_k 3: the chain keeps at most three
+        assert all(0.0 < t["prob"] <= 1.0 for t in top)
+        assert [t["prob"] for t in top] == sorted((t["prob"] for t in top), reverse=True)
+        assert sum(t["prob"] for t in top) == pytest.approx(1.0, abs=1e-4)
+        assert e["prob"] == pytest.approx(next(t["prob"] for t in top if t["id"] == e["id"]))
+    greedy = completion(server, {"prompt": PROMPTS[0], "n_predict": 3, "n_probs": 5,
+                                 "post_sampling_probs": True, **GREEDY})
+    for e in greedy["completion_probabilities"]:
+        assert e["prob"] == 1.0 and [t["id"] for t in e["top_probs"]] == [e["id"]]

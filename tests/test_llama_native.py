@@ -361,7 +361,7 @@ def test_bad_completion_requests(client, engine):
         {"prompt": "x", "temperature": "hot"}, {"prompt": "x", "temperature": True},
         {"prompt": "x", "n_probs": 101}, {"prompt": "x", "stop": [1]},
         {"prompt": "x", "mirostat": 2}, {"prompt": "x", "typical_p": 0.5},
-        {"prompt": "x", "dry_multiplier": 0.8}, {"prompt": "x", "post_sampling_probs": True},
+        {"prompt": "x", "dry_multiplier": 0.8}, {"prompt": "x", "post_sampling_probs": "yes"},
         {"prompt": "x", "lora": [{"id": 0, "scale": 1.0}]}, {"prompt": "x", "n_cmpl": 2},
         {"prompt": "x", "response_fields": "content"}, {"prompt": "x", "id_slot": "a"},
         {"prompt": "x", "grammar": "not a grammar"}, {"prompt": "x", "json_schema": 5},

@@ -44,6 +44,9 @@ class CommonOptions:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # logprobs from the distribution after the sampler chain (llama-server's
+    # `post_sampling_probs`), not the model's raw one
+    post_sampling_probs: bool = False
     n: int = 1  # choices
 
 

@@ -95,6 +95,7 @@ class NativeOptions:
     timings_per_token: bool = False
     grammar: str = ""
     cache_prompt: bool = True
+    post_sampling_probs: bool = False  # n_probs as probabilities after the sampler chain
 
 
 def _first(body: dict, *names: str) -> tuple[str, Any]:
@@ -209,10 +210,6 @@ def _refuse_missing_samplers(body: dict) -> None:
             raise bad_request("'lora' must be an array", "lora")
         if any(not isinstance(x, dict) or x.get("scale", 0) not in (0, 0.0) for x in lora):
             raise bad_request("'lora': kvshare serves no LoRA adapters", "lora")
-    if P.get_bool(body, "post_sampling_probs", False):
-        raise bad_request("'post_sampling_probs' is not supported: kvshare reports "
-                          "probabilities from the model's distribution before sampling "
-                          "(post_sampling_probs false)", "post_sampling_probs")
 
 
 def _samplers(body: dict) -> list[str]:
@@ -285,11 +282,13 @@ def parse_native(body: dict, ctx: RequestContext, default_max_tokens: int | None
         raise bad_request("'response_fields' must be an array of strings", "response_fields")
     stream = P.get_bool(body, "stream", False)
     so = body.get("stream_options")
+    post = P.get_bool(body, "post_sampling_probs", False)
     opts = CommonOptions(
         max_tokens=max_tokens, sampling=sampling, stop=P.parse_stop(body), stream=stream,
         include_usage=isinstance(so, dict) and P.get_bool(so, "include_usage", False),
         ignore_eos=P.get_bool(body, "ignore_eos", False), logprobs=n_probs > 0,
-        top_logprobs=n_probs, n=1, cache_salt=P.parse_cache_salt(body))
+        top_logprobs=n_probs, post_sampling_probs=post, n=1,
+        cache_salt=P.parse_cache_salt(body))
     g = body.get("grammar")
     native = NativeOptions(
         n_predict=n_predict, n_probs=n_probs,
@@ -299,7 +298,7 @@ def parse_native(body: dict, ctx: RequestContext, default_max_tokens: int | None
         t_max_predict_ms=max(0, P.get_int(body, "t_max_predict_ms", 0) or 0),
         timings_per_token=P.get_bool(body, "timings_per_token", False),
         grammar=g if isinstance(g, str) else "",
-        cache_prompt=P.get_bool(body, "cache_prompt", True))
+        cache_prompt=P.get_bool(body, "cache_prompt", True), post_sampling_probs=post)
     return opts, native, _output(body)
 
 
@@ -307,7 +306,8 @@ def generation_settings(sampling: SamplingParams, *, n_predict: int, stop: Seque
                         ignore_eos: bool = False, stream: bool = False, n_probs: int = 0,
                         grammar: str = "", samplers: list[str] | tuple = KVSHARE_SAMPLERS,
                         timings_per_token: bool = False,
-                        reasoning_format: str = "none") -> dict:
+                        reasoning_format: str = "none",
+                        post_sampling_probs: bool = False) -> dict:
     """llama-server's `generation_settings` / slot `params` (task_params::to_json), with
     kvshare's effective values (samplers it lacks shown off)."""
     seed = sampling.seed
@@ -358,7 +358,7 @@ def generation_settings(sampling: SamplingParams, *, n_predict: int, stop: Seque
         "samplers": list(samplers),
         "speculative.types": "none",
         "timings_per_token": timings_per_token,
-        "post_sampling_probs": False,
+        "post_sampling_probs": post_sampling_probs,
         "backend_sampling": False,
         "lora": [],
     }
@@ -384,7 +384,8 @@ def default_settings(default_max_tokens: int | None,
 def request_settings(req: GenerationRequest) -> dict:
     """A slot's `params` for a request of any API (what it was submitted with)."""
     return generation_settings(req.sampling, n_predict=req.max_tokens, stop=req.stop,
-                               ignore_eos=req.ignore_eos, n_probs=req.top_logprobs)
+                               ignore_eos=req.ignore_eos, n_probs=req.top_logprobs,
+                               post_sampling_probs=req.post_sampling_probs)
 
 
 def parse_prompt(v: Any) -> list[str | int]:

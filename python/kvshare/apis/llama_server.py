@@ -14,8 +14,9 @@ its `index`, and a stream interleaves the prompts' chunks, each carrying its `in
 `--n-predict` (`settings.default_max_tokens`), 0 generates one token as llama-server does;
 `cache_prompt: false` computes the whole prompt again; `n_probs` (alias `logprobs`) gives
 `completion_probabilities` from the model's distribution before sampling (llama-server's
-default; `post_sampling_probs: true` is refused, kvshare does not keep the filtered
-distribution); `return_tokens`, `response_fields` (paths with `/` unnested, missing ones
+default), or with `post_sampling_probs: true` from the distribution the token was drawn from,
+after the sampler chain, as probabilities (`prob`, `top_probs`; tokens the chain removed are
+left out, so fewer than `n_probs` may come back); `return_tokens`, `response_fields` (paths with `/` unnested, missing ones
 omitted), `id_slot` (the slot to prefer), `n_indent` and `t_max_predict_ms` (code completion:
 the generation stops early, as llama-server's) are honoured. `samplers` takes llama-server's
 names (and aliases, or a string of sampler letters); an unknown name is a 400. kvshare applies
@@ -58,6 +59,7 @@ Slots, `/slots` and slot files: `llama_slots`; request options and errors: `llam
 from __future__ import annotations
 
 import codecs
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -96,21 +98,28 @@ class TokenText:
         except Exception:  # noqa: BLE001 - the text is all we lose
             return fallback.encode("utf-8")
 
-    def entry(self, token_id: int, text: str, logprob: float) -> dict:
+    def entry(self, token_id: int, text: str, logprob: float, post: bool = False) -> dict:
         b = self.token_bytes(token_id, text)
         return {"id": token_id, "token": _valid_utf8_prefix(b), "bytes": list(b),
-                "logprob": logprob}
+                **_prob(logprob, post)}
 
 
-def probs_entry(tt: TokenText, ev: TokenEvent) -> dict | None:
+def _prob(logprob: float, post: bool) -> dict:
+    """llama-server's probability field: `logprob`, or after the sampler chain `prob`."""
+    return {"prob": math.exp(logprob)} if post else {"logprob": logprob}
+
+
+def probs_entry(tt: TokenText, ev: TokenEvent, post: bool = False) -> dict | None:
     """One `completion_probabilities` item: the sampled token (its text as sent) and the
-    top n of the model's distribution."""
+    top n of the model's distribution (`post`: of the distribution after the sampler
+    chain, as probabilities, llama-server's `post_sampling_probs`)."""
     if ev.logprob is None or ev.token_id < 0:
         return None
     sent = ev.text.encode("utf-8")
     return {"id": ev.token_id, "token": _valid_utf8_prefix(sent), "bytes": list(sent),
-            "logprob": ev.logprob.logprob,
-            "top_logprobs": [tt.entry(t.token_id, t.text, t.logprob) for t in ev.top_logprobs]}
+            **_prob(ev.logprob.logprob, post),
+            "top_probs" if post else "top_logprobs": [
+                tt.entry(t.token_id, t.text, t.logprob, post) for t in ev.top_logprobs]}
 
 
 def select_fields(res: dict, paths: list[str]) -> dict:
@@ -170,7 +179,7 @@ class NativeFormat(ApiFormat):
             if self._t_first is None:
                 self._t_first = time.perf_counter()
             if self.native.n_probs:
-                e = probs_entry(self.tt, ev)
+                e = probs_entry(self.tt, ev, self.native.post_sampling_probs)
                 if e is not None:
                     self.probs.append(e)
         self.text += ev.text
@@ -200,7 +209,7 @@ class NativeFormat(ApiFormat):
              "id_slot": -1, "tokens_predicted": self.n_decoded,
              "tokens_evaluated": self.prompt.n_tokens}
         if self.native.n_probs and ev.token_id >= 0:
-            e = probs_entry(self.tt, ev)
+            e = probs_entry(self.tt, ev, self.native.post_sampling_probs)
             if e is not None:
                 c["completion_probabilities"] = [e]
         return c
@@ -301,7 +310,8 @@ class NativeCompletionApi:
             opts.sampling, n_predict=native.n_predict, stop=opts.stop,
             ignore_eos=opts.ignore_eos, stream=opts.stream, n_probs=native.n_probs,
             grammar=native.grammar, samplers=native.samplers,
-            timings_per_token=native.timings_per_token)
+            timings_per_token=native.timings_per_token,
+            post_sampling_probs=native.post_sampling_probs)
         return NativeRequest(chat=None, opts=opts, output=output,
                              model=P.requested_model(body, ctx.model_name), prompt=prompt,
                              reuse_cache=native.cache_prompt, id_slot=native.id_slot,

@@ -73,6 +73,9 @@ class GenerationRequest:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # Logprobs from the distribution after the sampler chain, the one the token was drawn from
+    # (llama-server's `post_sampling_probs`), instead of the model's raw distribution.
+    post_sampling_probs: bool = False
     # Control tokens in the reply are decoded as their text (tool-call formats whose markers
     # are control tokens, e.g. LFM2's <|tool_call_start|>); by default they are dropped.
     special_text: bool = False

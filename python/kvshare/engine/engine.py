@@ -574,7 +574,8 @@ class Engine:
         text, hit_stop = asm.push(token)
         event = TokenEvent(token_id=token, text=text, index=seq.choice)
         if req.logprobs:
-            lp, top = top_logprobs(row, token, req.top_logprobs)
+            lp, top = (seq.sampler.post_sampling_logprobs(token, req.top_logprobs)
+                       if req.post_sampling_probs else top_logprobs(row, token, req.top_logprobs))
             event = TokenEvent(
                 token_id=token, text=text,
                 logprob=TokenLogprob(token, self.token_piece(token), lp),

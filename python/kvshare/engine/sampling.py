@@ -4,8 +4,9 @@
 Follows llama.cpp's sampler chain order: logit bias -> grammar mask -> penalties -> top-k ->
 top-p -> min-p -> temperature -> draw. The grammar mask (constrained decoding) comes before
 every filter, so temperature, top-k and top-p only ever choose among tokens the grammar allows.
-Logprobs are reported from the model's raw distribution (OpenAI semantics), not the filtered
-one.
+Logprobs are reported from the model's raw distribution (OpenAI semantics) by default; a
+request may ask for the distribution the token was drawn from instead, after the whole chain
+(llama-server's `post_sampling_probs`): `Sampler.post_sampling_logprobs`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
         self.history: list[int] = list(prompt_tokens)
         self.generated: Counter[int] = Counter()
+        # the last draw's distribution after the chain: candidate ids and their probabilities,
+        # most likely first (kept by reference: the draw computed them anyway)
+        self.last_ids: np.ndarray = np.zeros(0, dtype=np.int64)
+        self.last_probs: np.ndarray = np.zeros(0, dtype=np.float32)
 
     def _apply_penalties(self, logits: np.ndarray) -> np.ndarray:
         p = self.params
@@ -77,6 +82,8 @@ class Sampler:
                 if best is None:
                     raise SamplingError("the grammar allows no token here")
                 token = int(best)
+            # greedy is temperature 0 at the chain's end: all the mass on one token
+            self.last_ids, self.last_probs = np.array([token]), np.ones(1, dtype=np.float32)
         else:
             if mask is not None:
                 scores = np.array(scores, dtype=np.float32, copy=True)  # the caller's row
@@ -110,7 +117,21 @@ class Sampler:
         final = _softmax(scores[cand] / max(p.temperature, 1e-6))
         if not np.isfinite(final).all() or final.sum() <= 0:
             raise SamplingError("the sampling probabilities are not finite")
+        self.last_ids, self.last_probs = cand, final
         return int(cand[self.rng.choice(len(cand), p=final)])
+
+    def post_sampling_logprobs(self, chosen: int, n: int
+                               ) -> tuple[float, list[tuple[int, float]]]:
+        """As `top_logprobs`, from the last draw's distribution after the chain (penalties,
+        grammar, top-k, top-p, min-p, temperature): tokens the chain removed have no entry
+        (llama-server leaves out zero probabilities), so fewer than n may come back."""
+        ids, probs = self.last_ids, self.last_probs
+        keep = probs > 0
+        ids, probs = ids[keep], probs[keep]
+        hit = np.flatnonzero(ids == chosen)
+        chosen_lp = float(np.log(probs[hit[0]])) if hit.size else float("-inf")
+        top = [(int(t), float(np.log(q))) for t, q in zip(ids[:n], probs[:n])]
+        return chosen_lp, top
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

@@ -287,6 +287,7 @@ class GenerationPipeline:
             prompt_tokens=tokens, max_tokens=self.max_tokens(opts.max_tokens, n),
             sampling=opts.sampling, stop=opts.stop, ignore_eos=opts.ignore_eos,
             logprobs=opts.logprobs, top_logprobs=opts.top_logprobs,
+            post_sampling_probs=opts.post_sampling_probs,
             cache_salt=self.tenancy.salt(tenant, salt), cache_store=self.tenancy.stores(salt),
             public_prefix_tokens=self.tenancy.public_prefix_tokens(tokens),
             first_user_boundary=rendered.first_user_boundary if rendered else None,
