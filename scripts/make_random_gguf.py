@@ -51,6 +51,7 @@ GGUF, e.g. llama.cpp's `models/ggml-vocab-qwen2.gguf`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -256,14 +257,20 @@ def tokenizer_fields(path: str | os.PathLike) -> list[tuple[str, object, GGUFVal
 
 def write(out: str | os.PathLike, arch: str = "qwen3", size: str = "1.5b",
           tokenizer_from: str | os.PathLike | None = None, seed: int = 0,
-          verbose: bool = False, expert_types: tuple[Q, Q, Q] | None = None) -> dict:
+          verbose: bool = False, expert_types: tuple[Q, Q, Q] | None = None,
+          layers: int | None = None) -> dict:
     """Write the GGUF; returns a summary (vocab, parameter count, bytes per block format).
-    `expert_types`: the experts' formats (gate, up, down) of a `test` size."""
+    `expert_types`: the experts' formats (gate, up, down) of a `test` size; `layers`: that
+    many of the size's layers (a real model's per-layer shapes at a size that fits)."""
     try:
         s = SIZES[arch][size]
     except KeyError:
         raise ValueError(f"{arch} has no size {size!r} (one of "
                          f"{', '.join(SIZES.get(arch, {}))})") from None
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers must be positive, got {layers}")
+        s = dataclasses.replace(s, n_layers=layers)
     src = tokenizer_from or default_tokenizer_source()
     tok = tokenizer_fields(src)
     vocab = len(next(v for k, v, *_ in tok if k == "tokenizer.ggml.tokens"))
@@ -331,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="GGUF whose tokenizer.* metadata is copied (default: the packaged "
                          "Gemma 3 270M, kvshare.model.loader.default_model_path())")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="write only this many of the size's layers (e.g. Qwen3-30B-A3B's "
+                         "layer shapes with --size 30b-a3b --layers 2)")
     ap.add_argument("--expert-types", default=None,
                     help="a test size's expert formats, gate,up,down (e.g. q8_0,q4_0,q5_0)")
     args = ap.parse_args(argv)
@@ -343,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(types) != 3:
             ap.error("--expert-types takes three formats: gate,up,down")
     info = write(args.out, args.arch, args.size, args.tokenizer_from, args.seed, verbose=True,
-                 expert_types=types)
+                 expert_types=types, layers=args.layers)
     mib = {k: round(v / 2**20, 1) for k, v in info["bytes_by_type"].items()}
     print(f"wrote {info['path']}: {args.arch} {args.size}, vocab {info['vocab']} (from "
           f"{info['tokenizer_from']}), {info['params'] / 1e9:.3f}B parameters, "

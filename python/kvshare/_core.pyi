@@ -497,3 +497,41 @@ def block_matmul_t_f32_parts(
     gate/up, whose parts may differ in type): part `p` fills the columns of `out`
     (`[M, sum of the parts' rows]`) after those of the parts before it. One pass over the
     kernel threads for all parts. Same checks and ValueErrors. GIL released."""
+
+# --- mixture-of-experts: grouped expert products (kvshare-kernels `moe`) ---
+# `raws[p]`: a whole stacked expert tensor, uint8 `[n_expert * n_p, row_bytes]` of GGML type
+# `qtypes[p]`; expert e's matrix is its n_p rows of each part, stacked in part order.
+# `activations`: "f32", "q8" or "vnni", as BlockWeight's.
+
+def moe_gate_up(
+    x: npt.NDArray[np.float32],
+    ids: npt.NDArray[np.int64],
+    raws: list[npt.NDArray[np.uint8]],
+    qtypes: list[int],
+    n_expert: int,
+    out: npt.NDArray[np.float32],
+    activations: Literal["f32", "q8", "vnni"] = "f32",
+    glu: Literal["silu", "gelu_tanh"] | None = "silu",
+    threads: int = 1,
+) -> None:
+    """Token rows `x` (`[n_tok, k]`) routed to experts `ids` (`[n_tok, slots]`): row
+    `t * slots + j` of `out` is `x[t]` times expert `ids[t, j]`'s rows, with `glu` applied to
+    its gate and up halves (`out` `[n_tok * slots, rows / 2]`; None: `[n_tok * slots, rows]`).
+    Tokens grouped by expert, the work split over up to `threads` threads by expert.
+    ValueError for bad shapes, dtypes, ids, overlap or an unsupported type. GIL released."""
+
+def moe_down(
+    a: npt.NDArray[np.float32],
+    ids: npt.NDArray[np.int64],
+    weights: npt.NDArray[np.float32],
+    raws: list[npt.NDArray[np.uint8]],
+    qtypes: list[int],
+    n_expert: int,
+    out: npt.NDArray[np.float32],
+    activations: Literal["f32", "q8", "vnni"] = "f32",
+    threads: int = 1,
+) -> None:
+    """Pair rows `a` (`[n_tok * slots, k]`) routed as `ids` with `weights` (both
+    `[n_tok, slots]`): `out[t]` (`[n_tok, rows]`) = the sum over slots, in slot order, of
+    `weights[t, j] * (a[t * slots + j]` times expert `ids[t, j]`'s rows). Same checks as
+    `moe_gate_up`. GIL released."""

@@ -12,6 +12,7 @@ mod aligned;
 pub mod attention;
 pub mod blocks;
 pub mod decode;
+pub mod moe;
 pub mod pool;
 pub mod qmatmul;
 pub mod rowops;

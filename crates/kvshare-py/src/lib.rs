@@ -13,6 +13,7 @@ mod decode;
 mod disk;
 mod errors;
 mod kernels;
+mod moe;
 mod pool;
 mod ram;
 mod remote;
@@ -27,6 +28,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     blocks::register(m)?;
     constrain::register(m)?;
     decode::register(m)?;
+    moe::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -14,10 +14,16 @@ expert's matrices are `BlockWeight`s over views of the mapped file, in the file'
 copied at load, a model costs its file size, and a product reads only the experts its tokens
 use. With `KVSHARE_CPU_WEIGHTS=int8` / `f32`, a block format without kernels, or on a GPU,
 each expert is dequantized to the backend's dense form instead.
+
+On the CPU the layer also keeps each matrix's whole stacked tensors (`StackedExperts`, the
+same bytes) for the grouped kernels (`ops.moe.moe_ffn_grouped`: one Rust call per matrix
+product for the batch); the per-expert `BlockWeight`s remain the path for formats and
+activations those kernels lack, and for `KVSHARE_MOE_GROUPED=0`.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +31,8 @@ import numpy as np
 
 from kvshare.model.config import ModelConfig
 from kvshare.model.weights import cpu_weight_mode, dequantize
-from kvshare.ops.moe import Routing, moe_ffn
+from kvshare.ops.moe import (Routing, StackedExperts, grouped_supported, moe_ffn,
+                             moe_ffn_grouped)
 
 # How llama.cpp's graph routes each architecture (`build_moe_ffn`'s gating, `norm_w` and
 # `w_scale` arguments). For qwen3moe and qwen35moe it passes softmax gating and norm_w = true
@@ -57,13 +64,20 @@ class MoeFFN:
     shared_gate_up: Any = None  # [2 n_ff_shexp, n_embd]
     shared_down: Any = None
     shared_gate: Any = None  # [1, n_embd]: sigmoid(shared_gate . h) scales the shared expert
+    # the stacked tensors for the grouped kernels (None: the per-expert path)
+    stacked_gate_up: StackedExperts | None = None
+    stacked_down: StackedExperts | None = None
 
     def __call__(self, h: Any) -> Any:
         from kvshare.ops.activation import glu  # noqa: PLC0415
         from kvshare.ops.linear import linear  # noqa: PLC0415
 
         be = self.backend
-        y = moe_ffn(h, self.router, self.gate_up, self.down, self.routing, backend=be)
+        if self.stacked_gate_up is not None and self.stacked_down is not None:
+            y = moe_ffn_grouped(h, self.router, self.stacked_gate_up, self.stacked_down,
+                                self.routing)
+        else:
+            y = moe_ffn(h, self.router, self.gate_up, self.down, self.routing, backend=be)
         if self.shared_gate_up is not None:
             s = linear(glu(linear(h, self.shared_gate_up, backend=be), "silu", backend=be),
                        self.shared_down, backend=be)
@@ -89,6 +103,36 @@ def _expert_views(ld: Any, name: str, n_expert: int) -> tuple[list[np.ndarray], 
     raw = ld.gf.raw(name)
     per = raw.size // n_expert
     return [raw[e * per : (e + 1) * per] for e in range(n_expert)], int(info.qtype), shape[1:]
+
+
+def grouped_enabled() -> bool:
+    """`KVSHARE_MOE_GROUPED=0` keeps MoE layers on the per-expert path."""
+    return os.environ.get("KVSHARE_MOE_GROUPED", "1") != "0"
+
+
+def load_stacked(ld: Any, names: list[str], n_expert: int) -> StackedExperts | None:
+    """The stacked tensors `names` for the grouped kernels, or None where they do not take
+    them (a GPU, dense CPU weights, formats or activations without a grouped kernel)."""
+    mode = cpu_weight_mode(ld.vnni_model)
+    if ld.backend.is_gpu or not mode.startswith("blocks") or not grouped_enabled():
+        return None
+    from kvshare.ops.blockweight import row_bytes  # noqa: PLC0415
+
+    activations = {"blocks-q8": "q8", "blocks-vnni": "vnni"}.get(mode, "f32")
+    raws, qtypes, ks = [], [], set()
+    for name in names:
+        info = ld.gf.tensors[name]
+        q, (rows, k) = int(info.qtype), info.numpy_shape[1:]
+        try:
+            rb = row_bytes(q, k)
+        except ValueError:
+            return None
+        raws.append(ld.gf.raw(name).reshape(n_expert * rows, rb))
+        qtypes.append(q)
+        ks.add(k)
+    if len(ks) != 1 or not grouped_supported(qtypes, activations):
+        return None
+    return StackedExperts(tuple(raws), tuple(qtypes), n_expert, ks.pop(), activations)
 
 
 def load_experts(ld: Any, names: list[str], n_expert: int) -> list[Any]:
@@ -127,15 +171,18 @@ def load_moe(ld: Any, cfg: ModelConfig, il: int) -> MoeFFN:
         raise ValueError(f"layer {il}: router has shape {tuple(router.shape)}, expected "
                          f"{(E, cfg.n_embd)}")
     if ld.has(p + "ffn_gate_up_exps.weight"):
-        gate_up = load_experts(ld, [p + "ffn_gate_up_exps.weight"], E)
+        gu_names = [p + "ffn_gate_up_exps.weight"]
     else:
-        gate_up = load_experts(ld, [p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"], E)
+        gu_names = [p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"]
+    gate_up = load_experts(ld, gu_names, E)
     down = load_experts(ld, [p + "ffn_down_exps.weight"], E)
     ff = int(down[0].shape[1])
     if tuple(gate_up[0].shape) != (2 * ff, cfg.n_embd) or down[0].shape[0] != cfg.n_embd:
         raise ValueError(f"layer {il}: experts' gate/up {tuple(gate_up[0].shape)} and down "
                          f"{tuple(down[0].shape)} do not fit n_embd {cfg.n_embd}")
     moe = MoeFFN(routing, router, gate_up, down, ld.backend)
+    moe.stacked_gate_up = load_stacked(ld, gu_names, E)
+    moe.stacked_down = load_stacked(ld, [p + "ffn_down_exps.weight"], E)
     if ld.has(p + "ffn_up_shexp.weight"):
         moe.shared_gate_up = ld.matrix([p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"])
         moe.shared_down = ld.matrix([p + "ffn_down_shexp.weight"])

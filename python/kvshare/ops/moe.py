@@ -14,6 +14,13 @@ slots of a token are added in slot order (highest weight first), as llama.cpp ad
 `ffn_moe_weighted` views. Each expert's matrices are whatever `ops.linear.linear` takes (a
 `BlockWeight` on the CPU: one block-format product per active expert on its rows), so a
 token's result does not depend on which other tokens share its step.
+
+Grouped (`moe_ffn_grouped`, the CPU path for experts in block formats): the same block in two
+Rust calls over the whole stacked tensors (`StackedExperts`), `_core.moe_gate_up` (gate|up
+products with the SwiGLU) and `_core.moe_down` (down products, weighted, slots added in
+order); the grouping by expert and the split of the work over the cores by expert happen in
+`kvshare-kernels`' `moe` module, with the kernels `BlockWeight` takes for the same
+activations, so its results equal `moe_ffn`'s on `BlockWeight` experts bit for bit.
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvshare.backend import CPU, Backend
+from kvshare import _core
+from kvshare.backend import CPU, CPU_THREADS, Backend
 from kvshare.ops.activation import glu
 from kvshare.ops.linear import linear
+from kvshare.ops.parallel import ROWS
 
 GATINGS = ("softmax", "sigmoid", "softmax_weight")
 # ggml clamps the sum of the selected weights to the smallest normal f16 before dividing
@@ -135,6 +144,63 @@ def moe_ffn(h: Any, router: Any, gate_up: Sequence[Any], down: Sequence[Any],
     for j in range(1, k):
         acc += y[:, j]
     return acc
+
+
+HAVE_GROUPED = hasattr(_core, "moe_gate_up")
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """One matrix of every expert as the file holds it: `raws[p]` uint8 `[n_expert * n_p,
+    row_bytes]` (a whole `ffn_*_exps` tensor, a view of the map) of GGML type `qtypes[p]`, rows
+    of `k` values; expert e's matrix is its `n_p` rows of each part, stacked in part order.
+    `activations` as `BlockWeight`'s ("f32", "q8", "vnni")."""
+
+    raws: tuple[np.ndarray, ...]
+    qtypes: tuple[int, ...]
+    n_expert: int
+    k: int
+    activations: str = "f32"
+
+    @property
+    def rows(self) -> int:
+        """Rows of one expert's matrix."""
+        return sum(r.shape[0] for r in self.raws) // self.n_expert
+
+
+def grouped_supported(qtypes: Sequence[int], activations: str) -> bool:
+    """Whether `moe_ffn_grouped` takes experts of these GGML types with these activations
+    (block formats; with "vnni" only types that have a VNNI kernel)."""
+    from kvshare.ops.blockweight import BLOCK_TYPES  # noqa: PLC0415
+
+    if not HAVE_GROUPED or any(int(q) not in BLOCK_TYPES for q in qtypes):
+        return False
+    if activations == "vnni":
+        return bool(_core.block_vnni_available()) and all(
+            _core.block_vnni_supports(int(q)) for q in qtypes)
+    return activations in ("f32", "q8")
+
+
+def moe_ffn_grouped(h: np.ndarray, router: Any, gate_up: StackedExperts, down: StackedExperts,
+                    routing: Routing, activation: str = "silu", *,
+                    router_bias: Any = None) -> np.ndarray:
+    """`moe_ffn` on the CPU with the grouped kernels: `gate_up` (gate rows then up rows per
+    expert) and `down` as stacked tensors."""
+    n = h.shape[0]
+    h = np.ascontiguousarray(h, dtype=np.float32)
+    ids, w = route(linear(h, router, router_bias), routing)
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    # inside a row-parallel part (prefill) the other parts hold the other cores
+    threads = 1 if ROWS.inside() else CPU_THREADS.kernel_threads
+    ff = gate_up.rows // 2
+    a = np.empty((n * routing.k, ff), np.float32)
+    _core.moe_gate_up(h, ids, list(gate_up.raws), list(gate_up.qtypes), gate_up.n_expert, a,
+                      gate_up.activations, activation, threads)
+    out = np.empty((n, down.rows), np.float32)
+    _core.moe_down(a, ids, w, list(down.raws), list(down.qtypes), down.n_expert, out,
+                   down.activations, threads)
+    return out
 
 
 def moe_ffn_reference(h: np.ndarray, router: np.ndarray, gate_up: Sequence[np.ndarray],
