@@ -340,7 +340,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hello " * (CTX + 50)}, None),
     ("/v1/completions", {"prompt": [7] * (CTX + 1)}, None),
     ("/v1/completions", {"prompt": [10**9]}, None),
-    ("/v1/completions", {"prompt": ["a", "b"]}, None),
+    ("/v1/completions", {"prompt": ["a", []]}, None),
     ("/v1/completions", {"prompt": "x", "n": 99}, None),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, None),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, None),
