@@ -578,7 +578,7 @@ def test_fuzzish_bodies_get_4xx(server):
         {"messages": msgs, "stream_options": {"include_usage": s}},
     ]
     comp_cases = [{"prompt": s}, {"prompt": [s]}, {"prompt": "a" + s + "b", "echo": True},
-                  {"prompt": [1, 2, 10**30]}, {"prompt": [[1], [2]]}, {"prompt": "x", "suffix": s}]
+                  {"prompt": [1, 2, 10**30]}, {"prompt": [[1], [2, 10**30]]}, {"prompt": "x", "suffix": s}]
     raw_cases = [b'{"messages": [{"role": "user", "content": "\xed\xa0\x80"}]}',
                  b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
                  b'{"messages": [{"role": "user", "content": "hi"}], "seed": 1' + b"0" * 5000 + b"}",
