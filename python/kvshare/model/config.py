@@ -156,7 +156,7 @@ def config_from_metadata(md: dict[str, Any]) -> ModelConfig:
             kw["extra"] = _moe_extra(md, p)
         if sliding and arch == "qwen2" and md.get(p + "attention.use_sliding_window"):
             raise GGUFError("qwen2 sliding-window attention is not supported")
-    elif arch in ("qwen35", "qwen35moe", "lfm2"):
+    elif arch in ("qwen35", "qwen35moe", "lfm2", "lfm2moe"):
         # hybrid models (kvshare.model.qwen35 / lfm2): recurrent-layer hyper-parameters go to
         # `extra`. qwen35's recurrent layers are the ones llama.cpp marks: an explicit
         # `attention.recurrent_layers` array, else every layer but each
@@ -164,7 +164,7 @@ def config_from_metadata(md: dict[str, Any]) -> ModelConfig:
         # gives every section the same position for text, which is plain NEOX rope.
         kw.update(rope_base_swa=rope_base, rope_scale_swa=rope_scale, activation="silu",
                   extra=_hybrid_extra(md, p))
-        if arch == "qwen35moe":
+        if arch in ("qwen35moe", "lfm2moe"):
             kw["extra"].update(_moe_extra(md, p))
         if arch in ("qwen35", "qwen35moe"):
             rec = md.get(p + "attention.recurrent_layers")
@@ -189,7 +189,8 @@ def _moe_extra(md: dict[str, Any], p: str) -> dict[str, Any]:
     """The experts' metadata of a mixture-of-experts architecture (`kvshare.model.moe`), keyed
     without the architecture prefix."""
     keys = ("expert_count", "expert_used_count", "expert_feed_forward_length",
-            "expert_shared_feed_forward_length")
+            "expert_shared_feed_forward_length", "leading_dense_block_count",
+            "expert_gating_func")
     out = {k: int(md[p + k]) for k in keys if p + k in md}
     for k in ("expert_count", "expert_used_count"):
         if not out.get(k):

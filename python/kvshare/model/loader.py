@@ -53,6 +53,12 @@ def _lfm2(cfg, ld, be):
     return Lfm2Model(cfg, ld, be)
 
 
+def _lfm2moe(cfg, ld, be):
+    from kvshare.model.lfm2moe import Lfm2MoeModel  # noqa: PLC0415
+
+    return Lfm2MoeModel(cfg, ld, be)
+
+
 _ARCHITECTURES: dict[str, Callable] = {
     "gemma3": _gemma3,
     "llama": _llama,
@@ -62,6 +68,7 @@ _ARCHITECTURES: dict[str, Callable] = {
     "qwen35": _qwen35,  # hybrid: gated delta net + gated attention
     "qwen35moe": _qwen35moe,  # the qwen35 hybrid with experts and a shared expert
     "lfm2": _lfm2,  # hybrid: short conv + attention
+    "lfm2moe": _lfm2moe,  # the lfm2 hybrid with experts after its leading dense layers
 }
 
 

@@ -37,10 +37,15 @@ from kvshare.ops.moe import (Routing, StackedExperts, grouped_supported, moe_ffn
 # How llama.cpp's graph routes each architecture (`build_moe_ffn`'s gating, `norm_w` and
 # `w_scale` arguments). For qwen3moe and qwen35moe it passes softmax gating and norm_w = true
 # whatever the file says, and reads no `expert_weights_scale` (so 0: no scaling).
+# For lfm2moe it passes the file's `expert_gating_func` (a required key; LFM2-8B-A1B: sigmoid),
+# norm_w = true, its `exp_probs_b` as the selection bias, and reads no scale either.
 ARCH_ROUTING: dict[str, dict[str, Any]] = {
     "qwen3moe": dict(gating="softmax", norm=True),
     "qwen35moe": dict(gating="softmax", norm=True),
+    "lfm2moe": dict(norm=True),
 }
+# llama.cpp's `llama_expert_gating_func_type` values
+GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
 
 
 def routing_for(cfg: ModelConfig) -> Routing:
@@ -49,7 +54,14 @@ def routing_for(cfg: ModelConfig) -> Routing:
         n_expert, k = int(ex["expert_count"]), int(ex["expert_used_count"])
     except KeyError as exc:
         raise ValueError(f"{cfg.arch} metadata lacks {exc}") from exc
-    return Routing(n_expert=n_expert, k=k, **ARCH_ROUTING[cfg.arch])
+    kw = dict(ARCH_ROUTING[cfg.arch])
+    if "gating" not in kw:
+        func = ex.get("expert_gating_func")
+        if func not in GATING_FUNCS:
+            raise ValueError(f"{cfg.arch}: expert_gating_func {func!r} is not one of "
+                             f"{GATING_FUNCS}")
+        kw["gating"] = GATING_FUNCS[func]
+    return Routing(n_expert=n_expert, k=k, **kw)
 
 
 @dataclass
@@ -64,6 +76,7 @@ class MoeFFN:
     shared_gate_up: Any = None  # [2 n_ff_shexp, n_embd]
     shared_down: Any = None
     shared_gate: Any = None  # [1, n_embd]: sigmoid(shared_gate . h) scales the shared expert
+    selection_bias: Any = None  # [n_expert] f32: added to the probabilities to pick experts
     # the stacked tensors for the grouped kernels (None: the per-expert path)
     stacked_gate_up: StackedExperts | None = None
     stacked_down: StackedExperts | None = None
@@ -75,9 +88,10 @@ class MoeFFN:
         be = self.backend
         if self.stacked_gate_up is not None and self.stacked_down is not None:
             y = moe_ffn_grouped(h, self.router, self.stacked_gate_up, self.stacked_down,
-                                self.routing)
+                                self.routing, selection_bias=self.selection_bias)
         else:
-            y = moe_ffn(h, self.router, self.gate_up, self.down, self.routing, backend=be)
+            y = moe_ffn(h, self.router, self.gate_up, self.down, self.routing,
+                        selection_bias=self.selection_bias, backend=be)
         if self.shared_gate_up is not None:
             s = linear(glu(linear(h, self.shared_gate_up, backend=be), "silu", backend=be),
                        self.shared_down, backend=be)
@@ -162,7 +176,8 @@ def load_experts(ld: Any, names: list[str], n_expert: int) -> list[Any]:
 
 
 def load_moe(ld: Any, cfg: ModelConfig, il: int) -> MoeFFN:
-    """Layer `il`'s experts (`blk.{il}.ffn_*`), shared expert included where the file has one."""
+    """Layer `il`'s experts (`blk.{il}.ffn_*`), shared expert and selection bias
+    (`exp_probs_b.bias`) included where the file has them."""
     p = f"blk.{il}."
     routing = routing_for(cfg)
     E = routing.n_expert
@@ -183,6 +198,11 @@ def load_moe(ld: Any, cfg: ModelConfig, il: int) -> MoeFFN:
     moe = MoeFFN(routing, router, gate_up, down, ld.backend)
     moe.stacked_gate_up = load_stacked(ld, gu_names, E)
     moe.stacked_down = load_stacked(ld, [p + "ffn_down_exps.weight"], E)
+    if ld.has(p + "exp_probs_b.bias"):
+        bias = np.asarray(ld.host(p + "exp_probs_b.bias"), np.float32).reshape(-1)
+        if bias.shape != (E,):
+            raise ValueError(f"layer {il}: exp_probs_b has {bias.size} values, expected {E}")
+        moe.selection_bias = ld.put(bias, keep_f32=True)
     if ld.has(p + "ffn_up_shexp.weight"):
         moe.shared_gate_up = ld.matrix([p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"])
         moe.shared_down = ld.matrix([p + "ffn_down_shexp.weight"])

@@ -73,9 +73,12 @@ def _top_k(scores: Any, k: int, xp: Any) -> Any:
     return xp.argsort(-scores, axis=1, kind="stable")[:, :k]
 
 
-def route(logits: Any, routing: Routing, *, backend: Backend = CPU) -> tuple[Any, Any]:
+def route(logits: Any, routing: Routing, *, backend: Backend = CPU,
+          selection_bias: Any = None) -> tuple[Any, Any]:
     """The experts of each token and their weights: `(ids int64 [N, k], weights f32 [N, k])`,
-    slot 0 the most probable expert. `logits`: f32 `[N, n_expert]`, the router's output."""
+    slot 0 the most probable expert. `logits`: f32 `[N, n_expert]`, the router's output.
+    `selection_bias` (`[n_expert]`, LFM2 MoE's `exp_probs_b`): added to the probabilities to
+    pick the experts only; the weights are the unbiased probabilities."""
     xp = backend.xp
     logits = logits.astype(xp.float32, copy=False)
     if logits.ndim != 2 or logits.shape[1] != routing.n_expert:
@@ -86,7 +89,8 @@ def route(logits: Any, routing: Routing, *, backend: Backend = CPU) -> tuple[Any
         probs = 1.0 / (1.0 + xp.exp(-logits))
     else:
         probs = logits
-    ids = _top_k(probs, routing.k, xp)
+    scores = probs if selection_bias is None else probs + selection_bias
+    ids = _top_k(scores, routing.k, xp)
     w = xp.take_along_axis(probs, ids, axis=1)
     if routing.gating == "softmax_weight":
         w = _softmax_rows(w, xp)
@@ -114,16 +118,17 @@ def group_by_expert(ids: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.ndar
 
 def moe_ffn(h: Any, router: Any, gate_up: Sequence[Any], down: Sequence[Any],
             routing: Routing, activation: str = "silu", *, router_bias: Any = None,
-            backend: Backend = CPU) -> Any:
+            selection_bias: Any = None, backend: Backend = CPU) -> Any:
     """The experts' output `[N, n_embd]` for the normed hidden rows `h` (`[N, n_embd]` f32).
 
     `router`: `[n_expert, n_embd]`; `gate_up[e]`: expert e's gate rows then up rows
     (`[2 n_ff_exp, n_embd]`); `down[e]`: `[n_embd, n_ff_exp]`; any weight form `linear`
-    takes. `router_bias`: optional `[n_expert]` added to the router logits."""
+    takes. `router_bias`: optional `[n_expert]` added to the router logits; `selection_bias`:
+    `route`'s."""
     xp = backend.xp
     n = h.shape[0]
     logits = linear(h, router, router_bias, backend=backend)
-    ids, w = route(logits, routing, backend=backend)
+    ids, w = route(logits, routing, backend=backend, selection_bias=selection_bias)
     k = routing.k
     ids_host = backend.to_host(ids) if backend.is_gpu else ids
     pairs, offsets = group_by_expert(ids_host, routing.n_expert)
@@ -183,12 +188,12 @@ def grouped_supported(qtypes: Sequence[int], activations: str) -> bool:
 
 def moe_ffn_grouped(h: np.ndarray, router: Any, gate_up: StackedExperts, down: StackedExperts,
                     routing: Routing, activation: str = "silu", *,
-                    router_bias: Any = None) -> np.ndarray:
+                    router_bias: Any = None, selection_bias: Any = None) -> np.ndarray:
     """`moe_ffn` on the CPU with the grouped kernels: `gate_up` (gate rows then up rows per
     expert) and `down` as stacked tensors."""
     n = h.shape[0]
     h = np.ascontiguousarray(h, dtype=np.float32)
-    ids, w = route(linear(h, router, router_bias), routing)
+    ids, w = route(linear(h, router, router_bias), routing, selection_bias=selection_bias)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     w = np.ascontiguousarray(w, dtype=np.float32)
     # inside a row-parallel part (prefill) the other parts hold the other cores
@@ -204,9 +209,10 @@ def moe_ffn_grouped(h: np.ndarray, router: Any, gate_up: StackedExperts, down: S
 
 
 def moe_ffn_reference(h: np.ndarray, router: np.ndarray, gate_up: Sequence[np.ndarray],
-                      down: Sequence[np.ndarray], routing: Routing) -> np.ndarray:
+                      down: Sequence[np.ndarray], routing: Routing,
+                      selection_bias: Any = None) -> np.ndarray:
     """`moe_ffn` token by token in float64 on dense f32 weights: the test oracle (SwiGLU)."""
-    ids, w = route(np.asarray(h @ router.T, np.float32), routing)
+    ids, w = route(np.asarray(h @ router.T, np.float32), routing, selection_bias=selection_bias)
     out = np.zeros(h.shape, np.float64)
     ff = gate_up[0].shape[0] // 2
     for t in range(h.shape[0]):
