@@ -203,7 +203,7 @@ def test_ctx_size_0_is_the_trained_context(tmp_path):
 
 
 @pytest.mark.parametrize("flags,words", [
-    (["--chat-template", "llama3"], "neither a template kvshare has built in"),
+    (["--chat-template", "llama-9"], "neither a template kvshare has built in"),
     (["--chat-template", "{{% if %}}"], "cannot use --chat-template"),
     (["--chat-template-file", "{tmp}/missing.jinja"], "cannot read --chat-template-file"),
     (["--slot-save-path", "{tmp}/nodir"], "cannot use --slot-save-path"),

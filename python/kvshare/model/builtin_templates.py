@@ -1,6 +1,9 @@
-"""kvshare's built-in chat templates, for models whose GGUF carries none: Gemma 3's (for
+"""kvshare's built-in chat templates: for models whose GGUF carries none, Gemma 3's (for
 `gemma*` architectures) and ChatML (any other), both extended for tools in the hermes
-`<tool_call>` format (`kvshare.toolcalls.hermes`)."""
+`<tool_call>` format (`kvshare.toolcalls.hermes`); and every template `--chat-template NAME`
+names (`BUILTIN_TEMPLATES`: llama.cpp's names, those two plus kvshare.model.llama_templates)."""
+
+from kvshare.model.llama_templates import LLAMA_TEMPLATES
 
 _TOOLS_INTRO = (
     "# Tools\\n\\nYou may call one or more of the following tools to help with the request."
@@ -18,11 +21,12 @@ _TOOLS_OUTRO = (
 # as <tool_response> blocks in a user turn (consecutive results share one turn); a system
 # message after the first is rendered as a user turn; roles need not alternate; a conversation
 # with only a system prompt (and/or tools) renders it as a user turn. Plain system / user /
-# assistant conversations render exactly as the official template does.
+# assistant conversations render exactly as the official template does, save that the system
+# prompt is trimmed, as llama.cpp's built-in `gemma` does.
 GEMMA3_TEMPLATE = (
     """{{- bos_token }}
 {%- if messages and messages[0]['role'] == 'system' -%}
-    {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}
+    {%- set first_user_prefix = (messages[0]['content'] | trim) + '\\n\\n' -%}
     {%- set loop_messages = messages[1:] -%}
 {%- else -%}
     {%- set first_user_prefix = '' -%}
@@ -117,3 +121,9 @@ CHATML_TEMPLATE = (
 {%- endif -%}
 """
 )
+
+
+# `--chat-template NAME`: llama.cpp's names (src/llama-chat.cpp) for the templates above and
+# kvshare.model.llama_templates.
+BUILTIN_TEMPLATES: dict[str, str] = {"chatml": CHATML_TEMPLATE, "gemma": GEMMA3_TEMPLATE,
+                                     "gemma3": GEMMA3_TEMPLATE, **LLAMA_TEMPLATES}

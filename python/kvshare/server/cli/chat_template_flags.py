@@ -8,10 +8,6 @@ import argparse
 import os
 from typing import Any
 
-# `--chat-template NAME`: kvshare's built-in templates (kvshare.model.chat_template), under
-# llama.cpp's names for them.
-BUILTIN_TEMPLATES = {"chatml": "CHATML_TEMPLATE", "gemma": "GEMMA3_TEMPLATE",
-                     "gemma3": "GEMMA3_TEMPLATE"}
 
 
 class TemplateError(Exception):
@@ -28,17 +24,18 @@ def _read_template_file(file: str) -> str:
 
 
 def _named_or_inline(value: str) -> tuple[str, str]:
-    """(Jinja source, name) of a `--chat-template` value."""
-    from kvshare.model import chat_template as ct
+    """(Jinja source, name) of a `--chat-template` value: a built-in template by llama.cpp's
+    name for it (kvshare.model.builtin_templates), else an inline Jinja template."""
+    from kvshare.model.builtin_templates import BUILTIN_TEMPLATES
 
-    key = value.strip().lower()
+    key = value.strip()
     if key in BUILTIN_TEMPLATES:
-        return getattr(ct, BUILTIN_TEMPLATES[key]), "gemma3" if "gemma" in key else key
+        return BUILTIN_TEMPLATES[key], "gemma3" if key == "gemma" else key
     if "{{" in value or "{%" in value:
         return value, "inline"
     raise TemplateError(
         f"--chat-template {value!r} is neither a template kvshare has built in "
-        f"({', '.join(BUILTIN_TEMPLATES)}) nor a Jinja template")
+        f"({', '.join(sorted(BUILTIN_TEMPLATES))}) nor a Jinja template")
 
 
 def chat_template_override(args: argparse.Namespace) -> tuple[str, str] | None:
@@ -67,6 +64,7 @@ def chat_template_override(args: argparse.Namespace) -> tuple[str, str] | None:
 def model_chat_template(path: str, tokenizer: Any, override: tuple[str, str] | None) -> Any:
     """The ChatTemplate the engine renders with: the override (with the model's BOS/EOS
     handling) or the model file's."""
+    from kvshare.model.builtin_templates import BUILTIN_TEMPLATES
     from kvshare.model.chat_template import ChatTemplate
 
     if override is None:

@@ -78,8 +78,9 @@ OPTIONS: list[Option] = [
      "name(s) /v1/models lists for the loaded model (repeatable or comma-separated); any "
      "requested model name is served by the loaded model and echoed back"),
     ("--chat-template", str, None,
-     "chat template: a built-in name (chatml, gemma) or an inline Jinja template (default: "
-     "the model file's)"),
+     "chat template: a built-in name (llama.cpp's: chatml, llama3, mistral-v7, phi4, gemma, "
+     "deepseek3, command-r, gpt-oss, ...) or an inline Jinja template (default: the model "
+     "file's)"),
     ("--chat-template-file", str, None, "chat template: a Jinja template file"),
     ("--jinja", TOGGLE, True,
      "accepted either way: kvshare renders the chat template with Jinja (--no-jinja: "
