@@ -266,9 +266,10 @@ class ToolCallStream(Sink):
             self._open_region(pos, opener, at_start=opener in starts and pos == lead)
             return True
         if final:
-            # an opener cut off at the very end is markup too: dropped
+            # an opener cut off at the very end is markup too: dropped (one character of it
+            # only right after a call, where text cannot follow: "a < b" keeps its "<")
             cut = max((held(buf, o) for o in self._fmt.openers), default=0)
-            if cut >= 2:
+            if cut >= 2 or (cut and self._after_call):
                 buf = buf[:-cut].rstrip(WS)
             if not (self._after_call and buf.strip(self._separators()) == ""):
                 self._content(buf)  # (separators after the last call are dropped)
