@@ -333,6 +333,10 @@ def parse_chat(body: dict, *, reasoning_format: str | None = None) -> ChatInput:
         kwargs = {}
     if not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    thinking = kwargs.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):  # llama-server's check
+        raise bad_request('invalid type for "enable_thinking" (expected boolean, got '
+                          f"{json_type(thinking)})", "chat_template_kwargs")
     # names the renderer takes for itself are not template variables
     kwargs = {k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
     continue_final = _continuation(body, out, kwargs)

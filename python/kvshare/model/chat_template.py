@@ -5,10 +5,12 @@
 `tojson`, `strftime_now`, the `loopcontrols` extension and a no-op `{% generation %}` tag),
 and post-processes like llama.cpp: a leading BOS text is removed when the tokenizer adds BOS
 itself (and a trailing EOS text when it adds EOS), so `tokenizer.encode(prompt)` gives exactly
-one BOS.
+one BOS. Besides the messages, templates see llama-server's variables (`enable_thinking`,
+`date_string`, `functions`, ...: kvshare.model.template_context).
 
 Template choice (`ChatTemplate.from_metadata`): the GGUF's `tokenizer.chat_template`; else the
-built-in Gemma 3 template for `gemma*` architectures; else a built-in ChatML template.
+built-in Gemma 3 template for `gemma*` architectures; else a built-in ChatML template
+(`--chat-template NAME` picks any of kvshare.model.builtin_templates).
 
 Messages are normalised before rendering: `content` may be a string, None (-> ""), or a list of
 `{"type": "text", "text": ...}` parts (joined with "\\n", as llama.cpp does for templates that
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Mapping, Sequence
 
 from jinja2 import nodes
@@ -34,7 +35,7 @@ from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kvshare.model import tool_polyfill
+from kvshare.model import template_context, tool_polyfill
 from kvshare.model.builtin_templates import CHATML_TEMPLATE, GEMMA3_TEMPLATE
 from kvshare.model.template_caps import TemplateCaps, detect_caps, polyfills
 from kvshare.model.tokenizer import Tokenizer, prefix_token_count
@@ -103,16 +104,12 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: 
                       sort_keys=sort_keys)
 
 
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
 def _make_env() -> _Sandbox:
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True,
                    extensions=[_GenerationTag, "jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+    env.globals["strftime_now"] = template_context.strftime_now
     return env
 
 
@@ -337,11 +334,13 @@ class ChatTemplate:
         fills = self.polyfills if polyfill else ()
         if fills:
             msgs, tools = tool_polyfill.apply(msgs, tools, fills)
-        ctx: dict[str, Any] = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        ctx = template_context.defaults()
+        ctx.update(bos_token=self.bos_token, eos_token=self.eos_token)
         ctx.update(self.extra_context)
         ctx.update(kwargs)
         ctx["messages"] = msgs
         ctx["tools"] = list(tools) if tools else None
+        ctx.setdefault("functions", template_context.functions_of(tools))
         ctx["add_generation_prompt"] = bool(add_generation_prompt)
         try:
             out = self._template.render(**ctx)
@@ -355,6 +354,8 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError) as exc:
             raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+        if add_generation_prompt and ctx.get("enable_thinking") is False:
+            out = template_context.close_thinking(out)
         if strip_bos is None:
             strip_bos = self.add_bos
         if strip_bos and self.bos_token and out.startswith(self.bos_token):

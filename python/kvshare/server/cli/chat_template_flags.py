@@ -1,6 +1,9 @@
 """The chat template `--chat-template` / `--chat-template-file` choose: a template kvshare has
 built in (by llama.cpp's name for it), an inline Jinja template or a file; without either
-flag, the model file's own."""
+flag, the model file's own. And the variables every render of it gets from llama-server's
+reasoning flags: `--reasoning off` (or `--reasoning-budget 0`) renders with `enable_thinking`
+false, `on` with true, `auto` leaves the default (true; kvshare.model.template_context); a
+request's `chat_template_kwargs` still wins."""
 
 from __future__ import annotations
 
@@ -12,6 +15,57 @@ from typing import Any
 
 class TemplateError(Exception):
     pass
+
+
+class TemplateChoice(tuple[str, str]):
+    """What the flags choose: (Jinja source, name), the source "" for the model file's own
+    template, and `context`, the template variables every render gets."""
+
+    context: dict[str, Any]
+
+    def __new__(cls, source: str, name: str, context: dict[str, Any] | None = None):
+        self = super().__new__(cls, (source, name))
+        self.context = dict(context or {})
+        return self
+
+
+_TRUTHY, _FALSEY = ("on", "enabled", "true", "1"), ("off", "disabled", "false", "0")
+
+
+def reasoning_mode(s: str) -> str:
+    """`--reasoning`: on, off or auto (llama-server's other spellings of on and off too)."""
+    v = s.strip().lower()
+    if v in _TRUTHY:
+        return "on"
+    if v in _FALSEY:
+        return "off"
+    if v == "auto":
+        return "auto"
+    raise ValueError(s)
+
+
+reasoning_mode.__name__ = "reasoning mode (on, off or auto)"
+
+
+def reasoning_budget(s: str) -> int:
+    """`--reasoning-budget`: -1 (unlimited) or a token count."""
+    n = int(s)
+    if n < -1:
+        raise ValueError(s)
+    return n
+
+
+reasoning_budget.__name__ = "reasoning budget (-1, 0 or a token count)"
+
+
+def _reasoning_context(args: argparse.Namespace) -> dict[str, Any]:
+    from kvshare.model.template_context import thinking_setting
+
+    budget = getattr(args, "reasoning_budget", -1)
+    if budget is not None and budget > 0:
+        raise TemplateError(f"--reasoning-budget {budget}: kvshare cannot stop thinking after a "
+                            "number of tokens; use -1 (unlimited) or 0 (thinking off)")
+    return thinking_setting(getattr(args, "reasoning", None), budget)
 
 
 def _read_template_file(file: str) -> str:
@@ -38,11 +92,13 @@ def _named_or_inline(value: str) -> tuple[str, str]:
         f"({', '.join(sorted(BUILTIN_TEMPLATES))}) nor a Jinja template")
 
 
-def chat_template_override(args: argparse.Namespace) -> tuple[str, str] | None:
-    """(Jinja source, name) of `--chat-template` / `--chat-template-file`, checked to compile;
-    None: the model file's template. `TemplateError` (one line) when unusable."""
+def chat_template_override(args: argparse.Namespace) -> TemplateChoice | None:
+    """The template of `--chat-template` / `--chat-template-file`, checked to compile, with the
+    reasoning flags' variables; None: the model file's template as it is. `TemplateError`
+    (one line) when unusable."""
     from kvshare.model import chat_template as ct
 
+    context = _reasoning_context(args)
     file = getattr(args, "chat_template_file", None)
     value = getattr(args, "chat_template", None)
     if file is not None:
@@ -52,13 +108,13 @@ def chat_template_override(args: argparse.Namespace) -> tuple[str, str] | None:
         flag = "--chat-template"
         source, name = _named_or_inline(value)
     else:
-        return None
+        return TemplateChoice("", "", context) if context else None
     try:
         ct.ChatTemplate(source)
     except ct.ChatTemplateError as e:
         msg = str(e).splitlines()[0] if str(e) else "empty chat template"
         raise TemplateError(f"cannot use {flag}: {msg}") from e
-    return source, name
+    return TemplateChoice(source, name, context)
 
 
 def model_chat_template(path: str, tokenizer: Any, override: tuple[str, str] | None) -> Any:
@@ -67,21 +123,27 @@ def model_chat_template(path: str, tokenizer: Any, override: tuple[str, str] | N
     from kvshare.model.builtin_templates import BUILTIN_TEMPLATES
     from kvshare.model.chat_template import ChatTemplate
 
-    if override is None:
-        return ChatTemplate.from_gguf(path, tokenizer)
-    source, name = override
-    return ChatTemplate(source, bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
-                        add_bos=tokenizer.add_bos, add_eos=tokenizer.add_eos,
-                        name=name if name in BUILTIN_TEMPLATES else "custom")
+    if override is None or not override[0]:
+        template = ChatTemplate.from_gguf(path, tokenizer)
+    else:
+        source, name = override
+        template = ChatTemplate(source, bos_token=tokenizer.bos_token,
+                                eos_token=tokenizer.eos_token, add_bos=tokenizer.add_bos,
+                                add_eos=tokenizer.add_eos,
+                                name=name if name in BUILTIN_TEMPLATES else "custom")
+    template.extra_context.update(getattr(override, "context", {}))
+    return template
 
 
 def describe_template(args: argparse.Namespace, template: Any,
                       override: tuple[str, str] | None) -> str:
     """Where the chat template came from, for the startup line."""
     tname = getattr(template, "name", "?")
-    if override is not None:
+    thinking = getattr(template, "extra_context", {}).get("enable_thinking")
+    note = "" if thinking is None else f", enable_thinking {str(thinking).lower()}"
+    if override is not None and override[0]:
         return f"{override[1]} (from --chat-template" + (
-            "-file)" if getattr(args, "chat_template_file", None) else ")")
+            "-file)" if getattr(args, "chat_template_file", None) else ")") + note
     if tname == "gguf":
-        return "from the file"
-    return f"{tname} (built in: the file has none)"
+        return "from the file" + note
+    return f"{tname} (built in: the file has none)" + note

@@ -28,6 +28,8 @@ LLAMA_NAMES: dict[str, tuple[tuple[str, ...], str | None]] = {
     "--chat-template-file": ((), "LLAMA_ARG_CHAT_TEMPLATE_FILE"),
     "--jinja": ((), "LLAMA_ARG_JINJA"),
     "--reasoning-format": ((), "LLAMA_ARG_THINK"),
+    "--reasoning": (("-rea",), "LLAMA_ARG_REASONING"),
+    "--reasoning-budget": ((), "LLAMA_ARG_THINK_BUDGET"),
     "--cors-origins": ((), "LLAMA_ARG_CORS_ORIGINS"),
     "--cors-methods": ((), "LLAMA_ARG_CORS_METHODS"),
     "--cors-headers": ((), "LLAMA_ARG_CORS_HEADERS"),

@@ -11,6 +11,7 @@ from kvshare.argtypes import (non_negative_float, non_negative_int, port, positi
                               positive_int)
 
 from . import flag_types
+from .chat_template_flags import reasoning_budget, reasoning_mode
 
 ENV_PREFIX = "KVSHARE_"
 
@@ -88,6 +89,12 @@ OPTIONS: list[Option] = [
     ("--reasoning-format", flag_types.reasoning_format, "auto",
      "reasoning_format of a request that gives none: none (thoughts stay in content), auto or "
      "deepseek (thoughts in reasoning_content), deepseek-legacy"),
+    ("--reasoning", reasoning_mode, "auto",
+     "thinking in the chat template: on or off sets its enable_thinking, auto leaves it on "
+     "(a request's chat_template_kwargs wins)"),
+    ("--reasoning-budget", reasoning_budget, -1,
+     "llama-server's thinking token budget: -1 unlimited, 0 thinking off (enable_thinking "
+     "false); a positive budget is refused"),
     ("--tool-parser", str, None,
      "tool-call format: hermes, qwen35, lfm2 or llama3 (default: detected from the chat "
      "template)"),

@@ -1,0 +1,164 @@
+"""Thinking models' templates render as llama-server renders them, with `enable_thinking` on
+and off, and their replies split into `reasoning_content` as llama-server splits them:
+`tests/data/reasoning_reference.json`, made by llama.cpp's own `common_chat_templates_apply`
+and `common_chat_parse` (scripts/make_reasoning_reference.py) for the Qwen3, QwQ and
+DeepSeek-R1-Distill templates. Also: `--reasoning off` on a real server, and the other
+llama-server template variables (`functions`, `date_string`, `strftime_now`)."""
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from kvshare.apis.chat_output import ChoiceOutput, OutputRules
+from kvshare.apis.parsing import parse_chat
+from kvshare.model.chat_template import ChatTemplate
+from kvshare.server.errors import APIError
+from kvshare.toolcalls import prompt_opens_reasoning, template_has_thinking
+
+DATA = Path(__file__).parent / "data"
+TEMPLATES = DATA / "templates"
+REF = json.loads((DATA / "reasoning_reference.json").read_text(encoding="utf-8"))
+QWEN3 = "Qwen-Qwen3-0.6B.jinja"
+CASES = [(f, mode) for f in REF["templates"] for mode in ("on", "off")]
+
+
+def _template(file: str) -> ChatTemplate:
+    case = REF["templates"][file]
+    return ChatTemplate((TEMPLATES / file).read_text(encoding="utf-8"),
+                        bos_token=case["bos_token"], eos_token=case["eos_token"])
+
+
+def _reply_split(source: str, prompt: str, reply: str) -> tuple[str, str]:
+    rules = OutputRules(reasoning=template_has_thinking(source),
+                        starts_in_reasoning=prompt_opens_reasoning(prompt))
+    msg, _ = ChoiceOutput.message(rules, reply)
+    return msg.get("reasoning_content") or "", msg["content"] or ""
+
+
+@pytest.mark.parametrize("file,mode", CASES)
+def test_renders_as_llama_server(file, mode):
+    ref = REF["templates"][file]["enable_thinking"][mode]
+    t = _template(file)
+    kwargs = {"enable_thinking": False} if mode == "off" else {}  # on: kvshare's default
+    assert t.render(REF["conversation"], **kwargs) == ref["prompt"]
+    if mode == "on":
+        assert t.render(REF["conversation"], enable_thinking=True) == ref["prompt"]
+        assert ref["supports_thinking"] and template_has_thinking(t.source)
+
+
+@pytest.mark.parametrize("file,mode", CASES)
+def test_reasoning_content_is_split_as_llama_server(file, mode):
+    """The reply each template leads to (a <think> block, or the rest of one the prompt
+    opened; with thinking off, the answer alone) and a plain answer: reasoning_content and
+    content as llama-server's (whitespace around each aside)."""
+    ref = REF["templates"][file]["enable_thinking"][mode]
+    t = _template(file)
+    prompt = t.render(REF["conversation"], enable_thinking=mode == "on")
+    opened = prompt_opens_reasoning(prompt)
+    replies = ["plain"] + ([] if mode == "off" else ["opened" if opened else "thinking"])
+    for name in replies:
+        want = ref["parsed"][name]
+        got = _reply_split(t.source, prompt, REF["replies"][name])
+        assert (got[0].strip(), got[1].strip()) == (want["reasoning_content"].strip(),
+                                                    want["content"].strip()), name
+    if mode == "on":
+        assert ref["parsed"]["opened" if opened else "thinking"]["reasoning_content"].strip()
+
+
+def test_request_kwargs_win_over_the_server_setting():
+    src = (TEMPLATES / QWEN3).read_text(encoding="utf-8")
+    off = ChatTemplate(src, extra_context={"enable_thinking": False})
+    msgs = REF["conversation"]
+    assert off.render(msgs).endswith("<think>\n\n</think>\n\n")
+    assert off.render(msgs, enable_thinking=True).endswith("<|im_start|>assistant\n")
+
+
+def test_enable_thinking_must_be_a_boolean():
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse_chat({**body, "chat_template_kwargs": {"enable_thinking": False}}) \
+        .template_kwargs == {"enable_thinking": False}
+    with pytest.raises(APIError, match='invalid type for "enable_thinking"'):
+        parse_chat({**body, "chat_template_kwargs": {"enable_thinking": "false"}})
+
+
+# --------------------------------------------------------------------------- CLI flags
+
+@pytest.mark.parametrize("flags,context", [
+    ([], None),
+    (["--reasoning", "off"], {"enable_thinking": False}),
+    (["-rea", "on"], {"enable_thinking": True}),
+    (["--reasoning", "auto"], None),
+    (["--reasoning-budget", "0"], {"enable_thinking": False}),
+    (["--reasoning-budget", "-1"], None),
+])
+def test_reasoning_flags(flags, context):
+    from kvshare.server import cli
+
+    a = cli.parse_args(["serve", "-m", "m.gguf", *flags], {})
+    choice = cli.chat_template_override(a)
+    assert (choice.context if choice is not None else None) == context
+
+
+def test_positive_reasoning_budget_is_refused_in_one_line(capsys):
+    from kvshare.server import cli
+
+    model = str(DATA / "models" / "tiny-qwen3-chat.gguf")
+    assert cli.main(["serve", "-m", model, "--port", "0", "--reasoning-budget", "256"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--reasoning-budget 256" in err[0], err
+
+
+# --------------------------------------------------------------------------- other variables
+
+def test_a_template_using_functions_renders():
+    t = ChatTemplate("{% for f in functions %}[{{ f.name }}: {{ f.description }}]{% endfor %}"
+                     "{{ functions | length }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                               "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "hi"}]
+    assert t.render(msgs, tools=tools) == "[get_weather: Weather]1hi"
+    assert t.render(msgs) == "0hi"
+    assert "tools" not in t.polyfills  # it shows the tools itself
+
+
+def test_llama3_templates_print_today():
+    today = datetime.now().strftime("%d %b %Y")
+    msgs = [{"role": "user", "content": "hi"}]
+    t32 = ChatTemplate((TEMPLATES / "meta-llama-Llama-3.2-3B-Instruct.jinja").read_text())
+    assert f"Today Date: {today}\n" in t32.render(msgs)  # via strftime_now
+    # Llama 3.1's line: date_string or its fixed fallback
+    t31 = ChatTemplate('{%- if not date_string is defined %}{%- set date_string = "26 Jul 2024" '
+                       '%}{%- endif %}Today Date: {{ date_string }}')
+    assert t31.render(msgs) == f"Today Date: {today}"
+
+
+# --------------------------------------------------------------------------- a real server
+
+def test_reasoning_off_changes_the_served_prompt(launcher):
+    """`--reasoning off` with the Qwen3 template: /apply-template renders the empty thinking
+    block (enable_thinking false), a request's chat_template_kwargs turns it back on, and a
+    chat reply's text is all content."""
+    from tier_helpers import Server
+
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    base = ["--chat-template-file", str(TEMPLATES / QWEN3), "--cache-ram", "0", "-c", "512",
+            "-np", "1"]
+    on = Server(launcher, *base)
+    try:
+        assert on.post("/apply-template", {"messages": msgs})["prompt"].endswith(
+            "<|im_start|>assistant\n")
+    finally:
+        on.kill9()
+    off = Server(launcher, *base, "--reasoning", "off")
+    try:
+        prompt = off.post("/apply-template", {"messages": msgs})["prompt"]
+        assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        again = off.post("/apply-template", {"messages": msgs,
+                                             "chat_template_kwargs": {"enable_thinking": True}})
+        assert again["prompt"].endswith("<|im_start|>assistant\n")
+        r = off.chat(msgs, max_tokens=4)
+        assert r["choices"][0]["message"].get("reasoning_content") in (None, "")
+    finally:
+        off.kill9()
