@@ -48,6 +48,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("Limits", ("--max-n", "--max-parallel-tool-calls", "--max-body-mib", "--body-timeout", "--max-connections",
                 "--queue-timeout", "--graceful-timeout")),
     ("API behaviour and logging", ("--alias", "--chat-template", "--chat-template-file",
+                                   "--reasoning", "--reasoning-budget",
                                    "--reasoning-format", "--tool-parser", "--slots",
                                    "--slot-save-path", "--log-level", "--verbose")),
     # accepted for llama-server command lines; kvshare already behaves that way
