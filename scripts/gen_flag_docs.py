@@ -50,10 +50,10 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("API behaviour and logging", ("--alias", "--chat-template", "--chat-template-file",
                                    "--reasoning", "--reasoning-budget",
                                    "--reasoning-format", "--tool-parser", "--slots",
-                                   "--slot-save-path", "--log-level", "--verbose")),
+                                   "--slot-save-path", "--no-webui", "--log-level", "--verbose")),
     # accepted for llama-server command lines; kvshare already behaves that way
     ("llama-server compatibility (accepted, no effect)",
-     ("--jinja", "--flash-attn", "--metrics", "--cont-batching", "--no-webui")),
+     ("--jinja", "--flash-attn", "--metrics", "--cont-batching")),
 ]
 
 
@@ -101,7 +101,7 @@ def _defaults() -> dict[str, str]:
         "--seed": "random (`-1`)",
         "--metrics": "on (always)",
         "--cont-batching": "on (always)",
-        "--no-webui": "no web UI",
+        "--no-webui": "off (the page is served)",
     }
 
 
