@@ -135,6 +135,25 @@ def _split_q6_k(b):
     return qi, _f16(b[:, 208:210]) * sc, None
 
 
+# MXFP4's 16 4-bit codes: the E2M1 values doubled (ggml's kvalues_mxfp4), so that with the
+# block's E8M0 exponent taken as half its power of two every value is an integer times d
+_MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def _e8m0_half(e: np.ndarray) -> np.ndarray:
+    """ggml's GGML_E8M0_TO_FP32_HALF: 2^(e - 128) as f32 (denormal for e < 2)."""
+    e = e.astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def _split_mxfp4(b):  # block 32: e u8 (E8M0), qs u8[16]; low nibbles are elements 0..15
+    q = np.empty((b.shape[0], 2, 16), np.uint8)
+    np.bitwise_and(b[:, 1:17], 0x0F, out=q[:, 0])
+    np.right_shift(b[:, 1:17], 4, out=q[:, 1])
+    return _MXFP4_VALUES[q.reshape(-1, 32)], _e8m0_half(b[:, 0:1]), None
+
+
 _SPLIT: dict[Q, tuple[Callable, int]] = {  # splitter, group size
     Q.Q8_0: (_split_q8_0, 32),
     Q.Q4_0: (_split_q4_0, 32),
@@ -144,6 +163,7 @@ _SPLIT: dict[Q, tuple[Callable, int]] = {  # splitter, group size
     Q.Q4_K: (_split_q4_k, 32),
     Q.Q5_K: (_split_q5_k, 32),
     Q.Q6_K: (_split_q6_k, 16),
+    Q.MXFP4: (_split_mxfp4, 32),
 }
 
 
