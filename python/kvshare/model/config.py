@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvshare.model.gguf_file import GGUFError
 
 ATTENTION = "attention"
@@ -127,7 +129,7 @@ def config_from_metadata(md: dict[str, Any]) -> ModelConfig:
     ctx = int(_get(md, p + "context_length", 4096))
     rope_base = float(_get(md, p + "rope.freq_base", 10000.0))
     rope_dim = int(_get(md, p + "rope.dimension_count", head_dim))
-    rope_scale = _rope_scale(md, p)
+    rope_scale = 1.0 if arch == "gpt-oss" else _rope_scale(md, p)
     kinds = [ATTENTION if h > 0 else RECURRENT for h in heads_kv]
     windows = [0] * n_layers
     sliding = int(md.get(p + "attention.sliding_window", 0) or 0)
@@ -174,6 +176,9 @@ def config_from_metadata(md: dict[str, Any]) -> ModelConfig:
                 interval = int(md.get(p + "full_attention_interval", 4) or 4)
                 is_rec = [(il + 1) % interval != 0 for il in range(n_layers)]
             kinds = [RECURRENT if r else ATTENTION for r in is_rec]
+    elif arch == "gpt-oss":
+        windows, rope_scale, gkw = _gpt_oss(md, p, n_layers, sliding, rope_base, rope_dim, ctx)
+        kw.update(gkw)
     else:
         kw.update(rope_base_swa=rope_base, rope_scale_swa=rope_scale)
     return ModelConfig(
@@ -183,6 +188,54 @@ def config_from_metadata(md: dict[str, Any]) -> ModelConfig:
         rope_style=_ROPE_STYLE.get(arch, ROPE_NEOX), sliding_window=sliding,
         layer_kinds=tuple(kinds), layer_windows=tuple(windows), **kw,
     )
+
+
+def _gpt_oss(md: dict[str, Any], p: str, n_layers: int, sliding: int, rope_base: float,
+             rope_dim: int, ctx: int) -> tuple[list[int], float, dict[str, Any]]:
+    """gpt-oss's layer windows, rope scale and the rest of its config, as llama.cpp's
+    llama_model_openai_moe reads them: swa_type STANDARD, set_swa_pattern(2) (layer il is
+    sliding-window when il % 2 == 0) unless the file has a pattern; the window layers' rope
+    base from rope.freq_base_swa (default the global one), the same scale; q.k scaled by
+    1/sqrt(n_rot); experts only, no dense FFN."""
+    pattern = md.get(p + "attention.sliding_window_pattern", 2)
+    if isinstance(pattern, list):
+        is_swa = [bool(v) for v in pattern]
+    else:
+        n = int(pattern)
+        is_swa = [n == 0 or il % n < n - 1 for il in range(n_layers)]
+    windows = [sliding if s else 0 for s in is_swa]
+    yarn = _yarn(md, p, ctx)
+    rope_scale = yarn["freq_scale"] if yarn else _rope_scale(md, p)
+    extra = _moe_extra(md, p)
+    if yarn:
+        extra["yarn"] = yarn
+    return windows, rope_scale, dict(
+        rope_base_swa=float(md.get(p + "rope.freq_base_swa", rope_base)),
+        rope_scale_swa=rope_scale, attn_scale=1.0 / math.sqrt(rope_dim),
+        activation="swiglu_oai", extra=extra)
+
+
+def _yarn(md: dict[str, Any], p: str, ctx: int) -> dict[str, Any] | None:
+    """YaRN rope scaling's parameters as llama.cpp sets them for an architecture that reads
+    none of the `rope.scaling.yarn_*` keys (gpt-oss), or None when the file asks for no
+    YaRN: `freq_scale` (1 / factor), `n_ctx_orig` (`rope.scaling.original_context_length`,
+    else the context length), `ext_factor` 1, `beta_fast` 32, `beta_slow` 1, and
+    `attn_factor`, llama_context's `yarn_attn_factor`: (0.1 ln(factor) + 1), divided by
+    itself again (ggml's rope multiplies that factor back in), times
+    `rope.scaling.attn_factor`; formed in f32 as llama.cpp forms it."""
+    if md.get(p + "rope.scaling.type", "linear") != "yarn":
+        return None
+    factor = float(md.get(p + "rope.scaling.factor", 0.0) or 0.0)
+    freq_scale = np.float32(1.0) if factor == 0.0 else np.float32(1.0) / np.float32(factor)
+    f = np.float32(1.0) / freq_scale
+    attn = np.float32(1.0)
+    if f > 1.0:
+        attn = np.float32(0.1) * np.log(f) + np.float32(1.0)
+    attn = attn * (np.float32(1.0) / (np.float32(1.0) + np.float32(0.1) * np.log(f)))
+    attn = attn * np.float32(md.get(p + "rope.scaling.attn_factor", 1.0))
+    return dict(freq_scale=float(freq_scale), ext_factor=1.0, attn_factor=float(attn),
+                beta_fast=32.0, beta_slow=1.0,
+                n_ctx_orig=int(md.get(p + "rope.scaling.original_context_length", ctx)))
 
 
 def _moe_extra(md: dict[str, Any], p: str) -> dict[str, Any]:

@@ -35,6 +35,12 @@ def _qwen3moe(cfg, ld, be):
     return Qwen3MoeModel(cfg, ld, be)
 
 
+def _gpt_oss(cfg, ld, be):
+    from kvshare.model.gpt_oss import GptOssModel  # noqa: PLC0415
+
+    return GptOssModel(cfg, ld, be)
+
+
 def _qwen35(cfg, ld, be):
     from kvshare.model.qwen35 import Qwen35Model  # noqa: PLC0415
 
@@ -69,6 +75,7 @@ _ARCHITECTURES: dict[str, Callable] = {
     "qwen35moe": _qwen35moe,  # the qwen35 hybrid with experts and a shared expert
     "lfm2": _lfm2,  # hybrid: short conv + attention
     "lfm2moe": _lfm2moe,  # the lfm2 hybrid with experts after its leading dense layers
+    "gpt-oss": _gpt_oss,  # sinks, alternating window layers, MXFP4 experts with biases
 }
 
 

@@ -6,19 +6,24 @@ GGUF layout (ggml's dimension order reversed, as NumPy shapes): `ffn_gate_inp [n
 n_embd]` (the router), `ffn_gate_exps` / `ffn_up_exps [n_expert, n_ff_exp, n_embd]` (or one
 `ffn_gate_up_exps [n_expert, 2 n_ff_exp, n_embd]`), `ffn_down_exps [n_expert, n_embd,
 n_ff_exp]`; a shared expert as `ffn_{gate,up,down}_shexp` with its gate `ffn_gate_inp_shexp
-[n_embd]`.
+[n_embd]`; gpt-oss's biases as `ffn_gate_inp.bias [n_expert]` (the router's) and
+`ffn_{gate,up,down}_exps.bias [n_expert, rows]` (each expert's products').
 
 Each expert's rows of a stacked tensor are a contiguous run of its bytes, so on the CPU every
 expert's matrices are `BlockWeight`s over views of the mapped file, in the file's block format
 (its gate and up rows one fused weight, as the dense layers' are): nothing is dequantized or
 copied at load, a model costs its file size, and a product reads only the experts its tokens
-use. With `KVSHARE_CPU_WEIGHTS=int8` / `f32`, a block format without kernels, or on a GPU,
-each expert is dequantized to the backend's dense form instead.
+use. With `KVSHARE_CPU_WEIGHTS=int8` / `f32`, a block format without kernels (MXFP4), or on a GPU,
+each expert is dequantized to the backend's dense form instead; with `blocks-q8` such an
+expert of a quantized format multiplies activations rounded to 8 bits as ggml's Q8_0 rounds
+them (`Q8ActDense`), the approximation llama.cpp's CPU products make.
 
 On the CPU the layer also keeps each matrix's whole stacked tensors (`StackedExperts`, the
 same bytes) for the grouped kernels (`ops.moe.moe_ffn_grouped`: one Rust call per matrix
 product for the batch); the per-expert `BlockWeight`s remain the path for formats and
-activations those kernels lack, and for `KVSHARE_MOE_GROUPED=0`.
+activations those kernels lack (MXFP4 among them: its experts are dequantized at load), for
+experts with biases or another activation than SwiGLU (gpt-oss), and for
+`KVSHARE_MOE_GROUPED=0`.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ ARCH_ROUTING: dict[str, dict[str, Any]] = {
     "qwen3moe": dict(gating="softmax", norm=True),
     "qwen35moe": dict(gating="softmax", norm=True),
     "lfm2moe": dict(norm=True),
+    # gpt-oss: LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT (top k of the biased router logits,
+    # the softmax of those k as weights), norm_w = false, no scale read
+    "gpt-oss": dict(gating="softmax_weight", norm=False),
 }
 # llama.cpp's `llama_expert_gating_func_type` values
 GATING_FUNCS = {1: "softmax", 2: "sigmoid"}
@@ -80,18 +88,29 @@ class MoeFFN:
     # the stacked tensors for the grouped kernels (None: the per-expert path)
     stacked_gate_up: StackedExperts | None = None
     stacked_down: StackedExperts | None = None
+    activation: str = "silu"  # the experts' gated activation (`ops.moe.moe_ffn`)
+    router_bias: Any = None  # [n_expert] f32, added to the router's logits
+    gate_up_bias: Any = None  # [n_expert, 2 n_ff_exp] f32: gate then up, per expert
+    down_bias: Any = None  # [n_expert, n_embd] f32
 
     def __call__(self, h: Any) -> Any:
         from kvshare.ops.activation import glu  # noqa: PLC0415
         from kvshare.ops.linear import linear  # noqa: PLC0415
 
         be = self.backend
-        if self.stacked_gate_up is not None and self.stacked_down is not None:
+        # the grouped kernels compute SwiGLU experts without biases
+        grouped = (self.stacked_gate_up is not None and self.stacked_down is not None
+                   and self.activation == "silu" and self.gate_up_bias is None
+                   and self.down_bias is None)
+        if grouped:
             y = moe_ffn_grouped(h, self.router, self.stacked_gate_up, self.stacked_down,
-                                self.routing, selection_bias=self.selection_bias)
+                                self.routing, router_bias=self.router_bias,
+                                selection_bias=self.selection_bias)
         else:
             y = moe_ffn(h, self.router, self.gate_up, self.down, self.routing,
-                        selection_bias=self.selection_bias, backend=be)
+                        self.activation, router_bias=self.router_bias,
+                        selection_bias=self.selection_bias, gate_up_bias=self.gate_up_bias,
+                        down_bias=self.down_bias, backend=be)
         if self.shared_gate_up is not None:
             s = linear(glu(linear(h, self.shared_gate_up, backend=be), "silu", backend=be),
                        self.shared_down, backend=be)
@@ -149,6 +168,27 @@ def load_stacked(ld: Any, names: list[str], n_expert: int) -> StackedExperts | N
     return StackedExperts(tuple(raws), tuple(qtypes), n_expert, ks.pop(), activations)
 
 
+class Q8ActDense:
+    """A dense f32 weight `[out, in]` of a quantized format whose products take the
+    activations rounded through ggml's Q8_0 blocks (`quantize_row_q8_0_ref`: per 32 values
+    d = amax / 127 rounded to f16, q = round(x / d)), as llama.cpp's CPU multiplies a
+    quantized weight (`vec_dot` with Q8_0 activations); `KVSHARE_CPU_WEIGHTS=blocks-q8`."""
+
+    ndim = 2
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, w: np.ndarray):
+        self.w = np.ascontiguousarray(w, dtype=np.float32)
+        self.shape = self.w.shape
+
+    def matmul_t(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        from kvshare.ops import kv_q8_0  # noqa: PLC0415
+
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        xq = kv_q8_0.dequantize(kv_q8_0.quantize(x.reshape(x.shape[0], 1, -1)))
+        return np.matmul(xq.reshape(x.shape), self.w.T, out=out)
+
+
 def load_experts(ld: Any, names: list[str], n_expert: int) -> list[Any]:
     """Per expert, the row-wise stack of its matrices in the stacked tensors `names` (one name,
     or gate then up), in the form `ld`'s backend multiplies (see the module docstring)."""
@@ -169,13 +209,27 @@ def load_experts(ld: Any, names: list[str], n_expert: int) -> list[Any]:
             out.append(BlockWeight.concat([(views[e], q, k) for views, q, _ in parts],
                                           activations=activations))
         return out
+    from kvshare.ops.blockweight import FLOAT_TYPES  # noqa: PLC0415
+
+    q8_acts = (not ld.backend.is_gpu and mode == "blocks-q8" and k % 32 == 0
+               and all(q not in FLOAT_TYPES for _, q, _ in parts))
     for e in range(n_expert):
         dense = [dequantize(views[e], q).reshape(shape) for views, q, shape in parts]
-        out.append(ld.put(np.concatenate(dense, axis=0)))
+        w = ld.put(np.concatenate(dense, axis=0))
+        out.append(Q8ActDense(w) if q8_acts else w)
     return out
 
 
-def load_moe(ld: Any, cfg: ModelConfig, il: int) -> MoeFFN:
+def _vector(ld: Any, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Tensor `name` as f32 of `shape` (-1: the rest), ValueError when it does not fit."""
+    arr = np.asarray(ld.host(name), np.float32)
+    try:
+        return arr.reshape(shape)
+    except ValueError:
+        raise ValueError(f"{name} has shape {arr.shape}, expected {shape}") from None
+
+
+def load_moe(ld: Any, cfg: ModelConfig, il: int, activation: str = "silu") -> MoeFFN:
     """Layer `il`'s experts (`blk.{il}.ffn_*`), shared expert and selection bias
     (`exp_probs_b.bias`) included where the file has them."""
     p = f"blk.{il}."
@@ -195,7 +249,7 @@ def load_moe(ld: Any, cfg: ModelConfig, il: int) -> MoeFFN:
     if tuple(gate_up[0].shape) != (2 * ff, cfg.n_embd) or down[0].shape[0] != cfg.n_embd:
         raise ValueError(f"layer {il}: experts' gate/up {tuple(gate_up[0].shape)} and down "
                          f"{tuple(down[0].shape)} do not fit n_embd {cfg.n_embd}")
-    moe = MoeFFN(routing, router, gate_up, down, ld.backend)
+    moe = MoeFFN(routing, router, gate_up, down, ld.backend, activation=activation)
     moe.stacked_gate_up = load_stacked(ld, gu_names, E)
     moe.stacked_down = load_stacked(ld, [p + "ffn_down_exps.weight"], E)
     if ld.has(p + "exp_probs_b.bias"):
@@ -203,6 +257,17 @@ def load_moe(ld: Any, cfg: ModelConfig, il: int) -> MoeFFN:
         if bias.shape != (E,):
             raise ValueError(f"layer {il}: exp_probs_b has {bias.size} values, expected {E}")
         moe.selection_bias = ld.put(bias, keep_f32=True)
+    if ld.has(p + "ffn_gate_inp.bias"):
+        moe.router_bias = ld.put(_vector(ld, p + "ffn_gate_inp.bias", (E,)), keep_f32=True)
+    if ld.has(p + "ffn_down_exps.bias"):
+        parts = [n.replace(".weight", ".bias") for n in gu_names]
+        moe.gate_up_bias = ld.put(np.concatenate(
+            [_vector(ld, n, (E, -1)) for n in parts], axis=1), keep_f32=True)
+        moe.down_bias = ld.put(_vector(ld, p + "ffn_down_exps.bias", (E, cfg.n_embd)),
+                               keep_f32=True)
+        if moe.gate_up_bias.shape != (E, 2 * ff):
+            raise ValueError(f"layer {il}: gate/up biases have shape "
+                             f"{tuple(moe.gate_up_bias.shape)}, expected {(E, 2 * ff)}")
     if ld.has(p + "ffn_up_shexp.weight"):
         moe.shared_gate_up = ld.matrix([p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"])
         moe.shared_down = ld.matrix([p + "ffn_down_shexp.weight"])

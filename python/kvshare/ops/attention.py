@@ -10,6 +10,12 @@ position `qp` sees a key at position `kp` iff `kp <= qp` and, with a window `W >
 `qp - kp < W` (the window counts the query's own token: it sees itself and W-1 earlier ones).
 Query head h reads KV head `h // (n_head // n_kv_heads)`.
 
+Sinks (gpt-oss, llama.cpp's `attn_sinks` through `ggml_soft_max_ext`): one learned logit per
+query head that joins the softmax's denominator and no value, so a head can attend to
+"nothing": `out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink - m))`, m the max
+of the scores and the sink. Attention with sinks runs the NumPy tiles (the compiled kernel
+has no sink term).
+
 q8_0 pools (uint8 caches, `kvshare.ops.kv_q8_0`): the last axis is a row's Q8_0 blocks
 (`head_dim / 32 * 34` bytes); `write_kv` quantizes, the kernel reads the blocks from the pool
 (converting them to f32 a few rows at a time), the NumPy tiles read dequantized copies.
@@ -148,11 +154,20 @@ def _key_blocks(block_tables: Any, s: int, p0: int, n: int, window: int, bs: int
     return blocks, b0, k_lo
 
 
+def _check_sinks(sinks: Any, n_head: int, backend: Backend) -> np.ndarray:
+    if backend.is_gpu:
+        raise NotImplementedError("attention sinks run on the CPU only")
+    sinks = np.asarray(sinks, np.float32).reshape(-1)
+    if sinks.shape != (n_head,):
+        raise ValueError(f"sinks must be [{n_head}], got {sinks.shape}")
+    return sinks
+
+
 def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_starts: Any,
                     start_positions: Any, *, scale: float, window: int = 0,
                     backend: Backend = CPU, out: Any | None = None,
                     mask_cache: dict | None = None, parts: int = 1,
-                    invariant: bool = False) -> Any:
+                    invariant: bool = False, sinks: Any | None = None) -> Any:
     """Attention of every query token over its own sequence's cached keys and values.
 
     q: float32 `[N, n_head, head_dim]`, the concatenated queries of n_seq sequences;
@@ -167,8 +182,11 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     spread the query tiles over that many threads (`ops.parallel`; BLAS should be on one
     thread then). `invariant` (CPU kernel pools): every row's result is the same bits in any
     call (decode rows take the prefill tiles, key blocks at absolute positions), at some cost
-    to long-context decode; what 8-bit activations (`BlockWeight` "vnni") need.
+    to long-context decode; what 8-bit activations (`BlockWeight` "vnni") need. `sinks`:
+    float32 `[n_head]` sink logits (module docstring), CPU only.
     """
+    if sinks is not None:
+        sinks = _check_sinks(sinks, q.shape[1], backend)
     if backend.is_gpu:
         return gpu_op("paged_attention")(q, k_cache, v_cache, block_tables, q_starts,
                                          start_positions, scale=scale, window=window, out=out)
@@ -183,7 +201,7 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
         mask_cache = {}
     lens = np.diff(q_starts)
     kernel_rows = 0
-    if (k_cache.dtype in _KERNEL_KV_DTYPES and q.dtype == np.float32
+    if (sinks is None and k_cache.dtype in _KERNEL_KV_DTYPES and q.dtype == np.float32
             and (lens <= KERNEL_MAX_ROWS).any()):
         kernel_rows = KERNEL_MAX_ROWS
         # a prefill chunk's attention runs while BLAS idles: all cores, even in steps that
@@ -225,7 +243,8 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
 
     def run(job) -> None:
         (s, r0, p0, base, K, V), t0, t1 = job
-        _attention_tile(q, K, V, out, s, r0, p0, base, t0, t1, scale, window, mask_cache)
+        _attention_tile(q, K, V, out, s, r0, p0, base, t0, t1, scale, window, mask_cache,
+                        sinks)
 
     if parts > 1 and len(jobs) > 1:
         # round-robin: causal tiles grow along the sequence, neighbours cost about the same
@@ -239,7 +258,7 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
 
 def _attention_tile(q: np.ndarray, K: list, V: list, out: np.ndarray, s: int,
                     r0: int, p0: int, base: int, t0: int, t1: int, scale: float, window: int,
-                    mask_cache: dict) -> None:
+                    mask_cache: dict, sinks: np.ndarray | None = None) -> None:
     """Query rows `r0 + [t0, t1)` of sequence s (positions `p0 + [t0, t1)`) over the
     sequence's keys/values K, V (`_pieces`; position `base` at row 0)."""
     n_head, hd = q.shape[1], q.shape[2]
@@ -280,9 +299,16 @@ def _attention_tile(q: np.ndarray, K: list, V: list, out: np.ndarray, s: int,
         sc4 = sc.reshape(n_kv, m, g, T)
         sc4 += mask[None, :, None, :]
     mx = sc.max(axis=-1, keepdims=True)
+    sk = None
+    if sinks is not None:
+        # the score rows are (query, head-in-group) pairs of each KV head
+        sk = np.broadcast_to(sinks.reshape(n_kv, 1, g), (n_kv, m, g)).reshape(n_kv, m * g, 1)
+        np.maximum(mx, sk, out=mx)
     sc -= mx
     np.exp(sc, out=sc)
     den = sc.sum(axis=-1, keepdims=True)
+    if sk is not None:
+        den += np.exp(sk - mx)
     (cols, Vt), rest = pieces[0], pieces[1:]
     o = np.matmul(sc[:, :, cols], Vt.transpose(1, 0, 2))  # [n_kv, m*g, hd]
     for cols, Vt in rest:
@@ -296,9 +322,10 @@ def _attention_tile(q: np.ndarray, K: list, V: list, out: np.ndarray, s: int,
 
 
 def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
-                        k_pos: np.ndarray, *, scale: float, window: int = 0) -> np.ndarray:
+                        k_pos: np.ndarray, *, scale: float, window: int = 0,
+                        sinks: np.ndarray | None = None) -> np.ndarray:
     """Naive dense attention (float64) for tests: q `[n, H, d]`, k/v `[T, n_kv, d]` with
-    positions q_pos `[n]`, k_pos `[T]`."""
+    positions q_pos `[n]`, k_pos `[T]`; `sinks` `[H]` optional."""
     n, H, d = q.shape
     n_kv = k.shape[1]
     g = H // n_kv
@@ -311,7 +338,9 @@ def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.n
             if window:
                 ok &= (q_pos[i] - k_pos) < window
             s = np.where(ok, s, -np.inf)
-            p = np.exp(s - s.max())
-            p /= p.sum()
+            mx = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+            p = np.exp(s - mx)
+            den = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - mx))
+            p /= den
             out[i, h] = p @ v[:, kv].astype(np.float64)
     return out

@@ -9,7 +9,9 @@ takes the softmax of the k picked logits as weights.
 
 Products (`moe_ffn`): the (token, slot) pairs are grouped by expert (`group_by_expert`), and
 each expert with at least one pair runs one product per matrix over its tokens' rows: its
-gate|up rows, the gated activation, its down rows. A pair's output is weighted and the k
+gate|up rows (plus the expert's gate|up bias, where the model has one), the gated activation
+(`activation`: "silu", "gelu_tanh", or gpt-oss's clamped "swiglu_oai"), its down rows (plus
+its down bias). A pair's output is weighted and the k
 slots of a token are added in slot order (highest weight first), as llama.cpp adds its
 `ffn_moe_weighted` views. Each expert's matrices are whatever `ops.linear.linear` takes (a
 `BlockWeight` on the CPU: one block-format product per active expert on its rows), so a
@@ -37,6 +39,9 @@ from kvshare.ops.linear import linear
 from kvshare.ops.parallel import ROWS
 
 GATINGS = ("softmax", "sigmoid", "softmax_weight")
+# gpt-oss's gated activation (llama.cpp's LLM_FFN_SWIGLU_OAI_MOE constants)
+SWIGLU_OAI_ALPHA = np.float32(1.702)
+SWIGLU_OAI_LIMIT = np.float32(7.0)
 # ggml clamps the sum of the selected weights to the smallest normal f16 before dividing
 _MIN_WEIGHT_SUM = np.float32(6.103515625e-5)
 
@@ -116,15 +121,36 @@ def group_by_expert(ids: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.ndar
     return pairs, offsets
 
 
+def swiglu_oai(gu: Any, *, backend: Backend = CPU) -> Any:
+    """ggml_swiglu_oai of `gu` `[n, 2 ff]` (gate columns then up columns) -> `[n, ff]`:
+    `x / (1 + exp(-alpha x)) * (y + 1)` with the gate x clamped to <= limit and the up
+    value y to [-limit, limit], in f32 in ggml's order of operations."""
+    xp = backend.xp
+    ff = gu.shape[1] // 2
+    x = xp.minimum(gu[:, :ff], SWIGLU_OAI_LIMIT)
+    y = xp.clip(gu[:, ff:], -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+    out = x / (np.float32(1.0) + xp.exp(SWIGLU_OAI_ALPHA * -x))
+    out *= y + np.float32(1.0)
+    return out
+
+
+def _activate(gu: Any, activation: str, backend: Backend) -> Any:
+    if activation == "swiglu_oai":
+        return swiglu_oai(gu, backend=backend)
+    return glu(gu, activation, backend=backend)
+
+
 def moe_ffn(h: Any, router: Any, gate_up: Sequence[Any], down: Sequence[Any],
             routing: Routing, activation: str = "silu", *, router_bias: Any = None,
-            selection_bias: Any = None, backend: Backend = CPU) -> Any:
+            selection_bias: Any = None, gate_up_bias: Any = None, down_bias: Any = None,
+            backend: Backend = CPU) -> Any:
     """The experts' output `[N, n_embd]` for the normed hidden rows `h` (`[N, n_embd]` f32).
 
     `router`: `[n_expert, n_embd]`; `gate_up[e]`: expert e's gate rows then up rows
     (`[2 n_ff_exp, n_embd]`); `down[e]`: `[n_embd, n_ff_exp]`; any weight form `linear`
     takes. `router_bias`: optional `[n_expert]` added to the router logits; `selection_bias`:
-    `route`'s."""
+    `route`'s; `gate_up_bias` `[n_expert, 2 n_ff_exp]` and `down_bias` `[n_expert, n_embd]`:
+    optional per-expert biases added to its products (gpt-oss)."""
     xp = backend.xp
     n = h.shape[0]
     logits = linear(h, router, router_bias, backend=backend)
@@ -140,8 +166,10 @@ def moe_ffn(h: Any, router: Any, gate_up: Sequence[Any], down: Sequence[Any],
         rows = p // k
         if backend.is_gpu:
             p, rows = backend.asarray(p), backend.asarray(rows)
-        a = glu(linear(h[rows], gate_up[e], backend=backend), activation, backend=backend)
-        out = linear(a, down[e], backend=backend)
+        gu = linear(h[rows], gate_up[e], None if gate_up_bias is None else gate_up_bias[e],
+                    backend=backend)
+        a = _activate(gu, activation, backend)
+        out = linear(a, down[e], None if down_bias is None else down_bias[e], backend=backend)
         out *= wflat[p][:, None]
         y[p] = out
     y = y.reshape(n, k, h.shape[1])
@@ -210,9 +238,15 @@ def moe_ffn_grouped(h: np.ndarray, router: Any, gate_up: StackedExperts, down: S
 
 def moe_ffn_reference(h: np.ndarray, router: np.ndarray, gate_up: Sequence[np.ndarray],
                       down: Sequence[np.ndarray], routing: Routing,
-                      selection_bias: Any = None) -> np.ndarray:
-    """`moe_ffn` token by token in float64 on dense f32 weights: the test oracle (SwiGLU)."""
-    ids, w = route(np.asarray(h @ router.T, np.float32), routing, selection_bias=selection_bias)
+                      selection_bias: Any = None, activation: str = "silu", *,
+                      router_bias: Any = None, gate_up_bias: Any = None,
+                      down_bias: Any = None) -> np.ndarray:
+    """`moe_ffn` token by token in float64 on dense f32 weights: the test oracle (SwiGLU or
+    "swiglu_oai", biases optional)."""
+    logits = np.asarray(h @ router.T, np.float32)
+    if router_bias is not None:
+        logits = logits + router_bias
+    ids, w = route(logits, routing, selection_bias=selection_bias)
     out = np.zeros(h.shape, np.float64)
     ff = gate_up[0].shape[0] // 2
     for t in range(h.shape[0]):
@@ -220,7 +254,17 @@ def moe_ffn_reference(h: np.ndarray, router: np.ndarray, gate_up: Sequence[np.nd
         for j in range(routing.k):
             e = int(ids[t, j])
             gu = gate_up[e].astype(np.float64) @ x
+            if gate_up_bias is not None:
+                gu += gate_up_bias[e]
             g, u = gu[:ff], gu[ff:]
-            a = g / (1.0 + np.exp(-g)) * u
-            out[t] += float(w[t, j]) * (down[e].astype(np.float64) @ a)
+            if activation == "swiglu_oai":
+                lim = float(SWIGLU_OAI_LIMIT)
+                g, u = np.minimum(g, lim), np.clip(u, -lim, lim)
+                a = g / (1.0 + np.exp(-float(SWIGLU_OAI_ALPHA) * g)) * (u + 1.0)
+            else:
+                a = g / (1.0 + np.exp(-g)) * u
+            d = down[e].astype(np.float64) @ a
+            if down_bias is not None:
+                d += down_bias[e]
+            out[t] += float(w[t, j]) * d
     return out

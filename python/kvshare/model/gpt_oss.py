@@ -1,0 +1,147 @@
+"""gpt-oss (GGUF arch `gpt-oss`, llama.cpp's `llama_model_openai_moe` graph).
+
+Per layer: RMSNorm (`attn_norm`) -> Q/K/V with biases -> NEOX rope (YaRN scaled where the
+file says `rope.scaling.type = yarn`, as gpt-oss GGUFs do: `kvshare.ops.rope_yarn`) ->
+grouped-query attention scaled by 1/sqrt(n_rot) with the layer's learned sinks
+(`attn_sinks [n_head]`, one extra logit per head in the softmax's denominator), over a
+sliding window of `attention.sliding_window` tokens in the layers llama.cpp's pattern 2 marks
+(il % 2 == 0) and over every earlier token in the others -> output projection with bias ->
+residual -> RMSNorm (`post_attention_norm`) -> experts -> residual. The experts
+(`kvshare.model.moe`): router with bias, the top `expert_used_count` by router logit weighted
+by the softmax of those logits, gate/up/down products with per-expert biases, and the
+clamped SwiGLU `swiglu_oai` (alpha 1.702, limit 7). Final RMSNorm, output head.
+
+Attention with sinks runs the NumPy tiles of `ops.attention` on the CPU; on a GPU the model
+is refused (the GPU attention has no sink term).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from kvshare.backend import CPU, Backend
+from kvshare.model.base import AttentionLayer, BatchPlan, DecoderModel, load_decoder
+from kvshare.model.config import ModelConfig
+from kvshare.model.kv_arrays import KVArrays
+from kvshare.model.moe import MoeFFN, load_moe
+from kvshare.model.qwen3moe import _WithoutDenseFFN
+from kvshare.ops.attention import paged_attention
+from kvshare.ops.linear import linear
+from kvshare.ops.norm import rms_norm
+from kvshare.ops.parallel import ROWS, split_rows
+from kvshare.ops.rope_yarn import Yarn, yarn_cos_sin
+
+
+@dataclass
+class GptOssLayer(AttentionLayer):
+    """An attention layer with sinks, an output bias and experts for its FFN (w_gate_up /
+    w_down are None). Not an `AttentionLayer` by type, so the fused decode path leaves it
+    alone."""
+
+    sinks: Any = None  # [n_head] f32
+    bo: Any = None  # [n_embd] f32
+    moe: MoeFFN | None = None
+
+
+class _GptOssNames(_WithoutDenseFFN):
+    """A `WeightLoader` as `load_attention_layer` sees it for a gpt-oss layer: its pre-FFN
+    norm is `post_attention_norm` (read as the FFN norm, not as a norm of the attention
+    output), and the dense FFN it asks for is absent (the experts are loaded apart)."""
+
+    def _name(self, name: str) -> str:
+        if name.endswith(".ffn_norm.weight"):
+            return name[: -len("ffn_norm.weight")] + "post_attention_norm.weight"
+        return name
+
+    def has(self, name: str) -> bool:
+        if name.endswith(".post_attention_norm.weight"):
+            return False
+        return self._ld.has(self._name(name))
+
+    def get(self, name: str, *args: Any, **kw: Any) -> Any:
+        return self._ld.get(self._name(name), *args, **kw)
+
+
+class GptOssModel(DecoderModel):
+    architectures = ("gpt-oss",)
+
+    def __init__(self, config: ModelConfig, loader: Any, backend: Backend = CPU):
+        if backend.is_gpu:
+            raise NotImplementedError("gpt-oss runs on the CPU only (attention sinks)")
+        super().__init__(config, backend)
+        yarn = config.extra.get("yarn")
+        self.yarn = Yarn(**{k: yarn[k] for k in ("freq_scale", "n_ctx_orig", "ext_factor",
+                                                 "attn_factor", "beta_fast", "beta_slow")}
+                         ) if yarn else None
+        load_decoder(self, _GptOssNames(loader))
+        layers = []
+        for L in self.layers:
+            p = f"blk.{L.index}."
+            sinks = np.asarray(loader.host(p + "attn_sinks.weight"), np.float32).reshape(-1)
+            if sinks.shape != (config.n_head,):
+                raise ValueError(f"layer {L.index}: attn_sinks has {sinks.size} values, "
+                                 f"expected {config.n_head}")
+            bo = (np.asarray(loader.host(p + "attn_output.bias"), np.float32).reshape(-1)
+                  if loader.has(p + "attn_output.bias") else None)
+            layers.append(GptOssLayer(
+                **{f.name: getattr(L, f.name) for f in fields(AttentionLayer)},
+                sinks=sinks, bo=bo, moe=load_moe(loader, config, L.index, "swiglu_oai")))
+        self.layers = layers
+
+    def _rope(self, plan: BatchPlan, base: float, scale: float) -> tuple[Any, Any]:
+        if self.yarn is None:
+            return super()._rope(plan, base, scale)
+        key = ("yarn", base)
+        if key not in plan.rope:
+            plan.rope[key] = yarn_cos_sin(plan.positions, self.config.n_rot, base, self.yarn,
+                                          backend=self.backend)
+        return plan.rope[key]
+
+    def _attention_layer(self, L: Any, x: Any, plan: BatchPlan, cache: KVArrays,
+                         last: bool) -> Any:
+        """`DecoderModel._attention_layer` with the layer's sinks."""
+        cfg = self.config
+        n = x.shape[0]
+        cos, sin = self._rope(plan, L.rope_base, L.rope_scale)
+        kc, vc = cache.layer_kv(L.attn_index)
+        tables, slots = plan.group(cache.group_of(L.attn_index))
+        if tables is None:
+            raise ValueError("the cache keeps window layers apart: chunks need win_block_table")
+        parts = split_rows(n, plan.row_parts) if plan.row_parts > 1 else None
+        if parts is None:
+            q = self._project_qkv(L, x, cos, sin, slots, kc, vc)
+        else:
+            q = np.concatenate(ROWS.run(
+                lambda sl: self._project_qkv(L, x[sl], cos[sl], sin[sl], slots[sl], kc, vc),
+                parts))
+        qs, starts, masks = plan.q_starts, plan.start_positions, plan.masks
+        if last:
+            if plan.logit_rows.size == 0:
+                return None
+            if plan.logit_rows.size < n:
+                # only the requested rows, each a one-token "sequence" at its own position
+                rows = plan.logit_rows
+                seq_of_row = np.searchsorted(plan.q_starts, rows, side="right") - 1
+                q, x = q[rows], x[rows]
+                qs = np.arange(len(rows) + 1, dtype=np.int64)
+                starts, tables = plan.positions[rows], tables[seq_of_row]
+                parts, masks = None, None
+        attn = paged_attention(q, kc, vc, tables, qs, starts, scale=cfg.q_scale,
+                               window=L.window, backend=self.backend, mask_cache=masks,
+                               parts=plan.row_parts if parts is not None else 1,
+                               sinks=L.sinks)
+        attn = attn.reshape(attn.shape[0], -1)
+        if parts is None:
+            self._output_and_mlp(L, x, attn)
+        else:
+            ROWS.run(lambda sl: self._output_and_mlp(L, x[sl], attn[sl]), parts)
+        return x
+
+    def _output_and_mlp(self, L: Any, x: Any, attn: Any) -> None:
+        be = self.backend
+        x += linear(attn, L.wo, L.bo, backend=be)
+        h = rms_norm(x, L.ffn_norm, self.config.norm_eps, backend=be)
+        x += L.moe(h)
