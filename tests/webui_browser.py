@@ -68,8 +68,10 @@ def console_errors(drv) -> list[str]:
     return [e["message"] for e in drv.get_log("browser") if e.get("level") == "SEVERE"]
 
 
-def wait_for(fn: Callable[[], Any], timeout: float = 10.0, what: str = "a condition") -> Any:
-    """`fn()`'s first truthy value within `timeout` seconds (exceptions count as falsy)."""
+def wait_for(fn: Callable[[], Any], timeout: float = 10.0, what: str = "a condition",
+             every: float = 0.1) -> Any:
+    """`fn()`'s first truthy value within `timeout` seconds, tried every `every` seconds
+    (exceptions count as falsy)."""
     end = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < end:
@@ -79,6 +81,6 @@ def wait_for(fn: Callable[[], Any], timeout: float = 10.0, what: str = "a condit
                 return value
         except Exception as e:  # noqa: BLE001 - the page is still changing
             last = e
-        time.sleep(0.1)
+        time.sleep(every)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}"
                          + (f" (last error: {last})" if last else ""))

@@ -10,6 +10,7 @@ docs/webui.md describes the page.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -164,11 +165,17 @@ class WebUIState:
                                     for b in history]},
         }
 
+    def encoded(self, tenant: Tenant | None) -> bytes:
+        """`build` as the response body (JSONResponse's encoding)."""
+        return json.dumps(self.build(tenant), ensure_ascii=False, allow_nan=False,
+                          separators=(",", ":")).encode()
+
     async def endpoint(self, request: Request) -> Response:
         tenant = (request.scope.get("state") or {}).get("tenant")
-        body = await run_in_threadpool(self.build, tenant)
-        return JSONResponse(body, headers={"Cache-Control": "no-store"})
-
+        # built and encoded off the event loop, which meanwhile streams the sessions' tokens
+        body = await run_in_threadpool(self.encoded, tenant)
+        return Response(body, media_type="application/json",
+                        headers={"Cache-Control": "no-store"})
 
 
 class WebUI:

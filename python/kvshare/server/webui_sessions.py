@@ -233,11 +233,14 @@ def prefix_tree(sessions: list[Session], block_size: int, saved_to: list[str],
             if len(s.chain) > depth:
                 by_key.setdefault(s.chain[depth], []).append(s)
         for members in by_key.values():
-            end = depth + 1
             first = members[0].chain
-            while (end < len(first) and all(len(m.chain) > end and m.chain[end] == first[end]
-                                            for m in members)):
-                end += 1
+            if len(members) == 1:  # a leaf: the rest of its chain, nothing to compare
+                end = len(first)
+            else:
+                end = depth + 1
+                while (end < len(first) and all(len(m.chain) > end and m.chain[end] == first[end]
+                                                for m in members)):
+                    end += 1
             held = ["pool"] if any(m.running for m in members) else []
             if any(not m.running and m.cache_store for m in members):
                 held += [t for t in saved_to if t not in held]
