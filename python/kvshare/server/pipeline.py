@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import AsyncIterator, Callable
 
 from starlette.concurrency import run_in_threadpool
@@ -33,8 +33,7 @@ from kvshare.apis.base import (Api, ApiFormat, ApiRequest, CachePoint, ChatInput
 from kvshare.apis.parsing import check_token_ids, template_tools
 from kvshare.apis.prompt_list import PromptListRequest
 from kvshare.engine.api import (EngineClient, EngineHandle, FinishEvent, GenerationRequest,
-                                RenderedChat, RequestRejected, SamplingParams, Timings,
-                                TokenEvent)
+                                RenderedChat, RequestRejected, SamplingParams, TokenEvent)
 from kvshare.engine.faults import HEADER as FAULT_HEADER
 from kvshare.engine.faults import injection_enabled
 from kvshare.toolcalls import prompt_opens_reasoning
@@ -44,6 +43,7 @@ from .constraints import ToolCalls, compile_constraint, describe_template, reque
 from .edge import HEAVY_BYTES, body_size, release_body, run_heavy
 from .errors import APIError, bad_request
 from .prompt_bounds import PromptBounds
+from .submission import Prepared, merge_finishes
 from .request_log import RequestLog, RequestRecord
 from .settings import ServerSettings
 from .tenancy import Tenancy, Tenant, hash_salt
@@ -106,21 +106,6 @@ def chat_text(engine: EngineClient, chat: ChatInput) -> str:
         msgs, tools, add_generation_prompt=agp, template_kwargs=kwargs, continue_final=cont))
 
 
-def merge_finishes(fins: list[FinishEvent]) -> FinishEvent:
-    """One request's totals over its choices (n > 1): the prompt counted once (choice 0
-    computed it, the others reused it), completion tokens summed."""
-    if len(fins) == 1:
-        return fins[0]
-    first = min(fins, key=lambda f: f.index)
-    t = first.timings
-    timings = Timings(
-        prompt_n=sum(f.timings.prompt_n for f in fins), cache_n=t.cache_n,
-        prompt_ms=t.prompt_ms, predicted_n=sum(f.timings.predicted_n for f in fins),
-        predicted_ms=max(f.timings.predicted_ms for f in fins), restore_ms=t.restore_ms)
-    return replace(first, completion_tokens=sum(f.completion_tokens for f in fins),
-                   timings=timings)
-
-
 def finish_error(fin: FinishEvent) -> APIError | None:
     """The error a failed or cancelled generation ends with (None when it succeeded)."""
     if fin.reason == "error":
@@ -138,14 +123,6 @@ def finish_error(fin: FinishEvent) -> APIError | None:
 
 
 # --------------------------------------------------------------------------- the pipeline
-
-@dataclass
-class Prepared:
-    """A request ready to submit: the engine's request and the API's format for it."""
-
-    greq: GenerationRequest
-    fmt: ApiFormat
-
 
 class GenerationPipeline:
     def __init__(self, engine: EngineClient, settings: ServerSettings, tenancy: Tenancy,

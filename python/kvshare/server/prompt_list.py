@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol
 
 from starlette.requests import Request
 
 from kvshare.apis.base import Api, ApiFormat, Choices
 from kvshare.apis.prompt_list import PromptListRequest
-from kvshare.engine.api import EngineHandle, FinishEvent, TokenEvent
+from kvshare.engine.api import EngineHandle, FinishEvent, GenerationRequest, TokenEvent
 from kvshare.server.errors import APIError
 
-from .pipeline import GenerationPipeline, Prepared, merge_finishes
+from .submission import Prepared, merge_finishes
 from .request_log import RequestRecord
 from .tenancy import Tenant
 
@@ -154,7 +154,16 @@ def _sum_usage(usages: list[dict]) -> dict:
     return out
 
 
-async def submit_list(pipeline: GenerationPipeline, request: Request, api: Api, rid: str,
+class Submitter(Protocol):
+    """What `submit_list` uses of the pipeline (server/pipeline.py's GenerationPipeline)."""
+
+    async def prepare(self, request: Request, api: Api, rid: str, req: Any,
+                      tenant: Tenant | None, rec: RequestRecord) -> Prepared: ...
+
+    def submit(self, greq: GenerationRequest, param: str) -> EngineHandle: ...
+
+
+async def submit_list(pipeline: Submitter, request: Request, api: Api, rid: str,
                       req: PromptListRequest, tenant: Tenant | None,
                       rec: RequestRecord) -> tuple[Prepared, MergedHandle]:
     """Prepare and submit each prompt of `req` as its own engine request (the first under
