@@ -123,7 +123,8 @@ def test_load_layers_yarn_and_experts():
     assert moe.activation == "swiglu_oai" and moe.router_bias.shape == (16,)
     assert moe.gate_up_bias.shape == (16, 128) and moe.down_bias.shape == (16, 64)
     assert moe.gate_up[3].shape == (128, 64) and moe.down[3].shape == (64, 64)
-    assert type(_load("blocks-q8").layers[0].moe.gate_up[0]).__name__ == "Q8ActDense"
+    q8 = _load("blocks-q8").layers[0].moe.gate_up[0]
+    assert type(q8).__name__ == "Q8_0Acts" and type(q8.w).__name__ == "BlockWeight"
 
 
 def _ggml_yarn_cache(pos, n_dims, base, y: Yarn):

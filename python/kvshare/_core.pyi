@@ -415,7 +415,7 @@ def block_matmul_t(
 ) -> None:
     """`out[m, n] = sum_k x[m, k] * w[n, k]`, `w` the rows of `raw` (uint8 `[N, row_bytes]`,
     may be read-only, e.g. a view into the mmapped GGUF) in GGML type `qtype` (F32, F16, BF16,
-    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS). x f32 `[M, K]` with M <= 16,
+    Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS, MXFP4). x f32 `[M, K]` with M <= 16,
     out f32 `[M, N]` (written; must not overlap an input). Quantized types quantize x to 8
     bits per 32 values. All C-contiguous, read in place, GIL released. Raises ValueError on
     wrong dtypes, shapes, overlap or an unsupported type."""

@@ -12,6 +12,19 @@ const KVALUES: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
+/// ggml's kvalues_mxfp4: the E2M1 values doubled.
+const KVALUES_MXFP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// ggml's GGML_E8M0_TO_FP32_HALF, transcribed.
+fn e8m0_to_fp32_half(x: u8) -> f32 {
+    let bits: u32 = if x < 2 {
+        0x0020_0000 << x
+    } else {
+        (x as u32 - 1) << 23
+    };
+    f32::from_bits(bits)
+}
+
 struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> u64 {
@@ -48,7 +61,7 @@ fn f16_fields(ty: BlockType) -> &'static [usize] {
         Q2_K => &[80, 82],
         Q3_K => &[108],
         Q6_K => &[208],
-        F32 | F16 | BF16 => &[],
+        F32 | F16 | BF16 | MXFP4 => &[],
     }
 }
 
@@ -65,6 +78,8 @@ fn random_rows(ty: BlockType, n: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
                 let v = (rng.unit().to_bits() >> 16) as u16;
                 b.copy_from_slice(&v.to_le_bytes())
             }
+            // exponents 2^-10..2^2: products stay far from overflow and underflow
+            BlockType::MXFP4 => b[0] = 118 + rng.byte() % 13,
             _ => {
                 for &off in f16_fields(ty) {
                     b[off..off + 2].copy_from_slice(&rng.small_f16().to_le_bytes());
@@ -270,6 +285,18 @@ fn reference_block(ty: BlockType, x: &[u8], y: &mut Vec<f32>) {
                 }
                 y.extend_from_slice(&out);
             }
+        }
+        MXFP4 => {
+            // dequantize_row_mxfp4
+            let d = e8m0_to_fp32_half(x[0]);
+            let mut out = [0f32; 32];
+            for j in 0..16 {
+                let x0 = KVALUES_MXFP4[(x[1 + j] & 0x0F) as usize];
+                let x1 = KVALUES_MXFP4[(x[1 + j] >> 4) as usize];
+                out[j] = x0 as f32 * d;
+                out[j + 16] = x1 as f32 * d;
+            }
+            y.extend_from_slice(&out);
         }
         F32 => y.push(f32::from_le_bytes([x[0], x[1], x[2], x[3]])),
         F16 => y.push(h(x, 0)),
@@ -839,6 +866,59 @@ fn f32_special_f16_scales() {
                         out[r * n + c]
                     );
                 }
+            }
+        }
+    }
+}
+
+/// MXFP4 at every E8M0 exponent: dequantized bit for bit as ggml (subnormal scales for
+/// e < 2, infinities at e = 255 for the largest codes), and the f32 kernel forms the same
+/// weights (one-hot rows; exponents up to 250, where no weight is infinite).
+#[test]
+fn mxfp4_every_exponent() {
+    let ty = BlockType::MXFP4;
+    let mut rng = Rng(41);
+    let (n, k) = (8, 32 * 32);
+    let mut raw = random_rows(ty, n, k, &mut rng);
+    for (i, b) in raw.chunks_exact_mut(17).enumerate() {
+        b[0] = i as u8; // 256 blocks: every exponent once
+    }
+    let want = reference_rows(ty, &raw);
+    let w = BlockMatrix {
+        raw: &raw,
+        ty,
+        n,
+        k,
+    };
+    let mut got = vec![0f32; n * k];
+    dequantize_rows(&w, 0, n, &mut got, 2).unwrap();
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(a.to_bits(), b.to_bits(), "element {i}");
+    }
+    assert!(want[32..64].iter().any(|v| *v != 0.0 && v.is_subnormal()));
+    let finite = 251 / (k / 32); // the rows whose exponents are all <= 250
+    let wr = BlockMatrix {
+        raw: &raw[..finite * w.row_bytes()],
+        ty,
+        n: finite,
+        k,
+    };
+    let m = 4;
+    for j0 in (0..k).step_by(4) {
+        let mut x = vec![0f32; m * k];
+        for r in 0..m {
+            x[r * k + j0 + r] = 1.0;
+        }
+        let mut out = vec![f32::NAN; m * finite];
+        block_matmul_t_f32(&x, m, &wr, &mut out, 1).unwrap();
+        for r in 0..m {
+            for c in 0..finite {
+                assert_eq!(
+                    out[r * finite + c],
+                    want[c * k + j0 + r],
+                    "w[{c}, {}]",
+                    j0 + r
+                );
             }
         }
     }

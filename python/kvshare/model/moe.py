@@ -11,19 +11,20 @@ n_ff_exp]`; a shared expert as `ffn_{gate,up,down}_shexp` with its gate `ffn_gat
 
 Each expert's rows of a stacked tensor are a contiguous run of its bytes, so on the CPU every
 expert's matrices are `BlockWeight`s over views of the mapped file, in the file's block format
-(its gate and up rows one fused weight, as the dense layers' are): nothing is dequantized or
-copied at load, a model costs its file size, and a product reads only the experts its tokens
-use. With `KVSHARE_CPU_WEIGHTS=int8` / `f32`, a block format without kernels (MXFP4), or on a GPU,
-each expert is dequantized to the backend's dense form instead; with `blocks-q8` such an
-expert of a quantized format multiplies activations rounded to 8 bits as ggml's Q8_0 rounds
-them (`Q8ActDense`), the approximation llama.cpp's CPU products make.
+(its gate and up rows one fused weight, as the dense layers' are; MXFP4 included): nothing is
+dequantized or copied at load, a model costs its file size, and a product reads only the
+experts its tokens use. With `KVSHARE_CPU_WEIGHTS=int8` / `f32`, a block format without
+kernels, or on a GPU, each expert is dequantized to the backend's dense form instead. With
+`blocks-q8`, MXFP4 experts multiply activations rounded to 8 bits as ggml's Q8_0 rounds them
+(`Q8_0Acts`: llama.cpp's `vec_dot_mxfp4_q8_0` scales each block's integer sum by the Q8_0
+block's f16 scale, which the kernels' own 8-bit activations keep in f32), times the blocks
+with f32 arithmetic; a dense expert of another quantized format takes the same rounding.
 
 On the CPU the layer also keeps each matrix's whole stacked tensors (`StackedExperts`, the
 same bytes) for the grouped kernels (`ops.moe.moe_ffn_grouped`: one Rust call per matrix
 product for the batch); the per-expert `BlockWeight`s remain the path for formats and
-activations those kernels lack (MXFP4 among them: its experts are dequantized at load), for
-experts with biases or another activation than SwiGLU (gpt-oss), and for
-`KVSHARE_MOE_GROUPED=0`.
+activations those kernels lack, for experts with biases or another activation than SwiGLU
+(gpt-oss), and for `KVSHARE_MOE_GROUPED=0`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ import numpy as np
 from kvshare.model.config import ModelConfig
 from kvshare.model.weights import cpu_weight_mode, dequantize
 from kvshare.ops.moe import (Routing, StackedExperts, grouped_supported, moe_ffn,
-                             moe_ffn_grouped)
+                             moe_ffn_grouped, q8_0_round)
+
+# GGML type id of MXFP4
+MXFP4 = 39
 
 # How llama.cpp's graph routes each architecture (`build_moe_ffn`'s gating, `norm_w` and
 # `w_scale` arguments). For qwen3moe and qwen35moe it passes softmax gating and norm_w = true
@@ -151,7 +155,6 @@ def load_stacked(ld: Any, names: list[str], n_expert: int) -> StackedExperts | N
         return None
     from kvshare.ops.blockweight import row_bytes  # noqa: PLC0415
 
-    activations = {"blocks-q8": "q8", "blocks-vnni": "vnni"}.get(mode, "f32")
     raws, qtypes, ks = [], [], set()
     for name in names:
         info = ld.gf.tensors[name]
@@ -163,30 +166,38 @@ def load_stacked(ld: Any, names: list[str], n_expert: int) -> StackedExperts | N
         raws.append(ld.gf.raw(name).reshape(n_expert * rows, rb))
         qtypes.append(q)
         ks.add(k)
+    q8_0 = _q8_0_blocks(mode, qtypes)
+    activations = "f32" if q8_0 else {"blocks-q8": "q8", "blocks-vnni": "vnni"}.get(mode, "f32")
     if len(ks) != 1 or not grouped_supported(qtypes, activations):
         return None
-    return StackedExperts(tuple(raws), tuple(qtypes), n_expert, ks.pop(), activations)
+    return StackedExperts(tuple(raws), tuple(qtypes), n_expert, ks.pop(), activations,
+                          q8_0_acts=q8_0)
 
 
-class Q8ActDense:
-    """A dense f32 weight `[out, in]` of a quantized format whose products take the
-    activations rounded through ggml's Q8_0 blocks (`quantize_row_q8_0_ref`: per 32 values
-    d = amax / 127 rounded to f16, q = round(x / d)), as llama.cpp's CPU multiplies a
-    quantized weight (`vec_dot` with Q8_0 activations); `KVSHARE_CPU_WEIGHTS=blocks-q8`."""
+class Q8_0Acts:
+    """A weight `[out, in]` of a quantized format whose products take the activations rounded
+    through ggml's Q8_0 blocks (`ops.moe.q8_0_round`), as llama.cpp's CPU multiplies it
+    (`vec_dot` with Q8_0 activations); `KVSHARE_CPU_WEIGHTS=blocks-q8`. `w`: dense f32, or a
+    `BlockWeight` with f32 activations (its blocks times the rounded values)."""
 
     ndim = 2
     dtype = np.dtype(np.float32)
 
-    def __init__(self, w: np.ndarray):
-        self.w = np.ascontiguousarray(w, dtype=np.float32)
-        self.shape = self.w.shape
+    def __init__(self, w: Any):
+        self.w = w if hasattr(w, "matmul_t") else np.ascontiguousarray(w, dtype=np.float32)
+        self.shape = tuple(self.w.shape)
 
     def matmul_t(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        from kvshare.ops import kv_q8_0  # noqa: PLC0415
+        xq = q8_0_round(x)
+        if hasattr(self.w, "matmul_t"):
+            return self.w.matmul_t(xq, out=out)
+        return np.matmul(xq, self.w.T, out=out)
 
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        xq = kv_q8_0.dequantize(kv_q8_0.quantize(x.reshape(x.shape[0], 1, -1)))
-        return np.matmul(xq.reshape(x.shape), self.w.T, out=out)
+
+def _q8_0_blocks(mode: str, qtypes: list[int]) -> bool:
+    """Whether experts of these types take `Q8_0Acts`' rounding on blocks in `mode`: MXFP4
+    with `blocks-q8`, whose 8-bit activations would otherwise keep f32 scales."""
+    return mode == "blocks-q8" and all(q == MXFP4 for q in qtypes)
 
 
 def load_experts(ld: Any, names: list[str], n_expert: int) -> list[Any]:
@@ -204,10 +215,13 @@ def load_experts(ld: Any, names: list[str], n_expert: int) -> list[Any]:
                  and all(q in BLOCK_TYPES and k % BLOCK_TYPES[q][0] == 0 for _, q, _ in parts))
     out: list[Any] = []
     if blocks_ok:
-        activations = {"blocks-q8": "q8", "blocks-vnni": "vnni"}.get(mode, "f32")
+        q8_0 = _q8_0_blocks(mode, [q for _, q, _ in parts])
+        activations = "f32" if q8_0 else {"blocks-q8": "q8", "blocks-vnni": "vnni"}.get(
+            mode, "f32")
         for e in range(n_expert):
-            out.append(BlockWeight.concat([(views[e], q, k) for views, q, _ in parts],
-                                          activations=activations))
+            w = BlockWeight.concat([(views[e], q, k) for views, q, _ in parts],
+                                   activations=activations)
+            out.append(Q8_0Acts(w) if q8_0 else w)
         return out
     from kvshare.ops.blockweight import FLOAT_TYPES  # noqa: PLC0415
 
@@ -216,7 +230,7 @@ def load_experts(ld: Any, names: list[str], n_expert: int) -> list[Any]:
     for e in range(n_expert):
         dense = [dequantize(views[e], q).reshape(shape) for views, q, shape in parts]
         w = ld.put(np.concatenate(dense, axis=0))
-        out.append(Q8ActDense(w) if q8_acts else w)
+        out.append(Q8_0Acts(w) if q8_acts else w)
     return out
 
 

@@ -52,6 +52,7 @@ BLOCK_TYPES: dict[int, tuple[int, int]] = {
     20: (32, 18),  # IQ4_NL
     23: (256, 136),  # IQ4_XS
     30: (1, 2),  # BF16
+    39: (32, 17),  # MXFP4
 }
 
 # How the small-batch kernel treats activations: "f32" exact (`_core.block_matmul_t_f32`: a

@@ -179,6 +179,16 @@ def moe_ffn(h: Any, router: Any, gate_up: Sequence[Any], down: Sequence[Any],
     return acc
 
 
+def q8_0_round(x: Any) -> np.ndarray:
+    """`x` (f32 `[M, k]`, k a multiple of 32) as the values of ggml's Q8_0 blocks of it
+    (`quantize_row_q8_0_ref`: per 32 values d = amax / 127, q = round(x / d), d stored as
+    f16): `q * f16(d)`, what llama.cpp's CPU multiplies a Q8_0-activation weight with."""
+    from kvshare.ops import kv_q8_0  # noqa: PLC0415
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return kv_q8_0.dequantize(kv_q8_0.quantize(x.reshape(x.shape[0], 1, -1))).reshape(x.shape)
+
+
 HAVE_GROUPED = hasattr(_core, "moe_gate_up")
 
 
@@ -194,6 +204,8 @@ class StackedExperts:
     n_expert: int
     k: int
     activations: str = "f32"
+    # the products' inputs rounded through ggml's Q8_0 blocks first (`q8_0_round`)
+    q8_0_acts: bool = False
 
     @property
     def rows(self) -> int:

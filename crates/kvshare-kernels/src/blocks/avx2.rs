@@ -10,7 +10,7 @@
 // loops index several arrays per row or element (accumulators, codes j and j + 16)
 #![allow(clippy::needless_range_loop)]
 
-use super::portable::{unpack, Unpacked, IQ4NL_VALUES};
+use super::portable::{e8m0_half, unpack, Unpacked, IQ4NL_VALUES, MXFP4_VALUES};
 use super::{Acts, BlockType, QActs, ACT_BLOCK};
 use crate::x86::hsum;
 use std::arch::x86_64::*;
@@ -26,6 +26,21 @@ macro_rules! by_rows {
             3 => $f::<3>($($arg),*),
             2 => $f::<2>($($arg),*),
             _ => $f::<1>($($arg),*),
+        }
+    };
+}
+
+macro_rules! by_rows_mx {
+    ($f:ident, $mx:expr, $rows:expr, $($arg:expr),*) => {
+        match $rows {
+            8 => $f::<8, $mx>($($arg),*),
+            7 => $f::<7, $mx>($($arg),*),
+            6 => $f::<6, $mx>($($arg),*),
+            5 => $f::<5, $mx>($($arg),*),
+            4 => $f::<4, $mx>($($arg),*),
+            3 => $f::<3, $mx>($($arg),*),
+            2 => $f::<2, $mx>($($arg),*),
+            _ => $f::<1, $mx>($($arg),*),
         }
     };
 }
@@ -55,7 +70,8 @@ pub(super) unsafe fn row_dot(
             Acts::Quant(a) => match ty {
                 Q8_0 => by_rows!(dot_q8_0, rows, row, a, r0, out),
                 Q4_0 | Q4_1 | Q5_0 | Q5_1 => by_rows!(dot_q4q5, rows, ty, row, a, r0, out),
-                IQ4_NL => by_rows!(dot_iq4_nl, rows, row, a, r0, out),
+                IQ4_NL => by_rows_mx!(dot_table4, false, rows, row, a, r0, out),
+                MXFP4 => by_rows_mx!(dot_table4, true, rows, row, a, r0, out),
                 Q4_K | Q5_K => by_rows!(dot_q4k_q5k, rows, ty == Q5_K, row, a, r0, out),
                 Q6_K => by_rows!(dot_q6_k, rows, row, a, r0, out),
                 Q2_K | Q3_K | IQ4_XS => by_rows!(dot_unpacked, rows, ty, row, a, r0, out),
@@ -240,16 +256,29 @@ unsafe fn dot_q4q5<const R: usize>(
     finish(&sum2(&acc), &off, out);
 }
 
+/// The formats of 32 4-bit codes looked up in a 16-value table: IQ4_NL (f16 scale) and, with
+/// `MX`, MXFP4 (E8M0 scale byte, ggml's kvalues_mxfp4).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_iq4_nl<const R: usize>(row: &[u8], a: &QActs, r0: usize, out: &mut [f32]) {
+unsafe fn dot_table4<const R: usize, const MX: bool>(
+    row: &[u8],
+    a: &QActs,
+    r0: usize,
+    out: &mut [f32],
+) {
     let rows = ActRows::new(a, r0);
-    let table = unsafe { _mm_loadu_si128(IQ4NL_VALUES.as_ptr() as *const __m128i) };
+    let values = if MX { &MXFP4_VALUES } else { &IQ4NL_VALUES };
+    let table = unsafe { _mm_loadu_si128(values.as_ptr() as *const __m128i) };
     let table = _mm256_set_m128i(table, table);
+    let (bb, codes) = if MX { (17, 1) } else { (18, 2) };
     let mut acc = [[_mm256_setzero_ps(); R]; 2];
-    for (c, b) in row.chunks_exact(18).enumerate() {
+    for (c, b) in row.chunks_exact(bb).enumerate() {
         let p = b.as_ptr();
-        let d = unsafe { f16(p) };
-        let w = _mm256_shuffle_epi8(table, unsafe { nibbles(p.add(2)) });
+        let d = if MX {
+            e8m0_half(b[0])
+        } else {
+            unsafe { f16(p) }
+        };
+        let w = _mm256_shuffle_epi8(table, unsafe { nibbles(p.add(codes)) });
         let acc = &mut acc[c & 1];
         for i in 0..R {
             let ab = rows.block(i, c);

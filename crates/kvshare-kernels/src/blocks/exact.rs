@@ -18,7 +18,7 @@
 //! Each weight row is read once per pass of up to 4 activation rows: a 32-weight chunk is
 //! unpacked to 32 signed bytes (AVX2), widened to four vectors of 8 f32, scaled, and
 //! FMA'd with the f32 activations of each row. Types without a kernel of their own (Q2_K,
-//! Q3_K, IQ4_NL, IQ4_XS) are dequantized block by block into a stack buffer by the portable
+//! Q3_K, IQ4_NL, IQ4_XS, MXFP4) are dequantized block by block into a stack buffer by the portable
 //! code and then take the same FMA loop; F32/F16/BF16 take `block_matmul_t`'s f32 dot.
 //!
 //! Where AVX-512 runs, the types that carry most of a model's bytes (Q8_0, Q4_0/Q4_1, Q5_0/Q5_1,

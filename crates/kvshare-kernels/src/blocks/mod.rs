@@ -72,10 +72,11 @@ pub enum BlockType {
     IQ4_NL = 20,
     IQ4_XS = 23,
     BF16 = 30,
+    MXFP4 = 39,
 }
 
 impl BlockType {
-    pub const ALL: [BlockType; 15] = [
+    pub const ALL: [BlockType; 16] = [
         BlockType::F32,
         BlockType::F16,
         BlockType::Q4_0,
@@ -91,6 +92,7 @@ impl BlockType {
         BlockType::IQ4_NL,
         BlockType::IQ4_XS,
         BlockType::BF16,
+        BlockType::MXFP4,
     ];
 
     /// The type of ggml type id `id`, None for a type without kernels here.
@@ -103,7 +105,7 @@ impl BlockType {
         use BlockType::*;
         match self {
             F32 | F16 | BF16 => 1,
-            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | IQ4_NL => 32,
+            Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0 | IQ4_NL | MXFP4 => 32,
             Q2_K | Q3_K | Q4_K | Q5_K | Q6_K | IQ4_XS => 256,
         }
     }
@@ -126,6 +128,7 @@ impl BlockType {
             Q6_K => 210,
             IQ4_NL => 18,
             IQ4_XS => 136,
+            MXFP4 => 17,
         }
     }
 

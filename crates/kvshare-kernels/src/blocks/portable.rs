@@ -16,6 +16,22 @@ pub(crate) const IQ4NL_VALUES: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
+/// MXFP4's 16 E2M1 codes doubled (ggml's kvalues_mxfp4): with the block's E8M0 exponent
+/// taken as half its power of two (`e8m0_half`), every value is an integer times the scale,
+/// as ggml computes them.
+pub(crate) const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// ggml's `GGML_E8M0_TO_FP32_HALF`: 2^(e - 128) as f32, subnormal for e < 2.
+#[inline]
+pub(crate) fn e8m0_half(e: u8) -> f32 {
+    let bits = if e < 2 {
+        0x0020_0000u32 << e
+    } else {
+        (e as u32 - 1) << 23
+    };
+    f32::from_bits(bits)
+}
+
 /// An IEEE half (as GGUF stores it, little-endian) as f32, exactly.
 pub fn f16_to_f32(h: u16) -> f32 {
     let h = h as u32;
@@ -121,6 +137,16 @@ pub(crate) fn unpack(ty: BlockType, b: &[u8], u: &mut Unpacked) {
                 u.o[..2].fill(f16_at(b, 2));
                 u.offset = true;
             }
+        }
+        MXFP4 => {
+            // e (E8M0), qs[16]: low nibbles are elements 0..15, high ones 16..31
+            let d = e8m0_half(b[0]);
+            for j in 0..16 {
+                let v = b[1 + j];
+                u.q[j] = MXFP4_VALUES[(v & 0x0F) as usize];
+                u.q[j + 16] = MXFP4_VALUES[(v >> 4) as usize];
+            }
+            u.s[..2].fill(d);
         }
         Q5_0 | Q5_1 => {
             let d = f16_at(b, 0);
