@@ -249,3 +249,21 @@ def test_default_top1_where_llama_cpp_is_sure(case):
     agree, rel = _report(got, ref, f"gpt-oss/{case}")
     assert agree.all()
     assert np.median(rel) < 0.015
+
+
+@pytest.mark.parametrize("mode", ["blocks", "blocks-q8"])
+def test_experts_take_the_grouped_kernels_bit_for_bit(mode):
+    """MXFP4 experts with biases and `swiglu_oai` on the grouped kernels: every layer's
+    output equals the per-expert path's (`KVSHARE_MOE_GROUPED=0`), for 1, 5 and 40 rows."""
+    import dataclasses  # noqa: PLC0415
+
+    m = _load(mode)
+    rng = np.random.default_rng(0)
+    for L in m.layers:
+        moe = L.moe
+        assert moe.stacked_gate_up is not None and moe.stacked_down is not None
+        assert moe.stacked_down.q8_0_acts == (mode == "blocks-q8")
+        per_expert = dataclasses.replace(moe, stacked_gate_up=None, stacked_down=None)
+        for n in (1, 5, 40):
+            h = rng.standard_normal((n, m.config.n_embd)).astype(np.float32)
+            np.testing.assert_array_equal(moe(h), per_expert(h))

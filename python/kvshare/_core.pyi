@@ -511,12 +511,13 @@ def moe_gate_up(
     n_expert: int,
     out: npt.NDArray[np.float32],
     activations: Literal["f32", "q8", "vnni"] = "f32",
-    glu: Literal["silu", "gelu_tanh"] | None = "silu",
+    glu: Literal["silu", "gelu_tanh", "swiglu_oai"] | None = "silu",
     threads: int = 1,
+    bias: npt.NDArray[np.float32] | None = None,
 ) -> None:
     """Token rows `x` (`[n_tok, k]`) routed to experts `ids` (`[n_tok, slots]`): row
-    `t * slots + j` of `out` is `x[t]` times expert `ids[t, j]`'s rows, with `glu` applied to
-    its gate and up halves (`out` `[n_tok * slots, rows / 2]`; None: `[n_tok * slots, rows]`).
+    `t * slots + j` of `out` is `x[t]` times expert `ids[t, j]`'s rows, plus that expert's row
+    of `bias` (`[n_expert, rows]`) when given, with `glu` applied to its gate and up halves (`out` `[n_tok * slots, rows / 2]`; None: `[n_tok * slots, rows]`).
     Tokens grouped by expert, the work split over up to `threads` threads by expert.
     ValueError for bad shapes, dtypes, ids, overlap or an unsupported type. GIL released."""
 
@@ -530,8 +531,9 @@ def moe_down(
     out: npt.NDArray[np.float32],
     activations: Literal["f32", "q8", "vnni"] = "f32",
     threads: int = 1,
+    bias: npt.NDArray[np.float32] | None = None,
 ) -> None:
     """Pair rows `a` (`[n_tok * slots, k]`) routed as `ids` with `weights` (both
     `[n_tok, slots]`): `out[t]` (`[n_tok, rows]`) = the sum over slots, in slot order, of
-    `weights[t, j] * (a[t * slots + j]` times expert `ids[t, j]`'s rows). Same checks as
-    `moe_gate_up`. GIL released."""
+    `weights[t, j] * (a[t * slots + j]` times expert `ids[t, j]`'s rows, plus its row of
+    `bias`, `[n_expert, rows]`, when given). Same checks as `moe_gate_up`. GIL released."""

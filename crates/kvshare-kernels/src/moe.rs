@@ -26,10 +26,13 @@
 //! activations while its experts have at most `MAX_ROWS` tokens (the GEMM above sums in
 //! another order).
 //!
-//! `moe_gate_up` multiplies the tokens' rows by each routed expert's gate|up rows and applies
-//! the gated activation (`rowops::glu_in_place`); `moe_down` multiplies those rows by the
-//! experts' down rows, scales each pair's row by its routing weight (an f32 product) and adds
-//! a token's slots in slot order, as llama.cpp adds its `ffn_moe_weighted` views.
+//! `moe_gate_up` multiplies the tokens' rows by each routed expert's gate|up rows, adds the
+//! expert's biases where it has them (gpt-oss), and applies the gated activation
+//! (`rowops::glu_in_place`: SwiGLU, GeGLU or gpt-oss's clamped `swiglu_oai`); `moe_down`
+//! multiplies those rows by the experts' down rows (plus their biases), scales each pair's
+//! row by its routing weight (an f32 product) and adds a token's slots in slot order, as
+//! llama.cpp adds its `ffn_moe_weighted` views. Each bias is added to its product as its own
+//! f32 sum, as a product then a bias add computes it.
 
 use crate::blocks::{
     block_gemm_f32, block_matmul_t, block_matmul_t_f32, block_matmul_t_vnni, gemm_available,
@@ -49,11 +52,13 @@ pub enum ExpertActs {
 
 /// One matrix of every expert: `parts[p]` is a stacked tensor of `n_expert * n_p` rows (expert
 /// `e`'s rows `e * n_p..(e + 1) * n_p`), all with the same `k`; expert `e`'s matrix is its rows
-/// of each part stacked in part order (gate then up, or one fused gate|up tensor).
+/// of each part stacked in part order (gate then up, or one fused gate|up tensor). `bias`:
+/// optionally `[n_expert, rows]` f32, expert `e`'s bias of each row of its matrix.
 #[derive(Clone, Copy)]
 pub struct Experts<'a> {
     pub parts: &'a [BlockMatrix<'a>],
     pub n_expert: usize,
+    pub bias: Option<&'a [f32]>,
 }
 
 impl Experts<'_> {
@@ -80,6 +85,15 @@ impl Experts<'_> {
                 )));
             }
             rows += w.n / self.n_expert;
+        }
+        if let Some(b) = self.bias {
+            if b.len() != self.n_expert * rows {
+                return Err(KernelError::Shape(format!(
+                    "bias has {} values, expected {} experts x {rows} rows",
+                    b.len(),
+                    self.n_expert
+                )));
+            }
         }
         Ok((first.k, rows))
     }
@@ -263,11 +277,20 @@ fn grouped(
             *failed.lock().unwrap_or_else(|x| x.into_inner()) = Some(err);
             return;
         }
+        let bias = w.bias.map(|b| &b[e * cols + col..e * cols + col + n]);
         for i in 0..m {
             // SAFETY: rows a..b are expert e's, columns col..col + n this unit's alone; all
             // inside y's [pairs, cols]
             let dst = unsafe { std::slice::from_raw_parts_mut(yp.at((a + i) * cols + col), n) };
-            dst.copy_from_slice(&tmp[i * n..(i + 1) * n]);
+            let src = &tmp[i * n..(i + 1) * n];
+            match bias {
+                Some(b) => {
+                    for ((d, &v), &bv) in dst.iter_mut().zip(src).zip(b) {
+                        *d = v + bv;
+                    }
+                }
+                None => dst.copy_from_slice(src),
+            }
         }
     });
     if let Some(err) = failed.into_inner().unwrap_or_else(|x| x.into_inner()) {

@@ -1,5 +1,5 @@
 //! Row-wise elementwise work of a forward step: RMSNorm and the gated activations (GeGLU with
-//! tanh-approximated GELU, SwiGLU).
+//! tanh-approximated GELU, SwiGLU, gpt-oss's clamped SwiGLU).
 //!
 //! NumPy computed these as chains of 5-7 whole-array passes (~2-6 ns per value: a 160-token
 //! Gemma turn spent ~60 ms of ~500 in them on the main thread), and its RMSNorm took a
@@ -10,8 +10,9 @@
 //! - GeGLU as `ops/activation.py` wrote it: `t = ((g * g) * A - B) * g` with
 //!   `A = -2 sqrt(2/pi) 0.044715`, `B = 2 sqrt(2/pi)` (f32), then `g / (1 + exp(t)) * up`
 //!   (`x * sigmoid(2z)`, the tanh form exactly in real arithmetic); SwiGLU as
-//!   `g / (1 + exp(-g)) * up`. exp is Cephes' polynomial (~2 ulp) on AVX2, `f32::exp`
-//!   elsewhere and in the tails.
+//!   `g / (1 + exp(-g)) * up`; ggml's `swiglu_oai` as it computes it: `g` clamped to
+//!   `<= 7`, `up` to `[-7, 7]`, then `g / (1 + exp(1.702 * -g)) * (up + 1)`. exp is Cephes'
+//!   polynomial (~2 ulp) on AVX2, `f32::exp` elsewhere and in the tails.
 
 use crate::qmatmul::KernelError;
 
@@ -22,6 +23,29 @@ pub enum Glu {
     GeluTanh,
     /// `silu(gate) * up` (llama family).
     Silu,
+    /// gpt-oss's clamped SwiGLU (ggml's `swiglu_oai`, alpha `SWIGLU_OAI_ALPHA`, limit
+    /// `SWIGLU_OAI_LIMIT`).
+    SwigluOai,
+}
+
+/// `swiglu_oai`'s constants (llama.cpp's LLM_FFN_SWIGLU_OAI_MOE for gpt-oss).
+pub const SWIGLU_OAI_ALPHA: f32 = 1.702;
+pub const SWIGLU_OAI_LIMIT: f32 = 7.0;
+
+/// `swiglu_oai`'s clamps: the gate to `<= limit`, the up value to `[-limit, limit]`; a NaN
+/// stays NaN, as with `std::min` / `std::clamp` in ggml (the comparisons are false).
+#[inline]
+fn oai_clamp(g: f32, u: f32) -> (f32, f32) {
+    let lim = SWIGLU_OAI_LIMIT;
+    let g = if lim < g { lim } else { g };
+    let u = if lim < u {
+        lim
+    } else if u < -lim {
+        -lim
+    } else {
+        u
+    };
+    (g, u)
 }
 
 const GELU_C: f64 = 0.797_884_560_802_865_4; // sqrt(2 / pi)
@@ -160,6 +184,10 @@ fn glu_one(g: f32, u: f32, kind: Glu) -> f32 {
             g / (t.exp() + 1.0) * u
         }
         Glu::Silu => g / ((-g).exp() + 1.0) * u,
+        Glu::SwigluOai => {
+            let (g, u) = oai_clamp(g, u);
+            g / ((SWIGLU_OAI_ALPHA * -g).exp() + 1.0) * (u + 1.0)
+        }
     }
 }
 
@@ -171,7 +199,7 @@ fn glu_portable(g: &mut [f32], u: &[f32], kind: Glu) {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{gelu_consts, glu_one, Glu};
+    use super::{gelu_consts, glu_one, Glu, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT};
     use crate::x86::exp8;
     use std::arch::x86_64::*;
 
@@ -231,11 +259,23 @@ mod avx2 {
         let n = g.len();
         let (a, b) = gelu_consts();
         let (av, bv, one) = (_mm256_set1_ps(a), _mm256_set1_ps(b), _mm256_set1_ps(1.0));
+        let (alpha, lim) = (
+            _mm256_set1_ps(SWIGLU_OAI_ALPHA),
+            _mm256_set1_ps(SWIGLU_OAI_LIMIT),
+        );
+        let neg_lim = _mm256_set1_ps(-SWIGLU_OAI_LIMIT);
         let mut i = 0;
         while i + 8 <= n {
             // SAFETY: i + 8 <= n values in g and u
             unsafe {
-                let gv = _mm256_loadu_ps(g.as_ptr().add(i));
+                let mut gv = _mm256_loadu_ps(g.as_ptr().add(i));
+                let mut uv = _mm256_loadu_ps(u.as_ptr().add(i));
+                if kind == Glu::SwigluOai {
+                    // min/max return their second operand when one is NaN: a NaN stays NaN
+                    gv = _mm256_min_ps(lim, gv);
+                    uv = _mm256_max_ps(neg_lim, _mm256_min_ps(lim, uv));
+                    uv = _mm256_add_ps(uv, one);
+                }
                 // separate roundings (no FMA), as the NumPy form computed them
                 let t = match kind {
                     Glu::GeluTanh => _mm256_mul_ps(
@@ -243,9 +283,10 @@ mod avx2 {
                         gv,
                     ),
                     Glu::Silu => _mm256_sub_ps(_mm256_setzero_ps(), gv),
+                    Glu::SwigluOai => _mm256_mul_ps(alpha, _mm256_sub_ps(_mm256_setzero_ps(), gv)),
                 };
                 let y = _mm256_div_ps(gv, _mm256_add_ps(exp8(t), one));
-                let y = _mm256_mul_ps(y, _mm256_loadu_ps(u.as_ptr().add(i)));
+                let y = _mm256_mul_ps(y, uv);
                 _mm256_storeu_ps(g.as_mut_ptr().add(i), y);
             }
             i += 8;
@@ -304,7 +345,7 @@ mod tests {
 
     #[test]
     fn glu_matches_the_f64_functions() {
-        for kind in [Glu::GeluTanh, Glu::Silu] {
+        for kind in [Glu::GeluTanh, Glu::Silu, Glu::SwigluOai] {
             for ff in [1, 9, 16, 100] {
                 let gu = values(4 * 2 * ff, ff as u64 + 5);
                 let mut y = gu.clone();
@@ -317,8 +358,15 @@ mod tests {
                                 0.5 * g * (1.0 + (GELU_C * (g + 0.044715 * g * g * g)).tanh())
                             }
                             Glu::Silu => g / (1.0 + (-g).exp()),
+                            Glu::SwigluOai => {
+                                let g = g.min(7.0);
+                                g / (1.0 + (-1.702 * g).exp())
+                            }
                         };
-                        let want = act * u;
+                        let want = match kind {
+                            Glu::SwigluOai => act * (u.clamp(-7.0, 7.0) + 1.0),
+                            _ => act * u,
+                        };
                         let got = y[r * 2 * ff + i] as f64;
                         assert!(
                             (got - want).abs() <= 4e-6 * want.abs() + 1e-12,
@@ -331,5 +379,39 @@ mod tests {
             }
         }
         assert!(glu_in_place(&mut [0.0; 6], 2, Glu::Silu).is_err());
+    }
+
+    #[test]
+    fn swiglu_oai_clamps_as_ggml() {
+        let ff = 37;
+        let mut gu: Vec<f32> = values(2 * ff, 3).iter().map(|v| v * 3.0).collect();
+        gu[0] = f32::NAN;
+        gu[ff + 1] = f32::NAN;
+        let mut y = gu.clone();
+        glu_in_place(&mut y, ff, Glu::SwigluOai).unwrap();
+        assert!(y[0].is_nan() && y[1].is_nan());
+        // a gate over the limit is the limit, an up value outside [-7, 7] its bound: the
+        // same bits as the clamped inputs give
+        let clamped: Vec<f32> = (0..2 * ff)
+            .map(|i| match i {
+                0 | 1 => gu[i],
+                i if i < ff => gu[i].min(7.0),
+                i if i == ff + 1 => gu[i],
+                i => gu[i].clamp(-7.0, 7.0),
+            })
+            .collect();
+        assert!(gu[2..ff].iter().any(|v| *v > 7.0));
+        assert!(gu[ff + 2..].iter().any(|v| v.abs() > 7.0));
+        let mut z = clamped.clone();
+        glu_in_place(&mut z, ff, Glu::SwigluOai).unwrap();
+        for i in 2..ff {
+            assert_eq!(y[i].to_bits(), z[i].to_bits(), "{i}");
+            let (g, u) = (clamped[i] as f64, clamped[ff + i] as f64);
+            let want = g / (1.0 + (-1.702 * g).exp()) * (u + 1.0);
+            assert!(
+                (y[i] as f64 - want).abs() <= 4e-6 * want.abs() + 1e-12,
+                "{i}"
+            );
+        }
     }
 }

@@ -363,13 +363,15 @@ fn rms_norm(
 }
 
 /// In place on a C-contiguous f32 `gu` `[N, 2 * ff]` (a fused gate|up projection):
-/// `gu[:, :ff] = act(gu[:, :ff]) * gu[:, ff:]` with `act` "gelu_tanh" or "silu".
+/// `gu[:, :ff] = act(gu[:, :ff]) * gu[:, ff:]` with `act` "gelu_tanh" or "silu", or
+/// gpt-oss's "swiglu_oai" (`rowops::Glu::SwigluOai`: clamps, then `* (up + 1)`).
 #[pyfunction]
 fn glu_in_place(py: Python<'_>, gu: &Bound<'_, PyAny>, kind: &str) -> PyResult<()> {
     use kvshare_kernels::rowops::Glu;
     let kind = match kind {
         "gelu_tanh" => Glu::GeluTanh,
         "silu" => Glu::Silu,
+        "swiglu_oai" => Glu::SwigluOai,
         other => return Err(value_err(format!("unknown activation {other:?}"))),
     };
     let ga = typed_array(gu, b'f', 4, true, "gu").map_err(as_value)?;

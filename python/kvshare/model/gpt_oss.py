@@ -9,7 +9,8 @@ sliding window of `attention.sliding_window` tokens in the layers llama.cpp's pa
 residual -> RMSNorm (`post_attention_norm`) -> experts -> residual. The experts
 (`kvshare.model.moe`): router with bias, the top `expert_used_count` by router logit weighted
 by the softmax of those logits, gate/up/down products with per-expert biases, and the
-clamped SwiGLU `swiglu_oai` (alpha 1.702, limit 7). Final RMSNorm, output head.
+clamped SwiGLU `swiglu_oai` (alpha 1.702, limit 7), on the CPU in their MXFP4 blocks through
+the grouped kernels (`ops.moe.moe_ffn_grouped`). Final RMSNorm, output head.
 
 Attention with sinks runs the NumPy tiles of `ops.attention` on the CPU; on a GPU the model
 is refused (the GPU attention has no sink term).

@@ -22,9 +22,9 @@ with f32 arithmetic; a dense expert of another quantized format takes the same r
 
 On the CPU the layer also keeps each matrix's whole stacked tensors (`StackedExperts`, the
 same bytes) for the grouped kernels (`ops.moe.moe_ffn_grouped`: one Rust call per matrix
-product for the batch); the per-expert `BlockWeight`s remain the path for formats and
-activations those kernels lack, for experts with biases or another activation than SwiGLU
-(gpt-oss), and for `KVSHARE_MOE_GROUPED=0`.
+product for the batch, the experts' biases and gpt-oss's `swiglu_oai` included); the
+per-expert `BlockWeight`s remain the path for formats and activations those kernels lack and
+for `KVSHARE_MOE_GROUPED=0`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import numpy as np
 
 from kvshare.model.config import ModelConfig
 from kvshare.model.weights import cpu_weight_mode, dequantize
-from kvshare.ops.moe import (Routing, StackedExperts, grouped_supported, moe_ffn,
-                             moe_ffn_grouped, q8_0_round)
+from kvshare.ops.moe import (GROUPED_ACTIVATIONS, Routing, StackedExperts, grouped_supported,
+                             moe_ffn, moe_ffn_grouped, q8_0_round)
 
 # GGML type id of MXFP4
 MXFP4 = 39
@@ -102,14 +102,13 @@ class MoeFFN:
         from kvshare.ops.linear import linear  # noqa: PLC0415
 
         be = self.backend
-        # the grouped kernels compute SwiGLU experts without biases
         grouped = (self.stacked_gate_up is not None and self.stacked_down is not None
-                   and self.activation == "silu" and self.gate_up_bias is None
-                   and self.down_bias is None)
+                   and self.activation in GROUPED_ACTIVATIONS)
         if grouped:
             y = moe_ffn_grouped(h, self.router, self.stacked_gate_up, self.stacked_down,
-                                self.routing, router_bias=self.router_bias,
-                                selection_bias=self.selection_bias)
+                                self.routing, self.activation, router_bias=self.router_bias,
+                                selection_bias=self.selection_bias,
+                                gate_up_bias=self.gate_up_bias, down_bias=self.down_bias)
         else:
             y = moe_ffn(h, self.router, self.gate_up, self.down, self.routing,
                         self.activation, router_bias=self.router_bias,

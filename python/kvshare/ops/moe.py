@@ -19,8 +19,8 @@ token's result does not depend on which other tokens share its step.
 
 Grouped (`moe_ffn_grouped`, the CPU path for experts in block formats): the same block in two
 Rust calls over the whole stacked tensors (`StackedExperts`), `_core.moe_gate_up` (gate|up
-products with the SwiGLU) and `_core.moe_down` (down products, weighted, slots added in
-order); the grouping by expert and the split of the work over the cores by expert happen in
+products, plus the experts' biases, with the gated activation) and `_core.moe_down` (down
+products plus biases, weighted, slots added in order); the grouping by expert and the split of the work over the cores by expert happen in
 `kvshare-kernels`' `moe` module, with the kernels `BlockWeight` takes for the same
 activations, so its results equal `moe_ffn`'s on `BlockWeight` experts bit for bit.
 """
@@ -136,6 +136,13 @@ def swiglu_oai(gu: Any, *, backend: Backend = CPU) -> Any:
 
 def _activate(gu: Any, activation: str, backend: Backend) -> Any:
     if activation == "swiglu_oai":
+        if (not backend.is_gpu and gu.dtype == np.float32 and gu.ndim == 2
+                and gu.flags.c_contiguous and gu.shape[1] % 2 == 0):
+            # kvshare-kernels' `Glu::SwigluOai`, the grouped kernels' activation: the same
+            # formula with their exp, so both paths give the same bits
+            if gu.size:
+                _core.glu_in_place(gu, "swiglu_oai")
+            return gu[:, : gu.shape[1] // 2]
         return swiglu_oai(gu, backend=backend)
     return glu(gu, activation, backend=backend)
 
@@ -226,14 +233,28 @@ def grouped_supported(qtypes: Sequence[int], activations: str) -> bool:
     return activations in ("f32", "q8")
 
 
+# the gated activations the grouped kernels apply (`rowops::Glu`)
+GROUPED_ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
+
+
+def _bias(b: Any) -> np.ndarray | None:
+    return None if b is None else np.ascontiguousarray(b, dtype=np.float32)
+
+
 def moe_ffn_grouped(h: np.ndarray, router: Any, gate_up: StackedExperts, down: StackedExperts,
                     routing: Routing, activation: str = "silu", *,
-                    router_bias: Any = None, selection_bias: Any = None) -> np.ndarray:
+                    router_bias: Any = None, selection_bias: Any = None,
+                    gate_up_bias: Any = None, down_bias: Any = None) -> np.ndarray:
     """`moe_ffn` on the CPU with the grouped kernels: `gate_up` (gate rows then up rows per
-    expert) and `down` as stacked tensors."""
+    expert) and `down` as stacked tensors, `activation` one of `GROUPED_ACTIVATIONS`, the
+    biases as `moe_ffn`'s."""
+    if activation not in GROUPED_ACTIVATIONS:
+        raise ValueError(f"the grouped kernels have no activation {activation!r}")
     n = h.shape[0]
     h = np.ascontiguousarray(h, dtype=np.float32)
     ids, w = route(linear(h, router, router_bias), routing, selection_bias=selection_bias)
+    if gate_up.q8_0_acts:
+        h = q8_0_round(h)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     w = np.ascontiguousarray(w, dtype=np.float32)
     # inside a row-parallel part (prefill) the other parts hold the other cores
@@ -241,10 +262,12 @@ def moe_ffn_grouped(h: np.ndarray, router: Any, gate_up: StackedExperts, down: S
     ff = gate_up.rows // 2
     a = np.empty((n * routing.k, ff), np.float32)
     _core.moe_gate_up(h, ids, list(gate_up.raws), list(gate_up.qtypes), gate_up.n_expert, a,
-                      gate_up.activations, activation, threads)
+                      gate_up.activations, activation, threads, _bias(gate_up_bias))
+    if down.q8_0_acts:
+        a = q8_0_round(a)
     out = np.empty((n, down.rows), np.float32)
     _core.moe_down(a, ids, w, list(down.raws), list(down.qtypes), down.n_expert, out,
-                   down.activations, threads)
+                   down.activations, threads, _bias(down_bias))
     return out
 
 
