@@ -436,6 +436,10 @@ FUZZ_PIECES = {
              "'x'", '"y"', ",", " ", "\n", "{", "}", "'", "<|tool", "True", "x=[1, (2, 3)]", "\\"],
     "llama3": ["<|python_tag|>", '{"name": "f", "parameters": ', '{"a": 1}', "}", "; ", "\n", " ",
                "{", "text", '"', ":", '{"type": "function", ', '"name": "g", ', '"parameters": {}}'],
+    "harmony": ["<|channel|>", "analysis", "final", "commentary", " to=functions.f", " to=python",
+                " to=assistant", " <|constrain|>json", " json", "<|message|>", "<|end|>",
+                "<|call|>", "<|return|>", "<|start|>", "assistant", '{"a": 1}', "{", "}", "x",
+                "\n", " ", "<|", "<|chan", "<", "é"],
 }
 
 
@@ -519,9 +523,9 @@ def test_qwen35_string_values_stream_as_they_arrive():
 
 
 def test_unknown_format():
-    with pytest.raises(ValueError, match="hermes.*qwen35.*lfm2.*llama3"):
+    with pytest.raises(ValueError, match="hermes.*qwen35.*lfm2.*llama3.*harmony"):
         get_format("nope")
-    assert FORMATS == ("hermes", "qwen35", "lfm2", "llama3", "generic")
+    assert FORMATS == ("hermes", "qwen35", "lfm2", "llama3", "harmony", "generic")
     qwen = get_format("qwen35").with_tools(CODER_TOOLS)
     assert qwen.param_schema("python", "code") == {"type": "string"}
 
@@ -609,7 +613,9 @@ class ByteVocab:
 
     SPECIALS = ["<|eos|>", "<|tool_call_start|>", "<|tool_call_end|>", "<|python_tag|>",
                 "<|think|>", "<|/think|>"]
-    WORDS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "</parameter>"]
+    # (gpt-oss's markers are user-defined tokens, plain text, as kvshare's tokenizer makes them)
+    WORDS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "</parameter>", "<|start|>",
+             "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>"]
 
     def __init__(self):
         self.pieces = [bytes([i]) for i in range(256)]
@@ -668,6 +674,10 @@ def render(fmt: str, calls: list[tuple[str, dict]]) -> str:
     if fmt == "llama3":
         return "; ".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False)
                          for n, a in calls)
+    if fmt == "harmony":  # gpt-oss's own form (the template renders the recipient first)
+        return "<|end|><|start|>assistant".join(
+            f"<|channel|>commentary to=functions.{n} <|constrain|>json<|message|>"
+            + json.dumps(a, ensure_ascii=False) for n, a in calls)
     if fmt == "qwen35":
         def value(v):
             return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
@@ -769,9 +779,15 @@ def test_auto_grammar_allows_text(vocab, fmt):
     f = get_format(fmt, GRAMMAR_TOOLS)
     auto = f.auto_grammar(GRAMMAR_TOOLS)
     assert auto is not None
+    # harmony: the text is the final channel's, and a call follows a preamble message
+    final = "<|channel|>final<|message|>" if fmt == "harmony" else ""
     for text in ("", "Hello, world!\nWhat's up? Use {braces} and <b>tags</b>.", "Paris: 12 °C"):
-        assert accepts(vocab, auto, text), text
-    if fmt != "llama3":  # llama3: a call is the whole reply
+        assert accepts(vocab, auto, final + text), text
+    if fmt == "harmony":
+        assert accepts(vocab, auto, "<|channel|>commentary<|message|>Let me check.<|end|>"
+                       "<|start|>assistant" + render(fmt, VALID[0]))
+        assert not accepts(vocab, auto, "Hello")
+    elif fmt != "llama3":  # llama3: a call is the whole reply
         assert accepts(vocab, auto, "Let me check.\n" + render(fmt, VALID[0]) + "\nDone.")
 
 
@@ -818,6 +834,7 @@ def test_grammar_drives_a_random_model(vocab, fmt):
     weight[[c for c in range(256) if chr(c).isspace()]] = 0.2
     weight[128:256] = 0.05
     weight[BYTES.encode("</parameter>")] = 40.0  # (the random model's only way out of a text value)
+    weight[BYTES.encode("<|end|>")] = 40.0  # (and out of a harmony message)
     for seed in range(6):
         rng = np.random.default_rng(seed)
         choice = None if seed % 3 else ["get_weather", "create_event", "tree"][seed // 3 % 3]
@@ -837,7 +854,8 @@ def test_grammar_drives_a_random_model(vocab, fmt):
             pytest.fail("no end after 4000 tokens")
         text = BYTES.decode(ids)
         out = f.parse(text)
-        assert out.content == "" and out.tool_calls, text
+        # (harmony: a preamble, commentary without a recipient, may come before the call)
+        assert (out.content == "" or fmt == "harmony") and out.tool_calls, text
         for call in out.tool_calls:
             assert choice in (None, call.name)
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])

@@ -16,7 +16,9 @@ Messages are normalised before rendering: `content` may be a string, None (-> ""
 `{"type": "text", "text": ...}` parts (joined with "\\n", as llama.cpp does for templates that
 take string content); a tool call's JSON-string `arguments` are parsed into an object (HF
 convention) whose `str()` is its JSON, so templates that print it without `tojson` still print
-JSON. Anything a template raises, including sandbox violations, becomes `ChatTemplateError`.
+JSON. For gpt-oss's harmony template an assistant's `reasoning_content` becomes its `thinking`
+(`harmony_messages`). Anything a template raises, including sandbox violations, becomes
+`ChatTemplateError`.
 
 What the template renders by itself is probed once (`caps`, kvshare.model.template_caps);
 where it lacks a system role or tool support, every render rewrites the conversation first
@@ -189,6 +191,21 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return out
 
 
+def harmony_messages(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as gpt-oss's (harmony) template expects them, prepared as llama.cpp does
+    (common/chat.cpp, `common_chat_params_init_gpt_oss`): an assistant's `reasoning_content`
+    goes in `thinking`, and a message with tool calls that has reasoning loses its content (the
+    template renders one analysis message before a call, and refuses both)."""
+    out = []
+    for m in msgs:
+        if isinstance(m.get("reasoning_content"), str):
+            m = {**m, "thinking": m["reasoning_content"]}
+            if m.get("tool_calls"):
+                m["content"] = ""
+        out.append(m)
+    return out
+
+
 @dataclass(frozen=True)
 class ChatPrompt:
     """A rendered and tokenized chat prompt.
@@ -224,6 +241,7 @@ class ChatTemplate:
         self.add_bos = add_bos
         self.add_eos = add_eos
         self.extra_context = dict(extra_context or {})
+        self._harmony = "<|channel|>" in source  # gpt-oss (llama.cpp's test for its handler)
         self._caps: TemplateCaps | None = None
         try:
             self._template = _make_env().from_string(source)
@@ -332,6 +350,8 @@ class ChatTemplate:
     def _render(self, msgs: list[dict[str, Any]], tools: Any, add_generation_prompt: bool,
                 strip_bos: bool | None, kwargs: Mapping[str, Any], polyfill: bool = True) -> str:
         fills = self.polyfills if polyfill else ()
+        if self._harmony:
+            msgs = harmony_messages(msgs)
         if fills:
             msgs, tools = tool_polyfill.apply(msgs, tools, fills)
         ctx = template_context.defaults()

@@ -11,7 +11,9 @@ template (`detect_format`). Pure Python, no server or engine imports.
 The deltas of a stream add up (content joined, calls accumulated by index) to `parse` of the
 same text, ids aside (each call gets a fresh `call_...` id when it is announced). See
 `stream.py` for what incremental streaming does with a block that breaks after a call was
-announced, and each format's module for what its grammar enforces.
+announced, and each format's module for what its grammar enforces. `harmony` (gpt-oss) is the
+whole reply's format, channels included: its deltas carry `reasoning_content` too (the analysis
+channel), and its `parse` returns a `HarmonyOutput` with `reasoning`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvshare.toolcalls.base import ToolFormat
 from kvshare.toolcalls.calls import ParsedOutput, ToolCall, collect, new_call_id
 from kvshare.toolcalls.detect import detect_format
 from kvshare.toolcalls.generic import Generic
+from kvshare.toolcalls.harmony import Harmony
 from kvshare.toolcalls.grammar import allow_reasoning
 from kvshare.toolcalls.hermes import Hermes
 from kvshare.toolcalls.lfm2 import Lfm2
@@ -41,7 +44,7 @@ __all__ = [
 ]
 
 _FORMATS: dict[str, type[ToolFormat]] = {f.name: f for f in (Hermes, Qwen35, Lfm2, Llama3,
-                                                              Generic)}
+                                                              Harmony, Generic)}
 FORMATS: tuple[str, ...] = tuple(_FORMATS)
 
 
