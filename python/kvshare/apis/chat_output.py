@@ -99,13 +99,14 @@ class ChoiceOutput:
             if not rules.parallel_tool_calls:
                 calls = calls[:1]
             msg["content"] = parsed.content
+            reasoning += parsed.reasoning  # a format that carries it (harmony's analysis)
         if calls:
             msg["tool_calls"] = [{"id": c.id, "type": "function",
                                   "function": {"name": c.name, "arguments": c.arguments}}
                                  for c in calls]
             if not msg["content"].strip():
                 msg["content"] = None
-        if rules.reasoning:
+        if rules.reasoning or reasoning:
             msg["reasoning_content"] = reasoning or None
         return msg, bool(calls)
 

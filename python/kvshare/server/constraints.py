@@ -42,7 +42,9 @@ class ToolCalls:
 
     def rules(self, chat: ChatInput, starts_in_reasoning: bool) -> OutputRules:
         forced = self._toolcalls.get_format(self.name).forced_auto
-        parse_tools = bool(chat.tools) and (chat.tool_choice != "none" or forced)
+        # harmony's channels are the reply's structure, tools or not: always read
+        parse_tools = (bool(chat.tools) and (chat.tool_choice != "none" or forced)
+                       or self.name == "harmony")
         return OutputRules(
             tool_format=self.format(chat.tools) if parse_tools else None,
             reasoning=self.thinking and chat.reasoning_format != "none",

@@ -13,7 +13,7 @@ same text, ids aside (each call gets a fresh `call_...` id when it is announced)
 `stream.py` for what incremental streaming does with a block that breaks after a call was
 announced, and each format's module for what its grammar enforces. `harmony` (gpt-oss) is the
 whole reply's format, channels included: its deltas carry `reasoning_content` too (the analysis
-channel), and its `parse` returns a `HarmonyOutput` with `reasoning`.
+channel), and its `parse` fills `ParsedOutput.reasoning`.
 """
 
 from __future__ import annotations

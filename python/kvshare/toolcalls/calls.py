@@ -32,10 +32,12 @@ class ToolCall:
 
 @dataclass
 class ParsedOutput:
-    """A reply split into its text (markup of the calls removed) and its calls."""
+    """A reply split into its text (markup of the calls removed) and its calls, and the
+    reasoning a format carries in its own markup (harmony's analysis channel; "" otherwise)."""
 
     content: str
     tool_calls: list[ToolCall] = field(default_factory=list)
+    reasoning: str = ""
 
 
 def new_call_id() -> str:

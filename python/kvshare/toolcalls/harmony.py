@@ -49,7 +49,7 @@ from kvshare.toolcalls.scan import JsonScanner
 from kvshare.toolcalls.schema import embed, json_rule
 from kvshare.toolcalls.stream import Malformed, ToolCallStream, _append, held
 
-__all__ = ["Harmony", "HarmonyStream", "HarmonyOutput"]
+__all__ = ["Harmony", "HarmonyStream"]
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -66,12 +66,6 @@ _PART = re.compile(r"\s*to=(?P<to>[^\s<]+)|<\|channel\|>(?P<channel>[\w-]+)"
 
 
 @dataclass
-class HarmonyOutput(ParsedOutput):
-    """A parsed harmony reply: its text, calls and reasoning (the analysis channel)."""
-
-    reasoning: str = ""
-
-
 @dataclass
 class _Header:
     kind: str  # "reasoning" | "content" | "call" | "drop"
@@ -378,13 +372,13 @@ class Harmony(ToolFormat):
     def stream(self, incremental: bool = True) -> ToolCallStream:
         return HarmonyStream(self, incremental=incremental)
 
-    def parse(self, text: str) -> HarmonyOutput:
+    def parse(self, text: str) -> ParsedOutput:
         """The reply's content, calls and reasoning."""
         s = self.stream(incremental=False)
         deltas = s.feed(text) + s.finish()
         out = collect(deltas)
         reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
-        return HarmonyOutput(out.content, out.tool_calls, reasoning)
+        return ParsedOutput(out.content, out.tool_calls, reasoning)
 
     @staticmethod
     def _rules(tools: Sequence[dict], choice: str | None) -> list[str]:
