@@ -311,8 +311,8 @@ def qmatmul_t(
 
 def paged_attention(
     q: npt.NDArray[np.float32],
-    k_cache: npt.NDArray[np.float32] | npt.NDArray[np.float16],
-    v_cache: npt.NDArray[np.float32] | npt.NDArray[np.float16],
+    k_cache: npt.NDArray[np.float32] | npt.NDArray[np.float16] | npt.NDArray[np.uint8],
+    v_cache: npt.NDArray[np.float32] | npt.NDArray[np.float16] | npt.NDArray[np.uint8],
     block_tables: npt.NDArray[np.int32],
     q_starts: npt.NDArray[np.int64],
     start_positions: npt.NDArray[np.int64],
@@ -321,15 +321,19 @@ def paged_attention(
     out: npt.NDArray[np.float32],
     max_rows: int,
     threads: int = 1,
+    invariant: bool = False,
+    sinks: npt.NDArray[np.float32] | None = None,
 ) -> None:
     """Attention of the query rows of every sequence with at most `max_rows` rows over the
     paged cache, into `out`; rows of longer sequences are not written.
 
     q/out f32 `[N, n_head, hd]`; k_cache/v_cache f32 or f16 (both the same)
-    `[n_blocks, block_size, n_kv, hd]`;
+    `[n_blocks, block_size, n_kv, hd]`, or uint8 q8_0 rows `[..., hd / 32 * 34]`;
     block_tables int32 `[n_seq, width]` (-1 padded); q_starts int64 `[n_seq + 1]`;
-    start_positions int64 `[n_seq]`. Masks and head grouping as
-    `kvshare.ops.attention.paged_attention`. All C-contiguous, read in place, GIL released.
+    start_positions int64 `[n_seq]`. Masks, head grouping and `sinks` (f32 `[n_head]`
+    attention-sink logits) as `kvshare.ops.attention.paged_attention`; `invariant`: every row
+    through the tiles, the same bits in any call. All C-contiguous, read in place, GIL
+    released.
     Raises InvalidArgument on wrong dtypes, shapes or overlap, IndexError when a block table
     does not cover a query's keys."""
 

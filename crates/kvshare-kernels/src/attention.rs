@@ -30,6 +30,10 @@
 //! rows `[n_tok, n_head, hd]`; sequence `s` owns rows `q_starts[s]..q_starts[s + 1]` at
 //! positions `start_positions[s] + i`; query head `h` reads KV head `h / (n_head / n_kv)`. A
 //! query at position `qp` sees keys `kp <= qp` with `qp - kp < window` when `window > 0`.
+//!
+//! Attention sinks (gpt-oss; `paged_attention_with`): one learned logit per query head that
+//! joins the softmax's denominator and weighs no value. Every path keeps a row's max, sum and
+//! weighted values until its keys are merged, and the sink enters there, once per row.
 
 use crate::aligned::AlignedF32;
 use crate::qmatmul::KernelError;
@@ -504,6 +508,19 @@ fn plan(items: &[Task], parts: usize) -> Vec<Vec<(Task, usize)>> {
     groups
 }
 
+/// Which code paths `paged_attention_with` takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Paths {
+    /// `paged_attention`'s: decode rows alone, prefill tiles, the best SIMD the CPU has.
+    Fast,
+    /// `paged_attention_invariant`'s: every row through the tiles, the same bits in any call.
+    Invariant,
+    /// The portable (non-SIMD) code, one thread: tests compare the others with it.
+    Portable,
+    /// `Fast` without the AVX-512 tiles (the AVX2 ones): tests on AVX-512 machines.
+    Avx2,
+}
+
 /// Attention of every query row of the sequences with at most `max_rows` rows, written into
 /// `out` (`[n_tok, n_head, hd]`; other sequences' rows are not touched). `scale` multiplies
 /// q.k before the softmax. Runs on up to `threads` threads (`crate::pool`).
@@ -516,17 +533,16 @@ pub fn paged_attention<T: KvElem>(
     out: &mut [f32],
     threads: usize,
 ) -> Result<(), KernelError> {
-    attention(
+    paged_attention_with(
         kv,
         qs,
         scale,
         window,
+        None,
         max_rows,
         out,
         threads,
-        true,
-        true,
-        DECODE_ROWS,
+        Paths::Fast,
     )
 }
 
@@ -539,17 +555,16 @@ pub fn paged_attention_portable<T: KvElem>(
     max_rows: usize,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    attention(
+    paged_attention_with(
         kv,
         qs,
         scale,
         window,
+        None,
         max_rows,
         out,
         1,
-        false,
-        false,
-        DECODE_ROWS,
+        Paths::Portable,
     )
 }
 
@@ -565,17 +580,16 @@ pub fn paged_attention_avx2<T: KvElem>(
     out: &mut [f32],
     threads: usize,
 ) -> Result<(), KernelError> {
-    attention(
+    paged_attention_with(
         kv,
         qs,
         scale,
         window,
+        None,
         max_rows,
         out,
         threads,
-        true,
-        false,
-        DECODE_ROWS,
+        Paths::Avx2,
     )
 }
 
@@ -595,7 +609,45 @@ pub fn paged_attention_invariant<T: KvElem>(
     out: &mut [f32],
     threads: usize,
 ) -> Result<(), KernelError> {
-    attention(kv, qs, scale, window, max_rows, out, threads, true, true, 0)
+    paged_attention_with(
+        kv,
+        qs,
+        scale,
+        window,
+        None,
+        max_rows,
+        out,
+        threads,
+        Paths::Invariant,
+    )
+}
+
+/// `paged_attention` on the given `paths`, with optional attention sinks: `sinks[h]`
+/// (`n_head` values) is query head `h`'s learned logit, which joins the softmax's
+/// denominator and weighs no value (gpt-oss; llama.cpp's `ggml_soft_max_add_sinks` and its
+/// flash attention's sinks): `out = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sink - m))`.
+/// The sink enters once a row's keys are all merged, so it changes no path's bits before it.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention_with<T: KvElem>(
+    kv: &PagedKv<'_, T>,
+    qs: &Queries<'_>,
+    scale: f32,
+    window: usize,
+    sinks: Option<&[f32]>,
+    max_rows: usize,
+    out: &mut [f32],
+    threads: usize,
+    paths: Paths,
+) -> Result<(), KernelError> {
+    let (threads, simd, wide, decode_max) = match paths {
+        Paths::Fast => (threads, true, true, DECODE_ROWS),
+        Paths::Invariant => (threads, true, true, 0),
+        Paths::Portable => (1, false, false, DECODE_ROWS),
+        Paths::Avx2 => (threads, true, false, DECODE_ROWS),
+    };
+    attention(
+        kv, qs, scale, window, sinks, max_rows, out, threads, simd, wide, decode_max,
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -604,6 +656,7 @@ fn attention<T: KvElem>(
     qs: &Queries<'_>,
     scale: f32,
     window: usize,
+    sinks: Option<&[f32]>,
     max_rows: usize,
     out: &mut [f32],
     threads: usize,
@@ -613,18 +666,27 @@ fn attention<T: KvElem>(
     decode_max: usize,
 ) -> Result<(), KernelError> {
     check(kv, qs, out)?;
+    if let Some(s) = sinks {
+        if s.len() != qs.n_head {
+            return shape_err(format!(
+                "sinks must have n_head ({}) values, got {}",
+                qs.n_head,
+                s.len()
+            ));
+        }
+    }
     let decode = tasks(kv, qs, window, 0, max_rows.min(decode_max))?;
     let prefill = tiles(kv, qs, window, decode_max, max_rows)?;
     let threads = threads.min(crate::pool::max_parts()).max(1);
     if !decode.is_empty() {
-        decode_rows(kv, qs, scale, &decode, out, threads, simd);
+        decode_rows(kv, qs, scale, sinks, &decode, out, threads, simd);
     }
     if !prefill.is_empty() {
         // the invariant attention (no decode path) cuts keys at fixed positions, so that a
         // decode row's keys can be shared between threads
         let segment = if decode_max == 0 { SEGMENT } else { 0 };
         prefill_tiles(
-            kv, qs, scale, window, prefill, out, threads, simd, wide, segment,
+            kv, qs, scale, window, sinks, prefill, out, threads, simd, wide, segment,
         );
     }
     Ok(())
@@ -636,6 +698,7 @@ fn decode_rows<T: KvElem>(
     kv: &PagedKv<'_, T>,
     qs: &Queries<'_>,
     scale: f32,
+    sinks: Option<&[f32]>,
     items: &[Task],
     out: &mut [f32],
     threads: usize,
@@ -675,8 +738,12 @@ fn decode_rows<T: KvElem>(
         }
     }
     for (t, m) in items.iter().zip(merged) {
-        let m = m.expect("every item has a piece");
+        let mut m = m.expect("every item has a piece");
         for h in 0..g {
+            if let Some(s) = sinks {
+                let acc = &mut m.acc[h * hd..(h + 1) * hd];
+                add_sink(m.max[h], &mut m.sum[h], acc, s[t.kvh * g + h]);
+            }
             let inv = 1.0 / m.sum[h];
             let o = (t.row * qs.n_head + t.kvh * g + h) * hd;
             for (d, x) in out[o..o + hd].iter_mut().zip(&m.acc[h * hd..(h + 1) * hd]) {
@@ -697,6 +764,7 @@ fn prefill_tiles<T: KvElem>(
     qs: &Queries<'_>,
     scale: f32,
     window: usize,
+    sinks: Option<&[f32]>,
     mut items: Vec<Tile>,
     out: &mut [f32],
     threads: usize,
@@ -710,6 +778,8 @@ fn prefill_tiles<T: KvElem>(
     let cost = |t: &Tile| (t.r1 - t.r0) * (t.hi - t.lo);
     items.sort_by_key(|t| std::cmp::Reverse(cost(t)));
     let work: usize = items.iter().map(|t| cost(t) * g * hd).sum();
+    // the sinks of a tile's query heads (those of its KV head)
+    let group = |t: &Tile| sinks.map(|s| &s[t.kvh * g..(t.kvh + 1) * g]);
     let threads = threads.min(work / TILE_WORK_PER_THREAD).max(1);
     let write = |out: &mut [f32], t: &Tile, r: &[f32]| {
         for row in t.r0..t.r1 {
@@ -741,7 +811,7 @@ fn prefill_tiles<T: KvElem>(
             merge(&mut merged[i], st.expect("every piece ran"));
         }
         for (t, st) in items.iter().zip(merged) {
-            write(out, t, &st.expect("every tile has keys").finish());
+            write(out, t, &st.expect("every tile has keys").finish(group(t)));
         }
         return;
     }
@@ -751,7 +821,7 @@ fn prefill_tiles<T: KvElem>(
     crate::pool::run(parts, &|_| loop {
         let i = next.fetch_add(1, Ordering::Relaxed);
         let Some(t) = items.get(i) else { break };
-        let r = tile(kv, qs, scale, window, t, simd, wide, segment);
+        let r = tile(kv, qs, scale, window, group(t), t, simd, wide, segment);
         *results[i].lock().unwrap_or_else(|e| e.into_inner()) = r;
     });
     for (t, r) in items.iter().zip(results) {
@@ -762,12 +832,14 @@ fn prefill_tiles<T: KvElem>(
 /// One prefill tile's output, `[rows, g, hd]`: online softmax over key blocks; with
 /// `segment` > 0, over the keys of each `segment`-aligned stretch in turn, the stretches'
 /// results merged in key order (`merge`), as `attention`'s split tiles do on several threads.
+/// `sinks`: the tile's query heads' sink logits (`TileState::finish`).
 #[allow(clippy::too_many_arguments)]
 fn tile<T: KvElem>(
     kv: &PagedKv<'_, T>,
     qs: &Queries<'_>,
     scale: f32,
     window: usize,
+    sinks: Option<&[f32]>,
     t: &Tile,
     simd: bool,
     wide: bool,
@@ -780,7 +852,7 @@ fn tile<T: KvElem>(
     }
     merged.map_or_else(
         || vec![0.0; (t.r1 - t.r0) * tq.g * kv.head_dim],
-        |s| s.finish(),
+        |s| s.finish(sinks),
     )
 }
 
@@ -873,14 +945,38 @@ struct TileState {
 }
 
 impl TileState {
-    /// `[m, hd]`: each vector's weighted values over its sum.
-    fn finish(self) -> Vec<f32> {
+    /// `[m, hd]`: each vector's weighted values over its sum; with `sinks` (one per query
+    /// head of the tile's group: vector `r * g + h` takes `sinks[h]`), the sink's term added
+    /// to the sum first (`add_sink`).
+    fn finish(self, sinks: Option<&[f32]>) -> Vec<f32> {
         let mut out = self.acc[..self.m * self.hd].to_vec();
-        for (a, s) in out.chunks_exact_mut(self.hd).zip(self.sum.iter()) {
+        for (i, (a, s)) in out
+            .chunks_exact_mut(self.hd)
+            .zip(self.sum.iter())
+            .enumerate()
+        {
+            let mut s = *s;
+            if let Some(sk) = sinks {
+                add_sink(self.mx[i], &mut s, a, sk[i % sk.len()]);
+            }
             let inv = 1.0 / s;
             a.iter_mut().for_each(|x| *x *= inv);
         }
         out
+    }
+}
+
+/// A query vector's softmax state over all its keys (`mx`, `sum`, `acc`) with a sink logit
+/// joining the denominator, as ggml-cpu's flash attention adds it: the side below the larger
+/// of the max and the sink is scaled down (never an `exp` of a positive number, which could
+/// overflow), so `acc / sum` is then the row's result.
+fn add_sink(mx: f32, sum: &mut f32, acc: &mut [f32], sink: f32) {
+    if sink > mx {
+        let ms = (mx - sink).exp();
+        acc.iter_mut().for_each(|x| *x *= ms);
+        *sum = *sum * ms + 1.0;
+    } else {
+        *sum += (sink - mx).exp();
     }
 }
 

@@ -3,7 +3,9 @@
 //! against the portable path; bad tables and shapes are typed errors. q8_0 pools: ggml's
 //! quantization bit for bit, attention equal to f32 attention over the dequantized K/V.
 
-use kvshare_kernels::attention::{paged_attention_avx2, paged_attention_portable};
+use kvshare_kernels::attention::{
+    paged_attention_avx2, paged_attention_portable, paged_attention_with, Paths,
+};
 use kvshare_kernels::{
     paged_attention, quantize_q8_0, KernelError, KvElem, PagedKv, Q8Block, Queries, F16,
 };
@@ -62,6 +64,11 @@ impl Case {
 
     /// Dense f64 attention of every query row.
     fn reference(&self, scale: f64, window: usize) -> Vec<f64> {
+        self.reference_sinks(scale, window, None)
+    }
+
+    /// `reference` with each query head's sink logit in the softmax's denominator.
+    fn reference_sinks(&self, scale: f64, window: usize, sinks: Option<&[f32]>) -> Vec<f64> {
         let (hd, g) = (self.hd, self.n_head / self.n_kv);
         let mut out = vec![0f64; self.q.len()];
         for s in 0..self.starts.len() {
@@ -89,9 +96,14 @@ impl Case {
                                 * scale
                         })
                         .collect();
-                    let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let sink = sinks.map(|s| s[h] as f64);
+                    let mx = sc
+                        .iter()
+                        .cloned()
+                        .chain(sink)
+                        .fold(f64::NEG_INFINITY, f64::max);
                     let e: Vec<f64> = sc.iter().map(|x| (x - mx).exp()).collect();
-                    let den: f64 = e.iter().sum();
+                    let den: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - mx).exp());
                     for (i, p) in (lo..=qp).enumerate() {
                         for d in 0..hd {
                             out[(row * self.n_head + h) * hd + d] +=
@@ -752,4 +764,241 @@ fn invariant_rows<T: KvElem>(to: fn(f32) -> T) {
             assert!(same, "window {window} hd {hd}: rows {r0}..{r1} differ");
         }
     }
+}
+
+// ---- attention sinks -------------------------------------------------------------------------
+
+/// The KV pool types of the sink tests.
+#[derive(Clone, Copy, Debug)]
+enum Pool {
+    F32,
+    F16,
+    Q8,
+}
+
+/// `paged_attention_with` on `paths` over the case's K/V stored as `pool` (the case's f32 K/V
+/// must already be values that pool holds exactly: `exact_for`).
+#[allow(clippy::too_many_arguments)]
+fn run_sinks(
+    c: &Case,
+    pool: Pool,
+    scale: f32,
+    window: usize,
+    sinks: Option<&[f32]>,
+    threads: usize,
+    paths: Paths,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    fn go<T: KvElem>(
+        c: &Case,
+        k: &[T],
+        v: &[T],
+        a: (f32, usize, Option<&[f32]>, usize, Paths),
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
+        let kv = PagedKv {
+            k,
+            v,
+            n_blocks: c.n_blocks,
+            block_size: c.bs,
+            n_kv: c.n_kv,
+            head_dim: c.hd,
+        };
+        let (scale, window, sinks, threads, paths) = a;
+        paged_attention_with(
+            &kv,
+            &c.queries(),
+            scale,
+            window,
+            sinks,
+            usize::MAX,
+            out,
+            threads,
+            paths,
+        )
+    }
+    let a = (scale, window, sinks, threads, paths);
+    match pool {
+        Pool::F32 => go(c, &c.k, &c.v, a, out),
+        Pool::F16 => {
+            let k: Vec<F16> = c.k.iter().map(|&x| F16(f16_bits(x))).collect();
+            let v: Vec<F16> = c.v.iter().map(|&x| F16(f16_bits(x))).collect();
+            go(c, &k, &v, a, out)
+        }
+        Pool::Q8 => {
+            let blank = Q8Block {
+                d: [0; 2],
+                qs: [0; 32],
+            };
+            let mut k = vec![blank; c.k.len() / 32];
+            let mut v = vec![blank; c.v.len() / 32];
+            quantize_q8_0(&c.k, &mut k).unwrap();
+            quantize_q8_0(&c.v, &mut v).unwrap();
+            go(c, &k, &v, a, out)
+        }
+    }
+}
+
+/// The case's K/V replaced by values `pool` holds exactly, so the reference sees the pool.
+fn exact_for(c: &mut Case, pool: Pool) {
+    match pool {
+        Pool::F32 => {}
+        Pool::F16 => {
+            for x in c.k.iter_mut().chain(c.v.iter_mut()) {
+                *x = (*x * 1024.0).round() / 1024.0;
+            }
+        }
+        Pool::Q8 => {
+            to_q8(c);
+        }
+    }
+}
+
+const PATHS: [Paths; 4] = [Paths::Fast, Paths::Invariant, Paths::Portable, Paths::Avx2];
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Sinks on every path the dispatcher may take (decode rows, prefill tiles, invariant
+    /// tiles, narrow tiles; AVX-512, AVX2 and portable) over f32, f16 and q8_0 pools, with and
+    /// without windows, against the dense f64 reference. Sinks range from far below the scores
+    /// to far above them (the sink-dominated side of `add_sink`).
+    #[test]
+    fn sinks_match_dense_reference(
+        seed in any::<u64>(),
+        lens in prop::collection::vec((0usize..260, prop_oneof![1usize..5, 5usize..70]), 1..4),
+        bs in prop::sample::select(vec![1usize, 16]),
+        n_kv in 1usize..3,
+        g in prop::sample::select(vec![1usize, 2, 3, 8]),
+        hd in prop::sample::select(vec![32usize, 64]),
+        window in prop::sample::select(vec![0usize, 1, 7, 128]),
+        threads in 1usize..4,
+        pool in prop::sample::select(vec![Pool::F32, Pool::F16, Pool::Q8]),
+        sink_scale in prop::sample::select(vec![1.0f32, 4.0, 40.0]),
+    ) {
+        let mut c = case(seed, &lens, bs, n_kv, g, hd);
+        exact_for(&mut c, pool);
+        let mut rng = Rng(seed ^ 0x5151);
+        let sinks: Vec<f32> = (0..c.n_head).map(|_| rng.unit() * sink_scale).collect();
+        let scale = 1.0 / (hd as f32).sqrt();
+        let want = c.reference_sinks(scale as f64, window, Some(&sinks));
+        let plain = c.reference(scale as f64, window);
+        for paths in PATHS {
+            let mut out = vec![f32::NAN; c.q.len()];
+            run_sinks(&c, pool, scale, window, Some(&sinks), threads, paths, &mut out).unwrap();
+            assert_close(&out, &want, &format!("{pool:?} {paths:?} sinks"));
+            // without sinks: the same paths' results as before
+            run_sinks(&c, pool, scale, window, None, threads, paths, &mut out).unwrap();
+            assert_close(&out, &plain, &format!("{pool:?} {paths:?} no sinks"));
+        }
+    }
+}
+
+#[test]
+fn sinks_gpt_oss_shape_long_context() {
+    // gpt-oss-20b's attention: 64 query heads on 8 KV heads of 64; decode rows at 3,000 keys
+    // (split over threads) beside a 200-row prefill chunk, full and in a 128-token window
+    let mut c = case(17, &[(3000, 1), (500, 200), (40, 2)], 16, 8, 8, 64);
+    let mut rng = Rng(3);
+    let sinks: Vec<f32> = (0..c.n_head).map(|_| rng.unit() * 3.0).collect();
+    for pool in [Pool::F32, Pool::F16, Pool::Q8] {
+        exact_for(&mut c, pool);
+        for window in [0, 128] {
+            let want = c.reference_sinks(0.125, window, Some(&sinks));
+            for (paths, threads) in [(Paths::Fast, 3), (Paths::Invariant, 2), (Paths::Avx2, 1)] {
+                let mut out = vec![f32::NAN; c.q.len()];
+                run_sinks(
+                    &c,
+                    pool,
+                    0.125,
+                    window,
+                    Some(&sinks),
+                    threads,
+                    paths,
+                    &mut out,
+                )
+                .unwrap();
+                assert_close(&out, &want, &format!("{pool:?} {paths:?} w{window}"));
+            }
+        }
+    }
+}
+
+/// With sinks, the invariant attention's rows are still the same bits in any call: a decode
+/// row alone (its keys split between threads) and inside a chunk.
+#[test]
+fn sinks_keep_invariant_rows() {
+    let mut c = case(23, &[(700, 40)], 16, 2, 8, 64);
+    exact_for(&mut c, Pool::F16);
+    let mut rng = Rng(9);
+    let sinks: Vec<f32> = (0..c.n_head).map(|_| rng.unit() * 3.0).collect();
+    let row_len = c.n_head * c.hd;
+    let k: Vec<F16> = c.k.iter().map(|&x| F16(f16_bits(x))).collect();
+    let v: Vec<F16> = c.v.iter().map(|&x| F16(f16_bits(x))).collect();
+    let kv = PagedKv {
+        k: &k,
+        v: &v,
+        n_blocks: c.n_blocks,
+        block_size: c.bs,
+        n_kv: c.n_kv,
+        head_dim: c.hd,
+    };
+    let run = |r0: usize, r1: usize, threads: usize| {
+        let q_starts = [0i64, (r1 - r0) as i64];
+        let starts = [(700 + r0) as i64];
+        let qs = Queries {
+            q: &c.q[r0 * row_len..r1 * row_len],
+            n_head: c.n_head,
+            tables: &c.tables,
+            width: c.width,
+            q_starts: &q_starts,
+            start_positions: &starts,
+        };
+        let mut out = vec![f32::NAN; (r1 - r0) * row_len];
+        paged_attention_with(
+            &kv,
+            &qs,
+            0.125,
+            128,
+            Some(&sinks),
+            usize::MAX,
+            &mut out,
+            threads,
+            Paths::Invariant,
+        )
+        .unwrap();
+        out
+    };
+    let all = run(0, 40, 2);
+    let want = c.reference_sinks(0.125, 128, Some(&sinks));
+    assert_close(&all, &want, "invariant sinks");
+    for (r0, r1, threads) in [(0, 1, 3), (39, 40, 2), (10, 30, 1)] {
+        let part = run(r0, r1, threads);
+        let same = all[r0 * row_len..r1 * row_len]
+            .iter()
+            .zip(&part)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "rows {r0}..{r1} differ");
+    }
+}
+
+#[test]
+fn sinks_of_the_wrong_length_are_an_error() {
+    let c = case(5, &[(40, 1)], 4, 1, 2, 16);
+    let mut out = vec![0f32; c.q.len()];
+    let e = run_sinks(
+        &c,
+        Pool::F32,
+        1.0,
+        0,
+        Some(&[0.0; 3]),
+        1,
+        Paths::Fast,
+        &mut out,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(e, KernelError::Shape(ref m) if m.contains("sinks")),
+        "{e}"
+    );
 }

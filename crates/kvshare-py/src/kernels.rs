@@ -1,12 +1,11 @@
 //! Binding of kvshare-kernels: `qmatmul_t`, the quantized matrix product of the CPU decode
-//! path, `paged_attention` for decode rows and prefill chunks (f32, f16 or q8_0 pools) and
+//! path, `paged_attention` for decode rows and prefill chunks (f32, f16 or q8_0 pools; sinks) and
 //! `quantize_q8_0` (what a q8_0 pool stores). Arrays are borrowed in place and the GIL is
 //! released while they run.
 
 use crate::convert::{invalid, typed_array, TypedArray};
-use kvshare_kernels::attention::{Q8_BYTES, Q8_VALS};
+use kvshare_kernels::attention::{paged_attention_with, Paths, Q8_BYTES, Q8_VALS};
 use kvshare_kernels::{
-    paged_attention as core_paged_attention, paged_attention_invariant,
     qmatmul_t as core_qmatmul_t, quantize_q8_0 as core_quantize_q8_0, KernelError, KvElem, PagedKv,
     Q8Block, QMatrix, Queries, F16,
 };
@@ -73,7 +72,7 @@ fn qmatmul_t(
         .map_err(|e| invalid(e.to_string()))
 }
 
-/// `paged_attention` or `paged_attention_invariant` of one pool type.
+/// `paged_attention` or `paged_attention_invariant` of one pool type, with optional sinks.
 #[allow(clippy::too_many_arguments)]
 fn attend<T: KvElem>(
     invariant: bool,
@@ -81,23 +80,28 @@ fn attend<T: KvElem>(
     queries: &Queries<'_>,
     scale: f32,
     window: usize,
+    sinks: Option<&[f32]>,
     max_rows: usize,
     out: &mut [f32],
     threads: usize,
 ) -> Result<(), KernelError> {
-    if invariant {
-        paged_attention_invariant(cache, queries, scale, window, max_rows, out, threads)
+    let paths = if invariant {
+        Paths::Invariant
     } else {
-        core_paged_attention(cache, queries, scale, window, max_rows, out, threads)
-    }
+        Paths::Fast
+    };
+    paged_attention_with(
+        cache, queries, scale, window, sinks, max_rows, out, threads, paths,
+    )
 }
 
 /// Attention of the query rows of sequences with at most `max_rows` rows (decode rows and
 /// prefill chunks) over the paged cache (see `kvshare_kernels::attention`); other rows of
 /// `out` are left as they are. With `invariant`, every row takes the tiled path with key
-/// blocks at absolute positions: a row's result is the same bits in any call.
+/// blocks at absolute positions: a row's result is the same bits in any call. `sinks`:
+/// float32 `[n_head]` attention-sink logits (gpt-oss), or None.
 #[pyfunction]
-#[pyo3(signature = (q, k_cache, v_cache, block_tables, q_starts, start_positions, scale, window, out, max_rows, threads = 1, invariant = false))]
+#[pyo3(signature = (q, k_cache, v_cache, block_tables, q_starts, start_positions, scale, window, out, max_rows, threads = 1, invariant = false, sinks = None))]
 #[allow(clippy::too_many_arguments)]
 fn paged_attention(
     py: Python<'_>,
@@ -113,8 +117,12 @@ fn paged_attention(
     max_rows: usize,
     threads: usize,
     invariant: bool,
+    sinks: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let qa = typed_array(q, b'f', 4, false, "q")?;
+    let ska = sinks
+        .map(|s| typed_array(s, b'f', 4, false, "sinks"))
+        .transpose()?;
     // the pool is f32, f16 (NumPy float16: IEEE half) or q8_0 (uint8: rows of 34-byte blocks)
     let itemsize = match k_cache.getattr("dtype").and_then(|d| d.getattr("itemsize")) {
         Ok(n) => match n.extract::<usize>().ok() {
@@ -166,24 +174,31 @@ fn paged_attention(
             "start_positions must be [n_seq] and q_starts [n_seq + 1]",
         ));
     }
+    if let Some(a) = &ska {
+        if a.shape != [n_head] {
+            return Err(invalid(format!("sinks must be [{n_head}] (n_head)")));
+        }
+    }
     let inputs = [
-        qa.span(4),
-        ka.span(itemsize),
-        va.span(itemsize),
-        ta.span(4),
-        sa.span(8),
-        pa.span(8),
+        Some(qa.span(4)),
+        Some(ka.span(itemsize)),
+        Some(va.span(itemsize)),
+        Some(ta.span(4)),
+        Some(sa.span(8)),
+        Some(pa.span(8)),
+        ska.as_ref().map(|a| a.span(4)),
     ];
-    refuse_overlap(oa.span(4), inputs)?;
+    refuse_overlap(oa.span(4), inputs.into_iter().flatten())?;
     // SAFETY: dtypes checked by typed_array (F16 is a transparent u16, the layout of NumPy's
     // float16); `out` overlaps no input; all arrays stay referenced for this call.
-    let (qv, tv, sv, pv, ov) = unsafe {
+    let (qv, tv, sv, pv, ov, skv) = unsafe {
         (
             qa.as_slice::<f32>(),
             ta.as_slice::<i32>(),
             sa.as_slice::<i64>(),
             pa.as_slice::<i64>(),
             oa.as_mut_slice::<f32>(),
+            ska.as_ref().map(|a| a.as_slice::<f32>()),
         )
     };
     let queries = Queries {
@@ -211,7 +226,7 @@ fn paged_attention(
         };
         py.detach(|| {
             attend(
-                invariant, &cache, &queries, scale, window, max_rows, ov, threads,
+                invariant, &cache, &queries, scale, window, skv, max_rows, ov, threads,
             )
         })
     } else if itemsize == 2 {
@@ -219,7 +234,7 @@ fn paged_attention(
         let cache = unsafe { paged_kv::<F16>(&ka, &va, n_blocks, block_size, n_kv, head_dim) };
         py.detach(|| {
             attend(
-                invariant, &cache, &queries, scale, window, max_rows, ov, threads,
+                invariant, &cache, &queries, scale, window, skv, max_rows, ov, threads,
             )
         })
     } else {
@@ -227,7 +242,7 @@ fn paged_attention(
         let cache = unsafe { paged_kv::<f32>(&ka, &va, n_blocks, block_size, n_kv, head_dim) };
         py.detach(|| {
             attend(
-                invariant, &cache, &queries, scale, window, max_rows, ov, threads,
+                invariant, &cache, &queries, scale, window, skv, max_rows, ov, threads,
             )
         })
     };

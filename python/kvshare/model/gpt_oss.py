@@ -12,8 +12,9 @@ by the softmax of those logits, gate/up/down products with per-expert biases, an
 clamped SwiGLU `swiglu_oai` (alpha 1.702, limit 7), on the CPU in their MXFP4 blocks through
 the grouped kernels (`ops.moe.moe_ffn_grouped`). Final RMSNorm, output head.
 
-Attention with sinks runs the NumPy tiles of `ops.attention` on the CPU; on a GPU the model
-is refused (the GPU attention has no sink term).
+Attention with sinks runs the compiled kernel of `ops.attention` (`_core.paged_attention`,
+decode rows and prefill tiles, f32, f16 and q8_0 pools) on the CPU; on a GPU the model is
+refused (the GPU attention has no sink term).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from kvshare.ops.rope_yarn import Yarn, yarn_cos_sin
 @dataclass
 class GptOssLayer(AttentionLayer):
     """An attention layer with sinks, an output bias and experts for its FFN (w_gate_up /
-    w_down are None). Not an `AttentionLayer` by type, so the fused decode path leaves it
-    alone."""
+    w_down are None, so the fused decode path, whose layers have a dense FFN, leaves it
+    alone: `fused.layer_args`)."""
 
     sinks: Any = None  # [n_head] f32
     bo: Any = None  # [n_embd] f32

@@ -13,8 +13,7 @@ Query head h reads KV head `h // (n_head // n_kv_heads)`.
 Sinks (gpt-oss, llama.cpp's `attn_sinks` through `ggml_soft_max_ext`): one learned logit per
 query head that joins the softmax's denominator and no value, so a head can attend to
 "nothing": `out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink - m))`, m the max
-of the scores and the sink. Attention with sinks runs the NumPy tiles (the compiled kernel
-has no sink term).
+of the scores and the sink. The compiled kernel and the NumPy tiles both take them.
 
 q8_0 pools (uint8 caches, `kvshare.ops.kv_q8_0`): the last axis is a row's Q8_0 blocks
 (`head_dim / 32 * 34` bytes); `write_kv` quantizes, the kernel reads the blocks from the pool
@@ -157,7 +156,7 @@ def _key_blocks(block_tables: Any, s: int, p0: int, n: int, window: int, bs: int
 def _check_sinks(sinks: Any, n_head: int, backend: Backend) -> np.ndarray:
     if backend.is_gpu:
         raise NotImplementedError("attention sinks run on the CPU only")
-    sinks = np.asarray(sinks, np.float32).reshape(-1)
+    sinks = np.ascontiguousarray(np.asarray(sinks, np.float32).reshape(-1))
     if sinks.shape != (n_head,):
         raise ValueError(f"sinks must be [{n_head}], got {sinks.shape}")
     return sinks
@@ -201,7 +200,7 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
         mask_cache = {}
     lens = np.diff(q_starts)
     kernel_rows = 0
-    if (sinks is None and k_cache.dtype in _KERNEL_KV_DTYPES and q.dtype == np.float32
+    if (k_cache.dtype in _KERNEL_KV_DTYPES and q.dtype == np.float32
             and (lens <= KERNEL_MAX_ROWS).any()):
         kernel_rows = KERNEL_MAX_ROWS
         # a prefill chunk's attention runs while BLAS idles: all cores, even in steps that
@@ -216,7 +215,7 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
                                   np.ascontiguousarray(q_starts, dtype=np.int64),
                                   np.ascontiguousarray(start_positions, dtype=np.int64),
                                   float(scale), int(window), res, kernel_rows, threads,
-                                  invariant)
+                                  invariant, sinks)
         except IndexError:
             # name the first uncovered sequence of the whole batch, as the GPU op does
             for s in range(len(q_starts) - 1):
