@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT / "python"))
 BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
 
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
-    ("Model and device", ("--model", "--hf-repo", "--hf-token", "--model-store", "--offline",
-                          "--device", "--n-gpu-layers",
+    ("Model and device", ("--model", "--hf-repo", "--hf-file", "--hf-token", "--model-store",
+                          "--offline", "--device", "--n-gpu-layers",
                           "--threads")),
     ("Network and auth", ("--host", "--port", "--root-path", "--api-key", "--api-key-file",
                           "--cors-origins", "--cors-methods", "--cors-headers",
@@ -53,7 +53,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
                                    "--slot-save-path", "--no-webui", "--log-level", "--verbose")),
     # accepted for llama-server command lines; kvshare already behaves that way
     ("llama-server compatibility (accepted, no effect)",
-     ("--jinja", "--flash-attn", "--metrics", "--cont-batching")),
+     ("--jinja", "--flash-attn", "--backend-sampling", "--metrics", "--cont-batching")),
 ]
 
 

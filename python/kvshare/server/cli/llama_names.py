@@ -9,6 +9,7 @@ from __future__ import annotations
 LLAMA_NAMES: dict[str, tuple[tuple[str, ...], str | None]] = {
     "--model": (("-m",), "LLAMA_ARG_MODEL"),
     "--hf-repo": (("-hf", "-hfr"), "LLAMA_ARG_HF_REPO"),
+    "--hf-file": (("-hff",), "LLAMA_ARG_HF_FILE"),
     "--hf-token": (("-hft",), None),
     "--host": ((), "LLAMA_ARG_HOST"),
     "--port": ((), "LLAMA_ARG_PORT"),
@@ -47,6 +48,7 @@ LLAMA_NAMES: dict[str, tuple[tuple[str, ...], str | None]] = {
     "--offline": ((), "LLAMA_OFFLINE"),
     "--verbose": (("-v", "--log-verbose"), None),
     "--seed": (("-s",), None),
+    "--backend-sampling": (("-bs",), "LLAMA_ARG_BACKEND_SAMPLING"),
 }
 
 # llama-server flags kvshare refuses, with the reason (or what to use instead) in the one-line
@@ -54,19 +56,31 @@ LLAMA_NAMES: dict[str, tuple[tuple[str, ...], str | None]] = {
 _NO_EMBEDDINGS = "kvshare generates text only: no embeddings or reranking"
 _NO_LORA = "kvshare has no LoRA adapters"
 _NO_DRAFT = "kvshare has no speculative decoding"
-_TEXT_ONLY = "kvshare is text only: no vision or audio projector"
+_TEXT_ONLY = "kvshare is text only: no vision or audio projector, no media files"
+_NO_ROUTER = "kvshare serves one model: no router mode"
+_NO_TOOLS = "kvshare runs no tools or MCP servers itself"
 REFUSED = {
     "--no-cont-batching": "kvshare always batches continuously",
     "-nocb": "kvshare always batches continuously",
     "-dev": "use --device cpu or cuda",
     "-ctk": "use --kv-dtype", "--cache-type-k": "use --kv-dtype",
     "-ctv": "use --kv-dtype", "--cache-type-v": "use --kv-dtype",
-    "-hff": "name the quantization as --hf-repo OWNER/NAME:QUANT",
-    "--hf-file": "name the quantization as --hf-repo OWNER/NAME:QUANT",
     "--embedding": _NO_EMBEDDINGS, "--embeddings": _NO_EMBEDDINGS, "--rerank": _NO_EMBEDDINGS,
     "--reranking": _NO_EMBEDDINGS, "--pooling": _NO_EMBEDDINGS,
     "--lora": _NO_LORA, "--lora-scaled": _NO_LORA, "--lora-init-without-apply": _NO_LORA,
     "-md": _NO_DRAFT, "--model-draft": _NO_DRAFT, "-hfd": _NO_DRAFT, "--spec-default": _NO_DRAFT,
     "--draft-max": _NO_DRAFT, "--draft-min": _NO_DRAFT, "--draft": _NO_DRAFT,
+    "--spec-type": _NO_DRAFT, "--spec-draft-n-max": _NO_DRAFT, "--spec-draft-n-min": _NO_DRAFT,
+    "--spec-synth-len": _NO_DRAFT, "--spec-synth-rates": _NO_DRAFT,
     "-mm": _TEXT_ONLY, "--mmproj": _TEXT_ONLY, "-mmu": _TEXT_ONLY, "--mmproj-url": _TEXT_ONLY,
+    "--no-mmproj": _TEXT_ONLY, "--media-path": _TEXT_ONLY,
+    "--models-dir": _NO_ROUTER, "--models-preset": _NO_ROUTER, "--models-max": _NO_ROUTER,
+    "--models-autoload": _NO_ROUTER, "--no-models-autoload": _NO_ROUTER,
+    "--tools": _NO_TOOLS, "--mcp-servers-json": _NO_TOOLS, "--mcp-servers-config": _NO_TOOLS,
+    "--ui-mcp-proxy": _NO_TOOLS,
+    "--ui-config": "kvshare's web UI has no llama.cpp UI settings",
+    "--context-shift": "kvshare has no context shift: a sequence ends when its context is full",
+    "--sleep-idle-seconds": "kvshare keeps the model loaded: no idle sleep",
+    "--no-cache-idle-slots": "kvshare always keeps idle sequences' KV in its shared cache",
+    "--tags": "kvshare's /v1/models lists no tags",
 }

@@ -36,6 +36,9 @@ OPTIONS: list[Option] = [
     ("--hf-repo", str, None,
      "a Hugging Face GGUF repository to fetch and serve, OWNER/NAME[:QUANT] (the same as "
      "--model hf:OWNER/NAME[:QUANT]; no QUANT: Q4_K_M, else Q8_0)"),
+    ("--hf-file", str, None,
+     "with --hf-repo: the repository's GGUF of this name (folders in it aside), instead of a "
+     "quantization tag; the first part of a split GGUF names them all"),
     ("--hf-token", str, None,
      "Hugging Face token for gated and private repositories (default: $HF_TOKEN)"),
     ("--model-store", str, None,
@@ -146,6 +149,9 @@ OPTIONS: list[Option] = [
      "(--device, when given, wins)"),
     ("--flash-attn", flag_types.flash_attn, "auto",
      "accepted: on, off or auto; kvshare's attention is always tiled (flash-style)"),
+    ("--backend-sampling", None, False,
+     "accepted: where tokens are sampled changes no reply (kvshare samples after each step's "
+     "logits)"),
     ("--offline", None, False,
      "fetch nothing: a catalog model must already be in the model store"),
     ("--threads", flag_types.threads, None, "CPU threads for the model runtime (<= 0: one per core)"),

@@ -4,8 +4,8 @@ that turn a bad command line into one error line (exit status 2).
 
 A flag's value comes from the command line, else `KVSHARE_<FLAG>`, else llama-server's
 `LLAMA_ARG_*` variable, else the table's default. A llama-server command line is flags without
-a subcommand: it means `kvshare serve`. A flag `serve` does not have is refused before argparse
-sees it (argparse would take `-ngl` for `-n gl`).
+a subcommand, or nothing at all: it means `kvshare serve`. A flag `serve` does not
+have is refused before argparse sees it (argparse would take `-ngl` for `-n gl`).
 """
 
 from __future__ import annotations
@@ -199,6 +199,29 @@ def written_flags(sub: Parser, argv: Sequence[str]) -> list[str]:
     return out
 
 
+def llama_spelling(sub: Parser, argv: Sequence[str]) -> list[str]:
+    """`argv` with each long flag's underscores as dashes (`--backend_sampling` is
+    `--backend-sampling`), as llama-server reads its flags; values are left as they are."""
+    out: list[str] = []
+    it = iter(argv)
+    for tok in it:
+        out.append(tok)
+        if tok == "--":
+            out.extend(it)
+            break
+        if not tok.startswith("-") or tok == "-" or _is_number(tok):
+            continue
+        name, eq, value = tok.partition("=") if tok.startswith("--") else (tok, "", "")
+        if name.startswith("--"):
+            name = "--" + name[2:].replace("_", "-")
+            out[-1] = name + eq + value
+        if sub.takes_value.get(name) and not eq:
+            nxt = next(it, None)
+            if nxt is not None:
+                out.append(nxt)
+    return out
+
+
 def unsupported_flags(sub: Parser, argv: Sequence[str]) -> list[str]:
     """The flags in `argv` that `sub` does not have, as written, each once."""
     return [f for f in dict.fromkeys(written_flags(sub, argv)) if f not in sub.takes_value]
@@ -233,12 +256,14 @@ def _serve_args_problem(args: argparse.Namespace) -> str | None:
 def parse_args(argv: Sequence[str] | None = None,
                environ: dict[str, str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
-        argv = ["serve", *argv]  # a llama-server command line: flags, no command
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        # a llama-server command line: flags or nothing (its settings in LLAMA_ARG_*), no command
+        argv = ["serve", *argv]
     parser = build_parser(environ)
     written: list[str] = []
     if argv and argv[0] == "serve":
         serve = serve_parser(parser)
+        argv = ["serve", *llama_spelling(serve, argv[1:])]
         written = written_flags(serve, argv[1:])
         unknown = [f for f in dict.fromkeys(written) if f not in serve.takes_value]
         if unknown:

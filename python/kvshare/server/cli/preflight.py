@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import tempfile
 
 
@@ -46,13 +47,32 @@ def cache_dir_problem(path: str) -> str | None:
     return None
 
 
+def hf_file_tag(name: str) -> str:
+    """`--hf-file`'s file name as the tag that picks it (model/hub.py matches a tag against
+    file names between separators, so a file's whole stem picks it; a split GGUF's first part
+    its stem without the part number, which picks every part)."""
+    stem = name.rsplit("/", 1)[-1]
+    stem = re.sub(r"\.gguf$", "", stem, flags=re.IGNORECASE)
+    return re.sub(r"-\d{5}-of-\d{5}$", "", stem)
+
+
 def hub_flags_problem(args: argparse.Namespace) -> str | None:
-    """`--hf-repo R` becomes `--model hf:R`; `--hf-token` the token the hub client sends."""
+    """`--hf-repo R` becomes `--model hf:R` (with `--hf-file F`: `hf:R:<F's tag>`, the file
+    overriding R's tag as in llama-server); `--hf-token` the token the hub client sends."""
     repo = getattr(args, "hf_repo", None)
+    hf_file = getattr(args, "hf_file", None)
+    if hf_file and not repo:
+        return "--hf-file names a file of the --hf-repo repository: give --hf-repo too"
     if repo:
         if args.model:
             return "give --model or --hf-repo, not both"
-        args.model = repo if repo.startswith("hf:") else "hf:" + repo
+        repo = repo[3:] if repo.startswith("hf:") else repo
+        if hf_file:
+            tag = hf_file_tag(hf_file)
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", tag):
+                return f"cannot use --hf-file {hf_file}: not a GGUF file name"
+            repo = repo.split(":", 1)[0] + ":" + tag
+        args.model = "hf:" + repo
     token = getattr(args, "hf_token", None)
     if token:
         os.environ["HF_TOKEN"] = token  # read by kvshare.model.hub.HubSettings.from_env

@@ -1,0 +1,322 @@
+"""Every llama-server command line of llama.cpp's tools/server/README.md and of its server tests
+(tests/data/llama_server_cmdlines.json, scripts/extract_llama_server_cmdlines.py) against
+kvshare: each line kvshare must accept parses, with the flags' meanings checked on the parsed
+arguments; each refused line exits 2 with one stderr line naming the flags it refuses; a line
+without a model (llama-server's router mode) parses as kvshare's default-model server.
+
+A representative set (every README line kvshare accepts, and the first accepted line of each
+llama.cpp test file) starts a real `kvshare` process with the line as written, but the model
+(the tiny model; an `-hf` repository: a loopback hub stand-in serving it), the port (a free
+one) and paths of llama.cpp's tree (templates under tests/data/templates, a temporary slot
+directory) replaced, and sends one request on an endpoint that line's test uses, checking what
+the flags make observable: `/props` n_ctx and total_slots, the sampling defaults, the API key,
+the alias in /v1/models."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from hub_standin import HubStandIn
+from kvshare.model import hub
+from kvshare.server import cli
+from kvshare.server.cli.preflight import hub_flags_problem
+from tier_helpers import ROOT, TINY_MODEL, _clean_env
+
+DATA = json.loads((ROOT / "tests" / "data" / "llama_server_cmdlines.json").read_text())
+LINES: list[dict[str, Any]] = DATA["lines"]
+TEMPLATES = ROOT / "tests" / "data" / "templates"
+_by = lambda kind: [e for e in LINES if e["expect"] == kind]  # noqa: E731
+
+
+def test_the_data_covers_both_sources():
+    readme = [e for e in LINES if e["id"].startswith("readme")]
+    tests = [e for e in LINES if e["id"].startswith("tests")]
+    assert len(readme) >= 10 and len(tests) >= 100
+    assert sum(len(e["sources"]) for e in tests) == DATA["launches_recorded"] >= 500
+    for e in _by("refuse"):
+        assert e["refused_flags"] and e["capability"], e
+
+
+def _value(argv: list[str], *names: str) -> str | None:
+    """The last value of any of `names` on the command line."""
+    found = None
+    for i, a in enumerate(argv[:-1]):
+        if a in names:
+            found = argv[i + 1]
+    return found
+
+
+def _parse(argv: list[str], env: dict[str, str]):
+    return cli.parse_args(argv, env)
+
+
+@pytest.mark.parametrize("line", _by("accept"), ids=lambda e: e["id"])
+def test_accepted_line_parses_with_its_meaning(line):
+    argv, env = line["argv"], line["env"]
+    a = _parse(argv, env)
+    kw = cli.engine_config_kwargs(a)
+    slots = _value(argv, "-np", "--parallel") or env.get("LLAMA_ARG_N_PARALLEL")
+    assert a.parallel == int(slots or 4)
+    per_seq = _value(argv, "--ctx-size")
+    total = _value(argv, "-c") or (None if per_seq else env.get("LLAMA_ARG_CTX_SIZE"))
+    if per_seq:
+        assert kw["ctx_size"] == int(per_seq)
+    elif total:
+        split = slots is not None and "--kv-unified" not in argv and "-kvu" not in argv
+        assert kw["ctx_size"] == int(total) // (int(slots) if split else 1)
+    defaults = cli.llama_settings_kwargs(a)["sampling_defaults"]
+    for flag, field in (("--temp", "temperature"), ("--seed", "seed")):
+        if _value(argv, flag) is not None:
+            assert defaults[field] == pytest.approx(float(_value(argv, flag)))
+    for flag, attr in (("--alias", "alias"), ("--api-key", "api_key"),
+                       ("--chat-template", "chat_template"),
+                       ("--reasoning-format", "reasoning_format"), ("--reasoning", "reasoning"),
+                       ("--n-predict", "n_predict"), ("--batch-size", "batch_size")):
+        if _value(argv, flag) is not None:
+            assert str(getattr(a, attr)) == _value(argv, flag), flag
+    assert a.jinja is ("--no-jinja" not in argv)
+    assert a.slots is ("--no-slots" not in argv)
+    repo = _value(argv, "-hf", "--hf-repo")
+    if repo and not repo.startswith("<"):  # README's `-hf <user>/<model>:<tag>`: a pattern
+        assert hub_flags_problem(a) is None
+        ref = hub.parse_ref(a.model)
+        assert ref.repo == repo.split(":")[0]
+        hf_file = _value(argv, "--hf-file")
+        if hf_file:  # the file's name picks exactly that file
+            name = hf_file.rsplit("/", 1)[-1]
+            others = [hub.HubFile(f"x/{n}", 1, None) for n in ("other-Q4_K_M.gguf", "a.gguf")]
+            m = re.search(r"-(\d{5})-of-(\d{5})\.gguf$", hf_file)
+            parts = ([hf_file.replace(m.group(0), f"-{k:05d}-of-{m.group(2)}.gguf")
+                      for k in range(1, int(m.group(2)) + 1)] if m else [hf_file])
+            picked = hub.pick([*others, *(hub.HubFile(p, 1, None) for p in parts)], ref)
+            assert picked[0].name == name, (picked, hf_file)
+
+
+@pytest.mark.parametrize("line", _by("refuse"), ids=lambda e: e["id"])
+def test_refused_line_exits_2_naming_its_flags(line, capsys):
+    with pytest.raises(SystemExit) as e:
+        _parse(line["argv"], line["env"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    for flag in line["refused_flags"]:
+        assert flag in err[0].replace("_", "-"), (flag, err)
+
+
+@pytest.mark.parametrize("line", _by("router"), ids=lambda e: e["id"])
+def test_line_without_a_model_is_kvshares_default_model(line):
+    """llama-server without a model is its router; kvshare serves one model, its default
+    catalog model (`--offline`: only when it is in the model store)."""
+    a = _parse(line["argv"], line["env"])
+    assert a.model is None and a.hf_repo is None
+
+
+def test_router_line_offline_without_the_default_model_exits_2(tmp_path):
+    line = next(e for e in _by("router") if "--offline" in e["argv"])
+    argv = [_free_port() if a == "8080" else a for a in line["argv"]]
+    p = subprocess.run([sys.executable, "-m", "kvshare.server.cli", *argv],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={**_clean_env(), "KVSHARE_MODEL_STORE": str(tmp_path)})
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(err) == 1 and "offline" in err[0], p.stderr
+
+
+def test_underscores_in_long_flags_are_dashes():
+    """llama-server reads `--backend_sampling` as `--backend-sampling`; values keep theirs."""
+    a = cli.parse_args(["-m", "x.gguf", "--backend_sampling", "--n_predict", "8",
+                        "--alias", "my_model", "--chat_template", "chatml"], {})
+    assert (a.backend_sampling, a.n_predict, a.alias, a.chat_template) == (
+        True, 8, "my_model", "chatml")
+
+
+# --------------------------------------------------------------------------- real servers
+
+# the request each llama.cpp test file's lines are checked with: (method, path, body)
+_CHAT = ("POST", "/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+ENDPOINT: dict[str, tuple[str, str, dict | None]] = {
+    "test_chat_completion.py": _CHAT, "test_tool_call.py": _CHAT,
+    "test_template.py": ("POST", "/apply-template",
+                         {"messages": [{"role": "user", "content": "hi"}]}),
+    "test_compat_anthropic.py": ("POST", "/v1/messages", {
+        "model": "x", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
+    "test_compat_oai_responses.py": ("POST", "/v1/responses",
+                                     {"input": "hi", "max_output_tokens": 4}),
+    "test_metrics.py": ("GET", "/metrics", None),
+    "test_slot_save.py": ("POST", "/slots/0?action=save", {"filename": "slot0.bin"}),
+    "test_basic.py": ("GET", "/v1/models", None),
+}
+_COMPLETION = ("POST", "/completion", {"prompt": "Once upon a time", "n_predict": 4})
+
+
+def _template_for(path: str) -> Path | None:
+    p = TEMPLATES / Path(path.replace("\\", "/")).name
+    return p if p.is_file() else None
+
+
+def _startable(line: dict) -> bool:
+    tpl = _value(line["argv"], "--chat-template-file")
+    return tpl is None or _template_for(tpl) is not None
+
+
+def _representatives() -> list[dict]:
+    """Every accepted README line, and per llama.cpp test file its first accepted line that
+    can start here (its template file is in tests/data/templates); for test_template.py the
+    `--reasoning off` one."""
+    chosen, seen = [], set()
+    for e in _by("accept"):
+        where = e["sources"][0].split("::")[0]
+        if e["id"].startswith("readme"):
+            if json.dumps([e["argv"][2:], e["env"]]) not in seen:  # README:442 is :436
+                seen.add(json.dumps([e["argv"][2:], e["env"]]))
+                chosen.append(e)
+            continue
+        if where in seen or not _startable(e):
+            continue
+        if where.endswith("test_template.py") and _value(e["argv"], "--reasoning") != "off":
+            continue
+        seen.add(where)
+        chosen.append(e)
+    return chosen
+
+
+REAL = _representatives()
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _hub_file(repo: str, hf_file: str | None) -> str:
+    """A file name the stand-in repository lists for the line's reference to pick."""
+    if hf_file:
+        return hf_file
+    _, _, tag = repo.partition(":")
+    return f"{repo.split(':')[0].split('/')[-1]}-{tag}.gguf" if tag else "model.gguf"
+
+
+def _local_line(line: dict, port: str, tmp: Path) -> tuple[list[str], dict[str, str], str]:
+    """The line with this machine's model, port and paths; its environment; the hub
+    reference it serves ("" for a file)."""
+    argv, env = list(line["argv"]), dict(line["env"])
+    ref = ""
+    for i, a in enumerate(argv[:-1]):
+        nxt = argv[i + 1]
+        if a in ("-m", "--model"):
+            argv[i + 1] = str(TINY_MODEL)
+        elif a in ("-hf", "--hf-repo") and nxt.startswith("<"):
+            argv[i + 1] = "acme/Tiny-GGUF:Q4_K_M"
+        elif a == "--port":
+            argv[i + 1] = port
+        elif a == "--chat-template-file":
+            argv[i + 1] = str(_template_for(nxt))
+        elif a == "--slot-save-path":
+            argv[i + 1] = str(tmp)
+    if "LLAMA_ARG_MODEL" in env:
+        env["LLAMA_ARG_MODEL"] = str(TINY_MODEL)
+    if "LLAMA_ARG_PORT" in env or "--port" in argv:
+        env["LLAMA_ARG_PORT"] = port
+    else:
+        env["KVSHARE_PORT"] = port  # below the command line: the line stays as written
+    repo = _value(argv, "-hf", "--hf-repo")
+    if repo:
+        ref = repo
+    return argv, env, ref
+
+
+@contextlib.contextmanager
+def _server(argv: list[str], env: dict[str, str], port: str, log: Path
+            ) -> Iterator[subprocess.Popen]:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvshare.server.cli", *argv],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**_clean_env(), **env}, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@pytest.mark.parametrize("line", REAL, ids=lambda e: e["id"])
+def test_line_starts_a_real_server(line, tmp_path):
+    port = _free_port()
+    argv, env, repo = _local_line(line, port, tmp_path)
+    store = tmp_path / "store"
+    env["KVSHARE_MODEL_STORE"] = str(store)
+    stack = contextlib.ExitStack()
+    with stack:
+        if repo:
+            name = _hub_file(repo, _value(argv, "--hf-file"))
+            standin = stack.enter_context(HubStandIn(
+                {repo.split(":")[0]: {name: TINY_MODEL.read_bytes(), "README.md": b"#"}}))
+            env["HF_ENDPOINT"] = standin.endpoint
+            if "--offline" in argv:  # llama.cpp's tests fetch their presets first (load_all)
+                a = _parse(argv, {})
+                assert hub_flags_problem(a) is None
+                hub.resolve(a.model, store, settings=hub.HubSettings(endpoint=standin.endpoint),
+                            progress=False)
+        stack.enter_context(_server(argv, env, port, tmp_path / "server.log"))
+        _check(line, argv, env, f"http://127.0.0.1:{port}")
+
+
+def _check(line: dict, argv: list[str], env: dict[str, str], url: str) -> None:
+    key = _value(argv, "--api-key")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with httpx.Client(base_url=url, timeout=120, headers=headers) as c:
+        if key:
+            assert httpx.get(url + "/props", timeout=30).status_code == 401
+        a = _parse(line["argv"], line["env"])
+        props = c.get("/props").json()
+        gen = props["default_generation_settings"]
+        assert props["total_slots"] == a.parallel
+        want_ctx = cli.engine_config_kwargs(a).get("ctx_size")
+        if want_ctx:
+            assert gen["n_ctx"] == want_ctx
+        for flag, field in (("--temp", "temperature"), ("--seed", "seed")):
+            if _value(argv, flag) is not None:
+                assert gen["params"][field] == pytest.approx(float(_value(argv, flag)))
+        alias = _value(argv, "--alias")
+        if alias:
+            assert c.get("/v1/models").json()["data"][0]["id"] == alias.split(",")[0]
+        test_file = line["sources"][0].split("::")[0].rsplit("/", 1)[-1]
+        method, path, body = ENDPOINT.get(test_file, _COMPLETION)
+        r = c.request(method, path, json=body)
+        assert r.status_code == 200, (path, r.text)
+        if path == "/apply-template" and _value(argv, "--reasoning") == "off":
+            assert "<think>\n\n</think>" in r.json()["prompt"], r.json()
+
+
+def test_representatives_cover_every_source():
+    def files(lines: list[dict]) -> set[str]:
+        return {e["sources"][0].split("::")[0] for e in lines if e["id"].startswith("tests")}
+
+    assert files(REAL) == files([e for e in _by("accept") if _startable(e)])
+    assert len([e for e in REAL if e["id"].startswith("readme")]) == 5
