@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # kvshare's GPU check in one go: the `gpu`-marked tests (every op and whole-model logits
-# against NumPy; the engine's constrained decoding with n choices), the NVRTC compile test with the device's own CuPy, and a short throughput
+# against NumPy; the engine's constrained decoding with n choices), the NVRTC compile test with the device's own CuPy, the grouped MoE
+# kernels' tests and a MoE layer's step time (bench/moe_gpu_bench.py), and a short throughput
 # run (bench/gpu_bench.py; bench/model_bench.py --device cuda too when that flag exists).
-# Budget: about 4 minutes of device time after the machine is up; the step timeouts add up
-# to 9 minutes at most (210 s tests, 120 s compile test (NVRTC compiles every kernel, blocks.cu included), 120 s gpu_bench, 90 s model_bench).
+# Budget: about 6 minutes of device time after the machine is up; the step timeouts add up
+# to 15.5 minutes (210 s tests, 240 s compile test (NVRTC compiles every kernel, blocks.cu and
+# moe_blocks.cu included), 180 s MoE tests, 90 s moe_gpu_bench, 120 s gpu_bench, 90 s
+# model_bench), more than one session's device time: `MOE_ONLY=1 bash bench/gpu_check.sh`
+# runs the MoE steps alone (4.5 minutes at most).
 # Logs go to $OUT (the device tool's output folder), else bench/out/gpu_check.
 #
 # Two modes:
@@ -73,6 +77,29 @@ summ() {  # the last pytest summary line of a log, or why there is none
     if [ "$1" -eq 124 ]; then echo "TIMED OUT"; else grep -E '(passed|failed|error|skipped)' "$2" | tail -1; fi
 }
 RC=0
+
+# --- MoE: the grouped expert kernels (kernels/moe_blocks.cu) ----------------------------------
+# Their `gpu` tests (block types, ragged loads, an idle expert, every token on two experts,
+# tiny-qwen3moe's layer against the NumPy oracle; NVRTC compiles the 92 kernels first, cached
+# for the bench), then a MoE layer's step time: grouped vs the per-expert paths.
+moe_steps() {
+    timeout 180 $PY -m pytest -m gpu -v -p no:cacheprovider tests/test_ops_gpu_moe.py \
+        > "$OUT/pytest_moe.log" 2>&1
+    rc=$?; [ $rc -ne 0 ] && RC=$rc
+    log "pytest -m gpu tests/test_ops_gpu_moe.py: rc=$rc, $(summ $rc "$OUT/pytest_moe.log")"
+    grep -E '^(FAILED|ERROR)' "$OUT/pytest_moe.log" | head -10 | tee -a "$OUT/summary.txt"
+    timeout 90 $PY bench/moe_gpu_bench.py --out "$OUT/moe_gpu_bench.json" > "$OUT/moe_gpu_bench.log" 2>&1
+    rc=$?
+    log "bench/moe_gpu_bench.py: rc=$rc$([ $rc -eq 124 ] && echo ' TIMED OUT') (moe_gpu_bench.log, moe_gpu_bench.json)"
+    grep -E 'model:|moe step' "$OUT/moe_gpu_bench.log" | tee -a "$OUT/summary.txt"
+}
+
+if [ "${MOE_ONLY:-0}" = 1 ]; then
+    moe_steps
+    log "done (MoE steps only), rc=$RC"
+    exit $RC
+fi
+
 timeout 210 $PY -m pytest -m gpu -v -p no:cacheprovider --durations=15 \
     tests/test_ops_gpu.py tests/test_ops_gpu_blocks.py tests/test_model_gpu.py tests/test_engine_gpu.py \
     > "$OUT/pytest_gpu.log" 2>&1
@@ -80,10 +107,12 @@ rc=$?; [ $rc -ne 0 ] && RC=$rc
 log "pytest -m gpu: rc=$rc, $(summ $rc "$OUT/pytest_gpu.log")"
 grep -E '^(FAILED|ERROR)' "$OUT/pytest_gpu.log" | head -20 | tee -a "$OUT/summary.txt"
 
-timeout 120 $PY -m pytest -q -rs -p no:cacheprovider tests/test_kernels_compile.py \
+timeout 240 $PY -m pytest -q -rs -p no:cacheprovider tests/test_kernels_compile.py \
     > "$OUT/pytest_compile.log" 2>&1
 rc=$?; [ $rc -ne 0 ] && RC=$rc
 log "compile test (the device CuPy's NVRTC): rc=$rc, $(summ $rc "$OUT/pytest_compile.log")"
+
+moe_steps
 
 # --- throughput ------------------------------------------------------------------------------
 # The default model's package is usually absent on the device (no network, too big to carry):

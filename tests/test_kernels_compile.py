@@ -22,6 +22,7 @@ import pytest
 
 from kvshare import kernels
 from kvshare.ops import gpu
+from kvshare.ops import gpu_moe  # noqa: F401  (declares the moe_blocks kernels it launches)
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "python" / "kvshare"
@@ -201,6 +202,26 @@ def test_launch_constants_match_the_cuda_source():
     # everything up to the generic kernel's largest head size
     assert gpu._pa_smem_bytes(256, 2) == 16384 + 2048 + 256 + 256 * 34 * 2 + 32 * 256 * 2
     assert gpu._pa_smem_bytes(gpu.PA_MAXD, 4) <= 227 * 1024
+
+
+def test_moe_blocks_reuses_the_block_decoders_without_their_kernels():
+    assert kernels.uses("moe_blocks") == "blocks"
+    src = kernels.source("moe_blocks")
+    assert "struct BkQ4_K" in src and '#line 1 "blocks.cu"' in src
+    assert not re.search(r'^extern\s+"C"[^\n]*\b(bmv|bdq|bemb)_', src, re.M)
+    assert set(kernels.entry_points("moe_blocks")) == set(gpu_moe.ENTRY_POINTS)
+    assert all(kernels.uses(m) is None for m in MODULES if m != "moe_blocks")
+
+
+def test_moe_launch_constants_match_the_cuda_source():
+    src = kernels.source("moe_blocks")
+    assert _define(src, "GM_WARPS") == gpu_moe.GM_WARPS
+    assert gpu_moe.GM_M == (1, 4, 16)
+    # GmRows<M, NW>::R: gmv as bmv (2 for M = 1, else 4), gmvglu 2
+    assert "(NW == 2 || M == 1) ? 2 : 4" in src
+    rows = {(m, nw): 2 if (nw == 2 or m == 1) else 4 for m in gpu_moe.GM_M for nw in (1, 2)}
+    assert rows == gpu_moe.GM_ROWS_PER_WARP
+    assert set(gpu_moe.ACTIVATIONS) == {"silu", "gelu_tanh", "swiglu_oai"}
 
 
 # --- the host-side planning of paged attention (pure NumPy) --------------------------------------

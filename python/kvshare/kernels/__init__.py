@@ -2,7 +2,10 @@
 
 Each `<name>.cu` in this package is one module; `source(name)` is the exact text NVRTC gets:
 `common.cuh` (the shared prelude: f16 conversions, warp reductions) followed by the module,
-with `#line` markers so compiler messages name the right file and line. The sources need no
+with `#line` markers so compiler messages name the right file and line. A module whose first
+line is `// uses: <other>.cu` gets `<other>.cu`'s text in between, less its `extern "C"`
+kernel lines (its device functions and templates only: `moe_blocks.cu` reuses the GGUF block
+decoders of `blocks.cu` without compiling its kernels twice). The sources need no
 include paths and no CUDA headers, so the same text compiles on a GPU machine (`load_module`)
 and on a CPU-only one (`tests/test_kernels_compile.py` calls NVRTC directly).
 
@@ -39,12 +42,31 @@ def module_names() -> list[str]:
                   if p.name.endswith(".cu"))
 
 
+_USES_RE = re.compile(r"\A// uses: ([A-Za-z_][A-Za-z0-9_]*)\.cu[ \t]*$", re.M)
+# a one-line kernel definition (every `extern "C"` line of a module another module uses)
+_KERNEL_LINE_RE = re.compile(r'^extern\s+"C"\s+__global__\s.*$', re.M)
+
+
+def uses(name: str) -> str | None:
+    """The module whose device code module `name` reuses (its `// uses: <other>.cu` line)."""
+    m = _USES_RE.match(_read(name + ".cu"))
+    return m.group(1) if m else None
+
+
 @lru_cache(maxsize=None)
 def source(name: str) -> str:
-    """The full NVRTC source of module `name`: the prelude, then `<name>.cu`."""
+    """The full NVRTC source of module `name`: the prelude, the module it uses (if any) less
+    its kernel lines (blanked, so line numbers hold), then `<name>.cu`."""
     if name not in module_names():
         raise KeyError(f"no kernel module {name!r} (have {', '.join(module_names())})")
-    return (f'#line 1 "{PRELUDE}"\n{_read(PRELUDE)}\n'
+    dep = uses(name)
+    used = ""
+    if dep is not None:
+        if dep not in module_names() or uses(dep) is not None:
+            raise KeyError(f"{name}.cu uses {dep!r}, which is not a module without uses")
+        body = _KERNEL_LINE_RE.sub("", _read(dep + ".cu"))
+        used = f'#line 1 "{dep}.cu"\n{body}\n'
+    return (f'#line 1 "{PRELUDE}"\n{_read(PRELUDE)}\n{used}'
             f'#line 1 "{name}.cu"\n{_read(name + ".cu")}')
 
 

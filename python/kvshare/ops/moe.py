@@ -23,6 +23,11 @@ products, plus the experts' biases, with the gated activation) and `_core.moe_do
 products plus biases, weighted, slots added in order); the grouping by expert and the split of the work over the cores by expert happen in
 `kvshare-kernels`' `moe` module, with the kernels `BlockWeight` takes for the same
 activations, so its results equal `moe_ffn`'s on `BlockWeight` experts bit for bit.
+
+On a GPU, `moe_ffn_grouped` given `gpu_moe.GpuStackedExperts` (the stacked tensors' blocks on
+the device) runs `gpu_moe.moe_ffn`: routing on the host, then one launch per matrix product
+for the whole batch (kernels/moe_blocks.cu). Experts given as per-expert device matrices take
+`moe_ffn`'s loop, one product per active expert (the fallback for types those kernels lack).
 """
 
 from __future__ import annotations
@@ -245,11 +250,19 @@ def moe_ffn_grouped(h: np.ndarray, router: Any, gate_up: StackedExperts, down: S
                     routing: Routing, activation: str = "silu", *,
                     router_bias: Any = None, selection_bias: Any = None,
                     gate_up_bias: Any = None, down_bias: Any = None) -> np.ndarray:
-    """`moe_ffn` on the CPU with the grouped kernels: `gate_up` (gate rows then up rows per
-    expert) and `down` as stacked tensors, `activation` one of `GROUPED_ACTIVATIONS`, the
-    biases as `moe_ffn`'s."""
+    """`moe_ffn` with the grouped kernels: `gate_up` (gate rows then up rows per expert) and
+    `down` as stacked tensors, `activation` one of `GROUPED_ACTIVATIONS`, the biases as
+    `moe_ffn`'s. `StackedExperts`: the CPU's Rust kernels; `gpu_moe.GpuStackedExperts`: the
+    GPU's (a device array comes back)."""
     if activation not in GROUPED_ACTIVATIONS:
         raise ValueError(f"the grouped kernels have no activation {activation!r}")
+    if getattr(gate_up, "on_gpu", False) and getattr(down, "on_gpu", False):
+        # `gpu_moe.GpuStackedExperts`: the same products with the grouped GPU kernels
+        from kvshare.ops import gpu_moe  # noqa: PLC0415
+
+        return gpu_moe.moe_ffn(h, router, gate_up, down, routing, activation,
+                               router_bias=router_bias, selection_bias=selection_bias,
+                               gate_up_bias=gate_up_bias, down_bias=down_bias)
     n = h.shape[0]
     h = np.ascontiguousarray(h, dtype=np.float32)
     ids, w = route(linear(h, router, router_bias), routing, selection_bias=selection_bias)

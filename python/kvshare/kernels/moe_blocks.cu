@@ -1,0 +1,334 @@
+// uses: blocks.cu
+// Grouped mixture-of-experts products on GGUF blocks (kvshare.ops.gpu_moe): every expert's
+// matrix of a layer stays on the device as the file's stacked tensor (`[n_expert * rows,
+// row_bytes]` raw blocks, decoded by blocks.cu's Bk* formats), and one launch computes one
+// matrix product for every (token, slot) pair of the batch, whatever expert it was routed to.
+//
+// The host sorts the pairs (index t * k + j) by expert into `pairs` and cuts each expert's run
+// into tiles of at most M pairs: tile i is tiles[3 i .. 3 i + 2] = (expert, first position in
+// `pairs`, count); an idle expert has no tile. Grid: (n_tiles, row blocks); a 128-thread CTA
+// (4 warps) takes one tile, and warp w of row block b the output rows [R (4 b + w), + R), then
+// grid-strides along y. As in bmv_<type>_m<M>, each lane decodes 8 consecutive weights of
+// each of its rows at a time and applies them to the tile's m activation rows, so an expert's
+// weights are read once per tile; float32 accumulation, then a warp reduce-scatter.
+//
+//   gmv_<type>_m<M>     y[p, col0 + i] = (sum_j x[p / x_div, j] W_e[row_off + i, j]
+//                       + bias[e, i]) * pw[p] (bias, pw optional), for the pairs p of each
+//                       tile of expert e: the down products (x = the activations, one row per
+//                       pair, weighted by the pair's routing weight), or one part of gate|up
+//                       when gate and up have different types (x = the tokens' rows, x_div = k).
+//   gmvglu_<type>_m<M>  a[p, i] = act(g + bg[e, i], u + bu[e, i]) with g and u the products
+//                       of the gate and up rows i of expert e (two tensors, or two row ranges
+//                       of one fused tensor, of the same type): gate|up and the activation in
+//                       one pass, nothing of the [pairs, 2 n_ff] products written.
+//   moe_glu_f32         a[p, i] = act(gu[p, i], gu[p, n_ff + i]) (after two gmv launches).
+//   moe_combine_f32     out[t, c] = sum over slots j, in slot order, of y[t * k + j, c].
+//
+// act: 0 SwiGLU (ops.activation.swiglu), 1 GEGLU with tanh GELU (geglu_tanh), 2 gpt-oss's
+// swiglu_oai (the gate clamped to <= 7, the up value to [-7, 7], x sigmoid(1.702 x) (y + 1)).
+
+#define GM_WARPS 4
+#define GM_OAI_ALPHA 1.702f
+#define GM_OAI_LIMIT 7.0f
+// activation.cu's geglu_tanh constants (float32 roundings of the float64 products)
+#define GM_GELU_C1 ((float)(-2.0 * 0.7978845608028654 * 0.044715))
+#define GM_GELU_C2 ((float)(2.0 * 0.7978845608028654))
+
+// Output rows per warp: gmv as bmv (2 for M = 1, else 4); gmvglu 2 (each is a gate and an up
+// row, so 4 weight rows either way but M = 1).
+template <int M, int NW> struct GmRows { static constexpr int R = (NW == 2 || M == 1) ? 2 : 4; };
+
+__device__ __forceinline__ float gm_act(float g, float u, int act) {
+    if (act == 0) return g / (1.0f + expf(-g)) * u;
+    if (act == 1) {
+        // activation.cu's geglu_tanh, the same float32 roundings
+        float t = __fmul_rn(g, g);
+        t = __fsub_rn(__fmul_rn(t, GM_GELU_C1), GM_GELU_C2);
+        t = __fmul_rn(t, g);
+        return g / (1.0f + expf(t)) * u;
+    }
+    const float x = fminf(g, GM_OAI_LIMIT);
+    const float y = fminf(fmaxf(u, -GM_OAI_LIMIT), GM_OAI_LIMIT);
+    return x / (1.0f + expf(GM_OAI_ALPHA * -x)) * (y + 1.0f);
+}
+
+// The M sums of acc across the warp, as bmv_impl reduces them: each halving step trades half
+// of the remaining sums with the lane `o` away, then plain sums; lane L ends with the total of
+// row L >> (5 - log2 M) in acc[0].
+template <int M>
+__device__ __forceinline__ float gm_reduce(float (&acc)[M], int lane) {
+    int cnt = M;
+#pragma unroll
+    for (int o = KVS_WARP / 2; o > 0; o >>= 1) {
+        if (cnt > 1) {
+            const int half = cnt >> 1;
+            const bool upper = (lane & o) != 0;
+#pragma unroll
+            for (int j = 0; j < half; ++j) {
+                const float send = upper ? acc[j] : acc[j + half];
+                const float keep = upper ? acc[j + half] : acc[j];
+                acc[j] = keep + __shfl_xor_sync(KVS_FULL_MASK, send, o);
+            }
+            cnt = half;
+        } else {
+            acc[0] += __shfl_xor_sync(KVS_FULL_MASK, acc[0], o);
+        }
+    }
+    return acc[0];
+}
+
+// NW = 1: gmv (weights w0 rows row_off0 + i of each expert's `expert_rows` rows);
+// NW = 2: gmvglu (gate from w0 / row_off0, up from w1 / row_off1).
+// x: float32 rows (x 16-byte aligned, x_stride a multiple of 4: the host copies otherwise).
+template <typename B, int M, int NW>
+__device__ __forceinline__ void gm_impl(
+    const u8* __restrict__ w0, const u8* __restrict__ w1, i64 row_bytes, i64 expert_rows,
+    i64 row_off0, i64 row_off1, int n_rows, int k,
+    const float* __restrict__ x, i64 x_stride, int x_div,
+    const int* __restrict__ pairs, const int* __restrict__ tiles,
+    float* __restrict__ y, i64 y_stride, i64 col0,
+    const float* __restrict__ bias0, const float* __restrict__ bias1, i64 bias_stride,
+    int has_bias, const float* __restrict__ pw, int has_pw, int act)
+{
+    constexpr int R = GmRows<M, NW>::R;
+    constexpr int SH = M >= 16 ? 1 : (M >= 4 ? 3 : 5);
+    const int lane = threadIdx.x & (KVS_WARP - 1);
+    const int e = tiles[3 * blockIdx.x];
+    const int p0 = tiles[3 * blockIdx.x + 1];
+    const int m = tiles[3 * blockIdx.x + 2];
+    const int n_chunks = k >> 3;
+    // the tile's activation rows (rows past m point at the first one; their sums are dropped)
+    const float* xr[M];
+#pragma unroll
+    for (int r = 0; r < M; ++r)
+        xr[r] = x + (i64)(pairs[p0 + (r < m ? r : 0)] / x_div) * x_stride;
+    const u8* we[NW];
+    we[0] = w0 + ((i64)e * expert_rows + row_off0) * row_bytes;
+    if constexpr (NW == 2) we[1] = w1 + ((i64)e * expert_rows + row_off1) * row_bytes;
+    for (i64 row0 = ((i64)blockIdx.y * GM_WARPS + (threadIdx.x >> 5)) * R; row0 < n_rows;
+         row0 += (i64)gridDim.y * GM_WARPS * R) {
+        const u8* wr[NW][R];
+#pragma unroll
+        for (int h = 0; h < NW; ++h)
+#pragma unroll
+            for (int i = 0; i < R; ++i)  // rows past the end read the last row (results dropped)
+                wr[h][i] = we[h] + (row0 + i < n_rows ? row0 + i : (i64)n_rows - 1) * row_bytes;
+        float acc[NW][R][M];
+#pragma unroll
+        for (int h = 0; h < NW; ++h)
+#pragma unroll
+            for (int i = 0; i < R; ++i)
+#pragma unroll
+                for (int r = 0; r < M; ++r) acc[h][i][r] = 0.f;
+        for (int c = lane; c < n_chunks; c += KVS_WARP) {
+            const int el = c << 3;
+            const int blk = el / B::QK;
+            float q[NW][R][8], d[NW][R], mn[NW][R];
+#pragma unroll
+            for (int h = 0; h < NW; ++h)
+#pragma unroll
+                for (int i = 0; i < R; ++i)
+                    B::dec(wr[h][i] + (i64)blk * B::BYTES, el - blk * B::QK, q[h][i], d[h][i], mn[h][i]);
+#pragma unroll
+            for (int r = 0; r < M; ++r) {
+                if (r < m) {
+                    const float4* xp = reinterpret_cast<const float4*>(xr[r] + el);
+                    const float4 a = xp[0], b = xp[1];
+                    float sx = 0.f;
+                    if constexpr (B::HAS_MIN) sx = (a.x + a.y) + (a.z + a.w) + (b.x + b.y) + (b.z + b.w);
+#pragma unroll
+                    for (int h = 0; h < NW; ++h)
+#pragma unroll
+                        for (int i = 0; i < R; ++i) {
+                            const float* qq = q[h][i];
+                            const float sq = qq[0] * a.x + qq[1] * a.y + qq[2] * a.z + qq[3] * a.w
+                                           + qq[4] * b.x + qq[5] * b.y + qq[6] * b.z + qq[7] * b.w;
+                            if constexpr (B::HAS_MIN) acc[h][i][r] += d[h][i] * sq - mn[h][i] * sx;
+                            else acc[h][i][r] += d[h][i] * sq;
+                        }
+                }
+            }
+        }
+        const int r = lane >> SH;
+        const bool writer = (lane & ((1 << SH) - 1)) == 0 && r < m;
+        const int p = pairs[p0 + (r < m ? r : 0)];
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            const i64 row = row0 + i;
+            const float s0 = gm_reduce<M>(acc[0][i], lane);
+            if constexpr (NW == 2) {
+                const float s1 = gm_reduce<M>(acc[1][i], lane);
+                if (writer && row < n_rows) {
+                    const float g = s0 + (has_bias ? bias0[(i64)e * bias_stride + row] : 0.f);
+                    const float u = s1 + (has_bias ? bias1[(i64)e * bias_stride + row] : 0.f);
+                    y[(i64)p * y_stride + col0 + row] = gm_act(g, u, act);
+                }
+            } else {
+                if (writer && row < n_rows) {
+                    float v = s0 + (has_bias ? bias0[(i64)e * bias_stride + row] : 0.f);
+                    if (has_pw) v *= pw[p];
+                    y[(i64)p * y_stride + col0 + row] = v;
+                }
+            }
+        }
+    }
+}
+
+// gu: [n_pairs, 2 n_ff] C-contiguous (gate columns, then up); a: [n_pairs, n_ff].
+extern "C" __global__ void moe_glu_f32(const float* __restrict__ gu, float* __restrict__ a,
+                                       i64 n_pairs, i64 n_ff, int act)
+{
+    const i64 total = n_pairs * n_ff;
+    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+         idx += (i64)gridDim.x * blockDim.x) {
+        const i64 p = idx / n_ff, i = idx - p * n_ff;
+        a[idx] = gm_act(gu[p * 2 * n_ff + i], gu[p * 2 * n_ff + n_ff + i], act);
+    }
+}
+
+// y: [n_tok * k_slots, d] C-contiguous; out: [n_tok, d] C-contiguous. Slots are added in slot
+// order, as ops.moe.moe_ffn adds them.
+extern "C" __global__ void moe_combine_f32(const float* __restrict__ y, float* __restrict__ out,
+                                           i64 n_tok, int k_slots, i64 d)
+{
+    const i64 total = n_tok * d;
+    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+         idx += (i64)gridDim.x * blockDim.x) {
+        const i64 t = idx / d, c = idx - t * d;
+        const float* yp = y + t * k_slots * d + c;
+        float s = yp[0];
+        for (int j = 1; j < k_slots; ++j) s += yp[j * d];
+        out[idx] = s;
+    }
+}
+
+// The entry points, written out (kvshare.kernels.entry_points and the compile test read the
+// `extern "C"` declarations from this text): gmv_<type>_m{1,4,16}, gmvglu_<type>_m{1,4,16}.
+#define GM_ARGS const u8* __restrict__ w0, const u8* __restrict__ w1, i64 row_bytes,             \
+    i64 expert_rows, i64 row_off0, i64 row_off1, int n_rows, int k,                              \
+    const float* __restrict__ x, i64 x_stride, int x_div, const int* __restrict__ pairs,         \
+    const int* __restrict__ tiles, float* __restrict__ y, i64 y_stride, i64 col0,                \
+    const float* __restrict__ bias0, const float* __restrict__ bias1, i64 bias_stride,           \
+    int has_bias, const float* __restrict__ pw, int has_pw, int act
+#define GM(B, M, NW) gm_impl<B, M, NW>(w0, w1, row_bytes, expert_rows, row_off0, row_off1,       \
+    n_rows, k, x, x_stride, x_div, pairs, tiles, y, y_stride, col0, bias0, bias1, bias_stride,   \
+    has_bias, pw, has_pw, act)
+// q4_0
+extern "C" __global__ void gmv_q4_0_m1(GM_ARGS) { GM(BkQ4_0, 1, 1); }
+extern "C" __global__ void gmv_q4_0_m4(GM_ARGS) { GM(BkQ4_0, 4, 1); }
+extern "C" __global__ void gmv_q4_0_m16(GM_ARGS) { GM(BkQ4_0, 16, 1); }
+extern "C" __global__ void gmvglu_q4_0_m1(GM_ARGS) { GM(BkQ4_0, 1, 2); }
+extern "C" __global__ void gmvglu_q4_0_m4(GM_ARGS) { GM(BkQ4_0, 4, 2); }
+extern "C" __global__ void gmvglu_q4_0_m16(GM_ARGS) { GM(BkQ4_0, 16, 2); }
+
+// q4_1
+extern "C" __global__ void gmv_q4_1_m1(GM_ARGS) { GM(BkQ4_1, 1, 1); }
+extern "C" __global__ void gmv_q4_1_m4(GM_ARGS) { GM(BkQ4_1, 4, 1); }
+extern "C" __global__ void gmv_q4_1_m16(GM_ARGS) { GM(BkQ4_1, 16, 1); }
+extern "C" __global__ void gmvglu_q4_1_m1(GM_ARGS) { GM(BkQ4_1, 1, 2); }
+extern "C" __global__ void gmvglu_q4_1_m4(GM_ARGS) { GM(BkQ4_1, 4, 2); }
+extern "C" __global__ void gmvglu_q4_1_m16(GM_ARGS) { GM(BkQ4_1, 16, 2); }
+
+// q5_0
+extern "C" __global__ void gmv_q5_0_m1(GM_ARGS) { GM(BkQ5_0, 1, 1); }
+extern "C" __global__ void gmv_q5_0_m4(GM_ARGS) { GM(BkQ5_0, 4, 1); }
+extern "C" __global__ void gmv_q5_0_m16(GM_ARGS) { GM(BkQ5_0, 16, 1); }
+extern "C" __global__ void gmvglu_q5_0_m1(GM_ARGS) { GM(BkQ5_0, 1, 2); }
+extern "C" __global__ void gmvglu_q5_0_m4(GM_ARGS) { GM(BkQ5_0, 4, 2); }
+extern "C" __global__ void gmvglu_q5_0_m16(GM_ARGS) { GM(BkQ5_0, 16, 2); }
+
+// q5_1
+extern "C" __global__ void gmv_q5_1_m1(GM_ARGS) { GM(BkQ5_1, 1, 1); }
+extern "C" __global__ void gmv_q5_1_m4(GM_ARGS) { GM(BkQ5_1, 4, 1); }
+extern "C" __global__ void gmv_q5_1_m16(GM_ARGS) { GM(BkQ5_1, 16, 1); }
+extern "C" __global__ void gmvglu_q5_1_m1(GM_ARGS) { GM(BkQ5_1, 1, 2); }
+extern "C" __global__ void gmvglu_q5_1_m4(GM_ARGS) { GM(BkQ5_1, 4, 2); }
+extern "C" __global__ void gmvglu_q5_1_m16(GM_ARGS) { GM(BkQ5_1, 16, 2); }
+
+// q8_0
+extern "C" __global__ void gmv_q8_0_m1(GM_ARGS) { GM(BkQ8_0, 1, 1); }
+extern "C" __global__ void gmv_q8_0_m4(GM_ARGS) { GM(BkQ8_0, 4, 1); }
+extern "C" __global__ void gmv_q8_0_m16(GM_ARGS) { GM(BkQ8_0, 16, 1); }
+extern "C" __global__ void gmvglu_q8_0_m1(GM_ARGS) { GM(BkQ8_0, 1, 2); }
+extern "C" __global__ void gmvglu_q8_0_m4(GM_ARGS) { GM(BkQ8_0, 4, 2); }
+extern "C" __global__ void gmvglu_q8_0_m16(GM_ARGS) { GM(BkQ8_0, 16, 2); }
+
+// q2_k
+extern "C" __global__ void gmv_q2_k_m1(GM_ARGS) { GM(BkQ2_K, 1, 1); }
+extern "C" __global__ void gmv_q2_k_m4(GM_ARGS) { GM(BkQ2_K, 4, 1); }
+extern "C" __global__ void gmv_q2_k_m16(GM_ARGS) { GM(BkQ2_K, 16, 1); }
+extern "C" __global__ void gmvglu_q2_k_m1(GM_ARGS) { GM(BkQ2_K, 1, 2); }
+extern "C" __global__ void gmvglu_q2_k_m4(GM_ARGS) { GM(BkQ2_K, 4, 2); }
+extern "C" __global__ void gmvglu_q2_k_m16(GM_ARGS) { GM(BkQ2_K, 16, 2); }
+
+// q3_k
+extern "C" __global__ void gmv_q3_k_m1(GM_ARGS) { GM(BkQ3_K, 1, 1); }
+extern "C" __global__ void gmv_q3_k_m4(GM_ARGS) { GM(BkQ3_K, 4, 1); }
+extern "C" __global__ void gmv_q3_k_m16(GM_ARGS) { GM(BkQ3_K, 16, 1); }
+extern "C" __global__ void gmvglu_q3_k_m1(GM_ARGS) { GM(BkQ3_K, 1, 2); }
+extern "C" __global__ void gmvglu_q3_k_m4(GM_ARGS) { GM(BkQ3_K, 4, 2); }
+extern "C" __global__ void gmvglu_q3_k_m16(GM_ARGS) { GM(BkQ3_K, 16, 2); }
+
+// q4_k
+extern "C" __global__ void gmv_q4_k_m1(GM_ARGS) { GM(BkQ4_K, 1, 1); }
+extern "C" __global__ void gmv_q4_k_m4(GM_ARGS) { GM(BkQ4_K, 4, 1); }
+extern "C" __global__ void gmv_q4_k_m16(GM_ARGS) { GM(BkQ4_K, 16, 1); }
+extern "C" __global__ void gmvglu_q4_k_m1(GM_ARGS) { GM(BkQ4_K, 1, 2); }
+extern "C" __global__ void gmvglu_q4_k_m4(GM_ARGS) { GM(BkQ4_K, 4, 2); }
+extern "C" __global__ void gmvglu_q4_k_m16(GM_ARGS) { GM(BkQ4_K, 16, 2); }
+
+// q5_k
+extern "C" __global__ void gmv_q5_k_m1(GM_ARGS) { GM(BkQ5_K, 1, 1); }
+extern "C" __global__ void gmv_q5_k_m4(GM_ARGS) { GM(BkQ5_K, 4, 1); }
+extern "C" __global__ void gmv_q5_k_m16(GM_ARGS) { GM(BkQ5_K, 16, 1); }
+extern "C" __global__ void gmvglu_q5_k_m1(GM_ARGS) { GM(BkQ5_K, 1, 2); }
+extern "C" __global__ void gmvglu_q5_k_m4(GM_ARGS) { GM(BkQ5_K, 4, 2); }
+extern "C" __global__ void gmvglu_q5_k_m16(GM_ARGS) { GM(BkQ5_K, 16, 2); }
+
+// q6_k
+extern "C" __global__ void gmv_q6_k_m1(GM_ARGS) { GM(BkQ6_K, 1, 1); }
+extern "C" __global__ void gmv_q6_k_m4(GM_ARGS) { GM(BkQ6_K, 4, 1); }
+extern "C" __global__ void gmv_q6_k_m16(GM_ARGS) { GM(BkQ6_K, 16, 1); }
+extern "C" __global__ void gmvglu_q6_k_m1(GM_ARGS) { GM(BkQ6_K, 1, 2); }
+extern "C" __global__ void gmvglu_q6_k_m4(GM_ARGS) { GM(BkQ6_K, 4, 2); }
+extern "C" __global__ void gmvglu_q6_k_m16(GM_ARGS) { GM(BkQ6_K, 16, 2); }
+
+// iq4_nl
+extern "C" __global__ void gmv_iq4_nl_m1(GM_ARGS) { GM(BkIQ4_NL, 1, 1); }
+extern "C" __global__ void gmv_iq4_nl_m4(GM_ARGS) { GM(BkIQ4_NL, 4, 1); }
+extern "C" __global__ void gmv_iq4_nl_m16(GM_ARGS) { GM(BkIQ4_NL, 16, 1); }
+extern "C" __global__ void gmvglu_iq4_nl_m1(GM_ARGS) { GM(BkIQ4_NL, 1, 2); }
+extern "C" __global__ void gmvglu_iq4_nl_m4(GM_ARGS) { GM(BkIQ4_NL, 4, 2); }
+extern "C" __global__ void gmvglu_iq4_nl_m16(GM_ARGS) { GM(BkIQ4_NL, 16, 2); }
+
+// iq4_xs
+extern "C" __global__ void gmv_iq4_xs_m1(GM_ARGS) { GM(BkIQ4_XS, 1, 1); }
+extern "C" __global__ void gmv_iq4_xs_m4(GM_ARGS) { GM(BkIQ4_XS, 4, 1); }
+extern "C" __global__ void gmv_iq4_xs_m16(GM_ARGS) { GM(BkIQ4_XS, 16, 1); }
+extern "C" __global__ void gmvglu_iq4_xs_m1(GM_ARGS) { GM(BkIQ4_XS, 1, 2); }
+extern "C" __global__ void gmvglu_iq4_xs_m4(GM_ARGS) { GM(BkIQ4_XS, 4, 2); }
+extern "C" __global__ void gmvglu_iq4_xs_m16(GM_ARGS) { GM(BkIQ4_XS, 16, 2); }
+
+// f32
+extern "C" __global__ void gmv_f32_m1(GM_ARGS) { GM(BkF32, 1, 1); }
+extern "C" __global__ void gmv_f32_m4(GM_ARGS) { GM(BkF32, 4, 1); }
+extern "C" __global__ void gmv_f32_m16(GM_ARGS) { GM(BkF32, 16, 1); }
+extern "C" __global__ void gmvglu_f32_m1(GM_ARGS) { GM(BkF32, 1, 2); }
+extern "C" __global__ void gmvglu_f32_m4(GM_ARGS) { GM(BkF32, 4, 2); }
+extern "C" __global__ void gmvglu_f32_m16(GM_ARGS) { GM(BkF32, 16, 2); }
+
+// f16
+extern "C" __global__ void gmv_f16_m1(GM_ARGS) { GM(BkF16, 1, 1); }
+extern "C" __global__ void gmv_f16_m4(GM_ARGS) { GM(BkF16, 4, 1); }
+extern "C" __global__ void gmv_f16_m16(GM_ARGS) { GM(BkF16, 16, 1); }
+extern "C" __global__ void gmvglu_f16_m1(GM_ARGS) { GM(BkF16, 1, 2); }
+extern "C" __global__ void gmvglu_f16_m4(GM_ARGS) { GM(BkF16, 4, 2); }
+extern "C" __global__ void gmvglu_f16_m16(GM_ARGS) { GM(BkF16, 16, 2); }
+
+// bf16
+extern "C" __global__ void gmv_bf16_m1(GM_ARGS) { GM(BkBF16, 1, 1); }
+extern "C" __global__ void gmv_bf16_m4(GM_ARGS) { GM(BkBF16, 4, 1); }
+extern "C" __global__ void gmv_bf16_m16(GM_ARGS) { GM(BkBF16, 16, 1); }
+extern "C" __global__ void gmvglu_bf16_m1(GM_ARGS) { GM(BkBF16, 1, 2); }
+extern "C" __global__ void gmvglu_bf16_m4(GM_ARGS) { GM(BkBF16, 4, 2); }
+extern "C" __global__ void gmvglu_bf16_m16(GM_ARGS) { GM(BkBF16, 16, 2); }

@@ -1,0 +1,267 @@
+"""The grouped MoE kernels on GGUF blocks (`kvshare.ops.gpu_moe`, kernels/moe_blocks.cu) against
+the NumPy oracle `ops.moe.moe_ffn_reference` (float64, token by token, on the dequantized
+experts): several block types, gate and up of different types (two `gmv` launches and
+`moe_glu_f32`) and of one type (`gmvglu`, two tensors or one fused `ffn_gate_up_exps`), ragged
+expert loads, an idle expert, every token on the same experts, tiles of 1, 4 and 16 pairs,
+biases and every activation, the dispatch from `ops.moe.moe_ffn_grouped`, and a tiny MoE GGUF's
+layer. Marked `gpu`: skipped without a CUDA device; runs on the CPU emulator (tests/gpu_emu).
+
+Tolerance: the kernels accumulate in float32 in another order than the float64 oracle, and the
+activation is float32: |y - ref| <= 2e-5 * max|ref| (observed well below 1e-5).
+`test_plan_*` is host-side NumPy and runs everywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf.quants import dequantize
+
+from kvshare.ops import gpu_moe
+from kvshare.ops.moe import Routing, moe_ffn_reference
+
+# the float64 oracle's exp overflows for large negative gates (its limit, 0, is right)
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+MODELS = Path(__file__).resolve().parent / "data" / "models"
+F16_FIELDS = {
+    Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+    Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
+}
+TOL = 2e-5
+
+
+def random_rows(rng: np.random.Generator, qtype: Q, n: int, k: int) -> np.ndarray:
+    """Raw rows `[n, row_bytes]` of valid blocks (random bytes, f16 scales of magnitude
+    1e-3 .. 5e-2 with random signs); plain types: random values."""
+    if qtype == Q.F32:
+        return rng.standard_normal((n, k)).astype(np.float32).view(np.uint8)
+    if qtype == Q.F16:
+        return rng.standard_normal((n, k)).astype(np.float16).view(np.uint8)
+    if qtype == Q.BF16:
+        f = rng.standard_normal((n, k)).astype(np.float32)
+        return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    qk, size = GGML_QUANT_SIZES[qtype]
+    nb = n * (k // qk)
+    blocks = rng.integers(0, 256, (nb, size), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        v = (rng.uniform(1e-3, 5e-2, nb) * rng.choice([-1.0, 1.0], nb)).astype(np.float16)
+        blocks[:, off : off + 2] = v.view(np.uint8).reshape(nb, 2)
+    return blocks.reshape(n, -1)
+
+
+def dense(raw: np.ndarray, qtype: int, k: int) -> np.ndarray:
+    if qtype == Q.F32:
+        return raw.view(np.float32).reshape(-1, k)
+    if qtype == Q.F16:
+        return raw.view(np.float16).reshape(-1, k).astype(np.float32)
+    return np.asarray(dequantize(raw.reshape(-1), qtype), np.float32).reshape(-1, k)
+
+
+def _k(*qtypes) -> int:
+    return 256 if any(GGML_QUANT_SIZES[q][0] == 256 for q in qtypes) else 64
+
+
+def make_layer(rng, E, d, ff, gq, uq, dq, fused=False):
+    """(GpuStackedExperts gate|up, down, per-expert dense gate|up list, down list)."""
+    g = random_rows(rng, gq, E * ff, d)
+    u = random_rows(rng, uq, E * ff, d)
+    dn = random_rows(rng, dq, E * d, ff)
+    gd, ud, dd = dense(g, gq, d), dense(u, uq, d), dense(dn, dq, ff)
+    gu_dense = [np.concatenate([gd[e * ff : (e + 1) * ff], ud[e * ff : (e + 1) * ff]])
+                for e in range(E)]
+    down_dense = [dd[e * d : (e + 1) * d] for e in range(E)]
+    if fused:
+        assert gq == uq
+        rb = g.shape[1]
+        both = np.concatenate([g.reshape(E, ff, rb), u.reshape(E, ff, rb)], axis=1)
+        gu = gpu_moe.GpuStackedExperts.from_host([both.reshape(E * 2 * ff, rb)], [gq], E, d)
+    else:
+        gu = gpu_moe.GpuStackedExperts.from_host([g, u], [gq, uq], E, d)
+    down = gpu_moe.GpuStackedExperts.from_host([dn], [dq], E, ff)
+    return gu, down, gu_dense, down_dense
+
+
+def check(h, router, gu, down, gu_dense, down_dense, routing, activation="silu", **kw):
+    import cupy as cp
+
+    y = cp.asnumpy(gpu_moe.moe_ffn(cp.asarray(h), router, gu, down, routing, activation, **kw))
+    ref = moe_ffn_reference(h, router, gu_dense, down_dense, routing, activation=activation,
+                            **kw)
+    assert y.shape == ref.shape and np.isfinite(y).all()
+    err = np.abs(y - ref).max() / np.abs(ref).max()
+    assert err <= TOL, f"relative error {err:.3g}"
+    return y
+
+
+# --- host-side planning ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,k,E", [(1, 2, 8), (5, 2, 8), (40, 4, 6), (3, 8, 128)])
+def test_plan_tiles_cover_every_pair_once(n, k, E):
+    rng = np.random.default_rng(n * 100 + k)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(n)])
+    pairs, tiles, mt = gpu_moe.plan(ids, E)
+    flat = ids.reshape(-1)
+    assert sorted(pairs.tolist()) == list(range(n * k))
+    assert mt in gpu_moe.GM_M
+    seen = []
+    for e, p0, c in tiles.tolist():
+        assert 1 <= c <= mt
+        assert all(flat[p] == e for p in pairs[p0 : p0 + c])
+        seen += pairs[p0 : p0 + c].tolist()
+    assert sorted(seen) == list(range(n * k))
+    busiest = np.bincount(flat).max()
+    assert mt == next((m for m in gpu_moe.GM_M if m >= busiest), gpu_moe.GM_M[-1])
+
+
+def test_plan_all_pairs_on_one_expert():
+    ids = np.full((40, 1), 3)
+    pairs, tiles, mt = gpu_moe.plan(ids, 8)
+    assert mt == 16
+    assert tiles.tolist() == [[3, 0, 16], [3, 16, 16], [3, 32, 8]]
+    with pytest.raises(IndexError):
+        gpu_moe.plan(np.array([[8]]), 8)
+
+
+# --- the kernels --------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q3_K, Q.IQ4_XS,
+                                   Q.F16, Q.BF16])
+def test_one_type_ragged_loads(qtype):
+    rng = np.random.default_rng(int(qtype))
+    E, k, n, d = 8, 2, 6, _k(qtype)
+    ff = d
+    gu, down, gud, dd = make_layer(rng, E, d, ff, qtype, qtype, qtype)
+    h = rng.standard_normal((n, d)).astype(np.float32)
+    router = rng.standard_normal((E, d)).astype(np.float32)
+    bias = np.zeros(E, np.float32)
+    bias[6] = -100.0  # expert 6 idle
+    bias[1] = 3.0  # expert 1 busier than the rest
+    routing = Routing(n_expert=E, k=k)
+    check(h, router, gu, down, gud, dd, routing, router_bias=bias)
+
+
+@pytest.mark.gpu
+def test_mixed_gate_up_types_and_decode():
+    # tiny-qwen3moe-q8's mix: gate Q8_0, up Q4_0, down Q5_0 (gmv per part + moe_glu_f32)
+    rng = np.random.default_rng(7)
+    E, d, ff = 16, 64, 32
+    gu, down, gud, dd = make_layer(rng, E, d, ff, Q.Q8_0, Q.Q4_0, Q.Q5_0)
+    router = rng.standard_normal((E, d)).astype(np.float32)
+    for n, k in ((1, 4), (3, 4), (20, 2)):  # tiles of 1, of up to 4, of up to 16
+        h = rng.standard_normal((n, d)).astype(np.float32)
+        check(h, router, gu, down, gud, dd, Routing(n_expert=E, k=k))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True])
+def test_all_tokens_on_two_experts(fused):
+    # every token on experts 3 and 5 (the others idle): 37 pairs each, tiles 16 + 16 + 5
+    rng = np.random.default_rng(11)
+    E, d, ff, n = 8, 256, 256, 37
+    gu, down, gud, dd = make_layer(rng, E, d, ff, Q.Q4_K, Q.Q4_K, Q.Q6_K, fused=fused)
+    h = rng.standard_normal((n, d)).astype(np.float32)
+    router = (0.01 * rng.standard_normal((E, d))).astype(np.float32)
+    bias = np.full(E, -50.0, np.float32)
+    bias[3], bias[5] = 20.0, 19.0
+    pairs, tiles, mt = gpu_moe.plan(np.tile([3, 5], (n, 1)), E)
+    assert mt == 16 and len(tiles) == 6
+    check(h, router, gu, down, gud, dd, Routing(n_expert=E, k=2), router_bias=bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "swiglu_oai"])
+def test_activations_with_expert_biases(activation):
+    rng = np.random.default_rng(len(activation))
+    E, d, ff, n, k = 6, 64, 64, 5, 3
+    gu, down, gud, dd = make_layer(rng, E, d, ff, Q.Q8_0, Q.Q8_0, Q.Q4_1)
+    h = rng.standard_normal((n, d)).astype(np.float32)
+    router = rng.standard_normal((E, d)).astype(np.float32)
+    kw = dict(router_bias=rng.standard_normal(E).astype(np.float32),
+              gate_up_bias=rng.standard_normal((E, 2 * ff)).astype(np.float32),
+              down_bias=rng.standard_normal((E, d)).astype(np.float32))
+    routing = Routing(n_expert=E, k=k, gating="softmax_weight", norm=False)
+    if activation == "gelu_tanh":
+        # the oracle applies SwiGLU or swiglu_oai only: compare with the NumPy glu instead
+        import cupy as cp
+
+        from kvshare.ops.activation import glu
+        from kvshare.ops.moe import route
+
+        logits = h @ router.T + kw["router_bias"]
+        ids, w = route(logits.astype(np.float32), routing)
+        y = cp.asnumpy(gpu_moe.experts(cp.asarray(h), ids, w, gu, down, "gelu_tanh",
+                                       gate_up_bias=kw["gate_up_bias"],
+                                       down_bias=kw["down_bias"]))
+        ref = np.zeros((n, d))
+        for t in range(n):
+            for j in range(k):
+                e = ids[t, j]
+                g = (gud[e] @ h[t] + kw["gate_up_bias"][e]).astype(np.float32)[None]
+                a = glu(g.copy(), "gelu_tanh")[0].astype(np.float64)
+                ref[t] += w[t, j] * (dd[e].astype(np.float64) @ a + kw["down_bias"][e])
+        assert np.abs(y - ref).max() / np.abs(ref).max() <= TOL
+        return
+    check(h, router, gu, down, gud, dd, routing, activation, **kw)
+
+
+@pytest.mark.gpu
+def test_dispatch_from_moe_ffn_grouped():
+    import cupy as cp
+
+    from kvshare.ops.moe import moe_ffn_grouped
+
+    rng = np.random.default_rng(3)
+    E, d, ff, n = 8, 64, 64, 4
+    gu, down, gud, dd = make_layer(rng, E, d, ff, Q.Q4_0, Q.Q4_0, Q.Q8_0)
+    h = rng.standard_normal((n, d)).astype(np.float32)
+    router = rng.standard_normal((E, d)).astype(np.float32)
+    routing = Routing(n_expert=E, k=2)
+    y = moe_ffn_grouped(cp.asarray(h), router, gu, down, routing)
+    assert isinstance(y, cp.ndarray)
+    ref = moe_ffn_reference(h, router, gud, dd, routing)
+    assert np.abs(cp.asnumpy(y) - ref).max() / np.abs(ref).max() <= TOL
+    # the router as a device f16 weight (gpu.linear): the same experts chosen here
+    y16 = gpu_moe.moe_ffn(cp.asarray(h), cp.asarray(router.astype(np.float16)), gu, down,
+                          routing)
+    assert y16.shape == (n, d)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["tiny-qwen3moe-q8", "tiny-qwen3moe"])
+def test_tiny_moe_gguf_layer(model):
+    import cupy as cp
+
+    from kvshare.model.gguf_file import GGUFFile
+
+    gf = GGUFFile(str(MODELS / f"{model}.gguf"))
+    p = "blk.0."
+    E = gf.tensors[p + "ffn_gate_inp.weight"].numpy_shape[0]
+    gu = gpu_moe.GpuStackedExperts.from_gguf(
+        gf, [p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"], E)
+    down = gpu_moe.GpuStackedExperts.from_gguf(gf, [p + "ffn_down_exps.weight"], E)
+    assert gu is not None and down is not None
+
+    def experts_of(name):
+        info = gf.tensors[name]
+        rows, k = info.numpy_shape[1:]
+        w = dense(np.asarray(gf.raw(name)).reshape(-1).view(np.uint8), int(info.qtype), k)
+        return w.reshape(E, rows, k)
+
+    g, u = experts_of(p + "ffn_gate_exps.weight"), experts_of(p + "ffn_up_exps.weight")
+    dn = experts_of(p + "ffn_down_exps.weight")
+    gud = [np.concatenate([g[e], u[e]]) for e in range(E)]
+    router = dense(np.asarray(gf.raw(p + "ffn_gate_inp.weight")).reshape(-1).view(np.uint8),
+                   int(gf.tensors[p + "ffn_gate_inp.weight"].qtype), gu.k)
+    routing = Routing(n_expert=E, k=int(gf.metadata["qwen3moe.expert_used_count"]))
+    rng = np.random.default_rng(5)
+    for n in (1, 8):
+        h = rng.standard_normal((n, gu.k)).astype(np.float32)
+        y = cp.asnumpy(gpu_moe.moe_ffn(cp.asarray(h), router, gu, down, routing))
+        ref = moe_ffn_reference(h, router, gud, list(dn), routing)
+        assert np.abs(y - ref).max() / np.abs(ref).max() <= TOL
