@@ -66,6 +66,10 @@ def routing_for(cfg: ModelConfig) -> Routing:
         n_expert, k = int(ex["expert_count"]), int(ex["expert_used_count"])
     except KeyError as exc:
         raise ValueError(f"{cfg.arch} metadata lacks {exc}") from exc
+    if not 0 < k <= n_expert:
+        # named by the file's keys: startup prints this line alone
+        raise ValueError(f"{cfg.arch}.expert_used_count {k} is not in 1..{cfg.arch}"
+                         f".expert_count ({n_expert})")
     kw = dict(ARCH_ROUTING[cfg.arch])
     if "gating" not in kw:
         func = ex.get("expert_gating_func")
