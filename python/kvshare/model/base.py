@@ -274,6 +274,7 @@ class AttentionLayer:
     k_norm: Any = None
     post_attn_norm: Any = None  # gemma: norm of the attention output before the residual
     post_ffn_norm: Any = None
+    sinks: Any = None  # [n_head] f32: a learned logit in each head's softmax denominator (gpt-oss)
     kind: str = ATTENTION
     # `model.fused`'s arguments for the layer, built on first use (() when it cannot take it)
     fused: Any = field(default=None, repr=False, compare=False)
@@ -432,10 +433,10 @@ class DecoderModel(Model):
             attn = paged_attention(q, kc, vc, tables, plan.q_starts,
                                    plan.start_positions, scale=cfg.q_scale, window=L.window,
                                    backend=be, mask_cache=plan.masks, parts=plan.row_parts,
-                                   invariant=self.batch_invariant)
+                                   invariant=self.batch_invariant, sinks=L.sinks)
         else:
             # only the requested rows: attend per chunk with its selected queries
-            attn = self._attention_rows(q, kc, vc, plan, L.window, rows, tables)
+            attn = self._attention_rows(q, kc, vc, plan, L.window, rows, tables, L.sinks)
             x = x[rows]
         attn = attn.reshape(attn.shape[0], -1)
         if parts is None:
@@ -480,7 +481,8 @@ class DecoderModel(Model):
         x += y
 
     def _attention_rows(self, q: Any, kc: Any, vc: Any, plan: BatchPlan, window: int,
-                        rows: np.ndarray, tables: np.ndarray | None = None) -> Any:
+                        rows: np.ndarray, tables: np.ndarray | None = None,
+                        sinks: Any = None) -> Any:
         """Attention output of the query rows `rows` only (the last layer, when only some
         positions' logits are wanted): each row keeps its own position and sequence."""
         seq_of_row = np.searchsorted(plan.q_starts, rows, side="right") - 1
@@ -491,7 +493,7 @@ class DecoderModel(Model):
         tables = plan.block_tables if tables is None else tables
         return paged_attention(sel, kc, vc, tables[seq_of_row], qs, pos,
                                scale=self.config.q_scale, window=window, backend=self.backend,
-                               invariant=self.batch_invariant)
+                               invariant=self.batch_invariant, sinks=sinks)
 
     def _logits(self, x: Any, plan: BatchPlan) -> list[np.ndarray | None]:
         be = self.backend

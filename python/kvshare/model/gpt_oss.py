@@ -27,13 +27,10 @@ import numpy as np
 from kvshare.backend import CPU, Backend
 from kvshare.model.base import AttentionLayer, BatchPlan, DecoderModel, load_decoder
 from kvshare.model.config import ModelConfig
-from kvshare.model.kv_arrays import KVArrays
 from kvshare.model.moe import MoeFFN, load_moe
 from kvshare.model.qwen3moe import _WithoutDenseFFN
-from kvshare.ops.attention import paged_attention
 from kvshare.ops.linear import linear
 from kvshare.ops.norm import rms_norm
-from kvshare.ops.parallel import ROWS, split_rows
 from kvshare.ops.rope_yarn import Yarn, yarn_cos_sin
 
 
@@ -43,7 +40,6 @@ class GptOssLayer(AttentionLayer):
     w_down are None, so the fused decode path, whose layers have a dense FFN, leaves it
     alone: `fused.layer_args`)."""
 
-    sinks: Any = None  # [n_head] f32
     bo: Any = None  # [n_embd] f32
     moe: MoeFFN | None = None
 
@@ -89,7 +85,8 @@ class GptOssModel(DecoderModel):
             bo = (np.asarray(loader.host(p + "attn_output.bias"), np.float32).reshape(-1)
                   if loader.has(p + "attn_output.bias") else None)
             layers.append(GptOssLayer(
-                **{f.name: getattr(L, f.name) for f in fields(AttentionLayer)},
+                **{f.name: getattr(L, f.name) for f in fields(AttentionLayer)
+                   if f.name != "sinks"},
                 sinks=sinks, bo=bo, moe=load_moe(loader, config, L.index, "swiglu_oai")))
         self.layers = layers
 
@@ -101,46 +98,6 @@ class GptOssModel(DecoderModel):
             plan.rope[key] = yarn_cos_sin(plan.positions, self.config.n_rot, base, self.yarn,
                                           backend=self.backend)
         return plan.rope[key]
-
-    def _attention_layer(self, L: Any, x: Any, plan: BatchPlan, cache: KVArrays,
-                         last: bool) -> Any:
-        """`DecoderModel._attention_layer` with the layer's sinks."""
-        cfg = self.config
-        n = x.shape[0]
-        cos, sin = self._rope(plan, L.rope_base, L.rope_scale)
-        kc, vc = cache.layer_kv(L.attn_index)
-        tables, slots = plan.group(cache.group_of(L.attn_index))
-        if tables is None:
-            raise ValueError("the cache keeps window layers apart: chunks need win_block_table")
-        parts = split_rows(n, plan.row_parts) if plan.row_parts > 1 else None
-        if parts is None:
-            q = self._project_qkv(L, x, cos, sin, slots, kc, vc)
-        else:
-            q = np.concatenate(ROWS.run(
-                lambda sl: self._project_qkv(L, x[sl], cos[sl], sin[sl], slots[sl], kc, vc),
-                parts))
-        qs, starts, masks = plan.q_starts, plan.start_positions, plan.masks
-        if last:
-            if plan.logit_rows.size == 0:
-                return None
-            if plan.logit_rows.size < n:
-                # only the requested rows, each a one-token "sequence" at its own position
-                rows = plan.logit_rows
-                seq_of_row = np.searchsorted(plan.q_starts, rows, side="right") - 1
-                q, x = q[rows], x[rows]
-                qs = np.arange(len(rows) + 1, dtype=np.int64)
-                starts, tables = plan.positions[rows], tables[seq_of_row]
-                parts, masks = None, None
-        attn = paged_attention(q, kc, vc, tables, qs, starts, scale=cfg.q_scale,
-                               window=L.window, backend=self.backend, mask_cache=masks,
-                               parts=plan.row_parts if parts is not None else 1,
-                               sinks=L.sinks)
-        attn = attn.reshape(attn.shape[0], -1)
-        if parts is None:
-            self._output_and_mlp(L, x, attn)
-        else:
-            ROWS.run(lambda sl: self._output_and_mlp(L, x[sl], attn[sl]), parts)
-        return x
 
     def _output_and_mlp(self, L: Any, x: Any, attn: Any) -> None:
         be = self.backend
