@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 
 import kvshare.ops.moe as ops_moe
+from kvshare.ops import moe_routing
 from kvshare.backend import CPU_THREADS
 from kvshare.model.batch import SeqChunk
 from kvshare.model.gguf_file import GGUFError, GGUFFile
@@ -74,7 +75,7 @@ def router_gaps():
     route = ops_moe.route
 
     def recording(logits, routing, **kw):
-        p = np.sort(ops_moe._softmax_rows(np.asarray(logits, np.float32), np), axis=1)[:, ::-1]
+        p = np.sort(moe_routing._softmax_rows(np.asarray(logits, np.float32), np), axis=1)[:, ::-1]
         gaps.append(p[:, routing.k - 1] - p[:, routing.k])
         return route(logits, routing, **kw)
 

@@ -270,7 +270,7 @@ def moe_ffn(h: Any, router: Any, gate_up: GpuStackedExperts, down: GpuStackedExp
     `[n_expert, n_embd]` array (then the logits are computed on the host); the biases as
     `moe_ffn`'s (host or device). Returns a float32 device array `[N, n_embd]`."""
     from kvshare.ops import gpu  # noqa: PLC0415
-    from kvshare.ops.moe import route  # noqa: PLC0415
+    from kvshare.ops.moe_routing import route  # noqa: PLC0415
 
     h = rt.as_rows(h)
     if rt.is_device(router) or not isinstance(router, np.ndarray):
