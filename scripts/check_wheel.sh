@@ -78,8 +78,10 @@ assert kvshare.__file__.startswith(sys.prefix), kvshare.__file__" \
 PORT=$("$VENV_BIN/python" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 URL="http://127.0.0.1:$PORT"
 step "kvshare serve (default model) on $URL"
-run_clean "$VENV_BIN/kvshare" serve --host 127.0.0.1 --port "$PORT" --parallel 1 \
-    --ctx-size 1024 > "$WORK/serve.log" 2>&1 &
+# env, not the run_clean function: in the background a function runs in a subshell, and $!
+# would be that subshell's pid, which the cleanup's kill does not pass on to the server
+env -u CARGO_HOME -u RUSTUP_HOME PATH="$VENV_BIN:$CLEAN_PATH" "$VENV_BIN/kvshare" serve \
+    --host 127.0.0.1 --port "$PORT" --parallel 1 --ctx-size 1024 > "$WORK/serve.log" 2>&1 &
 SERVER_PID=$!
 
 "$VENV_BIN/python" - "$URL" "$SERVER_PID" <<'PYEOF' || { tail -30 "$WORK/serve.log" >&2; fail "serving from the wheel"; }
