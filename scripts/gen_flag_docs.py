@@ -47,7 +47,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
       "--repeat-last-n", "--presence-penalty", "--frequency-penalty")),
     ("Limits", ("--max-n", "--max-parallel-tool-calls", "--max-body-mib", "--body-timeout", "--max-connections",
                 "--queue-timeout", "--graceful-timeout")),
-    ("API behaviour and logging", ("--alias", "--chat-template", "--chat-template-file",
+    ("API behaviour and logging", ("--alias", "--tags", "--chat-template", "--chat-template-file",
                                    "--reasoning", "--reasoning-budget",
                                    "--reasoning-format", "--tool-parser", "--slots",
                                    "--slot-save-path", "--no-webui", "--log-level", "--verbose")),

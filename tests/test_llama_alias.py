@@ -72,6 +72,9 @@ def test_models_lists_aliases_and_tags_as_llama_server():
     assert m["meta"]["n_ctx"] == 128
     [o] = body["models"]  # the Ollama-style entry llama-server sends beside `data`
     assert o["name"] == o["model"] == "my-alias" and o["capabilities"] == ["completion"]
+    with client(aliases=["a"], tags=["chat", "fim"]) as c:  # --tags chat,fim
+        body = c.get("/v1/models").json()
+    assert body["data"][0]["tags"] == ["chat", "fim"] and body["models"][0]["tags"] == ["chat", "fim"]
     with client() as c:
         [m] = c.get("/models").json()["data"]
     assert m["id"] == "fake-model" and m["aliases"] == [] and m["tags"] == []

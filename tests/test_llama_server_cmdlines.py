@@ -79,7 +79,7 @@ def test_accepted_line_parses_with_its_meaning(line):
     for flag, field in (("--temp", "temperature"), ("--seed", "seed")):
         if _value(argv, flag) is not None:
             assert defaults[field] == pytest.approx(float(_value(argv, flag)))
-    for flag, attr in (("--alias", "alias"), ("--api-key", "api_key"),
+    for flag, attr in (("--alias", "alias"), ("--tags", "tags"), ("--api-key", "api_key"),
                        ("--chat-template", "chat_template"),
                        ("--reasoning-format", "reasoning_format"), ("--reasoning", "reasoning"),
                        ("--n-predict", "n_predict"), ("--batch-size", "batch_size")):

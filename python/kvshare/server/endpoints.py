@@ -27,21 +27,22 @@ class ServerEndpoints:
 
     async def models(self, request: Request) -> Response:
         """llama-server's single-model list: one model named by the first `--alias` (else the
-        model's own name) with every alias in `aliases` and `tags` (kvshare takes no
-        `--tags`: empty), beside the Ollama-style `models` entry llama-server also sends."""
+        model's own name) with every alias in `aliases` and every `--tags` label in `tags`,
+        beside the Ollama-style `models` entry llama-server also sends."""
         info = self.info
         name = (self.settings.aliases or [info.name])[0]
         return JSONResponse({
             "models": [{
                 "name": name, "model": name, "modified_at": "", "size": "", "digest": "",
-                "type": "model", "description": "", "tags": [""],
+                "type": "model", "description": "", "tags": list(self.settings.tags) or [""],
                 "capabilities": ["completion"], "parameters": "",
                 "details": {"parent_model": "", "format": "gguf", "family": "",
                             "families": [""], "parameter_size": "",
                             "quantization_level": ""}}],
             "object": "list",
             "data": [{
-                "id": name, "aliases": list(self.settings.aliases), "tags": [],
+                "id": name, "aliases": list(self.settings.aliases),
+                "tags": list(self.settings.tags),
                 "object": "model", "created": self.started, "owned_by": "kvshare", "meta": {
                     "n_ctx": info.ctx_size, "n_vocab": info.vocab_size,
                     "chat_template_caps": template_caps(info, self.pipeline.tool_calls),

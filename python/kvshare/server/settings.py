@@ -40,6 +40,8 @@ class ServerSettings:
     # Names /v1/models lists for the loaded model (`--alias`, repeatable); requests may name
     # any model and are served by the loaded one. Empty: the model file's name.
     aliases: list[str] = field(default_factory=list)
+    # `--tags`: informative labels /v1/models lists for the model (llama-server's).
+    tags: list[str] = field(default_factory=list)
     # Tool-call format (kvshare.toolcalls: hermes, qwen35, lfm2, llama3); None: detected from
     # the model's chat template.
     tool_parser: str | None = None

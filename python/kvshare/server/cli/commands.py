@@ -24,7 +24,8 @@ def _server_settings(args: argparse.Namespace, tenancy_kw: dict[str, Any]) -> Se
     from kvshare.server.settings import ServerSettings
 
     aliases = [a.strip() for a in (args.alias or "").split(",") if a.strip()]
-    return ServerSettings(root_path=args.root_path, aliases=aliases,
+    tags = [t.strip() for t in (args.tags or "").split(",") if t.strip()]
+    return ServerSettings(root_path=args.root_path, aliases=aliases, tags=tags,
                           tool_parser=args.tool_parser,
                           max_parallel_tool_calls=args.max_parallel_tool_calls,
                           max_body_bytes=args.max_body_mib * 1024 * 1024,

@@ -18,6 +18,7 @@ LLAMA_NAMES: dict[str, tuple[tuple[str, ...], str | None]] = {
     "--n-predict": (("-n", "--predict"), "LLAMA_ARG_N_PREDICT"),
     "--threads": (("-t",), "LLAMA_ARG_THREADS"),
     "--alias": (("-a",), "LLAMA_ARG_ALIAS"),
+    "--tags": ((), "LLAMA_ARG_TAGS"),
     "--api-key": ((), "LLAMA_API_KEY"),
     "--api-key-file": ((), "LLAMA_ARG_API_KEY_FILE"),
     "--cache-ram": (("-cram",), "LLAMA_ARG_CACHE_RAM"),
@@ -82,5 +83,4 @@ REFUSED = {
     "--context-shift": "kvshare has no context shift: a sequence ends when its context is full",
     "--sleep-idle-seconds": "kvshare keeps the model loaded: no idle sleep",
     "--no-cache-idle-slots": "kvshare always keeps idle sequences' KV in its shared cache",
-    "--tags": "kvshare's /v1/models lists no tags",
 }

@@ -81,6 +81,8 @@ OPTIONS: list[Option] = [
     ("--alias", str, None,
      "name(s) /v1/models lists for the loaded model (repeatable or comma-separated); any "
      "requested model name is served by the loaded model and echoed back"),
+    ("--tags", str, None,
+     "informative tags /v1/models lists for the model (repeatable or comma-separated)"),
     ("--chat-template", str, None,
      "chat template: a built-in name (llama.cpp's: chatml, llama3, mistral-v7, phi4, gemma, "
      "deepseek3, command-r, gpt-oss, ...) or an inline Jinja template (default: the model "
@@ -205,7 +207,7 @@ OPTIONS: list[Option] = [
 
 # Flags that may be given several times: the values are joined with this separator (a value
 # from the environment is replaced, not extended, by the flags on the command line).
-REPEATABLE = {"--api-key": ",", "--public-prefix": os.pathsep, "--alias": ",",
+REPEATABLE = {"--api-key": ",", "--public-prefix": os.pathsep, "--alias": ",", "--tags": ",",
               "--cors-origins": ","}
 
 
