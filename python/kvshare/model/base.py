@@ -275,6 +275,10 @@ class AttentionLayer:
     post_attn_norm: Any = None  # gemma: norm of the attention output before the residual
     post_ffn_norm: Any = None
     sinks: Any = None  # [n_head] f32: a learned logit in each head's softmax denominator (gpt-oss)
+    bo: Any = None  # [n_embd] f32: the output projection's bias (gpt-oss)
+    # the layer's FFN when it is a mixture of experts (`model.moe.MoeFFN`; w_gate_up and
+    # w_down are None then, so the fused decode path, whose layers are dense, leaves it alone)
+    moe: Any = None
     kind: str = ATTENTION
     # `model.fused`'s arguments for the layer, built on first use (() when it cannot take it)
     fused: Any = field(default=None, repr=False, compare=False)
@@ -468,14 +472,17 @@ class DecoderModel(Model):
         call's own array, the copy x[rows], or a row slice of either)."""
         be = self.backend
         eps = self.config.norm_eps
-        o = linear(attn, L.wo, backend=be)
+        o = linear(attn, L.wo, L.bo, backend=be)
         if L.post_attn_norm is not None:
             rms_norm(o, L.post_attn_norm, eps, backend=be, out=o)
         x += o
         h = rms_norm(x, L.ffn_norm, eps, backend=be)
-        gu = linear(h, L.w_gate_up, backend=be)
-        a = glu(gu, self.glu_activation, backend=be)
-        y = linear(a, L.w_down, backend=be)
+        if L.moe is not None:
+            y = L.moe(h)
+        else:
+            gu = linear(h, L.w_gate_up, backend=be)
+            a = glu(gu, self.glu_activation, backend=be)
+            y = linear(a, L.w_down, backend=be)
         if L.post_ffn_norm is not None:
             rms_norm(y, L.post_ffn_norm, eps, backend=be, out=y)
         x += y

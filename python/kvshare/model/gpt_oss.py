@@ -27,10 +27,8 @@ import numpy as np
 from kvshare.backend import CPU, Backend
 from kvshare.model.base import AttentionLayer, BatchPlan, DecoderModel, load_decoder
 from kvshare.model.config import ModelConfig
-from kvshare.model.moe import MoeFFN, load_moe
+from kvshare.model.moe import load_moe
 from kvshare.model.qwen3moe import _WithoutDenseFFN
-from kvshare.ops.linear import linear
-from kvshare.ops.norm import rms_norm
 from kvshare.ops.rope_yarn import Yarn, yarn_cos_sin
 
 
@@ -38,10 +36,7 @@ from kvshare.ops.rope_yarn import Yarn, yarn_cos_sin
 class GptOssLayer(AttentionLayer):
     """An attention layer with sinks, an output bias and experts for its FFN (w_gate_up /
     w_down are None, so the fused decode path, whose layers have a dense FFN, leaves it
-    alone: `fused.layer_args`)."""
-
-    bo: Any = None  # [n_embd] f32
-    moe: MoeFFN | None = None
+    alone: `fused.layer_args`); `sinks`, `bo` and `moe` are AttentionLayer's fields."""
 
 
 class _GptOssNames(_WithoutDenseFFN):
@@ -84,10 +79,9 @@ class GptOssModel(DecoderModel):
                                  f"expected {config.n_head}")
             bo = (np.asarray(loader.host(p + "attn_output.bias"), np.float32).reshape(-1)
                   if loader.has(p + "attn_output.bias") else None)
-            layers.append(GptOssLayer(
-                **{f.name: getattr(L, f.name) for f in fields(AttentionLayer)
-                   if f.name != "sinks"},
-                sinks=sinks, bo=bo, moe=load_moe(loader, config, L.index, "swiglu_oai")))
+            layers.append(GptOssLayer(**{
+                **{f.name: getattr(L, f.name) for f in fields(AttentionLayer)},
+                "sinks": sinks, "bo": bo, "moe": load_moe(loader, config, L.index, "swiglu_oai")}))
         self.layers = layers
 
     def _rope(self, plan: BatchPlan, base: float, scale: float) -> tuple[Any, Any]:
@@ -98,9 +92,3 @@ class GptOssModel(DecoderModel):
             plan.rope[key] = yarn_cos_sin(plan.positions, self.config.n_rot, base, self.yarn,
                                           backend=self.backend)
         return plan.rope[key]
-
-    def _output_and_mlp(self, L: Any, x: Any, attn: Any) -> None:
-        be = self.backend
-        x += linear(attn, L.wo, L.bo, backend=be)
-        h = rms_norm(x, L.ffn_norm, self.config.norm_eps, backend=be)
-        x += L.moe(h)

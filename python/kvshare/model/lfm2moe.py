@@ -8,7 +8,6 @@ shared expert (`kvshare.model.moe`). The leading layers keep lfm2's dense SwiGLU
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
 from kvshare.backend import CPU, Backend
@@ -16,8 +15,7 @@ from kvshare.model.base import AttentionLayer
 from kvshare.model.config import ModelConfig
 from kvshare.model.lfm2 import Lfm2Model
 from kvshare.model.moe import MoeFFN, load_moe
-from kvshare.model.qwen3moe import MoeAttentionLayer, _WithoutDenseFFN
-from kvshare.ops.linear import linear
+from kvshare.model.qwen3moe import _WithoutDenseFFN, with_experts
 from kvshare.ops.norm import rms_norm
 
 
@@ -36,8 +34,7 @@ class Lfm2MoeModel(Lfm2Model):
             L = self.layers[il]
             moe = load_moe(loader, config, il)
             if isinstance(L, AttentionLayer):
-                self.layers[il] = MoeAttentionLayer(
-                    **{f.name: getattr(L, f.name) for f in fields(AttentionLayer)}, moe=moe)
+                self.layers[il] = with_experts(L, moe)
             else:
                 L.w_gate_up, L.w_down = moe, None
 
@@ -48,13 +45,3 @@ class Lfm2MoeModel(Lfm2Model):
             return super().ffn(x, norm, w_gate_up, w_down)
         x += w_gate_up(rms_norm(x, norm, self.config.norm_eps, backend=self.backend))
         return x
-
-    def _output_and_mlp(self, L: Any, x: Any, attn: Any) -> None:
-        """An attention layer's output projection and FFN (experts in a MoE layer)."""
-        if getattr(L, "moe", None) is None:
-            super()._output_and_mlp(L, x, attn)
-            return
-        be = self.backend
-        x += linear(attn, L.wo, backend=be)
-        h = rms_norm(x, L.ffn_norm, self.config.norm_eps, backend=be)
-        x += L.moe(h)

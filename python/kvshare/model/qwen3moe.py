@@ -17,16 +17,20 @@ from kvshare.backend import CPU, Backend
 from kvshare.model.base import AttentionLayer, DecoderModel, load_decoder
 from kvshare.model.config import ModelConfig
 from kvshare.model.moe import MoeFFN, load_moe
-from kvshare.ops.linear import linear
-from kvshare.ops.norm import rms_norm
 
 
 @dataclass
 class MoeAttentionLayer(AttentionLayer):
-    """An attention layer whose feed-forward block is `moe` (w_gate_up / w_down are None).
-    Not an `AttentionLayer` by type, so the fused decode path (dense MLP) leaves it alone."""
+    """An attention layer whose feed-forward block is `moe` (w_gate_up / w_down are None, so
+    the fused decode path, whose layers are dense, leaves it alone)."""
 
     moe: MoeFFN | None = None
+
+
+def with_experts(L: AttentionLayer, moe: MoeFFN) -> MoeAttentionLayer:
+    """Dense layer `L` as loaded, with `moe` for its feed-forward block."""
+    return MoeAttentionLayer(**{**{f.name: getattr(L, f.name) for f in fields(AttentionLayer)},
+                                "moe": moe})
 
 
 class _WithoutDenseFFN:
@@ -55,16 +59,5 @@ class Qwen3MoeModel(DecoderModel):
         load_decoder(self, _WithoutDenseFFN(loader))
         layers = []
         for L in self.layers:
-            moe = load_moe(loader, config, L.index)
-            layers.append(MoeAttentionLayer(
-                **{f.name: getattr(L, f.name) for f in fields(AttentionLayer)}, moe=moe))
+            layers.append(with_experts(L, load_moe(loader, config, L.index)))
         self.layers = layers
-
-    def _output_and_mlp(self, L: Any, x: Any, attn: Any) -> None:
-        if getattr(L, "moe", None) is None:
-            super()._output_and_mlp(L, x, attn)
-            return
-        be = self.backend
-        x += linear(attn, L.wo, backend=be)
-        h = rms_norm(x, L.ffn_norm, self.config.norm_eps, backend=be)
-        x += L.moe(h)
