@@ -98,6 +98,20 @@ def _per_layer(value: Any, n_layers: int) -> list[int]:
     return [int(value)] * n_layers
 
 
+def _swa_windows(md: dict[str, Any], p: str, default_pattern: int, n_layers: int,
+                 sliding: int) -> list[int]:
+    """Each layer's window (0: full attention) from `attention.sliding_window_pattern`: a
+    per-layer list, or n (llama.cpp's set_swa_pattern: layer il is sliding-window unless
+    il % n == n - 1; 0: every layer)."""
+    pattern = md.get(p + "attention.sliding_window_pattern", default_pattern)
+    if isinstance(pattern, list):
+        is_swa = [bool(v) for v in pattern]
+    else:
+        n = int(pattern)
+        is_swa = [n == 0 or il % n < n - 1 for il in range(n_layers)]
+    return [sliding if s else 0 for s in is_swa]
+
+
 def _rope_scale(md: dict[str, Any], p: str) -> float:
     """The position scale of linear rope scaling (1.0: none); other kinds are refused."""
     scaling_type = md.get(p + "rope.scaling.type", "none")
@@ -137,13 +151,7 @@ def config_from_metadata(md: dict[str, Any]) -> ModelConfig:
     if arch == "gemma3":
         # llama.cpp: swa_type STANDARD, set_swa_pattern(6): layer il is sliding-window unless
         # il % 6 == 5; sliding-window layers use rope base 10000 and scale 1.
-        pattern = md.get(p + "attention.sliding_window_pattern", 6)
-        if isinstance(pattern, list):
-            is_swa = [bool(v) for v in pattern]
-        else:
-            n = int(pattern)
-            is_swa = [n == 0 or il % n < n - 1 for il in range(n_layers)]
-        windows = [sliding if s else 0 for s in is_swa]
+        windows = _swa_windows(md, p, 6, n_layers, sliding)
         kw.update(
             rope_base_swa=float(md.get(p + "rope.freq_base_swa", 10000.0)),
             attn_scale=1.0 / math.sqrt(head_dim),  # query_pre_attn_scalar (27B differs)
@@ -197,13 +205,7 @@ def _gpt_oss(md: dict[str, Any], p: str, n_layers: int, sliding: int, rope_base:
     sliding-window when il % 2 == 0) unless the file has a pattern; the window layers' rope
     base from rope.freq_base_swa (default the global one), the same scale; q.k scaled by
     1/sqrt(n_rot); experts only, no dense FFN."""
-    pattern = md.get(p + "attention.sliding_window_pattern", 2)
-    if isinstance(pattern, list):
-        is_swa = [bool(v) for v in pattern]
-    else:
-        n = int(pattern)
-        is_swa = [n == 0 or il % n < n - 1 for il in range(n_layers)]
-    windows = [sliding if s else 0 for s in is_swa]
+    windows = _swa_windows(md, p, 2, n_layers, sliding)
     yarn = _yarn(md, p, ctx)
     rope_scale = yarn["freq_scale"] if yarn else _rope_scale(md, p)
     extra = _moe_extra(md, p)
