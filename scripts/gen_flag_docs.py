@@ -66,7 +66,7 @@ def _defaults() -> dict[str, str]:
         model = "the catalog's default"
     return {
         "--model": model,  # kvshare.model.catalog.DEFAULT_MODEL
-        # kvshare.model.catalog.store_dir
+        # kvshare.model.store.store_dir
         "--model-store": "`$XDG_CACHE_HOME/kvshare/models`, else `~/.cache/kvshare/models`",
         # Engine._pool_blocks: parallel * ceil(ctx / block) blocks, capped at 1.5 GiB of KV
         "--kv-mem": "`--parallel` x `--ctx-size` tokens, at most 1.5 GiB",

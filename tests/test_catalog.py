@@ -25,7 +25,7 @@ import httpx
 import numpy as np
 import pytest
 
-from kvshare.model import catalog
+from kvshare.model import catalog, store
 from kvshare.server import cli
 from kvshare.server.cli.preflight import kv_dtype_problem
 
@@ -89,9 +89,9 @@ def _leftovers(cache: Path) -> list[str]:
 # --------------------------------------------------------------------------- resolution
 
 def test_cache_dir_from_environment(tmp_path):
-    assert catalog.store_dir({"KVSHARE_MODEL_CACHE": str(tmp_path)}) == tmp_path
-    assert catalog.store_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "kvshare" / "models"
-    assert catalog.store_dir({}) == Path.home() / ".cache" / "kvshare" / "models"
+    assert store.store_dir({"KVSHARE_MODEL_CACHE": str(tmp_path)}) == tmp_path
+    assert store.store_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "kvshare" / "models"
+    assert store.store_dir({}) == Path.home() / ".cache" / "kvshare" / "models"
 
 
 def test_resolve_path_name_and_unknown(tmp_path, smol_path):
@@ -107,7 +107,7 @@ def test_resolve_path_name_and_unknown(tmp_path, smol_path):
     path, name = catalog.resolve("gemma3-270m")
     assert name == "gemma3-270m" and os.path.getsize(path) == catalog.MODELS[name].size
     assert Path(path).resolve() == Path(default_model_path()).resolve() or \
-        Path(path).parent == catalog.store_dir()
+        Path(path).parent == store.store_dir()
     # neither: one line naming every catalog model
     for bad, words in (("llama-7b", "unknown model 'llama-7b'"),
                        (str(tmp_path / "nope.gguf"), "model file not found")):

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import hub
-from .store import FetchError, ModelNotFound, fsync_dir, locked, progress_bar, store_dir
+from .store import FetchError, ModelNotFound, fsync_dir, locked, progress_bar, store_root
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _TMP_PREFIX = ".partial-"
@@ -158,14 +158,10 @@ def get(name: str) -> CatalogModel:
         raise UnknownModelError(not_found_message(name)) from None
 
 
-def _store(store: str | Path | None) -> Path:
-    return Path(store).expanduser() if store else store_dir()
-
-
 def stored_path(name: str, store: str | Path | None = None) -> Path | None:
     """The model's complete file in the model store (right size), or None."""
     m = get(name)
-    p = _store(store) / m.filename
+    p = store_root(store) / m.filename
     try:
         return p if p.is_file() and p.stat().st_size == m.size else None
     except OSError:
@@ -277,7 +273,7 @@ def fetch(name: str, store: str | Path | None = None, *, progress: bool = True,
     atomically and verify its size and sha256. Returns the stored path. A complete file
     already there is kept unless `replace`."""
     m = get(name)
-    root = _store(store)
+    root = store_root(store)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:

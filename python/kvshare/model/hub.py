@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Iterator, Mapping
 from urllib.parse import quote
 
-from .store import FetchError, ModelNotFound, fsync_dir, locked, progress_bar, store_dir
+from .store import FetchError, ModelNotFound, fsync_dir, locked, progress_bar, store_root
 
 PREFIX = "hf:"
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -232,7 +232,7 @@ def _manifest(root: Path, ref: HubRef) -> Path:
 
 def stored(ref: HubRef, store: str | Path | None = None) -> Path | None:
     """The first file of a model fetched earlier for this reference, or None."""
-    root = Path(store).expanduser() if store else store_dir()
+    root = store_root(store)
     try:
         names = json.loads(_manifest(root, ref).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -243,7 +243,7 @@ def stored(ref: HubRef, store: str | Path | None = None) -> Path | None:
 
 def stored_models(store: str | Path | None = None) -> list[tuple[str, int]]:
     """(`hf:` reference, bytes) of every hub model fetched into the store."""
-    root = Path(store).expanduser() if store else store_dir()
+    root = store_root(store)
     out = []
     for manifest in sorted((root / "hf").glob("*/*/*.json")):
         owner, name = manifest.parent.parent.name, manifest.parent.name
@@ -263,7 +263,7 @@ def resolve(spec: str, store: str | Path | None = None, *, settings: HubSettings
     """A hub reference to the local path of its (first) GGUF file, fetched when needed."""
     ref = parse_ref(spec)
     settings = settings or HubSettings.from_env()
-    root = Path(store).expanduser() if store else store_dir()
+    root = store_root(store)
     found = stored(ref, root)
     if found is not None:
         return found

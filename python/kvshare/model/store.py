@@ -34,6 +34,11 @@ def store_dir(environ: dict[str, str] | None = None) -> Path:
     return base / "kvshare" / "models"
 
 
+def store_root(store: str | Path | None = None) -> Path:
+    """The folder `--model-store` names, else the default one (`store_dir`)."""
+    return Path(store).expanduser() if store else store_dir()
+
+
 @contextlib.contextmanager
 def locked(root: Path) -> Iterator[None]:
     """One fetch into this folder at a time (an advisory lock; none on platforms without

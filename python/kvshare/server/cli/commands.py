@@ -120,6 +120,7 @@ def pull(args: argparse.Namespace) -> int:
 def models(args: argparse.Namespace) -> int:
     """`kvshare models`: the catalog and the hub models in the model store, one a line."""
     from kvshare.model import catalog, hub
+    from kvshare.model.store import store_root
 
     rows = [("NAME", "SIZE", "STATUS", "FOR")]
     for m in catalog.MODELS.values():
@@ -136,7 +137,7 @@ def models(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
-    print(f"model store: {args.model_store or catalog.store_dir()}")
+    print(f"model store: {store_root(args.model_store)}")
     print("use one: kvshare serve --model NAME (or hf:OWNER/NAME[:QUANT], or a GGUF file "
           "path); fetch ahead: kvshare pull NAME")
     return 0
