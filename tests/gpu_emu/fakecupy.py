@@ -48,6 +48,16 @@ def matmul(a, b, out=None):
         out[...] = r; return out
     return _dev(r)
 def asnumpy(a): return np.array(np.asarray(a).view(np.ndarray))
+def __getattr__(name):
+    # NumPy for the rest of CuPy's array API (exp, negative, multiply, arange, ...): ufuncs
+    # keep the device subclass of their inputs; new arrays become device arrays
+    f = getattr(np, name)
+    if not callable(f) or isinstance(f, type):
+        return f
+    def on_device(*a, **k):
+        r = f(*a, **k)
+        return _dev(r) if type(r) is np.ndarray else r
+    return on_device
 float16, float32, int32, int64 = np.float16, np.float32, np.int32, np.int64
 
 # ---- cuda ----
