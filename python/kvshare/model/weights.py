@@ -276,19 +276,34 @@ def cpu_weight_mode(vnni_model: bool = False) -> str:
     return mode
 
 
+# a MoE layer's router (`ffn_gate_inp`, [n_expert, n_embd]): llama.cpp's quantizer leaves it
+# F32, and an F32 router's product is batch-invariant on its own (`ops.moe.router_logits`)
+_ROUTER = "ffn_gate_inp.weight"
+
+
 def vnni_eligible(gf: GGUFFile, n_recurrent_layers: int) -> bool:
-    """Whether a model takes `blocks-vnni` by default: no recurrent layers and every matrix
-    of a type the VNNI kernel takes. Its products then multiply 8-bit activations at every
-    batch size and its attention takes the batch-invariant kernel, so each token's result is
-    the same bits however prompts are chunked and batched. A matrix on another path (Q4_1,
-    f16, ...) or a recurrent layer's scan computes chunks and single steps in different float
-    orders (~1e-7), which 8-bit rounding would amplify to ~1% of the logits."""
+    """Whether a model takes `blocks-vnni` by default: no recurrent layers, and every matrix
+    (2-D, or a MoE layer's stacked experts, 3-D) of a type the VNNI kernel takes, except an F32
+    MoE router, which `ops.moe.router_logits` multiplies with one summation order per row at
+    any batch size. Its products then multiply 8-bit activations at every batch size and its
+    attention takes the batch-invariant kernel, so each token's result is the same bits
+    however prompts are chunked and batched. A matrix on another path (Q4_1, f16, an f32
+    projection on BLAS, ...) or a recurrent layer's scan computes chunks and single steps in
+    different float orders (~1e-7), which 8-bit rounding would amplify to ~1% of the logits.
+    A shared expert's gate (`ffn_gate_inp_shexp`, a vector multiplied as a 1-row matrix on
+    BLAS) is such a product too."""
     from kvshare import _core  # noqa: PLC0415
 
     if n_recurrent_layers or not hasattr(_core, "block_vnni_supports"):
         return False
-    return all(_core.block_vnni_supports(int(t.qtype))
-               for t in gf.tensors.values() if len(t.shape) == 2)
+    for name, t in gf.tensors.items():
+        if ".ffn_gate_inp_shexp." in name:
+            return False
+        if len(t.shape) < 2 or (name.endswith(_ROUTER) and t.qtype == Q.F32):
+            continue
+        if not _core.block_vnni_supports(int(t.qtype)):
+            return False
+    return True
 
 
 class WeightLoader:

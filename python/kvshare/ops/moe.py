@@ -5,7 +5,9 @@ Routing (`route`): router logits `[N, n_expert]` -> gating probabilities (softma
 -> the top k experts by probability (highest first) -> their probabilities as weights,
 divided by their sum when `norm` (the sum clamped to >= 2^-14, as ggml clamps it) and
 multiplied by `scale` when it is neither 0 nor 1. "softmax_weight" picks by the raw logits and
-takes the softmax of the k picked logits as weights.
+takes the softmax of the k picked logits as weights. The router's product itself is
+`router_logits`: on the CPU an f32 router takes a row kernel whose result for a token does
+not depend on the rows beside it, so routing is batch-invariant (as `blocks-vnni` needs).
 
 Products (`moe_ffn`): the (token, slot) pairs are grouped by expert (`group_by_expert`), and
 each expert with at least one pair runs one product per matrix over its tokens' rows: its
@@ -88,6 +90,39 @@ def _activate(gu: Any, activation: str, backend: Backend) -> Any:
     return glu(gu, activation, backend=backend)
 
 
+# rows per call of the router's row kernel (`_core.block_matmul_t_f32` takes at most this many)
+_ROUTER_ROWS = 16
+HAVE_ROUTER_KERNEL = hasattr(_core, "block_matmul_t_f32")
+
+
+def router_logits(h: Any, router: Any, bias: Any = None, *, backend: Backend = CPU) -> Any:
+    """The router's logits `h @ router.T (+ bias)` `[N, n_expert]`.
+
+    On the CPU an f32 router (llama.cpp's quantizer leaves `ffn_gate_inp` in F32) goes through
+    `_core.block_matmul_t_f32` 16 rows at a time: that kernel sums each row's products in one
+    order whatever the number of rows beside it, so a token's logits are the same bits alone
+    (decode), in a batch or anywhere in a prefill chunk. BLAS (`linear`'s path for f32
+    weights) sums a lone row (gemv) and a block of rows (gemm) in different orders, and the
+    ~1e-7 difference, passed through the routing weights into the next layer's 8-bit
+    activations ("vnni"), would move the logits of a cached prefix against a cold run. Other
+    router forms (block weights, a GPU) take `linear`."""
+    if (backend.is_gpu or not HAVE_ROUTER_KERNEL or not isinstance(router, np.ndarray)
+            or router.dtype != np.float32 or router.ndim != 2):
+        return linear(h, router, bias, backend=backend)
+    h = np.ascontiguousarray(h, dtype=np.float32)
+    n = h.shape[0]
+    raw = np.ascontiguousarray(router).view(np.uint8)  # the F32 rows as GGML type 0's bytes
+    out = np.empty((n, router.shape[0]), np.float32)
+    # inside a row-parallel part (prefill) the other parts hold the other cores
+    threads = 1 if ROWS.inside() else CPU_THREADS.kernel_threads
+    for s in range(0, n, _ROUTER_ROWS):
+        e = min(n, s + _ROUTER_ROWS)
+        _core.block_matmul_t_f32(h[s:e], raw, 0, out[s:e], threads)
+    if bias is not None:
+        out += bias
+    return out
+
+
 def moe_ffn(h: Any, router: Any, gate_up: Sequence[Any], down: Sequence[Any],
             routing: Routing, activation: str = "silu", *, router_bias: Any = None,
             selection_bias: Any = None, gate_up_bias: Any = None, down_bias: Any = None,
@@ -101,7 +136,7 @@ def moe_ffn(h: Any, router: Any, gate_up: Sequence[Any], down: Sequence[Any],
     optional per-expert biases added to its products (gpt-oss)."""
     xp = backend.xp
     n = h.shape[0]
-    logits = linear(h, router, router_bias, backend=backend)
+    logits = router_logits(h, router, router_bias, backend=backend)
     ids, w = route(logits, routing, backend=backend, selection_bias=selection_bias)
     k = routing.k
     ids_host = backend.to_host(ids) if backend.is_gpu else ids
@@ -201,7 +236,8 @@ def moe_ffn_grouped(h: np.ndarray, router: Any, gate_up: StackedExperts, down: S
                                gate_up_bias=gate_up_bias, down_bias=down_bias)
     n = h.shape[0]
     h = np.ascontiguousarray(h, dtype=np.float32)
-    ids, w = route(linear(h, router, router_bias), routing, selection_bias=selection_bias)
+    ids, w = route(router_logits(h, router, router_bias), routing,
+                   selection_bias=selection_bias)
     if gate_up.q8_0_acts:
         h = q8_0_round(h)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
