@@ -155,7 +155,7 @@ def main() -> None:
     system = system_prompt(args.prefix_words)
     cache_dir = tempfile.mkdtemp(prefix="kvshare-bench-apis-")
     log = Path(tempfile.mkstemp(prefix="kvshare-bench-apis-", suffix=".log")[1])
-    serve_args = ["--ctx-size", "8192", "--cache-dir", cache_dir, "--parallel", "2"]
+    serve_args = ["--kv-unified-per-slot", "8192", "--cache-dir", cache_dir, "--parallel", "2"]
     results: dict = {"prefix_words": args.prefix_words}
 
     srv = ServeProcess(serve_args, log)

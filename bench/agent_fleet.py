@@ -391,8 +391,8 @@ def main() -> None:
         serve_args = (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
         need = int(1.2 * (args.prefix_tokens + args.turns * (args.new_tokens + args.max_tokens
                                                              + 40)))
-        if need > DEFAULT_CTX and "--ctx-size" not in serve_args:
-            serve_args += ["--ctx-size", str(need)]
+        if need > DEFAULT_CTX and "--kv-unified-per-slot" not in serve_args:
+            serve_args += ["--kv-unified-per-slot", str(need)]
         log = Path(tempfile.mkdtemp(prefix="kvshare-agent-fleet-")) / "server.log"
         print(f"starting kvshare serve {' '.join(serve_args)} (log {log})", flush=True)
         server = ServeProcess(serve_args, log)

@@ -70,7 +70,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         model = [] if "--model" in extra else ["--model", "gemma3-270m"]  # its prompts are Gemma's
         cmd = [sys.executable, "-m", "kvshare.server.cli", "serve", "--port", str(self.port),
-               "--parallel", "4", "--ctx-size", str(ctx), *model, *extra]
+               "--parallel", "4", "--kv-unified-per-slot", str(ctx), *model, *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.time() + 300
         while time.time() < deadline:

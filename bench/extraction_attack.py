@@ -134,7 +134,7 @@ def run_scope(scope: str, args, log_dir: Path) -> dict:
     key_file = log_dir / "keys"
     key_file.write_text("".join(f"{k} {name}\n" for name, k in KEYS.items()))
     key_file.chmod(0o600)
-    srv = Server(["--model", str(args.model), "--parallel", "2", "--ctx-size", str(args.ctx),
+    srv = Server(["--model", str(args.model), "--parallel", "2", "--kv-unified-per-slot", str(args.ctx),
                   "--api-key-file", str(key_file), "--cache-scope", scope], log_dir, scope)
     rng = random.Random(f"{args.seed}-{scope}")
     try:

@@ -57,7 +57,7 @@ def warm_disk_bytes(srv: ServeProcess) -> int:
 
 def capacity(extra: list[str], prefix: str, kv_mem: int, log: Path) -> dict:
     cache_dir = tempfile.mkdtemp(prefix="kvshare-bench-cap-")
-    srv = ServeProcess(["--kv-mem", str(kv_mem), "--parallel", "32", "--ctx-size", "8192",
+    srv = ServeProcess(["--kv-mem", str(kv_mem), "--parallel", "32", "--kv-unified-per-slot", "8192",
                         "--cache-dir", cache_dir, "--cache-min-tokens", "64", *extra], log)
     try:
         warm: dict = {}

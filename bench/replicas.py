@@ -146,7 +146,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="kvshare-bench-replicas-")
     redis_proc, port = start_redis(tmp)
     url = f"redis://127.0.0.1:{port}/0"
-    serve_args = ["--ctx-size", "8192", "--parallel", "2", "--cache-redis", url]
+    serve_args = ["--kv-unified-per-slot", "8192", "--parallel", "2", "--cache-redis", url]
     system = system_prompt(args.prefix_words)
     other = "Be terse. " + system[::-1]
     rows: dict[str, dict] = {}

@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     proc = None
     url = args.url
     if url is None:
-        serve_args = ["--parallel", str(args.concurrency), "--ctx-size", "4096",
+        serve_args = ["--parallel", str(args.concurrency), "--kv-unified-per-slot", "4096",
                       *(["--model", args.model] if args.model else []),
                       *args.server_args.split()]
         log = Path(tempfile.mkdtemp(prefix="kvshare-tool-acceptance-")) / "server.log"

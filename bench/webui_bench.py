@@ -96,7 +96,7 @@ def words(rng: random.Random, n: int) -> str:
 
 
 def poll_cost_http(repeats: int, log_dir: str) -> dict:
-    s = ServeProcess(["--model", str(TINY), "--parallel", "8", "--ctx-size", "4096",
+    s = ServeProcess(["--model", str(TINY), "--parallel", "8", "--kv-unified-per-slot", "4096",
                       "--kv-blocks", "12000", "--cache-ram", "0"],
                      Path(log_dir) / "webui-bench-cost.log")
     try:
@@ -154,7 +154,7 @@ print(" ".join(f"{x:.3f}" for x in lat))
 
 
 def decode_bench(model: str, streams: int, rounds: int, window: float, log_dir: str) -> dict:
-    s = ServeProcess(["--model", model, "--parallel", str(streams), "--ctx-size", "4096"],
+    s = ServeProcess(["--model", model, "--parallel", str(streams), "--kv-unified-per-slot", "4096"],
                      Path(log_dir) / "webui-bench-decode.log")
     stop = threading.Event()
     errors: list[str] = []

@@ -39,7 +39,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
       "--checkpoint-min-step", "--checkpoint-min-gain", "--ctx-checkpoints", "--cache-scope",
       "--public-prefix")),
     ("Engine: batch, context, KV pool",
-     ("--parallel", "--ctx-size", "--kv-unified", "--n-predict", "--kv-mem", "--kv-blocks",
+     ("--parallel", "--ctx-size", "--kv-unified-per-slot", "--kv-unified", "--n-predict", "--kv-mem", "--kv-blocks",
       "--block-size", "--kv-dtype", "--swa-full", "--prefill-chunk", "--batch-size",
       "--ubatch-size")),
     ("Sampling defaults (of requests that leave the field out)",
@@ -69,7 +69,8 @@ def _defaults() -> dict[str, str]:
         # kvshare.model.store.store_dir
         "--model-store": "`$XDG_CACHE_HOME/kvshare/models`, else `~/.cache/kvshare/models`",
         # Engine._pool_blocks: parallel * ceil(ctx / block) blocks, capped at 1.5 GiB of KV
-        "--kv-mem": "`--parallel` x `--ctx-size` tokens, at most 1.5 GiB",
+        "--kv-mem": "`--parallel` x each sequence's context, at most 1.5 GiB",
+        "--kv-unified-per-slot": "none (from `--ctx-size`)",
         "--kv-blocks": "(from `--kv-mem`)",
         "--threads": "one per usable core",  # backend.set_cpu_threads(None)
         "--cache-scope": "`key` with API keys, else `global`",  # tenancy.default_scope

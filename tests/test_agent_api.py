@@ -47,7 +47,7 @@ def _default_model() -> str:
 
 @pytest.fixture(scope="module")
 def server(launcher):
-    s = Server(launcher, "--parallel", str(CONCURRENCY), "--ctx-size", "4096",
+    s = Server(launcher, "--parallel", str(CONCURRENCY), "--kv-unified-per-slot", "4096",
                "--max-n", str(MAX_N), "--alias", ALIAS, model=_default_model())
     yield s
     s.terminate()
@@ -347,7 +347,7 @@ def test_max_tokens_past_context_is_clamped(launcher):
     """max_tokens = 10**6 on a 96-token context: accepted, the reply runs to the end of the
     context (the end-of-turn tokens banned by logit_bias) and ends with "length"."""
     ctx = 96
-    small = Server(launcher, "--parallel", "1", "--ctx-size", str(ctx), model=_default_model())
+    small = Server(launcher, "--parallel", "1", "--kv-unified-per-slot", str(ctx), model=_default_model())
     try:
         bans = {str(_token_id(small, t)): -100 for t in ("<end_of_turn>", "<eos>")}
         client = openai_client(small)

@@ -36,7 +36,7 @@ def _model_path() -> str:
 
 @pytest.fixture(scope="module")
 def server(launcher):
-    s = Server(launcher, "--parallel", "2", "--ctx-size", "4096", model=_model_path())
+    s = Server(launcher, "--parallel", "2", "--kv-unified-per-slot", "4096", model=_model_path())
     yield s
     s.terminate()
 

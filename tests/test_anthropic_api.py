@@ -43,7 +43,7 @@ def _default_model() -> str:
 
 @pytest.fixture(scope="module")
 def server(launcher):
-    s = Server(launcher, "--parallel", "2", "--ctx-size", "2048", "--api-key", KEY,
+    s = Server(launcher, "--parallel", "2", "--kv-unified-per-slot", "2048", "--api-key", KEY,
                model=_default_model())
     yield s
     s.terminate()

@@ -299,7 +299,7 @@ KEYS = {"alice": "sk-alice-0123456789", "bob": "sk-bob-0123456789",
         "bob2": "sk-bob-second-key-0123", "carol": "sk-carol-0123456789",
         "dave": "sk-dave-0123456789"}
 PUBLIC_SYSTEM = "You are the support agent of Example Bank. " + text(7, 90)
-COMMON = ("--parallel", "2", "--ctx-size", "1024", "--log-level", "info")
+COMMON = ("--parallel", "2", "--kv-unified-per-slot", "1024", "--log-level", "info")
 
 
 @pytest.fixture(scope="module")

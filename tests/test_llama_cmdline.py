@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from kvshare.server import cli
+from kvshare.server.cli.config import ctx_per_sequence
 from kvshare.server.cli.preflight import choose_device
 from tier_helpers import ROOT, TINY_MODEL, _clean_env
 
@@ -42,7 +43,6 @@ def test_sampling_flags_are_server_defaults():
 @pytest.mark.parametrize("argv,words", [
     (["--temp", "-1"], "cannot use --temp -1.0"),
     (["--top-p", "2"], "cannot use --top-p 2.0"),
-    (["-c", "3", "-np", "4"], "-c 3 is the context of all 4 slots"),
     (["-fa", "sometimes"], "flash attention setting"),
     (["-ngl", "many"], "layer count"),
 ])
@@ -54,21 +54,44 @@ def test_bad_values_exit_2_one_line(argv, words, capsys):
     assert len(err) == 1 and words in err[0], err
 
 
+# llama-server's slot context for -c / -np / --kv-unified: llama_n_ctx_seq of a context made
+# with those n_ctx / n_seq_max / kv_unified (src/llama-context.cpp: n_ctx padded to 256; not
+# unified: n_ctx_seq = pad(n_ctx / n_seq_max, 256)), measured with llama.cpp's libllama on
+# tests/data/models/tiny-qwen3-chat.gguf (n_ctx_train 32768), which server_context::n_ctx_slot
+# caps at n_ctx_train and /props, /slots and /v1/models report.
 @pytest.mark.parametrize("argv,env,per_seq", [
-    (["-c", "1024", "-np", "2"], {}, 512),  # llama-server's total over its slots
-    (["-c", "1024", "--parallel", "2"], {}, 512),
-    (["--ctx-size", "1024", "-np", "2"], {}, 1024),  # kvshare's own spelling: per sequence
-    (["-c", "1024"], {}, 1024),  # no slot count: llama-server's unified KV, each gets it all
-    (["-c", "1024", "-np", "2", "--kv-unified"], {}, 1024),
-    (["-c", "1024", "-np", "2", "-kvu"], {}, 1024),
+    (["-c", "512", "-np", "2"], {}, 256),  # the issue's line
+    (["-c", "512", "-np", "2", "--kv-unified"], {}, 512),
+    (["-c", "512", "-np", "2", "-kvu"], {}, 512),
+    (["--ctx-size", "1024", "--parallel", "2"], {}, 512),  # llama.cpp's tests spell it so
+    (["-c", "1000", "-np", "3"], {}, 512),  # 1000 -> 1024, / 3 = 341 -> 512
+    (["-c", "1024", "-np", "4"], {}, 256),
+    (["-c", "16384", "-np", "4"], {}, 4096),
+    (["-c", "256", "-np", "2"], {}, 256),  # 128 rounds up: 512 in all
+    (["-c", "100", "-np", "1"], {}, 256),
+    (["-c", "100"], {}, 256),  # no slot count: 4 slots over a unified KV
+    (["-c", "1024"], {}, 1024),
     ([], {"LLAMA_ARG_CTX_SIZE": "1024", "LLAMA_ARG_N_PARALLEL": "4"}, 256),
-    ([], {"KVSHARE_CTX_SIZE": "1024", "LLAMA_ARG_N_PARALLEL": "4"}, 1024),
+    ([], {"KVSHARE_CTX_SIZE": "1024", "KVSHARE_PARALLEL": "4"}, 256),
     (["-c", "1024"], {"LLAMA_ARG_N_PARALLEL": "2"}, 512),
-    (["-c", "0", "-np", "2"], {}, None),  # the model's trained context
+    ([], {"LLAMA_ARG_CTX_SIZE": "1024", "LLAMA_ARG_KV_UNIFIED": "1",
+          "LLAMA_ARG_N_PARALLEL": "4"}, 1024),
+    (["-c", "0", "-np", "2"], {}, 16384),  # the model's trained context over 2 slots
+    (["-c", "0"], {}, 32768),
+    (["-c", "65536", "-np", "1"], {}, 32768),  # capped at the trained context
+    # each sequence's own context: without -c the pool is np x N; with it, at most N
+    (["--kv-unified-per-slot", "96", "--parallel", "1"], {}, 96),
+    (["--kv-unified-per-slot", "1000", "-np", "4"], {}, 1000),
+    (["--kv-unified-per-slot", "300", "-c", "1024", "-np", "2"], {}, 300),
+    (["--kv-unified-per-slot", "900", "-c", "1024", "-np", "2"], {}, 512),
+    ([], {"LLAMA_ARG_KV_UNIFIED_PER_SLOT": "700"}, 700),
+    ([], {}, None),  # kvshare's default: 8192 a sequence
 ])
-def test_ctx_over_slots_is_llama_servers_total(argv, env, per_seq):
-    kw = cli.engine_config_kwargs(cli.parse_args(["serve", *argv], env))
-    assert kw.get("ctx_size") == per_seq
+def test_ctx_per_slot_as_llama_server(argv, env, per_seq):
+    a = cli.parse_args(["serve", *argv], env)
+    assert ctx_per_sequence(a, n_ctx_train=32768) == per_seq
+    if per_seq is not None and "0" not in argv and "65536" not in argv:
+        assert cli.engine_config_kwargs(a)["ctx_size"] == per_seq  # before the model loads
 
 
 def test_batch_sizes_bound_the_prefill_chunk():
@@ -240,3 +263,33 @@ def test_server_tests_command_line_seed_reproducible(tmp_path):
         r2 = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 16})
         assert r.status_code == r2.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == r2.json()["choices"][0]["text"]
+
+
+def test_ctx_over_slots_on_a_real_server(tmp_path):
+    """`-c 512 -np 2`: each slot 256 tokens, as llama-server's /props, /slots and /v1/models
+    report it; a 300-token prompt is refused with llama-server's exceed_context_size_error.
+    With `--kv-unified` each slot has all 512 and the same prompt is served."""
+    prompt = [100 + i % 50 for i in range(300)]
+    port = _free_port()
+    base = ["-m", str(TINY_MODEL), "--port", str(port), "--offline", "--no-webui",
+            "--cache-ram", "0", "-c", "512", "-np", "2"]
+    with _kvshare(base, tmp_path / "split.log") as c:
+        props = c.get("/props").json()
+        assert props["default_generation_settings"]["n_ctx"] == 256
+        assert props["total_slots"] == 2
+        assert [s["n_ctx"] for s in c.get("/slots").json()] == [256, 256]
+        assert c.get("/v1/models").json()["data"][0]["meta"]["n_ctx"] == 256
+        r = c.post("/completion", json={"prompt": prompt, "n_predict": 4})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["code"], err["type"], err["n_ctx"]) == (400, "exceed_context_size_error",
+                                                             256)
+        assert err["n_prompt_tokens"] >= 300
+        assert err["message"] == (f"request ({err['n_prompt_tokens']} tokens) exceeds the "
+                                  "available context size (256 tokens), try increasing it")
+        assert _complete(c, "Hello", n_predict=2)["tokens_predicted"] >= 1
+    with _kvshare([*base, "--kv-unified"], tmp_path / "unified.log") as c:
+        assert c.get("/props").json()["default_generation_settings"]["n_ctx"] == 512
+        assert [s["n_ctx"] for s in c.get("/slots").json()] == [512, 512]
+        r = c.post("/completion", json={"prompt": prompt, "n_predict": 2})
+        assert r.status_code == 200, r.text

@@ -18,7 +18,7 @@ PROMPTS = ["Once upon a time", "The capital of France is", [1, 2, 3, 4]]
 
 @pytest.fixture(scope="module")
 def server(launcher):
-    s = Server(launcher, "--parallel", "4", "--ctx-size", "512", "--alias", "tiny-alias,other")
+    s = Server(launcher, "--parallel", "4", "--kv-unified-per-slot", "512", "--alias", "tiny-alias,other")
     yield s
     s.terminate()
 

@@ -213,7 +213,7 @@ def test_engine_without_the_timing_counters():
 # --------------------------------------------------------------------------- real server
 
 def test_real_server_metrics(launcher):
-    s = Server(launcher, "--parallel", "2", "--ctx-size", "1024")
+    s = Server(launcher, "--parallel", "2", "--kv-unified-per-slot", "1024")
     try:
         msgs = [{"role": "system", "content": "You are terse. " * 20},
                 {"role": "user", "content": "Count to five."}]

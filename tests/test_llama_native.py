@@ -382,6 +382,8 @@ def test_prompt_too_long_is_llama_servers_error(client):
     err = assert_llama_error(client.post("/completion", json={"prompt": "a" * 200}), 400,
                              "exceed_context_size_error")
     assert err["n_prompt_tokens"] == 201 and err["n_ctx"] == 128
+    assert err["message"] == ("request (201 tokens) exceeds the available context size "
+                              "(128 tokens), try increasing it")
 
 
 def test_http_errors_on_native_paths(client):
@@ -719,7 +721,8 @@ def test_template_kwargs_cannot_set_renderer_options():
 def test_error_body_shape():
     e = APIError(400, "bad", code="context_length_exceeded")
     e.details = {"n_prompt_tokens": 9, "n_ctx": 8}
-    assert N.llama_error_body(e) == {"error": {"code": 400, "message": "bad",
+    assert N.llama_error_body(e) == {"error": {"code": 400, "message": (
+        "request (9 tokens) exceeds the available context size (8 tokens), try increasing it"),
                                                "type": "exceed_context_size_error",
                                                "n_prompt_tokens": 9, "n_ctx": 8}}
     assert N.llama_error_body(APIError(503, "busy")) == {

@@ -42,7 +42,7 @@ def slot_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(launcher, slot_dir):
-    s = Server(launcher, "--parallel", "2", "--ctx-size", str(CTX),
+    s = Server(launcher, "--parallel", "2", "--kv-unified-per-slot", str(CTX),
                "--slot-save-path", str(slot_dir), model=_default_model())
     yield s
     s.terminate()

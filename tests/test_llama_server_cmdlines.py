@@ -68,13 +68,12 @@ def test_accepted_line_parses_with_its_meaning(line):
     kw = cli.engine_config_kwargs(a)
     slots = _value(argv, "-np", "--parallel") or env.get("LLAMA_ARG_N_PARALLEL")
     assert a.parallel == int(slots or 4)
-    per_seq = _value(argv, "--ctx-size")
-    total = _value(argv, "-c") or (None if per_seq else env.get("LLAMA_ARG_CTX_SIZE"))
-    if per_seq:
-        assert kw["ctx_size"] == int(per_seq)
-    elif total:
-        split = slots is not None and "--kv-unified" not in argv and "-kvu" not in argv
-        assert kw["ctx_size"] == int(total) // (int(slots) if split else 1)
+    total = _value(argv, "-c", "--ctx-size") or env.get("LLAMA_ARG_CTX_SIZE")
+    if total and int(total):  # llama-server's slot context (llama_n_ctx_seq): total over slots
+        unified = slots is None or "--kv-unified" in argv or "-kvu" in argv
+        padded = -(-int(total) // 256) * 256
+        want = padded if unified else -(-(padded // int(slots)) // 256) * 256
+        assert kw["ctx_size"] == want
     defaults = cli.llama_settings_kwargs(a)["sampling_defaults"]
     for flag, field in (("--temp", "temperature"), ("--seed", "seed")):
         if _value(argv, flag) is not None:

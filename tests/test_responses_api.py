@@ -51,7 +51,7 @@ def _default_model() -> str:
 
 @pytest.fixture(scope="module")
 def server(launcher):
-    s = Server(launcher, "--parallel", "2", "--ctx-size", "4096", model=_default_model())
+    s = Server(launcher, "--parallel", "2", "--kv-unified-per-slot", "4096", model=_default_model())
     yield s
     s.terminate()
 

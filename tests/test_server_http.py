@@ -744,8 +744,8 @@ def test_cli_env_vars_and_flags():
     assert a.host == "127.0.0.1" and a.parallel == 4
     a = cli.parse_args(["serve", "--port", "9002", "--parallel", "2", "--ctx-size", "1024"], env)
     assert (a.port, a.parallel, a.ctx_size) == (9002, 2, 1024)
-    kw = cli.engine_config_kwargs(a)
-    assert kw == {"parallel": 2, "slot_attach": False, "device": "cpu", "ctx_size": 1024,
+    kw = cli.engine_config_kwargs(a)  # llama-server's --ctx-size: the total of 2 sequences
+    assert kw == {"parallel": 2, "slot_attach": False, "device": "cpu", "ctx_size": 512,
                   "kv_mem_mib": 512}
     a = cli.parse_args(["serve", "--cache-ram", "64", "--cache-ram-pin", "16", "--threads", "1"],
                        {})

@@ -31,7 +31,7 @@ STARTUP_TIMEOUT = float(os.environ.get("KVSHARE_TEST_STARTUP_TIMEOUT", "600"))
 REQUEST_TIMEOUT = 600.0
 CTX = 1024
 # the reference outputs and tokenizer checks are Gemma's (serve's own default is SmolLM2)
-SERVER_ARGS = ["--model", "gemma3-270m", "--parallel", "4", "--ctx-size", str(CTX)]
+SERVER_ARGS = ["--model", "gemma3-270m", "--parallel", "4", "--kv-unified-per-slot", str(CTX)]
 
 
 def _free_port() -> int:

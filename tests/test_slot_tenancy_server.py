@@ -30,7 +30,7 @@ N_PINS = 10
 
 
 def start(launcher, slot_dir) -> Server:
-    return Server(launcher, "--parallel", "2", "--ctx-size", "1024",
+    return Server(launcher, "--parallel", "2", "--kv-unified-per-slot", "1024",
                   "--api-key", f"{KEYS['alice']},{KEYS['bob']}",
                   "--slot-save-path", str(slot_dir))
 

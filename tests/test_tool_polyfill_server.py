@@ -32,7 +32,7 @@ MARKUP = ('"tool_call', "<tool_call", '"response"', '{"name"')
 @pytest.fixture(scope="module")
 def server(launcher):
     path = catalog.ensure(catalog.DEFAULT_MODEL, progress=False)
-    s = Server(launcher, "--parallel", "4", "--ctx-size", "4096", model=path)
+    s = Server(launcher, "--parallel", "4", "--kv-unified-per-slot", "4096", model=path)
     yield s
     s.terminate()
 

@@ -62,14 +62,19 @@ def error_object(status: int, message: str, type: str | None = None) -> dict:
 
 def llama_error_body(err: APIError) -> dict:
     """An `APIError` in llama-server's shape: {"error": {"code", "message", "type"}}; a prompt
-    that does not fit is an `exceed_context_size_error` with `n_prompt_tokens` and `n_ctx`."""
+    that does not fit is an `exceed_context_size_error` with `n_prompt_tokens` and `n_ctx` and
+    llama-server's message."""
     t = None
     if err.type not in ("invalid_request_error", "server_error"):
         t = err.type  # already one of llama-server's (not_supported_error, ...)
     details = err.details or {}
+    message = err.message
     if err.code == "context_length_exceeded":
         t = "exceed_context_size_error"
-    obj = error_object(err.status, err.message, t)
+        if "n_prompt_tokens" in details and "n_ctx" in details:  # server_context's wording
+            message = (f"request ({details['n_prompt_tokens']} tokens) exceeds the available "
+                       f"context size ({details['n_ctx']} tokens), try increasing it")
+    obj = error_object(err.status, message, t)
     obj.update(details)
     return {"error": obj}
 

@@ -34,14 +34,45 @@ def sampling_defaults(args: argparse.Namespace) -> dict[str, float | int]:
     return out
 
 
-def ctx_per_sequence(args: argparse.Namespace) -> int | None:
-    """Each sequence's context: `-c` split over the slots where it is llama-server's total
-    (llama_meanings), else as given; None: 0 or unset (the model's or the engine's)."""
-    if not args.ctx_size:
-        return None
-    if getattr(args, "ctx_is_total", False):
-        return int(args.ctx_size // args.parallel)
-    return int(args.ctx_size)
+# llama.cpp rounds the context of all sequences, and each sequence's share, up to a multiple
+# of this (src/llama-context.cpp: GGML_PAD(n_ctx, 256), GGML_PAD(n_ctx / n_seq_max, 256))
+CTX_PAD = 256
+
+
+def _pad(n: int) -> int:
+    return -(-n // CTX_PAD) * CTX_PAD
+
+
+def ctx_per_sequence(args: argparse.Namespace, n_ctx_train: int | None = None) -> int | None:
+    """Each sequence's context as llama-server computes its slots' `n_ctx` from `-c`, `-np`,
+    `--kv-unified` and `--kv-unified-per-slot` (llama_context's n_ctx_seq, then
+    server_context::n_ctx_slot):
+
+    - `-c` unset with `--kv-unified-per-slot N`: the pool is np x N (tools/server/server.cpp);
+    - `-c 0`: the model's trained context `n_ctx_train`;
+    - the total rounded up to a multiple of 256; with the unified KV each sequence may use all
+      of it, else each gets the total / np, rounded up to a multiple of 256;
+    - at most `--kv-unified-per-slot` and at most `n_ctx_train`.
+
+    None: kvshare's default (8192), or `-c 0` before the model (and so `n_ctx_train`) is known.
+    """
+    per_slot = getattr(args, "kv_unified_per_slot", None) or 0
+    total = args.ctx_size
+    if total is None:
+        if not per_slot:
+            return None
+        total = args.parallel * per_slot
+    if total == 0:
+        if not n_ctx_train:
+            return None
+        total = n_ctx_train
+    total = _pad(total)
+    seq = total if args.kv_unified else _pad(total // args.parallel)
+    if per_slot:
+        seq = min(seq, per_slot)
+    if n_ctx_train:
+        seq = min(seq, n_ctx_train)
+    return int(seq)
 
 
 def prefill_chunk(args: argparse.Namespace) -> int | None:

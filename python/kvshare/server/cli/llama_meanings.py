@@ -1,11 +1,12 @@
 """What llama-server's flags mean beyond a name, applied to the parsed `kvshare serve`
 arguments (docs/llama-server.md):
 
-- `-c N` (or `LLAMA_ARG_CTX_SIZE`) given with `-np`/`--parallel` is the context of all slots
-  together, as llama-server's: each sequence gets N / np tokens (`ctx_is_total`). kvshare's
-  own `--ctx-size` (and `KVSHARE_CTX_SIZE`) stays per sequence, and so does `-c` with
-  `--kv-unified` (llama-server's unified KV lets each sequence use all of it) or without a
-  slot count (llama-server's automatic slot count turns the unified KV on).
+- `-c/--ctx-size N` is llama-server's context of all slots together: with a slot count
+  (`-np`, `--parallel` or its variables) and without `--kv-unified`, each sequence gets
+  N / np tokens (config.ctx_per_sequence, which also rounds as llama.cpp does). Without a
+  slot count llama-server picks 4 slots and turns its unified KV on (tools/server/server.cpp),
+  so `args.kv_unified` is set: each sequence may use all N, as with `--kv-unified`.
+  `--kv-unified-per-slot N` is each sequence's context itself.
 - `-v/--verbose` is debug logging.
 - The sampling flags (`--temp`, `--seed`, ...) are checked against the ranges the engine
   accepts (config.sampling_defaults).
@@ -20,10 +21,6 @@ from typing import Sequence
 
 from .config import sampling_defaults
 
-# where a total context (llama-server's spelling) comes from
-CTX_TOTAL_SOURCES = ("-c", "LLAMA_ARG_CTX_SIZE")
-
-
 def _source(args_written: Sequence[str], flags: tuple[str, ...], environ: dict[str, str],
             env_vars: tuple[str, ...]) -> str | None:
     """The spelling a value came from: the last of `flags` on the command line, else the
@@ -36,19 +33,14 @@ def _source(args_written: Sequence[str], flags: tuple[str, ...], environ: dict[s
 
 def apply_llama_meanings(args: argparse.Namespace, written: Sequence[str],
                          environ: dict[str, str]) -> str | None:
-    """Sets `args.ctx_is_total`, `args.device_given` and the log level of `-v`; returns what
-    is wrong with the combination, or None."""
+    """Sets `args.kv_unified` where llama-server turns it on, `args.device_given` and the log
+    level of `-v`; returns what is wrong with the combination, or None."""
     if args.verbose:
         args.log_level = "debug"
-    ctx_from = _source(written, ("-c", "--ctx-size"), environ,
-                       ("KVSHARE_CTX_SIZE", "LLAMA_ARG_CTX_SIZE"))
     slots_from = _source(written, ("-np", "--parallel"), environ,
                          ("KVSHARE_PARALLEL", "LLAMA_ARG_N_PARALLEL"))
-    args.ctx_is_total = bool(ctx_from in CTX_TOTAL_SOURCES and slots_from is not None
-                             and not args.kv_unified and args.ctx_size)
-    if args.ctx_is_total and args.ctx_size < args.parallel:
-        return (f"{ctx_from} {args.ctx_size} is the context of all {args.parallel} slots "
-                "together (as llama-server's): under one token each")
+    if slots_from is None:  # llama-server's -np auto: 4 slots over a unified KV
+        args.kv_unified = True
     args.device_given = _source(written, ("--device",), environ, ("KVSHARE_DEVICE",)) is not None
     try:
         sampling_defaults(args)

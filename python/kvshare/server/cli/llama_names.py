@@ -44,6 +44,7 @@ LLAMA_NAMES: dict[str, tuple[tuple[str, ...], str | None]] = {
     "--batch-size": (("-b",), "LLAMA_ARG_BATCH"),
     "--ubatch-size": (("-ub",), "LLAMA_ARG_UBATCH"),
     "--kv-unified": (("-kvu",), "LLAMA_ARG_KV_UNIFIED"),
+    "--kv-unified-per-slot": ((), "LLAMA_ARG_KV_UNIFIED_PER_SLOT"),
     "--n-gpu-layers": (("-ngl", "--gpu-layers"), "LLAMA_ARG_N_GPU_LAYERS"),
     "--flash-attn": (("-fa",), "LLAMA_ARG_FLASH_ATTN"),
     "--offline": ((), "LLAMA_OFFLINE"),

@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from .chat_template_flags import describe_template, model_chat_template
-from .config import engine_config_kwargs
+from .config import ctx_per_sequence, engine_config_kwargs
 from .console import count, first_line, mib, say
 
 
@@ -137,10 +137,11 @@ def load_engine(args: argparse.Namespace, path: str, label: str,
     config = EngineConfig(**engine_config_kwargs(args))
     describe_file(path, label)
     model = load_model(path, device=args.device, progress=True if sys.stderr.isatty() else None)
-    if getattr(args, "ctx_size", None) == 0:  # llama-server's -c 0: the trained context
-        n_ctx = trained_context(model)
-        if n_ctx is not None:
-            config = dataclasses.replace(config, ctx_size=n_ctx)
+    # llama-server caps each slot's context at the model's trained context, which `-c 0`
+    # also means (config.ctx_per_sequence); known only now
+    n_ctx = ctx_per_sequence(args, trained_context(model))
+    if n_ctx is not None:
+        config = dataclasses.replace(config, ctx_size=n_ctx)
     tokenizer, template = _load_tokenizer_and_template(args, model, path, template_override)
     try:
         engine = Engine(model, tokenizer, template, bytes.fromhex(model.fingerprint), config,

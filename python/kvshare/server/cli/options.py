@@ -49,8 +49,15 @@ OPTIONS: list[Option] = [
     ("--port", port, 8080, "port to listen on (0: any free port)"),
     ("--parallel", positive_int, 4, "sequences decoded together"),
     ("--ctx-size", flag_types.ctx_size, None,
-     "context size per sequence in tokens, each from the shared KV pool (llama-server splits "
-     "-c across its -np slots; 0: the model's trained context) (default: 8192)"),
+     "llama-server's context of all sequences together, in tokens: with --parallel (and "
+     "without --kv-unified) each sequence gets ctx-size / parallel, rounded up to a multiple "
+     "of 256 as llama-server's; without --parallel (llama-server's automatic slots) or with "
+     "--kv-unified each may use all of it (0: the model's trained context) (default: 8192 "
+     "per sequence)"),
+    ("--kv-unified-per-slot", positive_int, None,
+     "each sequence's context in tokens (llama-server's per-slot limit): without --ctx-size "
+     "the KV pool is sized for --parallel sequences of it; with --ctx-size, the smaller of "
+     "the two"),
     ("--n-predict", flag_types.n_predict, None,
      "max_tokens of a request that gives none (-1: until the context is full; a request's "
      "own limit wins)"),
@@ -69,8 +76,8 @@ OPTIONS: list[Option] = [
      "llama-server's physical batch: prompt tokens computed per step are at most this "
      "(with --batch-size and --prefill-chunk: the smallest)"),
     ("--kv-unified", None, False,
-     "llama-server's unified KV cache: with it, -c is each sequence's context, not the "
-     "total of -np sequences (kvshare's KV pool is always one pool shared by all)"),
+     "llama-server's unified KV cache: --ctx-size is then each sequence's context, not the "
+     "total of --parallel sequences (kvshare's KV pool is always one pool shared by all)"),
     ("--queue-timeout", non_negative_float, None,
      "seconds a request may wait to be admitted before it gets 503 with Retry-After "
      "(default 600; 0: no limit)"),
