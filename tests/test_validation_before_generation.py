@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from kvshare.constraint_limits import (MAX_GBNF_RULES, MAX_NESTING, ConstraintLimitError,
-                                       check_schema)
+from kvshare.constraint_limits import (MAX_GBNF_RULES, MAX_NESTING, MAX_PREDICTED_ITEMS,
+                                       ConstraintLimitError, check_schema)
 from kvshare.server.app import create_app
 from kvshare.server.settings import ServerSettings
 from fake_engine import FakeEngine
@@ -22,12 +22,24 @@ from tier_helpers import TINY_MODEL, Server
 SELF_REF = {"$ref": "#"}
 CHAIN_8000 = ("root ::= r0\n" + "".join(f'r{i} ::= r{i + 1} "a"\n' for i in range(8000))
               + 'r8000 ::= "x"\n')
-# under the rule limit, but five left-recursive alternatives a rule fill an Earley row past
-# llguidance's 2,000 items at the first token
-WIDE_450 = ("root ::= r0\n" + "".join(
-    f"r{i} ::= " + " | ".join(f'r{i + 1} "{c}"' for c in "abcde") + "\n" for i in range(450))
-    + 'r450 ::= "x"\n')
 
+
+def wide(n: int, alts: str = "abcde") -> str:
+    """`n` chained rules of left-recursive alternatives: under the rule limit, but every
+    alternative of every rule is predicted where the first one starts."""
+    return ("root ::= r0\n" + "".join(
+        f"r{i} ::= " + " | ".join(f'r{i + 1} "{c}"' for c in alts) + "\n" for i in range(n))
+        + f'r{n} ::= "x"\n')
+
+
+# five alternatives a rule fill an Earley row past llguidance's 2,000 items at the first token
+WIDE_450 = wide(450)
+# its Lark conversion, as llguidance gets it (the GBNF is refused before conversion now): the
+# last two rules are terminals
+WIDE_450_LARK = ("start: r0\n" + "".join(
+    f"r{i}: " + " | ".join(f'{"R" if i == 448 else "r"}{i + 1} "{c}"' for c in "abcde") + "\n"
+    for i in range(449)) + 'R449: R450 "a" | R450 "b" | R450 "c" | R450 "d" | R450 "e"\n'
+    + 'R450: "x"\n')
 
 def raw_post(c, path: str, text: str):
     return c.post(path, content=text, headers={"content-type": "application/json"})
@@ -149,13 +161,56 @@ def test_probe_catches_what_llguidance_reports_late(vocab):
 
     with pytest.raises(GrammarError, match="NoExtensionBias"):
         compile_grammar(vocab, "json_schema", output_schema_text({"$ref": "#"}))
-    lark = gbnf_to_lark(WIDE_450)
     t0 = time.perf_counter()
     with pytest.raises(GrammarError, match="max is 2000"):
-        compile_grammar(vocab, "lark", lark)
+        compile_grammar(vocab, "lark", WIDE_450_LARK)
     assert time.perf_counter() - t0 < 1.0
     compile_grammar(vocab, "json_schema", output_schema_text({"type": "object"}))
     compile_grammar(vocab, "lark", gbnf_to_lark('root ::= "a" [0-9]+'))
+
+
+PREDICTION_LIMIT = f"at most {MAX_PREDICTED_ITEMS} are accepted (the limit)"
+
+
+@pytest.mark.parametrize("text", [WIDE_450, wide(120, "abcdefghijklmnopqrstuvwxyz"),
+                                  wide(990, "abc"),
+                                  # left recursion: a rule predicts itself once
+                                  "root ::= r0\n" + "".join(
+                                      f"r{i} ::= r{(i + 1) % 420} \"a\" | r{i} \"b\" | "
+                                      f"r{(i + 7) % 420} \"c\" | \"d\" | \"e\"\n"
+                                      for i in range(420))])
+def test_grammars_that_overflow_a_parser_row_are_refused_before_conversion(text):
+    """Refused by the static estimate (gbnf/earley.py) with a message naming the limit, not
+    after the lexeme passes by llguidance's probe (bench/constraint_refusal.py times both)."""
+    from kvshare.gbnf import GBNFError, gbnf_to_lark
+
+    with pytest.raises(GBNFError, match=f"more than {MAX_PREDICTED_ITEMS} parser items") as e:
+        gbnf_to_lark(text)
+    assert PREDICTION_LIMIT in str(e.value)
+
+
+def test_the_prediction_estimate_leaves_real_grammars_far_below_the_limit():
+    """llama.cpp's grammars and a wide grammar at half the limit pass the static check."""
+    from kvshare.gbnf.analysis import analyse
+    from kvshare.gbnf.earley import predicted_items
+    from kvshare.gbnf.parse import Parser
+
+    def estimate(text: str) -> int:
+        p = Parser(text, None)
+        p.parse()
+        analyse(p.rules, p.order)
+        return predicted_items(p.rules, MAX_PREDICTED_ITEMS)[0]
+
+    found = sorted((Path(__file__).parent / "data" / "gbnf").glob("*.gbnf"))
+    assert len(found) >= 8
+    for path in found:
+        assert estimate(path.read_text()) <= 16, path.name
+    # the chain of test_gbnf.py's deep-rule test: literals first, two items a rule
+    chain = 'root ::= r0 ("(" root ")")?\n' + "".join(
+        f'r{i} ::= "x" r{i + 1} | "y"\n' for i in range(800)) + 'r800 ::= "z"\n'
+    assert estimate(chain) < 10
+    # 200 rules of five: every rule past the 32-deep terminal chain is a parser rule
+    assert 800 < estimate(wide(200)) < MAX_PREDICTED_ITEMS
 
 
 # --------------------------------------------------------------------------- a real server
@@ -184,11 +239,13 @@ def test_real_server_refuses_at_submit(launcher, tmp_path):
             assert dt < 1.0
             if words:
                 assert words in r.json()["error"]["message"]
-        # under the rule limit: its conversion takes a second or two (the GBNF passes), then
-        # the probe refuses it before it is queued
+        # under the rule limit, over the parser-row limit: refused before conversion (its
+        # time: bench/constraint_refusal.py)
         r = s.client.post("/completion", json={"prompt": "x", "n_predict": 4,
                                                "grammar": WIDE_450})
-        assert r.status_code == 400 and "max is 2000" in r.json()["error"]["message"], r.text
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error", r.text
+        assert PREDICTION_LIMIT in r.json()["error"]["message"], r.text
         for text in ('{"input": "hi", "reasoning": {"effort": NaN}}',
                      '{"input": [{"role": "user", "content": [{"type": {"x": 1}}]}]}'):
             r = raw_post(s.client, "/v1/responses", text)

@@ -17,6 +17,13 @@ from typing import Any
 # fills it ~8 times over; shorter such chains are caught by the probe). A deep right-recursive
 # chain is fine, and llama.cpp's JSON-schema grammars of large tool sets have a few hundred.
 MAX_GBNF_RULES = 1000
+# Earley items predicted where one GBNF rule starts (gbnf/earley.py: its alternatives and those
+# of every parser rule on its left corner, transitively): llguidance's row limit, checked on
+# the parsed grammar before the lexeme passes (seconds on such grammars). On chains of
+# left-recursive alternatives the estimate is 3-5 items over llguidance's count (420 rules of
+# 5: 2,101 against 2,098), so only a grammar within a few items of the row limit could be
+# refused here and accepted there; llama.cpp's grammars predict at most 11 items.
+MAX_PREDICTED_ITEMS = 2000
 # nesting of a JSON schema (objects and arrays) and of a GBNF rule's groups: the passes over
 # them recurse, and nothing real nests deeper than a few dozen levels
 MAX_NESTING = 64

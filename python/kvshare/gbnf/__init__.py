@@ -51,7 +51,8 @@ is refused.
 
 Modules, each using only those listed before it: `errors` (GBNFError), `charset` (character
 sets, UTF-8 lead-byte masks), `tree` (the syntax tree), `parse` (GBNF text to trees),
-`analysis` (regular rules; nullable, first, last and follow sets), `lark` (Lark names and
+`analysis` (regular rules; nullable, first, last and follow sets), `earley` (the parser
+items predicted at a position, checked against llguidance's row limit), `lark` (Lark names and
 text), `automata` (lexeme automata, the exact conflict search), `lexemes` (which nodes are
 lexemes, how banned ones split), `conflicts` (the fusion check), `emit` (the output and its
 compile-depth guard), `convert` (the passes in order; `gbnf_to_lark`).
