@@ -13,8 +13,8 @@ Each expert's rows of a stacked tensor are a contiguous run of its bytes, so on 
 expert's matrices are `BlockWeight`s over views of the mapped file, in the file's block format
 (its gate and up rows one fused weight, as the dense layers' are; MXFP4 included): nothing is
 dequantized or copied at load, a model costs its file size, and a product reads only the
-experts its tokens use. With `KVSHARE_CPU_WEIGHTS=int8` / `f32`, a block format without
-kernels, or on a GPU, each expert is dequantized to the backend's dense form instead. With
+experts its tokens use. With `KVSHARE_CPU_WEIGHTS=int8` / `f32` or a block format without
+kernels, each expert is dequantized to the backend's dense form instead. With
 `blocks-q8`, MXFP4 experts multiply activations rounded to 8 bits as ggml's Q8_0 rounds them
 (`Q8_0Acts`: llama.cpp's `vec_dot_mxfp4_q8_0` scales each block's integer sum by the Q8_0
 block's f16 scale, which the kernels' own 8-bit activations keep in f32), times the blocks
@@ -25,6 +25,17 @@ same bytes) for the grouped kernels (`ops.moe.moe_ffn_grouped`: one Rust call pe
 product for the batch, the experts' biases and gpt-oss's `swiglu_oai` included); the
 per-expert `BlockWeight`s remain the path for formats and activations those kernels lack and
 for `KVSHARE_MOE_GROUPED=0`.
+
+On a GPU each matrix of the experts is one `gpu_moe.GpuStackedExperts` on the device, and
+every forward runs the grouped GPU kernels (`ops.moe.moe_ffn_grouped` -> `gpu_moe.moe_ffn`:
+routing on the host, one launch per matrix product for the batch). Which bytes it holds
+follows the dense layers' `KVSHARE_GPU_WEIGHTS`: `blocks` keeps the file's blocks (the types
+of `gpu_moe.supports`; a layer costs its file size), the default dequantizes each expert to
+f16 (one F16 part `[n_expert * rows, k]`, each expert's gate and up rows contiguous), as does
+`blocks` for a type without a GPU decoder. The router is f32 on the device (exact logits, so
+the same experts as the CPU's wherever the choice is not a tie). The per-expert weights
+(`GpuBlockWeight`s or f16 views over the same device bytes) remain for
+`KVSHARE_MOE_GROUPED=0`, which takes `ops.moe.moe_ffn`'s loop.
 """
 
 from __future__ import annotations
@@ -40,7 +51,8 @@ from kvshare.model.weights import cpu_weight_mode, dequantize
 from kvshare.ops.moe import (GROUPED_ACTIVATIONS, Routing, StackedExperts, grouped_supported,
                              moe_ffn, moe_ffn_grouped, q8_0_round)
 
-# GGML type id of MXFP4
+# GGML type ids of F16 and MXFP4
+F16 = 1
 MXFP4 = 39
 
 # How llama.cpp's graph routes each architecture (`build_moe_ffn`'s gating, `norm_w` and
@@ -237,6 +249,51 @@ def load_experts(ld: Any, names: list[str], n_expert: int) -> list[Any]:
     return out
 
 
+def gpu_expert_blocks() -> bool:
+    """Whether a GPU keeps experts in their GGUF blocks: `KVSHARE_GPU_WEIGHTS=blocks`, the
+    switch of the dense layers' block weights (`WeightLoader.gpu_block_weight`)."""
+    return os.environ.get("KVSHARE_GPU_WEIGHTS", "f16").strip().lower() == "blocks"
+
+
+def load_gpu_experts(ld: Any, names: list[str], n_expert: int) -> tuple[list[Any], Any]:
+    """The stacked tensors `names` (one, or gate then up) on a GPU: `(per-expert weights,
+    GpuStackedExperts)`, both over the same device bytes.
+
+    With `KVSHARE_GPU_WEIGHTS=blocks` and types the grouped kernels decode
+    (`gpu_moe.supports`), the file's blocks unchanged, and per expert a `GpuBlockWeight` over
+    its rows (a copy only where an expert's rows do not start on a 16-byte boundary, as the
+    kernels' loads need). Otherwise (the default, or a type without a GPU decoder) the
+    experts dequantized to f16, one part `[n_expert * rows, k]` with each expert's rows
+    contiguous (gate then up), and per expert an f16 view of its rows."""
+    from kvshare.ops import gpu_moe  # noqa: PLC0415
+    from kvshare.ops.gpu_blocks import GpuBlockWeight  # noqa: PLC0415
+
+    parts = [_expert_views(ld, n, n_expert) for n in names]
+    ks = {shape[1] for _, _, shape in parts}
+    if len(ks) != 1:
+        raise ValueError(f"{', '.join(names)}: experts' input sizes differ ({sorted(ks)})")
+    k = ks.pop()
+    be = ld.backend
+    if gpu_expert_blocks() and gpu_moe.supports([q for _, q, _ in parts], k):
+        stacked = gpu_moe.GpuStackedExperts.from_gguf(ld.gf, names, n_expert, be)
+        if stacked is not None:
+            per_expert = []
+            for e in range(n_expert):
+                per_expert.append(GpuBlockWeight.from_parts(
+                    [(d[e * r : (e + 1) * r], q, k) for d, q, r in stacked.parts], be))
+            return per_expert, stacked
+    rows = sum(shape[0] for _, _, shape in parts)
+    xp = be.xp
+    with xp.cuda.Device(be.device_id):
+        dev = xp.empty((n_expert * rows, k), xp.float16)
+    for e in range(n_expert):  # one expert at a time on the host
+        w = np.concatenate([dequantize(views[e], q).reshape(shape) for views, q, shape in parts])
+        dev[e * rows : (e + 1) * rows] = be.asarray(w, dtype="float16")
+    per_expert = [dev[e * rows : (e + 1) * rows] for e in range(n_expert)]
+    stacked = gpu_moe.GpuStackedExperts([(dev.view(xp.uint8), F16, rows)], n_expert, k)
+    return per_expert, stacked
+
+
 def _vector(ld: Any, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """Tensor `name` as f32 of `shape` (-1: the rest), ValueError when it does not fit."""
     arr = np.asarray(ld.host(name), np.float32)
@@ -246,13 +303,30 @@ def _vector(ld: Any, name: str, shape: tuple[int, ...]) -> np.ndarray:
         raise ValueError(f"{name} has shape {arr.shape}, expected {shape}") from None
 
 
+def _load_router(ld: Any, name: str) -> Any:
+    if ld.backend.is_gpu:
+        # f32 on the device (exact products, as the CPU's): an f16 router would move the
+        # probabilities by ~1e-3 and pick other experts wherever two are that close
+        return ld.put(np.asarray(ld.host(name), np.float32), keep_f32=True)
+    return ld.matrix([name])
+
+
+def _load_matrix(ld: Any, names: list[str], n_expert: int) -> tuple[list[Any], Any]:
+    """One matrix of every expert: (per-expert weights, stacked tensors for the grouped
+    kernels or None)."""
+    if ld.backend.is_gpu:
+        per_expert, stacked = load_gpu_experts(ld, names, n_expert)
+        return per_expert, stacked if grouped_enabled() else None
+    return load_experts(ld, names, n_expert), load_stacked(ld, names, n_expert)
+
+
 def load_moe(ld: Any, cfg: ModelConfig, il: int, activation: str = "silu") -> MoeFFN:
     """Layer `il`'s experts (`blk.{il}.ffn_*`), shared expert and selection bias
     (`exp_probs_b.bias`) included where the file has them."""
     p = f"blk.{il}."
     routing = routing_for(cfg)
     E = routing.n_expert
-    router = ld.matrix([p + "ffn_gate_inp.weight"])
+    router = _load_router(ld, p + "ffn_gate_inp.weight")
     if tuple(router.shape) != (E, cfg.n_embd):
         raise ValueError(f"layer {il}: router has shape {tuple(router.shape)}, expected "
                          f"{(E, cfg.n_embd)}")
@@ -260,15 +334,14 @@ def load_moe(ld: Any, cfg: ModelConfig, il: int, activation: str = "silu") -> Mo
         gu_names = [p + "ffn_gate_up_exps.weight"]
     else:
         gu_names = [p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"]
-    gate_up = load_experts(ld, gu_names, E)
-    down = load_experts(ld, [p + "ffn_down_exps.weight"], E)
+    (gate_up, stacked_gu), (down, stacked_down) = (
+        _load_matrix(ld, names, E) for names in (gu_names, [p + "ffn_down_exps.weight"]))
     ff = int(down[0].shape[1])
     if tuple(gate_up[0].shape) != (2 * ff, cfg.n_embd) or down[0].shape[0] != cfg.n_embd:
         raise ValueError(f"layer {il}: experts' gate/up {tuple(gate_up[0].shape)} and down "
                          f"{tuple(down[0].shape)} do not fit n_embd {cfg.n_embd}")
     moe = MoeFFN(routing, router, gate_up, down, ld.backend, activation=activation)
-    moe.stacked_gate_up = load_stacked(ld, gu_names, E)
-    moe.stacked_down = load_stacked(ld, [p + "ffn_down_exps.weight"], E)
+    moe.stacked_gate_up, moe.stacked_down = stacked_gu, stacked_down
     if ld.has(p + "exp_probs_b.bias"):
         bias = np.asarray(ld.host(p + "exp_probs_b.bias"), np.float32).reshape(-1)
         if bias.shape != (E,):
