@@ -49,6 +49,7 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
                 "--queue-timeout", "--graceful-timeout")),
     ("API behaviour and logging", ("--alias", "--tags", "--chat-template", "--chat-template-file",
                                    "--reasoning", "--reasoning-budget",
+                                   "--reasoning-budget-message",
                                    "--reasoning-format", "--tool-parser", "--slots",
                                    "--slot-save-path", "--no-webui", "--log-level", "--verbose")),
     # accepted for llama-server command lines; kvshare already behaves that way
@@ -103,6 +104,7 @@ def _defaults() -> dict[str, str]:
         "--metrics": "on (always)",
         "--cont-batching": "on (always)",
         "--no-webui": "off (the page is served)",
+        "--reasoning-budget-message": "none",
     }
 
 

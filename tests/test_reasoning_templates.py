@@ -90,7 +90,8 @@ def test_enable_thinking_must_be_a_boolean():
     (["--reasoning", "off"], {"enable_thinking": False}),
     (["-rea", "on"], {"enable_thinking": True}),
     (["--reasoning", "auto"], None),
-    (["--reasoning-budget", "0"], {"enable_thinking": False}),
+    (["--reasoning-budget", "0"], None),  # llama-server: the budget renders nothing
+    (["--reasoning-budget", "256"], None),
     (["--reasoning-budget", "-1"], None),
 ])
 def test_reasoning_flags(flags, context):
@@ -99,15 +100,6 @@ def test_reasoning_flags(flags, context):
     a = cli.parse_args(["serve", "-m", "m.gguf", *flags], {})
     choice = cli.chat_template_override(a)
     assert (choice.context if choice is not None else None) == context
-
-
-def test_positive_reasoning_budget_is_refused_in_one_line(capsys):
-    from kvshare.server import cli
-
-    model = str(DATA / "models" / "tiny-qwen3-chat.gguf")
-    assert cli.main(["serve", "-m", model, "--port", "0", "--reasoning-budget", "256"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--reasoning-budget 256" in err[0], err
 
 
 # --------------------------------------------------------------------------- other variables

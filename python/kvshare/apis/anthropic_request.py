@@ -486,9 +486,14 @@ def parse_messages_request(body: Any, ctx: RequestContext, *, generate: bool) ->
                and bool(last.get("content")))
     if prefill:
         kwargs["add_generation_prompt"] = False
+    # llama-server: thinking enabled spends at most its budget_tokens (default 10000) thinking
+    budget = -1
+    if thinking == "enabled":
+        given = _int(body["thinking"], "budget_tokens", lo=0)
+        budget = 10000 if given is None else given
     chat = ChatInput(messages=tr.out, tools=tools, template_kwargs=kwargs,
                        tool_choice=tool_choice, parallel_tool_calls=parallel,
-                       continue_final=prefill)
+                       continue_final=prefill, reasoning_budget=budget)
 
     if generate:
         max_tokens = _int(body, "max_tokens", lo=1, required=True)

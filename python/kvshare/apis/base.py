@@ -64,6 +64,11 @@ class ChatInput:
     # The prompt continues the last (assistant) message instead of opening a new turn:
     # llama-server's assistant prefill, vLLM's `continue_final_message`.
     continue_final: bool = False
+    # llama-server's reasoning budget: tokens a thinking block may take before its end is
+    # forced (`reasoning_budget_tokens`, `thinking_budget_tokens`; -1: the server's
+    # --reasoning-budget), and the text forced before the end tag (None: the server's).
+    reasoning_budget: int = -1
+    reasoning_budget_message: str | None = None
 
 
 @dataclass(frozen=True)

@@ -340,9 +340,18 @@ def parse_chat(body: dict, *, reasoning_format: str | None = None) -> ChatInput:
     # names the renderer takes for itself are not template variables
     kwargs = {k: v for k, v in kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
     continue_final = _continuation(body, out, kwargs)
+    # llama-server reads reasoning_budget_tokens, else thinking_budget_tokens; -1: the server's
+    budget = get_int(body, "reasoning_budget_tokens", -1, lo=-1, hi=2**31 - 1)
+    if budget == -1:
+        budget = get_int(body, "thinking_budget_tokens", -1, lo=-1, hi=2**31 - 1)
+    message = body.get("reasoning_budget_message")
+    if message is not None and not isinstance(message, str):
+        raise bad_request("'reasoning_budget_message' must be a string",
+                          "reasoning_budget_message")
     return ChatInput(messages=out, tools=tools, template_kwargs=kwargs, tool_choice=tool_choice,
                      parallel_tool_calls=parallel, reasoning_format=reasoning_format,
-                     continue_final=continue_final)
+                     continue_final=continue_final, reasoning_budget=budget,
+                     reasoning_budget_message=message)
 
 
 def _continuation(body: dict, messages: list[dict], kwargs: dict) -> bool:

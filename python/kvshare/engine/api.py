@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Literal, Mapping, Protocol, run
 
 if TYPE_CHECKING:
     from kvshare._core import Grammar
+    from kvshare.engine.reasoning_budget import ReasoningBudget
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
@@ -103,6 +104,9 @@ class GenerationRequest:
     # A compiled grammar (kvshare.constrain.Grammar) every choice must follow: its own matcher
     # masks the logits before sampling (constrained decoding). None: unconstrained.
     grammar: Grammar | None = None
+    # llama-server's reasoning budget: the end of a thinking block is forced after this many
+    # tokens inside it (engine/reasoning_budget.py). None: no budget.
+    reasoning_budget: ReasoningBudget | None = None
     # Test hook (kvshare.engine.faults): an injection point that fails this sequence; set by
     # the server only when fault injection is enabled.
     fault: str | None = None

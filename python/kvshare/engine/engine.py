@@ -35,6 +35,7 @@ from kvshare.engine.faults import SequenceFault, injected, maybe_inject
 from kvshare.engine.grammar_masks import MaskJob, compute_mask
 from kvshare.engine.handle import RequestHandle
 from kvshare.engine.output import TextAssembler
+from kvshare.engine.reasoning_budget import BudgetState, utf8_is_complete
 from kvshare.engine.sampling import Sampler, top_logprobs
 from kvshare.engine.scheduler import Planned, Scheduler
 from kvshare.engine.sequence import Sequence, SeqState
@@ -64,6 +65,13 @@ def new_matcher(req: GenerationRequest) -> Matcher | None:
     if req.grammar is None:
         return None
     return req.grammar.matcher()
+
+
+def one_token_mask(token: int, n: int) -> np.ndarray:
+    """A grammar-layout mask (uint32 words, bit t of word t // 32) allowing only `token`."""
+    mask = np.zeros(-(-n // 32), dtype=np.uint32)
+    mask[token // 32] = np.uint32(1 << (token % 32))
+    return mask
 
 
 @dataclass
@@ -312,6 +320,7 @@ class Engine:
         seq.tokens = list(req.prompt_tokens)
         seq.n_prompt = n
         seq.matcher = new_matcher(req)
+        seq.budget = self._new_budget(req)
         self._handles[rid] = handle
         self._open_choices[rid] = req.n
         self._seqs[seq.key] = seq
@@ -534,6 +543,7 @@ class Engine:
             self._seqs[child.key] = child
             try:
                 child.matcher = new_matcher(req)
+                child.budget = self._new_budget(req)
                 self._sample_and_emit(child, row, None)
             except Exception as exc:  # noqa: BLE001 - this choice's fault alone
                 self._fail(child, exc)
@@ -541,15 +551,26 @@ class Engine:
             if child.state != SeqState.FINISHED:
                 self.scheduler.add_front(child)
 
+    def _new_budget(self, req: GenerationRequest) -> BudgetState | None:
+        if req.reasoning_budget is None:
+            return None
+        return req.reasoning_budget.state(
+            lambda t: utf8_is_complete(self.token_bytes(t)))
+
     def _sample_and_emit(self, seq: Sequence, row: np.ndarray, allowed=None) -> None:
         req = seq.request
         mask = None
-        if seq.matcher is not None:
+        forced = seq.budget.forced_token() if seq.budget is not None else None
+        if forced is not None:  # the reasoning budget is spent: every other logit is -inf
+            mask = one_token_mask(forced, row.size)
+        elif seq.matcher is not None:
             mask = allowed if allowed is not None else compute_mask(seq.matcher)
             if isinstance(mask, Exception):
                 raise SequenceFault(f"constrained decoding failed: {mask}", status=500,
                                     cause="grammar")
         token = seq.sampler.sample(row, mask)
+        if seq.budget is not None:
+            seq.budget.accept(token)
         now = time.perf_counter()
         if seq.first_token_at is None:
             seq.first_token_at = now

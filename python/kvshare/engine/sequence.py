@@ -13,6 +13,7 @@ from kvshare.engine.sampling import Sampler
 
 if TYPE_CHECKING:
     from kvshare._core import Checkpoint, Matcher
+    from kvshare.engine.reasoning_budget import BudgetState
 
 
 class SeqState(enum.Enum):
@@ -59,6 +60,8 @@ class Sequence:
     choice: int = 0
     # Constrained decoding: this sequence's grammar matcher (kvshare.constrain), or None.
     matcher: Matcher | None = None
+    # The request's reasoning budget as this sequence spends it, or None.
+    budget: BudgetState | None = None
     preemptions: int = 0
     # When the sequence (re)entered the waiting queue (perf_counter s): --queue-timeout.
     queued_since: float = field(default_factory=time.perf_counter)

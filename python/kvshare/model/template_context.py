@@ -9,8 +9,8 @@
 | `functions`             | the same tools in OpenAI's older `functions` shape (each tool's   |
 |                         | `function` object), for templates written against it; `[]` when  |
 |                         | there are none                                                    |
-| `enable_thinking`       | True unless turned off (`--reasoning off`, `--reasoning-budget 0`, |
-|                         | a request's `chat_template_kwargs`), as llama-server's default    |
+| `enable_thinking`       | True unless turned off (`--reasoning off`, a request's            |
+|                         | `chat_template_kwargs`), as llama-server's default                |
 | `date_string`           | today as "%d %b %Y" ("26 Jul 2024"), what Llama 3.x prints         |
 | `datetime`              | today as "%b %d %Y"                                               |
 | `strftime_now(fmt)`     | the local time now, formatted (a global of the Jinja environment) |
@@ -53,11 +53,11 @@ def functions_of(tools: Sequence[Any] | None) -> list[Any]:
     return out
 
 
-def thinking_setting(reasoning: str | None, budget: int | None) -> dict[str, Any]:
-    """The server-wide template variables of `--reasoning on|off|auto` and
-    `--reasoning-budget N`: `enable_thinking` False for off or a budget of 0, True for on,
-    nothing (the default, True) for auto."""
-    if reasoning == "off" or budget == 0:
+def thinking_setting(reasoning: str | None) -> dict[str, Any]:
+    """The server-wide template variables of `--reasoning on|off|auto`: `enable_thinking`
+    False for off, True for on, nothing (the default) for auto. (`--reasoning-budget`, even 0,
+    renders nothing differently in llama-server: its sampler forces the end of thinking.)"""
+    if reasoning == "off":
         return {"enable_thinking": False}
     if reasoning == "on":
         return {"enable_thinking": True}

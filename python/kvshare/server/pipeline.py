@@ -36,6 +36,8 @@ from kvshare.engine.api import (EngineClient, EngineHandle, FinishEvent, Generat
                                 RenderedChat, RequestRejected, SamplingParams, TokenEvent)
 from kvshare.engine.faults import HEADER as FAULT_HEADER
 from kvshare.engine.faults import injection_enabled
+from kvshare.engine.reasoning_budget import ReasoningBudget
+from kvshare.model.template_context import THINK_END, THINK_START
 from kvshare.toolcalls import prompt_opens_reasoning
 
 from . import body
@@ -270,6 +272,7 @@ class GenerationPipeline:
             first_user_boundary=rendered.first_user_boundary if rendered else None,
             cache_point=cache_point, reuse_cache=req.reuse_cache, request_id=rid, n=opts.n,
             grammar=grammar,
+            reasoning_budget=self.reasoning_budget(req.chat, tokens),
             special_text=(rules is not None and rules.tool_format is not None
                           and self.tool_calls is not None
                           and self.tool_calls.name in ToolCalls.SPECIAL_MARKERS),
@@ -295,6 +298,29 @@ class GenerationPipeline:
             err = bad_request(str(e), param, e.code)
             err.details = e.details
             raise err from None
+
+    def reasoning_budget(self, chat: ChatInput | None, tokens: list[int]
+                         ) -> ReasoningBudget | None:
+        """A chat's reasoning budget as the engine forces it: the request's, else the
+        server's; None when unlimited (-1), for a raw prompt, or when the template has no
+        `<think>` ... `</think>` block (llama-server forces only a template's own end tag)."""
+        if chat is None:
+            return None
+        budget = chat.reasoning_budget
+        if budget < 0:
+            budget = self.settings.reasoning_budget
+        source = self.info.chat_template or ""
+        if budget < 0 or THINK_END not in source:
+            return None
+        message = chat.reasoning_budget_message
+        if message is None:
+            message = self.settings.reasoning_budget_message
+        end = tuple(self.engine.tokenize(THINK_END, False, True))
+        forced = (tuple(self.engine.tokenize(message, False, True)) if message else ()) + end
+        return ReasoningBudget(start=tuple(self.engine.tokenize(THINK_START, False, True)),
+                               ends=(end,), forced=forced, budget=budget,
+                               opened=prompt_opens_reasoning(
+                                   self.engine.detokenize(tokens[-8:])))
 
     def opens_reasoning(self, tokens: list[int]) -> bool:
         """Whether the prompt ends inside a <think> block the template opened (the reply

@@ -65,6 +65,11 @@ class ServerSettings:
     # llama-server `--reasoning-format`: reasoning_format of a request that gives none
     # ("none", "auto", "deepseek" or "deepseek-legacy").
     reasoning_format: str = "auto"
+    # llama-server `--reasoning-budget N` / `--reasoning-budget-message`: tokens a thinking
+    # block may take before its end is forced (-1: unlimited), and the text forced before the
+    # end tag; a request's reasoning_budget_tokens / reasoning_budget_message win
+    reasoning_budget: int = -1
+    reasoning_budget_message: str = ""
     # CORS (server/cors.py): origins allowed besides the loopback ones (`--cors-origins`;
     # "*": any), the methods a preflight allows, the headers it allows (None: those the
     # browser asks for), and whether allowed origins get `Access-Control-Allow-Credentials`.

@@ -1,9 +1,10 @@
 """The chat template `--chat-template` / `--chat-template-file` choose: a template kvshare has
 built in (by llama.cpp's name for it), an inline Jinja template or a file; without either
 flag, the model file's own. And the variables every render of it gets from llama-server's
-reasoning flags: `--reasoning off` (or `--reasoning-budget 0`) renders with `enable_thinking`
-false, `on` with true, `auto` leaves the default (true; kvshare.model.template_context); a
-request's `chat_template_kwargs` still wins."""
+`--reasoning`: `off` renders with `enable_thinking` false, `on` with true, `auto` leaves the
+default (kvshare.model.template_context); a request's `chat_template_kwargs` still wins.
+(`--reasoning-budget` changes no rendering: the engine ends thinking after it,
+engine/reasoning_budget.py.)"""
 
 from __future__ import annotations
 
@@ -55,17 +56,13 @@ def reasoning_budget(s: str) -> int:
     return n
 
 
-reasoning_budget.__name__ = "reasoning budget (-1, 0 or a token count)"
+reasoning_budget.__name__ = "reasoning budget (-1 or a token count)"
 
 
 def _reasoning_context(args: argparse.Namespace) -> dict[str, Any]:
     from kvshare.model.template_context import thinking_setting
 
-    budget = getattr(args, "reasoning_budget", -1)
-    if budget is not None and budget > 0:
-        raise TemplateError(f"--reasoning-budget {budget}: kvshare cannot stop thinking after a "
-                            "number of tokens; use -1 (unlimited) or 0 (thinking off)")
-    return thinking_setting(getattr(args, "reasoning", None), budget)
+    return thinking_setting(getattr(args, "reasoning", None))
 
 
 def _read_template_file(file: str) -> str:

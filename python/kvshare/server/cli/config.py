@@ -119,6 +119,8 @@ def llama_settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "default_max_tokens": n if n is not None and n > 0 else None,
         "sampling_defaults": sampling_defaults(args),
         "reasoning_format": args.reasoning_format,
+        "reasoning_budget": args.reasoning_budget,
+        "reasoning_budget_message": args.reasoning_budget_message or "",
         "cors_origins": parse_origins(args.cors_origins),
         "cors_methods": args.cors_methods,
         "cors_headers": args.cors_headers,

@@ -32,6 +32,7 @@ LLAMA_NAMES: dict[str, tuple[tuple[str, ...], str | None]] = {
     "--reasoning-format": ((), "LLAMA_ARG_THINK"),
     "--reasoning": (("-rea",), "LLAMA_ARG_REASONING"),
     "--reasoning-budget": ((), "LLAMA_ARG_THINK_BUDGET"),
+    "--reasoning-budget-message": ((), "LLAMA_ARG_THINK_BUDGET_MESSAGE"),
     "--cors-origins": ((), "LLAMA_ARG_CORS_ORIGINS"),
     "--cors-methods": ((), "LLAMA_ARG_CORS_METHODS"),
     "--cors-headers": ((), "LLAMA_ARG_CORS_HEADERS"),

@@ -105,8 +105,11 @@ OPTIONS: list[Option] = [
      "thinking in the chat template: on or off sets its enable_thinking, auto leaves it on "
      "(a request's chat_template_kwargs wins)"),
     ("--reasoning-budget", reasoning_budget, -1,
-     "llama-server's thinking token budget: -1 unlimited, 0 thinking off (enable_thinking "
-     "false); a positive budget is refused"),
+     "llama-server's thinking token budget: after N tokens inside a <think> block its end "
+     "is forced and the answer follows (0: at once; -1: unlimited); a request's "
+     "reasoning_budget_tokens wins"),
+    ("--reasoning-budget-message", str, None,
+     "text forced before the end of thinking when the budget is spent (default: none)"),
     ("--tool-parser", str, None,
      "tool-call format: hermes, qwen35, lfm2 or llama3 (default: detected from the chat "
      "template)"),
