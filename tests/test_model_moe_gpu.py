@@ -241,3 +241,74 @@ def test_gpu_batch_of_two_sequences_equals_each_alone():
         alone, _ = run(m, toks, [k, 1, 1, 1], kv="f32")
         got = np.concatenate(got)
         np.testing.assert_allclose(got, alone[k:], rtol=0, atol=1e-4 * np.abs(alone).max())
+
+
+def test_per_expert_path_equals_the_grouped_kernels():
+    """`KVSHARE_MOE_GROUPED=0`'s path (one product per active expert on the per-expert
+    `GpuBlockWeight`s over the same device bytes) gives the grouped kernels' logits: in steps
+    of 4 tokens both multiply f32 activations by the blocks with f32 accumulation (an expert
+    with more than 16 rows would take the f16 GEMM there); f32 KV, to 1e-4 of the largest
+    logit."""
+    m = gpu_model("tiny-qwen3moe-q8", "blocks")
+    toks = reference("tiny-qwen3moe-q8")["tokens"][:16]
+    grouped, _ = run(m, toks, [4] * 4, kv="f32")
+    layers = moe_layers(m)
+    stacks = [(f.stacked_gate_up, f.stacked_down) for f in layers]
+    try:
+        for f in layers:
+            f.stacked_gate_up = f.stacked_down = None
+        cache = m.new_cache(2, BS, kv_dtype="f32")
+        per_expert = np.concatenate([np.asarray(m.forward(
+            [SeqChunk(toks[a : a + 4], a, np.arange(1), logits="all")], cache)[0])
+            for a in range(0, 16, 4)])
+    finally:
+        for f, (gu, d) in zip(layers, stacks):
+            f.stacked_gate_up, f.stacked_down = gu, d
+    np.testing.assert_allclose(per_expert, grouped, rtol=0, atol=1e-4 * np.abs(grouped).max())
+
+
+# --- the engine ------------------------------------------------------------------------------
+
+# Logprobs of the GPU engine against the CPU engine's: the logits differ by the GPU path's f16
+# noise (above: <= 0.5% of the range), which moves a logprob by at most twice the largest
+# logit change; measured <= 0.052 (tiny-qwen35moe's top-3 at its first token), so 0.1.
+LOGPROB_TOL = 0.1
+
+
+@lru_cache(maxsize=None)
+def engine_output(name: str, device: str):
+    """A greedy chat request (8 tokens, top-3 logprobs) on an engine on `device`: [(token,
+    logprob, top-3 logprobs)], as tests/test_engine_moe.py reads them."""
+    from kvshare.engine.api import GenerationRequest, SamplingParams  # noqa: PLC0415
+    from kvshare.engine.engine import Engine, EngineConfig  # noqa: PLC0415
+    from kvshare.model.chat_template import ChatTemplate  # noqa: PLC0415
+    from kvshare.model.tokenizer import Tokenizer  # noqa: PLC0415
+
+    path = DATA / "models" / f"{name}.gguf"
+    model = load_model(path, device)
+    tok = Tokenizer.from_gguf(path)
+    eng = Engine(model, tok, ChatTemplate.from_gguf(path, tok), bytes.fromhex(model.fingerprint),
+                 EngineConfig(kv_blocks=64, block_size=BS, prefill_chunk=128, cache_ram_mib=0,
+                              device=device))
+    text, _ = eng.apply_chat_template([{"role": "system", "content": "You are a build agent."},
+                                       {"role": "user", "content": "List three tools."}])
+    h = eng.submit(GenerationRequest(prompt_tokens=eng.tokenize(text), max_tokens=8,
+                                     sampling=SamplingParams(temperature=0.0), logprobs=True,
+                                     top_logprobs=3))
+    eng.run_until_idle()
+    toks, _ = h.result(timeout=0)
+    eng.pool.check_invariants()
+    return [(t.token_id, t.logprob.logprob, sorted(a.logprob for a in t.top_logprobs))
+            for t in toks if t.token_id >= 0]
+
+
+@pytest.mark.parametrize("name", F16_MODELS)
+def test_engine_decode_on_the_gpu_equals_the_cpu(name):
+    """The engine on `device="cuda"` (default GPU weights: f16 experts on the grouped kernels)
+    prefills a chat prompt and decodes 8 greedy tokens: the CPU engine's tokens, and its
+    chosen and top-3 logprobs within `LOGPROB_TOL`."""
+    cpu, gpu = engine_output(name, "cpu"), engine_output(name, "cuda")
+    assert [t for t, _, _ in gpu] == [t for t, _, _ in cpu] and len(cpu) == 8
+    for (_, lp_g, top_g), (_, lp_c, top_c) in zip(gpu, cpu):
+        assert lp_g == pytest.approx(lp_c, abs=LOGPROB_TOL)
+        assert top_g == pytest.approx(top_c, abs=LOGPROB_TOL)
