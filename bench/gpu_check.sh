@@ -4,10 +4,10 @@
 # kernels' tests and a MoE layer's step time (bench/moe_gpu_bench.py), and a short throughput
 # run (bench/gpu_bench.py; bench/model_bench.py --device cuda too when that flag exists).
 # Budget: about 6 minutes of device time after the machine is up; the step timeouts add up
-# to 15.5 minutes (210 s tests, 240 s compile test (NVRTC compiles every kernel, blocks.cu and
-# moe_blocks.cu included), 180 s MoE tests, 90 s moe_gpu_bench, 120 s gpu_bench, 90 s
+# to 16 minutes (210 s tests, 240 s compile test (NVRTC compiles every kernel, blocks.cu and
+# moe_blocks.cu included), 210 s MoE tests, 90 s moe_gpu_bench, 120 s gpu_bench, 90 s
 # model_bench), more than one session's device time: `MOE_ONLY=1 bash bench/gpu_check.sh`
-# runs the MoE steps alone (4.5 minutes at most).
+# runs the MoE steps alone (5 minutes at most).
 # Logs go to $OUT (the device tool's output folder), else bench/out/gpu_check.
 #
 # Two modes:
@@ -80,13 +80,15 @@ RC=0
 
 # --- MoE: the grouped expert kernels (kernels/moe_blocks.cu) ----------------------------------
 # Their `gpu` tests (block types, ragged loads, an idle expert, every token on two experts,
-# tiny-qwen3moe's layer against the NumPy oracle; NVRTC compiles the 92 kernels first, cached
-# for the bench), then a MoE layer's step time: grouped vs the per-expert paths.
+# tiny-qwen3moe's layer against the NumPy oracle; NVRTC compiles the kernels first, cached
+# for the bench), the four tiny MoE models on cuda against llama.cpp's logits in both GPU
+# weight modes and the engine's decode against the CPU's (tests/test_model_moe_gpu.py),
+# then a MoE layer's step time: grouped vs the per-expert paths.
 moe_steps() {
-    timeout 180 $PY -m pytest -m gpu -v -p no:cacheprovider tests/test_ops_gpu_moe.py \
-        > "$OUT/pytest_moe.log" 2>&1
+    timeout 210 $PY -m pytest -m gpu -v -p no:cacheprovider --durations=10 \
+        tests/test_ops_gpu_moe.py tests/test_model_moe_gpu.py > "$OUT/pytest_moe.log" 2>&1
     rc=$?; [ $rc -ne 0 ] && RC=$rc
-    log "pytest -m gpu tests/test_ops_gpu_moe.py: rc=$rc, $(summ $rc "$OUT/pytest_moe.log")"
+    log "pytest -m gpu tests/test_ops_gpu_moe.py tests/test_model_moe_gpu.py: rc=$rc, $(summ $rc "$OUT/pytest_moe.log")"
     grep -E '^(FAILED|ERROR)' "$OUT/pytest_moe.log" | head -10 | tee -a "$OUT/summary.txt"
     timeout 90 $PY bench/moe_gpu_bench.py --out "$OUT/moe_gpu_bench.json" > "$OUT/moe_gpu_bench.log" 2>&1
     rc=$?
