@@ -1,7 +1,9 @@
-"""Decode step time of one MoE layer on the GPU: the grouped block-format kernels
-(`kvshare.ops.gpu_moe`, 3-4 launches per layer) against the per-expert path
-(`kvshare.ops.moe.moe_ffn`: one product per active expert, with the experts as dense f16
-device matrices, as a model loads them on a GPU today, and as per-expert `GpuBlockWeight`s).
+"""Step time of one MoE layer on the GPU: the grouped kernels (`kvshare.ops.gpu_moe`, 3-4
+launches per layer) on the file's blocks (`KVSHARE_GPU_WEIGHTS=blocks`) and on experts
+dequantized to f16 (the default: how a model loads them on a GPU, `model.moe`), against the
+per-expert path (`kvshare.ops.moe.moe_ffn`, `KVSHARE_MOE_GROUPED=0`: one product per active
+expert, with the experts as dense f16 device matrices and as per-expert `GpuBlockWeight`s).
+The router is f32 on the device, as models load it.
 
 Layers: layer 0 of a tiny MoE GGUF (tests/data/models/tiny-qwen3moe-q8.gguf: 16 experts, k = 4,
 n_embd 64, n_ff 32, Q8_0 / Q4_0 / Q5_0), and a random layer of Qwen3-30B-A3B's shapes (128
@@ -55,6 +57,8 @@ def main() -> int:
     from kvshare.ops.gpu_blocks import GpuBlockWeight
     from kvshare.ops.moe import Routing, moe_ffn
 
+    F16 = int(Q.F16)
+
     be = get_backend("cuda")
     sync = be.synchronize
     rng = np.random.default_rng(0)
@@ -94,34 +98,40 @@ def main() -> int:
                                                       be))
         f16_gu = [w.dequantize_f16() for w in per_gu]
         f16_down = [w.dequantize_f16() for w in per_down]
-        router16 = cp.asarray(router.astype(np.float16))
+        # the default GPU form: one F16 part per matrix, each expert's rows contiguous
+        gu16, down16 = (gpu_moe.GpuStackedExperts(
+            [(cp.ascontiguousarray(cp.concatenate(ws)).view(cp.uint8), F16, ws[0].shape[0])],
+            E, ws[0].shape[1]) for ws in (f16_gu, f16_down))
+        router32 = cp.asarray(router)
         print(f"model: {name}: {E} experts, k={k}, n_embd {d}, n_ff {ff}; grouped experts "
               f"{(gu.nbytes + down.nbytes) / 2**20:.1f} MiB on the device")
         for n in (1, 8, 256):
             h = cp.asarray(rng.standard_normal((n, d)).astype(np.float32))
             row = {"layer": name, "tokens": n}
             row["grouped_us"] = 1e6 * timed(
-                gpu_moe.moe_ffn, (h, router16, gu, down, routing), args.iters, sync)
+                gpu_moe.moe_ffn, (h, router32, gu, down, routing), args.iters, sync)
+            row["grouped_f16_us"] = 1e6 * timed(
+                gpu_moe.moe_ffn, (h, router32, gu16, down16, routing), args.iters, sync)
             try:  # the per-expert paths are the reference point; a failure there is reported
-                y_g = gpu_moe.moe_ffn(h, router16, gu, down, routing)
-                y_p = moe_ffn(h, router16, f16_gu, f16_down, routing, backend=be)
+                y_g = gpu_moe.moe_ffn(h, router32, gu, down, routing)
+                y_p = moe_ffn(h, router32, f16_gu, f16_down, routing, backend=be)
                 row["rel_diff_vs_f16_per_expert"] = float(
                     cp.abs(y_g - y_p).max() / max(float(cp.abs(y_p).max()), 1e-30))
                 row["per_expert_f16_us"] = 1e6 * timed(
-                    moe_ffn, (h, router16, f16_gu, f16_down, routing), args.iters, sync,
+                    moe_ffn, (h, router32, f16_gu, f16_down, routing), args.iters, sync,
                     backend=be)
                 row["per_expert_blocks_us"] = 1e6 * timed(
-                    moe_ffn, (h, router16, per_gu, per_down, routing), args.iters, sync,
+                    moe_ffn, (h, router32, per_gu, per_down, routing), args.iters, sync,
                     backend=be)
             except Exception as exc:  # noqa: BLE001
                 row["per_expert_error"] = f"{type(exc).__name__}: {exc}"
             results.append(row)
             if "per_expert_error" in row:
-                print(f"moe step, {n:>3} tokens: grouped {row['grouped_us']:8.1f} us "
-                      f"(per-expert path failed: {row['per_expert_error']})", flush=True)
+                print(f"moe step, {n:>3} tokens: grouped {row['grouped_us']:8.1f} us, "
+                      f"grouped f16 {row['grouped_f16_us']:8.1f} us (per-expert path failed: {row['per_expert_error']})", flush=True)
             else:
                 print(f"moe step, {n:>3} tokens: grouped {row['grouped_us']:8.1f} us, "
-                      f"per-expert f16 {row['per_expert_f16_us']:8.1f} us, per-expert blocks "
+                      f"grouped f16 {row['grouped_f16_us']:8.1f} us, per-expert f16 {row['per_expert_f16_us']:8.1f} us, per-expert blocks "
                       f"{row['per_expert_blocks_us']:8.1f} us (grouped vs f16 per-expert: "
                       f"rel diff {row['rel_diff_vs_f16_per_expert']:.2e})", flush=True)
     if args.out:
