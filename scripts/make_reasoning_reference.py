@@ -24,7 +24,9 @@ import tempfile
 from pathlib import Path
 
 # file in tests/data/templates, BOS text, EOS text. thinking/ holds the models' templates as
-# llama.cpp's models/templates/ keeps them (Hugging Face tokenizer_config.json).
+# llama.cpp's models/templates/ keeps them (Hugging Face tokenizer_config.json): every one of
+# them that reads enable_thinking. Templates under --templates that read enable_thinking and
+# are not listed here are rendered too, with no BOS / EOS text.
 TEMPLATES = {
     "Qwen-Qwen3-0.6B.jinja": ("", "<|im_end|>"),
     "thinking/Qwen-QwQ-32B.jinja": ("", "<|im_end|>"),
@@ -45,8 +47,11 @@ REPLIES = {
 }
 
 APPLY_CPP = r"""
-// usage: lc_reason TEMPLATE BOS EOS CONVFILE REPLYFILE...: per enable_thinking 0/1 writes
-// enable_thinking \0 supports_thinking \0 prompt \0 then per reply: reasoning \0 content \0
+// usage: lc_reason TEMPLATE BOS EOS CONVFILE REPLYFILE...: per mode (off, on, auto) writes
+// mode \0 supports_thinking \0 enable_thinking \0 prompt \0 then per reply: reasoning \0
+// content \0. off / on: what --reasoning off / on give (chat_template_kwargs enable_thinking
+// false / true); auto: llama-server's default, enable_thinking = whether the template
+// supports thinking (server_context: common_chat_templates_support_enable_thinking)
 #include "chat.h"
 #include <cstdio>
 #include <cstring>
@@ -72,7 +77,10 @@ int main(int argc, char ** argv) {
         if (conv[i] == '\0') { parts.push_back(conv.substr(start, i - start)); start = i + 1; }
     }
     auto tmpls = common_chat_templates_init(nullptr, slurp(argv[1]), argv[2], argv[3]);
-    for (int think = 0; think < 2; think++) {
+    const char * modes[] = {"off", "on", "auto"};
+    for (int mode = 0; mode < 3; mode++) {
+        const bool think = mode == 2 ? common_chat_templates_support_enable_thinking(tmpls.get())
+                                     : mode == 1;
         common_chat_templates_inputs inputs;
         for (size_t i = 0; i + 1 < parts.size(); i += 2) {
             common_chat_msg m;
@@ -82,19 +90,27 @@ int main(int argc, char ** argv) {
         }
         inputs.add_generation_prompt = true;
         inputs.enable_thinking = think;
-        inputs.chat_template_kwargs["enable_thinking"] = think ? "true" : "false";
+        if (mode < 2) {
+            inputs.chat_template_kwargs["enable_thinking"] = think ? "true" : "false";
+        }
         inputs.reasoning_format = COMMON_REASONING_FORMAT_DEEPSEEK;
         auto params = common_chat_templates_apply(tmpls.get(), inputs);
-        put(think ? "1" : "0");
+        put(modes[mode]);
         put(params.supports_thinking ? "1" : "0");
+        put(think ? "1" : "0");
         put(params.prompt);
         common_chat_parser_params pp(params);
         pp.reasoning_format = COMMON_REASONING_FORMAT_DEEPSEEK;
         pp.parser.load(params.parser);
         for (int r = 5; r < argc; r++) {
-            auto msg = common_chat_parse(slurp(argv[r]), false, pp);
-            put(msg.reasoning_content);
-            put(msg.content);
+            try {
+                auto msg = common_chat_parse(slurp(argv[r]), false, pp);
+                put(msg.reasoning_content);
+                put(msg.content);
+            } catch (const std::exception &) {  // a reply this template's parser refuses
+                put("\x01");
+                put("\x01");
+            }
         }
     }
     return 0;
@@ -131,18 +147,22 @@ def main() -> None:
         for name, text in REPLIES.items():
             (work / name).write_text(text, encoding="utf-8")
             reply_files.append(str(work / name))
-        for file, (bos, eos) in TEMPLATES.items():
+        found = sorted(str(f.relative_to(args.templates)) for f in args.templates.rglob("*.jinja")
+                       if "enable_thinking" in f.read_text(encoding="utf-8"))
+        for file, (bos, eos) in {**TEMPLATES, **{f: ("", "") for f in found
+                                                 if f not in TEMPLATES}}.items():
             raw = subprocess.run([str(exe), str(args.templates / file), bos, eos, str(conv),
                                   *reply_files], check=True, capture_output=True).stdout
             fields = raw.decode("utf-8").split("\0")[:-1]
-            per = 3 + 2 * len(REPLIES)
+            per = 4 + 2 * len(REPLIES)
             out = {}
             for i in range(0, len(fields), per):
-                think, supports, prompt, *rest = fields[i:i + per]
-                out["on" if think == "1" else "off"] = {
-                    "supports_thinking": supports == "1", "prompt": prompt,
+                mode, supports, think, prompt, *rest = fields[i:i + per]
+                out[mode] = {
+                    "supports_thinking": supports == "1", "enable_thinking": think == "1",
+                    "prompt": prompt,
                     "parsed": {name: {"reasoning_content": rest[2 * j], "content": rest[2 * j + 1]}
-                               for j, name in enumerate(REPLIES)}}
+                               for j, name in enumerate(REPLIES) if rest[2 * j] != "\x01"}}
             cases[file] = {"bos_token": bos, "eos_token": eos, "enable_thinking": out}
     doc = {"source": "common_chat_templates_apply / common_chat_parse of llama-cpp-python "
                      "0.3.36's vendored llama.cpp, by scripts/make_reasoning_reference.py",

@@ -1,8 +1,11 @@
-"""Thinking models' templates render as llama-server renders them, with `enable_thinking` on
-and off, and their replies split into `reasoning_content` as llama-server splits them:
-`tests/data/reasoning_reference.json`, made by llama.cpp's own `common_chat_templates_apply`
-and `common_chat_parse` (scripts/make_reasoning_reference.py) for the Qwen3, QwQ and
-DeepSeek-R1-Distill templates. Also: `--reasoning off` on a real server, and the other
+"""Thinking models' templates render as llama-server renders them under `--reasoning off`,
+`on` and `auto` (the default: `enable_thinking` is whether llama.cpp's analysis counts the
+template as one that thinks), and their replies split into `reasoning_content` as
+llama-server splits them: `tests/data/reasoning_reference.json`, made by llama.cpp's own
+`common_chat_templates_apply` and `common_chat_parse` (scripts/make_reasoning_reference.py)
+for every template in tests/data/templates that reads `enable_thinking` (Qwen3, QwQ,
+DeepSeek-R1-Distill and the rest of llama.cpp's models/templates that read it); the split for
+the Qwen3, QwQ and DeepSeek-R1-Distill ones. Also: `--reasoning off` on a real server, and the other
 llama-server template variables (`functions`, `date_string`, `strftime_now`)."""
 
 import json
@@ -21,7 +24,11 @@ DATA = Path(__file__).parent / "data"
 TEMPLATES = DATA / "templates"
 REF = json.loads((DATA / "reasoning_reference.json").read_text(encoding="utf-8"))
 QWEN3 = "Qwen-Qwen3-0.6B.jinja"
-CASES = [(f, mode) for f in REF["templates"] for mode in ("on", "off")]
+MODES = ("off", "on", "auto")
+CASES = [(f, mode) for f in REF["templates"] for mode in MODES]
+# the templates whose <think> replies kvshare splits as llama-server (toolcalls/reasoning.py)
+SPLIT = ["Qwen-Qwen3-0.6B.jinja", "thinking/Qwen-QwQ-32B.jinja",
+         "thinking/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja"]
 
 
 def _template(file: str) -> ChatTemplate:
@@ -37,18 +44,29 @@ def _reply_split(source: str, prompt: str, reply: str) -> tuple[str, str]:
     return msg.get("reasoning_content") or "", msg["content"] or ""
 
 
+def test_every_template_reading_enable_thinking_is_in_the_reference():
+    readers = {str(f.relative_to(TEMPLATES)) for f in TEMPLATES.rglob("*.jinja")
+               if "enable_thinking" in f.read_text(encoding="utf-8")}
+    assert readers == set(REF["templates"]) and len(readers) == 26
+
+
 @pytest.mark.parametrize("file,mode", CASES)
 def test_renders_as_llama_server(file, mode):
+    """off / on: `--reasoning off` / `on` (the template variable set by the server, as
+    llama-server's default chat_template_kwargs); auto: nothing set, kvshare's default."""
     ref = REF["templates"][file]["enable_thinking"][mode]
     t = _template(file)
-    kwargs = {"enable_thinking": False} if mode == "off" else {}  # on: kvshare's default
-    assert t.render(REF["conversation"], **kwargs) == ref["prompt"]
-    if mode == "on":
-        assert t.render(REF["conversation"], enable_thinking=True) == ref["prompt"]
-        assert ref["supports_thinking"] and template_has_thinking(t.source)
+    if mode == "auto":
+        assert t.thinking_by_default is ref["enable_thinking"] is ref["supports_thinking"]
+        assert t.render(REF["conversation"]) == ref["prompt"]
+    else:
+        server = ChatTemplate(t.source, bos_token=t.bos_token, eos_token=t.eos_token,
+                              extra_context={"enable_thinking": mode == "on"})
+        assert server.render(REF["conversation"]) == ref["prompt"]
+        assert t.render(REF["conversation"], enable_thinking=mode == "on") == ref["prompt"]
 
 
-@pytest.mark.parametrize("file,mode", CASES)
+@pytest.mark.parametrize("file,mode", [(f, m) for f in SPLIT for m in ("on", "off")])
 def test_reasoning_content_is_split_as_llama_server(file, mode):
     """The reply each template leads to (a <think> block, or the rest of one the prompt
     opened; with thinking off, the answer alone) and a plain answer: reasoning_content and
@@ -65,6 +83,7 @@ def test_reasoning_content_is_split_as_llama_server(file, mode):
                                                     want["content"].strip()), name
     if mode == "on":
         assert ref["parsed"]["opened" if opened else "thinking"]["reasoning_content"].strip()
+        assert ref["supports_thinking"] and template_has_thinking(t.source)
 
 
 def test_request_kwargs_win_over_the_server_setting():

@@ -243,6 +243,7 @@ class ChatTemplate:
         self.extra_context = dict(extra_context or {})
         self._harmony = "<|channel|>" in source  # gpt-oss (llama.cpp's test for its handler)
         self._caps: TemplateCaps | None = None
+        self._thinks: bool | None = None  # thinking_by_default, once known
         try:
             self._template = _make_env().from_string(source)
         except TemplateError as exc:
@@ -358,6 +359,8 @@ class ChatTemplate:
         ctx.update(bos_token=self.bos_token, eos_token=self.eos_token)
         ctx.update(self.extra_context)
         ctx.update(kwargs)
+        if "enable_thinking" not in self.extra_context and "enable_thinking" not in kwargs:
+            ctx["enable_thinking"] = self.thinking_by_default
         ctx["messages"] = msgs
         ctx["tools"] = list(tools) if tools else None
         ctx.setdefault("functions", template_context.functions_of(tools))
@@ -374,8 +377,6 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError) as exc:
             raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
-        if add_generation_prompt and ctx.get("enable_thinking") is False:
-            out = template_context.close_thinking(out)
         if strip_bos is None:
             strip_bos = self.add_bos
         if strip_bos and self.bos_token and out.startswith(self.bos_token):
@@ -383,6 +384,27 @@ class ChatTemplate:
         if self.add_eos and self.eos_token and out.endswith(self.eos_token):
             out = out[: -len(self.eos_token)]
         return out
+
+    @property
+    def thinking_by_default(self) -> bool:
+        """`enable_thinking` when neither `--reasoning` nor the request sets it: llama-server's
+        `--reasoning auto`, true when it counts the template as one that thinks
+        (template_context.supports_thinking; a template that never reads the variable: true,
+        it changes nothing)."""
+        if self._thinks is None:
+            self._thinks = ("enable_thinking" not in self.source
+                            or template_context.supports_thinking(self.source, self._probe))
+        return self._thinks
+
+    def _probe(self, messages: list, add_generation_prompt: bool, enable_thinking: bool,
+               tools: list | None) -> str | None:
+        """The template's own output for `messages` (llama.cpp's analysis renders), or None
+        when it fails."""
+        try:
+            return self._render(list(messages), tools, add_generation_prompt, False,
+                                {"enable_thinking": enable_thinking}, polyfill=False)
+        except ChatTemplateError:
+            return None
 
     def first_user_boundary(self, messages: Sequence[Mapping[str, Any]], *,
                             tools: Sequence[Any] | None = None, add_generation_prompt: bool = True,
