@@ -8,9 +8,12 @@ when Redis answers, `health()` says degraded. Every damaged value found on a rea
 and a key of another Redis type counts as corrupt (deleted), not as a failure of Redis.
 
 Server level (real `kvshare serve` with the tiny model, as tests/test_replicas.py): against
-each misbehaving Redis, the server is ready within 5 s, requests that need the tier and
-bystanders that do not each finish within their cold-server time + 2 s, with the cold server's
-output, and `/health` is 200 with `tiers.remote.state == "degraded"`.
+each misbehaving Redis, the server is ready within 5 s (started before Redis went bad, and
+started against a bad one), requests that need the tier and bystanders that do not each
+finish within their cold-server time + 2 s, with the cold server's output, and `/health` is
+200 with `tiers.remote.state == "degraded"`. Redis reads run on fetch threads before a
+request is queued (engine/cache/prefetch.py): a stream decoding while requests wait on the bad
+Redis never pauses for it.
 """
 
 from __future__ import annotations
@@ -214,4 +217,88 @@ def test_a_server_on_a_misbehaving_redis_serves_as_a_cold_one(fake, launcher, co
         assert h.json()["tiers"]["remote"]["state"] == "degraded", h.json()
         print(f"{bad}: ready in {ready_s:.2f} s, worst request {worst:+.2f} s over cold")
     finally:
+        s.kill9()
+
+
+@pytest.mark.skipif(not TINY_MODEL.exists(), reason="run tests/data/make_tiny_qwen3_chat.py")
+@pytest.mark.parametrize("fake", BAD_MODES, indirect=True)
+def test_a_fresh_server_on_a_misbehaving_redis_is_ready_within_5_s(fake, launcher, cold):
+    """Started against a Redis that is already bad: ready within 5 s, `/health` 200 with the
+    tier degraded, and a request that would look in Redis gets the cold server's output."""
+    started = time.monotonic()
+    s = Server(launcher, "--parallel", "2", "--cache-min-tokens", "64",
+               "--cache-redis", fake.url, "--cache-redis-timeout", str(TIMEOUT))
+    try:
+        ready_s = time.monotonic() - started
+        assert ready_s < 5.0, (ready_s, s.log())
+        msgs = conversation(text(4800, 700), "fresh server")
+        assert_same_output(s.chat(msgs), cold(msgs), f"{fake.mode}: fresh server")
+        h = s.client.get("/health")
+        assert h.status_code == 200 and h.json()["status"] == "ok", h.text
+        if fake.mode != "reset":  # a reset costs no deadline: 3 in a row open the breaker
+            assert h.json()["tiers"]["remote"]["state"] == "degraded", h.json()
+        print(f"{fake.mode}: a fresh server ready in {ready_s:.2f} s")
+    finally:
+        s.kill9()
+
+
+# A bystander's decode may pause this long while requests wait on a misbehaving Redis: a step
+# that computes a 128-token chunk of the needy prompts beside it takes 0.05-0.4 s on 2 shared
+# cores; a Redis read on the engine thread pauses it for the whole deadline,
+# REDIS_TIMEOUT_BYSTANDER (long here so that the two cannot be mistaken for each other).
+BYSTANDER_MAX_GAP_S = 2.0
+REDIS_TIMEOUT_BYSTANDER = 5.0
+
+
+def _stream_until(server: Server, body: dict, out: list[float], stop: threading.Event) -> None:
+    """Stream `body` from /completion until `stop` is set (then hang up); the arrival time of
+    each token event goes to `out`."""
+    with server.client.stream("POST", "/completion", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                out.append(time.monotonic())
+            if stop.is_set():
+                return
+
+
+@pytest.mark.skipif(not TINY_MODEL.exists(), reason="run tests/data/make_tiny_qwen3_chat.py")
+@pytest.mark.parametrize("fake", BAD_MODES, indirect=True)
+def test_a_bystander_decodes_on_while_a_request_waits_on_redis(fake, launcher, cold):
+    """A stream decoding while requests that need the shared tier are submitted to a replica
+    whose Redis went bad: their Redis reads run on fetch threads (engine/cache/prefetch.py),
+    so the stream's longest pause between tokens stays far below the Redis deadline (it was
+    the whole deadline when reads ran on the engine thread); they get the cold output."""
+    bad, fake.mode = fake.mode, "empty"
+    s = Server(launcher, "--parallel", "4", "--cache-min-tokens", "64", "--prefill-chunk",
+               "128", "--cache-redis", fake.url,
+               "--cache-redis-timeout", str(REDIS_TIMEOUT_BYSTANDER))
+    stop = threading.Event()
+    try:
+        needy = [conversation(text(4700 + i, 700), f"bystander test {i}") for i in range(3)]
+        refs = [cold(m) for m in needy]
+        fake.mode = bad
+        stamps: list[float] = []
+        body = {"prompt": "count on", "n_predict": 100000, "ignore_eos": True, "stream": True,
+                "cache_prompt": False}
+        t = threading.Thread(target=_stream_until, args=(s, body, stamps, stop))
+        t.start()
+        wait_until(lambda: len(stamps) >= 20, 30)
+        t0 = time.monotonic()
+        got = _run_together(s, needy)
+        t1 = time.monotonic()
+        stop.set()
+        t.join(60)
+        assert not t.is_alive()
+        assert stamps[-1] >= t1, "the bystander stream ended before the needy requests did"
+        for i, (reply, _) in enumerate(got):
+            assert_same_output(reply, refs[i], f"{bad}: needy {i}")
+        during = [b - a for a, b in zip(stamps, stamps[1:]) if b >= t0 and a <= t1]
+        worst = max(during)
+        print(f"{bad}: bystander's longest pause {worst * 1e3:.0f} ms over {len(during)} "
+              f"tokens while the needy requests ran ({t1 - t0:.2f} s)")
+        assert worst < BYSTANDER_MAX_GAP_S, (bad, worst)
+        assert s.client.get("/health").json()["tiers"]["remote"]["state"] == "degraded"
+    finally:
+        stop.set()
         s.kill9()

@@ -135,6 +135,7 @@ class Engine:
             self.stop_ids.add(eos)
         self._ids = itertools.count(1)
         self._inbox: deque = deque()
+        self._fetching: set[str] = set()  # submitted sequences whose fetch-ahead is running
         self._cancels: deque[str] = deque()
         self._wake = threading.Event()
         self._stopping = False
@@ -324,9 +325,18 @@ class Engine:
         self._handles[rid] = handle
         self._open_choices[rid] = req.n
         self._seqs[seq.key] = seq
-        self._inbox.append(seq)
-        self._wake.set()
+        # What its admission would read from Redis is fetched first, on a fetch thread: the
+        # engine thread never waits on the network (engine/cache/prefetch.py).
+        self._fetching.add(seq.key)
+        if not self.cache.fetch_ahead(seq, functools.partial(self._fetched, seq)):
+            self._fetched(seq)
         return handle
+
+    def _fetched(self, seq: Sequence) -> None:
+        """Queue a submitted sequence for the scheduler (any thread)."""
+        self._inbox.append(seq)
+        self._fetching.discard(seq.key)
+        self._wake.set()
 
     def cancel(self, request_id: str) -> None:
         """Stop a request; its handle gets FinishEvent(reason="cancelled"). Any thread."""
@@ -364,7 +374,11 @@ class Engine:
 
     def _drain_inbox(self) -> None:
         while self._inbox:
-            self.scheduler.add(self._inbox.popleft())
+            seq = self._inbox.popleft()
+            if seq.state == SeqState.FINISHED:  # cancelled while its fetch-ahead ran
+                self.cache.drop_fetch(seq)
+                continue
+            self.scheduler.add(seq)
         while self._cancels:
             rid = self._cancels.popleft()
             for seq in self._choices_of(rid):
@@ -392,6 +406,10 @@ class Engine:
             self._drain_inbox()
             self._expire_queued()
             if not self.scheduler.has_work():
+                if self._fetching:  # a fetch-ahead is still running: its sequence comes next
+                    self._wake.wait(0.01)
+                    self._wake.clear()
+                    continue
                 self.tiers.flush()  # callers look at the tiers next
                 return
             self.step()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Literal, overload
 
 from kvshare.engine.cache.base import CacheContext, LayerGroupManager, recomputes
 from kvshare.engine.cache.full_attention import FullAttentionManager
+from kvshare.engine.cache.prefetch import RemoteFetcher
 from kvshare.engine.faults import maybe_inject
 from kvshare.engine.sequence import Sequence
 
@@ -38,6 +39,9 @@ class KVCacheManager:
         self.groups: list[LayerGroupManager] = [full] + ([other] if other is not None else [])
         self.lead = other if other is not None else full
         self.counters = ctx.counters  # recovered faults: restore_failed, cow_no_room, ...
+        # Redis reads run ahead of admission, off the engine thread (prefetch.py)
+        self.fetcher = RemoteFetcher(self) if self.tiers.remote is not None else None
+        self.tiers.fetcher = self.fetcher
 
     @property
     def attach_enabled(self) -> bool:
@@ -78,7 +82,24 @@ class KVCacheManager:
         seq.n_computed = 0
         if seq.prefill_started is None:  # prompt time includes any tier restore
             seq.prefill_started = time.perf_counter()
-        return self.lead.admit(seq)
+        fetched = self.fetcher.take(seq) if self.fetcher is not None else None
+        try:
+            with self.tiers.reading(fetched):
+                return self.lead.admit(seq)
+        finally:  # its blocks are in the pool now (or were not usable)
+            if fetched is not None:
+                self.fetcher.release(fetched)  # type: ignore[union-attr]
+
+    def fetch_ahead(self, seq: Sequence, done) -> bool:
+        """Before a new request is queued: fetch what its admission would read from Redis on a
+        fetch thread, then call `done()` there (prefetch.py). False (`done` not called): nothing
+        to fetch, or no fetch thread free; queue it now."""
+        return self.fetcher is not None and self.fetcher.start(seq, done)
+
+    def drop_fetch(self, seq: Sequence) -> None:
+        """A request that ends before its admission lets go of what was fetched for it."""
+        if self.fetcher is not None:
+            self.fetcher.drop(seq)
 
     def reattach(self, seq: Sequence) -> int:
         """Mid-prefill: if blocks for the next positions appeared since admission (a donor

@@ -21,12 +21,13 @@ Never slower, never wrong, never an error to a client:
   one writer thread; a pipelined EXISTS first skips blocks another replica already wrote (and
   refreshes their LRU age and TTL: this replica still uses them).
 - Reads are pipelined: one round trip probes how many leading blocks Redis holds, then chunks
-  are fetched on the tier manager's reader threads while the engine installs earlier ones.
+  of them are fetched. They run on a fetch thread before the request is queued
+  (`prefetch.py`), never on the engine thread, which only installs what was fetched.
 - Every call has a deadline (`timeout_s`) for the whole of it, connecting, sending and
   reading every reply (`resp_client.py`: a reply trickling in a byte at a time misses it like
   one that never comes), and no retries. Failures feed a circuit breaker: a missed deadline
-  opens it at once (a slow Redis would hold the engine thread, and every sequence on it, for
-  a full deadline per call), and `breaker_failures` other failures in a row (refused, reset,
+  opens it at once (a slow Redis would hold every request that needs it for a full deadline
+  per call), and `breaker_failures` other failures in a row (refused, reset,
   an error reply) open it too. While it is open every read is a miss and every write is
   dropped without touching the network; every `breaker_cooldown_s` the prober thread sends a
   PING under the same deadline, and the first answer closes it. No request ever waits on a
@@ -274,6 +275,17 @@ class RemoteTier:
         if n == 0:
             self.stats_.misses += 1
         return n
+
+    def present_each(self, keys: list[bytes]) -> list[bool]:
+        """Whether Redis holds each of `keys` (one pipelined round trip); all False when
+        unavailable."""
+        if not keys:
+            return []
+        try:
+            got = self._run([[b"EXISTS", self._block_key(k)] for k in keys])
+        except RemoteUnavailable:
+            return [False] * len(keys)
+        return [g == 1 for g in got]
 
     def read_blocks(self, keys: list[bytes], staging: np.ndarray) -> int:
         """Fetch `keys` (pipelined) into `staging[i]` (one block each); returns how many leading

@@ -1,9 +1,10 @@
 """Prefixes that outlive sessions: the RAM tier, the disk tier and the shared (Redis) tier behind
 the device block pool.
 
-Lookups fall through device pool -> RAM -> disk -> Redis (`remote_tier.py`), always by
-chain key, so a restored block is
-exactly the KV of this prompt's tokens (and salt, and model). When a sequence finishes, its
+Lookups fall through device pool -> RAM -> disk -> Redis, always by chain key, so a restored
+block is exactly the KV of this prompt's tokens (and salt, and model). Redis is never read on
+the engine thread: a request's blocks there were fetched before it was queued (`prefetch.py`),
+and its admission reads that holding area (`reading`) where it would read Redis. When a sequence finishes, its
 full blocks (prompt + reply, as the client's next turn will present them) are copied to the
 RAM tier (same content stored once) and queued for the disk writer and the Redis writer; the
 writers skip blocks already stored, so a returning conversation only adds its new turn.
@@ -26,6 +27,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
@@ -37,6 +39,8 @@ from kvshare.engine.cache.remote_tier import RemoteTier
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
+
+    from kvshare.engine.cache.prefetch import RemoteFetch, RemoteFetcher
 
 log = logging.getLogger("kvshare.tiers")
 
@@ -91,6 +95,20 @@ class TierManager:
         self._readers: ThreadPoolExecutor | None = None
         self._saver: ThreadPoolExecutor | None = None
         self._saves: deque[tuple[Future, bool]] = deque()  # (job, writes to disk)
+        # the admitting sequence's blocks fetched ahead from Redis (`reading`): the engine
+        # thread's remote reads go here, never to the network
+        self._reads: RemoteFetch | None = None
+        self.fetcher: RemoteFetcher | None = None  # set by the cache manager with a remote tier
+
+    @contextlib.contextmanager
+    def reading(self, fetched: RemoteFetch | None) -> Iterator[None]:
+        """While admitting one sequence: its fetch-ahead is what the remote tier holds (None:
+        nothing; a lookup past the local tiers is a miss)."""
+        self._reads = fetched
+        try:
+            yield
+        finally:
+            self._reads = None
 
     @property
     def enabled(self) -> bool:
@@ -127,15 +145,13 @@ class TierManager:
                 if len(ids) < n:
                     return got
         pos = start + len(got)
-        if self.remote is not None and pos < len(keys):
+        reads = self._reads
+        if reads is not None and pos < len(keys):
             t0 = time.perf_counter()
-            n = self.remote.present(keys[pos:])
-            if n:
-                ids = self._restore_chunks(self.remote.read_blocks, tokens, keys, pos, n, root,
-                                           self.remote_counters, depth=DISK_DEPTH, split=split)
-                got += ids
-            else:
-                ids = []
+            n = reads.present(keys[pos:])
+            ids = self._restore_chunks(reads.read_blocks, tokens, keys, pos, n, root,
+                                       self.remote_counters, split=split) if n else []
+            got += ids
             self._count(self.remote_counters, len(ids), time.perf_counter() - t0)
         return got
 
@@ -419,15 +435,33 @@ class TierManager:
             if info is not None and info[0] > floor:
                 pos, key = int(info[0]), bytes(info[1])
                 best = (pos, "disk", lambda: self._load_disk_checkpoint(root, tokens[:pos], key, account))
-        if self.remote is not None:
+        reads = self._reads
+        if reads is not None:
             floor = best[0] if best else deeper_than
             top = min(len(keys), max_position // bs)
             cands = [(j * bs, keys[j - 1]) for j in range(floor // bs + 1, top + 1)]
-            found = self.remote.find_checkpoint(cands)
+            found = reads.find_checkpoint(cands)
             if found is not None:
                 rpos, bkey = found
-                best = (rpos, "remote",
-                        lambda: self._load_remote_checkpoint(root, tokens[:rpos], bkey, account))
+                best = (rpos, "remote", lambda: self._load_remote_checkpoint(
+                    reads, root, tokens[:rpos], bkey, account))
+        return best
+
+    def local_checkpoint_position(self, root: bytes, keys: list[bytes], tokens: list[int],
+                                  max_position: int) -> int:
+        """The deepest block-aligned checkpoint position RAM or disk offer (0: none); any
+        thread (the fetch-ahead compares Redis's with it)."""
+        bs, best = self.block_size, 0
+        if self.ram is not None:
+            ck = self.ram.deepest_checkpoint(root, keys, tokens[:max_position], max_position)
+            if ck is not None and ck.position % bs == 0:
+                best = int(ck.position)
+        if self.disk is not None:
+            top = min(len(keys), max_position // bs)
+            cands = [(j * bs, keys[j - 1]) for j in range(best // bs + 1, top + 1)]
+            info = self.disk.lookup_checkpoint(cands, max_position) if cands else None
+            if info is not None and info[0] > best:
+                best = int(info[0])
         return best
 
     def checkpoint_served(self, tier: str) -> None:
@@ -435,8 +469,8 @@ class TierManager:
                     "remote": self.remote_counters}[tier]
         counters.checkpoints_served += 1
 
-    def _load_remote_checkpoint(self, root, tokens, block_key, account):
-        got = self.remote.read_checkpoint(block_key, len(tokens))
+    def _load_remote_checkpoint(self, reads, root, tokens, block_key, account):
+        got = reads.read_checkpoint(block_key, len(tokens))
         if got is None:
             return None
         layout, data = got
@@ -468,8 +502,8 @@ class TierManager:
         n = self.ram.match_prefix(keys) if self.ram is not None and keys else 0
         if self.disk is not None and n < len(keys):
             n += int(self.disk.lookup(keys[n:])[0])
-        if self.remote is not None and n < len(keys):
-            n += self.remote.present(keys[n:])
+        if self._reads is not None and n < len(keys):
+            n += self._reads.present(keys[n:])
         return n
 
     def has_window_block(self, key: bytes) -> bool:
@@ -478,7 +512,7 @@ class TierManager:
             return True
         if self.disk is not None and self.disk.lookup([wk])[0]:
             return True
-        return self.remote is not None and self.remote.present([wk]) == 1
+        return self._reads is not None and self._reads.present([wk]) == 1
 
     def read_window_block(self, key: bytes, out: np.ndarray) -> bool:
         """Window block `key` into `out` (its shape), verified; False if no tier has it whole."""
@@ -492,8 +526,8 @@ class TierManager:
             except (_core.CorruptEntry, _core.CacheIoError) as exc:
                 log.warning("disk window block unreadable, recomputing: %s", exc)
                 self.disk_counters.errors += 1
-        if self.remote is not None:
-            return self.remote.read_blocks([wk], out.reshape(1, *out.shape)) == 1
+        if self._reads is not None:
+            return self._reads.read_blocks([wk], out.reshape(1, *out.shape)) == 1
         return False
 
     def save_window(self, keys: list[bytes], host: np.ndarray, pin: bool = False) -> None:
@@ -534,6 +568,8 @@ class TierManager:
         if self.remote is not None:
             out["remote"] = {**self.remote.stats(), **vars(self.remote_counters)}
             out["remote"]["queued"] += self._pending_saves()
+            if self.fetcher is not None:
+                out["remote"]["fetch_ahead"] = self.fetcher.stats()
         return out
 
     def _pending_saves(self) -> int:
@@ -547,5 +583,7 @@ class TierManager:
             self._readers.shutdown(wait=True)
         if self.disk is not None:
             self.disk.close()
+        if self.fetcher is not None:
+            self.fetcher.close()
         if self.remote is not None:
             self.remote.close()
