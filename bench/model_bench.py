@@ -297,7 +297,19 @@ def main() -> None:
     d8 = rates.get("decode batch 8 @ctx 64", float("nan"))
     # issue 13: RSS after load <= file x 1.1 + 300 MiB (the KV pool comes on top, made later)
     rss_bound = file_mib * 1.1 + 300
+    # issue 41's bound for the runs: that plus the KV of the largest case's tokens
+    kv_tokens = max([*prefill_sizes, *(b * (ctx + 16) for b, ctx in decode_cases), 0])
+    kv_mib = model.kv_bytes_per_token(args.kv_dtype) * kv_tokens / 2**20
+    from kvshare.backend import CPU_THREADS  # noqa: PLC0415
+    from kvshare.model.gguf_file import GGUFFile  # noqa: PLC0415
+    from kvshare.model.weights import cpu_weight_mode, vnni_eligible  # noqa: PLC0415
+
+    weights = ("gpu" if args.device != "cpu" else cpu_weight_mode(
+        vnni_eligible(GGUFFile(path), model.config.n_recurrent_layers)))
     result = {
+        "command": " ".join(["python", "bench/model_bench.py", *sys.argv[1:]]),
+        "llama_bench_command": " ".join(peer.cmd) if peer else None,
+        "cpu_weights": weights, "threads": CPU_THREADS.max_threads,
         "model": str(path), "device": args.device, "chunk": args.chunk,
         "kv_dtype": args.kv_dtype or "f16",
         "load_seconds": load_s, "rss_after_load_mib": rss_loaded,
@@ -305,6 +317,7 @@ def main() -> None:
         "peak_rss_mib": peak_rss_mib(), "batch4_over_batch1": d4 / d1,
         "huge_page_fraction": model.huge_page_fraction,
         "batch8_over_batch1": d8 / d1, "file_mib": file_mib, "rss_bound_mib": rss_bound,
+        "kv_mib_largest_case": kv_mib, "rss_bound_with_kv_mib": rss_bound + kv_mib,
         "rows": rows,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "load_avg": os.getloadavg(),
@@ -335,8 +348,12 @@ def main() -> None:
     print(f"{'RSS after load (MiB)':<28}{rss_loaded:>12.0f}")
     print(f"{'RSS after 1st forward (MiB)':<28}{rss_used:>12.0f}   (target <= file x 1.1 + 300 = "
           f"{rss_bound:.0f}: {'met' if rss_used <= rss_bound else 'MISSED'})")
-    print(f"{'RSS after the runs (MiB)':<28}{rss_end:>12.0f}   (KV caches of the cases included)")
+    bound_kv = rss_bound + kv_mib
+    print(f"{'RSS after the runs (MiB)':<28}{rss_end:>12.0f}   (KV caches of the cases included;"
+          f" bound + the largest case's KV, {kv_mib:.0f} = {bound_kv:.0f}: "
+          f"{'met' if rss_end <= bound_kv else 'MISSED'})")
     print(f"{'peak RSS (MiB)':<28}{result['peak_rss_mib']:>12.0f}")
+    print(f"{'weights':<28}{weights:>12}   ({CPU_THREADS.max_threads} threads)")
     print(f"{'weights in 2 MiB pages':<28}{result['huge_page_fraction']:>12.0%}")
     print(f"load average during run: {os.getloadavg()}")
     out = Path(args.out)
