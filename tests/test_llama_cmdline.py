@@ -293,3 +293,21 @@ def test_ctx_over_slots_on_a_real_server(tmp_path):
         assert [s["n_ctx"] for s in c.get("/slots").json()] == [512, 512]
         r = c.post("/completion", json={"prompt": prompt, "n_predict": 2})
         assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("argv,reason", [
+    (["--ui-config", '{"pasteLongTextToFileLen": 0}'], "does not serve llama.cpp's web UI"),
+    (["--ui-config-file", "ui.json"], "does not serve llama.cpp's web UI"),
+    (["--webui-config", "{}"], "does not serve llama.cpp's web UI"),
+    (["--no-cache-idle-slots"], "no idle slots to save or clear"),
+    (["--sleep-idle-seconds", "1"], "no idle sleep"),
+    (["--context-shift"], "no context shift"),
+])
+def test_flags_kvshare_cannot_honour_are_refused_with_the_reason(argv, reason, capsys):
+    """llama-server flags whose meaning kvshare lacks (docs/llama-server.md, "Refused"): one
+    line naming the flag and why, exit 2, never taken silently."""
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["-m", "x.gguf", *argv], {})
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and argv[0] in err[0] and reason in err[0], err

@@ -62,6 +62,8 @@ _NO_DRAFT = "kvshare has no speculative decoding"
 _TEXT_ONLY = "kvshare is text only: no vision or audio projector, no media files"
 _NO_ROUTER = "kvshare serves one model: no router mode"
 _NO_TOOLS = "kvshare runs no tools or MCP servers itself"
+_NO_LLAMA_UI = ("kvshare does not serve llama.cpp's web UI, which these settings configure; "
+                "its own page at / has none")
 REFUSED = {
     "--no-cont-batching": "kvshare always batches continuously",
     "-nocb": "kvshare always batches continuously",
@@ -81,8 +83,11 @@ REFUSED = {
     "--models-autoload": _NO_ROUTER, "--no-models-autoload": _NO_ROUTER,
     "--tools": _NO_TOOLS, "--mcp-servers-json": _NO_TOOLS, "--mcp-servers-config": _NO_TOOLS,
     "--ui-mcp-proxy": _NO_TOOLS,
-    "--ui-config": "kvshare's web UI has no llama.cpp UI settings",
+    "--ui-config": _NO_LLAMA_UI, "--ui-config-file": _NO_LLAMA_UI,
+    "--webui-config": _NO_LLAMA_UI, "--webui-config-file": _NO_LLAMA_UI,
     "--context-shift": "kvshare has no context shift: a sequence ends when its context is full",
     "--sleep-idle-seconds": "kvshare keeps the model loaded: no idle sleep",
-    "--no-cache-idle-slots": "kvshare always keeps idle sequences' KV in its shared cache",
+    "--no-cache-idle-slots": ("kvshare has no idle slots to save or clear: a finished "
+                              "sequence's KV stays in the shared pool until evicted and is "
+                              "copied to the RAM tier as it finishes"),
 }
