@@ -11,6 +11,7 @@ fetch, and the bytes held ahead are bounded (a fetch over the budget takes a lea
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -116,3 +117,34 @@ def test_fetched_bytes_are_bounded(redis_server):
     finally:
         a.shutdown(timeout=1.0)
         b.shutdown(timeout=1.0)
+
+
+def test_a_request_cancelled_while_redis_hangs_ends_at_once():
+    """The engine running on its thread, Redis accepting and never answering: a request that
+    needs Redis is cancelled during its fetch and ends at once; a bystander submitted after it
+    is served while the fetch still waits; the fetch ends within its bound, holding nothing."""
+    from fake_redis import FakeRedis, wait_until
+
+    fake = FakeRedis("silent")
+    eng = make(MODELS / CASES["full_attention"], fake.url, cache_redis_timeout_s=4.0)
+    eng.start()
+    try:
+        h = eng.submit(GenerationRequest(prompt_tokens=prompt_of(eng, 5, 300), max_tokens=4,
+                                         sampling=GREEDY))
+        wait_until(lambda: eng.cache.fetcher.in_flight() == 1, 5)
+        t0 = time.monotonic()
+        h.cancel()
+        _, fin = h.result(timeout=1.0)
+        assert fin.reason == "cancelled" and time.monotonic() - t0 < 1.0
+        by = eng.submit(GenerationRequest(prompt_tokens=prompt_of(eng, 6, 8), max_tokens=4,
+                                          sampling=GREEDY))
+        tokens, fin = by.result(timeout=3.0)
+        assert fin.reason == "length" and len(tokens) >= 4
+        assert eng.cache.fetcher.in_flight() == 1  # still waiting on Redis meanwhile
+        wait_until(lambda: eng.cache.fetcher.in_flight() == 0, 5 * 4.0 + 1)
+        fa = eng.snapshot()["tiers"]["remote"]["fetch_ahead"]
+        assert fa["held_bytes"] == 0 and fa["waiting_admission"] == 0, fa
+        assert eng.tiers.remote.health()["state"] == "degraded"
+    finally:
+        eng.shutdown(timeout=1.0)
+        fake.close()

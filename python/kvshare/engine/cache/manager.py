@@ -94,7 +94,13 @@ class KVCacheManager:
         """Before a new request is queued: fetch what its admission would read from Redis on a
         fetch thread, then call `done()` there (prefetch.py). False (`done` not called): nothing
         to fetch, or no fetch thread free; queue it now."""
-        return self.fetcher is not None and self.fetcher.start(seq, done)
+        if self.fetcher is None:
+            return False
+        try:
+            return self.fetcher.start(seq, done)
+        except Exception:  # noqa: BLE001 - no fetch is a miss, never the request's error
+            log.exception("fetching ahead for %s could not start", seq.request.request_id)
+            return False
 
     def drop_fetch(self, seq: Sequence) -> None:
         """A request that ends before its admission lets go of what was fetched for it."""
