@@ -31,6 +31,9 @@ class ToolFormat(ABC):
     openers: tuple[str, ...] = ()
     # strings that open a call only at the start of the reply or right after another call
     start_openers: tuple[str, ...] = ()
+    # openers that begin a call only when what follows parses as one (text that looks like
+    # markup: a Markdown fence, a tag, an object); cut off at the very end they stay text
+    tentative_openers: tuple[str, ...] = ()
     # characters besides whitespace that may separate consecutive calls (dropped with them)
     separators: str = ""
     # the reply is always in the format's shape when the request has tools: "auto" is

@@ -115,6 +115,7 @@ class Markup(Protocol):
 
     openers: tuple[str, ...]
     start_openers: tuple[str, ...]
+    tentative_openers: tuple[str, ...]
     separators: str
 
     def region(self, opener: str, sink: Sink) -> Region: ...
@@ -176,6 +177,7 @@ class ToolCallStream(Sink):
         self._incremental = incremental
         self._buf = ""  # text not yet decided; a region's text starts at its offset 0
         self._region: Region | None = None
+        self._region_after_call = False  # the region opened right after a call
         self._opener = ""
         self._lead_ws = ""  # whitespace held before the region (dropped if it parses)
         self._next_index = 0
@@ -234,7 +236,8 @@ class ToolCallStream(Sink):
                 try:
                     end = self._region.advance(self._buf, final)
                 except Truncated:
-                    if self._region.is_markup():
+                    # right after a call, a cut-off block is the next call's beginning
+                    if self._region.is_markup() or self._region_after_call:
                         self._drop()
                         return
                     self._fail()
@@ -267,8 +270,12 @@ class ToolCallStream(Sink):
             return True
         if final:
             # an opener cut off at the very end is markup too: dropped (one character of it
-            # only right after a call, where text cannot follow: "a < b" keeps its "<")
-            cut = max((held(buf, o) for o in self._fmt.openers), default=0)
+            # only right after a call, where text cannot follow: "a < b" keeps its "<"), but
+            # not a tentative one (a reply may end with "```", a fence's end) unless it follows
+            # a call
+            cut = max((held(buf, o) for o in self._fmt.openers
+                       if self._after_call or o not in self._fmt.tentative_openers),
+                      default=0)
             if cut >= 2 or (cut and self._after_call):
                 buf = buf[:-cut].rstrip(WS)
             if not (self._after_call and buf.strip(self._separators()) == ""):
@@ -305,6 +312,7 @@ class ToolCallStream(Sink):
             ws = pre[len(body):]
         self._content(body)
         self._lead_ws, self._opener = ws, opener
+        self._region_after_call = self._after_call
         self._buf = buf[pos:]
         self._block, self._block_calls = [], 0
         self._region = self._fmt.region(opener, self)
