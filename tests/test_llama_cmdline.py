@@ -71,6 +71,7 @@ def test_bad_values_exit_2_one_line(argv, words, capsys):
     (["-c", "100", "-np", "1"], {}, 256),
     (["-c", "100"], {}, 256),  # no slot count: 4 slots over a unified KV
     (["-c", "1024"], {}, 1024),
+    (["-c", "1024", "-np", "-1"], {}, 1024),  # -np -1: auto, 4 slots over a unified KV
     ([], {"LLAMA_ARG_CTX_SIZE": "1024", "LLAMA_ARG_N_PARALLEL": "4"}, 256),
     ([], {"KVSHARE_CTX_SIZE": "1024", "KVSHARE_PARALLEL": "4"}, 256),
     (["-c", "1024"], {"LLAMA_ARG_N_PARALLEL": "2"}, 512),
@@ -89,6 +90,7 @@ def test_bad_values_exit_2_one_line(argv, words, capsys):
 ])
 def test_ctx_per_slot_as_llama_server(argv, env, per_seq):
     a = cli.parse_args(["serve", *argv], env)
+    assert a.parallel == 4 if "-1" in argv else a.parallel > 0
     assert ctx_per_sequence(a, n_ctx_train=32768) == per_seq
     if per_seq is not None and "0" not in argv and "65536" not in argv:
         assert cli.engine_config_kwargs(a)["ctx_size"] == per_seq  # before the model loads

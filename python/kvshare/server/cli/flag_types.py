@@ -52,6 +52,23 @@ def ctx_size(s: str) -> int:
 ctx_size.__name__ = "context size (0: the model's trained context)"
 
 
+# llama-server's slot count when -np is negative ("auto"; tools/server/server.cpp), with its KV
+# unified
+AUTO_SLOTS = 4
+
+
+def parallel(s: str) -> int:
+    """`--parallel`: a slot count; a negative one is llama-server's "auto" (AUTO_SLOTS slots
+    over a unified KV: llama_meanings), kept as -1 until then; 0 is refused, as there."""
+    v = int(s)
+    if v == 0:
+        raise ValueError(s)
+    return -1 if v < 0 else v
+
+
+parallel.__name__ = "slot count (-1: auto)"
+
+
 def threads(s: str) -> int | None:
     v = int(s)
     return v if v > 0 else None  # llama-server: <= 0 means one per core

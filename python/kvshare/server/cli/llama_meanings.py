@@ -4,8 +4,9 @@ arguments (docs/llama-server.md):
 - `-c/--ctx-size N` is llama-server's context of all slots together: with a slot count
   (`-np`, `--parallel` or its variables) and without `--kv-unified`, each sequence gets
   N / np tokens (config.ctx_per_sequence, which also rounds as llama.cpp does). Without a
-  slot count llama-server picks 4 slots and turns its unified KV on (tools/server/server.cpp),
-  so `args.kv_unified` is set: each sequence may use all N, as with `--kv-unified`.
+  slot count, or with a negative one (`-np -1`), llama-server picks 4 slots and turns its
+  unified KV on (tools/server/server.cpp), so `args.kv_unified` is set: each sequence may use
+  all N, as with `--kv-unified`.
   `--kv-unified-per-slot N` is each sequence's context itself.
 - `-v/--verbose` is debug logging.
 - The sampling flags (`--temp`, `--seed`, ...) are checked against the ranges the engine
@@ -20,6 +21,7 @@ import argparse
 from typing import Sequence
 
 from .config import sampling_defaults
+from .flag_types import AUTO_SLOTS
 
 def _source(args_written: Sequence[str], flags: tuple[str, ...], environ: dict[str, str],
             env_vars: tuple[str, ...]) -> str | None:
@@ -39,7 +41,10 @@ def apply_llama_meanings(args: argparse.Namespace, written: Sequence[str],
         args.log_level = "debug"
     slots_from = _source(written, ("-np", "--parallel"), environ,
                          ("KVSHARE_PARALLEL", "LLAMA_ARG_N_PARALLEL"))
-    if slots_from is None:  # llama-server's -np auto: 4 slots over a unified KV
+    if args.parallel < 0:  # llama-server's -np -1: auto
+        args.parallel = AUTO_SLOTS
+        args.kv_unified = True
+    elif slots_from is None:  # no slot count: llama-server's default, auto
         args.kv_unified = True
     args.device_given = _source(written, ("--device",), environ, ("KVSHARE_DEVICE",)) is not None
     try:

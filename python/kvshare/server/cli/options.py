@@ -32,7 +32,7 @@ Option = tuple[str, FlagType, Any, str]
 OPTIONS: list[Option] = [
     ("--model", str, None,
      "a catalog model name (fetched on first use; `kvshare models` lists them), a Hugging "
-     "Face reference hf:OWNER/NAME[:QUANT] or a GGUF file (default: smollm2-135m-instruct)"),
+     "Face reference hf:OWNER/NAME[:QUANT] or a GGUF file (default: qwen2.5-coder-0.5b-instruct)"),
     ("--hf-repo", str, None,
      "a Hugging Face GGUF repository to fetch and serve, OWNER/NAME[:QUANT] (the same as "
      "--model hf:OWNER/NAME[:QUANT]; no QUANT: Q4_K_M, else Q8_0)"),
@@ -47,7 +47,8 @@ OPTIONS: list[Option] = [
     ("--host", flag_types.host, "127.0.0.1",
      "address to listen on, or a comma-separated list (each is listened on, one port)"),
     ("--port", port, 8080, "port to listen on (0: any free port)"),
-    ("--parallel", positive_int, 4, "sequences decoded together"),
+    ("--parallel", flag_types.parallel, 4,
+     "sequences decoded together (-1: llama-server's auto, 4 over a unified KV)"),
     ("--ctx-size", flag_types.ctx_size, None,
      "llama-server's context of all sequences together, in tokens: with --parallel (and "
      "without --kv-unified) each sequence gets ctx-size / parallel, rounded up to a multiple "
