@@ -267,6 +267,46 @@ def test_per_expert_path_equals_the_grouped_kernels():
     np.testing.assert_allclose(per_expert, grouped, rtol=0, atol=1e-4 * np.abs(grouped).max())
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_gpt_oss_experts_on_the_gpu_equal_the_cpu(mode):
+    """gpt-oss's layer loaded for the GPU (the model itself is refused there: no sink term in
+    the GPU attention): MXFP4 experts with biases and `swiglu_oai`, held as their MXFP4 blocks
+    (blocks; no per-expert weights, the dense kernels lack MXFP4) or dequantized to f16 (MXFP4
+    values are f16 values), give the CPU layer's output (its grouped kernels, f32 activations)
+    to 1e-4 of the largest value."""
+    import cupy as cp  # noqa: PLC0415
+
+    from kvshare.backend import get_backend  # noqa: PLC0415
+    from kvshare.model.config import config_from_metadata  # noqa: PLC0415
+    from kvshare.model.gguf_file import GGUFFile  # noqa: PLC0415
+    from kvshare.model.moe import load_moe  # noqa: PLC0415
+    from kvshare.model.weights import WeightLoader  # noqa: PLC0415
+
+    path = DATA / "models" / "tiny-gpt-oss.gguf"
+    gf = GGUFFile(path)
+    cfg = config_from_metadata(gf.metadata)
+    old = os.environ.get("KVSHARE_GPU_WEIGHTS")
+    os.environ["KVSHARE_GPU_WEIGHTS"] = mode
+    try:
+        gpu = load_moe(WeightLoader(gf, get_backend("cuda")), cfg, 1, "swiglu_oai")
+    finally:
+        if old is None:
+            del os.environ["KVSHARE_GPU_WEIGHTS"]
+        else:
+            os.environ["KVSHARE_GPU_WEIGHTS"] = old
+    cpu = load_moe(WeightLoader(gf, get_backend("cpu")), cfg, 1, "swiglu_oai")
+    assert gpu.stacked_gate_up.qtypes == ((39, 39) if mode == "blocks" else (1,))
+    assert (len(gpu.gate_up) == 0) == (mode == "blocks") and gpu.n_ff_exp == cpu.n_ff_exp == 64
+    rng = np.random.default_rng(4)
+    for n in (1, 5):
+        h = rng.standard_normal((n, cfg.n_embd)).astype(np.float32)
+        want = cpu(h)
+        gaps: list = []
+        with grouped_only(gaps):
+            got = cp.asnumpy(gpu(cp.asarray(h)))
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+
 # --- the engine ------------------------------------------------------------------------------
 
 # Logprobs of the GPU engine against the CPU engine's: the logits differ by the GPU path's f16

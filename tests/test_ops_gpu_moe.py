@@ -48,6 +48,10 @@ def random_rows(rng: np.random.Generator, qtype: Q, n: int, k: int) -> np.ndarra
     qk, size = GGML_QUANT_SIZES[qtype]
     nb = n * (k // qk)
     blocks = rng.integers(0, 256, (nb, size), dtype=np.uint8)
+    if qtype == Q.MXFP4:  # E8M0 exponents: scales 2^-10 .. 2^-4, a few denormal ones (e < 2)
+        blocks[:, 0] = rng.integers(118, 125, nb)
+        blocks[rng.integers(0, nb, 3), 0] = [0, 1, 2]
+        return blocks.reshape(n, -1)
     for off in F16_FIELDS[qtype]:
         v = (rng.uniform(1e-3, 5e-2, nb) * rng.choice([-1.0, 1.0], nb)).astype(np.float16)
         blocks[:, off : off + 2] = v.view(np.uint8).reshape(nb, 2)
@@ -131,7 +135,7 @@ def test_plan_all_pairs_on_one_expert():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.Q3_K, Q.IQ4_XS,
-                                   Q.F16, Q.BF16])
+                                   Q.F16, Q.BF16, Q.MXFP4])
 def test_one_type_ragged_loads(qtype):
     rng = np.random.default_rng(int(qtype))
     E, k, n, d = 8, 2, 6, _k(qtype)
@@ -265,3 +269,41 @@ def test_tiny_moe_gguf_layer(model):
         y = cp.asnumpy(gpu_moe.moe_ffn(cp.asarray(h), router, gu, down, routing))
         ref = moe_ffn_reference(h, router, gud, list(dn), routing)
         assert np.abs(y - ref).max() / np.abs(ref).max() <= TOL
+
+
+@pytest.mark.gpu
+def test_tiny_gpt_oss_mxfp4_layer():
+    """gpt-oss's experts as its GGUF holds them: MXFP4 gate, up and down (one `gmvglu` and one
+    `gmv` launch on the 17-byte blocks), per-expert biases, `swiglu_oai`, the biased router's
+    top k weighted by the softmax of the k logits."""
+    from kvshare.model.gguf_file import GGUFFile
+
+    gf = GGUFFile(str(MODELS / "tiny-gpt-oss.gguf"))
+    p = "blk.1."
+    E = gf.tensors[p + "ffn_gate_inp.weight"].numpy_shape[0]
+    gu = gpu_moe.GpuStackedExperts.from_gguf(
+        gf, [p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"], E)
+    down = gpu_moe.GpuStackedExperts.from_gguf(gf, [p + "ffn_down_exps.weight"], E)
+    assert gu is not None and down is not None and gu.qtypes == (Q.MXFP4, Q.MXFP4)
+
+    def host(name):
+        info = gf.tensors[name]
+        raw = np.asarray(gf.raw(name)).reshape(-1).view(np.uint8)
+        if info.qtype == Q.F32:
+            return raw.view(np.float32).reshape(info.numpy_shape)
+        rows, k = info.numpy_shape[1:]
+        return dense(raw, int(info.qtype), k).reshape(E, rows, k)
+
+    g, u, dn = (host(p + f"ffn_{m}_exps.weight") for m in ("gate", "up", "down"))
+    kw = dict(router_bias=host(p + "ffn_gate_inp.bias"),
+              gate_up_bias=np.concatenate([host(p + "ffn_gate_exps.bias"),
+                                           host(p + "ffn_up_exps.bias")], axis=1),
+              down_bias=host(p + "ffn_down_exps.bias"))
+    router = host(p + "ffn_gate_inp.weight")
+    routing = Routing(n_expert=E, k=int(gf.metadata["gpt-oss.expert_used_count"]),
+                      gating="softmax_weight", norm=False)
+    gud = [np.concatenate([g[e], u[e]]) for e in range(E)]
+    rng = np.random.default_rng(9)
+    for n in (1, 6):
+        h = rng.standard_normal((n, gu.k)).astype(np.float32)
+        check(h, router, gu, down, gud, list(dn), routing, "swiglu_oai", **kw)

@@ -34,6 +34,31 @@
 #define GM_GELU_C1 ((float)(-2.0 * 0.7978845608028654 * 0.044715))
 #define GM_GELU_C2 ((float)(2.0 * 0.7978845608028654))
 
+// MXFP4 (gpt-oss's experts; a format of these kernels only, blocks.cu has no decoder for it):
+// e u8 (E8M0 exponent), qs[16] in Q4_0's nibble layout; value = kvalues_mxfp4[q] (the E2M1
+// values doubled: 0 1 2 3 4 6 8 12, then the same negated) * 2^(e - 128) (ggml's
+// GGML_E8M0_TO_FP32_HALF, denormal for e < 2). 17-byte blocks start at any byte: byte loads.
+__device__ __forceinline__ float gm_mxfp4(u32 i) {
+    const unsigned long long lo = 0x8C88868483828180ull;  //  0   1   2   3   4   6   8  12 (+128)
+    const unsigned long long hi = 0x74787A7C7D7E7F80ull;  //  0  -1  -2  -3  -4  -6  -8 -12 (+128)
+    const unsigned long long w = i < 8 ? lo : hi;
+    return bk_uf((u32)(w >> (8 * (i & 7))) & 0xffu, BK_MAGIC + 128.f);
+}
+
+struct BkMXFP4 {
+    static constexpr int QK = 32, BYTES = 17;
+    static constexpr bool HAS_MIN = false;
+    static __device__ __forceinline__ void dec(const u8* b, int e, float* q, float& d, float& mn) {
+        const u32 x = b[0];
+        d = __int_as_float((int)(x < 2u ? 0x00200000u << x : (x - 1u) << 23));
+        mn = 0.f;
+        const u8* qs = b + 1 + (e & 15);
+        const int s = (e >> 4) * 4;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) q[j] = gm_mxfp4(((u32)qs[j] >> s) & 15u);
+    }
+};
+
 // Output rows per warp: gmv as bmv (2 for M = 1, else 4); gmvglu 2 (each is a gate and an up
 // row, so 4 weight rows either way but M = 1).
 template <int M, int NW> struct GmRows { static constexpr int R = (NW == 2 || M == 1) ? 2 : 4; };
@@ -332,3 +357,11 @@ extern "C" __global__ void gmv_bf16_m16(GM_ARGS) { GM(BkBF16, 16, 1); }
 extern "C" __global__ void gmvglu_bf16_m1(GM_ARGS) { GM(BkBF16, 1, 2); }
 extern "C" __global__ void gmvglu_bf16_m4(GM_ARGS) { GM(BkBF16, 4, 2); }
 extern "C" __global__ void gmvglu_bf16_m16(GM_ARGS) { GM(BkBF16, 16, 2); }
+
+// mxfp4
+extern "C" __global__ void gmv_mxfp4_m1(GM_ARGS) { GM(BkMXFP4, 1, 1); }
+extern "C" __global__ void gmv_mxfp4_m4(GM_ARGS) { GM(BkMXFP4, 4, 1); }
+extern "C" __global__ void gmv_mxfp4_m16(GM_ARGS) { GM(BkMXFP4, 16, 1); }
+extern "C" __global__ void gmvglu_mxfp4_m1(GM_ARGS) { GM(BkMXFP4, 1, 2); }
+extern "C" __global__ void gmvglu_mxfp4_m4(GM_ARGS) { GM(BkMXFP4, 4, 2); }
+extern "C" __global__ void gmvglu_mxfp4_m16(GM_ARGS) { GM(BkMXFP4, 16, 2); }

@@ -98,8 +98,10 @@ class MoeFFN:
 
     routing: Routing
     router: Any  # [n_expert, n_embd]
-    gate_up: list[Any]  # per expert [2 n_ff_exp, n_embd]
-    down: list[Any]  # per expert [n_embd, n_ff_exp]
+    # per expert [2 n_ff_exp, n_embd] / [n_embd, n_ff_exp]; empty where only the stacked
+    # tensors exist (MXFP4 on a GPU: the grouped kernels' format alone)
+    gate_up: list[Any]
+    down: list[Any]
     backend: Any
     shared_gate_up: Any = None  # [2 n_ff_shexp, n_embd]
     shared_down: Any = None
@@ -141,7 +143,7 @@ class MoeFFN:
 
     @property
     def n_ff_exp(self) -> int:
-        return int(self.down[0].shape[1])
+        return int(self.down[0].shape[1]) if self.down else int(self.stacked_down.k)
 
 
 def _expert_views(ld: Any, name: str, n_expert: int) -> tuple[list[np.ndarray], int, tuple]:
@@ -262,11 +264,12 @@ def load_gpu_experts(ld: Any, names: list[str], n_expert: int) -> tuple[list[Any
     With `KVSHARE_GPU_WEIGHTS=blocks` and types the grouped kernels decode
     (`gpu_moe.supports`), the file's blocks unchanged, and per expert a `GpuBlockWeight` over
     its rows (a copy only where an expert's rows do not start on a 16-byte boundary, as the
-    kernels' loads need). Otherwise (the default, or a type without a GPU decoder) the
-    experts dequantized to f16, one part `[n_expert * rows, k]` with each expert's rows
-    contiguous (gate then up), and per expert an f16 view of its rows."""
-    from kvshare.ops import gpu_moe  # noqa: PLC0415
-    from kvshare.ops.gpu_blocks import GpuBlockWeight  # noqa: PLC0415
+    kernels' loads need), or no per-expert weights for a type the dense kernels lack (MXFP4:
+    the grouped kernels only; with `KVSHARE_MOE_GROUPED=0` it takes the f16 form). Otherwise
+    (the default, or a type the grouped kernels lack) the experts dequantized to f16, one part
+    `[n_expert * rows, k]` with each expert's rows contiguous (gate then up), and per expert
+    an f16 view of its rows."""
+    from kvshare.ops import gpu_blocks, gpu_moe  # noqa: PLC0415
 
     parts = [_expert_views(ld, n, n_expert) for n in names]
     ks = {shape[1] for _, _, shape in parts}
@@ -274,14 +277,17 @@ def load_gpu_experts(ld: Any, names: list[str], n_expert: int) -> tuple[list[Any
         raise ValueError(f"{', '.join(names)}: experts' input sizes differ ({sorted(ks)})")
     k = ks.pop()
     be = ld.backend
-    if gpu_expert_blocks() and gpu_moe.supports([q for _, q, _ in parts], k):
+    qtypes = [q for _, q, _ in parts]
+    per_expert_blocks = all(gpu_blocks.supports(q, k) for q in qtypes)
+    if (gpu_expert_blocks() and gpu_moe.supports(qtypes, k)
+            and (per_expert_blocks or grouped_enabled())):
         stacked = gpu_moe.GpuStackedExperts.from_gguf(ld.gf, names, n_expert, be)
         if stacked is not None:
-            per_expert = []
-            for e in range(n_expert):
-                per_expert.append(GpuBlockWeight.from_parts(
-                    [(d[e * r : (e + 1) * r], q, k) for d, q, r in stacked.parts], be))
-            return per_expert, stacked
+            if not per_expert_blocks:
+                return [], stacked
+            return [gpu_blocks.GpuBlockWeight.from_parts(
+                [(d[e * r : (e + 1) * r], q, k) for d, q, r in stacked.parts], be)
+                for e in range(n_expert)], stacked
     rows = sum(shape[0] for _, _, shape in parts)
     xp = be.xp
     with xp.cuda.Device(be.device_id):
@@ -301,6 +307,13 @@ def _vector(ld: Any, name: str, shape: tuple[int, ...]) -> np.ndarray:
         return arr.reshape(shape)
     except ValueError:
         raise ValueError(f"{name} has shape {arr.shape}, expected {shape}") from None
+
+
+def _expert_shape(per_expert: list[Any], stacked: Any) -> tuple[int, int]:
+    """One expert's `[rows, k]`, from its weight or from the stacked tensors."""
+    if per_expert:
+        return (int(per_expert[0].shape[0]), int(per_expert[0].shape[1]))
+    return (int(stacked.rows), int(stacked.k))
 
 
 def _load_router(ld: Any, name: str) -> Any:
@@ -336,10 +349,11 @@ def load_moe(ld: Any, cfg: ModelConfig, il: int, activation: str = "silu") -> Mo
         gu_names = [p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"]
     (gate_up, stacked_gu), (down, stacked_down) = (
         _load_matrix(ld, names, E) for names in (gu_names, [p + "ffn_down_exps.weight"]))
-    ff = int(down[0].shape[1])
-    if tuple(gate_up[0].shape) != (2 * ff, cfg.n_embd) or down[0].shape[0] != cfg.n_embd:
-        raise ValueError(f"layer {il}: experts' gate/up {tuple(gate_up[0].shape)} and down "
-                         f"{tuple(down[0].shape)} do not fit n_embd {cfg.n_embd}")
+    gu_shape, down_shape = _expert_shape(gate_up, stacked_gu), _expert_shape(down, stacked_down)
+    ff = down_shape[1]
+    if gu_shape != (2 * ff, cfg.n_embd) or down_shape[0] != cfg.n_embd:
+        raise ValueError(f"layer {il}: experts' gate/up {gu_shape} and down {down_shape} do "
+                         f"not fit n_embd {cfg.n_embd}")
     moe = MoeFFN(routing, router, gate_up, down, ld.backend, activation=activation)
     moe.stacked_gate_up, moe.stacked_down = stacked_gu, stacked_down
     if ld.has(p + "exp_probs_b.bias"):

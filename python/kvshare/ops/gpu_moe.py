@@ -26,8 +26,9 @@ where the per-expert path (`ops.moe.moe_ffn` on dense device experts) makes ~3 p
 expert plus gathers. Numerics: float32 accumulation in the kernels' order, the activations of
 activation.cu (`silu`, `gelu_tanh`) and gpt-oss's `swiglu_oai` in float32.
 
-Types: those of `gpu_blocks.BLOCK_TYPES` (the bmv kernels' decoders); MXFP4 is not one, so
-gpt-oss's experts stay on the per-expert path. Nothing GPU-related is imported before first use.
+Types (`EXPERT_TYPES`): those of `gpu_blocks.BLOCK_TYPES` (blocks.cu's decoders) and MXFP4
+(gpt-oss's experts: E8M0 scale, E2M1 values; its decoder is in moe_blocks.cu, so MXFP4 has no
+per-expert `GpuBlockWeight`). Nothing GPU-related is imported before first use.
 """
 
 from __future__ import annotations
@@ -38,16 +39,20 @@ import numpy as np
 
 from kvshare.backend import cupy_module
 from kvshare.ops import gpu_runtime as rt
-from kvshare.ops.gpu_blocks import BLOCK_TYPES, row_bytes
+from kvshare.ops.gpu_blocks import BLOCK_TYPES
 from kvshare.ops.gpu_runtime import ELEMWISE_THREADS
 
+# GGML type id -> (kernel name suffix, elements per block, bytes per block): blocks.cu's
+# decoders, and MXFP4, decoded in moe_blocks.cu only (gpt-oss's experts)
+MXFP4 = 39
+EXPERT_TYPES: dict[int, tuple[str, int, int]] = {**BLOCK_TYPES, MXFP4: ("mxfp4", 32, 17)}
 GM_M = (1, 4, 16)  # pairs per tile of the kernels (gmv_<type>_m<M>, gmvglu_<type>_m<M>)
 GM_WARPS = 4  # 128-thread CTAs
 GM_ROWS_PER_WARP = {(1, 1): 2, (4, 1): 4, (16, 1): 4, (1, 2): 2, (4, 2): 2, (16, 2): 2}
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
 
 ENTRY_POINTS: tuple[str, ...] = (
-    *(f"{kind}_{tag}_m{m}" for tag, _, _ in BLOCK_TYPES.values()
+    *(f"{kind}_{tag}_m{m}" for tag, _, _ in EXPERT_TYPES.values()
       for kind in ("gmv", "gmvglu") for m in GM_M),
     "moe_glu_f32", "moe_combine_f32")
 rt.declare_entry_points("moe_blocks", ENTRY_POINTS)
@@ -55,8 +60,22 @@ rt.declare_entry_points("moe_blocks", ENTRY_POINTS)
 
 def supports(qtypes: Sequence[int], k: int) -> bool:
     """Whether stacked experts of these GGML types with rows of `k` values run grouped here."""
-    return all(int(q) in BLOCK_TYPES and k > 0 and k % BLOCK_TYPES[int(q)][1] == 0
+    return all(int(q) in EXPERT_TYPES and k > 0 and k % EXPERT_TYPES[int(q)][1] == 0
                for q in qtypes)
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one row of `k` elements of GGML type `qtype` (ValueError if the kernels lack
+    the type or k is not a whole number of blocks)."""
+    try:
+        _, qk, size = EXPERT_TYPES[int(qtype)]
+    except KeyError:
+        raise ValueError(f"GGML type {qtype} is not supported by the grouped MoE kernels "
+                         f"(have {sorted(EXPERT_TYPES)})") from None
+    if k <= 0 or k % qk:
+        raise ValueError(f"row length {k} is not a positive multiple of the block size {qk} "
+                         f"of GGML type {qtype}")
+    return k // qk * size
 
 
 class GpuStackedExperts:
@@ -136,7 +155,7 @@ class GpuStackedExperts:
         return sum(int(d.nbytes) for d, _, _ in self.parts)
 
     def __repr__(self) -> str:
-        tags = [BLOCK_TYPES[q][0] for q in self.qtypes]
+        tags = [EXPERT_TYPES[q][0] for q in self.qtypes]
         return (f"GpuStackedExperts(n_expert={self.n_expert}, rows={self.rows}, k={self.k}, "
                 f"types={tags})")
 
@@ -230,7 +249,7 @@ def experts(h: Any, ids: np.ndarray, weights: np.ndarray, gate_up: GpuStackedExp
         w1, off1 = (w0, ff) if len(gp) == 1 else (gp[1][0], 0)
         b0 = gub[:, :ff] if gub is not None else a
         b1 = gub[:, ff:] if gub is not None else a
-        _launch("gmvglu", BLOCK_TYPES[q][0], mt, ff, n_tiles, (
+        _launch("gmvglu", EXPERT_TYPES[q][0], mt, ff, n_tiles, (
             w0, w1, i64(row_bytes(q, d_in)), i64(r0), i64(0), i64(off1), i32(ff), i32(d_in),
             h, i64(rt.estrides(h)[0]), i32(kk), pairs, tiles, a, i64(ff), i64(0),
             b0, b1, i64(2 * ff), i32(gub is not None), a, i32(0), act))
@@ -240,7 +259,7 @@ def experts(h: Any, ids: np.ndarray, weights: np.ndarray, gate_up: GpuStackedExp
         for w, q, r in gp:
             b = gub[:, col:] if gub is not None else gu
             # each part is its own matrix of r rows per expert, written at columns col..
-            _launch("gmv", BLOCK_TYPES[q][0], mt, r, n_tiles, (
+            _launch("gmv", EXPERT_TYPES[q][0], mt, r, n_tiles, (
                 w, w, i64(row_bytes(q, d_in)), i64(r), i64(0), i64(0), i32(r), i32(d_in),
                 h, i64(rt.estrides(h)[0]), i32(kk), pairs, tiles, gu, i64(2 * ff), i64(col),
                 b, b, i64(2 * ff), i32(gub is not None), gu, i32(0), act))
@@ -252,7 +271,7 @@ def experts(h: Any, ids: np.ndarray, weights: np.ndarray, gate_up: GpuStackedExp
     col = 0
     for w, q, r in down.parts:
         b = db[:, col:] if db is not None else y
-        _launch("gmv", BLOCK_TYPES[q][0], mt, r, n_tiles, (
+        _launch("gmv", EXPERT_TYPES[q][0], mt, r, n_tiles, (
             w, w, i64(row_bytes(q, ff)), i64(r), i64(0), i64(0), i32(r), i32(ff),
             a, i64(ff), i32(1), pairs, tiles, y, i64(d_out), i64(col),
             b, b, i64(d_out), i32(db is not None), pw, i32(1), act))
