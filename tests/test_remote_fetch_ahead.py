@@ -148,3 +148,36 @@ def test_a_request_cancelled_while_redis_hangs_ends_at_once():
     finally:
         eng.shutdown(timeout=1.0)
         fake.close()
+
+
+def test_a_fetch_held_by_a_queued_request_goes_when_it_ends(redis_server):
+    """A request whose fetch came back waits in the queue (the only slot is busy) holding its
+    blocks; cancelled there, it lets go of them."""
+    from fake_redis import wait_until
+
+    path = MODELS / CASES["full_attention"]
+    a = make(path, redis_server.url)
+    b = make(path, redis_server.url, parallel=1)
+    b.start()
+    try:
+        ids = prompt_of(a, 11, 330)
+        serve(a, ids)
+        assert a.tiers.remote.flush()
+        busy = b.submit(GenerationRequest(prompt_tokens=prompt_of(b, 12, 20), max_tokens=1500,
+                                          ignore_eos=True, sampling=GREEDY))
+        wait_until(lambda: b.snapshot()["counters"]["generated_tokens_total"] > 0, 10)
+        h = b.submit(GenerationRequest(prompt_tokens=ids, max_tokens=4, sampling=GREEDY))
+
+        def fetch_ahead() -> dict:
+            return b.snapshot()["tiers"]["remote"]["fetch_ahead"]
+
+        wait_until(lambda: fetch_ahead()["waiting_admission"] == 1, 10)
+        assert fetch_ahead()["held_bytes"] == 20 * b.kv.block_nbytes
+        h.cancel()
+        assert h.result(timeout=5)[1].reason == "cancelled"
+        wait_until(lambda: fetch_ahead()["waiting_admission"] == 0, 5)
+        assert fetch_ahead()["held_bytes"] == 0
+        busy.cancel()
+    finally:
+        a.shutdown(timeout=1.0)
+        b.shutdown(timeout=1.0)

@@ -172,6 +172,7 @@ class KVCacheManager:
     def finish(self, seq: Sequence, save: bool = True) -> None:
         """A finished sequence: with `save`, copy what later sessions resume from out to the
         tiers (a failed save costs a future cache hit, never this request); then release."""
+        self.drop_fetch(seq)  # it may end while queued, before its admission took the fetch
         if save and self.ctx.tiers_on() and seq.request.cache_store:
             try:
                 maybe_inject(seq.request, "save")
