@@ -7,6 +7,7 @@ prompt opens `<think>`, so counting starts with the reply)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -194,6 +195,18 @@ def test_thinking_is_cut_after_n_tokens_and_the_answer_follows(tmp_path):
         msg = _chat(c, reasoning_format="none", reasoning_budget_tokens=n,
                     reasoning_budget_message=" Enough.")["message"]["content"]
         assert msg.startswith("".join(free[:n])[:1]) and " Enough.</think>" in msg
+        # streamed, and each of n choices (each spends its own budget)
+        r = c.post("/v1/chat/completions", json={
+            "messages": MSGS, "max_tokens": 40, "stream": True, "reasoning_format": "none",
+            "reasoning_budget_tokens": n})
+        deltas = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        assert "".join(d["choices"][0]["delta"].get("content") or "" for d in deltas
+                       if d["choices"]) == text
+        r = c.post("/v1/chat/completions", json={
+            "messages": MSGS, "max_tokens": 40, "n": 2, "reasoning_format": "none",
+            "reasoning_budget_tokens": n})
+        assert [ch["message"]["content"] for ch in r.json()["choices"]] == [text, text]
         # -1 and no field: unlimited on this server
         assert _tokens(_chat(c, logprobs=True, reasoning_format="none",
                              reasoning_budget_tokens=-1)) == free
