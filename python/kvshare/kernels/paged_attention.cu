@@ -22,6 +22,13 @@
 // Split-KV (flash-decoding): with few CTAs (decode of a few sequences) the key range of each
 // tile is cut into `n_splits` chunks along grid.z; each writes an unnormalised partial output
 // and its (m, l) and `paged_attn_combine` merges them. n_splits == 1 writes `out` directly.
+// A CUDA graph captures one grid for every replay, while the split count follows the
+// context length: a captured step passes `n_splits_dev` (device int) with `n_splits` = grid.z =
+// the largest count it may need; the CTAs past the step's count return at once and the rest
+// cut the key range by that count, so each replay computes what a launch with that count
+// computes (a count of 1 still goes through the partial and `paged_attn_combine`, whose merge
+// of one partial is exactly the direct write: exp2f(0) = 1). `n_splits_dev` null: `n_splits`
+// is the count.
 //
 // Accumulation is float32 throughout (f16 K/V are widened on load). A key whose block-table
 // entry is negative or out of range is treated as masked (never read); a row that sees no key
@@ -53,8 +60,14 @@ __device__ __forceinline__ void paged_attn_impl(
     const int* __restrict__ tiles,
     float* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,
     int n_tok, int n_head, int n_kv, int hd_rt, int block_size, int n_blocks,
-    int group_chunk, float qk_scale_log2, int window, int n_splits)
+    int group_chunk, float qk_scale_log2, int window, int n_splits,
+    const int* __restrict__ n_splits_dev)
 {
+    int ns = n_splits;                          // the count the key range is cut by
+    if (n_splits_dev != nullptr) {
+        ns = *n_splits_dev;
+        if ((int)blockIdx.z >= ns) return;      // the whole CTA: before any barrier
+    }
     constexpr int KPAD = PaKtPad<T>::v;
     constexpr int KT_LD = PA_BN + KPAD;
     constexpr int ND = (HD > 0 ? HD : PA_MAXD) / KVS_WARP;     // output dims per lane
@@ -92,7 +105,7 @@ __device__ __forceinline__ void paged_attn_impl(
 
     const int ke = pos0 + nr;                  // one past the last key any row may see
     const int kb = window > 0 ? max(0, pos0 - window + 1) : 0;
-    int chunk = (ke - kb + n_splits - 1) / n_splits;
+    int chunk = (ke - kb + ns - 1) / ns;
     chunk = (chunk + PA_BN - 1) / PA_BN * PA_BN;
     const int ks = kb + (int)blockIdx.z * chunk;
     const int kend = min(ke, ks + chunk);
@@ -298,11 +311,12 @@ __device__ __forceinline__ void paged_attn_impl(
     const int* __restrict__ block_tables, int bt_width, const int* __restrict__ tiles,       \
     float* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml,        \
     int n_tok, int n_head, int n_kv, int head_dim, int block_size, int n_blocks,             \
-    int group_chunk, float qk_scale_log2, int window, int n_splits
+    int group_chunk, float qk_scale_log2, int window, int n_splits,                         \
+    const int* __restrict__ n_splits_dev
 #define PA_ARGS                                                                              \
     q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, bt_width, tiles, out,    \
     part_o, part_ml, n_tok, n_head, n_kv, head_dim, block_size, n_blocks, group_chunk,       \
-    qk_scale_log2, window, n_splits
+    qk_scale_log2, window, n_splits, n_splits_dev
 
 // Entry points: f16 / f32 cache x head_dim 64, 128, 256 (compile-time) or any head_dim up to
 // PA_MAXD (runtime; "hdx"). kvshare.ops.gpu.ENTRY_POINTS lists these names.
@@ -317,13 +331,14 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS) paged_attn_f32_hdx(PA_P
 
 // Merge the n_splits partial results of every (token, head) row: grid.x = n_tok * n_head.
 // part_o [n_splits, n_rows, hd] (unnormalised), part_ml [n_splits, n_rows, 2] (max in the log2
-// domain, sum); out [n_rows, hd].
+// domain, sum); out [n_rows, hd]. `n_splits_dev` (non-null): the count, on the device.
 extern "C" __global__ void __launch_bounds__(128) paged_attn_combine(
     const float* __restrict__ part_o, const float* __restrict__ part_ml, float* __restrict__ out,
-    int n_rows, int head_dim, int n_splits)
+    int n_rows, int head_dim, int n_splits, const int* __restrict__ n_splits_dev)
 {
     const i64 row = blockIdx.x;
     if (row >= n_rows) return;
+    if (n_splits_dev != nullptr) n_splits = *n_splits_dev;
     float M = kvs_neg_inf();
     for (int z = 0; z < n_splits; ++z) M = fmaxf(M, part_ml[2 * ((i64)z * n_rows + row)]);
     float L = 0.f;

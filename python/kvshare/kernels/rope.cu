@@ -30,3 +30,23 @@ extern "C" __global__ void rope_f32(
         base[ib] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
     }
 }
+
+// The rotation angles' cos and sin (the GPU twin of kvshare.ops.rope.rope_cos_sin) from
+// positions on the device, so that a captured decode step takes them from its input buffer:
+//   theta[t, i] = (positions[t] * scale) * inv_freq[i],   cos_t / sin_t = float32(cos / sin)
+// in float64 as the NumPy op forms them (inv_freq = base^(-2i / n_rot) / freq_factors[i],
+// computed on the host); cos_t, sin_t: float32 `[n_tok, half]`. One thread per (token, i).
+extern "C" __global__ void rope_cos_sin_f32(
+    const i64* __restrict__ positions, const double* __restrict__ inv_freq, double scale,
+    float* __restrict__ cos_t, float* __restrict__ sin_t, int n_tok, int half)
+{
+    const i64 total = (i64)n_tok * half;
+    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+         idx += (i64)gridDim.x * blockDim.x) {
+        const i64 t = idx / half;
+        const int i = (int)(idx - t * half);
+        const double theta = __dmul_rn(__dmul_rn((double)positions[t], scale), inv_freq[i]);
+        cos_t[idx] = (float)cos(theta);
+        sin_t[idx] = (float)sin(theta);
+    }
+}

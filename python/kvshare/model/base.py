@@ -26,7 +26,7 @@ import numpy as np
 from kvshare.backend import CPU, CPU_THREADS, Backend
 from kvshare.model.batch import SeqChunk
 from kvshare.model.kv_arrays import KVArrays
-from kvshare.model import fused
+from kvshare.model import fused, gpu_graphs
 from kvshare.model.config import ATTENTION, RECURRENT, ModelConfig
 from kvshare.ops.activation import glu
 from kvshare.ops.attention import (pad_block_tables, paged_attention, slots_of, token_positions,
@@ -322,6 +322,9 @@ class DecoderModel(Model):
     # "vnni"): attention then takes the kernel's batch-invariant form, so that a row's
     # activations, and with them their 8-bit rounding, do not depend on the step's batch
     batch_invariant: bool = False
+    # GPU decode steps as CUDA graphs (`model.gpu_graphs`): None follows $KVSHARE_CUDA_GRAPHS
+    # (on unless "0"), False keeps every step eager
+    cuda_graphs: bool | None = None
 
     def __init__(self, config: ModelConfig, backend: Backend = CPU):
         self.config = config
@@ -335,6 +338,11 @@ class DecoderModel(Model):
     # ------------------------------------------------------------------------------------
     def forward(self, chunks: Sequence[SeqChunk], cache: KVArrays) -> list[np.ndarray | None]:
         cfg, be = self.config, self.backend
+        if be.is_gpu:  # a decode step replayed as a CUDA graph, where one applies
+            graphs = gpu_graphs.runner(self)
+            out = graphs.forward(chunks, cache) if graphs is not None else None
+            if out is not None:
+                return out
         plan = make_plan(chunks, cache.block_size, cfg)
         if not be.is_gpu:
             plan.row_parts = CPU_THREADS.for_tokens(len(plan.tokens),

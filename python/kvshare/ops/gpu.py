@@ -32,7 +32,7 @@ _OWN_ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "paged_attention": tuple(f"paged_attn_{dt}_{hd}" for dt in ("f16", "f32")
                              for hd in ("hd64", "hd128", "hd256", "hdx")) + ("paged_attn_combine",),
     "kv_write": ("kv_write_f16", "kv_write_f32"),
-    "rope": ("rope_f32",),
+    "rope": ("rope_f32", "rope_cos_sin_f32"),
     "rms_norm": ("rms_norm_f32",),
     "activation": ("geglu_tanh_f32", "swiglu_f32"),
     "embedding": ("embedding_f16", "embedding_f32"),
@@ -54,6 +54,7 @@ PA_SPECIALISED_HD = (64, 128, 256)
 _DEFAULT_SMEM = 48 * 1024
 _LOG2E = 1.4426950408889634
 
+_NULL = np.uint64(0)  # a null pointer kernel argument
 _plan_lock = threading.Lock()
 _smem_opt_in: dict[tuple[str, int], int] = {}
 
@@ -186,7 +187,45 @@ def pa_splits(tiles: np.ndarray, window: int, n_kv: int, n_gchunks: int, n_tok: 
 
 
 class _PaPlan:
-    __slots__ = ("tiles", "tables", "n_tiles", "n_splits", "gc", "n_gchunks", "width")
+    __slots__ = ("tiles", "tables", "n_tiles", "n_splits", "gc", "n_gchunks", "width",
+                 "splits_dev")
+
+
+class StaticAttention:
+    """The launch of a decode step's paged attention whose inputs are device buffers that
+    stay put (a CUDA graph's): `tables` int32 `[n_tiles, width]`, `tiles` int32
+    `[n_tiles, 4]` (`pa_tiles`' rows, one per decode token), `splits` a device int32 holding
+    the step's split count (`pa_splits` of its real rows), `max_splits` the grid's z extent
+    (the largest count any step of this graph may have). The kernels read the count from
+    `splits`: a step computes what `paged_attention` with plain arrays computes, the same
+    bits (kernels/paged_attention.cu)."""
+
+    __slots__ = ("tables", "width", "tiles", "n_tiles", "splits", "max_splits")
+
+    def __init__(self, tables: Any, tiles: Any, splits: Any, max_splits: int):
+        self.tables, self.tiles, self.splits = tables, tiles, splits
+        self.n_tiles, self.width = (int(s) for s in tables.shape)
+        self.max_splits = int(max_splits)
+
+
+def group_chunk(n_head: int, n_kv: int) -> tuple[int, int]:
+    """(query heads per CTA, CTAs per KV head) of a paged-attention launch."""
+    G = n_head // n_kv
+    gc = min(G, PA_ROWS)
+    return gc, -(-G // gc)
+
+
+def _static_plan(st: StaticAttention, n_head: int, n_kv: int, n_tok: int) -> _PaPlan:
+    if st.n_tiles != n_tok:
+        raise ValueError(f"a static attention plan of {st.n_tiles} decode rows for {n_tok} "
+                         "query rows")
+    plan = _PaPlan()
+    plan.tiles, plan.tables, plan.width = st.tiles, st.tables, st.width
+    plan.n_tiles, plan.n_splits = st.n_tiles, st.max_splits
+    # one split at most: the count is always 1, the kernels need not read it
+    plan.splits_dev = st.splits if st.max_splits > 1 else None
+    plan.gc, plan.n_gchunks = group_chunk(n_head, n_kv)
+    return plan
 
 
 _plan_cache: OrderedDict = OrderedDict()
@@ -230,6 +269,7 @@ def _pa_plan(block_tables: Any, q_starts: Any, start_positions: Any, n_head: int
     plan.gc = gc
     plan.n_gchunks = n_gchunks
     plan.width = int(bt.shape[1])
+    plan.splits_dev = None
     with _plan_lock:
         _plan_cache[key] = plan
         while len(_plan_cache) > rt.UPLOAD_CACHE_SIZE:
@@ -237,11 +277,37 @@ def _pa_plan(block_tables: Any, q_starts: Any, start_positions: Any, n_head: int
     return plan
 
 
+def _pa_kernel(k_cache: Any, v_cache: Any, hd: int) -> tuple[Any, int]:
+    """The attention kernel for this cache and head size, and its dynamic shared memory
+    (opted in above 48 KB)."""
+    tag = _kv_tag(k_cache.dtype)
+    if hd in PA_SPECIALISED_HD and k_cache.data.ptr % 16 == 0 and v_cache.data.ptr % 16 == 0:
+        entry = f"paged_attn_{tag}_hd{hd}"
+    elif hd <= PA_MAXD:
+        entry = f"paged_attn_{tag}_hdx"
+    else:
+        raise NotImplementedError(f"paged attention with head_dim {hd} > {PA_MAXD} on the GPU")
+    smem = _pa_smem_bytes(hd, k_cache.dtype.itemsize)
+    fn = rt.kernel("paged_attention", entry)
+    if smem > _DEFAULT_SMEM:
+        limit = rt.device_attr("MaxSharedMemoryPerBlockOptin")
+        if smem > limit:
+            raise NotImplementedError(f"paged attention needs {smem} bytes of shared memory "
+                                      f"per block; this device allows {limit}")
+        key = (entry, rt.device_id())
+        if _smem_opt_in.get(key, 0) < smem:
+            fn.max_dynamic_shared_size_bytes = smem
+            _smem_opt_in[key] = smem
+    return fn, smem
+
+
 def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_starts: Any,
                     start_positions: Any, *, scale: float, window: int = 0,
-                    out: Any | None = None) -> Any:
+                    out: Any | None = None, static: StaticAttention | None = None) -> Any:
     """GPU twin of `kvshare.ops.attention.paged_attention` (returns float32
-    `[N, n_head, head_dim]`, into `out` when given)."""
+    `[N, n_head, head_dim]`, into `out` when given). `static`: a decode step's tiles, block
+    tables and split count already in device buffers (`StaticAttention`; `block_tables`,
+    `q_starts` and `start_positions` are then not read): what a captured step launches."""
     cp = cupy_module()
     _check_cache(k_cache, v_cache)
     nb, bs, n_kv, hd = (int(s) for s in k_cache.shape)
@@ -254,38 +320,24 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     window = int(window or 0)
     if window < 0:
         raise ValueError("window must be >= 0")
-    tag = _kv_tag(k_cache.dtype)
-    if hd in PA_SPECIALISED_HD and k_cache.data.ptr % 16 == 0 and v_cache.data.ptr % 16 == 0:
-        entry = f"paged_attn_{tag}_hd{hd}"
-    elif hd <= PA_MAXD:
-        entry = f"paged_attn_{tag}_hdx"
+    fn, smem = _pa_kernel(k_cache, v_cache, hd)
+    if static is not None:
+        plan = _static_plan(static, n_head, n_kv, n_tok)
     else:
-        raise NotImplementedError(f"paged attention with head_dim {hd} > {PA_MAXD} on the GPU")
-    plan = _pa_plan(block_tables, q_starts, start_positions, n_head, n_kv, bs, nb, window, hd,
-                    n_tok)
+        plan = _pa_plan(block_tables, q_starts, start_positions, n_head, n_kv, bs, nb, window,
+                        hd, n_tok)
     direct = (out is not None and isinstance(out, cp.ndarray) and out.dtype == np.float32
               and tuple(out.shape) == (n_tok, n_head, hd) and out.flags.c_contiguous)
     if out is not None and tuple(out.shape) != (n_tok, n_head, hd):
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {(n_tok, n_head, hd)}")
-    res = out if direct else cp.empty((n_tok, n_head, hd), np.float32)
+    res = out if direct else rt.empty((n_tok, n_head, hd), np.float32)
     if n_tok == 0 or plan.n_tiles == 0:
         return out if out is not None else res
-    smem = _pa_smem_bytes(hd, k_cache.dtype.itemsize)
-    fn = rt.kernel("paged_attention", entry)
-    if smem > _DEFAULT_SMEM:
-        limit = rt.device_attr("MaxSharedMemoryPerBlockOptin")
-        if smem > limit:
-            raise NotImplementedError(f"paged attention needs {smem} bytes of shared memory "
-                                      f"per block; this device allows {limit}")
-        key = (entry, rt.device_id())
-        if _smem_opt_in.get(key, 0) < smem:
-            fn.max_dynamic_shared_size_bytes = smem
-            _smem_opt_in[key] = smem
     qs = rt.estrides(q)
     n_splits = plan.n_splits
     if n_splits > 1:
-        part_o = cp.empty((n_splits, n_tok, n_head, hd), np.float32)
-        part_ml = cp.empty((n_splits, n_tok, n_head, 2), np.float32)
+        part_o = rt.empty((n_splits, n_tok, n_head, hd), np.float32)
+        part_ml = rt.empty((n_splits, n_tok, n_head, 2), np.float32)
     else:
         part_o = part_ml = res  # unused by the kernel
     grid = (plan.n_tiles, n_kv * plan.n_gchunks, n_splits)
@@ -294,13 +346,13 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
         np.int32(plan.width), plan.tiles, res, part_o, part_ml, np.int32(n_tok),
         np.int32(n_head), np.int32(n_kv), np.int32(hd), np.int32(bs), np.int32(nb),
         np.int32(plan.gc), np.float32(float(scale) * _LOG2E), np.int32(window),
-        np.int32(n_splits)),
+        np.int32(n_splits), _NULL if plan.splits_dev is None else plan.splits_dev),
        shared_mem=smem)
     if n_splits > 1:
         comb = rt.kernel("paged_attention", "paged_attn_combine")
         comb((n_tok * n_head, 1, 1), (128, 1, 1),
              (part_o, part_ml, res, np.int32(n_tok * n_head), np.int32(hd),
-              np.int32(n_splits)))
+              np.int32(n_splits), _NULL if plan.splits_dev is None else plan.splits_dev))
     if out is not None and res is not out:
         out[...] = res
         return out
@@ -339,6 +391,46 @@ def apply_rope(x: Any, cos: Any, sin: Any, style: str = "neox") -> Any:
         (x, np.int64(xs[0]), np.int64(xs[1]), cos, sin, np.int32(n), np.int32(heads),
          np.int32(half), np.int32(_ROPE_STYLES[style])))
     return x
+
+
+_inv_freq_cache: dict = {}
+
+
+def _inv_freq(n_rot: int, base: float, freq_factors: Any) -> Any:
+    """`base ** (-2i / n_rot) / freq_factors[i]` in float64 on the device, as the NumPy op
+    forms it (computed and uploaded once per model constant)."""
+    ff = None if freq_factors is None else rt.host(freq_factors, np.float64).reshape(-1)
+    key = (rt.device_id(), int(n_rot), float(base), None if ff is None else ff.tobytes())
+    d = _inv_freq_cache.get(key)
+    if d is None:
+        if rt.is_capturing():
+            raise RuntimeError("rope_cos_sin: the model's frequencies were not uploaded "
+                               "before the graph capture")
+        inv = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+        if ff is not None:
+            inv = inv / ff
+        d = _inv_freq_cache[key] = cupy_module().asarray(np.ascontiguousarray(inv))
+    return d
+
+
+def rope_cos_sin(positions: Any, n_rot: int, base: float, scale: float = 1.0,
+                 freq_factors: Any | None = None) -> tuple[Any, Any]:
+    """GPU twin of `kvshare.ops.rope.rope_cos_sin`: float32 cos and sin `[N, n_rot // 2]`
+    computed on the device from integer positions (a device array is used as it is: a
+    captured decode step's positions buffer). Angles in float64 as the NumPy op forms them;
+    CUDA's float64 cos / sin may differ from the host's in the last float64 bit, so a value
+    may differ by one float32 ulp from the NumPy op's, rarely."""
+    pos = rt.upload(positions, np.int64).reshape(-1)
+    half = int(n_rot) // 2
+    n = int(pos.size)
+    inv = _inv_freq(n_rot, base, freq_factors)
+    cos = rt.empty((n, half), np.float32)
+    sin = rt.empty((n, half), np.float32)
+    if n and half:
+        rt.kernel("rope", "rope_cos_sin_f32")(
+            rt.grid(n * half), (ELEMWISE_THREADS, 1, 1),
+            (pos, inv, np.float64(scale), cos, sin, np.int32(n), np.int32(half)))
+    return cos, sin
 
 
 # --- RMSNorm -------------------------------------------------------------------------------------
@@ -380,7 +472,7 @@ def rms_norm(x: Any, weight: Any | None, eps: float, *, out: Any | None = None) 
     olay = _row_layout(out) if isinstance(out, cp.ndarray) else None
     if olay is not None and olay[:2] != lay[:2]:
         olay = None
-    dst = out if olay is not None else cp.empty(x.shape, np.float32)
+    dst = out if olay is not None else rt.empty(x.shape, np.float32)
     if olay is None:
         olay = _row_layout(dst)
     if weight is not None:
@@ -417,7 +509,7 @@ def _gated(entry: str, gate: Any, up: Any | None, out: Any | None) -> Any:
     direct = (out is not None and isinstance(out, cp.ndarray) and out.ndim == 2
               and out.dtype == np.float32 and (n_cols <= 1 or out.strides[-1] == 4)
               and out.strides[0] % 4 == 0)
-    dst = out if direct else cp.empty((n_rows, n_cols), np.float32)
+    dst = out if direct else rt.empty((n_rows, n_cols), np.float32)
     if n_rows * n_cols:
         gs, ds = rt.estrides(g)[0], rt.estrides(dst)[0]
         if entry == "geglu_tanh_f32":
@@ -472,7 +564,7 @@ def embedding(table: Any, tokens: Any, scale: float = 1.0) -> Any:
     tag = _kv_tag(table.dtype)
     if not table.flags.c_contiguous:
         table = cp.ascontiguousarray(table)
-    out = cp.empty((n, d), np.float32)
+    out = rt.empty((n, d), np.float32)
     if n and d:
         rt.kernel("embedding", f"embedding_{tag}")(
             rt.grid(n * d), (ELEMWISE_THREADS, 1, 1),
@@ -503,7 +595,7 @@ def linear(x: Any, w: Any, bias: Any | None = None, *, out: Any | None = None) -
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {(n, n_out)}")
     direct = (out is not None and isinstance(out, cp.ndarray) and out.dtype == np.float32
               and out.flags.c_contiguous)
-    y = out if direct else cp.empty((n, n_out), np.float32)
+    y = out if direct else rt.empty((n, n_out), np.float32)
     b = rt.upload(bias, np.float32).reshape(-1) if bias is not None else None
     if b is not None and int(b.size) != n_out:
         raise ValueError(f"bias has {int(b.size)} elements, expected {n_out}")
@@ -511,8 +603,8 @@ def linear(x: Any, w: Any, bias: Any | None = None, *, out: Any | None = None) -
         if w.dtype == np.float16:
             if not w.flags.c_contiguous:
                 w = cp.ascontiguousarray(w)
-            x16 = cp.empty((n, n_in), np.float16)
-            inv = cp.empty(n, np.float32)
+            x16 = rt.empty((n, n_in), np.float16)
+            inv = rt.empty(n, np.float32)
             if n_in:
                 rt.kernel("linear", "f32_to_f16_rowscaled")(
                     rt.grid(n, ROWS_PER_BLOCK), (32 * ROWS_PER_BLOCK, 1, 1),

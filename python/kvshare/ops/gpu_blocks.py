@@ -241,7 +241,7 @@ def linear(x: Any, w: GpuBlockWeight, bias: Any | None = None, *, out: Any | Non
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {(n, n_out)}")
     direct = (out is not None and isinstance(out, cp.ndarray) and out.dtype == np.float32
               and out.flags.c_contiguous)
-    y = out if direct else cp.empty((n, n_out), np.float32)
+    y = out if direct else rt.empty((n, n_out), np.float32)
     b = rt.upload(bias, np.float32).reshape(-1) if bias is not None else None
     if b is not None and int(b.size) != n_out:
         raise ValueError(f"bias has {int(b.size)} elements, expected {n_out}")
@@ -259,13 +259,13 @@ def linear(x: Any, w: GpuBlockWeight, bias: Any | None = None, *, out: Any | Non
                      np.int64(xs), np.int32(n), y, np.int64(n_out), np.int64(p.col0),
                      b if b is not None else y, np.int32(b is not None)))
         else:
-            x16 = cp.empty((n, n_in), np.float16)
-            inv = cp.empty(n, np.float32)
+            x16 = rt.empty((n, n_in), np.float16)
+            inv = rt.empty(n, np.float32)
             rt.kernel("linear", "f32_to_f16_rowscaled")(
                 rt.grid(n, ROWS_PER_BLOCK), (32 * ROWS_PER_BLOCK, 1, 1),
                 (x, np.int64(rt.estrides(x)[0]), x16, inv, np.int64(n), np.int32(n_in)))
             tile = max(1, min(max(p.n for p in w.parts), DEQUANT_TILE_ELEMS // n_in))
-            scratch = cp.empty((tile, n_in), np.float16)
+            scratch = rt.empty((tile, n_in), np.float16)
             for p in w.parts:
                 for r0 in range(0, p.n, tile):
                     t = min(tile, p.n - r0)
@@ -286,7 +286,6 @@ def embedding(table: GpuBlockWeight, tokens: Any, scale: float = 1.0) -> Any:
     """Rows `table[tokens] * scale` as float32 `[N, k]` for a one-part `GpuBlockWeight`: the
     contract of `kvshare.ops.gpu.embedding` (host ids range-checked with IndexError; a bad id
     already on the device gives a NaN row)."""
-    cp = cupy_module()
     if len(table.parts) != 1:
         raise ValueError("an embedding table must be a one-part GpuBlockWeight")
     p = table.parts[0]
@@ -297,7 +296,7 @@ def embedding(table: GpuBlockWeight, tokens: Any, scale: float = 1.0) -> Any:
             raise IndexError(f"token id out of range [0, {vocab})")
     tok = rt.upload(tokens, np.int32).reshape(-1)
     n = int(tok.size)
-    out = cp.empty((n, d), np.float32)
+    out = rt.empty((n, d), np.float32)
     if n:
         rt.kernel("blocks", f"bemb_{p.tag}")(
             rt.grid(n * (d // 8)), (ELEMWISE_THREADS, 1, 1),

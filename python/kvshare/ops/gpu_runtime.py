@@ -20,7 +20,8 @@ from kvshare.backend import cupy_module
 __all__ = [
     "ENTRY_POINTS", "declare_entry_points", "kernel", "device_id", "device_attr", "grid",
     "is_device", "upload", "host", "estrides", "f32_lastdim_view", "as_rows", "gemm_f16",
-    "ELEMWISE_THREADS", "ROWS_PER_BLOCK", "MAX_GRID",
+    "ELEMWISE_THREADS", "ROWS_PER_BLOCK", "MAX_GRID", "empty", "Workspace", "using",
+    "capturing", "is_capturing",
 ]
 
 # Every kernel the GPU ops launch, by kernel module: each op module declares the ones it
@@ -99,10 +100,15 @@ def is_device(a: Any) -> bool:
 
 def upload(a: Any, dtype: Any) -> Any:
     """`a` as a C-contiguous device array of `dtype`. Host arrays are cached by content (the
-    same block tables / slots / tiles are uploaded once for all layers of a forward call)."""
+    same block tables / slots / tiles are uploaded once for all layers of a forward call).
+    A host array during a graph capture raises: the graph would keep whatever the upload
+    gave at capture time (a step's inputs must come from the graph's input buffers)."""
     cp = cupy_module()
     if isinstance(a, cp.ndarray):
         return cp.ascontiguousarray(a, dtype=dtype)
+    if is_capturing():
+        raise RuntimeError("a host array reached a GPU op during CUDA graph capture (it would "
+                           "become a constant of the graph)")
     h = np.ascontiguousarray(a, dtype=dtype)
     key = (device_id(), h.dtype.str, h.shape, h.tobytes())
     with _lock:
@@ -178,3 +184,103 @@ def gemm_f16(x16: Any, w: Any, y: Any, col: int = 0) -> None:
                       getattr(cublas, "CUBLAS_GEMM_DEFAULT", _CUBLAS_GEMM_DEFAULT))
     finally:
         cublas.setPointerMode(handle, mode)
+
+
+# --- workspaces: the intermediates of a captured step ---------------------------------------
+
+_tls = threading.local()
+WORKSPACE_ALIGN = 256  # bytes: every buffer starts on a 256-byte boundary (float4 loads)
+
+
+class Workspace:
+    """Device memory for the arrays a step's ops create (`empty`), handed out in order from
+    one buffer: a CUDA graph keeps the addresses its kernels were captured with, so a step
+    that is replayed must get the same buffers at every replay, and nothing may be
+    allocated while it is captured. The same sequence of requests gets the same offsets, so
+    a step run once to measure (`buf` None: ordinary allocations, offsets only counted)
+    and then captured lays out identically. `mark` / `release` give back everything taken
+    since the mark (a layer's intermediates, once the layer has added into the residual
+    stream). Not thread-safe: one step at a time."""
+
+    def __init__(self) -> None:
+        self.buf: Any = None
+        self.off = 0
+        self.peak = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buf is None else int(self.buf.nbytes)
+
+    def reserve(self, nbytes: int) -> None:
+        """A buffer of at least `nbytes` (a new one: whatever referred to the old one, a
+        captured graph included, must be dropped by the caller)."""
+        n = -(-max(int(nbytes), 1) // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+        raw = cupy_module().empty(n + WORKSPACE_ALIGN, np.uint8)
+        skip = -raw.data.ptr % WORKSPACE_ALIGN  # CuPy's pool aligns already; others may not
+        self.buf = raw[skip : skip + n]
+
+    def reset(self) -> None:
+        self.off = 0
+        self.peak = 0
+
+    def take(self, shape: Any, dtype: Any) -> Any:
+        cp = cupy_module()
+        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        dt = np.dtype(dtype)
+        n = dt.itemsize
+        for s in shape:
+            n *= s
+        off = self.off
+        self.off += -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+        self.peak = max(self.peak, self.off)
+        if self.buf is None:
+            return cp.empty(shape, dt)
+        if self.off > self.nbytes:
+            raise MemoryError(f"workspace of {self.nbytes} bytes exhausted (needs {self.off})")
+        return self.buf[off : off + n].view(dt).reshape(shape)
+
+    def mark(self) -> int:
+        return self.off
+
+    def release(self, mark: int) -> None:
+        self.off = mark
+
+
+class using:  # noqa: N801 - a context manager used like a function
+    """`with using(ws):` the ops' `empty` takes from `ws` in this thread."""
+
+    def __init__(self, ws: Workspace | None):
+        self.ws = ws
+
+    def __enter__(self) -> Workspace | None:
+        self.prev = getattr(_tls, "ws", None)
+        _tls.ws = self.ws
+        return self.ws
+
+    def __exit__(self, *exc: Any) -> None:
+        _tls.ws = self.prev
+
+
+def empty(shape: Any, dtype: Any) -> Any:
+    """A new device array for an op's result or scratch: from the active `Workspace` when a
+    step runs in one (`using`), else CuPy's pool."""
+    ws = getattr(_tls, "ws", None)
+    if ws is not None:
+        return ws.take(shape, dtype)
+    return cupy_module().empty(shape, dtype)
+
+
+class capturing:  # noqa: N801
+    """`with capturing():` marks this thread as capturing a CUDA graph (`upload` refuses host
+    arrays then)."""
+
+    def __enter__(self) -> None:
+        self.prev = getattr(_tls, "capturing", False)
+        _tls.capturing = True
+
+    def __exit__(self, *exc: Any) -> None:
+        _tls.capturing = self.prev
+
+
+def is_capturing() -> bool:
+    return bool(getattr(_tls, "capturing", False))

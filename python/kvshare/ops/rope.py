@@ -18,7 +18,10 @@ def rope_cos_sin(positions: Any, n_rot: int, base: float, scale: float = 1.0,
     """cos and sin tables, each float32 `[N, n_rot // 2]`, for integer `positions` `[N]`:
     `theta[t, i] = positions[t] * scale * base ** (-2 i / n_rot) / freq_factors[i]`
     (ggml_rope_ext with ext_factor 0 and attn_factor 1; `freq_factors` float32 `[n_rot//2]`
-    or None). Angles are formed in float64, then rounded."""
+    or None). Angles are formed in float64, then rounded. On the GPU the tables are computed
+    there (from device positions too: a captured decode step's)."""
+    if backend.is_gpu:
+        return gpu_op("rope_cos_sin")(positions, n_rot, base, scale, freq_factors)
     pos = np.asarray(backend.to_host(positions), dtype=np.float64)
     inv = base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
     if freq_factors is not None:
