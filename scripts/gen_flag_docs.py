@@ -28,7 +28,7 @@ BEGIN, END = "<!-- flags:begin -->", "<!-- flags:end -->"
 
 GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("Model and device", ("--model", "--hf-repo", "--hf-file", "--hf-token", "--model-store",
-                          "--offline", "--device", "--n-gpu-layers",
+                          "--offline", "--device", "--n-gpu-layers", "--cuda-graphs",
                           "--threads")),
     ("Network and auth", ("--host", "--port", "--root-path", "--api-key", "--api-key-file",
                           "--cors-origins", "--cors-methods", "--cors-headers",
@@ -90,6 +90,7 @@ def _defaults() -> dict[str, str]:
         "--cors-origins": "loopback origins only",  # cors.is_loopback_origin
         "--cors-headers": "the headers the preflight asks for",
         "--slots": "on (`--no-slots`: off)",
+        "--cuda-graphs": "on (`--no-cuda-graphs`: off)",
         "--cors-credentials": "on (`--no-cors-credentials`: off)",
         "--slot-save-path": "none (save/restore off)",
         "--jinja": "on (`--no-jinja` changes nothing)",

@@ -137,6 +137,7 @@ def load_engine(args: argparse.Namespace, path: str, label: str,
     config = EngineConfig(**engine_config_kwargs(args))
     describe_file(path, label)
     model = load_model(path, device=args.device, progress=True if sys.stderr.isatty() else None)
+    model.cuda_graphs = getattr(args, "cuda_graphs", True)  # GPU decode steps as CUDA graphs
     # llama-server caps each slot's context at the model's trained context, which `-c 0`
     # also means (config.ctx_per_sequence); known only now
     n_ctx = ctx_per_sequence(args, trained_context(model))

@@ -160,6 +160,9 @@ OPTIONS: list[Option] = [
      "llama-server's GPU offload: 0 runs on the CPU, any other count (auto, all) on a CUDA "
      "device when one is usable, else on the CPU; kvshare puts every layer on one device "
      "(--device, when given, wins)"),
+    ("--cuda-graphs", TOGGLE, True,
+     "with --device cuda: decode steps of dense models replayed as CUDA graphs "
+     "(--no-cuda-graphs: every step launched op by op)"),
     ("--flash-attn", flag_types.flash_attn, "auto",
      "accepted: on, off or auto; kvshare's attention is always tiled (flash-style)"),
     ("--backend-sampling", None, False,
