@@ -3,8 +3,8 @@ the NumPy oracle `ops.moe.moe_ffn_reference` (float64, token by token, on the de
 experts): several block types, gate and up of different types (two `gmv` launches and
 `moe_glu_f32`) and of one type (`gmvglu`, two tensors or one fused `ffn_gate_up_exps`), ragged
 expert loads, an idle expert, every token on the same experts, tiles of 1, 4 and 16 pairs,
-biases and every activation, the dispatch from `ops.moe.moe_ffn_grouped`, and a tiny MoE GGUF's
-layer. Marked `gpu`: skipped without a CUDA device; runs on the CPU emulator (tests/gpu_emu).
+biases and every activation, the dispatch from `ops.moe.moe_ffn_grouped`, and tiny MoE GGUFs'
+layers (tiny-qwen3moe's; tiny-gpt-oss's MXFP4 experts with biases and swiglu_oai). Marked `gpu`: skipped without a CUDA device; runs on the CPU emulator (tests/gpu_emu).
 
 Tolerance: the kernels accumulate in float32 in another order than the float64 oracle, and the
 activation is float32: |y - ref| <= 2e-5 * max|ref| (observed well below 1e-5).
