@@ -29,7 +29,8 @@ activations, so its results equal `moe_ffn`'s on `BlockWeight` experts bit for b
 On a GPU, `moe_ffn_grouped` given `gpu_moe.GpuStackedExperts` (the stacked tensors' blocks on
 the device) runs `gpu_moe.moe_ffn`: routing on the host, then one launch per matrix product
 for the whole batch (kernels/moe_blocks.cu). Experts given as per-expert device matrices take
-`moe_ffn`'s loop, one product per active expert (the fallback for types those kernels lack).
+`moe_ffn`'s loop, one product per active expert (`KVSHARE_MOE_GROUPED=0`; models on a GPU
+hold every MoE layer's experts as `GpuStackedExperts`: `model.moe`).
 """
 
 from __future__ import annotations
