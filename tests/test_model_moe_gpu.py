@@ -107,9 +107,9 @@ def selection_gap(logits, routing, selection_bias=None) -> np.ndarray:
 def grouped_only(gaps: list):
     """Every MoE layer must take the grouped GPU kernels: the per-expert loop raises; each
     routing call appends its rows' selection gaps to `gaps`."""
-    from kvshare.ops import moe as ops_moe  # noqa: PLC0415
+    from kvshare.model import moe as model_moe  # noqa: PLC0415
 
-    route, per_expert = moe_routing.route, ops_moe.moe_ffn
+    route, per_expert = moe_routing.route, model_moe.moe_ffn
 
     def recording(logits, routing, **kw):
         gaps.append(selection_gap(logits, routing, kw.get("selection_bias")))
@@ -118,11 +118,11 @@ def grouped_only(gaps: list):
     def refused(*a, **kw):
         raise AssertionError("a MoE layer took the per-expert path")
 
-    moe_routing.route, ops_moe.moe_ffn = recording, refused
+    moe_routing.route, model_moe.moe_ffn = recording, refused
     try:
         yield
     finally:
-        moe_routing.route, ops_moe.moe_ffn = route, per_expert
+        moe_routing.route, model_moe.moe_ffn = route, per_expert
 
 
 def run(m, tokens, schedule, kv="f16"):
