@@ -242,12 +242,13 @@ def test_a_fresh_server_on_a_misbehaving_redis_is_ready_within_5_s(fake, launche
         s.kill9()
 
 
-# A bystander's decode may pause this long while requests wait on a misbehaving Redis: a step
-# that computes a 128-token chunk of the needy prompts beside it takes 0.05-0.4 s on 2 shared
-# cores; a Redis read on the engine thread pauses it for the whole deadline,
-# REDIS_TIMEOUT_BYSTANDER (long here so that the two cannot be mistaken for each other).
-BYSTANDER_MAX_GAP_S = 2.0
-REDIS_TIMEOUT_BYSTANDER = 5.0
+# A bystander's decode may pause at most this long while requests wait on a misbehaving Redis,
+# per case (Redis deadline, characters of each needy prompt, the bound): a step that computes a
+# 128-token chunk of the needy prompts beside the bystander takes 0.05-0.45 s on 2 shared
+# cores, so the deadline is long (5 s) for a Redis read on the engine thread (a pause of the
+# whole deadline) never to be mistaken for one. bench/redis_bystander.py measures the same
+# under the default 0.5 s deadline with needy prompts of a few blocks.
+BYSTANDER_CASES = {"long prompts": (5.0, 700, 2.0)}
 
 
 def _stream_until(server: Server, body: dict, out: list[float], stop: threading.Event) -> None:
@@ -263,19 +264,21 @@ def _stream_until(server: Server, body: dict, out: list[float], stop: threading.
 
 
 @pytest.mark.skipif(not TINY_MODEL.exists(), reason="run tests/data/make_tiny_qwen3_chat.py")
+@pytest.mark.parametrize("case", sorted(BYSTANDER_CASES))
 @pytest.mark.parametrize("fake", BAD_MODES, indirect=True)
-def test_a_bystander_decodes_on_while_a_request_waits_on_redis(fake, launcher, cold):
+def test_a_bystander_decodes_on_while_a_request_waits_on_redis(fake, case, launcher, cold):
     """A stream decoding while requests that need the shared tier are submitted to a replica
     whose Redis went bad: their Redis reads run on fetch threads (engine/cache/prefetch.py),
     so the stream's longest pause between tokens stays far below the Redis deadline (it was
     the whole deadline when reads ran on the engine thread); they get the cold output."""
+    timeout_s, chars, max_gap_s = BYSTANDER_CASES[case]
     bad, fake.mode = fake.mode, "empty"
     s = Server(launcher, "--parallel", "4", "--cache-min-tokens", "64", "--prefill-chunk",
-               "128", "--cache-redis", fake.url,
-               "--cache-redis-timeout", str(REDIS_TIMEOUT_BYSTANDER))
+               "128", "--cache-redis", fake.url, "--cache-redis-timeout", str(timeout_s))
     stop = threading.Event()
     try:
-        needy = [conversation(text(4700 + i, 700), f"bystander test {i}") for i in range(3)]
+        needy = [conversation(text(4700 + chars + i, chars), f"bystander test {i}")
+                 for i in range(3)]
         refs = [cold(m) for m in needy]
         fake.mode = bad
         stamps: list[float] = []
@@ -295,9 +298,9 @@ def test_a_bystander_decodes_on_while_a_request_waits_on_redis(fake, launcher, c
             assert_same_output(reply, refs[i], f"{bad}: needy {i}")
         during = [b - a for a, b in zip(stamps, stamps[1:]) if b >= t0 and a <= t1]
         worst = max(during)
-        print(f"{bad}: bystander's longest pause {worst * 1e3:.0f} ms over {len(during)} "
-              f"tokens while the needy requests ran ({t1 - t0:.2f} s)")
-        assert worst < BYSTANDER_MAX_GAP_S, (bad, worst)
+        print(f"{bad}, {case}: bystander's longest pause {worst * 1e3:.0f} ms over "
+              f"{len(during)} tokens while the needy requests ran ({t1 - t0:.2f} s)")
+        assert worst < max_gap_s, (bad, case, worst)
         assert s.client.get("/health").json()["tiers"]["remote"]["state"] == "degraded"
     finally:
         stop.set()
