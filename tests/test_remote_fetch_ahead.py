@@ -114,6 +114,13 @@ def test_fetched_bytes_are_bounded(redis_server):
         fa = b.snapshot()["tiers"]["remote"]["fetch_ahead"]
         assert fa["blocks"] == 5 and fa["over_budget"] == 1 and fa["held_bytes"] == 0, fa
         assert fin.timings.cache_n == 5 * 16  # the leading part it fetched; the rest computed
+        from kvshare.server.metrics import _tier_metrics
+
+        got_metrics = {f.name: f.samples[0].value for f in _tier_metrics(b.snapshot()["tiers"])
+                       if f.name.startswith("kvshare_cache_remote_")}
+        assert got_metrics["kvshare_cache_remote_fetches"] == 1
+        assert got_metrics["kvshare_cache_remote_fetches_over_budget"] == 1
+        assert got_metrics["kvshare_cache_remote_fetch_held_bytes"] == 0
     finally:
         a.shutdown(timeout=1.0)
         b.shutdown(timeout=1.0)

@@ -230,6 +230,33 @@ def _tier_metrics(tiers: dict):
     yield from families.values()
     if tiers:
         yield evictions
+    fetch = (tiers.get("remote") or {}).get("fetch_ahead")
+    if fetch:
+        yield from _fetch_ahead_metrics(fetch)
+
+
+# (fetch_ahead key, metric name, kind, help): the shared tier's reads ahead of admission
+# (engine/cache/prefetch.py)
+_FETCH_FIELDS = [
+    ("started", "fetches", "counter", "Fetches from the shared tier run before a request was queued"),
+    ("busy", "fetches_skipped_busy", "counter",
+     "Requests queued without a fetch because every fetch thread was busy (a miss)"),
+    ("over_budget", "fetches_over_budget", "counter",
+     "Fetches cut short because the bytes held ahead were at their bound"),
+    ("late", "fetches_late", "counter", "Fetches that ran past their deadline"),
+    ("seconds", "fetch_seconds", "counter", "Time spent fetching ahead, over all fetches"),
+    ("held_bytes", "fetch_held_bytes", "gauge",
+     "Bytes fetched ahead and held for requests not yet admitted"),
+]
+
+
+def _fetch_ahead_metrics(fetch: dict):
+    for key, name, kind, doc in _FETCH_FIELDS:
+        if key in fetch:
+            cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            fam = cls(f"kvshare_cache_remote_{name}", doc)
+            fam.add_metric([], fetch[key])
+            yield fam
 
 
 def computed_prompt_tokens(counters: dict) -> int:
