@@ -88,7 +88,7 @@ class RemoteFetch:
 @dataclass
 class FetchCounters:
     started: int = 0  # fetches run on a fetch thread
-    local: int = 0  # requests queued at once: the device pool holds their prompt's blocks
+    local: int = 0  # queued at once: under one block, or the device pool holds the prompt
     busy: int = 0  # requests queued without a fetch: every fetch thread was busy
     over_budget: int = 0  # fetches cut short: the bytes held ahead were at their bound
     late: int = 0  # fetches that ran past their deadline (what came in by then is used)
@@ -142,7 +142,12 @@ class RemoteFetcher:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.max_fetches,
                                                 thread_name_prefix="kvshare-fetch")
-        self._pool.submit(self._run, seq, keys, done)
+        try:
+            self._pool.submit(self._run, seq, keys, done)
+        except RuntimeError:  # shutting down: no fetch
+            with self._lock:
+                self._running -= 1
+            return False
         return True
 
     def _chain(self, seq: Sequence) -> list[bytes]:
