@@ -242,8 +242,31 @@ def test_dequantize_f16_tiles(be, qtype):
     raw = random_rows(rng, qtype, 9, k)
     w = gpu_blocks.GpuBlockWeight.from_parts([(raw, int(qtype), k)], be)
     ref = ref_dequant(raw, qtype, k)
-    np.testing.assert_array_equal(be.to_host(w.dequantize_f16()), ref.astype(np.float16))
+    got = be.to_host(w.dequantize_f16())
+    np.testing.assert_array_equal(got, ref.astype(np.float16), err_msg=_where_tiles_differ(
+        got, ref.astype(np.float16), GGML_QUANT_SIZES[qtype][0]))
     np.testing.assert_array_equal(be.to_host(w.dequantize_f16(2, 7)), ref[2:7].astype(np.float16))
+
+
+def _where_tiles_differ(got: np.ndarray, want: np.ndarray, qk: int) -> str:
+    """Where in the block the differing elements are (by 8-element chunk of the block and by
+    element of the chunk), and whether a wrong value is the right value of another element
+    of its block: what tells a decoder's indexing bug from a conversion or load bug."""
+    bad = (got != want) & ~(np.isnan(got.astype(np.float32)) & np.isnan(want.astype(np.float32)))
+    if not bad.any():
+        return ""
+    r, c = np.nonzero(bad)
+    pos = c % qk
+    by_chunk = np.bincount(pos // 8, minlength=qk // 8)
+    by_elem = np.bincount(pos % 8, minlength=8)
+    moved = 0
+    for i, j in zip(r[:200], c[:200]):
+        b0 = j - j % qk
+        moved += bool((want[i, b0 : b0 + qk] == got[i, j]).any())
+    return (f"{bad.mean():.1%} of elements differ; per 8-element chunk of a {qk}-element "
+            f"block: {by_chunk.tolist()}; per element of a chunk: {by_elem.tolist()}; "
+            f"{moved} of the first {min(200, len(r))} wrong values occur elsewhere in their "
+            f"block; first: row {r[0]} col {c[0]}: {got[r[0], c[0]]} != {want[r[0], c[0]]}")
 
 
 # --- embedding -----------------------------------------------------------------------------------
