@@ -16,8 +16,8 @@ fence, an optional `<function_call>`, `<tool>`, `<tools>`, `<response>`, `<json>
 only at the start of the reply, right after another call, or where it is spelled `{"name"`.
 Such a lenient block is a call only when its object opens with a name and then an "arguments"
 (or "parameters") object; anything else in it is content as written. A reply cut off inside one
-drops it once its object began with `{"name"` (where llama.cpp's lazy grammar would have taken
-over), and keeps it as text before that. The closing tag and fence are read when present (a reply that ends
+drops it while what it holds is, or may still become, an object that begins with `{"name"`
+(where llama.cpp's lazy grammar takes over), and keeps it as text otherwise. The closing tag and fence are read when present (a reply that ends
 right after the object still has its call).
 
 Grammar: each block is `<tool_call>\\n` + the JSON object + `\\n</tool_call>`, blocks separated
@@ -30,7 +30,6 @@ lenient reader reads it (the object forced by the schemas as in a block).
 
 from __future__ import annotations
 
-import re
 from typing import Sequence
 
 from kvshare.toolcalls.base import ToolFormat
@@ -45,7 +44,6 @@ TAGS = ("<function_call>", "<tools>", "<tool>", "<response>", "<json>", "<xml>",
 FENCES = ("```json\n", "```xml\n", "```\n")
 FENCE_END = "```"
 NAMED_OBJECT = '{"name"'
-_NAMED = re.compile(r'\{\s*"name"')
 
 
 class LenientCallRegion(JsonCallRegion):
@@ -64,10 +62,17 @@ class LenientCallRegion(JsonCallRegion):
 
     def is_markup(self) -> bool:
         # cut off, the block is a call (dropped) once its object opened with `{"name"`, the
-        # point where llama.cpp's lazy grammar takes over
+        # point where llama.cpp's lazy grammar takes over, and while it still may (a reply
+        # cut off inside "```json\n{" ends without the fragment)
         if self.streaming is not None:
             return self.streaming
-        return self.obj is not None and _NAMED.match(self._text, self.obj_start) is not None
+        rest = "".join(self._text[len(self.opener) if not self.inline else 0:].split())
+        if self.fence:
+            for tag in (OPEN,) + TAGS:
+                if rest.startswith(tag) or tag.startswith(rest):
+                    rest = rest[len(tag):]
+                    break
+        return rest.startswith(NAMED_OBJECT) or NAMED_OBJECT.startswith(rest)
 
     def advance(self, text: str, final: bool) -> int | None:
         self._text = text
