@@ -4,7 +4,7 @@ against `kvshare serve` on a model (default: the default model), over several se
 A run succeeds when the agent called `get_weather` for Paris and its final answer carries the
 tool's result ("sunny" or "21"). Prints a table and writes bench/out/agents_sdk_default_model.json.
 
-    python bench/agents_sdk_default_model.py [--model NAME_OR_PATH] [--seeds 5]
+    python bench/agents_sdk_default_model.py [--model NAME_OR_PATH] [--seeds 5] [--n-predict 512]
 """
 
 from __future__ import annotations
@@ -66,10 +66,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--n-predict", type=int, default=512,
+                    help="the server's cap on a reply's tokens (the SDK sends no max_tokens)")
     args = ap.parse_args()
     port = _port()
     cmd = [sys.executable, "-m", "kvshare.server.cli", "serve", "--port", str(port),
-           "--parallel", "1", "--ctx-size", "4096"] + (["--model", args.model] if args.model
+           "--parallel", "1", "--ctx-size", "4096", "--n-predict", str(args.n_predict)] + (["--model", args.model] if args.model
                                                        else [])
     with open(Path("/tmp") / f"kvshare-agents-{port}.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
@@ -96,7 +98,8 @@ def main() -> None:
     n_ok = sum(r["ok"] for r in rows)
     print(f"completed: {n_ok} of {len(rows)}")
     out = Path(__file__).parent / "out" / "agents_sdk_default_model.json"
-    out.write_text(json.dumps({"model": model, "completed": n_ok, "runs": rows}, indent=1))
+    out.write_text(json.dumps({"model": model, "completed": n_ok, "n_predict": args.n_predict,
+                               "runs": rows}, indent=1))
     print(f"wrote {out}")
 
 

