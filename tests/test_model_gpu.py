@@ -333,3 +333,22 @@ def test_decode_graphs_stay_out_of_prefill_and_can_be_turned_off(pair, monkeypat
     gpu.forward([SeqChunk(_tokens(5), 0, np.arange(8), logits="all")], cache)  # prefill
     gpu.forward([SeqChunk(_tokens(1), 5, np.arange(8), logits="none")], cache)  # no logits
     assert (r.captures, r.replays) == before
+
+
+def test_decode_graphs_belong_to_their_cache(pair):
+    """A new KV cache gets new graphs, even one allocated where a freed cache was (same id,
+    same addresses): a graph keeps the addresses it was captured with."""
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+
+    _, gpu = pair
+    r = gpu_graphs.runner(gpu)
+    if r is None:
+        pytest.skip("CUDA graphs are off ($KVSHARE_CUDA_GRAPHS)")
+    for _ in range(3):
+        cache = gpu.new_cache(8, 16)
+        gpu.forward([SeqChunk(_tokens(5), 0, np.arange(8), logits="none")], cache)
+        before = r.captures
+        for p in range(5, 8):
+            gpu.forward([SeqChunk(_tokens(1, seed=p), p, np.arange(8))], cache)
+        assert r.captures == before + 1 and not r.failures
+        del cache

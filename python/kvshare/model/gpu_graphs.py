@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -227,12 +228,12 @@ class DecodeGraphs:
         return 1 if ctas >= n_sm else min(64, -(-2 * n_sm // ctas))
 
     def _check_cache(self, cache: Any) -> None:
-        key = (id(cache), cache.kv.data.ptr, None if cache.kv_win is None else
-               cache.kv_win.data.ptr, cache.n_blocks, cache.block_size)
-        if key != self._cache_key:
+        # the graphs hold this cache's addresses: another cache object (even one that got the
+        # same id and addresses after this one was freed) gets its own
+        if self._cache_key is None or self._cache_key() is not cache:
             self.graphs.clear()
             self.inputs.clear()
-            self._cache_key = key
+            self._cache_key = weakref.ref(cache)
         if self.stream is None:
             # a blocking stream: ordered after the eager steps' work on the default stream
             self.stream = self.cp.cuda.Stream(non_blocking=False)
