@@ -33,6 +33,7 @@ LLAMA_CPP_LFM2 = "llama.cpp tests/chat-parsers/test-lfm2.cpp"
 VLLM_QWEN3CODER = "vLLM tests/tool_use/test_qwen3coder_tool_parser.py"
 VLLM_PYTHONIC = "vLLM tests/entrypoints/openai/tool_parsers/test_pythonic_tool_parser.py"
 OWN = "written here in the format"
+QWEN_CODER = "Qwen2.5-Coder-0.5B-Instruct under kvshare, tool_choice auto"
 
 
 def fn(name: str, params: dict | None = None) -> dict:
@@ -122,6 +123,40 @@ HERMES = [
          "<tool_calls>[x]</tool_calls> a <tool_response>1</tool_response> <tool <"),
     Case("hermes", "plain", LLAMA_CPP, "Hello, world!\nWhat's up?", "Hello, world!\nWhat's up?"),
     Case("hermes", "whitespace-only", OWN, "  \n", "  \n"),
+    # calls without <tool_call> tags, as small Qwen models write them (Qwen2.5-Coder 0.5B's
+    # replies under tool_choice auto) and as llama.cpp's Hermes 2 Pro parser reads them
+    Case("hermes", "bare", QWEN_CODER, '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+         "", [("get_weather", {"city": "Paris"})]),
+    Case("hermes", "fenced-pretty", QWEN_CODER,
+         '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+         "", [("get_weather", {"city": "Paris"})]),
+    Case("hermes", "text-then-fence", QWEN_CODER,
+         'Here is the JSON object response:\n```json\n{\n  "name": "get_weather",\n  '
+         '"arguments": {"city": "Paris"}\n}\n```', "Here is the JSON object response:",
+         [("get_weather", {"city": "Paris"})]),
+    # (an unfinished block right after a call goes with the reply's end, as a cut-off call)
+    Case("hermes", "bare-then-cut-block", QWEN_CODER,
+         '{"name": "get_weather", "arguments": {"city": "Paris"}}\n<tools>\n{"type": "f"',
+         "", [("get_weather", {"city": "Paris"})]),
+    Case("hermes", "bare-then-text", QWEN_CODER,
+         '{"name": "get_weather", "arguments": {"city": "Paris"}}\n<tools> are done',
+         "<tools> are done", [("get_weather", {"city": "Paris"})]),
+    Case("hermes", "in-tags", LLAMA_CPP,
+         '<function_call>{"name": "special_function", "arguments": {"arg1": 1}}</function_call>'
+         ' <JSON>\n{"name": "python", "arguments": {}}\n</JSON> done', "done",
+         [("special_function", {"arg1": 1}), ("python", {})]),
+    Case("hermes", "fence-around-tags", LLAMA_CPP, "```xml\n" + HERMES_CALL + "\n```", "",
+         [("special_function", {"arg1": 1})]),
+    Case("hermes", "named-object-in-text", OWN,
+         'Calling {"name": "f", "parameters": {"a": 1}} now', "Calling now", [("f", {"a": 1})]),
+    Case("hermes", "fenced-json-answer", OWN, '```json\n{"name": "Bob", "age": 3}\n```',
+         '```json\n{"name": "Bob", "age": 3}\n```'),
+    Case("hermes", "code-fences", OWN, "Use this:\n```\nx = {1: 2}\n```\nand ```python\ny=1\n```",
+         "Use this:\n```\nx = {1: 2}\n```\nand ```python\ny=1\n```"),
+    Case("hermes", "json-object-answer", OWN, '{"answer": 42}', '{"answer": 42}'),
+    Case("hermes", "fence-cut-at-name", OWN, 'Sure.\n```json\n{"na', "Sure."),
+    # a tag that nothing follows may still open a call: at the reply's end it goes
+    Case("hermes", "tag-as-text", OWN, "x <tools> y <json>", "x <tools> y"),
 ]
 
 
@@ -892,3 +927,19 @@ def test_grammars_with_a_real_tokenizer():
         grammar = get_format(fmt).grammar(GRAMMAR_TOOLS)
         assert all(accepted(grammar, render(fmt, calls)) for calls in VALID), fmt
         assert not any(accepted(grammar, render(fmt, calls)) for calls in INVALID), fmt
+
+
+def test_hermes_auto_grammar_forces_a_reply_that_opens_like_a_call(vocab):
+    """Under strict tools, a hermes reply that begins like a bare or fenced call object is one
+    (valid against the schemas); text, code fences and <tool_call> blocks after text stay free."""
+    auto = get_format("hermes").auto_grammar(GRAMMAR_TOOLS)
+    call = json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})
+    for text in (call, " \n" + call, "```json\n" + call + "\n```", "```\n" + call + "\n```",
+                 call + "\n" + render("hermes", VALID[1]), "Sure.\n" + render("hermes", VALID[0]),
+                 "```python\nx = {1: 2}\n```", "Hello {braces}", ""):
+        assert accepts(vocab, auto, text), text
+    for text in ('{"name": "get_wether", "arguments": {"city": "Paris"}}',  # no such tool
+                 '{"name": "get_weather", "arguments": {}}',  # required field missing
+                 '```json\n{"name": "nope", "arguments": {}}\n```',
+                 '{"answer": 42}'):  # a reply that opens with an object is a call
+        assert not accepts(vocab, auto, text), text

@@ -24,8 +24,11 @@ Grammar: each block is `<tool_call>\\n` + the JSON object + `\\n</tool_call>`, b
 by one newline; the object is `%json` of {"name": const, "arguments": the tool's parameters
 schema} (anyOf over the tools), written as json.dumps writes it. The auto grammar is free text in
 which the first `<tool_call>` starts such a block (a lazy lexeme; the free text may not contain
-the opener otherwise), or, at the start of the reply, a bare or fenced call object as the
-lenient reader reads it (the object forced by the schemas as in a block).
+the opener otherwise). A reply that begins like a bare or fenced call (optional whitespace, an
+optional "```json" / "```xml" / "```" line, then `{`) must be one, its object forced by the
+schemas as in a block and the fence closed; after it, blocks and text as above. (llama.cpp
+triggers its lazy grammar a little later, at `{"name"`; here a reply cannot begin with another
+JSON object.)
 """
 
 from __future__ import annotations
@@ -137,9 +140,23 @@ class Hermes(ToolFormat):
         ])
 
     def auto_grammar(self, tools: Sequence[dict]) -> str | None:
+        body = self._body(tools, None)
+        # A reply that opens like a call (whitespace, an optional fence line, then `{`: llama.cpp
+        # triggers its lazy grammar at `{"name"`) is one. The text lexemes that start the reply
+        # exclude that opening outright, since llguidance cannot keep a text lexeme and the
+        # nested %json grammar alive side by side; FIRST_BEFORE is the lazy `before_call` as a
+        # plain lexeme (ending at the first <tool_call>) for the same reason.
+        lead = r"[ \t\r\n]*(```(json|xml)?\n)?\{(?s:.*)"
+        no_call = r"(?s:.*)<tool_call>(?s:.*)"
         return "\n".join([
-            "start: (before_call call_body)* TEXT",
+            "start: lead calls | FIRST_BEFORE call_body calls | FIRST_TEXT",
+            "calls: (before_call call_body)* TEXT",
+            f"lead: LEAD_WS? {body} | LEAD_WS? FENCE {body} {lit(chr(10) + FENCE_END)}",
+            "LEAD_WS: /[ \\t\\r\\n]+/",
+            "FENCE: /```(json|xml)?\\n/",
+            "FIRST_BEFORE: /(?s:.*)<tool_call>/ & ~/(?s:.*)<tool_call>(?s:.+)/ & ~/" + lead + "/",
             "before_call[lazy]: /(?s:.*)<tool_call>/",
-            f"call_body: {lit(chr(10))} {self._body(tools, None)} {lit(chr(10) + CLOSE)}",
-            "TEXT: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/",
+            f"call_body: {lit(chr(10))} {body} {lit(chr(10) + CLOSE)}",
+            f"FIRST_TEXT: /(?s:.*)/ & ~/{no_call}/ & ~/{lead}/",
+            f"TEXT: /(?s:.*)/ & ~/{no_call}/",
         ])
