@@ -6,11 +6,12 @@
 # Budget: about 6 minutes of device time after the machine is up; the step timeouts add up
 # to 16 minutes (210 s tests, 240 s compile test (NVRTC compiles every kernel, blocks.cu and
 # moe_blocks.cu included), 210 s MoE tests, 90 s moe_gpu_bench, 120 s gpu_bench, 90 s
-# model_bench; 150 s + 60 s + 150 s for the CUDA-graph steps), more than one session's device
+# model_bench; 240 s + 60 s + 150 s for the CUDA-graph steps), more than one session's device
 # time: `MOE_ONLY=1 bash bench/gpu_check.sh` runs the MoE steps alone (5 minutes at most),
 # `GRAPHS_ONLY=1` the CUDA-graph steps alone (decode steps as graphs: their tests, then decode
 # ms/step with graphs on and off on a random Qwen3-1.7B-shaped Q4_K_M model with block
-# weights; 6 minutes at most, about 2; 6 files in $OUT).
+# weights, plus the Q2_K block tests and tests/test_kernels_sass.py; 7.5 minutes at most,
+# about 3; 6 files in $OUT).
 # Logs go to $OUT (the device tool's output folder), else bench/out/gpu_check.
 #
 # Two modes:
@@ -35,6 +36,9 @@ if [ "${1:-}" = "--prepare" ]; then
     GGUF_VER=$(python3 -c 'import importlib.metadata as m; print(m.version("gguf"))')
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux2014_x86_64 -d .whl "gguf==$GGUF_VER"
+    # nvdisasm (4 MB) for tests/test_kernels_sass.py: the device compiler's machine code
+    python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
+        -d .whl "nvidia-cuda-nvdisasm>=13,<14"
     ls -la .whl python/kvshare/_core*.so
     echo
     echo 'device run: carry [".whl", "python/kvshare/_core.abi3.so"], command:'
@@ -59,10 +63,18 @@ log() { echo "[gpu_check +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/summary.t
 log "environment: $(head -3 "$OUT/env.txt" | tail -1)"
 
 # --- the package -----------------------------------------------------------------------------
-if ls .whl/*.whl >/dev/null 2>&1; then
+WHLS=$(ls .whl/*.whl 2>/dev/null | grep -v nvdisasm)
+if [ -n "$WHLS" ]; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/kvshare-site .whl/*.whl && export PYTHONPATH=/tmp/kvshare-site${PYTHONPATH:+:$PYTHONPATH}
+        --target /tmp/kvshare-site $WHLS && export PYTHONPATH=/tmp/kvshare-site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# nvdisasm unpacked apart (not on PYTHONPATH: its `nvidia` package would hide the device's)
+for w in .whl/nvidia_cuda_nvdisasm*.whl; do
+    [ -f "$w" ] || continue
+    $PY -m zipfile -e "$w" /tmp/kvshare-nvdisasm >/dev/null 2>&1
+    NVD=$(find /tmp/kvshare-nvdisasm -name nvdisasm -type f | head -1)
+    [ -n "$NVD" ] && chmod +x "$NVD" && export KVSHARE_NVDISASM=$NVD
+done
 if ls python/kvshare/_core*.so >/dev/null 2>&1; then
     export PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
 elif ! $PY -c 'import kvshare._core' 2>/dev/null; then
@@ -107,8 +119,11 @@ moe_steps() {
 # weights, batch 1 / 4 / 8 at 1K context, graphs on and off.
 Q15=/tmp/kvshare-qwen3-1.5b-rand.gguf
 graph_steps() {
-    timeout 150 $PY -m pytest -m gpu -v -p no:cacheprovider tests/test_ops_gpu_graph.py \
-        tests/test_model_gpu.py tests/test_engine_gpu.py -k "graph or greedy" \
+    # with the Q2_K block tests (issue 40 item 5) and the machine-code check of the f16
+    # tile kernels (tests/test_kernels_sass.py, with the device's NVRTC)
+    timeout 240 $PY -m pytest -v -rs -p no:cacheprovider tests/test_ops_gpu_graph.py \
+        tests/test_model_gpu.py tests/test_engine_gpu.py tests/test_ops_gpu_blocks.py \
+        tests/test_kernels_sass.py -k "graph or greedy or Q2_K or sass or pack or block_weights" \
         > "$OUT/pytest_graphs.log" 2>&1
     rc=$?; [ $rc -ne 0 ] && RC=$rc
     log "pytest -m gpu (CUDA graphs): rc=$rc, $(summ $rc "$OUT/pytest_graphs.log")"
@@ -144,7 +159,7 @@ log "pytest -m gpu: rc=$rc, $(summ $rc "$OUT/pytest_gpu.log")"
 grep -E '^(FAILED|ERROR)' "$OUT/pytest_gpu.log" | head -20 | tee -a "$OUT/summary.txt"
 
 timeout 240 $PY -m pytest -q -rs -p no:cacheprovider tests/test_kernels_compile.py \
-    > "$OUT/pytest_compile.log" 2>&1
+    tests/test_kernels_sass.py > "$OUT/pytest_compile.log" 2>&1
 rc=$?; [ $rc -ne 0 ] && RC=$rc
 log "compile test (the device CuPy's NVRTC): rc=$rc, $(summ $rc "$OUT/pytest_compile.log")"
 

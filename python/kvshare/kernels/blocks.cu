@@ -425,10 +425,14 @@ __device__ __forceinline__ void bdq_impl(const u8* __restrict__ w, i64 row_bytes
         for (int j = 0; j < 4; ++j)
             h[j] = (u32)kvs_f2h(__fsub_rn(__fmul_rn(d, q[2 * j]), mn))
                  | ((u32)kvs_f2h(__fsub_rn(__fmul_rn(d, q[2 * j + 1]), mn)) << 16);
-        // 16 bytes at an f16 offset that is a multiple of 8 (k % 8 == 0; out 16-byte aligned)
-        unsigned long long* o = reinterpret_cast<unsigned long long*>(out + i * k + e);
-        o[0] = (unsigned long long)h[0] | ((unsigned long long)h[1] << 32);
-        o[1] = (unsigned long long)h[2] | ((unsigned long long)h[3] << 32);
+        // 16 bytes at an f16 offset that is a multiple of 8 (k % 8 == 0; out 16-byte aligned),
+        // as one 16-byte store of four 32-bit words. Not as two 64-bit words: for bdq_q2_k,
+        // ptxas of CUDA 13.0 (sm_90) packed elements 2 and 3 into a register other than the
+        // one it stored, so they came out as (h3, 0) on the device (PTX and the emulator
+        // right; docs/gpu.md, "Known issues").
+        *reinterpret_cast<float4*>(out + i * k + e) =
+            make_float4(__int_as_float((int)h[0]), __int_as_float((int)h[1]),
+                        __int_as_float((int)h[2]), __int_as_float((int)h[3]));
     }
 }
 
