@@ -14,8 +14,9 @@ parser reads them (`common_chat_parse_hermes_2_pro`: an optional "```json" / "``
 fence, an optional `<function_call>`, `<tool>`, `<tools>`, `<response>`, `<json>`, `<xml>` or
 `<JSON>` tag, then `{"name"`), with one difference: an object without a tag or fence is a call
 only at the start of the reply, right after another call, or where it is spelled `{"name"`.
-Such a lenient block is a call only when its object opens with a name and then an "arguments"
-(or "parameters") object; anything else in it is content as written. A reply cut off inside one
+Such a lenient block is a call only when its object has a name (one of the request's tools,
+where the reader knows them, as llama.cpp's trigger names them) and an "arguments" (or
+"parameters") object; anything else in it is content as written. A reply cut off inside one
 drops it while what it holds is, or may still become, an object that begins with `{"name"`
 (where llama.cpp's lazy grammar takes over), and keeps it as text otherwise. The closing tag and fence are read when present (a reply that ends
 right after the object still has its call).
@@ -55,9 +56,10 @@ class LenientCallRegion(JsonCallRegion):
 
     def __init__(self, fmt, opener, sink):
         inline = opener.startswith("{")
+        names = frozenset(t["function"]["name"] for t in fmt.tools if "function" in t)
         super().__init__(fmt, opener, sink, head=HERMES_HEAD,
                          args_keys=("arguments", "parameters"), closing=None, inline=inline,
-                         args_required=True)
+                         args_required=True, names=names or None)
         self.fence = opener in FENCES
         self.tag = opener if opener in TAGS else ""  # (after a fence: also <tool_call>)
         self.tag_read = not self.fence  # a fence may be followed by a tag

@@ -30,8 +30,10 @@ class JsonCallRegion(Region):
     """One JSON call object after `opener` (or starting with it, `inline`), then `closing`."""
 
     def __init__(self, fmt, opener, sink, *, head: re.Pattern, args_keys: tuple[str, ...],
-                 closing: str | None, inline: bool = False, args_required: bool = False):
+                 closing: str | None, inline: bool = False, args_required: bool = False,
+                 names: frozenset[str] | None = None):
         super().__init__(fmt, opener, sink)
+        self.names = names  # when set, a call of another name is not a call
         self.head, self.args_keys, self.closing = head, args_keys, closing
         self.args_required = args_required
         self.phase = "open"
@@ -97,9 +99,14 @@ class JsonCallRegion(Region):
                 raise Malformed("bad name string") from None
             if not self.name:
                 raise Malformed("empty name")
+            self._check_name(self.name)
             self.sink.begin(self.name)
             self.args_start = self.sent = m.end()
             self.args = JsonScanner(m.end())
+
+    def _check_name(self, name: str) -> None:
+        if self.names is not None and name not in self.names:
+            raise Malformed("not a declared tool")
 
     def _finish_object(self, text: str, end: int) -> None:
         try:
@@ -111,6 +118,7 @@ class JsonCallRegion(Region):
         name = obj.get("name")
         if not isinstance(name, str) or not name:
             raise Malformed("no name")
+        self._check_name(name)
         key = next((k for k in self.args_keys if k in obj), None)
         if key is None and self.args_required:
             raise Malformed("no arguments")
