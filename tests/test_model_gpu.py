@@ -352,3 +352,22 @@ def test_decode_graphs_belong_to_their_cache(pair):
             gpu.forward([SeqChunk(_tokens(1, seed=p), p, np.arange(8))], cache)
         assert r.captures == before + 1 and not r.failures
         del cache
+
+
+def test_decode_graphs_on_block_weights(tmp_path, monkeypatch):
+    """`KVSHARE_GPU_WEIGHTS=blocks` (the weights as GGUF blocks, the mat-vec kernels for a
+    decode step's rows): graph replays equal the eager steps, bit for bit."""
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+    from kvshare.model.loader import load_model  # noqa: PLC0415
+    from kvshare.ops.gpu_blocks import GpuBlockWeight  # noqa: PLC0415
+
+    monkeypatch.setenv("KVSHARE_GPU_WEIGHTS", "blocks")
+    path = tmp_path / "qwen3.gguf"
+    write_model(path, "qwen3")
+    gpu = load_model(path, "cuda")
+    assert isinstance(gpu.layers[0].wqkv, GpuBlockWeight)
+    eager = _decode_run(gpu, False, 3, 13, 5)
+    graph = _decode_run(gpu, True, 3, 13, 5)
+    r = gpu_graphs.runner(gpu)
+    assert not r.failures and r.replays >= 4
+    assert np.array_equal(graph, eager)

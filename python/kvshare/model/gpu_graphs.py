@@ -28,7 +28,8 @@ How (`DecodeGraphs`):
   addresses) or a larger workspace drops the graphs; they are captured again when next used.
 - The step calls the model's own `_project_qkv` and `_output_and_mlp` and the same GPU ops
   as `DecoderModel.forward`, in the same order: the logits equal the eager step's, bit for
-  bit where the eager step has the same batch (tests/test_gpu_graphs.py checks both).
+  bit where the eager step has the same batch (tests/test_model_gpu.py and
+  tests/test_engine_gpu.py check it, tests/test_ops_gpu_graph.py the parts).
 
 Where graphs do not apply the step stays eager: prefill and mixed steps (any chunk of more
 than one token), steps with a row that wants no logits, more rows than `MAX_BUCKET`, a block
