@@ -24,8 +24,8 @@ How (`DecodeGraphs`):
   length, is a device input: `gpu.StaticAttention`).
 - A bucket's first step runs the step's code eagerly (it measures the workspace and warms
   NVRTC, cuBLAS and the launch attributes; its logits are that step's), then captures it on
-  the runner's stream; later steps of that bucket replay it. A new KV cache (other
-  addresses) or a larger workspace drops the graphs; they are captured again when next used.
+  the runner's stream; later steps of that bucket replay it. Another KV cache object or a
+  larger workspace drops the graphs; they are captured again when next used.
 - The step calls the model's own `_project_qkv` and `_output_and_mlp` and the same GPU ops
   as `DecoderModel.forward`, in the same order: the logits equal the eager step's, bit for
   bit where the eager step has the same batch (tests/test_model_gpu.py and
