@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
 from kvshare.model import catalog
+from markup_checks import assert_no_markup_in_cut_replies
 from tier_helpers import Server
 
 WEATHER = {"type": "function", "function": {
@@ -107,26 +107,5 @@ def test_required_ends_with_its_calls(client, parallel):
 @pytest.mark.parametrize("max_tokens", [5, 12])
 def test_cut_replies_carry_no_markup(server, client, max_tokens):
     for choice in ("required", "auto"):
-        r = client.chat.completions.create(model="m", messages=QUESTION, tools=[WEATHER],
-                                           tool_choice=choice, max_tokens=max_tokens, seed=3)
-        assert not any(m in (r.choices[0].message.content or "") for m in MARKUP)
-        stream = client.chat.completions.create(
-            model="m", messages=QUESTION, tools=[WEATHER], tool_choice=choice,
-            max_tokens=max_tokens, seed=3, stream=True)
-        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-        assert not any(m in text for m in MARKUP), text
-        tool = {"name": "get_weather", "description": "Weather.",
-                "input_schema": WEATHER["function"]["parameters"]}
-        a = httpx.post(server.url + "/v1/messages", timeout=120, json={
-            "model": "m", "max_tokens": max_tokens, "messages": QUESTION, "tools": [tool],
-            "tool_choice": {"type": "any" if choice == "required" else "auto"}}).json()
-        for block in a["content"]:
-            assert block["type"] in ("text", "tool_use")
-            assert not any(m in block.get("text", "") for m in MARKUP)
-        rs = httpx.post(server.url + "/v1/responses", timeout=120, json={
-            "model": "m", "input": QUESTION[0]["content"], "max_output_tokens": max_tokens,
-            "tools": [{"type": "function", **WEATHER["function"]}],
-            "tool_choice": choice}).json()
-        for item in rs["output"]:
-            for part in item.get("content") or ():
-                assert not any(m in part.get("text", "") for m in MARKUP)
+        assert_no_markup_in_cut_replies(server.url, client, WEATHER, QUESTION, choice,
+                                        max_tokens, MARKUP)

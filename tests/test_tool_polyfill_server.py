@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from kvshare.model import catalog
+from markup_checks import assert_no_markup_in_cut_replies
 from tier_helpers import Server
 
 WEATHER = {"type": "function", "function": {
@@ -104,28 +105,5 @@ def test_required_ends_with_its_calls(client, parallel):
 @pytest.mark.parametrize("max_tokens", [6, 12, 20])
 def test_cut_replies_carry_no_markup(server, client, max_tokens):
     for choice in ("required", "auto"):
-        r = client.chat.completions.create(model="m", messages=QUESTION, tools=[WEATHER],
-                                           tool_choice=choice, max_tokens=max_tokens, seed=3)
-        msg = r.choices[0].message
-        assert not any(m in (msg.content or "") for m in MARKUP)
-        assert r.choices[0].finish_reason in ("length", "tool_calls")
-        stream = client.chat.completions.create(
-            model="m", messages=QUESTION, tools=[WEATHER], tool_choice=choice,
-            max_tokens=max_tokens, seed=3, stream=True)
-        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-        assert not any(m in text for m in MARKUP)
-        tool = {"name": "get_weather", "description": "Weather.",
-                "input_schema": WEATHER["function"]["parameters"]}
-        a = httpx.post(server.url + "/v1/messages", timeout=120, json={
-            "model": "m", "max_tokens": max_tokens, "messages": QUESTION, "tools": [tool],
-            "tool_choice": {"type": "any" if choice == "required" else "auto"}}).json()
-        for block in a["content"]:
-            assert block["type"] in ("text", "tool_use")
-            assert not any(m in block.get("text", "") for m in MARKUP)
-        rs = httpx.post(server.url + "/v1/responses", timeout=120, json={
-            "model": "m", "input": QUESTION[0]["content"], "max_output_tokens": max_tokens,
-            "tools": [{"type": "function", **WEATHER["function"]}],
-            "tool_choice": choice}).json()
-        for item in rs["output"]:
-            for part in item.get("content") or ():
-                assert not any(m in part.get("text", "") for m in MARKUP)
+        assert_no_markup_in_cut_replies(server.url, client, WEATHER, QUESTION, choice,
+                                        max_tokens, MARKUP)
