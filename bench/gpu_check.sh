@@ -96,8 +96,9 @@ RC=0
 # --- MoE: the grouped expert kernels (kernels/moe_blocks.cu) ----------------------------------
 # Their `gpu` tests (block types, ragged loads, an idle expert, every token on two experts,
 # tiny-qwen3moe's layer against the NumPy oracle; NVRTC compiles the kernels first, cached
-# for the bench), the four tiny MoE models on cuda against llama.cpp's logits in both GPU
-# weight modes and the engine's decode against the CPU's (tests/test_model_moe_gpu.py),
+# for the bench), the five tiny MoE models (tiny-gpt-oss's attention sinks included) on cuda
+# against llama.cpp's logits in both GPU weight modes and the engine's decode against the
+# CPU's (tests/test_model_moe_gpu.py),
 # then a MoE layer's step time: grouped vs the per-expert paths.
 moe_steps() {
     timeout 210 $PY -m pytest -m gpu -v -p no:cacheprovider --durations=10 \

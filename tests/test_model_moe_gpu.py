@@ -8,9 +8,9 @@ runs on the CPU emulator (tests/gpu_emu).
 
 Models: tiny-qwen3moe (F16 experts), tiny-qwen3moe-q8 (Q8_0 / Q4_0 / Q5_0 experts),
 tiny-qwen35moe (the gated-delta-net hybrid with a shared expert), tiny-lfm2moe (the short-conv
-hybrid, sigmoid routing with a selection bias). gpt-oss is refused on a GPU (the GPU
-attention has no sink term), so its experts are checked at the op level only
-(tests/test_ops_gpu_moe.py, MXFP4).
+hybrid, sigmoid routing with a selection bias), tiny-gpt-oss (attention sinks, window-128
+layers, q/k/v/o biases, YaRN, MXFP4 experts with biases and swiglu_oai; its reference files
+are tests/test_model_gpt_oss.py's).
 
 Text: `chat` (81 tokens), prefilled in one chunk of 75 then 6 decode steps with an f16 KV
 cache, and in one chunk with an f32 KV cache (blocks mode; the emulator runs a CUDA thread per
@@ -25,8 +25,12 @@ the decided positions (Gemma 3 270M's GPU acceptance, tests/test_model_gpu.py: a
 where llama.cpp's top two logits are closer than the f16 noise may flip). On tiny-qwen3moe-q8, where llama.cpp rounds the experts'
 activations to 8 bits (~0.5% of the range, median, on the CPU too), the check is the CPU
 test's: top-1 equal wherever llama.cpp leads by >= 0.5 and a median |delta logit| < 1.5%.
-Measured on the emulator: max |delta logit| <= 0.47% of the range (decided positions) and
-top-1 >= 98.7% on the three F16-expert models, a median of 0.57% on q8, both weight modes.
+On tiny-gpt-oss, whose reference also rounds the experts' activations to 8 bits (and, with
+f16 KV, q and the softmax weights to f16), the same check (tests/test_model_gpt_oss.py's for
+its default path). Measured on the emulator: max |delta logit| <= 0.47% of the range (decided
+positions) and top-1 >= 98.7% on the three F16-expert models, a median of 0.57% on q8, both
+weight modes; tiny-gpt-oss: top-1 100% where llama.cpp leads by >= 0.5, median 0.79% (`chat`,
+f16 KV, both modes), 0.69% (`tools_long[:540]`), 0.83% (f32 KV).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ REL_MAX = 0.02  # the dense and hybrid models' GPU tolerance (fraction of the lo
 SURE = 0.5  # llama.cpp's top-1 margin from which top-1 must agree
 TOP1_MIN = 0.97  # top-1 agreement over the decided positions (near-ties in the logits aside)
 F16_MODELS = ("tiny-qwen3moe", "tiny-qwen35moe", "tiny-lfm2moe")
+GPT_OSS_LONG = 540  # tokens of tools_long: past the window of 128 and the split-KV threshold
 MODES = ("f16", "blocks")
 
 
@@ -268,9 +273,49 @@ def test_per_expert_path_equals_the_grouped_kernels():
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_gpt_oss_matches_llama_cpp(mode):
+    """gpt-oss on the GPU (attention sinks in the paged attention, window-128 layers, MXFP4
+    experts on the grouped kernels) with tests/test_model_gpt_oss.py's criterion for its
+    default path: top-1 equal wherever llama.cpp leads by >= 0.5, median |delta logit| < 1.5%
+    of the range (llama.cpp rounds the experts' activations to 8 bits). f16 KV against
+    `tiny-gpt-oss` (`chat`, prefill then decode steps; the first `GPT_OSS_LONG` tokens of
+    `tools_long`, where the window layers drop keys and the decode rows take split-KV), f32
+    KV against `tiny-gpt-oss-f32kv` (blocks mode)."""
+    m = gpu_model("tiny-gpt-oss", mode)
+    ref = reference("tiny-gpt-oss")
+    n = len(ref["tokens"])
+    got, _ = run(m, ref["tokens"], [n - 6] + [1] * 6)
+    check_q8(got, ref, f"tiny-gpt-oss gpu {mode}, chat, f16 KV, prefill {n - 6} + 6 decode steps")
+    if mode == "blocks":
+        long = reference("tiny-gpt-oss", "tools_long")
+        n = GPT_OSS_LONG
+        cut = {k: long[k][:n] for k in ("tokens", "logits", "range", "top1")}
+        got, _ = run(m, cut["tokens"], [n - 4] + [1] * 4)
+        check_q8(got, cut, f"tiny-gpt-oss gpu {mode}, tools_long[:{n}], f16 KV, "
+                           f"prefill {n - 4} + 4 decode steps")
+        f32 = reference("tiny-gpt-oss-f32kv")
+        got, _ = run(m, f32["tokens"], [len(f32["tokens"])], kv="f32")
+        check_q8(got, f32, f"tiny-gpt-oss gpu {mode}, chat, f32 KV, one chunk")
+
+
+def test_gpt_oss_decode_rows_take_split_kv_with_sinks():
+    """The long case's decode rows (one sequence, > 512 keys on the full layers) are cut into
+    key splits on this device (the emulator reports an H200's 132 multiprocessors), so the
+    merge with the sink is what the model runs there."""
+    from kvshare.ops import gpu  # noqa: PLC0415
+    from kvshare.ops import gpu_runtime as rt  # noqa: PLC0415
+
+    cfg = gpu_model("tiny-gpt-oss", "blocks").config
+    gc, n_gchunks = gpu.group_chunk(cfg.n_head, cfg.n_head_kv)
+    tiles = gpu.pa_tiles(np.array([0, 1]), np.array([GPT_OSS_LONG - 4]), gc)
+    assert gpu.pa_splits(tiles, 0, cfg.n_head_kv, n_gchunks, 1, cfg.n_head, cfg.head_dim,
+                         rt.device_attr("MultiProcessorCount")) > 1
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_gpt_oss_experts_on_the_gpu_equal_the_cpu(mode):
-    """gpt-oss's layer loaded for the GPU (the model itself is refused there: no sink term in
-    the GPU attention): MXFP4 experts with biases and `swiglu_oai`, held as their MXFP4 blocks
+    """gpt-oss's MoE layer loaded for the GPU on its own: MXFP4 experts with biases and
+    `swiglu_oai`, held as their MXFP4 blocks
     (blocks; no per-expert weights, the dense kernels lack MXFP4) or dequantized to f16 (MXFP4
     values are f16 values), give the CPU layer's output (its grouped kernels, f32 activations)
     to 1e-4 of the largest value."""
@@ -342,7 +387,7 @@ def engine_output(name: str, device: str):
             for t in toks if t.token_id >= 0]
 
 
-@pytest.mark.parametrize("name", F16_MODELS)
+@pytest.mark.parametrize("name", F16_MODELS + ("tiny-gpt-oss",))
 def test_engine_decode_on_the_gpu_equals_the_cpu(name):
     """The engine on `device="cuda"` (default GPU weights: f16 experts on the grouped kernels)
     prefills a chat prompt and decodes 8 greedy tokens: the CPU engine's tokens, and its

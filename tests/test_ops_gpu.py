@@ -1,6 +1,7 @@
 """Every GPU op (`kvshare.ops.gpu`, CuPy + kernels/*.cu + cuBLAS) against its NumPy twin on
 random inputs: several shapes, strided views as the model passes them, shuffled block tables
-with partial last blocks, sliding windows, grouped-query heads, f16 and f32 KV, split-KV decode.
+with partial last blocks, sliding windows, grouped-query heads, f16 and f32 KV, split-KV decode,
+attention sinks (also against the float64 dense oracle `attention_reference`).
 Marked `gpu`: skipped without a CUDA device (conftest).
 
 Tolerances (float32 everywhere except where stated):
@@ -21,7 +22,8 @@ import pytest
 
 from kvshare.backend import get_backend
 from kvshare.ops import activation as act
-from kvshare.ops.attention import kv_slots, pad_block_tables, paged_attention, write_kv
+from kvshare.ops.attention import (attention_reference, kv_slots, pad_block_tables,
+                                   paged_attention, write_kv)
 from kvshare.ops.embedding import embedding
 from kvshare.ops.linear import linear
 from kvshare.ops.norm import rms_norm
@@ -143,6 +145,98 @@ def test_paged_attention_long_decode_uses_split_kv(be, window, kv_dtype):
     got = paged_attention(be.asarray(q), kv_d[0], kv_d[1], bt, qs, sp, scale=0.0625,
                           window=window, backend=be)
     np.testing.assert_allclose(_np(be, got), ref, rtol=1e-4, atol=1e-4)
+
+
+def _dense_reference(q, kv, bt, qs, sp, *, scale, window, sinks):
+    """`attention_reference` (float64, dense) of every sequence's rows over its keys, gathered
+    from the paged cache."""
+    bs = kv.shape[2]
+    out = np.zeros(q.shape, np.float64)
+    for s in range(len(qs) - 1):
+        r0, r1 = int(qs[s]), int(qs[s + 1])
+        if r1 == r0:
+            continue
+        p0 = int(sp[s])
+        kp = np.arange(p0 + r1 - r0)
+        k = kv[0][bt[s][kp // bs], kp % bs].astype(np.float32)
+        v = kv[1][bt[s][kp // bs], kp % bs].astype(np.float32)
+        out[r0:r1] = attention_reference(q[r0:r1], k, v, np.arange(p0, p0 + r1 - r0), kp,
+                                         scale=scale, window=window, sinks=sinks)
+    return out
+
+
+def _sinks(rng, n_head):
+    """Sink logits about the size of the scores, one far above them (the head attends to
+    almost nothing) and one far below (as if there were none)."""
+    s = (rng.standard_normal(n_head) * 2).astype(np.float32)
+    s[0] = 30.0
+    s[-1] = -30.0
+    return s
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("window", [0, 7, 40])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("n_head,n_kv,hd,bs", [(8, 2, 64, 16), (4, 2, 80, 5)])
+def test_paged_attention_sinks_match_the_oracle(be, n_head, n_kv, hd, bs, with_sinks, window,
+                                                kv_dtype):
+    """Prefill from 0, a chunk in mid-sequence, decode rows (one split): the GPU op with and
+    without sinks against the float64 dense oracle, and the CPU op with the same sinks."""
+    rng = np.random.default_rng(n_head * 100 + hd + window)
+    chunks = [(0, 45), (50, 23), (99, 1), (2 * bs, 1), (7, 0)]
+    q, kv, bt, qs, sp = _attention_case(rng, n_head=n_head, n_kv=n_kv, hd=hd, bs=bs,
+                                        chunks=chunks, kv_dtype=kv_dtype)
+    sinks = _sinks(rng, n_head) if with_sinks else None
+    scale = 1.0 / np.sqrt(hd)
+    ref = _dense_reference(q, kv, bt, qs, sp, scale=scale, window=window, sinks=sinks)
+    kv_d = be.asarray(kv)
+    got = _np(be, paged_attention(be.asarray(q), kv_d[0], kv_d[1], bt, qs, sp, scale=scale,
+                                  window=window, backend=be, sinks=sinks))
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    cpu = paged_attention(q, kv[0], kv[1], bt, qs, sp, scale=scale, window=window, sinks=sinks)
+    np.testing.assert_allclose(got, cpu, rtol=1e-4, atol=1e-4)
+    if with_sinks:
+        # the sink far above the scores leaves head 0 almost nothing; sinks on the device too
+        assert np.abs(got[:, 0]).max() < 1e-6 * np.abs(got).max() + 1e-9
+        got_d = paged_attention(be.asarray(q), kv_d[0], kv_d[1], bt, qs, sp, scale=scale,
+                                window=window, backend=be, sinks=be.asarray(sinks))
+        np.testing.assert_array_equal(_np(be, got_d), got)
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("window", [0, 128])
+def test_paged_attention_sinks_split_kv(be, window, with_sinks):
+    """Long decode rows cut into key splits and merged by paged_attn_combine: the sink joins
+    the merged denominator once (a sink per split would weigh it n_splits times)."""
+    from kvshare.ops import gpu  # noqa: PLC0415
+
+    rng = np.random.default_rng(21)
+    n_head, n_kv, hd = 8, 2, 64
+    chunks = [(1500, 1), (700, 1), (17, 1)]
+    q, kv, bt, qs, sp = _attention_case(rng, n_head=n_head, n_kv=n_kv, hd=hd, bs=16,
+                                        chunks=chunks, kv_dtype=np.float16)
+    sinks = _sinks(rng, n_head) if with_sinks else None
+    if with_sinks:
+        sinks[1:-1] += 4.0  # sinks that weigh about as much as the keys of a row
+    gc, n_gchunks = gpu.group_chunk(n_head, n_kv)
+    tiles = gpu.pa_tiles(qs, sp, gc)
+    n_sm = be.xp.cuda.Device(be.device_id).attributes["MultiProcessorCount"]
+    if window == 0:
+        assert gpu.pa_splits(tiles, 0, n_kv, n_gchunks, 3, n_head, hd, n_sm) > 1
+    ref = _dense_reference(q, kv, bt, qs, sp, scale=0.125, window=window, sinks=sinks)
+    kv_d = be.asarray(kv)
+    got = paged_attention(be.asarray(q), kv_d[0], kv_d[1], bt, qs, sp, scale=0.125,
+                          window=window, backend=be, sinks=sinks)
+    np.testing.assert_allclose(_np(be, got), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_paged_attention_rejects_bad_sinks(be):
+    q, kv, bt, qs, sp = _attention_case(np.random.default_rng(2), n_head=4, n_kv=1, hd=64,
+                                        bs=16, chunks=[(0, 3)], kv_dtype=np.float16)
+    kv_d = be.asarray(kv)
+    with pytest.raises(ValueError, match="sinks"):
+        paged_attention(be.asarray(q), kv_d[0], kv_d[1], bt, qs, sp, scale=1.0, backend=be,
+                        sinks=be.asarray(np.zeros(3, np.float32)))
 
 
 def test_paged_attention_strided_q_out_and_device_tables(be):

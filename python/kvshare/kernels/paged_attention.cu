@@ -21,7 +21,9 @@
 //
 // Split-KV (flash-decoding): with few CTAs (decode of a few sequences) the key range of each
 // tile is cut into `n_splits` chunks along grid.z; each writes an unnormalised partial output
-// and its (m, l) and `paged_attn_combine` merges them. n_splits == 1 writes `out` directly.
+// and its (m, l) and `paged_attn_combine` merges them. With one split the kernel writes `out`
+// directly, unless `out` is null: then it writes its one partial for `paged_attn_combine` too
+// (what the host does for attention sinks, below).
 // A CUDA graph captures one grid for every replay, while the split count follows the
 // context length: a captured step passes `n_splits_dev` (device int) with `n_splits` = grid.z =
 // the largest count it may need; the CTAs past the step's count return at once and the rest
@@ -29,6 +31,13 @@
 // computes (a count of 1 still goes through the partial and `paged_attn_combine`, whose merge
 // of one partial is exactly the direct write: exp2f(0) = 1). `n_splits_dev` null: `n_splits`
 // is the count.
+//
+// Sinks (gpt-oss): one learned logit per query head joins the softmax's denominator and no
+// value, as llama.cpp's ggml_soft_max_add_sinks: out = sum_j e^(s_j - m) v_j / (sum_j
+// e^(s_j - m) + e^(sink - m)), m the max of the scores and the sink. `paged_attn_combine` adds
+// it (`sinks` non-null: float32 [n_head], in the scaled-score domain), once per row, after
+// merging the partials' (m, l); a launch with sinks therefore always writes partials, and the
+// attention kernels themselves have no sink term (models without sinks pay nothing for it).
 //
 // Accumulation is float32 throughout (f16 K/V are widened on load). A key whose block-table
 // entry is negative or out of range is treated as masked (never read); a row that sees no key
@@ -40,6 +49,7 @@
 #define PA_ROWS (PA_NW * PA_RPW)   // rows per CTA
 #define PA_BN 32                   // keys per tile: one per lane
 #define PA_MAXD 512                // largest head_dim of the generic (runtime head_dim) kernels
+#define PA_LOG2E 1.4426950408889634f  // sinks are natural-log logits; scores are in the log2 domain
 
 template <typename T> struct PaKtPad { static constexpr int v = 1; };   // f32: 33-word rows
 template <> struct PaKtPad<f16_t> { static constexpr int v = 2; };      // f16: 17-word rows
@@ -283,7 +293,7 @@ __device__ __forceinline__ void paged_attn_impl(
             const int row = row0 + r / gc;
             const int h = kvh * G + g0 + r % gc;
             const float lt = kvs_warp_sum(l_run[k]);
-            if (n_splits == 1) {
+            if (out != nullptr) {                // one split, written directly
                 const float inv = lt > 0.f ? 1.f / lt : 0.f;
                 float* o = out + ((i64)row * n_head + h) * hd;
 #pragma unroll
@@ -332,14 +342,18 @@ extern "C" __global__ void __launch_bounds__(PA_THREADS) paged_attn_f32_hdx(PA_P
 // Merge the n_splits partial results of every (token, head) row: grid.x = n_tok * n_head.
 // part_o [n_splits, n_rows, hd] (unnormalised), part_ml [n_splits, n_rows, 2] (max in the log2
 // domain, sum); out [n_rows, hd]. `n_splits_dev` (non-null): the count, on the device.
+// `sinks` (non-null): float32 [n_head] sink logits, row r's head r % n_head, added to the
+// merged denominator (a row that saw no key gets zeros, as without sinks).
 extern "C" __global__ void __launch_bounds__(128) paged_attn_combine(
     const float* __restrict__ part_o, const float* __restrict__ part_ml, float* __restrict__ out,
-    int n_rows, int head_dim, int n_splits, const int* __restrict__ n_splits_dev)
+    int n_rows, int head_dim, int n_splits, const int* __restrict__ n_splits_dev,
+    int n_head, const float* __restrict__ sinks)
 {
     const i64 row = blockIdx.x;
     if (row >= n_rows) return;
     if (n_splits_dev != nullptr) n_splits = *n_splits_dev;
-    float M = kvs_neg_inf();
+    const float sk = sinks != nullptr ? sinks[row % n_head] * PA_LOG2E : kvs_neg_inf();
+    float M = sk;
     for (int z = 0; z < n_splits; ++z) M = fmaxf(M, part_ml[2 * ((i64)z * n_rows + row)]);
     float L = 0.f;
     if (M != kvs_neg_inf()) {
@@ -347,6 +361,7 @@ extern "C" __global__ void __launch_bounds__(128) paged_attn_combine(
             const float mz = part_ml[2 * ((i64)z * n_rows + row)];
             if (mz != kvs_neg_inf()) L += part_ml[2 * ((i64)z * n_rows + row) + 1] * exp2f(mz - M);
         }
+        if (sinks != nullptr) L += exp2f(sk - M);
     }
     const float inv = L > 0.f ? 1.f / L : 0.f;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {

@@ -13,8 +13,11 @@ clamped SwiGLU `swiglu_oai` (alpha 1.702, limit 7), on the CPU in their MXFP4 bl
 the grouped kernels (`ops.moe.moe_ffn_grouped`). Final RMSNorm, output head.
 
 Attention with sinks runs the compiled kernel of `ops.attention` (`_core.paged_attention`,
-decode rows and prefill tiles, f32, f16 and q8_0 pools) on the CPU; on a GPU the model is
-refused (the GPU attention has no sink term).
+decode rows and prefill tiles, f32, f16 and q8_0 pools) on the CPU, and the GPU paged
+attention (kernels/paged_attention.cu: the sink joins the merged denominator in
+`paged_attn_combine`) on a GPU, where the experts take the grouped kernels
+(`ops.gpu_moe`, MXFP4 blocks or f16 by `KVSHARE_GPU_WEIGHTS`). Decode steps stay eager on a
+GPU (`model.gpu_graphs` captures only layers without experts or sinks).
 """
 
 from __future__ import annotations
@@ -62,8 +65,6 @@ class GptOssModel(DecoderModel):
     architectures = ("gpt-oss",)
 
     def __init__(self, config: ModelConfig, loader: Any, backend: Backend = CPU):
-        if backend.is_gpu:
-            raise NotImplementedError("gpt-oss runs on the CPU only (attention sinks)")
         super().__init__(config, backend)
         yarn = config.extra.get("yarn")
         self.yarn = Yarn(**{k: yarn[k] for k in ("freq_scale", "n_ctx_orig", "ext_factor",
@@ -79,6 +80,9 @@ class GptOssModel(DecoderModel):
                                  f"expected {config.n_head}")
             bo = (np.asarray(loader.host(p + "attn_output.bias"), np.float32).reshape(-1)
                   if loader.has(p + "attn_output.bias") else None)
+            if backend.is_gpu:  # the GPU ops read both from device memory
+                sinks = backend.asarray(sinks)
+                bo = None if bo is None else backend.asarray(bo)
             layers.append(GptOssLayer(**{
                 **{f.name: getattr(L, f.name) for f in fields(AttentionLayer)},
                 "sinks": sinks, "bo": bo, "moe": load_moe(loader, config, L.index, "swiglu_oai")}))

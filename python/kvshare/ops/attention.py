@@ -13,7 +13,8 @@ Query head h reads KV head `h // (n_head // n_kv_heads)`.
 Sinks (gpt-oss, llama.cpp's `attn_sinks` through `ggml_soft_max_ext`): one learned logit per
 query head that joins the softmax's denominator and no value, so a head can attend to
 "nothing": `out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink - m))`, m the max
-of the scores and the sink. The compiled kernel and the NumPy tiles both take them.
+of the scores and the sink. The compiled kernel, the NumPy tiles and the GPU op
+(kernels/paged_attention.cu) all take them.
 
 q8_0 pools (uint8 caches, `kvshare.ops.kv_q8_0`): the last axis is a row's Q8_0 blocks
 (`head_dim / 32 * 34` bytes); `write_kv` quantizes, the kernel reads the blocks from the pool
@@ -153,9 +154,11 @@ def _key_blocks(block_tables: Any, s: int, p0: int, n: int, window: int, bs: int
     return blocks, b0, k_lo
 
 
-def _check_sinks(sinks: Any, n_head: int, backend: Backend) -> np.ndarray:
-    if backend.is_gpu:
-        raise NotImplementedError("attention sinks run on the CPU only")
+def _check_sinks(sinks: Any, n_head: int, backend: Backend) -> Any:
+    if backend.is_gpu and not isinstance(sinks, np.ndarray):
+        if tuple(sinks.shape) != (n_head,):  # a device array: the GPU op checks the rest
+            raise ValueError(f"sinks must be [{n_head}], got {tuple(sinks.shape)}")
+        return sinks
     sinks = np.ascontiguousarray(np.asarray(sinks, np.float32).reshape(-1))
     if sinks.shape != (n_head,):
         raise ValueError(f"sinks must be [{n_head}], got {sinks.shape}")
@@ -182,13 +185,14 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     thread then). `invariant` (CPU kernel pools): every row's result is the same bits in any
     call (decode rows take the prefill tiles, key blocks at absolute positions), at some cost
     to long-context decode; what 8-bit activations (`BlockWeight` "vnni") need. `sinks`:
-    float32 `[n_head]` sink logits (module docstring), CPU only.
+    float32 `[n_head]` sink logits (module docstring); on a GPU a host or a device array.
     """
     if sinks is not None:
         sinks = _check_sinks(sinks, q.shape[1], backend)
     if backend.is_gpu:
         return gpu_op("paged_attention")(q, k_cache, v_cache, block_tables, q_starts,
-                                         start_positions, scale=scale, window=window, out=out)
+                                         start_positions, scale=scale, window=window, out=out,
+                                         sinks=sinks)
     n_tok, n_head, hd = q.shape
     bs = k_cache.shape[1]
     if out is None:

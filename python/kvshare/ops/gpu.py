@@ -303,11 +303,14 @@ def _pa_kernel(k_cache: Any, v_cache: Any, hd: int) -> tuple[Any, int]:
 
 def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_starts: Any,
                     start_positions: Any, *, scale: float, window: int = 0,
-                    out: Any | None = None, static: StaticAttention | None = None) -> Any:
+                    out: Any | None = None, static: StaticAttention | None = None,
+                    sinks: Any | None = None) -> Any:
     """GPU twin of `kvshare.ops.attention.paged_attention` (returns float32
     `[N, n_head, head_dim]`, into `out` when given). `static`: a decode step's tiles, block
     tables and split count already in device buffers (`StaticAttention`; `block_tables`,
-    `q_starts` and `start_positions` are then not read): what a captured step launches."""
+    `q_starts` and `start_positions` are then not read): what a captured step launches.
+    `sinks`: float32 `[n_head]` sink logits (host arrays are uploaded once per content; the
+    launch then always goes through `paged_attn_combine`, which adds them) or None."""
     cp = cupy_module()
     _check_cache(k_cache, v_cache)
     nb, bs, n_kv, hd = (int(s) for s in k_cache.shape)
@@ -320,6 +323,12 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     window = int(window or 0)
     if window < 0:
         raise ValueError("window must be >= 0")
+    sinks_d = _NULL
+    if sinks is not None:
+        sinks_d = sinks if isinstance(sinks, cp.ndarray) else rt.upload(sinks, np.float32)
+        if sinks_d.dtype != np.float32 or sinks_d.size != n_head or not sinks_d.flags.c_contiguous:
+            raise ValueError(f"sinks must be contiguous float32 [{n_head}], got "
+                             f"{sinks_d.dtype} {tuple(sinks_d.shape)}")
     fn, smem = _pa_kernel(k_cache, v_cache, hd)
     if static is not None:
         plan = _static_plan(static, n_head, n_kv, n_tok)
@@ -335,7 +344,10 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
         return out if out is not None else res
     qs = rt.estrides(q)
     n_splits = plan.n_splits
-    if n_splits > 1:
+    # partials and paged_attn_combine for split-KV, and for sinks at any split count: the
+    # combine kernel alone adds them (kernels/paged_attention.cu)
+    merged = n_splits > 1 or sinks is not None
+    if merged:
         part_o = rt.empty((n_splits, n_tok, n_head, hd), np.float32)
         part_ml = rt.empty((n_splits, n_tok, n_head, 2), np.float32)
     else:
@@ -343,16 +355,17 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     grid = (plan.n_tiles, n_kv * plan.n_gchunks, n_splits)
     fn(grid, (PA_THREADS, 1, 1),
        (q, np.int64(qs[0]), np.int64(qs[1]), k_cache, v_cache, plan.tables,
-        np.int32(plan.width), plan.tiles, res, part_o, part_ml, np.int32(n_tok),
-        np.int32(n_head), np.int32(n_kv), np.int32(hd), np.int32(bs), np.int32(nb),
-        np.int32(plan.gc), np.float32(float(scale) * _LOG2E), np.int32(window),
+        np.int32(plan.width), plan.tiles, _NULL if merged else res, part_o, part_ml,
+        np.int32(n_tok), np.int32(n_head), np.int32(n_kv), np.int32(hd), np.int32(bs),
+        np.int32(nb), np.int32(plan.gc), np.float32(float(scale) * _LOG2E), np.int32(window),
         np.int32(n_splits), _NULL if plan.splits_dev is None else plan.splits_dev),
        shared_mem=smem)
-    if n_splits > 1:
+    if merged:
         comb = rt.kernel("paged_attention", "paged_attn_combine")
         comb((n_tok * n_head, 1, 1), (128, 1, 1),
              (part_o, part_ml, res, np.int32(n_tok * n_head), np.int32(hd),
-              np.int32(n_splits), _NULL if plan.splits_dev is None else plan.splits_dev))
+              np.int32(n_splits), _NULL if plan.splits_dev is None else plan.splits_dev,
+              np.int32(n_head), sinks_d))
     if out is not None and res is not out:
         out[...] = res
         return out
