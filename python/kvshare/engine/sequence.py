@@ -91,3 +91,9 @@ class Sequence:
     @property
     def prompt_done(self) -> bool:
         return self.n_computed >= len(self.tokens) - 1 and self.state == SeqState.DECODE
+
+
+def recomputes(seq: Sequence) -> bool:
+    """The request asked to compute its prompt afresh (llama-server `cache_prompt: false`); its
+    other choices (n > 1) still fork from the first one's prompt."""
+    return not seq.request.reuse_cache and seq.choice == 0

@@ -61,6 +61,9 @@ class Model(ABC):
     path: Path | None = None
     # the share of the file's map in 2 MiB pages (`model/huge_pages.py`; 0.0: not mapped so)
     huge_page_fraction: float = 0.0
+    # GPU decode steps as CUDA graphs (`model.gpu_graphs`, decoder models): None follows
+    # $KVSHARE_CUDA_GRAPHS (on unless "0"), False keeps every step eager
+    cuda_graphs: bool | None = None
     _fingerprint: str | None = None
 
     @property
@@ -322,10 +325,6 @@ class DecoderModel(Model):
     # "vnni"): attention then takes the kernel's batch-invariant form, so that a row's
     # activations, and with them their 8-bit rounding, do not depend on the step's batch
     batch_invariant: bool = False
-    # GPU decode steps as CUDA graphs (`model.gpu_graphs`): None follows $KVSHARE_CUDA_GRAPHS
-    # (on unless "0"), False keeps every step eager
-    cuda_graphs: bool | None = None
-
     def __init__(self, config: ModelConfig, backend: Backend = CPU):
         self.config = config
         self.backend = backend
@@ -335,15 +334,26 @@ class DecoderModel(Model):
         # rope key -> (block number, cos, sin) of ROPE_BLOCK positions (`_rope_row`)
         self._rope_blocks: dict[tuple[float, float], tuple[int, np.ndarray, np.ndarray]] = {}
 
+    def decode_graphs_apply(self) -> bool:
+        """Whether decode steps can be CUDA graphs (`model.gpu_graphs`): every layer a plain
+        attention layer and the forward pass this class's."""
+        cls = type(self)
+        for name in ("forward", "_rope", "_project_qkv", "_output_and_mlp", "_attention_layer",
+                     "_logits"):
+            if getattr(cls, name) is not getattr(DecoderModel, name):
+                return False
+        return all(type(L) is AttentionLayer and L.moe is None and L.sinks is None
+                   for L in self.layers)
+
     # ------------------------------------------------------------------------------------
     def forward(self, chunks: Sequence[SeqChunk], cache: KVArrays) -> list[np.ndarray | None]:
         cfg, be = self.config, self.backend
+        plan = make_plan(chunks, cache.block_size, cfg)
         if be.is_gpu:  # a decode step replayed as a CUDA graph, where one applies
             graphs = gpu_graphs.runner(self)
-            out = graphs.forward(chunks, cache) if graphs is not None else None
+            out = graphs.forward(chunks, cache, plan) if graphs is not None else None
             if out is not None:
                 return out
-        plan = make_plan(chunks, cache.block_size, cfg)
         if not be.is_gpu:
             plan.row_parts = CPU_THREADS.for_tokens(len(plan.tokens),
                                                     row_parallel=not cfg.n_recurrent_layers)

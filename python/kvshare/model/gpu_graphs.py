@@ -68,18 +68,12 @@ def bucket_of(n: int) -> int:
 
 def model_applies(model: Any) -> bool:
     """Whether the model's decode steps can be graphs: a GPU model whose layers are all plain
-    attention layers and whose forward pass is `DecoderModel`'s."""
-    from kvshare.model.base import AttentionLayer, DecoderModel  # noqa: PLC0415
-
-    if not model.backend.is_gpu or not isinstance(model, DecoderModel):
+    attention layers and whose forward pass is `DecoderModel`'s (the model says:
+    `decode_graphs_apply`)."""
+    if not model.backend.is_gpu:
         return False
-    cls = type(model)
-    for name in ("forward", "_rope", "_project_qkv", "_output_and_mlp", "_attention_layer",
-                 "_logits"):
-        if getattr(cls, name) is not getattr(DecoderModel, name):
-            return False
-    return all(type(L) is AttentionLayer and L.moe is None and L.sinks is None
-               for L in model.layers)
+    applies = getattr(model, "decode_graphs_apply", None)
+    return bool(applies is not None and applies())
 
 
 class StepInputs:
@@ -153,16 +147,16 @@ class DecodeGraphs:
         return True
 
     # -- the step --------------------------------------------------------------------------
-    def forward(self, chunks: Sequence[SeqChunk], cache: Any) -> list[np.ndarray] | None:
+    def forward(self, chunks: Sequence[SeqChunk], cache: Any, plan: Any
+                ) -> list[np.ndarray] | None:
         """The step's logits as `DecoderModel.forward` returns them, or None when this step
-        stays eager."""
-        from kvshare.model.base import make_plan  # noqa: PLC0415
+        stays eager. `plan`: the step's `base.BatchPlan` (made first: its checks and errors
+        are the eager step's)."""
         from kvshare.ops import gpu  # noqa: PLC0415
 
         if not self.step_applies(chunks, cache):
             return None
         cfg = self.model.config
-        plan = make_plan(chunks, cache.block_size, cfg)  # the eager step's checks and errors
         n = len(chunks)
         b = bucket_of(n)
         self._check_cache(cache)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from kvshare import _core
 from kvshare.engine.cache.keys import BlockKeys
-from kvshare.engine.sequence import Sequence
+from kvshare.engine.sequence import Sequence, recomputes  # noqa: F401 (the managers' import)
 
 if TYPE_CHECKING:
     from kvshare.engine.cache.tiers import TierManager
@@ -55,12 +55,6 @@ class CacheContext:
 
     def tiers_on(self) -> bool:
         return self.tiers.enabled and self.attach
-
-
-def recomputes(seq: Sequence) -> bool:
-    """The request asked to compute its prompt afresh (llama-server `cache_prompt: false`); its
-    other choices (n > 1) still fork from the first one's prompt."""
-    return not seq.request.reuse_cache and seq.choice == 0
 
 
 def full_blocks_before(seq: Sequence, b: int | None, block_size: int) -> int:

@@ -28,16 +28,30 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from kvshare import _core
-from kvshare.engine.cache.base import recomputes
-from kvshare.engine.sequence import Sequence
+from kvshare.engine.sequence import Sequence, recomputes
 
 if TYPE_CHECKING:
-    from kvshare.engine.cache.manager import KVCacheManager
+    from kvshare.engine.cache.base import CacheContext, LayerGroupManager
+    from kvshare.engine.cache.tiers import TierManager
+
+
+class FetchingCache(Protocol):
+    """What a fetch reads of the cache manager (`manager.KVCacheManager`, which imports this
+    module)."""
+
+    block_size: int
+    ctx: CacheContext
+    tiers: TierManager
+    pool: Any
+    kv: Any
+    keys: Any
+    lead: LayerGroupManager
+
 
 log = logging.getLogger("kvshare.remote")
 
@@ -102,7 +116,7 @@ class FetchCounters:
 class RemoteFetcher:
     """Runs fetches for the cache manager's lead group (see the module docstring)."""
 
-    def __init__(self, cache: KVCacheManager, max_fetches: int = FETCH_THREADS,
+    def __init__(self, cache: FetchingCache, max_fetches: int = FETCH_THREADS,
                  max_bytes: int = FETCH_MAX_BYTES, deadline_s: float | None = None):
         self.cache = cache
         self.tiers = cache.tiers

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 
@@ -40,7 +40,24 @@ from kvshare.engine.cache.remote_tier import RemoteTier
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-    from kvshare.engine.cache.prefetch import RemoteFetch, RemoteFetcher
+
+class FetchedBlocks(Protocol):
+    """What a request's fetch ahead holds (`prefetch.RemoteFetch`), as the lookups read it."""
+
+    def present(self, keys: list[bytes]) -> int: ...
+
+    def read_blocks(self, keys: list[bytes], staging: np.ndarray) -> int: ...
+
+    def find_checkpoint(self, candidates: list[tuple[int, bytes]]
+                        ) -> tuple[int, bytes] | None: ...
+
+
+class Fetcher(Protocol):
+    """The fetch threads (`prefetch.RemoteFetcher`), as the tier manager reports and stops them."""
+
+    def stats(self) -> dict: ...
+
+    def close(self) -> None: ...
 
 log = logging.getLogger("kvshare.tiers")
 
@@ -97,11 +114,11 @@ class TierManager:
         self._saves: deque[tuple[Future, bool]] = deque()  # (job, writes to disk)
         # the admitting sequence's blocks fetched ahead from Redis (`reading`): the engine
         # thread's remote reads go here, never to the network
-        self._reads: RemoteFetch | None = None
-        self.fetcher: RemoteFetcher | None = None  # set by the cache manager with a remote tier
+        self._reads: FetchedBlocks | None = None
+        self.fetcher: Fetcher | None = None  # set by the cache manager with a remote tier
 
     @contextlib.contextmanager
-    def reading(self, fetched: RemoteFetch | None) -> Iterator[None]:
+    def reading(self, fetched: FetchedBlocks | None) -> Iterator[None]:
         """While admitting one sequence: its fetch-ahead is what the remote tier holds (None:
         nothing; a lookup past the local tiers is a miss)."""
         self._reads = fetched
