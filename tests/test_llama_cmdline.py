@@ -11,7 +11,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -22,7 +21,7 @@ import pytest
 from kvshare.server import cli
 from kvshare.server.cli.config import ctx_per_sequence
 from kvshare.server.cli.preflight import choose_device
-from tier_helpers import ROOT, TINY_MODEL, _clean_env
+from tier_helpers import ROOT, TINY_MODEL, _clean_env, wait_healthy
 
 # --------------------------------------------------------------------------- parsing
 
@@ -174,17 +173,8 @@ def _kvshare(argv: list[str], log: Path) -> Iterator[httpx.Client]:
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=_clean_env(), cwd=ROOT)
     try:
-        deadline = time.monotonic() + 120
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
-            while True:
-                assert proc.poll() is None, log.read_text()
-                try:
-                    if c.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.05)
+            wait_healthy(c, proc, log)
             yield c
     finally:
         proc.terminate()

@@ -10,7 +10,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -18,7 +17,7 @@ import pytest
 from kvshare.server import cli
 from kvshare.server.cli.model_load import load_engine
 from kvshare.server.cli.parser import serve_parser
-from tier_helpers import ROOT, TINY_MODEL, _clean_env
+from tier_helpers import ROOT, TINY_MODEL, _clean_env, wait_healthy
 
 README_LINE = ("-m {model} -c 16384 -np 4 -t 2 --port {port} --jinja --api-key K --alias NAME "
                "--cors-origins http://localhost:3000")
@@ -237,17 +236,8 @@ def test_readme_command_line_starts_a_server(tmp_path):
                                 stdin=subprocess.DEVNULL, env=_clean_env(), cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
         with httpx.Client(base_url=url, timeout=60) as c:
-            while True:
-                assert proc.poll() is None, log.read_text()
-                try:
-                    if c.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.05)
+            wait_healthy(c, proc, log)
             text = log.read_text()
             assert "parallel 4, ctx 4096" in text, text  # -c 16384 over -np 4, as llama-server
             body = {"model": "NAME", "messages": [{"role": "user", "content": "hi"}],

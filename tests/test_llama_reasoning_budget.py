@@ -11,7 +11,6 @@ import json
 import socket
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -24,7 +23,7 @@ from kvshare.engine.reasoning_budget import (COUNTING, DONE, FORCING, IDLE, WAIT
                                              ReasoningBudget, utf8_is_complete)
 from kvshare.server import cli
 from kvshare.server.errors import APIError
-from tier_helpers import ROOT, TINY_MODEL, _clean_env
+from tier_helpers import ROOT, TINY_MODEL, _clean_env, wait_healthy
 
 START, END, MSG = (1, 2), (3, 4), (9,)
 
@@ -142,16 +141,7 @@ def _kvshare(extra: list[str], log: Path) -> Iterator[httpx.Client]:
                                 env=_clean_env(), cwd=ROOT)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
-            deadline = time.monotonic() + 120
-            while True:
-                assert proc.poll() is None, log.read_text()
-                try:
-                    if c.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, log.read_text()
-                time.sleep(0.05)
+            wait_healthy(c, proc, log)
             yield c
     finally:
         proc.terminate()

@@ -35,6 +35,24 @@ STARTUP_TIMEOUT = float(os.environ.get("KVSHARE_TEST_STARTUP_TIMEOUT", "120"))
 _SERVING = re.compile(r"kvshare: serving \S+ at (http://[^\s]+) ")
 
 
+def wait_healthy(c: Any, proc: subprocess.Popen, log: Path,
+                 seconds: float = 120) -> None:
+    """Poll /health through `c` until 200; the server exiting or the time running out fails
+    with its log."""
+    import httpx  # noqa: PLC0415
+
+    deadline = time.monotonic() + seconds
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if c.get("/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+
+
 def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("KVSHARE_")}
 
