@@ -1,10 +1,23 @@
-"""Shared by the real-server tool tests: one request cut by max_tokens through every API
-(OpenAI chat, streamed and not; Anthropic Messages; Responses), whose text must hold none of
-the call markup strings given."""
+"""Shared by the real-server tool tests: the weather tool and the question that needs it, an
+`openai` client for a server, and one request cut by max_tokens through every API (OpenAI
+chat, streamed and not; Anthropic Messages; Responses), whose text must hold none of the call
+markup strings given."""
 
 from __future__ import annotations
 
 import httpx
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "The city name"}}, "required": ["city"]}}}
+QUESTION = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+
+
+def openai_client(url: str):
+    import openai  # noqa: PLC0415
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="sk-dummy", max_retries=0, timeout=600)
 
 
 def assert_no_markup_in_cut_replies(url: str, client, tool: dict, messages: list[dict],

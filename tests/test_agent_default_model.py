@@ -18,14 +18,9 @@ import json
 import pytest
 
 from kvshare.model import catalog
-from markup_checks import assert_no_markup_in_cut_replies
+from markup_checks import QUESTION, WEATHER, assert_no_markup_in_cut_replies, openai_client
 from tier_helpers import Server
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city.",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "description": "The city name"}}, "required": ["city"]}}}
-QUESTION = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
 MARKUP = ("<tool_call", '{"name"', "```json")
 
 
@@ -39,10 +34,7 @@ def server(launcher):
 
 @pytest.fixture(scope="module")
 def client(server):
-    import openai
-
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="sk-dummy", max_retries=0,
-                         timeout=600)
+    return openai_client(server.url)
 
 
 def _call_tokens(client) -> int:
