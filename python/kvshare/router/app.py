@@ -28,13 +28,12 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-import anyio
 import httpx
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -42,7 +41,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Scope
 
 from kvshare.server.body import body_timeout_error
 from kvshare.server.edge import BodyTimeout, EdgeLimits, EdgeMiddleware
@@ -52,6 +51,7 @@ from kvshare.apis.llama_server import error_object
 
 from .backends import Backend, BackendSet
 from .metrics import RouterMetrics
+from .passthrough import RESPONSE_DROP, Passthrough, drop_hop_by_hop, forwarded_headers
 from .policy import Choice, PrefixPolicy
 from .prefix import RESPONSES_PATHS, prefix_key, strip_root
 from .sticky import IdPeeker, ResponseOwners, response_id_in_path
@@ -62,12 +62,6 @@ OPEN_PATHS = frozenset({"/health", "/v1/health"})  # as `kvshare serve`: no key 
 MODELS_PATHS = frozenset({"/v1/models", "/models"})
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
-# Hop-by-hop headers (RFC 9110 7.6.1) concern one connection, not the request: never
-# forwarded either way. Host and Content-Length are set anew for the backend's connection.
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "te", "upgrade",
-                        "trailer", "host", "content-length"})
-# Hypercorn adds its own Date and Server to every response; the backend's would repeat them.
-RESPONSE_DROP = frozenset({"date", "server"})
 DISCARD_LIMIT = 8 * 1024 * 1024  # a too-big body up to this much more is read and dropped
 PARSE_OFF_LOOP = 256 * 1024  # bodies bigger than this are parsed on a worker thread
 
@@ -102,69 +96,6 @@ def _error(path: str, status: int, message: str, code: str,
     """An error the router itself produces, in the shape of the API at `path`."""
     err = APIError(status, message, code=code, type=type)
     return JSONResponse(error_json(path, err), status_code=status, headers=headers)
-
-
-def _drop_hop_by_hop(headers: Iterable[tuple[bytes, bytes]],
-                     also: frozenset[str] = frozenset()) -> list[tuple[bytes, bytes]]:
-    """`headers` minus the hop-by-hop ones, Proxy-*, those the Connection header names and
-    `also`."""
-    headers = list(headers)
-    named = {t.strip().lower() for k, v in headers if k.lower() == b"connection"
-             for t in v.decode("latin-1").split(",")}
-    out = []
-    for k, v in headers:
-        name = k.decode("latin-1").lower()
-        if name in HOP_BY_HOP or name in named or name in also or name.startswith("proxy-"):
-            continue
-        out.append((k, v))
-    return out
-
-
-class _Passthrough:
-    """An ASGI response that passes an upstream (streamed) response on chunk by chunk, as it
-    arrives. The upstream response is closed when it ends, when the client disconnects, or
-    when passing it on fails; `on_done` runs once in every case."""
-
-    def __init__(self, upstream: httpx.Response, headers: list[tuple[bytes, bytes]],
-                 on_chunk: Callable[[bytes], None] | None,
-                 on_done: Callable[[str | None], None]):
-        self.upstream = upstream
-        self.headers = headers
-        self.on_chunk = on_chunk
-        self.on_done = on_done
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        failure: str | None = None
-        try:
-            await send({"type": "http.response.start", "status": self.upstream.status_code,
-                        "headers": self.headers})
-            async with anyio.create_task_group() as tg:
-                async def watch_disconnect() -> None:
-                    # the request body was read already: the next message is the disconnect
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    tg.cancel_scope.cancel()  # stops the copy below: the stream is closed
-
-                tg.start_soon(watch_disconnect)
-                try:
-                    async for chunk in self.upstream.aiter_raw():
-                        if self.on_chunk is not None:
-                            self.on_chunk(chunk)
-                        await send({"type": "http.response.body", "body": chunk,
-                                    "more_body": True})
-                except httpx.HTTPError as e:
-                    failure = f"{type(e).__name__}: {e}"
-                else:
-                    await send({"type": "http.response.body", "body": b"",
-                                "more_body": False})
-                tg.cancel_scope.cancel()
-            # On a failure the response is left incomplete: the server then closes the
-            # connection, so the client sees a cut stream rather than a short one that looks
-            # whole.
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.upstream.aclose()
-            self.on_done(failure)
 
 
 class Router:
@@ -343,24 +274,7 @@ class Router:
         return choice, key is not None
 
     def _upstream_headers(self, request: Request) -> list[tuple[bytes, bytes]]:
-        # X-Forwarded-* are set below; Expect: 100-continue was for the router, which has
-        # the whole body already
-        headers = _drop_hop_by_hop(request.scope.get("headers") or [],
-                                   frozenset({"x-forwarded-for", "x-forwarded-proto",
-                                              "x-forwarded-host", "expect"}))
-        client = request.client.host if request.client else None
-        prior = request.headers.get("x-forwarded-for")
-        if client is not None:
-            headers.append((b"x-forwarded-for",
-                            (f"{prior}, {client}" if prior else client).encode("latin-1")))
-        elif prior:
-            headers.append((b"x-forwarded-for", prior.encode("latin-1")))
-        proto = request.headers.get("x-forwarded-proto") or request.url.scheme
-        headers.append((b"x-forwarded-proto", proto.encode("latin-1")))
-        host = request.headers.get("x-forwarded-host") or request.headers.get("host")
-        if host:
-            headers.append((b"x-forwarded-host", host.encode("latin-1")))
-        return headers
+        return forwarded_headers(request)
 
     def _target(self, request: Request, backend: str) -> str:
         # the path as the client sent it (percent-encoding kept), less the router's mount
@@ -439,7 +353,7 @@ class Router:
         self.metrics.inflight.labels(backend).dec()
 
     def _passthrough(self, upstream: httpx.Response, backend: str, method: str,
-                     path: str) -> _Passthrough:
+                     path: str) -> Passthrough:
         on_chunk = None
         if (method == "POST" and path.rstrip("/") in RESPONSES_PATHS
                 and upstream.status_code == 200):
@@ -457,9 +371,9 @@ class Router:
                             failure)
 
         # ASGI wants lower-case header names; duplicates (Set-Cookie) are kept
-        headers = [(k.lower(), v) for k, v in _drop_hop_by_hop(upstream.headers.raw,
+        headers = [(k.lower(), v) for k, v in drop_hop_by_hop(upstream.headers.raw,
                                                                 RESPONSE_DROP)]
-        return _Passthrough(upstream, headers, on_chunk, on_done)
+        return Passthrough(upstream, headers, on_chunk, on_done)
 
     # ---- router-owned endpoints
     def health(self) -> JSONResponse:
