@@ -107,6 +107,11 @@ class GenerationRequest:
     # llama-server's reasoning budget: the end of a thinking block is forced after this many
     # tokens inside it (engine/reasoning_budget.py). None: no budget.
     reasoning_budget: ReasoningBudget | None = None
+    # llama-server's `n_keep` / `n_discard`: with context shift on (EngineConfig.context_shift)
+    # a full context keeps the first n_keep prompt tokens (-1: all, plus BOS) and discards
+    # n_discard after them (0: half of the rest).
+    n_keep: int = 0
+    n_discard: int = 0
     # Test hook (kvshare.engine.faults): an injection point that fails this sequence; set by
     # the server only when fault injection is enabled.
     fault: str | None = None
@@ -176,6 +181,8 @@ class FinishEvent:
     # With reason "stop": the request's stop string that ended this choice (None: EOS/EOT,
     # a stop token, or a grammar that completed).
     stop_string: str | None = None
+    # Tokens context shifts discarded (llama-server's `truncated`; engine/context_shift.py).
+    n_discarded: int = 0
 
 
 # --------------------------------------------------------------------------- the server's view

@@ -31,6 +31,7 @@ from kvshare.engine.api import (FinishEvent, FinishReason, GenerationRequest, Mo
                                RenderedChat, RequestRejected, Timings, TokenEvent, TokenLogprob,
                                check_request)
 from kvshare.engine.cache import build_cache
+from kvshare.engine.context_shift import plan_shift, shift_tokens
 from kvshare.engine.faults import SequenceFault, injected, maybe_inject
 from kvshare.engine.grammar_masks import MaskJob, compute_mask
 from kvshare.engine.handle import RequestHandle
@@ -90,6 +91,9 @@ class EngineConfig:
     kv_dtype: str | None = None  # "f32" / "f16" / ...; None: the model's default for its backend
     cache_ram_mib: float = 8192  # RAM tier budget; 0 turns it off
     cache_ram_pin_mib: float | None = None  # of which prefix entries may pin (None: half)
+    # a finished sequence's blocks are copied to the RAM tier (False: llama-server's
+    # --no-cache-idle-slots; only prefix entries reach RAM: engine/cache/tiers.py)
+    cache_idle_slots: bool = True
     cache_dir: str | None = None  # disk tier directory; None turns it off
     cache_disk_max_mib: int = 10240
     cache_ttl_s: float = 259200.0
@@ -103,6 +107,9 @@ class EngineConfig:
     checkpoint_mem_mib: int = 1024  # hybrids: budget of unique checkpoint bytes
     queue_timeout_s: float = 600.0  # a request waiting longer to be admitted ends with a 503
     max_n: int = 8  # most choices (OpenAI `n`) one request may ask for
+    # llama-server --context-shift: a full context drops part of its past instead of ending the
+    # reply (engine/context_shift.py); off for models with recurrent state
+    context_shift: bool = False
 
 
 class Engine:
@@ -128,6 +135,13 @@ class Engine:
         recurrent = self.cache.group("recurrent")
         self.checkpoints = recurrent.checkpoints if recurrent is not None else None
         self.hybrid = self.cache.stateful
+        # A shift recomputes the kept tokens' KV at their new positions; a recurrent state
+        # would have to be recomputed from the first token, so hybrids end at the context
+        # limit instead (as llama-server, whose recurrent caches cannot shift).
+        self.context_shift = config.context_shift and not self.hybrid
+        if config.context_shift and self.hybrid:
+            log.warning("context shift is not supported for models with recurrent state: "
+                        "it is off, a reply ends when its context is full")
         self.scheduler = Scheduler(self.cache, config.parallel, config.prefill_chunk)
         self.stop_ids = set(getattr(tokenizer, "stop_ids", ()) or ())
         eos = getattr(tokenizer, "eos_id", None)
@@ -148,7 +162,7 @@ class Engine:
         self.counters = {"prompt_tokens_total": 0, "prompt_tokens_cached_total": 0,
                          "generated_tokens_total": 0, "steps": 0, "preemptions": 0,
                          "prompt_seconds_total": 0.0, "generation_seconds_total": 0.0,
-                         "busy_slots_total": 0, "seq_tokens_max": 0}
+                         "busy_slots_total": 0, "seq_tokens_max": 0, "context_shifts": 0}
         self.peak_tokens_used = 0
         self.peak_kv_bytes = 0  # KV bytes in blocks sequences hold (both groups), at most
         self._step_started: float | None = None  # perf_counter while a step runs
@@ -623,16 +637,47 @@ class Engine:
             )
         if handle is not None:
             handle.put(event)
+        self._end_or_continue(seq, token, hit_stop, grammar_done)
+
+    def _end_or_continue(self, seq: Sequence, token: int, hit_stop: bool,
+                         grammar_done: bool) -> None:
+        """After a token was emitted: finish the sequence (a stop string, a complete grammar,
+        max_tokens, a full context that does not shift) or keep the token for the next step."""
         if hit_stop:
             self._finish(seq, "stop", flush=False)
-        elif grammar_done:  # the grammar is complete: only EOS could follow
-            seq.tokens.append(token)
+            return
+        seq.tokens.append(token)
+        if grammar_done:  # the grammar is complete: only EOS could follow
             self._finish(seq, "stop")
-        elif seq.n_generated >= req.max_tokens or len(seq.tokens) + 1 >= self.ctx_size:
-            seq.tokens.append(token)
-            self._finish(seq, "length")
-        else:
-            seq.tokens.append(token)
+        elif (seq.n_generated >= seq.request.max_tokens
+              or len(seq.tokens) >= self.ctx_size and not self._shift_context(seq)):
+            self._finish(seq, "length")  # a full context shifts (when on) rather than ends
+
+    def _shift_context(self, seq: Sequence) -> bool:
+        """The sequence's context is full (its last token not computed yet): with context shift
+        on, discard part of its past (engine/context_shift.py) and compute the tokens after the
+        kept prefix again at their new positions; the kept prefix's full blocks are found in
+        the pool and shared as they are. False: no shift (off, or nothing can be discarded)."""
+        if not self.context_shift:
+            return False
+        req = seq.request
+        add_bos = bool(getattr(self.tokenizer, "add_bos", False))
+        shift = plan_shift(len(seq.tokens) - 1, seq.n_prompt, self.ctx_size, req.n_keep,
+                           req.n_discard, add_bos=add_bos)
+        if shift.n_discard == 0:
+            return False
+        # a choice forked from its parent's logits is not admitted yet: only its tokens change
+        admitted = seq in self.scheduler.running
+        if admitted:
+            self.cache.release(seq)
+        shift_tokens(seq, shift, self.cache.keys)
+        if admitted:
+            self.cache.admit(seq)
+            seq.state = SeqState.PREFILL
+        self.counters["context_shifts"] += 1
+        log.debug("%s: context shift, n_keep %d, n_discard %d, %d tokens to recompute",
+                  seq.key, shift.n_keep, shift.n_discard, len(seq.tokens) - seq.n_computed)
+        return True
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None, flush: bool = True,
                 status: int = 500, cause: str | None = None,
@@ -679,6 +724,7 @@ class Engine:
         if handle is not None:
             handle.put(FinishEvent(reason=reason, prompt_tokens=seq.n_prompt,
                                     completion_tokens=seq.n_generated, timings=timings,
+                                    n_discarded=seq.n_discarded,
                                     time_to_first_token_s=ttft, error=error,
                                     error_status=status, error_cause=cause,
                                     retry_after_s=retry_after_s, index=seq.choice,
@@ -688,7 +734,8 @@ class Engine:
                 if other is not seq and other.state != SeqState.FINISHED:
                     self._finish(other, "cancelled")
         try:  # the cache saves to the tiers what later sessions resume from, then releases
-            self.scheduler.finish(seq, save=reason != "error")
+            # A shifted token list is no conversation a later request sends again: no save.
+            self.scheduler.finish(seq, save=reason != "error" and not seq.n_discarded)
         except Exception:  # noqa: BLE001 - the request is answered; its blocks may leak
             log.exception("releasing %s failed", req.request_id)
 

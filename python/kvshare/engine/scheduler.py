@@ -178,7 +178,7 @@ class Scheduler:
     def _plan_prefill(self, seq: Sequence, budget: int, pending: set[bytes],
                       plan: list[Planned]) -> int:
         gained = self.cache.reattach(seq)
-        if seq.preemptions == 0:
+        if seq.preemptions == 0 and not seq.n_discarded:  # a shift's re-prefill is no prompt
             seq.n_cached += gained
         nxt = self.cache.next_key(seq)
         if budget > 0 and not (nxt is not None and nxt in pending):

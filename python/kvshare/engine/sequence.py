@@ -45,6 +45,9 @@ class Sequence:
     # of block 0, index of its first private block, that block's parent key); set on first use.
     chain: tuple[bytes, int, bytes | None] | None = None
     generated: list[int] = field(default_factory=list)
+    # Tokens context shifts discarded from the middle of `tokens` (engine/context_shift.py);
+    # positions past the kept ones are then n_discarded lower than the tokens' count so far.
+    n_discarded: int = 0
     # Hybrid models: the sequence's own recurrent-state slot, the positions where prefill
     # pauses to save a checkpoint, and the checkpoints it holds (shared, never copied).
     state_slot: int | None = None
