@@ -34,10 +34,12 @@ from .cors import CORSMiddleware, CORSPolicy
 from .edge import EdgeCollector, EdgeLimits, EdgeMiddleware
 from .endpoints import ServerEndpoints
 from .errors import APIError
+from .idle_sleep import IdleSleepMiddleware, SleepingEngine
 from .metrics import ServerMetrics
 from .middleware import (OPEN_PATHS, AuthMiddleware, RootPathMiddleware, api_error, http_error,
                          route_path, server_error)
 from .pipeline import GenerationPipeline, chat_prompt
+from .server_tools.routes import ServerTools
 from .request_log import RequestLog
 from .settings import ServerSettings
 from .tenancy import TenantMetrics, build_tenancy
@@ -77,6 +79,8 @@ class KVShareServer:
         self.slots = SlotEndpoints(self.pipeline, self.slot_table)
         self.llama_info = LlamaInfoEndpoints(self.pipeline, len(self.slot_table), fingerprint)
         self.server = ServerEndpoints(self.pipeline, self.metrics)
+        # /tools and /cors-proxy (llama-server's --tools, MCP servers, --ui-mcp-proxy)
+        self.tools = ServerTools(settings.tools)
 
     @property
     def body_timeout(self) -> float | None:
@@ -140,6 +144,7 @@ class KVShareServer:
             *both("/health", server.health, ["GET"]),
             Route("/metrics", server.metrics_endpoint, methods=["GET"]),
             Route("/cache", server.cache, methods=["GET"]),
+            *self.tools.routes(),
             *(self.webui.routes() if self.webui is not None else []),
         ]
 
@@ -160,6 +165,9 @@ class KVShareServer:
             layers.append(self.webui.middleware())
         if self.tenancy.keyring is not None:
             layers.append(Middleware(AuthMiddleware, keys=self.tenancy.keyring))
+        # idle sleep (`--sleep-idle-seconds`), innermost: a refused request wakes nothing
+        if isinstance(self.engine, SleepingEngine):
+            layers.append(Middleware(IdleSleepMiddleware, engine=self.engine))
         return layers
 
 
@@ -174,12 +182,14 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None, *,
     @asynccontextmanager
     async def lifespan(app: Starlette):
         await run_in_threadpool(engine.start)
+        await run_in_threadpool(srv.tools.start)  # MCP servers: spawned to list their tools
         if on_startup is not None:
             on_startup()
         try:
             yield
         finally:
             srv.begin_shutdown()
+            srv.tools.shutdown()
             await run_in_threadpool(engine.shutdown)
 
     app = Starlette(

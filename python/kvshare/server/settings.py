@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from .server_tools.config import ToolsConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from .tenancy import ApiKey, PublicPrefix
@@ -58,6 +60,9 @@ class ServerSettings:
     # max_completion_tokens, n_predict, max_output_tokens); None (-1): until the context is
     # full. A request's own limit always wins.
     default_max_tokens: int | None = None
+    # llama-server `--keep`: n_keep of a request that gives none (prompt tokens a context
+    # shift keeps, BOS aside; -1: the whole prompt).
+    n_keep: int = 0
     # Sampling defaults of requests that leave a field out, by SamplingParams name
     # (llama-server's --temp, --top-k, --seed, ...; apis/sampling_fields.py); each API's own
     # defaults apply to the fields not given here.
@@ -85,3 +90,9 @@ class ServerSettings:
     # llama-server `--slot-save-path`: directory of `POST /slots/{id}?action=save|restore`
     # files; None: those actions are refused.
     slot_save_path: str | None = None
+    # llama-server's server tools (`--tools`, `--mcp-servers-*`, `--ui-mcp-proxy`, `-ag`;
+    # server/server_tools): what /tools and /cors-proxy serve; all off by default (403).
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    # llama-server `--ui-config JSON` / `--ui-config-file PATH`: its web UI's default settings,
+    # any JSON value, served as-is as /props' `ui_settings` ({}: none given).
+    ui_settings: Any = field(default_factory=dict)

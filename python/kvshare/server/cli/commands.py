@@ -10,17 +10,20 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
+from kvshare.server.server_tools.config import tools_config
+
 from .chat_template_flags import TemplateError, chat_template_override
-from .config import llama_settings_kwargs
+from .config import llama_settings_kwargs, ui_config
 from .console import fail, mib, say
-from .model_load import StartupError, open_model
+from .model_load import ModelReload, StartupError, open_model
 from .preflight import choose_device, flag_problem, hub_flags_problem
 
 if TYPE_CHECKING:
     from kvshare.server.settings import ServerSettings
 
 
-def _server_settings(args: argparse.Namespace, tenancy_kw: dict[str, Any]) -> ServerSettings:
+def _server_settings(args: argparse.Namespace, tenancy_kw: dict[str, Any],
+                     ui: Any = None) -> ServerSettings:
     from kvshare.server.settings import ServerSettings
 
     aliases = [a.strip() for a in (args.alias or "").split(",") if a.strip()]
@@ -31,12 +34,18 @@ def _server_settings(args: argparse.Namespace, tenancy_kw: dict[str, Any]) -> Se
                           max_body_bytes=args.max_body_mib * 1024 * 1024,
                           body_timeout=args.body_timeout,
                           max_connections=args.max_connections,
+                          ui_settings={} if ui is None else ui,
+                          tools=tools_config(args),
                           **({} if args.cache_ttl is None
                              else {"response_ttl_s": args.cache_ttl}),
                           **llama_settings_kwargs(args), **tenancy_kw)
 
 
 def serve(args: argparse.Namespace) -> int:
+    from kvshare.model_router.cli import is_router_mode, serve_models
+
+    if is_router_mode(args):  # llama-server's router: several models, a child server each
+        return serve_models(args)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     note = choose_device(args)
@@ -48,6 +57,11 @@ def serve(args: argparse.Namespace) -> int:
     try:
         template_override = chat_template_override(args)
     except TemplateError as e:
+        return fail(str(e), 2)
+    try:
+        ui_settings = ui_config(args)
+        tools_config(args)  # --tools names, MCP config JSON and file: before the model load
+    except ValueError as e:
         return fail(str(e), 2)
 
     from kvshare.server.tenancy import TenancyError, settings_from_args
@@ -71,15 +85,23 @@ def serve(args: argparse.Namespace) -> int:
         return fail(e.message, e.code)
 
     url = socket_url(sock, args.root_path)
-    settings = _server_settings(args, tenancy_kw)
+    settings = _server_settings(args, tenancy_kw, ui_settings)
     raise_fd_limit(args.max_connections + 256)  # a descriptor per connection, and files
 
+    model_name, ctx_size = engine.model_name, engine.ctx_size
+
     def ready() -> None:
-        print(f"kvshare: serving {engine.model_name} at {url} "
-              f"(parallel {args.parallel}, ctx {engine.ctx_size}, "
+        print(f"kvshare: serving {model_name} at {url} "
+              f"(parallel {args.parallel}, ctx {ctx_size}, "
               f"slot attach {'off' if args.no_slot_attach else 'on'}, "
               f"cache scope {settings.cache_scope})", flush=True)
 
+    if args.sleep_idle_seconds > 0:  # llama-server's idle sleep (server/idle_sleep.py)
+        from kvshare.server.idle_sleep import SleepingEngine
+
+        engine = SleepingEngine(engine, ModelReload(args, str(engine.model.path), model_name,
+                                                    template_override),
+                                args.sleep_idle_seconds, args.graceful_timeout)
     try:
         app = create_app(engine, settings, on_startup=ready)
     except TenancyError as e:  # a public prefix the template or tokenizer rejects

@@ -11,14 +11,20 @@ arguments (docs/llama-server.md):
 - `-v/--verbose` is debug logging.
 - The sampling flags (`--temp`, `--seed`, ...) are checked against the ranges the engine
   accepts (config.sampling_defaults).
+- `-ag/--agent` is `--tools all` and `--ui-mcp-proxy` (`-no-ag` both off), a later `--tools`
+  or proxy flag winning (server_tools.config.apply_agent).
 - `args.device_given` records whether `--device` was set: without it `-ngl` picks the device
   (preflight.choose_device).
+- `--ui-config` and `--ui-config-file` set one value: `args.ui_config_file_last` says whether
+  the file was the last given (config.ui_config).
 """
 
 from __future__ import annotations
 
 import argparse
 from typing import Sequence
+
+from kvshare.server.server_tools.config import apply_agent
 
 from .config import sampling_defaults
 from .flag_types import AUTO_SLOTS
@@ -47,6 +53,12 @@ def apply_llama_meanings(args: argparse.Namespace, written: Sequence[str],
     elif slots_from is None:  # no slot count: llama-server's default, auto
         args.kv_unified = True
     args.device_given = _source(written, ("--device",), environ, ("KVSHARE_DEVICE",)) is not None
+    apply_agent(args, written, environ)  # -ag: --tools all and --ui-mcp-proxy
+    # --ui-config and --ui-config-file set one value in llama-server: the last written wins
+    ui_from = _source(written, ("--ui-config", "--webui-config", "--ui-config-file",
+                                "--webui-config-file"), environ,
+                      ("KVSHARE_UI_CONFIG_FILE", "LLAMA_ARG_UI_CONFIG_FILE"))
+    args.ui_config_file_last = ui_from is None or "FILE" in ui_from.upper()
     try:
         sampling_defaults(args)
     except ValueError as e:

@@ -52,6 +52,22 @@ LLAMA_NAMES: dict[str, tuple[tuple[str, ...], str | None]] = {
     "--verbose": (("-v", "--log-verbose"), None),
     "--seed": (("-s",), None),
     "--backend-sampling": (("-bs",), "LLAMA_ARG_BACKEND_SAMPLING"),
+    "--context-shift": ((), "LLAMA_ARG_CONTEXT_SHIFT"),
+    "--keep": ((), None),
+    "--tools": ((), "LLAMA_ARG_TOOLS"),
+    "--tools-runtime": ((), "LLAMA_ARG_TOOLS_RUNTIME"),
+    "--mcp-servers-config": ((), "LLAMA_ARG_MCP_SERVERS_CONFIG"),
+    "--mcp-servers-json": ((), "LLAMA_ARG_MCP_SERVERS_JSON"),
+    "--ui-mcp-proxy": (("--webui-mcp-proxy", "--no-webui-mcp-proxy"), "LLAMA_ARG_UI_MCP_PROXY"),
+    "--agent": (("-ag", "-no-ag"), "LLAMA_ARG_AGENT"),
+    "--cache-idle-slots": ((), "LLAMA_ARG_CACHE_IDLE_SLOTS"),
+    "--ui-config": (("--webui-config",), "LLAMA_ARG_UI_CONFIG"),
+    "--ui-config-file": (("--webui-config-file",), "LLAMA_ARG_UI_CONFIG_FILE"),
+    "--sleep-idle-seconds": ((), None),
+    "--models-dir": ((), "LLAMA_ARG_MODELS_DIR"),
+    "--models-preset": ((), "LLAMA_ARG_MODELS_PRESET"),
+    "--models-max": ((), "LLAMA_ARG_MODELS_MAX"),
+    "--models-autoload": ((), "LLAMA_ARG_MODELS_AUTOLOAD"),
 }
 
 # llama-server flags kvshare refuses, with the reason (or what to use instead) in the one-line
@@ -60,10 +76,6 @@ _NO_EMBEDDINGS = "kvshare generates text only: no embeddings or reranking"
 _NO_LORA = "kvshare has no LoRA adapters"
 _NO_DRAFT = "kvshare has no speculative decoding"
 _TEXT_ONLY = "kvshare is text only: no vision or audio projector, no media files"
-_NO_ROUTER = "kvshare serves one model: no router mode"
-_NO_TOOLS = "kvshare runs no tools or MCP servers itself"
-_NO_LLAMA_UI = ("kvshare does not serve llama.cpp's web UI, which these settings configure; "
-                "its own page at / has none")
 REFUSED = {
     "--no-cont-batching": "kvshare always batches continuously",
     "-nocb": "kvshare always batches continuously",
@@ -79,15 +91,4 @@ REFUSED = {
     "--spec-synth-len": _NO_DRAFT, "--spec-synth-rates": _NO_DRAFT,
     "-mm": _TEXT_ONLY, "--mmproj": _TEXT_ONLY, "-mmu": _TEXT_ONLY, "--mmproj-url": _TEXT_ONLY,
     "--no-mmproj": _TEXT_ONLY, "--media-path": _TEXT_ONLY,
-    "--models-dir": _NO_ROUTER, "--models-preset": _NO_ROUTER, "--models-max": _NO_ROUTER,
-    "--models-autoload": _NO_ROUTER, "--no-models-autoload": _NO_ROUTER,
-    "--tools": _NO_TOOLS, "--mcp-servers-json": _NO_TOOLS, "--mcp-servers-config": _NO_TOOLS,
-    "--ui-mcp-proxy": _NO_TOOLS,
-    "--ui-config": _NO_LLAMA_UI, "--ui-config-file": _NO_LLAMA_UI,
-    "--webui-config": _NO_LLAMA_UI, "--webui-config-file": _NO_LLAMA_UI,
-    "--context-shift": "kvshare has no context shift: a sequence ends when its context is full",
-    "--sleep-idle-seconds": "kvshare keeps the model loaded: no idle sleep",
-    "--no-cache-idle-slots": ("kvshare has no idle slots to save or clear: a finished "
-                              "sequence's KV stays in the shared pool until evicted and is "
-                              "copied to the RAM tier as it finishes"),
 }

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from kvshare.argtypes import (non_negative_float, non_negative_int, port, positive_float,
                               positive_int)
+from kvshare.server.server_tools.config import tools_runtime
 
 from . import flag_types
 from .chat_template_flags import reasoning_budget, reasoning_mode
@@ -62,6 +63,14 @@ OPTIONS: list[Option] = [
     ("--n-predict", flag_types.n_predict, None,
      "max_tokens of a request that gives none (-1: until the context is full; a request's "
      "own limit wins)"),
+    ("--context-shift", TOGGLE, False,
+     "a reply that fills its context drops the older half of what follows the kept tokens "
+     "(--keep) and goes on, as llama-server's; kvshare recomputes the remaining tokens' KV "
+     "at their new positions (models with recurrent state never shift) (default: off, the "
+     "reply ends with finish_reason length)"),
+    ("--keep", flag_types.keep, 0,
+     "with --context-shift: prompt tokens a shift keeps, BOS aside, for requests that give no "
+     "n_keep (-1: the whole prompt)"),
     ("--kv-mem", positive_int, None, "KV pool size in MiB"),
     ("--kv-blocks", positive_int, None, "KV pool size in blocks (instead of --kv-mem)"),
     ("--block-size", positive_int, None, "tokens per KV block (default: 16)"),
@@ -122,6 +131,11 @@ OPTIONS: list[Option] = [
     ("--cache-ram-pin", non_negative_int, None,
      "of the RAM tier, MiB that prefix entries (up to the first user message) may pin "
      "(default: half of --cache-ram)"),
+    ("--cache-idle-slots", TOGGLE, True,
+     "a finished request's blocks are copied to the RAM tier as it ends (llama-server's "
+     "idle slots saved to its prompt cache); --no-cache-idle-slots: only prefix entries "
+     "reach the RAM tier, finished blocks stay in the KV pool until evicted (the disk and "
+     "Redis tiers get them either way)"),
     ("--cache-dir", str, None, "directory of the crash-safe disk tier (default: off)"),
     ("--cache-disk-max", positive_int, None, "disk tier budget in MiB (default 10240)"),
     ("--cache-ttl", non_negative_float, None,
@@ -170,6 +184,21 @@ OPTIONS: list[Option] = [
      "logits)"),
     ("--offline", None, False,
      "fetch nothing: a catalog model must already be in the model store"),
+    # llama-server's router mode: without --model, any of these serves several models, each
+    # in a `kvshare serve` child started on demand (model_router/, docs/llama-server.md)
+    ("--models-dir", str, None,
+     "router mode: serve the GGUF models of this directory (a file each, or a folder each "
+     "for split or multi-file models), each in its own `kvshare serve` process started on "
+     "demand; requests pick one by their model field"),
+    ("--models-preset", str, None,
+     "router mode: llama-server's preset .ini file: a section per model of `kvshare serve` "
+     "flags (without dashes), [*] for all of them"),
+    ("--models-max", non_negative_int, None,
+     "router mode: most models loaded at once; loading one more unloads the least recently "
+     "used idle one (default: 4; 0: no limit)"),
+    ("--models-autoload", TOGGLE, None,
+     "router mode: a request for a model that is not loaded loads it (--no-models-autoload: "
+     "it gets a 400 unless its query says ?autoload=true) (default: on)"),
     ("--threads", flag_types.threads, None, "CPU threads for the model runtime (<= 0: one per core)"),
     ("--root-path", str, "", "mount prefix behind a reverse proxy, e.g. /kvshare"),
     ("--cors-origins", str, None,
@@ -187,8 +216,34 @@ OPTIONS: list[Option] = [
      "off)"),
     ("--metrics", None, False, "accepted: kvshare always serves /metrics"),
     ("--cont-batching", None, False, "accepted: kvshare always batches continuously"),
+    ("--ui-config", str, None,
+     "JSON of llama.cpp's web UI default settings, served as /props' ui_settings (kvshare's "
+     "own page at / does not read it)"),
+    ("--ui-config-file", str, None, "a file of --ui-config's JSON"),
+    ("--sleep-idle-seconds", flag_types.sleep_idle_seconds, -1,
+     "after this many seconds without a request that needs the model, release the model and "
+     "its KV pool (/props is_sleeping: true); the next such request loads it again "
+     "(-1: never; docs/llama-server.md)"),
     ("--no-webui", None, False,
      "serve no web UI: no page at / (a 404 there) and no /webui/state (docs/webui.md)"),
+    ("--tools", str, None,
+     "llama-server's built-in tools served at /tools for a trusted local client, "
+     "comma-separated or all: read_file, file_glob_search, grep_search, exec_shell_command, "
+     "write_file, edit_file, get_info (they read, write and run anything this user may) "
+     "(default: none)"),
+    ("--tools-runtime", tools_runtime, "none",
+     "where tools run: none (the host; kvshare has no container or ssh runtime)"),
+    ("--mcp-servers-config", str, None,
+     "JSON file of MCP stdio servers (Cursor's mcpServers format) whose tools /tools serves "
+     "as <server>_<tool> (default: none)"),
+    ("--mcp-servers-json", str, None,
+     "the same MCP server definitions inline, as JSON (default: none)"),
+    ("--ui-mcp-proxy", TOGGLE, False,
+     "serve llama-server's MCP CORS proxy at /cors-proxy?url=... for a web UI (default: off, "
+     "a 403)"),
+    ("--agent", TOGGLE, False,
+     "llama-server's -ag: every built-in tool and the MCP CORS proxy on (--no-agent: both "
+     "off; a later --tools or --ui-mcp-proxy wins) (default: off)"),
     ("--max-body-mib", positive_int, 16, "largest request body in MiB (larger: 413)"),
     ("--body-timeout", positive_float, 30.0,
      "seconds a client gets to send a request's headers, and the longest gap while it sends "

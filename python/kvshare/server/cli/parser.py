@@ -68,7 +68,8 @@ class _Toggle(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
-        setattr(namespace, self.dest, not (option_string or "").startswith("--no-"))
+        # llama-server's short off forms start with one dash (-no-ag)
+        setattr(namespace, self.dest, not (option_string or "").lstrip("-").startswith("no-"))
 
 
 class _EnvError(Exception):
@@ -271,6 +272,7 @@ def parse_args(argv: Sequence[str] | None = None,
     args = parser.parse_args(argv)
     if args.command != "serve":
         return args
+    args.serve_argv = argv[1:]  # as written: router mode passes them on to each model's server
     env = dict(os.environ if environ is None else environ)
     problem = _serve_args_problem(args) or apply_llama_meanings(args, written, env)
     if problem:

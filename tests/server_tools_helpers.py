@@ -1,0 +1,44 @@
+"""A real `kvshare` process on loopback (the tiny model) for the server-tools tests."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+
+from tier_helpers import ROOT, TINY_MODEL, _clean_env, wait_healthy
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def kvshare_server(args: list[str], log: Path, headers: dict[str, str] | None = None
+                   ) -> Iterator[tuple[httpx.Client, subprocess.Popen]]:
+    port = free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvshare.server.cli", "-m", str(TINY_MODEL), "--port",
+             str(port), "--parallel", "1", "--ctx-size", "512", *args],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=_clean_env(), cwd=ROOT)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60,
+                          headers=headers or {}) as c:
+            wait_healthy(c, proc, log)
+            yield c, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
