@@ -11,6 +11,7 @@ from kvshare.server.body import read_json
 from kvshare.server.constraints import template_caps
 from kvshare.server.edge import HEAVY_BYTES, body_size, run_heavy
 from kvshare.server.errors import APIError, bad_request
+from kvshare.server.idle_sleep import Sleeps
 from kvshare.server.pipeline import GenerationPipeline, chat_text
 from kvshare.server.prompt_bounds import (DETOKENIZE_MAX_CHARS, DETOKENIZE_MAX_TOKENS,
                                           TOKENIZE_MAX_PIECES, tokenize_max_chars)
@@ -47,13 +48,14 @@ class LlamaInfoEndpoints:
             "endpoint_props": False,
             "endpoint_metrics": True,
             "ui": False,
+            "ui_settings": settings.ui_settings,
             "chat_template": info.chat_template,
             "chat_template_caps": {**caps, "supports_string_content": True},
             "chat_template_polyfills": list(info.template_polyfills),
             "bos_token": info.bos_token,
             "eos_token": info.eos_token,
             "build_info": f"kvshare-{version}",
-            "is_sleeping": False,
+            "is_sleeping": isinstance(self.engine, Sleeps) and self.engine.sleeping,
             "kvshare": {"version": version, "system_fingerprint": self.system_fingerprint,
                         "block_size": info.block_size},
         })

@@ -117,5 +117,7 @@ def make_tiers(config, fingerprint: bytes, kv_dtype: str, pool, kv) -> TierManag
         remote = RemoteTier(config.cache_redis, bound_fp,
                             config.cache_ttl_s if config.cache_ttl_s > 0 else None,
                             timeout_s=config.cache_redis_timeout_s)
-    return TierManager(pool, kv, config.block_size, ram, disk, remote,
-                       int(config.cache_min_tokens))
+    tiers = TierManager(pool, kv, config.block_size, ram, disk, remote,
+                        int(config.cache_min_tokens))
+    tiers.finished_to_ram = config.cache_idle_slots
+    return tiers

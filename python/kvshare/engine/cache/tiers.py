@@ -6,7 +6,7 @@ block is exactly the KV of this prompt's tokens (and salt, and model). Redis is 
 the engine thread: a request's blocks there were fetched before it was queued (`prefetch.py`),
 and its admission reads that holding area (`reading`) where it would read Redis. When a sequence finishes, its
 full blocks (prompt + reply, as the client's next turn will present them) are copied to the
-RAM tier (same content stored once) and queued for the disk writer and the Redis writer; the
+RAM tier (same content stored once; not with `--no-cache-idle-slots`, `finished_to_ram`) and queued for the disk writer and the Redis writer; the
 writers skip blocks already stored, so a returning conversation only adds its new turn.
 
 Prefix entries: the full blocks of a chat prompt up to its first user message (tools + system
@@ -116,6 +116,9 @@ class TierManager:
         # thread's remote reads go here, never to the network
         self._reads: FetchedBlocks | None = None
         self.fetcher: Fetcher | None = None  # set by the cache manager with a remote tier
+        # False (`--no-cache-idle-slots`): a finished sequence's saves skip the RAM tier (its
+        # blocks stay in the pool until evicted); prefix entries are still pinned there
+        self.finished_to_ram = True
 
     @contextlib.contextmanager
     def reading(self, fetched: FetchedBlocks | None) -> Iterator[None]:
@@ -287,7 +290,8 @@ class TierManager:
         if n_full == 0:
             return
         keys = list(keys[:n_full])
-        ram_missing = self._ram_missing(keys) if self.ram is not None else []
+        to_ram = self.ram is not None and self.finished_to_ram
+        ram_missing = self._ram_missing(keys) if to_ram else []
         stored = self.disk.stored_prefix(keys) if self.disk is not None else n_full
         remote_from = self._remote_from(keys, n_full)
         first = min(ram_missing[0] if ram_missing else n_full, stored, remote_from)
@@ -295,7 +299,7 @@ class TierManager:
         n_prefix = min(prefix_tokens // self.block_size, n_full)
         to_disk = self.disk is not None and stored < n_full
         self._submit_save(lambda: self._save_job(keys, first, host, ram_missing, stored,
-                                                 n_prefix, remote_from), to_disk)
+                                                 n_prefix, remote_from, to_ram), to_disk)
 
     def _remote_from(self, keys: list[bytes], n_full: int) -> int:
         """The first block the shared tier may lack (n_full: nothing to send)."""
@@ -305,15 +309,15 @@ class TierManager:
 
     def _save_job(self, keys: list[bytes], first: int, host: np.ndarray | None,
                   ram_missing: list[int], stored: int, n_prefix: int,
-                  remote_from: int | None = None) -> None:
+                  remote_from: int | None = None, to_ram: bool = True) -> None:
         n_full = len(keys)
         if host is None:  # every tier holds all of it already
-            if self.ram is not None and n_prefix:
+            if self.ram is not None and to_ram and n_prefix:
                 self.ram.pin_blocks(keys[:n_prefix])
             return
         if self.remote is not None and remote_from is not None and remote_from < n_full:
             self.remote.submit(keys[remote_from:], host[remote_from - first:])
-        if self.ram is not None:
+        if self.ram is not None and to_ram:
             self._put_ram(keys, ram_missing, lambda j: host[j - first])
             if n_prefix:
                 self.ram.pin_blocks(keys[:n_prefix])
@@ -397,7 +401,7 @@ class TierManager:
         if not cks:
             return
         n = cks[-1].position // bs
-        if self.ram is not None:
+        if self.ram is not None and self.finished_to_ram:
             self._save_ram(keys, block_table, n)
             for c in cks:
                 with contextlib.suppress(_core.OverBudget):
@@ -552,13 +556,16 @@ class TierManager:
         the tiers, on the saver thread; pinned in RAM with a prefix entry."""
         tkeys = [self.window_key(k) for k in keys]
         n = len(tkeys)
-        ram_missing = self._ram_missing(tkeys) if self.ram is not None else []
+        # a prefix entry's window (pinned) goes to RAM either way, a finished one's only
+        # when finished sequences do
+        to_ram = self.ram is not None and (pin or self.finished_to_ram)
+        ram_missing = self._ram_missing(tkeys) if to_ram else []
         stored = self.disk.stored_prefix(tkeys) if self.disk is not None else n
         rf = self.remote.first_unknown(tkeys) if self.remote is not None else n
         nbytes = int(host[0].nbytes) if n else 0
 
         def job() -> None:
-            if self.ram is not None:
+            if self.ram is not None and to_ram:
                 self._put_ram(tkeys, ram_missing, lambda j: host[j])
                 if pin:
                     self.ram.pin_blocks(tkeys)

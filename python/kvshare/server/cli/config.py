@@ -106,7 +106,35 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             kw[name] = value
     if args.swa_full:
         kw["swa_full"] = True
+    if not getattr(args, "cache_idle_slots", True):
+        kw["cache_idle_slots"] = False
     return kw
+
+
+def ui_config(args: argparse.Namespace) -> Any:
+    """llama-server's `--ui-config JSON` / `--ui-config-file PATH` (the last given wins, as
+    both set one field there): the web UI's default settings, parsed as JSON (any value, as
+    llama-server's json::parse; empty: none), served as /props' `ui_settings`. ValueError:
+    one line naming the flag."""
+    import json
+
+    text, flag = getattr(args, "ui_config", None), "--ui-config"
+    path = getattr(args, "ui_config_file", None)
+    if path is not None and (text is None or getattr(args, "ui_config_file_last", True)):
+        flag = f"--ui-config-file {path}"
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"cannot use {flag}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"cannot use {flag}: not UTF-8 text ({e.reason})") from None
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"cannot use {flag}: not valid JSON ({e})") from None
 
 
 def llama_settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -87,6 +87,16 @@ def n_predict(s: str) -> int:
 n_predict.__name__ = "token count (-1: until the context is full)"
 
 
+def keep(s: str) -> int:
+    v = int(s)
+    if v < -1:
+        raise ValueError(s)
+    return v
+
+
+keep.__name__ = "token count (-1: the whole prompt)"
+
+
 def reasoning_format(s: str) -> str:
     v = s.strip().lower()
     if v not in REASONING_FORMATS:
@@ -134,3 +144,15 @@ def host(s: str) -> str:
 
 
 host.__name__ = "host (an address or a comma-separated list; no Unix socket paths)"
+
+
+def sleep_idle_seconds(s: str) -> int:
+    """llama-server's `--sleep-idle-seconds`: -1 (off) or at least 1 (0 and below -1 are
+    refused, as there)."""
+    v = int(s)
+    if v == 0 or v < -1:
+        raise ValueError(s)
+    return v
+
+
+sleep_idle_seconds.__name__ = "number of seconds (-1: off, else at least 1)"

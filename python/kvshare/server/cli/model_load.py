@@ -203,3 +203,25 @@ def open_model(args: argparse.Namespace, template_override: tuple[str, str] | No
         raise StartupError(f"cannot start the engine: {e}") from e
     except bad_model as e:
         raise StartupError(f"cannot load model {shown}: {first_line(e)}") from e
+
+
+class ModelReload:
+    """`--sleep-idle-seconds`: how the engine is loaded again after an idle sleep
+    (`server.idle_sleep.Reloader`): the same file (resolved at startup, so nothing is fetched
+    or looked up again) under the same flags; the RAM tier's store is kept across the sleep
+    and handed to the new engine (its blocks are keyed by the model's fingerprint, the KV
+    element type and block size, all unchanged), the disk tier is opened again."""
+
+    def __init__(self, args: argparse.Namespace, path: str, label: str,
+                 template_override: tuple[str, str] | None):
+        self.args, self.path, self.label = args, path, label
+        self.template_override = template_override
+
+    def keep(self, engine: Any) -> Any:
+        return engine.tiers.ram
+
+    def load(self, kept: Any) -> Any:
+        engine = load_engine(self.args, self.path, self.label, self.template_override)
+        if kept is not None and engine.tiers.ram is not None:
+            engine.tiers.ram = kept  # the RAM tier made for it is empty: take the kept one
+        return engine
