@@ -1,10 +1,10 @@
 """Context shift (llama-server's --context-shift, engine/context_shift.py) in the engine: a
 reply that fills its context drops part of its past and goes on; the tokens after each shift
 are what a cold computation of the shifted token list gives; off, the reply ends with
-`length`; a block another live sequence shares is never written; hybrids do not shift.
-
-The server half (llama.cpp's test_ctx_shift.py requests on a real kvshare server) is in
-tests/test_context_shift_server.py."""
+`length`; a block another live sequence shares is never written; hybrids do not shift. Then a
+real kvshare server started with llama.cpp's test_ctx_shift.py command lines (-c 512 -np 2
+-n 128, with and without --context-shift) answers that test's requests as llama-server does;
+its prompts are repeated to the token counts the test means on this model's tokenizer."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kvshare.engine.context_shift import plan_shift
 from kvshare.engine.engine import Engine, EngineConfig
 from kvshare.model.loader import load_model
 from kvshare.model.tokenizer import Tokenizer
-from tests.tier_helpers import TINY_MODEL
+from tier_helpers import TINY_MODEL, Server
 
 MODELS = Path(__file__).parent / "data" / "models"
 GREEDY = SamplingParams(temperature=0.0)
@@ -210,3 +210,163 @@ def test_hybrid_does_not_shift():
     gen, _, fin = generate(eng, request(prompt, 200))
     assert fin.reason == "length" and fin.n_discarded == 0
     assert len(prompt) + len(gen) == CTX
+
+
+# ---------------------------------------------------------------------------- the flags
+
+def test_flags():
+    from kvshare.server import cli
+    from kvshare.server.cli import engine_config_kwargs, llama_settings_kwargs
+
+    args = cli.parse_args(["-m", "x.gguf", "--context-shift", "--keep", "5"], {})
+    assert engine_config_kwargs(args)["context_shift"] is True
+    assert llama_settings_kwargs(args)["n_keep"] == 5
+    args = cli.parse_args(["-m", "x.gguf", "--context-shift", "--no-context-shift"], {})
+    assert "context_shift" not in engine_config_kwargs(args)
+    args = cli.parse_args(["-m", "x.gguf"], {"LLAMA_ARG_CONTEXT_SHIFT": "true"})
+    assert engine_config_kwargs(args)["context_shift"] is True
+    assert llama_settings_kwargs(cli.parse_args(["-m", "x.gguf"], {}))["n_keep"] == 0
+
+
+def test_bad_keep_is_one_line_and_exit_2(capsys):
+    from kvshare.server import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["-m", "x.gguf", "--keep", "-2"], {})
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--keep" in err[0], err
+
+
+# ---------------------------------------------------------------------------- a real server
+# llama.cpp tools/server/tests/unit/test_ctx_shift.py
+SHORT_TEXT = """
+Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor incididunt ut labore et dolore magna aliqua.
+Ut enim ad minim veniam, quis nostrud exercitation ullamco laboris nisi ut aliquip ex ea commodo consequat.
+Duis aute irure dolor in reprehenderit in voluptate velit esse cillum dolore eu fugiat nulla pariatur.
+""".strip()
+LONG_TEXT = SHORT_TEXT + """
+Excepteur sint occaecat cupidatat non proident, sunt in culpa qui officia deserunt mollit anim id est laborum."""
+PRESET = ("-c", "512", "-np", "2", "-n", "128", "--temp", "0", "--seed", "42")
+SLOT_CTX = 256  # 512 / 2
+
+
+def n_tokens(server: Server, text: str) -> int:
+    return len(server.post("/tokenize", {"content": text, "add_special": True})["tokens"])
+
+
+def text_of(server: Server, lo: int, hi: int, base: str = SHORT_TEXT) -> tuple[str, int]:
+    """`base` repeated until it tokenizes to lo..hi tokens (with BOS): the test's 226-token
+    prompt of a 256-token slot, on this model's tokenizer."""
+    text = base
+    while n_tokens(server, text) < lo:
+        text += "\n" + base
+    n = n_tokens(server, text)
+    while n > hi:
+        text = text[: len(text) * 9 // 10]
+        n = n_tokens(server, text)
+    assert lo // 2 <= n <= hi
+    return text, n
+
+
+@pytest.fixture(scope="module")
+def shifting(launcher):
+    # --context-shift through llama-server's environment variable, as its preset sets it
+    s = Server(launcher, *PRESET, env={"LLAMA_ARG_CONTEXT_SHIFT": "1"})
+    yield s
+    s.terminate()
+
+
+@pytest.fixture(scope="module")
+def not_shifting(launcher):
+    s = Server(launcher, *PRESET)
+    yield s
+    s.terminate()
+
+
+def test_server_ctx_shift_enabled(shifting):
+    """test_ctx_shift_enabled: a 226-token prompt in a 256-token slot; 96 tokens are
+    generated thanks to the shift."""
+    text, n = text_of(shifting, 200, 240)
+    r = shifting.client.post("/completion", json={"n_predict": 96, "prompt": text})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["timings"]["prompt_n"] == n
+    assert body["timings"]["predicted_n"] == 96
+    assert body["truncated"] is True
+    # tokens in the cache at the end: fewer than the context after the shift
+    assert body["tokens_cached"] < SLOT_CTX
+    props = shifting.client.get("/props").json()
+    assert props["default_generation_settings"]["params"]["n_keep"] == 0
+    assert shifting.client.get("/metrics").status_code == 200
+
+
+def test_server_n_keep_all_of_the_prompt(shifting):
+    """n_keep -1 keeps the whole prompt (and BOS): a shift discards only generated tokens."""
+    text, n = text_of(shifting, 200, 240)
+    r = shifting.client.post("/completion", json={"n_predict": 96, "prompt": text,
+                                                 "n_keep": -1, "n_discard": 8})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["timings"]["predicted_n"] == 96 and body["truncated"] is True
+    assert body["generation_settings"]["n_keep"] == -1
+    assert body["generation_settings"]["n_discard"] == 8
+
+
+def test_server_bad_n_keep_is_a_400(shifting):
+    r = shifting.client.post("/completion", json={"prompt": "Hi", "n_keep": "all"})
+    assert r.status_code == 400
+    assert "n_keep" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("n_predict,n_token_output,truncated", [
+    (64, 64, False),
+    (-1, None, True),  # prompt + generated = the slot's 256 tokens
+])
+def test_server_ctx_shift_disabled_short_prompt(not_shifting, n_predict, n_token_output,
+                                                truncated):
+    # ignore_eos: the tiny test model may say EOS before the context is full
+    r = not_shifting.client.post("/completion", json={"n_predict": n_predict,
+                                                      "prompt": "Hi how are you",
+                                                      "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    if n_token_output is None:
+        n_token_output = SLOT_CTX - n_tokens(not_shifting, "Hi how are you")
+    assert body["timings"]["predicted_n"] == n_token_output
+    assert body["truncated"] == truncated
+
+
+def test_server_ctx_shift_disabled_long_prompt(not_shifting):
+    text, _ = text_of(not_shifting, 300, 400, LONG_TEXT)
+    r = not_shifting.client.post("/completion", json={"n_predict": 64, "prompt": text})
+    assert r.status_code != 200
+    assert "exceeds the available context size" in r.json()["error"]["message"]
+
+
+def test_server_long_prompt_is_refused_with_shift_too(shifting):
+    """llama-server shifts only while generating: a prompt over the slot is an error."""
+    text, _ = text_of(shifting, 300, 400, LONG_TEXT)
+    r = shifting.client.post("/completion", json={"n_predict": 64, "prompt": text})
+    assert r.status_code == 400
+    assert "exceeds the available context size" in r.json()["error"]["message"]
+
+
+def test_server_ctx_shift_disabled_stream(not_shifting):
+    import json
+
+    content, reasons = "", []
+    with not_shifting.client.stream("POST", "/v1/completions", json={
+            "n_predict": 256, "prompt": "Once", "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            if choice["finish_reason"] == "length":
+                assert len(content) > 0
+            else:
+                assert choice["finish_reason"] is None
+                content += choice["text"]
+            reasons.append(choice["finish_reason"])
+    assert reasons[-1] == "length"

@@ -293,7 +293,6 @@ def test_ctx_over_slots_on_a_real_server(tmp_path):
     (["--webui-config", "{}"], "does not serve llama.cpp's web UI"),
     (["--no-cache-idle-slots"], "no idle slots to save or clear"),
     (["--sleep-idle-seconds", "1"], "no idle sleep"),
-    (["--context-shift"], "no context shift"),
 ])
 def test_flags_kvshare_cannot_honour_are_refused_with_the_reason(argv, reason, capsys):
     """llama-server flags whose meaning kvshare lacks (docs/llama-server.md, "Refused"): one

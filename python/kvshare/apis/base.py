@@ -110,6 +110,9 @@ class ApiRequest:
     # slot shows in `GET /slots` (None: derived from the engine request).
     id_slot: int = -1
     slot_params: dict | None = None
+    # llama-server's `n_keep` / `n_discard` (context shift; None: the server's --keep).
+    n_keep: int | None = None
+    n_discard: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,8 @@ class RequestContext:
     # The server's sampling defaults (llama-server's --temp, --top-k, ...) by SamplingParams
     # name: what a request that leaves a field out gets (apis/sampling_fields.py).
     sampling_defaults: Mapping[str, float | int] = field(default_factory=dict)
+    # llama-server's --keep: n_keep of a request that gives none.
+    n_keep: int = 0
 
 
 @dataclass(frozen=True)

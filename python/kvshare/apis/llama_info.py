@@ -38,7 +38,7 @@ class LlamaInfoEndpoints:
         return JSONResponse({
             "default_generation_settings": {
                 "params": default_settings(settings.default_max_tokens,
-                                           settings.sampling_defaults),
+                                           settings.sampling_defaults, settings.n_keep),
                 "n_ctx": info.ctx_size},
             "total_slots": self.total_slots,
             "model_alias": (settings.aliases or [info.name])[0],

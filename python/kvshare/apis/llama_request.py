@@ -101,6 +101,10 @@ class NativeOptions:
     grammar: str = ""
     cache_prompt: bool = True
     post_sampling_probs: bool = False  # n_probs as probabilities after the sampler chain
+    # context shift: prompt tokens kept (-1: all; the request's, else --keep) and tokens
+    # discarded (0: half of the rest)
+    n_keep: int = 0
+    n_discard: int = 0
 
 
 def _first(body: dict, *names: str) -> tuple[str, Any]:
@@ -303,7 +307,9 @@ def parse_native(body: dict, ctx: RequestContext, default_max_tokens: int | None
         t_max_predict_ms=max(0, P.get_int(body, "t_max_predict_ms", 0) or 0),
         timings_per_token=P.get_bool(body, "timings_per_token", False),
         grammar=g if isinstance(g, str) else "",
-        cache_prompt=P.get_bool(body, "cache_prompt", True), post_sampling_probs=post)
+        cache_prompt=P.get_bool(body, "cache_prompt", True), post_sampling_probs=post,
+        n_keep=P.get_int(body, "n_keep", ctx.n_keep),
+        n_discard=max(0, P.get_int(body, "n_discard", 0)))  # below 0: the default half
     return opts, native, _output(body)
 
 
@@ -312,7 +318,8 @@ def generation_settings(sampling: SamplingParams, *, n_predict: int, stop: Seque
                         grammar: str = "", samplers: list[str] | tuple = KVSHARE_SAMPLERS,
                         timings_per_token: bool = False,
                         reasoning_format: str = "none",
-                        post_sampling_probs: bool = False) -> dict:
+                        post_sampling_probs: bool = False, n_keep: int = 0,
+                        n_discard: int = 0) -> dict:
     """llama-server's `generation_settings` / slot `params` (task_params::to_json), with
     kvshare's effective values (samplers it lacks shown off)."""
     seed = sampling.seed
@@ -345,8 +352,8 @@ def generation_settings(sampling: SamplingParams, *, n_predict: int, stop: Seque
         "stop": list(stop),
         "max_tokens": n_predict,
         "n_predict": n_predict,
-        "n_keep": 0,
-        "n_discard": 0,
+        "n_keep": n_keep,
+        "n_discard": n_discard,
         "ignore_eos": ignore_eos,
         "stream": stream,
         "logit_bias": [{"bias": b, "token": t} for t, b in sampling.logit_bias],
@@ -379,18 +386,21 @@ def metrics_only(settings: dict) -> dict:
 
 
 def default_settings(default_max_tokens: int | None,
-                     sampling_defaults: Mapping[str, float | int] | None = None) -> dict:
-    """`/props` default_generation_settings.params: a native request that sets nothing."""
+                     sampling_defaults: Mapping[str, float | int] | None = None,
+                     n_keep: int = 0) -> dict:
+    """`/props` default_generation_settings.params: a native request that sets nothing
+    (`n_keep`: the server's --keep)."""
     n = default_max_tokens if default_max_tokens and default_max_tokens > 0 else -1
     s = _sampling({}, LLAMA_SERVER, ctx_size=0, server_defaults=sampling_defaults)
-    return metrics_only(generation_settings(s, n_predict=n))
+    return metrics_only(generation_settings(s, n_predict=n, n_keep=n_keep))
 
 
 def request_settings(req: GenerationRequest) -> dict:
     """A slot's `params` for a request of any API (what it was submitted with)."""
     return generation_settings(req.sampling, n_predict=req.max_tokens, stop=req.stop,
                                ignore_eos=req.ignore_eos, n_probs=req.top_logprobs,
-                               post_sampling_probs=req.post_sampling_probs)
+                               post_sampling_probs=req.post_sampling_probs,
+                               n_keep=req.n_keep, n_discard=req.n_discard)
 
 
 def parse_prompt(v: Any) -> list[str | int]:

@@ -25,8 +25,9 @@ turns them on or off, it cannot reorder them; dry / typ_p / xtc / top_n_sigma / 
 adaptive_p are accepted by name and do nothing, and a non-default `mirostat`, `typical_p`,
 `dry_multiplier`, `xtc_probability`, `top_n_sigma`, `dynatemp_range`, `lora`, or
 `grammar_lazy` is a 400 (their samplers do not exist here). `n_cmpl` / `n` above 1 is a 400
-(use `/v1/completions` with `n`). Accepted and without effect: `n_keep`, `n_discard`,
-`n_cache_reuse` (kvshare reuses any cached prefix by itself), `t_max_prompt_ms` (llama-server
+(use `/v1/completions` with `n`). `n_keep` (default `--keep`) and `n_discard` are honoured
+when the server runs with `--context-shift` (engine/context_shift.py; a shift makes the
+response `truncated`). Accepted and without effect: `n_cache_reuse` (kvshare reuses any cached prefix by itself), `t_max_prompt_ms` (llama-server
 does not implement it either), `min_keep`, `return_progress`, `sse_ping_interval`,
 `timings_per_token` (the final object carries the timings; the chunks do not), `verbose`.
 `model` in responses is the request's model name or the served model's first `--alias`, else
@@ -248,8 +249,11 @@ class NativeFormat(ApiFormat):
             stop_type = "word" if fin.stop_string else "eos"
         n_prompt = fin.prompt_tokens
         n_decoded = self.n_decoded if self.stop_requested else fin.completion_tokens
-        in_cache = n_prompt + n_decoded - 1 if n_decoded else n_prompt
-        truncated = stop_type == "limit" and n_prompt + n_decoded >= self.ctx_size
+        # a context shift discarded tokens: they left the cache, and the reply is truncated
+        # whatever ended it (llama-server's slot.truncated)
+        in_cache = (n_prompt + n_decoded - 1 if n_decoded else n_prompt) - fin.n_discarded
+        truncated = bool(fin.n_discarded) or (stop_type == "limit"
+                                              and n_prompt + n_decoded >= self.ctx_size)
         res: dict[str, Any] = {
             "index": self.index_base,
             "content": "" if stream else self.text,
@@ -311,11 +315,13 @@ class NativeCompletionApi:
             ignore_eos=opts.ignore_eos, stream=opts.stream, n_probs=native.n_probs,
             grammar=native.grammar, samplers=native.samplers,
             timings_per_token=native.timings_per_token,
-            post_sampling_probs=native.post_sampling_probs)
+            post_sampling_probs=native.post_sampling_probs, n_keep=native.n_keep,
+            n_discard=native.n_discard)
         return NativeRequest(chat=None, opts=opts, output=output,
                              model=P.requested_model(body, ctx.model_name), prompt=prompt,
                              reuse_cache=native.cache_prompt, id_slot=native.id_slot,
-                             slot_params=settings, native=native)
+                             slot_params=settings, native=native, n_keep=native.n_keep,
+                             n_discard=native.n_discard)
 
     def parse(self, body: dict, ctx: RequestContext) -> NativeRequest:
         if "prompt" not in body or body["prompt"] is None:

@@ -213,6 +213,9 @@ class ModelInfo:
     fim_ids: Mapping[str, int | None] = field(default_factory=dict)
     # The longest token text in characters (prompt bounds); None: unknown, no bound
     max_token_chars: int | None = None
+    # A full context shifts (engine/context_shift.py) instead of ending the reply: a request's
+    # max_tokens is then not capped at the room its prompt leaves.
+    context_shift: bool = False
 
 
 class EngineHandle(Protocol):

@@ -227,7 +227,7 @@ class Engine:
             template_polyfills=template.polyfills if template is not None else (),
             bos_token=tok.bos_token or "", eos_token=tok.eos_token or "",
             bos_id=tok.bos_id if tok.add_bos else None, fim_ids=dict(tok.fim_ids),
-            max_token_chars=max_token_chars(tok))
+            max_token_chars=max_token_chars(tok), context_shift=self.context_shift)
 
     # ---- text -------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:

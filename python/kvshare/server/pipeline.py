@@ -154,7 +154,7 @@ class GenerationPipeline:
             ctx_size=self.info.ctx_size,
             vocab_size=self.info.vocab_size, max_n=self.info.max_n, tenant=tenant,
             tenant_id=tenant.ident.hex() if tenant is not None else "",
-            sampling_defaults=self.settings.sampling_defaults)
+            sampling_defaults=self.settings.sampling_defaults, n_keep=self.settings.n_keep)
 
     # ------------------------------------------------------------------ prompts
     def render_chat(self, chat: ChatInput, body_bytes: int,
@@ -273,6 +273,8 @@ class GenerationPipeline:
             cache_point=cache_point, reuse_cache=req.reuse_cache, request_id=rid, n=opts.n,
             grammar=grammar,
             reasoning_budget=self.reasoning_budget(req.chat, tokens),
+            n_keep=self.settings.n_keep if req.n_keep is None else req.n_keep,
+            n_discard=req.n_discard,
             special_text=(rules is not None and rules.tool_format is not None
                           and self.tool_calls is not None
                           and self.tool_calls.name in ToolCalls.SPECIAL_MARKERS),
@@ -284,11 +286,14 @@ class GenerationPipeline:
 
     def max_tokens(self, requested: int | None, n_prompt: int) -> int:
         """The request's limit, else the server's default (`--n-predict`; none or -1: until
-        the context is full), never past the context."""
+        the context is full), never past the context (unless the context shifts: then at
+        most a context's worth of tokens)."""
         default = self.settings.default_max_tokens
         if default is not None and default <= 0:
             default = None
         ctx = self.info.ctx_size
+        if self.info.context_shift:
+            return requested or default or ctx
         return min(requested or default or ctx, ctx - n_prompt)
 
     def submit(self, greq: GenerationRequest, param: str) -> EngineHandle:

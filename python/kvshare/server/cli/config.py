@@ -106,6 +106,8 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             kw[name] = value
     if args.swa_full:
         kw["swa_full"] = True
+    if getattr(args, "context_shift", False):
+        kw["context_shift"] = True
     if not getattr(args, "cache_idle_slots", True):
         kw["cache_idle_slots"] = False
     return kw
@@ -145,6 +147,7 @@ def llama_settings_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     n = getattr(args, "n_predict", None)
     return {
         "default_max_tokens": n if n is not None and n > 0 else None,
+        "n_keep": getattr(args, "keep", 0),
         "sampling_defaults": sampling_defaults(args),
         "reasoning_format": args.reasoning_format,
         "reasoning_budget": args.reasoning_budget,
