@@ -45,13 +45,6 @@ REFUSE_CAPABILITY = {
     "--media-path": "multimodal",
     "--models-dir": "router mode", "--models-max": "router mode",
     "--models-preset": "router mode", "--no-models-autoload": "router mode",
-    "--tools": "server-side tools and MCP", "--mcp-servers-json": "server-side tools and MCP",
-    "--mcp-servers-config": "server-side tools and MCP",
-    "--ui-mcp-proxy": "server-side tools and MCP", "--ui-config": "llama.cpp's web UI",
-    "--context-shift": "context shift",
-    "--sleep-idle-seconds": "idle sleep (unloading the model)",
-    "--no-cache-idle-slots": "turning idle-slot caching off",
-    "--tags": "model tags",
 }
 # flags a README line uses that llama-server itself does not have (its parser exits on them)
 NOT_LLAMA_FLAGS = {"-ctx": "none: -ctx is not a llama-server flag (-c is)"}

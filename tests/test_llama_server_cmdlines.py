@@ -8,9 +8,9 @@ A representative set (every README line kvshare accepts, and the first accepted 
 llama.cpp test file) starts a real `kvshare` process with the line as written, but the model
 (the tiny model; an `-hf` repository: a loopback hub stand-in serving it), the port (a free
 one) and paths of llama.cpp's tree (templates under tests/data/templates, a temporary slot
-directory) replaced, and sends one request on an endpoint that line's test uses, checking what
-the flags make observable: `/props` n_ctx and total_slots, the sampling defaults, the API key,
-the alias in /v1/models."""
+directory, an MCP config of no servers) replaced, and sends one request on an endpoint that
+line's test uses, checking what the flags make observable: `/props` n_ctx and total_slots, the
+sampling defaults, the API key, the alias in /v1/models."""
 
 from __future__ import annotations
 
@@ -224,6 +224,9 @@ def _local_line(line: dict, port: str, tmp: Path) -> tuple[list[str], dict[str, 
             argv[i + 1] = str(_template_for(nxt))
         elif a == "--slot-save-path":
             argv[i + 1] = str(tmp)
+        elif a == "--mcp-servers-config":  # README's mcp.json: a config of no servers
+            (tmp / "mcp.json").write_text('{"mcpServers": {}}')
+            argv[i + 1] = str(tmp / "mcp.json")
     if "LLAMA_ARG_MODEL" in env:
         env["LLAMA_ARG_MODEL"] = str(TINY_MODEL)
     if "LLAMA_ARG_PORT" in env or "--port" in argv:
@@ -318,4 +321,6 @@ def test_representatives_cover_every_source():
         return {e["sources"][0].split("::")[0] for e in lines if e["id"].startswith("tests")}
 
     assert files(REAL) == files([e for e in _by("accept") if _startable(e)])
-    assert len([e for e in REAL if e["id"].startswith("readme")]) == 5
+    readme = [e for e in _by("accept") if e["id"].startswith("readme")]
+    distinct = {json.dumps([e["argv"][2:], e["env"]]) for e in readme}  # README:442 is :436
+    assert len([e for e in REAL if e["id"].startswith("readme")]) == len(distinct) >= 6
