@@ -52,6 +52,11 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
                                    "--reasoning-budget-message",
                                    "--reasoning-format", "--tool-parser", "--slots",
                                    "--slot-save-path", "--no-webui", "--log-level", "--verbose")),
+    ("Router mode (several models)", ("--models-dir", "--models-preset", "--models-max",
+                                      "--models-autoload")),
+    ("Server tools and MCP (llama-server's; off by default)",
+     ("--tools", "--tools-runtime", "--mcp-servers-config", "--mcp-servers-json",
+      "--ui-mcp-proxy", "--agent")),
     # accepted for llama-server command lines; kvshare already behaves that way
     ("llama-server compatibility (accepted, no effect)",
      ("--jinja", "--flash-attn", "--backend-sampling", "--metrics", "--cont-batching")),
@@ -106,6 +111,8 @@ def _defaults() -> dict[str, str]:
         "--cont-batching": "on (always)",
         "--no-webui": "off (the page is served)",
         "--reasoning-budget-message": "none",
+        "--ui-mcp-proxy": "off (403)",
+        "--agent": "off",
     }
 
 
