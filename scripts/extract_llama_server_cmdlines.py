@@ -43,8 +43,6 @@ REFUSE_CAPABILITY = {
     "--spec-synth-rates": "speculative decoding",
     "--mmproj": "multimodal", "--mmproj-url": "multimodal", "--no-mmproj": "multimodal",
     "--media-path": "multimodal",
-    "--models-dir": "router mode", "--models-max": "router mode",
-    "--models-preset": "router mode", "--no-models-autoload": "router mode",
 }
 # flags a README line uses that llama-server itself does not have (its parser exits on them)
 NOT_LLAMA_FLAGS = {"-ctx": "none: -ctx is not a llama-server flag (-c is)"}

@@ -2,7 +2,8 @@
 (tests/data/llama_server_cmdlines.json, scripts/extract_llama_server_cmdlines.py) against
 kvshare: each line kvshare must accept parses, with the flags' meanings checked on the parsed
 arguments; each refused line exits 2 with one stderr line naming the flags it refuses; a line
-without a model (llama-server's router mode) parses as kvshare's default-model server.
+without a model (llama-server's router mode) parses as kvshare's router when it carries a router
+flag, else as kvshare's default-model server.
 
 A representative set (every README line kvshare accepts, and the first accepted line of each
 llama.cpp test file) starts a real `kvshare` process with the line as written, but the model
@@ -32,6 +33,10 @@ from kvshare.model import hub
 from kvshare.server import cli
 from kvshare.server.cli.preflight import hub_flags_problem
 from tier_helpers import ROOT, TINY_MODEL, _clean_env
+
+# llama-server's router flags: a line without a model carrying one starts kvshare's router
+ROUTER_FLAGS = ("--models-dir", "--models-preset", "--models-max", "--models-autoload",
+                "--no-models-autoload")
 
 DATA = json.loads((ROOT / "tests" / "data" / "llama_server_cmdlines.json").read_text())
 LINES: list[dict[str, Any]] = DATA["lines"]
@@ -113,16 +118,25 @@ def test_refused_line_exits_2_naming_its_flags(line, capsys):
         assert flag in err[0].replace("_", "-"), (flag, err)
 
 
+def _router_flags(line: dict) -> bool:
+    return any(a.split("=", 1)[0] in ROUTER_FLAGS for a in line["argv"])
+
+
 @pytest.mark.parametrize("line", _by("router"), ids=lambda e: e["id"])
-def test_line_without_a_model_is_kvshares_default_model(line):
-    """llama-server without a model is its router; kvshare serves one model, its default
-    catalog model (`--offline`: only when it is in the model store)."""
+def test_line_without_a_model_is_kvshares_default_model_or_its_router(line):
+    """llama-server without a model is its router. kvshare is one too when a router flag is
+    given (--models-dir, --models-preset, --models-max, --[no-]models-autoload:
+    tests/test_model_router.py); without one it serves its default catalog model
+    (`--offline`: only when it is in the model store)."""
+    from kvshare.model_router.cli import is_router_mode
+
     a = _parse(line["argv"], line["env"])
     assert a.model is None and a.hf_repo is None
+    assert is_router_mode(a) == _router_flags(line)
 
 
 def test_router_line_offline_without_the_default_model_exits_2(tmp_path):
-    line = next(e for e in _by("router") if "--offline" in e["argv"])
+    line = next(e for e in _by("router") if "--offline" in e["argv"] and not _router_flags(e))
     argv = [_free_port() if a == "8080" else a for a in line["argv"]]
     p = subprocess.run([sys.executable, "-m", "kvshare.server.cli", *argv],
                        capture_output=True, text=True, timeout=120, cwd=ROOT,

@@ -28,6 +28,10 @@ import pytest
 from tier_helpers import TINY_MODEL, _clean_env
 
 ROOT = Path(__file__).resolve().parent.parent
+ROUTER_LINES = [e for e in json.loads(
+    (ROOT / "tests" / "data" / "llama_server_cmdlines.json").read_text())["lines"]
+    if e["expect"] == "router" and any(a.startswith("--models-") or a == "--no-models-autoload"
+                                       for a in e["argv"])]
 KEY = "sk-router-test"
 
 
@@ -57,13 +61,15 @@ def _alive(pid: int) -> bool:
 class Router:
     """`kvshare --models-dir ... --port 0 ...` as a process; `url` once it routes."""
 
-    def __init__(self, tmp: Path, *args: str):
+    def __init__(self, tmp: Path, *args: str,
+                 extra: tuple[str, ...] = ("--host", "127.0.0.1", "--port", "0", "-c", "512",
+                                           "-np", "1"), cwd: Path = ROOT):
         self.log = tmp / f"router-{time.monotonic_ns()}.log"
-        env = {**_clean_env(), "KVSHARE_MODEL_STORE": str(tmp / "store")}
+        # KVSHARE_PORT: a line without --port listens on a free port, not on 8080
+        env = {**_clean_env(), "KVSHARE_MODEL_STORE": str(tmp / "store"), "KVSHARE_PORT": "0"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvshare.server.cli", *args, "--host", "127.0.0.1",
-             "--port", "0", "-c", "512", "-np", "1"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self.log.open("w"), text=True)
+            [sys.executable, "-m", "kvshare.server.cli", *args, *extra],
+            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=self.log.open("w"), text=True)
         self.lines: list[str] = []
         found = threading.Event()
 
@@ -295,3 +301,30 @@ def test_router_flags_without_a_model_only():
     assert passed_on(["--models-dir", "/m", "-c", "512", "--host", "0.0.0.0", "--port=9",
                       "--no-models-autoload", "-a", "x", "--api-key", "k", "--jinja"]) \
         == ["-c", "512", "--api-key", "k", "--jinja"]
+
+
+@pytest.mark.parametrize("line", ROUTER_LINES, ids=lambda e: e["id"])
+def test_llama_server_router_lines_start_the_router(line, tmp_path):
+    """llama.cpp's README and test_router.py router lines as written (a free port; the
+    README's ./models_directory and ./my-models.ini made in the working directory): the
+    router starts and its /props and /models say what the flags set (test_router_props)."""
+    (tmp_path / "models_directory").mkdir()
+    (tmp_path / "models_directory" / "alpha.gguf").symlink_to(TINY_MODEL)
+    (tmp_path / "my-models.ini").write_text(f"[*]\nc = 512\n[custom_model]\nmodel = {TINY_MODEL}\n")
+    argv = ["0" if a == "8080" else a for a in line["argv"]]
+    r = Router(tmp_path, *argv, extra=(), cwd=tmp_path)
+    try:
+        props = r.client.get("/props").json()
+        assert props["role"] == "router"
+        argv = line["argv"]
+        want_max = int(argv[argv.index("--models-max") + 1]) if "--models-max" in argv else 4
+        assert props["max_instances"] == want_max
+        assert props["models_autoload"] is ("--no-models-autoload" not in argv)
+        models = r.models()
+        if "--models-dir" in argv:
+            assert models["alpha"]["source"] == "models_dir"
+        if "--models-preset" in argv:
+            assert models["custom_model"]["source"] == "preset"
+    finally:
+        code, kids = r.stop()
+    assert code == 0 and not kids
