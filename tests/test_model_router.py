@@ -328,3 +328,22 @@ def test_llama_server_router_lines_start_the_router(line, tmp_path):
     finally:
         code, kids = r.stop()
     assert code == 0 and not kids
+
+
+def test_children_die_with_a_killed_router(layout):
+    """A router killed outright (SIGKILL: no shutdown code runs) leaves no child behind: each
+    child gets SIGTERM from the kernel when the router dies (PR_SET_PDEATHSIG)."""
+    r = Router(layout, "--models-dir", str(layout / "models"))
+    try:
+        assert r.client.post("/models/load", json={"model": "alpha"}).status_code == 200
+        r.wait_status("alpha", "loaded")
+        kids = _children(r.proc.pid)
+        assert kids
+    finally:
+        r.client.close()
+        r.proc.kill()
+        r.proc.wait(30)
+    deadline = time.monotonic() + 30
+    while [k for k in kids if _alive(k)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [k for k in kids if _alive(k)], "a child outlived its killed router"
