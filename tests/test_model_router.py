@@ -247,13 +247,20 @@ def test_router_without_autoload_and_a_failing_model(layout, tmp_path):
     r = Router(layout, "--models-dir", str(models), "--no-models-autoload")
     try:
         assert r.client.get("/props").json()["models_autoload"] is False
+        # a browser's preflight is the router's to answer (no model named, no key needed)
+        pre = r.client.options("/v1/chat/completions", headers={
+            "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+        assert pre.status_code == 200
+        assert pre.headers["access-control-allow-origin"] == "http://localhost:3000"
         no = r.client.post("/v1/chat/completions", json=_chat("alpha"))
         assert no.status_code == 400
         assert no.json()["error"]["message"] == "model is not loaded"
         assert r.status("alpha") == "unloaded"
         yes = r.client.post("/v1/chat/completions", params={"autoload": "true"},
-                            json=_chat("alpha"))
+                            json=_chat("alpha"), headers={"Origin": "http://localhost:3000"})
         assert yes.status_code == 200, yes.text
+        # one Access-Control-Allow-Origin, the router's, though the child sends its own too
+        assert yes.headers.get_list("access-control-allow-origin") == ["http://localhost:3000"]
         assert r.client.post("/v1/chat/completions", json=_chat("alpha")).status_code == 200
 
         # a model whose server cannot start: the request says why; /models has its exit code

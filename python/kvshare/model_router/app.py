@@ -15,7 +15,8 @@ to the `kvshare serve` child of the model it names.
 Errors in llama-server's words: 400 `model name is missing from the request`, `model 'X' not
 found`, `model is not loaded`; in the shape of the API at the path (server/middleware.py
 error_json). API keys guard everything but /health, as `kvshare serve`'s; the key goes on to
-the child, which checks it too (its tenant keeps its own cache scope).
+the child, which checks it too (its tenant keeps its own cache scope). CORS as `kvshare
+serve`'s (server/cors.py, the --cors-* flags): preflights are answered by the router.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from kvshare import __version__
 from kvshare.apis.llama_request import error_object
 from kvshare.router.passthrough import (RESPONSE_DROP, Passthrough, drop_hop_by_hop,
                                         forwarded_headers)
+from kvshare.server.cors import CORSMiddleware, CORSPolicy
 from kvshare.server.errors import APIError
 from kvshare.server.middleware import AuthMiddleware, error_json, route_path
 from kvshare.server.tenancy import KeyRing
@@ -264,6 +266,7 @@ class ModelRouter:
 
 
 def create_app(pool: ModelPool, settings: ModelRouterSettings, keys: KeyRing | None,
+               cors: CORSPolicy | None = None,
                on_startup: Callable[[], None] | None = None) -> Starlette:
     router = ModelRouter(pool, settings)
 
@@ -277,7 +280,11 @@ def create_app(pool: ModelPool, settings: ModelRouterSettings, keys: KeyRing | N
         finally:
             await router.stop()
 
-    middleware = [Middleware(AuthMiddleware, keys=keys)] if keys else []
+    # CORS outside the key check, as `kvshare serve`: a browser's preflight carries no key and
+    # is answered here (a child's own CORS headers on an answer are replaced by the router's)
+    middleware = [Middleware(CORSMiddleware, policy=cors or CORSPolicy())]
+    if keys:
+        middleware.append(Middleware(AuthMiddleware, keys=keys))
     app = Starlette(routes=[Route("/{path:path}", router.handle, methods=METHODS)],
                     lifespan=lifespan, middleware=middleware)
     app.state.model_router = router

@@ -142,7 +142,11 @@ def serve_models(args: argparse.Namespace) -> int:
               f"{models_max or 'unlimited'}, autoload {'on' if autoload else 'off'})",
               flush=True)
 
-    app = create_app(pool, settings, KeyRing(keys) if keys else None, on_startup=ready)
+    from kvshare.server.cors import CORSPolicy, parse_origins
+
+    cors = CORSPolicy(parse_origins(args.cors_origins), args.cors_methods, args.cors_headers,
+                      args.cors_credentials)
+    app = create_app(pool, settings, KeyRing(keys) if keys else None, cors, on_startup=ready)
     raise_fd_limit(args.max_connections * 2 + 256)  # a client and a child connection each
     run(app, sock, root_path=args.root_path, graceful_timeout=args.graceful_timeout,
         log_level=args.log_level, header_timeout=args.body_timeout)
