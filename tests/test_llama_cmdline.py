@@ -288,11 +288,11 @@ def test_ctx_over_slots_on_a_real_server(tmp_path):
 
 
 @pytest.mark.parametrize("argv,reason", [
-    (["--ui-config", '{"pasteLongTextToFileLen": 0}'], "does not serve llama.cpp's web UI"),
-    (["--ui-config-file", "ui.json"], "does not serve llama.cpp's web UI"),
-    (["--webui-config", "{}"], "does not serve llama.cpp's web UI"),
-    (["--no-cache-idle-slots"], "no idle slots to save or clear"),
-    (["--sleep-idle-seconds", "1"], "no idle sleep"),
+    (["--embedding"], "no embeddings or reranking"),
+    (["--lora", "adapter.gguf"], "no LoRA adapters"),
+    (["--model-draft", "draft.gguf"], "no speculative decoding"),
+    (["--mmproj", "mmproj.gguf"], "text only"),
+    (["-ctk", "q4_0"], "use --kv-dtype"),
 ])
 def test_flags_kvshare_cannot_honour_are_refused_with_the_reason(argv, reason, capsys):
     """llama-server flags whose meaning kvshare lacks (docs/llama-server.md, "Refused"): one
