@@ -11,7 +11,7 @@ from typing import Iterator
 
 import httpx
 
-from tier_helpers import ROOT, TINY_MODEL, _clean_env, wait_healthy
+from tier_helpers import ROOT, TINY_MODEL, _clean_env, stop_server, wait_healthy
 
 
 def free_port() -> int:
@@ -36,9 +36,4 @@ def kvshare_server(args: list[str], log: Path, headers: dict[str, str] | None = 
             wait_healthy(c, proc, log)
             yield c, proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_server(proc)

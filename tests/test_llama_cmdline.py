@@ -21,7 +21,7 @@ import pytest
 from kvshare.server import cli
 from kvshare.server.cli.config import ctx_per_sequence
 from kvshare.server.cli.preflight import choose_device
-from tier_helpers import ROOT, TINY_MODEL, _clean_env, wait_healthy
+from tier_helpers import ROOT, TINY_MODEL, _clean_env, stop_server, wait_healthy
 
 # --------------------------------------------------------------------------- parsing
 
@@ -177,12 +177,7 @@ def _kvshare(argv: list[str], log: Path) -> Iterator[httpx.Client]:
             wait_healthy(c, proc, log)
             yield c
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_server(proc)
     assert proc.returncode == 0, log.read_text()
 
 

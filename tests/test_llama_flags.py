@@ -17,7 +17,7 @@ import pytest
 from kvshare.server import cli
 from kvshare.server.cli.model_load import load_engine
 from kvshare.server.cli.parser import serve_parser
-from tier_helpers import ROOT, TINY_MODEL, _clean_env, wait_healthy
+from tier_helpers import ROOT, TINY_MODEL, _clean_env, stop_server, wait_healthy
 
 README_LINE = ("-m {model} -c 16384 -np 4 -t 2 --port {port} --jinja --api-key K --alias NAME "
                "--cors-origins http://localhost:3000")
@@ -259,11 +259,6 @@ def test_readme_command_line_starts_a_server(tmp_path):
             assert evil.status_code == 200
             assert "access-control-allow-origin" not in evil.headers
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_server(proc)
     assert proc.returncode == 0, log.read_text()
     assert "kvshare: stopped" in log.read_text()

@@ -32,7 +32,7 @@ from hub_standin import HubStandIn
 from kvshare.model import hub
 from kvshare.server import cli
 from kvshare.server.cli.preflight import hub_flags_problem
-from tier_helpers import ROOT, TINY_MODEL, _clean_env
+from tier_helpers import ROOT, TINY_MODEL, _clean_env, stop_server
 
 # llama-server's router flags: a line without a model carrying one starts kvshare's router
 ROUTER_FLAGS = ("--models-dir", "--models-preset", "--models-max", "--models-autoload",
@@ -273,12 +273,7 @@ def _server(argv: list[str], env: dict[str, str], port: str, log: Path
             time.sleep(0.1)
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_server(proc)
 
 
 @pytest.mark.parametrize("line", REAL, ids=lambda e: e["id"])

@@ -53,6 +53,16 @@ def wait_healthy(c: Any, proc: subprocess.Popen, log: Path,
         time.sleep(0.05)
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM a server process and wait for it (30 s), then SIGKILL it (10 s more)."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
 def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("KVSHARE_")}
 

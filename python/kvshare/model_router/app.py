@@ -41,7 +41,7 @@ from starlette.routing import Route
 from kvshare import __version__
 from kvshare.apis.llama_request import error_object
 from kvshare.router.passthrough import (RESPONSE_DROP, Passthrough, drop_hop_by_hop,
-                                        forwarded_headers)
+                                        forwarded_headers, proxy_client)
 from kvshare.server.cors import CORSMiddleware, CORSPolicy
 from kvshare.server.errors import APIError
 from kvshare.server.middleware import AuthMiddleware, error_json, route_path
@@ -96,13 +96,7 @@ class ModelRouter:
 
     async def start(self) -> None:
         s = self.settings
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(s.timeout, connect=s.connect_timeout),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-            follow_redirects=False, trust_env=False)
-        # httpx's own default headers would change the client's request
-        for name in ("accept", "accept-encoding", "user-agent"):
-            self.client.headers.pop(name, None)
+        self.client = proxy_client(s.timeout, s.connect_timeout, keepalive=64)
         for st in self.pool.models.values():
             if st.entry.load_on_startup:
                 await self.pool.load(st)

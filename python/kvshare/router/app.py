@@ -51,7 +51,8 @@ from kvshare.apis.llama_server import error_object
 
 from .backends import Backend, BackendSet
 from .metrics import RouterMetrics
-from .passthrough import RESPONSE_DROP, Passthrough, drop_hop_by_hop, forwarded_headers
+from .passthrough import (RESPONSE_DROP, Passthrough, drop_hop_by_hop, forwarded_headers,
+                          proxy_client)
 from .policy import Choice, PrefixPolicy
 from .prefix import RESPONSES_PATHS, prefix_key, strip_root
 from .sticky import IdPeeker, ResponseOwners, response_id_in_path
@@ -117,16 +118,7 @@ class Router:
     # ---- lifecycle
     async def start(self) -> None:
         s = self.settings
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(s.timeout, connect=s.connect_timeout),
-            # no pool limit: the replicas' own admission control bounds concurrency, and a
-            # proxy that queues requests in its pool hides that load from the policy
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            follow_redirects=False, trust_env=False)
-        # httpx's default request headers would change the request: without Accept-Encoding
-        # from the client, a backend must not compress what is passed back unchanged
-        for name in ("accept", "accept-encoding", "user-agent"):
-            self.client.headers.pop(name, None)
+        self.client = proxy_client(s.timeout, s.connect_timeout, keepalive=256)
         self.backends.client = self.client
         # before serving: a backend that does not answer yet is down from the start, not
         # found out by the first requests sent to it

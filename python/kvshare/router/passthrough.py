@@ -103,3 +103,18 @@ def forwarded_headers(request: Request) -> list[tuple[bytes, bytes]]:
     if host:
         headers.append((b"x-forwarded-host", host.encode("latin-1")))
     return headers
+
+
+def proxy_client(timeout: float, connect_timeout: float, keepalive: int) -> httpx.AsyncClient:
+    """The upstream client of a router: no pool limit (the servers' own admission control
+    bounds concurrency, and a proxy that queues requests in its pool hides that load), no
+    redirects or proxy settings from the environment, and none of httpx's default request
+    headers: without Accept-Encoding from the client, an upstream must not compress what is
+    passed back unchanged."""
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout, connect=connect_timeout),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=keepalive),
+        follow_redirects=False, trust_env=False)
+    for name in ("accept", "accept-encoding", "user-agent"):
+        client.headers.pop(name, None)
+    return client
