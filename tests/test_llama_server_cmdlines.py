@@ -5,10 +5,11 @@ arguments; each refused line exits 2 with one stderr line naming the flags it re
 without a model (llama-server's router mode) parses as kvshare's router when it carries a router
 flag, else as kvshare's default-model server.
 
-A representative set (every README line kvshare accepts, and the first accepted line of each
-llama.cpp test file) starts a real `kvshare` process with the line as written, but the model
+Every line kvshare must accept, and every line without a model or router flag (kvshare's
+default model), starts a real `kvshare` process with the line as written, but the model
 (the tiny model; an `-hf` repository: a loopback hub stand-in serving it), the port (a free
-one) and paths of llama.cpp's tree (templates under tests/data/templates, a temporary slot
+one) and paths of llama.cpp's tree (templates under tests/data/templates and
+tests/data/llama_server_templates, a temporary slot
 directory, an MCP config of no servers) replaced, and sends one request on an endpoint that
 line's test uses, checking what the flags make observable: `/props` n_ctx and total_slots, the
 sampling defaults, the API key, the alias in /v1/models."""
@@ -22,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -29,6 +31,7 @@ import httpx
 import pytest
 
 from hub_standin import HubStandIn
+from test_gguf_split import write_split
 from kvshare.model import hub
 from kvshare.server import cli
 from kvshare.server.cli.preflight import hub_flags_problem
@@ -41,6 +44,7 @@ ROUTER_FLAGS = ("--models-dir", "--models-preset", "--models-max", "--models-aut
 DATA = json.loads((ROOT / "tests" / "data" / "llama_server_cmdlines.json").read_text())
 LINES: list[dict[str, Any]] = DATA["lines"]
 TEMPLATES = ROOT / "tests" / "data" / "templates"
+LLAMA_SERVER_TEMPLATES = ROOT / "tests" / "data" / "llama_server_templates"
 _by = lambda kind: [e for e in LINES if e["expect"] == kind]  # noqa: E731
 
 
@@ -155,6 +159,10 @@ def test_underscores_in_long_flags_are_dashes():
 
 # --------------------------------------------------------------------------- real servers
 
+# llama.cpp tests whose line must not start (the test expects the server to exit): kvshare
+# exits 2 with one line
+NOT_STARTING = ("::test_mcp_config_file_errors",)
+
 # the request each llama.cpp test file's lines are checked with: (method, path, body)
 _CHAT = ("POST", "/v1/chat/completions",
          {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
@@ -174,8 +182,12 @@ _COMPLETION = ("POST", "/completion", {"prompt": "Once upon a time", "n_predict"
 
 
 def _template_for(path: str) -> Path | None:
-    p = TEMPLATES / Path(path.replace("\\", "/")).name
-    return p if p.is_file() else None
+    """The copy of a template a llama.cpp test names (its models/templates/), if kept here."""
+    name = Path(path.replace("\\", "/")).name
+    for folder in (TEMPLATES, TEMPLATES / "thinking", LLAMA_SERVER_TEMPLATES):
+        if (folder / name).is_file():
+            return folder / name
+    return None
 
 
 def _startable(line: dict) -> bool:
@@ -183,28 +195,14 @@ def _startable(line: dict) -> bool:
     return tpl is None or _template_for(tpl) is not None
 
 
-def _representatives() -> list[dict]:
-    """Every accepted README line, and per llama.cpp test file its first accepted line that
-    can start here (its template file is in tests/data/templates); for test_template.py the
-    `--reasoning off` one."""
-    chosen, seen = [], set()
-    for e in _by("accept"):
-        where = e["sources"][0].split("::")[0]
-        if e["id"].startswith("readme"):
-            if json.dumps([e["argv"][2:], e["env"]]) not in seen:  # README:442 is :436
-                seen.add(json.dumps([e["argv"][2:], e["env"]]))
-                chosen.append(e)
-            continue
-        if where in seen or not _startable(e):
-            continue
-        if where.endswith("test_template.py") and _value(e["argv"], "--reasoning") != "off":
-            continue
-        seen.add(where)
-        chosen.append(e)
-    return chosen
+def _started() -> list[dict]:
+    """Every line kvshare must accept, and every line without a model that is not a router
+    line (kvshare's default model: the test gives it the tiny model instead, as it does every
+    line's model). The router lines start in tests/test_model_router.py."""
+    return _by("accept") + [e for e in _by("router") if not _router_flags(e)]
 
 
-REAL = _representatives()
+REAL = _started()
 
 
 def _free_port() -> str:
@@ -243,6 +241,8 @@ def _local_line(line: dict, port: str, tmp: Path) -> tuple[list[str], dict[str, 
             argv[i + 1] = str(tmp / "mcp.json")
     if "LLAMA_ARG_MODEL" in env:
         env["LLAMA_ARG_MODEL"] = str(TINY_MODEL)
+    elif not any(a in ("-m", "--model", "-hf", "-hfr", "--hf-repo") for a in argv):
+        env["KVSHARE_MODEL"] = str(TINY_MODEL)  # for the default model: below the line
     if "LLAMA_ARG_PORT" in env or "--port" in argv:
         env["LLAMA_ARG_PORT"] = port
     else:
@@ -251,6 +251,20 @@ def _local_line(line: dict, port: str, tmp: Path) -> tuple[list[str], dict[str, 
     if repo:
         ref = repo
     return argv, env, ref
+
+
+def _repo_files(name: str, tmp: Path) -> dict[str, bytes]:
+    """The stand-in repository's GGUF files for the line's file `name`: the tiny model, or
+    for the first part of a split GGUF (`-00001-of-0000N`) the tiny model split into its N
+    parts as gguf-split writes them."""
+    m = re.search(r"-00001-of-(\d{5})\.gguf$", name)
+    if m is None:
+        return {name: TINY_MODEL.read_bytes()}
+    n = int(m.group(1))
+    (tmp / "split").mkdir()
+    parts = write_split(TINY_MODEL, tmp / "split", n)
+    return {name.replace("-00001-of-", f"-{k:05d}-of-"): p.read_bytes()
+            for k, p in enumerate(parts, 1)}
 
 
 @contextlib.contextmanager
@@ -287,13 +301,20 @@ def test_line_starts_a_real_server(line, tmp_path):
         if repo:
             name = _hub_file(repo, _value(argv, "--hf-file"))
             standin = stack.enter_context(HubStandIn(
-                {repo.split(":")[0]: {name: TINY_MODEL.read_bytes(), "README.md": b"#"}}))
+                {repo.split(":")[0]: {**_repo_files(name, tmp_path), "README.md": b"#"}}))
             env["HF_ENDPOINT"] = standin.endpoint
             if "--offline" in argv:  # llama.cpp's tests fetch their presets first (load_all)
                 a = _parse(argv, {})
                 assert hub_flags_problem(a) is None
                 hub.resolve(a.model, store, settings=hub.HubSettings(endpoint=standin.endpoint),
                             progress=False)
+        if any(src.endswith(NOT_STARTING) for src in line["sources"]):
+            p = subprocess.run([sys.executable, "-m", "kvshare.server.cli", *argv],
+                               capture_output=True, text=True, timeout=120, cwd=ROOT,
+                               env={**_clean_env(), **env})
+            err = p.stderr.strip().splitlines()
+            assert p.returncode == 2 and len(err) == 1, p.stderr
+            return
         stack.enter_context(_server(argv, env, port, tmp_path / "server.log"))
         _check(line, argv, env, f"http://127.0.0.1:{port}")
 
@@ -321,15 +342,26 @@ def _check(line: dict, argv: list[str], env: dict[str, str], url: str) -> None:
         method, path, body = ENDPOINT.get(test_file, _COMPLETION)
         r = c.request(method, path, json=body)
         assert r.status_code == 200, (path, r.text)
-        if path == "/apply-template" and _value(argv, "--reasoning") == "off":
-            assert "<think>\n\n</think>" in r.json()["prompt"], r.json()
+        if path == "/apply-template":
+            _check_prompt(line, r.json()["prompt"])
 
 
-def test_representatives_cover_every_source():
-    def files(lines: list[dict]) -> set[str]:
-        return {e["sources"][0].split("::")[0] for e in lines if e["id"].startswith("tests")}
+def _check_prompt(line: dict, prompt: str) -> None:
+    """What llama.cpp's test_template.py asserts of the line's prompt, read from its test ids:
+    test_reasoning[TEMPLATE-MODE-EXPECTED_END-TOOLS] (the prompt's end), and
+    test_date_inside_prompt[TEMPLATE-FORMAT-TOOLS] (today, formatted, in the prompt)."""
+    for src in line["sources"]:
+        m = re.search(r"::test_reasoning\[.+-(?:on|off|auto)-(.*)-(?:None|tools\d+)\]$", src)
+        if m:
+            assert prompt.endswith(m.group(1).replace("\\n", "\n")), (src, prompt)
+        m = re.search(r"::test_date_inside_prompt\[.+-(%[^-]*)-(?:None|tools\d+)\]$", src)
+        if m:
+            assert datetime.now().strftime(m.group(1)) in prompt, (src, prompt)
 
-    assert files(REAL) == files([e for e in _by("accept") if _startable(e)])
-    readme = [e for e in _by("accept") if e["id"].startswith("readme")]
-    distinct = {json.dumps([e["argv"][2:], e["env"]]) for e in readme}  # README:442 is :436
-    assert len([e for e in REAL if e["id"].startswith("readme")]) == len(distinct) >= 6
+
+def test_every_line_kvshare_starts_is_started():
+    assert all(_startable(e) for e in _by("accept")), [
+        _value(e["argv"], "--chat-template-file") for e in _by("accept") if not _startable(e)]
+    ids = {e["id"] for e in REAL}
+    assert {e["id"] for e in _by("accept")} <= ids and len(ids) == len(REAL) >= 120
+    assert not [e for e in REAL if _router_flags(e)]

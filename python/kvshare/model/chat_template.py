@@ -363,7 +363,7 @@ class ChatTemplate:
             ctx["enable_thinking"] = self.thinking_by_default
         ctx["messages"] = msgs
         ctx["tools"] = list(tools) if tools else None
-        ctx.setdefault("functions", template_context.functions_of(tools))
+        ctx.setdefault("functions", template_context.functions_text(tools))
         ctx["add_generation_prompt"] = bool(add_generation_prompt)
         try:
             out = self._template.render(**ctx)

@@ -6,9 +6,9 @@
 | `bos_token`/`eos_token` | the model's BOS / EOS text                                        |
 | `add_generation_prompt` | whether the prompt ends with the assistant turn's opening         |
 | `tools`                 | the request's tool definitions (OpenAI shape), None without tools |
-| `functions`             | the same tools in OpenAI's older `functions` shape (each tool's   |
-|                         | `function` object), for templates written against it; `[]` when  |
-|                         | there are none                                                    |
+| `functions`             | the request's tools as JSON text (2-space indent), "" without:    |
+|                         | what llama.cpp's FireFunction v2 handler passed, the one template |
+|                         | of its models/templates that reads it (`+ "\n" + functions`)     |
 | `enable_thinking`       | `--reasoning on` / `off`, a request's `chat_template_kwargs`;     |
 |                         | else (`--reasoning auto`) whether llama-server counts the         |
 |                         | template as one that thinks (`supports_thinking`)                 |
@@ -27,8 +27,9 @@ render, so a server running past midnight prints the new day.
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 
 def strftime_now(fmt: str) -> str:
@@ -44,14 +45,10 @@ def defaults() -> dict[str, Any]:
             "datetime": now.strftime("%b %d %Y")}
 
 
-def functions_of(tools: Sequence[Any] | None) -> list[Any]:
-    """`tools` in OpenAI's older `functions` shape: each tool's `function` object (a tool
-    without one is passed as it is)."""
-    out = []
-    for t in tools or ():
-        fn = t.get("function") if isinstance(t, Mapping) else None
-        out.append(fn if isinstance(fn, Mapping) else t)
-    return out
+def functions_text(tools: Sequence[Any] | None) -> str:
+    """`functions` of a render: the tools as JSON text indented by 2 (nlohmann's `dump(2)`,
+    keys in order, non-ASCII as is), "" without tools."""
+    return json.dumps(list(tools), indent=2, ensure_ascii=False) if tools else ""
 
 
 def thinking_setting(reasoning: str | None) -> dict[str, Any]:

@@ -76,13 +76,16 @@ def _read_template_file(file: str) -> str:
 
 def _named_or_inline(value: str) -> tuple[str, str]:
     """(Jinja source, name) of a `--chat-template` value: a built-in template by llama.cpp's
-    name for it (kvshare.model.builtin_templates), else an inline Jinja template."""
+    name for it (kvshare.model.builtin_templates), else an inline Jinja template (Jinja tags,
+    or text of more than one word)."""
     from kvshare.model.builtin_templates import BUILTIN_TEMPLATES
 
     key = value.strip()
     if key in BUILTIN_TEMPLATES:
         return BUILTIN_TEMPLATES[key], "gemma3" if key == "gemma" else key
-    if "{{" in value or "{%" in value:
+    # Any text is a Jinja template to llama-server (text without tags renders as itself);
+    # a single word that is not a built-in name is refused instead: a misspelt name.
+    if "{{" in value or "{%" in value or len(key.split()) > 1:
         return value, "inline"
     raise TemplateError(
         f"--chat-template {value!r} is neither a template kvshare has built in "
