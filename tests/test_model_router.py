@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -354,3 +355,34 @@ def test_children_die_with_a_killed_router(layout):
     while [k for k in kids if _alive(k)] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [k for k in kids if _alive(k)], "a child outlived its killed router"
+
+
+def test_a_half_sent_body_is_cut_and_the_router_serves_on(layout):
+    """The router bounds what a client makes it hold, as `kvshare serve` and `kvshare route`:
+    a body that stops arriving is a 408 after --body-timeout (llama-server's error shape),
+    and requests past --max-connections in progress are a 503; /health is never counted."""
+    r = Router(layout, "--models-dir", str(layout / "models"), "--body-timeout", "1",
+               "--max-connections", "1")
+    try:
+        host, port = r.url.removeprefix("http://").split(":")
+        t0 = time.monotonic()
+        with socket.create_connection((host, int(port.rstrip("/"))), timeout=10) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                      b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n{\"mo")
+            # while this one is in progress, a second request is over the limit of one
+            busy = r.client.post("/v1/chat/completions", json=_chat("alpha"))
+            assert busy.status_code == 503, busy.text
+            assert r.client.get("/health").status_code == 200
+            got = b""
+            while not got.endswith(b"}") and time.monotonic() - t0 < 10:
+                data = s.recv(65536)
+                if not data:
+                    break
+                got += data
+        assert got.startswith(b"HTTP/1.1 408"), got[:300]
+        assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+        assert 0.9 < time.monotonic() - t0 < 6
+        ok = r.client.post("/v1/chat/completions", json=_chat("alpha"))
+        assert ok.status_code == 200, ok.text
+    finally:
+        r.stop()

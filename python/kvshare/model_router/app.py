@@ -43,6 +43,8 @@ from kvshare.apis.llama_request import error_object
 from kvshare.router.passthrough import (RESPONSE_DROP, Passthrough, drop_hop_by_hop,
                                         forwarded_headers, proxy_client)
 from kvshare.server.cors import CORSMiddleware, CORSPolicy
+from kvshare.server.body import body_timeout_error
+from kvshare.server.edge import BodyTimeout, EdgeLimits, EdgeMiddleware
 from kvshare.server.errors import APIError
 from kvshare.server.middleware import AuthMiddleware, error_json, route_path
 from kvshare.server.tenancy import KeyRing
@@ -64,6 +66,8 @@ class ModelRouterSettings:
     max_body: int = 16 * 1024 * 1024
     timeout: float = 600.0  # the longest silence of a child's answer
     connect_timeout: float = 5.0
+    body_timeout: float | None = 30.0  # a request body's longest pause (then 408)
+    max_connections: int = 1024  # requests in progress (then 503)
 
 
 class _BodyTooLarge(Exception):
@@ -124,6 +128,10 @@ class ModelRouter:
                               f"{self.settings.max_body} bytes")
         except ClientDisconnect:
             return Response(status_code=400)
+        except BodyTimeout:
+            err = body_timeout_error(self.settings.body_timeout)
+            return JSONResponse(error_json(path, err), status_code=err.status,
+                                headers=err.headers)
         if method == "POST" and path in ("/models/load", "/models/unload"):
             doc = self._json(body)
             name = doc.get("model") if isinstance(doc, dict) else None
@@ -276,7 +284,14 @@ def create_app(pool: ModelPool, settings: ModelRouterSettings, keys: KeyRing | N
 
     # CORS outside the key check, as `kvshare serve`: a browser's preflight carries no key and
     # is answered here (a child's own CORS headers on an answer are replaced by the router's)
-    middleware = [Middleware(CORSMiddleware, policy=cors or CORSPolicy())]
+    # outermost, as in `kvshare serve` and `kvshare route`: requests in progress and body
+    # deadlines are bounded before anything reads a body
+    limits = EdgeLimits(body_timeout=settings.body_timeout,
+                        max_connections=settings.max_connections,
+                        max_body_bytes=settings.max_body)
+    middleware = [Middleware(EdgeMiddleware, limits=limits, exempt=HEALTH_PATHS,
+                             route_path=route_path),
+                  Middleware(CORSMiddleware, policy=cors or CORSPolicy())]
     if keys:
         middleware.append(Middleware(AuthMiddleware, keys=keys))
     app = Starlette(routes=[Route("/{path:path}", router.handle, methods=METHODS)],

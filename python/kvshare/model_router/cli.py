@@ -135,7 +135,9 @@ def serve_models(args: argparse.Namespace) -> int:
     url = socket_url(sock, args.root_path)
     pool = ModelPool(entries, lambda e: argv_of[e.name], env, models_max)
     settings = ModelRouterSettings(models_max=models_max, autoload=autoload,
-                                   max_body=args.max_body_mib * 1024 * 1024)
+                                   max_body=args.max_body_mib * 1024 * 1024,
+                                   body_timeout=args.body_timeout,
+                                   max_connections=args.max_connections)
 
     def ready() -> None:
         print(f"kvshare: routing {len(entries)} model(s) at {url} (models max "
