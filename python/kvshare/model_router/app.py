@@ -29,7 +29,6 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
 
 import httpx
 from starlette.applications import Starlette
@@ -40,8 +39,9 @@ from starlette.routing import Route
 
 from kvshare import __version__
 from kvshare.apis.llama_request import error_object
-from kvshare.router.passthrough import (RESPONSE_DROP, Passthrough, drop_hop_by_hop,
-                                        forwarded_headers, proxy_client)
+from kvshare.router.passthrough import (RESPONSE_DROP, BodyTooLarge, Passthrough,
+                                        drop_hop_by_hop, forwarded_headers, proxy_client,
+                                        read_body, upstream_url)
 from kvshare.server.cors import CORSMiddleware, CORSPolicy
 from kvshare.server.body import body_timeout_error
 from kvshare.server.edge import BodyTimeout, EdgeLimits, EdgeMiddleware
@@ -68,10 +68,6 @@ class ModelRouterSettings:
     connect_timeout: float = 5.0
     body_timeout: float | None = 30.0  # a request body's longest pause (then 408)
     max_connections: int = 1024  # requests in progress (then 503)
-
-
-class _BodyTooLarge(Exception):
-    pass
 
 
 def _router_error(status: int, message: str) -> JSONResponse:
@@ -122,8 +118,9 @@ class ModelRouter:
             if path == "/props" and "model" not in request.query_params:
                 return self.props()
         try:
-            body = await self._read_body(request) if method in BODY_METHODS else b""
-        except _BodyTooLarge:
+            body = (await read_body(request, self.settings.max_body) if method in BODY_METHODS
+                    else b"")
+        except BodyTooLarge:
             return _api_error(path, 413, "Request body is larger than the limit of "
                               f"{self.settings.max_body} bytes")
         except ClientDisconnect:
@@ -144,16 +141,6 @@ class ModelRouter:
         else:
             name = request.query_params.get("model")
         return await self.route(request, path, name, body)
-
-    async def _read_body(self, request: Request) -> bytes:
-        limit = self.settings.max_body
-        chunks, n = [], 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > limit:
-                raise _BodyTooLarge
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     @staticmethod
     def _json(body: bytes) -> dict | None:
@@ -185,13 +172,7 @@ class ModelRouter:
 
     async def _forward(self, request: Request, path: str, s: ModelState, body: bytes) -> Any:
         assert self.client is not None and s.url is not None
-        raw = request.scope.get("raw_path")
-        target = raw.decode("latin-1") if raw else quote(request.scope.get("path", "/"))
-        root = request.scope.get("root_path", "")
-        if root and target.startswith(root):
-            target = target[len(root):] or "/"
-        query = request.scope.get("query_string") or b""
-        url = s.url + target + (f"?{query.decode('latin-1')}" if query else "")
+        url = upstream_url(request, s.url, request.scope.get("root_path", ""))
         upstream_req = self.client.build_request(request.method, url,
                                                  headers=forwarded_headers(request),
                                                  content=body or None)

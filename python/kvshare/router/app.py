@@ -32,7 +32,6 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
 
 import httpx
 from starlette.applications import Starlette
@@ -51,8 +50,8 @@ from kvshare.apis.llama_server import error_object
 
 from .backends import Backend, BackendSet
 from .metrics import RouterMetrics
-from .passthrough import (RESPONSE_DROP, Passthrough, drop_hop_by_hop, forwarded_headers,
-                          proxy_client)
+from .passthrough import (RESPONSE_DROP, BodyTooLarge, Passthrough, drop_hop_by_hop,
+                          forwarded_headers, proxy_client, read_body, upstream_url)
 from .policy import Choice, PrefixPolicy
 from .prefix import RESPONSES_PATHS, prefix_key, strip_root
 from .sticky import IdPeeker, ResponseOwners, response_id_in_path
@@ -63,7 +62,6 @@ OPEN_PATHS = frozenset({"/health", "/v1/health"})  # as `kvshare serve`: no key 
 MODELS_PATHS = frozenset({"/v1/models", "/models"})
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
-DISCARD_LIMIT = 8 * 1024 * 1024  # a too-big body up to this much more is read and dropped
 PARSE_OFF_LOOP = 256 * 1024  # bodies bigger than this are parsed on a worker thread
 
 
@@ -86,10 +84,6 @@ class RouterSettings:
     # body: BODY_TOTAL_FACTOR x this), and requests in progress
     body_timeout: float = 30.0
     max_connections: int = 1024
-
-
-class _BodyTooLarge(Exception):
-    pass
 
 
 def _error(path: str, status: int, message: str, code: str,
@@ -152,7 +146,7 @@ class Router:
             # closed under a client that reuses it for its next request
             try:
                 await self.read_body(request)
-            except (_BodyTooLarge, ClientDisconnect, BodyTimeout):
+            except (BodyTooLarge, ClientDisconnect, BodyTimeout):
                 denied.headers["Connection"] = "close"
             return denied
         if method in ("GET", "HEAD") and path in MODELS_PATHS:
@@ -162,7 +156,7 @@ class Router:
             return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
         try:
             body = await self.read_body(request)
-        except _BodyTooLarge:
+        except BodyTooLarge:
             return _error(path, 413, "Request body is larger than the limit of "
                           f"{self.settings.max_body} bytes", "request_too_large",
                           headers={"Connection": "close"})
@@ -201,30 +195,7 @@ class Router:
                       type="authentication_error" if is_anthropic_path(path) else None)
 
     async def read_body(self, request: Request) -> bytes:
-        """The whole request body, at most `max_body` bytes (else _BodyTooLarge, after reading
-        and dropping up to DISCARD_LIMIT more so the client gets to read the 413)."""
-        limit = self.settings.max_body
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            if int(declared) <= limit + DISCARD_LIMIT:
-                async for _ in request.stream():
-                    pass
-            raise _BodyTooLarge
-        chunks: list[bytes] = []
-        n = 0
-        too_big = False
-        async for chunk in request.stream():  # one pass: a request's stream reads once
-            n += len(chunk)
-            if too_big or n > limit:
-                too_big = True
-                chunks.clear()
-                if n > limit + DISCARD_LIMIT:
-                    break
-                continue
-            chunks.append(chunk)
-        if too_big:
-            raise _BodyTooLarge
-        return b"".join(chunks)
+        return await read_body(request, self.settings.max_body)
 
     # ---- routing
     @staticmethod
@@ -269,12 +240,8 @@ class Router:
         return forwarded_headers(request)
 
     def _target(self, request: Request, backend: str) -> str:
-        # the path as the client sent it (percent-encoding kept), less the router's mount
-        raw = request.scope.get("raw_path")
-        path = (raw.decode("latin-1") if raw else quote(request.scope.get("path", "/")))
-        path = strip_root(path, self.settings.root_path or request.scope.get("root_path", ""))
-        query = request.scope.get("query_string") or b""
-        return backend + path + (f"?{query.decode('latin-1')}" if query else "")
+        return upstream_url(request, backend,
+                            self.settings.root_path or request.scope.get("root_path", ""))
 
     async def forward(self, request: Request, path: str, body: bytes) -> Any:
         assert self.client is not None, "the router has not started"

@@ -1,15 +1,19 @@
 """Proxying pieces shared by kvshare's routers (`kvshare route`'s replica router, router/app.py,
-and the multi-model router, model_router/): which headers pass a proxy, and an ASGI response
-that passes an upstream response on as it arrives (an SSE stream is never buffered)."""
+and the multi-model router, model_router/): which headers pass a proxy, the request body read
+under the size limit, the upstream URL, the upstream client, and an ASGI response that passes
+an upstream response on as it arrives (an SSE stream is never buffered)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from urllib.parse import quote
 
 import anyio
 import httpx
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
+
+from .prefix import strip_root
 
 # Hop-by-hop headers (RFC 9110 7.6.1) concern one connection, not the request: never
 # forwarded either way. Host and Content-Length are set anew for the backend's connection.
@@ -118,3 +122,46 @@ def proxy_client(timeout: float, connect_timeout: float, keepalive: int) -> http
     for name in ("accept", "accept-encoding", "user-agent"):
         client.headers.pop(name, None)
     return client
+
+
+DISCARD_LIMIT = 8 * 1024 * 1024  # a too-big body up to this much more is read and dropped
+
+
+class BodyTooLarge(Exception):
+    """A request body over the router's limit (its answer is a 413)."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole request body, at most `limit` bytes (else BodyTooLarge, after reading and
+    dropping up to DISCARD_LIMIT more so the client gets to read the 413)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        if int(declared) <= limit + DISCARD_LIMIT:
+            async for _ in request.stream():
+                pass
+        raise BodyTooLarge
+    chunks: list[bytes] = []
+    n = 0
+    too_big = False
+    async for chunk in request.stream():  # one pass: a request's stream reads once
+        n += len(chunk)
+        if too_big or n > limit:
+            too_big = True
+            chunks.clear()
+            if n > limit + DISCARD_LIMIT:
+                break
+            continue
+        chunks.append(chunk)
+    if too_big:
+        raise BodyTooLarge
+    return b"".join(chunks)
+
+
+def upstream_url(request: Request, base: str, root_path: str) -> str:
+    """`base` + the path as the client sent it (percent-encoding kept) less the router's mount
+    `root_path`, + its query string."""
+    raw = request.scope.get("raw_path")
+    path = raw.decode("latin-1") if raw else quote(request.scope.get("path", "/"))
+    path = strip_root(path, root_path)
+    query = request.scope.get("query_string") or b""
+    return base + path + (f"?{query.decode('latin-1')}" if query else "")
