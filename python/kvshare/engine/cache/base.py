@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from kvshare import _core
 from kvshare.engine.cache.keys import BlockKeys
-from kvshare.engine.sequence import Sequence, recomputes  # noqa: F401 (the managers' import)
+from kvshare.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from kvshare.engine.cache.tiers import TierManager

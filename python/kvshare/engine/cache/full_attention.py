@@ -26,9 +26,9 @@ import time
 from kvshare import _core
 from kvshare.engine.cache.base import (CacheContext, LayerGroupManager, allocate_blocks,
                                        copy_on_write, full_blocks_before, prefix_entry_tokens,
-                                       recomputes, record_tokens)
+                                       record_tokens)
 from kvshare.engine.faults import injected, maybe_inject
-from kvshare.engine.sequence import Sequence
+from kvshare.engine.sequence import Sequence, recomputes
 
 log = logging.getLogger("kvshare.cache")
 

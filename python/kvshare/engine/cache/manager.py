@@ -12,11 +12,11 @@ import logging
 import time
 from typing import TYPE_CHECKING, Literal, overload
 
-from kvshare.engine.cache.base import CacheContext, LayerGroupManager, recomputes
+from kvshare.engine.cache.base import CacheContext, LayerGroupManager
 from kvshare.engine.cache.full_attention import FullAttentionManager
 from kvshare.engine.cache.prefetch import RemoteFetcher
 from kvshare.engine.faults import maybe_inject
-from kvshare.engine.sequence import Sequence
+from kvshare.engine.sequence import Sequence, recomputes
 
 if TYPE_CHECKING:
     from kvshare._core import _PoolStats

@@ -15,11 +15,10 @@ import logging
 import time
 
 from kvshare import _core
-from kvshare.engine.cache.base import (CacheContext, LayerGroupManager, prefix_entry_tokens,
-                                       recomputes)
+from kvshare.engine.cache.base import CacheContext, LayerGroupManager, prefix_entry_tokens
 from kvshare.engine.cache.checkpoints import CheckpointManager
 from kvshare.engine.cache.full_attention import FullAttentionManager
-from kvshare.engine.sequence import Sequence
+from kvshare.engine.sequence import Sequence, recomputes
 
 log = logging.getLogger("kvshare.cache")
 

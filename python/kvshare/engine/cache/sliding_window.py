@@ -33,9 +33,9 @@ import numpy as np
 
 from kvshare import _core
 from kvshare.engine.cache.base import (CacheContext, LayerGroupManager, allocate_blocks,
-                                       copy_on_write, recomputes, record_tokens)
+                                       copy_on_write, record_tokens)
 from kvshare.engine.cache.full_attention import FullAttentionManager
-from kvshare.engine.sequence import Sequence
+from kvshare.engine.sequence import Sequence, recomputes
 
 log = logging.getLogger("kvshare.cache")
 

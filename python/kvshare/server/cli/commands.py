@@ -10,7 +10,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
-from kvshare.server.server_tools.config import tools_config
+from kvshare.server.server_tools.config import ToolsConfig, tools_config
 
 from .chat_template_flags import TemplateError, chat_template_override
 from .config import llama_settings_kwargs, ui_config
@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from kvshare.server.settings import ServerSettings
 
 
-def _server_settings(args: argparse.Namespace, tenancy_kw: dict[str, Any],
-                     ui: Any = None) -> ServerSettings:
+def _server_settings(args: argparse.Namespace, tenancy_kw: dict[str, Any], ui: Any,
+                     tools: ToolsConfig) -> ServerSettings:
     from kvshare.server.settings import ServerSettings
 
     aliases = [a.strip() for a in (args.alias or "").split(",") if a.strip()]
@@ -35,7 +35,7 @@ def _server_settings(args: argparse.Namespace, tenancy_kw: dict[str, Any],
                           body_timeout=args.body_timeout,
                           max_connections=args.max_connections,
                           ui_settings={} if ui is None else ui,
-                          tools=tools_config(args),
+                          tools=tools,
                           **({} if args.cache_ttl is None
                              else {"response_ttl_s": args.cache_ttl}),
                           **llama_settings_kwargs(args), **tenancy_kw)
@@ -60,7 +60,7 @@ def serve(args: argparse.Namespace) -> int:
         return fail(str(e), 2)
     try:
         ui_settings = ui_config(args)
-        tools_config(args)  # --tools names, MCP config JSON and file: before the model load
+        tools = tools_config(args)  # --tools names, MCP config: checked before the model load
     except ValueError as e:
         return fail(str(e), 2)
 
@@ -85,7 +85,7 @@ def serve(args: argparse.Namespace) -> int:
         return fail(e.message, e.code)
 
     url = socket_url(sock, args.root_path)
-    settings = _server_settings(args, tenancy_kw, ui_settings)
+    settings = _server_settings(args, tenancy_kw, ui_settings, tools)
     raise_fd_limit(args.max_connections + 256)  # a descriptor per connection, and files
 
     model_name, ctx_size = engine.model_name, engine.ctx_size
