@@ -224,6 +224,10 @@ def test_bad_calls_get_llama_servers_errors(srv):
     assert r.status_code == 400
     r = srv.post("/tools", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    # the server's body limit (--max-body-mib, 16 MiB) holds here too
+    r = srv.post("/tools", content=b" " * (17 * 1024 * 1024),
+                 headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
     r = srv.post("/tools", json={"tool": "read_file", "params": {"path": "x"}, "stream": True})
     assert r.status_code == 404 and "does not support stream = true" in r.text
     r = srv.post("/tools", json={"tool": "exec_shell_command", "params": {"command": "echo hi"}},

@@ -155,6 +155,10 @@ def test_cors_proxy_forwards_only_proxy_headers(echo_srv):
         r = c.post("/cors-proxy", params={"url": url}, content=b'{"a": 1}')
         assert r.status_code == 204 and r.content == b""
         assert _Target.seen[-1] == {"body": '{"a": 1}'}
+        # a body over the server's limit (--max-body-mib, 16 MiB) is not forwarded
+        n_seen = len(_Target.seen)
+        r = c.post("/cors-proxy", params={"url": url}, content=b"x" * (17 * 1024 * 1024))
+        assert r.status_code == 413 and len(_Target.seen) == n_seen
         # through the proxy, to this server itself (llama.cpp's test_mcp_proxy_custom_port)
         self_url = str(c.base_url).rstrip("/") + "/v1/models"
         r = c.get("/cors-proxy", params={"url": self_url})

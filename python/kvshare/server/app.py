@@ -80,7 +80,7 @@ class KVShareServer:
         self.llama_info = LlamaInfoEndpoints(self.pipeline, len(self.slot_table), fingerprint)
         self.server = ServerEndpoints(self.pipeline, self.metrics)
         # /tools and /cors-proxy (llama-server's --tools, MCP servers, --ui-mcp-proxy)
-        self.tools = ServerTools(settings.tools)
+        self.tools = ServerTools(settings.tools, settings)
 
     @property
     def body_timeout(self) -> float | None:

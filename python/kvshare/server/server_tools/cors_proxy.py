@@ -5,7 +5,8 @@ are sent on, as `<Name>` (so the caller's API key and cookies never leave); redi
 followed; the answer's status, body and headers come back without the hop-by-hop ones and
 the target's `Access-Control-*` (this server's CORS policy applies). A URL without a host,
 with a password, or of another scheme is a 500 in llama-server's error shape, as there.
-Read and write deadlines: 600 s, as llama-server's. The body comes back decoded (without
+A request body is held to the server's --max-body-mib (413). Read and write deadlines:
+600 s, as llama-server's. The body comes back decoded (without
 its Content-Encoding)."""
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import httpx
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvshare.router.passthrough import BodyTooLarge, read_body
 
 PROXY_HEADER_PREFIX = "x-llama-server-proxy-header-"
 TIMEOUT_S = 600.0
@@ -48,13 +51,20 @@ def forwarded_headers(request: Request) -> dict[str, str]:
     return out
 
 
-async def proxy(request: Request) -> Response:
+async def proxy(request: Request, max_body: int) -> Response:
+    """Forward `request` (its body at most `max_body` bytes: else a 413) to its `url`."""
     try:
         url = target_url(request.query_params.get("url", ""))
     except ProxyError as e:
         return JSONResponse({"error": {"code": 500, "message": str(e), "type": "server_error"}},
                             status_code=500)
-    body = await request.body() if request.method == "POST" else None
+    try:
+        body = await read_body(request, max_body) if request.method == "POST" else None
+    except BodyTooLarge:
+        return JSONResponse({"error": {"code": 413, "message": "Request body is larger than "
+                                       f"the limit of {max_body} bytes",
+                                       "type": "invalid_request_error"}},
+                            status_code=413, headers={"Connection": "close"})
     client = httpx.AsyncClient(follow_redirects=True, timeout=TIMEOUT_S)
     try:
         upstream = await client.send(client.build_request(

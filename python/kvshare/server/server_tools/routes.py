@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..body import read_json
 from .builtin import BadParams, Tool, builtin_tools
 from .config import ToolsConfig, describe
 from .cors_proxy import proxy
@@ -64,8 +65,9 @@ class ServerTools:
     """The tools the flags turned on; `start()` lists the MCP servers' tools (spawning each
     once), `shutdown()` stops every MCP server."""
 
-    def __init__(self, config: ToolsConfig):
+    def __init__(self, config: ToolsConfig, settings: Any):
         self.config = config
+        self.settings = settings  # ServerSettings: the request body limits
         self.mcp = McpManager(config.mcp_servers)
         self.tools: list[Tool] = builtin_tools(config.tools)
 
@@ -94,11 +96,10 @@ class ServerTools:
         return JSONResponse([t.to_json() for t in self.tools])
 
     async def call_tool(self, request: Request) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return _error(400, f"invalid JSON body: {e}", "invalid_request_error")
-        if not isinstance(body, dict) or not isinstance(body.get("tool"), str):
+        # kvshare serve's body reader: the size limit, the body deadline, a JSON object (its
+        # errors are the server's 4xx in llama-server's shape)
+        body = await read_json(request, self.settings)
+        if not isinstance(body.get("tool"), str):
             return _error(400, "\"tool\" (a string) is required", "invalid_request_error")
         params = body.get("params", {})
         stream = body.get("stream", False)
@@ -162,10 +163,13 @@ class ServerTools:
         finally:
             gone.set()
 
+    async def cors_proxy(self, request: Request) -> Response:
+        return await proxy(request, self.settings.max_body_bytes)
+
     def routes(self) -> list[Route]:
         tools_get, tools_post = ((self.list_tools, self.call_tool) if self.config.tools_endpoint
                                  else (feature_disabled, feature_disabled))
-        cors = proxy if self.config.ui_mcp_proxy else feature_disabled
+        cors = self.cors_proxy if self.config.ui_mcp_proxy else feature_disabled
         return [Route("/tools", tools_get, methods=["GET"]),
                 Route("/tools", tools_post, methods=["POST"]),
                 Route("/cors-proxy", cors, methods=["GET", "POST"])]
