@@ -325,6 +325,10 @@ class DecoderModel(Model):
     # "vnni"): attention then takes the kernel's batch-invariant form, so that a row's
     # activations, and with them their 8-bit rounding, do not depend on the step's batch
     batch_invariant: bool = False
+    # True: on a GPU, `forward` returns each chunk's logits as device arrays (the engine then
+    # samples on the device and only token ids come back); False: host NumPy arrays
+    logits_on_device: bool = False
+
     def __init__(self, config: ModelConfig, backend: Backend = CPU):
         self.config = config
         self.backend = backend
@@ -526,7 +530,9 @@ class DecoderModel(Model):
         if x is None or plan.logit_rows.size == 0:
             return [None] * len(plan.chunks)
         h = rms_norm(x, self.output_norm, self.config.norm_eps, backend=be)
-        logits = be.to_host(linear(h, self.output, backend=be))
+        logits = linear(h, self.output, backend=be)
+        if not (be.is_gpu and self.logits_on_device):
+            logits = be.to_host(logits)
         i = 0
         for c in plan.chunks:
             k = c.n_logits
