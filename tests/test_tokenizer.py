@@ -530,3 +530,45 @@ def test_fragment_cache_is_transparent(gemma, monkeypatch):
     gemma.clear_cache()
     assert gemma.encode(text) == first and gemma._frag_chars <= 200
     gemma.clear_cache()
+
+
+# ---- the incremental decoder behind streamed replies (engine/output.py) ---------------------
+
+
+def _incremental_cases(toks) -> list[tuple[str, Tokenizer]]:
+    tokens = ["<unk>", "<s>", "</s>", *_byte_vocab(), "▁", "h", "i", "▁h", "▁hi", "<x>"]
+    types = [2, 3, 3, *[6] * 256, 1, 1, 1, 1, 1, 3]
+    spm = Tokenizer.from_metadata(_spm_meta(tokens, types,
+                                            **{"tokenizer.ggml.add_space_prefix": True}))
+    return [*toks.items(), ("spm-space-prefix", spm)]
+
+
+@pytest.mark.parametrize("skip_special", [False, True])
+def test_incremental_decoder_is_decode_at_every_prefix(toks, skip_special):
+    """Fed ids one by one, the incremental decoder's text (plus U+FFFD while a character is
+    incomplete, then its flush) is `decode` of every prefix: random ids over the whole
+    vocabulary (byte tokens cut characters, control tokens render or not), and a model that
+    adds a space prefix (the first token's space dropped, no other)."""
+    rng = random.Random(3)
+    for name, tok in _incremental_cases(toks):
+        dec = tok.incremental_decoder(skip_special)
+        assert dec is not None, name
+        ids = [rng.randrange(tok.vocab_size) for _ in range(300)]
+        if name == "spm-space-prefix":  # a space-led token first, later and at the end
+            sp = tok.encode(" hi", add_special=False)
+            ids = sp + ids[:50] + sp + ids[50:] + sp
+        text = ""
+        for k, t in enumerate(ids, 1):
+            text += dec.feed(t)
+            got = text + "\ufffd" if dec.pending else text
+            want = tok.decode(ids[:k], skip_special=skip_special)
+            assert got == want, (name, k)
+        assert text + dec.flush() == tok.decode(ids, skip_special=skip_special), name
+
+
+def test_no_incremental_decoder_where_decode_cleans_spaces():
+    tokens = ["<unk>", "<s>", "</s>", *_byte_vocab(), "▁", "h", "i", "▁h", "▁hi", "<x>"]
+    types = [2, 3, 3, *[6] * 256, 1, 1, 1, 1, 1, 3]
+    tok = Tokenizer.from_metadata(_spm_meta(tokens, types))
+    tok.clean_spaces = True
+    assert tok.incremental_decoder() is None

@@ -23,7 +23,7 @@ class SeqState(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     seq_id: int
     request: GenerationRequest

@@ -341,6 +341,15 @@ class Tokenizer:
     def stream_decoder(self, skip_special: bool = True) -> StreamDecoder:
         return StreamDecoder(self, skip_special)
 
+    def incremental_decoder(self, skip_special: bool = False) -> StreamDecoder | None:
+        """A `StreamDecoder` whose output, fed `ids` one by one and flushed, is exactly
+        `decode(ids, skip_special)` at every prefix (a streamed reply then costs O(1) a token
+        instead of decoding the whole reply again); None where `decode` is not a plain
+        concatenation of pieces (`clean_spaces`: a token can change the text before it)."""
+        if self.clean_spaces:
+            return None
+        return StreamDecoder(self, skip_special, strip_space_prefix=self.add_space_prefix)
+
 
 def _release_freed_memory() -> None:
     """Hand the heap freed by construction's temporaries back to the OS (glibc only)."""

@@ -98,14 +98,23 @@ class StreamDecoder:
     With `skip_special` (the default, as llama-server streams), control tokens render as "".
     """
 
-    def __init__(self, tokenizer: PieceSource, skip_special: bool = True):
+    def __init__(self, tokenizer: PieceSource, skip_special: bool = True,
+                 strip_space_prefix: bool = False):
         self._tok = tokenizer
         self._table = tokenizer.piece_table(special=not skip_special)
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # the first token's leading space dropped, as `detokenize` drops it for a model that
+        # adds a space prefix
+        self._strip_first = strip_space_prefix
 
     def feed(self, token_id: int) -> str:
         self._tok.check_id(token_id)
-        return self._dec.decode(self._table[token_id])
+        piece = self._table[token_id]
+        if self._strip_first:
+            self._strip_first = False
+            if piece.startswith(b" "):
+                piece = piece[1:]
+        return self._dec.decode(piece)
 
     def feed_many(self, ids: Iterable[int]) -> str:
         return "".join(self.feed(t) for t in ids)
