@@ -20,6 +20,9 @@
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(x)
+// static __shared__ arrays: a function-local static is one object for all the fibers (threads)
+// of a block, as shared memory is (not poisoned between blocks, unlike the dynamic one)
+#define __shared__ static
 
 struct uint3_ { unsigned x = 0, y = 0, z = 0; };
 struct dim3_ { unsigned x = 1, y = 1, z = 1; };
@@ -37,6 +40,26 @@ static inline float __fmul_rn(float a, float b) { volatile float r = a * b; retu
 static inline double __dmul_rn(double a, double b) { volatile double r = a * b; return r; }
 static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
+// SIMD integer intrinsics, with the CUDA Math API's semantics. __dp4a: c + the sum of the
+// products of the 4 signed bytes of a and b.
+static inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; ++i) c += (int)(int8_t)(a >> (8 * i)) * (int)(int8_t)(b >> (8 * i));
+    return c;
+}
+// __vsub4: per-byte a - b, modulo 256 (no saturation).
+static inline unsigned __vsub4(unsigned a, unsigned b) {
+    unsigned r = 0;
+    for (int i = 0; i < 4; ++i) r |= (((a >> (8 * i)) - (b >> (8 * i))) & 0xffu) << (8 * i);
+    return r;
+}
+// __byte_perm: result byte n = byte s<4n+2:4n> of the 8 bytes y:x (x the low ones); the 4th
+// bit of each selector nibble and the upper 16 bits of s are ignored.
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const unsigned long long v = ((unsigned long long)y << 32) | x;
+    unsigned r = 0;
+    for (int n = 0; n < 4; ++n) r |= (unsigned)((v >> (8 * ((s >> (4 * n)) & 7u))) & 0xffu) << (8 * n);
+    return r;
+}
 static inline float emu_h2f(unsigned short h) { _Float16 f; std::memcpy(&f, &h, 2); return (float)f; }
 static inline unsigned short emu_f2h(float x) { _Float16 f = (_Float16)x; unsigned short h; std::memcpy(&h, &f, 2); return h; }
 
