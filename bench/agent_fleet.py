@@ -8,7 +8,7 @@ user text (the first turn: a session id and a task, later turns: a tool result a
 question), and generates a short greedy reply. The sessions run concurrently (one thread and
 one HTTP connection each, streaming), all released at once.
 
-Measured per target: TTFT (request sent -> first non-empty content chunk) of the first turn
+Measured per target: TTFT (request sent -> first non-empty content or reasoning_content chunk) of the first turn
 and of the later turns (median, max), the fleet's wall time (release -> last reply done), and
 the cached prompt tokens the server reports (kvshare: usage.prompt_tokens_details.cached_tokens
 and timings.cache_n; llama-server: timings.cache_n). Targets (kvshare / peer): later-turn TTFT
@@ -25,7 +25,12 @@ server that kept this seed's prefix from an earlier run starts warm: restart it 
     python bench/agent_fleet.py                           # 6K prefix, 4 sessions x 3 turns
     python bench/agent_fleet.py --peer-url http://127.0.0.1:8081   # side by side with llama-server
 
-Writes bench/out/agent_fleet.json.
+On a GPU (issue 40's figures; KVSHARE_* variables reach the server only through --server-env):
+
+    python bench/agent_fleet.py --model q15.gguf --server-args "--device cuda" \
+        --server-env KVSHARE_GPU_WEIGHTS=blocks --out agent_fleet.json
+
+Writes bench/out/agent_fleet.json (or --out).
 """
 
 from __future__ import annotations
@@ -196,6 +201,7 @@ def one_turn(client: httpx.Client, messages: list[dict], max_tokens: int,
     usage: dict = {}
     timings: dict = {}
     finish = None
+    reasoning_chars = 0
     t0 = time.perf_counter()
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
@@ -213,10 +219,17 @@ def one_turn(client: httpx.Client, messages: list[dict], max_tokens: int,
             if chunk.get("timings"):
                 timings = chunk["timings"]
             for choice in chunk.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
+                delta = choice.get("delta") or {}
+                piece = delta.get("content")
+                # a reasoning model's first tokens stream as reasoning_content: the first
+                # token either way (a random-weight model with a thinking template may
+                # never leave it)
+                thought = delta.get("reasoning_content")
+                if (piece or thought) and rec["ttft_s"] is None:
+                    rec["ttft_s"] = time.perf_counter() - t0
+                if thought:
+                    reasoning_chars += len(thought)
                 if piece:
-                    if rec["ttft_s"] is None:
-                        rec["ttft_s"] = time.perf_counter() - t0
                     parts.append(piece)
                 if choice.get("finish_reason"):
                     finish = choice["finish_reason"]
@@ -225,6 +238,7 @@ def one_turn(client: httpx.Client, messages: list[dict], max_tokens: int,
                         rec["empty_reply"] = True
     rec["latency_s"] = time.perf_counter() - t0
     rec["reply"] = "".join(parts)
+    rec["reasoning_chars"] = reasoning_chars
     rec["finish_reason"] = finish
     rec["prompt_tokens"] = usage.get("prompt_tokens")
     if rec["prompt_tokens"] is None and "prompt_n" in timings:
@@ -375,6 +389,10 @@ def main() -> None:
                     help="skip the one tiny unrelated request sent to each server first")
     ap.add_argument("--model", default=None, help="GGUF for kvshare (default: the server's)")
     ap.add_argument("--server-args", default="", help="extra arguments for `kvshare serve`")
+    ap.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="an environment variable for `kvshare serve` (repeatable; KVSHARE_* "
+                         "variables are not inherited), e.g. KVSHARE_GPU_WEIGHTS=blocks")
+    ap.add_argument("--out", default=None, help="JSON file (default bench/out/agent_fleet.json)")
     ap.add_argument("--peer-url", default=None, help="an already-running llama-server")
     ap.add_argument("--no-kvshare", action="store_true", help="run the peer only")
     args = ap.parse_args()
@@ -395,7 +413,8 @@ def main() -> None:
             serve_args += ["--kv-unified-per-slot", str(need)]
         log = Path(tempfile.mkdtemp(prefix="kvshare-agent-fleet-")) / "server.log"
         print(f"starting kvshare serve {' '.join(serve_args)} (log {log})", flush=True)
-        server = ServeProcess(serve_args, log)
+        env = dict(kv.split("=", 1) for kv in args.server_env)
+        server = ServeProcess(serve_args, log, env=env)
         results["config"]["kvshare_serve_args"] = serve_args
         results["kvshare_banner"] = next((ln for ln in server.log().splitlines()
                                           if "kvshare: serving" in ln), None)
@@ -441,7 +460,7 @@ def main() -> None:
             "wall_met": wr is not None and wr <= WALL_TARGET,
         }
     report(results)
-    path = OUT / "agent_fleet.json"
+    path = Path(args.out) if args.out else OUT / "agent_fleet.json"
     path.write_text(json.dumps(results, indent=1))
     print(f"wrote {path}")
 

@@ -1,6 +1,6 @@
 """One `kvshare serve` process for the benchmarks: started exactly as a user runs it (a
 subprocess on 127.0.0.1, port chosen by the OS and read from its log, no KVSHARE_* variables
-inherited), ready once /health answers, stopped by SIGTERM (graceful) or SIGKILL after a wait.
+inherited unless passed as `env`), ready once /health answers, stopped by SIGTERM (graceful) or SIGKILL after a wait.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ SERVING = re.compile(r"kvshare: serving \S+ at (http://[^\s]+) ")
 
 class ServeProcess:
     def __init__(self, args: list[str], log_path: Path | str, *, log_level: str = "warning",
-                 startup_timeout: float = 600.0, client_timeout: float = 600.0):
+                 startup_timeout: float = 600.0, client_timeout: float = 600.0,
+                 env: dict[str, str] | None = None):
         self.log_path = Path(log_path)
         # the benches measure Gemma 3 270M (llama.cpp's side-by-side numbers and the issues'
         # targets are on it) unless told otherwise; `kvshare serve`'s own default is the
@@ -28,9 +29,13 @@ class ServeProcess:
         model = [] if "--model" in args else ["--model", "gemma3-270m"]
         cmd = [sys.executable, "-m", "kvshare.server.cli", "serve", "--host", "127.0.0.1",
                "--port", "0", "--log-level", log_level, *model, *args]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSHARE_")}
+        # `env`: variables the caller sets on purpose (e.g. KVSHARE_GPU_WEIGHTS, which has no
+        # flag), on top of the environment less the inherited KVSHARE_* ones
+        child_env = {k: v for k, v in os.environ.items() if not k.startswith("KVSHARE_")}
+        child_env.update(env or {})
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         env=child_env)
         deadline = time.monotonic() + startup_timeout
         self.url = ""
         while not self.url:
