@@ -3,12 +3,17 @@
 // dequantizes them in registers.
 //
 //   bmv_<type>_m<M>   y[r, col0 + i] = sum_j x[r, j] * W[i, j] (+ bias[col0 + i]) for r < m <= M
-//                     (M = 1, 4, 16; m > M is the host's large-batch path, bdq + cuBLAS):
+//                     (M = 1, 4, 16; m > M is the host's large-batch path, bdq + cuBLAS), or
+//                     `+=` that (flags: BMV_BIAS, BMV_ACCUMULATE: a residual add fused in):
 //                     one warp per R output rows (R = 2 for M = 1, else 4; 4 warps per
 //                     128-thread CTA, grid-stride); each lane decodes 8 consecutive weights
 //                     of each row at a time (a "chunk") and applies them to all m activation
 //                     rows, so every weight byte is read once per call; float32
 //                     accumulation, warp-shuffle reduction.
+//   bmvglu_<type>_m<M> y[r, i] = act(sum_j x[r, j] G[i, j], sum_j x[r, j] U[i, j]): a fused
+//                     gate|up projection and its gated activation in one pass (G, U: the gate
+//                     and up tensors, same type and shape); each warp takes 2 gate rows and
+//                     the 2 matching up rows; the [m, 2 n] products are never written.
 //   bdq_<type>        f16 out[i, :] = W[r0 + i, :] for i < n_rows (the tile that the large-batch
 //                     path hands to the cuBLAS f16 GEMM); one thread per chunk, grid-stride.
 //   bemb_<type>       float32 out[t, :] = W[tokens[t], :] * scale (embedding rows; an id
@@ -324,40 +329,101 @@ struct BkBF16 {
 
 // Output rows per warp of bmv_<type>_m<M> (kvshare.ops.gpu_blocks.BMV_ROWS_PER_WARP): each
 // lane applies the 8 activations it loads to R weight rows, so the activation traffic (from L1)
-// per weight is 4 * m / R bytes instead of 4 * m.
-template <int M> struct BkRows { static constexpr int R = M == 1 ? 2 : 4; };
+// per weight is 4 * m / R bytes instead of 4 * m. bmvglu (NW = 2) takes 2 gate rows and the 2
+// matching up rows: 4 weight rows and the accumulators of bmv's R = 4.
+template <int M, int NW> struct BkRows { static constexpr int R = (M == 1 || NW == 2) ? 2 : 4; };
 
+// bmv's flags word (kvshare.ops.gpu_blocks.BMV_BIAS / BMV_ACCUMULATE)
+#define BMV_BIAS 1        // add bias[col0 + row]
+#define BMV_ACCUMULATE 2  // y += W x (+ bias) instead of y = W x (+ bias)
+
+// The gated activation of a gate|up pair (act 0: SwiGLU, ops.activation.swiglu; 1: GEGLU with
+// tanh GELU, geglu_tanh, activation.cu's float32 roundings; 2: gpt-oss's swiglu_oai: the gate
+// clamped to <= 7, the up value to [-7, 7], x sigmoid(1.702 x) (y + 1)). bmvglu and
+// moe_blocks.cu's gmvglu / moe_glu_f32 share it.
+#define BK_OAI_ALPHA 1.702f
+#define BK_OAI_LIMIT 7.0f
+#define BK_GELU_C1 ((float)(-2.0 * 0.7978845608028654 * 0.044715))
+#define BK_GELU_C2 ((float)(2.0 * 0.7978845608028654))
+__device__ __forceinline__ float bk_act(float g, float u, int act) {
+    if (act == 0) return g / (1.0f + expf(-g)) * u;
+    if (act == 1) {
+        float t = __fmul_rn(g, g);
+        t = __fsub_rn(__fmul_rn(t, BK_GELU_C1), BK_GELU_C2);
+        t = __fmul_rn(t, g);  // t = -2 z
+        return g / (1.0f + expf(t)) * u;
+    }
+    const float x = fminf(g, BK_OAI_LIMIT);
+    const float y = fminf(fmaxf(u, -BK_OAI_LIMIT), BK_OAI_LIMIT);
+    return x / (1.0f + expf(BK_OAI_ALPHA * -x)) * (y + 1.0f);
+}
+
+// The M per-lane sums of acc across the warp, a reduce-scatter: each halving step trades half
+// of the remaining sums with the lane `o` away (M - 1 shuffles in all), then plain sums; lane
+// L ends with the total of row L >> (5 - log2 M) in acc[0] (returned). Every lane must call it.
+template <int M>
+__device__ __forceinline__ float bk_reduce(float (&acc)[M], int lane) {
+    int cnt = M;
+#pragma unroll
+    for (int o = KVS_WARP / 2; o > 0; o >>= 1) {
+        if (cnt > 1) {
+            const int half = cnt >> 1;
+            const bool upper = (lane & o) != 0;
+#pragma unroll
+            for (int j = 0; j < half; ++j) {
+                const float send = upper ? acc[j] : acc[j + half];
+                const float keep = upper ? acc[j + half] : acc[j];
+                acc[j] = keep + __shfl_xor_sync(KVS_FULL_MASK, send, o);
+            }
+            cnt = half;
+        } else {
+            acc[0] += __shfl_xor_sync(KVS_FULL_MASK, acc[0], o);
+        }
+    }
+    return acc[0];
+}
+
+// NW = 1 (bmv): y[r, col0 + i] (+)= sum_j x[r, j] W[i, j] (+ bias[col0 + i]) per `flags`.
+// NW = 2 (bmvglu): y[r, i] = bk_act(sum_j x[r, j] G[i, j], sum_j x[r, j] U[i, j], act), with G
+// the rows of w and U those of w_up (same type and shape); flags, bias and col0 unused.
 // x: float32 rows (row stride x_stride, a multiple of 4; x 16-byte aligned: the host copies
-// otherwise); y: float32 rows of stride y_stride, this part's columns from col0. Warp w of the
-// grid takes output rows [R w, R w + R), then grid-strides.
-template <typename B, int M>
+// otherwise); y: float32 rows of stride y_stride. Warp w of the grid takes output rows
+// [R w, R w + R), then grid-strides.
+template <typename B, int M, int NW>
 __device__ __forceinline__ void bmv_impl(
-    const u8* __restrict__ w, i64 row_bytes, int n_rows, int k, const float* __restrict__ x,
-    i64 x_stride, int m, float* __restrict__ y, i64 y_stride, i64 col0,
-    const float* __restrict__ bias, int has_bias)
+    const u8* __restrict__ w, const u8* __restrict__ w_up, i64 row_bytes, int n_rows, int k,
+    const float* __restrict__ x, i64 x_stride, int m, float* __restrict__ y, i64 y_stride,
+    i64 col0, const float* __restrict__ bias, int flags, int act)
 {
-    constexpr int R = BkRows<M>::R;
+    constexpr int R = BkRows<M, NW>::R;
     const int lane = threadIdx.x & (KVS_WARP - 1);
     const int wpb = blockDim.x / KVS_WARP;
     const int n_chunks = k >> 3;
     for (i64 row0 = ((i64)blockIdx.x * wpb + (threadIdx.x >> 5)) * R; row0 < n_rows;
          row0 += (i64)gridDim.x * wpb * R) {
-        const u8* wr[R];
+        const u8* wr[NW][R];
 #pragma unroll
-        for (int i = 0; i < R; ++i)  // rows past the end read the last row (results dropped)
-            wr[i] = w + (row0 + i < n_rows ? row0 + i : (i64)n_rows - 1) * row_bytes;
-        float acc[R][M];
+        for (int h = 0; h < NW; ++h)
 #pragma unroll
-        for (int i = 0; i < R; ++i)
+            for (int i = 0; i < R; ++i)  // rows past the end read the last row (results dropped)
+                wr[h][i] = (h == 0 ? w : w_up)
+                         + (row0 + i < n_rows ? row0 + i : (i64)n_rows - 1) * row_bytes;
+        float acc[NW][R][M];
 #pragma unroll
-            for (int r = 0; r < M; ++r) acc[i][r] = 0.f;
+        for (int h = 0; h < NW; ++h)
+#pragma unroll
+            for (int i = 0; i < R; ++i)
+#pragma unroll
+                for (int r = 0; r < M; ++r) acc[h][i][r] = 0.f;
         for (int c = lane; c < n_chunks; c += KVS_WARP) {
             const int e = c << 3;
             const int blk = e / B::QK;
-            float q[R][8], d[R], mn[R];
+            float q[NW][R][8], d[NW][R], mn[NW][R];
 #pragma unroll
-            for (int i = 0; i < R; ++i)
-                B::dec(wr[i] + (i64)blk * B::BYTES, e - blk * B::QK, q[i], d[i], mn[i]);
+            for (int h = 0; h < NW; ++h)
+#pragma unroll
+                for (int i = 0; i < R; ++i)
+                    B::dec(wr[h][i] + (i64)blk * B::BYTES, e - blk * B::QK, q[h][i], d[h][i], mn[h][i]);
 #pragma unroll
             for (int r = 0; r < M; ++r) {
                 if (r < m) {
@@ -366,42 +432,37 @@ __device__ __forceinline__ void bmv_impl(
                     float sx = 0.f;
                     if constexpr (B::HAS_MIN) sx = (a.x + a.y) + (a.z + a.w) + (b.x + b.y) + (b.z + b.w);
 #pragma unroll
-                    for (int i = 0; i < R; ++i) {
-                        const float sq = q[i][0] * a.x + q[i][1] * a.y + q[i][2] * a.z + q[i][3] * a.w
-                                       + q[i][4] * b.x + q[i][5] * b.y + q[i][6] * b.z + q[i][7] * b.w;
-                        if constexpr (B::HAS_MIN) acc[i][r] += d[i] * sq - mn[i] * sx;
-                        else acc[i][r] += d[i] * sq;
-                    }
+                    for (int h = 0; h < NW; ++h)
+#pragma unroll
+                        for (int i = 0; i < R; ++i) {
+                            const float* qq = q[h][i];
+                            const float sq = qq[0] * a.x + qq[1] * a.y + qq[2] * a.z + qq[3] * a.w
+                                           + qq[4] * b.x + qq[5] * b.y + qq[6] * b.z + qq[7] * b.w;
+                            if constexpr (B::HAS_MIN) acc[h][i][r] += d[h][i] * sq - mn[h][i] * sx;
+                            else acc[h][i][r] += d[h][i] * sq;
+                        }
                 }
             }
         }
-        // Per output row, a reduce-scatter across the warp: each halving step trades half of
-        // the remaining sums with the lane `o` away (M - 1 shuffles in all), then plain sums;
-        // lane L ends with the total of activation row L >> (5 - log2 M).
         constexpr int SH = M >= 32 ? 0 : (M >= 16 ? 1 : (M >= 8 ? 2 : (M >= 4 ? 3 : (M >= 2 ? 4 : 5))));
         const int r = lane >> SH;
+        const bool writer = (lane & ((1 << SH) - 1)) == 0 && r < m;
 #pragma unroll
         for (int i = 0; i < R; ++i) {
-            int cnt = M;
-#pragma unroll
-            for (int o = KVS_WARP / 2; o > 0; o >>= 1) {
-                if (cnt > 1) {
-                    const int half = cnt >> 1;
-                    const bool upper = (lane & o) != 0;
-#pragma unroll
-                    for (int j = 0; j < half; ++j) {
-                        const float send = upper ? acc[i][j] : acc[i][j + half];
-                        const float keep = upper ? acc[i][j + half] : acc[i][j];
-                        acc[i][j] = keep + __shfl_xor_sync(KVS_FULL_MASK, send, o);
-                    }
-                    cnt = half;
-                } else {
-                    acc[i][0] += __shfl_xor_sync(KVS_FULL_MASK, acc[i][0], o);
+            const i64 row = row0 + i;
+            const float s0 = bk_reduce<M>(acc[0][i], lane);
+            if constexpr (NW == 2) {
+                const float s1 = bk_reduce<M>(acc[1][i], lane);
+                if (writer && row < n_rows) y[r * y_stride + row] = bk_act(s0, s1, act);
+            } else {
+                if (writer && row < n_rows) {
+                    // the NumPy op's order: (W x + bias), then added to y
+                    float v = s0;
+                    if (flags & BMV_BIAS) v += bias[col0 + row];
+                    float* yp = y + r * y_stride + col0 + row;
+                    *yp = (flags & BMV_ACCUMULATE) ? *yp + v : v;
                 }
             }
-            const i64 row = row0 + i;
-            if ((lane & ((1 << SH) - 1)) == 0 && r < m && row < n_rows)
-                y[r * y_stride + col0 + row] = acc[i][0] + (has_bias ? bias[col0 + row] : 0.f);
         }
     }
 }
@@ -468,11 +529,18 @@ __device__ __forceinline__ void bemb_impl(const u8* __restrict__ w, i64 row_byte
 }
 
 // The entry points, written out (kvshare.kernels.entry_points and the compile test read the
-// `extern "C"` declarations from this text): bmv_<type>_m{1,4,16}, bdq_<type>, bemb_<type>.
+// `extern "C"` declarations from this text): bmv_<type>_m{1,4,16}, bmvglu_<type>_m{1,4,16},
+// bdq_<type>, bemb_<type>.
 #define BMV_ARGS const u8* __restrict__ w, i64 row_bytes, int n_rows, int k,                       \
     const float* __restrict__ x, i64 x_stride, int m, float* __restrict__ y, i64 y_stride,       \
-    i64 col0, const float* __restrict__ bias, int has_bias
-#define BMV(B, M) bmv_impl<B, M>(w, row_bytes, n_rows, k, x, x_stride, m, y, y_stride, col0, bias, has_bias)
+    i64 col0, const float* __restrict__ bias, int flags
+#define BMV(B, M) bmv_impl<B, M, 1>(w, w, row_bytes, n_rows, k, x, x_stride, m, y, y_stride, col0, \
+    bias, flags, 0)
+#define BMVGLU_ARGS const u8* __restrict__ w_gate, const u8* __restrict__ w_up, i64 row_bytes,    \
+    int n_rows, int k, const float* __restrict__ x, i64 x_stride, int m, float* __restrict__ y,  \
+    i64 y_stride, int act
+#define BMVGLU(B, M) bmv_impl<B, M, 2>(w_gate, w_up, row_bytes, n_rows, k, x, x_stride, m, y,     \
+    y_stride, 0, x, 0, act)
 #define BDQ_ARGS const u8* __restrict__ w, i64 row_bytes, i64 r0, i64 n_rows, int k,               \
     f16_t* __restrict__ out
 #define BEMB_ARGS const u8* __restrict__ w, i64 row_bytes, int vocab, int k,                       \
@@ -482,6 +550,9 @@ __device__ __forceinline__ void bemb_impl(const u8* __restrict__ w, i64 row_byte
 extern "C" __global__ void bmv_q4_0_m1(BMV_ARGS) { BMV(BkQ4_0, 1); }
 extern "C" __global__ void bmv_q4_0_m4(BMV_ARGS) { BMV(BkQ4_0, 4); }
 extern "C" __global__ void bmv_q4_0_m16(BMV_ARGS) { BMV(BkQ4_0, 16); }
+extern "C" __global__ void bmvglu_q4_0_m1(BMVGLU_ARGS) { BMVGLU(BkQ4_0, 1); }
+extern "C" __global__ void bmvglu_q4_0_m4(BMVGLU_ARGS) { BMVGLU(BkQ4_0, 4); }
+extern "C" __global__ void bmvglu_q4_0_m16(BMVGLU_ARGS) { BMVGLU(BkQ4_0, 16); }
 extern "C" __global__ void bdq_q4_0(BDQ_ARGS) { bdq_impl<BkQ4_0>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q4_0(BEMB_ARGS) { bemb_impl<BkQ4_0>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
@@ -489,6 +560,9 @@ extern "C" __global__ void bemb_q4_0(BEMB_ARGS) { bemb_impl<BkQ4_0>(w, row_bytes
 extern "C" __global__ void bmv_q4_1_m1(BMV_ARGS) { BMV(BkQ4_1, 1); }
 extern "C" __global__ void bmv_q4_1_m4(BMV_ARGS) { BMV(BkQ4_1, 4); }
 extern "C" __global__ void bmv_q4_1_m16(BMV_ARGS) { BMV(BkQ4_1, 16); }
+extern "C" __global__ void bmvglu_q4_1_m1(BMVGLU_ARGS) { BMVGLU(BkQ4_1, 1); }
+extern "C" __global__ void bmvglu_q4_1_m4(BMVGLU_ARGS) { BMVGLU(BkQ4_1, 4); }
+extern "C" __global__ void bmvglu_q4_1_m16(BMVGLU_ARGS) { BMVGLU(BkQ4_1, 16); }
 extern "C" __global__ void bdq_q4_1(BDQ_ARGS) { bdq_impl<BkQ4_1>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q4_1(BEMB_ARGS) { bemb_impl<BkQ4_1>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
@@ -496,6 +570,9 @@ extern "C" __global__ void bemb_q4_1(BEMB_ARGS) { bemb_impl<BkQ4_1>(w, row_bytes
 extern "C" __global__ void bmv_q5_0_m1(BMV_ARGS) { BMV(BkQ5_0, 1); }
 extern "C" __global__ void bmv_q5_0_m4(BMV_ARGS) { BMV(BkQ5_0, 4); }
 extern "C" __global__ void bmv_q5_0_m16(BMV_ARGS) { BMV(BkQ5_0, 16); }
+extern "C" __global__ void bmvglu_q5_0_m1(BMVGLU_ARGS) { BMVGLU(BkQ5_0, 1); }
+extern "C" __global__ void bmvglu_q5_0_m4(BMVGLU_ARGS) { BMVGLU(BkQ5_0, 4); }
+extern "C" __global__ void bmvglu_q5_0_m16(BMVGLU_ARGS) { BMVGLU(BkQ5_0, 16); }
 extern "C" __global__ void bdq_q5_0(BDQ_ARGS) { bdq_impl<BkQ5_0>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q5_0(BEMB_ARGS) { bemb_impl<BkQ5_0>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
@@ -503,6 +580,9 @@ extern "C" __global__ void bemb_q5_0(BEMB_ARGS) { bemb_impl<BkQ5_0>(w, row_bytes
 extern "C" __global__ void bmv_q5_1_m1(BMV_ARGS) { BMV(BkQ5_1, 1); }
 extern "C" __global__ void bmv_q5_1_m4(BMV_ARGS) { BMV(BkQ5_1, 4); }
 extern "C" __global__ void bmv_q5_1_m16(BMV_ARGS) { BMV(BkQ5_1, 16); }
+extern "C" __global__ void bmvglu_q5_1_m1(BMVGLU_ARGS) { BMVGLU(BkQ5_1, 1); }
+extern "C" __global__ void bmvglu_q5_1_m4(BMVGLU_ARGS) { BMVGLU(BkQ5_1, 4); }
+extern "C" __global__ void bmvglu_q5_1_m16(BMVGLU_ARGS) { BMVGLU(BkQ5_1, 16); }
 extern "C" __global__ void bdq_q5_1(BDQ_ARGS) { bdq_impl<BkQ5_1>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q5_1(BEMB_ARGS) { bemb_impl<BkQ5_1>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
@@ -510,6 +590,9 @@ extern "C" __global__ void bemb_q5_1(BEMB_ARGS) { bemb_impl<BkQ5_1>(w, row_bytes
 extern "C" __global__ void bmv_q8_0_m1(BMV_ARGS) { BMV(BkQ8_0, 1); }
 extern "C" __global__ void bmv_q8_0_m4(BMV_ARGS) { BMV(BkQ8_0, 4); }
 extern "C" __global__ void bmv_q8_0_m16(BMV_ARGS) { BMV(BkQ8_0, 16); }
+extern "C" __global__ void bmvglu_q8_0_m1(BMVGLU_ARGS) { BMVGLU(BkQ8_0, 1); }
+extern "C" __global__ void bmvglu_q8_0_m4(BMVGLU_ARGS) { BMVGLU(BkQ8_0, 4); }
+extern "C" __global__ void bmvglu_q8_0_m16(BMVGLU_ARGS) { BMVGLU(BkQ8_0, 16); }
 extern "C" __global__ void bdq_q8_0(BDQ_ARGS) { bdq_impl<BkQ8_0>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q8_0(BEMB_ARGS) { bemb_impl<BkQ8_0>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
@@ -517,6 +600,9 @@ extern "C" __global__ void bemb_q8_0(BEMB_ARGS) { bemb_impl<BkQ8_0>(w, row_bytes
 extern "C" __global__ void bmv_q2_k_m1(BMV_ARGS) { BMV(BkQ2_K, 1); }
 extern "C" __global__ void bmv_q2_k_m4(BMV_ARGS) { BMV(BkQ2_K, 4); }
 extern "C" __global__ void bmv_q2_k_m16(BMV_ARGS) { BMV(BkQ2_K, 16); }
+extern "C" __global__ void bmvglu_q2_k_m1(BMVGLU_ARGS) { BMVGLU(BkQ2_K, 1); }
+extern "C" __global__ void bmvglu_q2_k_m4(BMVGLU_ARGS) { BMVGLU(BkQ2_K, 4); }
+extern "C" __global__ void bmvglu_q2_k_m16(BMVGLU_ARGS) { BMVGLU(BkQ2_K, 16); }
 extern "C" __global__ void bdq_q2_k(BDQ_ARGS) { bdq_impl<BkQ2_K>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q2_k(BEMB_ARGS) { bemb_impl<BkQ2_K>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
@@ -524,6 +610,9 @@ extern "C" __global__ void bemb_q2_k(BEMB_ARGS) { bemb_impl<BkQ2_K>(w, row_bytes
 extern "C" __global__ void bmv_q3_k_m1(BMV_ARGS) { BMV(BkQ3_K, 1); }
 extern "C" __global__ void bmv_q3_k_m4(BMV_ARGS) { BMV(BkQ3_K, 4); }
 extern "C" __global__ void bmv_q3_k_m16(BMV_ARGS) { BMV(BkQ3_K, 16); }
+extern "C" __global__ void bmvglu_q3_k_m1(BMVGLU_ARGS) { BMVGLU(BkQ3_K, 1); }
+extern "C" __global__ void bmvglu_q3_k_m4(BMVGLU_ARGS) { BMVGLU(BkQ3_K, 4); }
+extern "C" __global__ void bmvglu_q3_k_m16(BMVGLU_ARGS) { BMVGLU(BkQ3_K, 16); }
 extern "C" __global__ void bdq_q3_k(BDQ_ARGS) { bdq_impl<BkQ3_K>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q3_k(BEMB_ARGS) { bemb_impl<BkQ3_K>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
@@ -531,6 +620,9 @@ extern "C" __global__ void bemb_q3_k(BEMB_ARGS) { bemb_impl<BkQ3_K>(w, row_bytes
 extern "C" __global__ void bmv_q4_k_m1(BMV_ARGS) { BMV(BkQ4_K, 1); }
 extern "C" __global__ void bmv_q4_k_m4(BMV_ARGS) { BMV(BkQ4_K, 4); }
 extern "C" __global__ void bmv_q4_k_m16(BMV_ARGS) { BMV(BkQ4_K, 16); }
+extern "C" __global__ void bmvglu_q4_k_m1(BMVGLU_ARGS) { BMVGLU(BkQ4_K, 1); }
+extern "C" __global__ void bmvglu_q4_k_m4(BMVGLU_ARGS) { BMVGLU(BkQ4_K, 4); }
+extern "C" __global__ void bmvglu_q4_k_m16(BMVGLU_ARGS) { BMVGLU(BkQ4_K, 16); }
 extern "C" __global__ void bdq_q4_k(BDQ_ARGS) { bdq_impl<BkQ4_K>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q4_k(BEMB_ARGS) { bemb_impl<BkQ4_K>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
@@ -538,6 +630,9 @@ extern "C" __global__ void bemb_q4_k(BEMB_ARGS) { bemb_impl<BkQ4_K>(w, row_bytes
 extern "C" __global__ void bmv_q5_k_m1(BMV_ARGS) { BMV(BkQ5_K, 1); }
 extern "C" __global__ void bmv_q5_k_m4(BMV_ARGS) { BMV(BkQ5_K, 4); }
 extern "C" __global__ void bmv_q5_k_m16(BMV_ARGS) { BMV(BkQ5_K, 16); }
+extern "C" __global__ void bmvglu_q5_k_m1(BMVGLU_ARGS) { BMVGLU(BkQ5_K, 1); }
+extern "C" __global__ void bmvglu_q5_k_m4(BMVGLU_ARGS) { BMVGLU(BkQ5_K, 4); }
+extern "C" __global__ void bmvglu_q5_k_m16(BMVGLU_ARGS) { BMVGLU(BkQ5_K, 16); }
 extern "C" __global__ void bdq_q5_k(BDQ_ARGS) { bdq_impl<BkQ5_K>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q5_k(BEMB_ARGS) { bemb_impl<BkQ5_K>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
@@ -545,6 +640,9 @@ extern "C" __global__ void bemb_q5_k(BEMB_ARGS) { bemb_impl<BkQ5_K>(w, row_bytes
 extern "C" __global__ void bmv_q6_k_m1(BMV_ARGS) { BMV(BkQ6_K, 1); }
 extern "C" __global__ void bmv_q6_k_m4(BMV_ARGS) { BMV(BkQ6_K, 4); }
 extern "C" __global__ void bmv_q6_k_m16(BMV_ARGS) { BMV(BkQ6_K, 16); }
+extern "C" __global__ void bmvglu_q6_k_m1(BMVGLU_ARGS) { BMVGLU(BkQ6_K, 1); }
+extern "C" __global__ void bmvglu_q6_k_m4(BMVGLU_ARGS) { BMVGLU(BkQ6_K, 4); }
+extern "C" __global__ void bmvglu_q6_k_m16(BMVGLU_ARGS) { BMVGLU(BkQ6_K, 16); }
 extern "C" __global__ void bdq_q6_k(BDQ_ARGS) { bdq_impl<BkQ6_K>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_q6_k(BEMB_ARGS) { bemb_impl<BkQ6_K>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
@@ -552,6 +650,9 @@ extern "C" __global__ void bemb_q6_k(BEMB_ARGS) { bemb_impl<BkQ6_K>(w, row_bytes
 extern "C" __global__ void bmv_iq4_nl_m1(BMV_ARGS) { BMV(BkIQ4_NL, 1); }
 extern "C" __global__ void bmv_iq4_nl_m4(BMV_ARGS) { BMV(BkIQ4_NL, 4); }
 extern "C" __global__ void bmv_iq4_nl_m16(BMV_ARGS) { BMV(BkIQ4_NL, 16); }
+extern "C" __global__ void bmvglu_iq4_nl_m1(BMVGLU_ARGS) { BMVGLU(BkIQ4_NL, 1); }
+extern "C" __global__ void bmvglu_iq4_nl_m4(BMVGLU_ARGS) { BMVGLU(BkIQ4_NL, 4); }
+extern "C" __global__ void bmvglu_iq4_nl_m16(BMVGLU_ARGS) { BMVGLU(BkIQ4_NL, 16); }
 extern "C" __global__ void bdq_iq4_nl(BDQ_ARGS) { bdq_impl<BkIQ4_NL>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_iq4_nl(BEMB_ARGS) { bemb_impl<BkIQ4_NL>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
@@ -559,6 +660,9 @@ extern "C" __global__ void bemb_iq4_nl(BEMB_ARGS) { bemb_impl<BkIQ4_NL>(w, row_b
 extern "C" __global__ void bmv_iq4_xs_m1(BMV_ARGS) { BMV(BkIQ4_XS, 1); }
 extern "C" __global__ void bmv_iq4_xs_m4(BMV_ARGS) { BMV(BkIQ4_XS, 4); }
 extern "C" __global__ void bmv_iq4_xs_m16(BMV_ARGS) { BMV(BkIQ4_XS, 16); }
+extern "C" __global__ void bmvglu_iq4_xs_m1(BMVGLU_ARGS) { BMVGLU(BkIQ4_XS, 1); }
+extern "C" __global__ void bmvglu_iq4_xs_m4(BMVGLU_ARGS) { BMVGLU(BkIQ4_XS, 4); }
+extern "C" __global__ void bmvglu_iq4_xs_m16(BMVGLU_ARGS) { BMVGLU(BkIQ4_XS, 16); }
 extern "C" __global__ void bdq_iq4_xs(BDQ_ARGS) { bdq_impl<BkIQ4_XS>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_iq4_xs(BEMB_ARGS) { bemb_impl<BkIQ4_XS>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
@@ -566,6 +670,9 @@ extern "C" __global__ void bemb_iq4_xs(BEMB_ARGS) { bemb_impl<BkIQ4_XS>(w, row_b
 extern "C" __global__ void bmv_f32_m1(BMV_ARGS) { BMV(BkF32, 1); }
 extern "C" __global__ void bmv_f32_m4(BMV_ARGS) { BMV(BkF32, 4); }
 extern "C" __global__ void bmv_f32_m16(BMV_ARGS) { BMV(BkF32, 16); }
+extern "C" __global__ void bmvglu_f32_m1(BMVGLU_ARGS) { BMVGLU(BkF32, 1); }
+extern "C" __global__ void bmvglu_f32_m4(BMVGLU_ARGS) { BMVGLU(BkF32, 4); }
+extern "C" __global__ void bmvglu_f32_m16(BMVGLU_ARGS) { BMVGLU(BkF32, 16); }
 extern "C" __global__ void bdq_f32(BDQ_ARGS) { bdq_impl<BkF32>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_f32(BEMB_ARGS) { bemb_impl<BkF32>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
@@ -573,6 +680,9 @@ extern "C" __global__ void bemb_f32(BEMB_ARGS) { bemb_impl<BkF32>(w, row_bytes, 
 extern "C" __global__ void bmv_f16_m1(BMV_ARGS) { BMV(BkF16, 1); }
 extern "C" __global__ void bmv_f16_m4(BMV_ARGS) { BMV(BkF16, 4); }
 extern "C" __global__ void bmv_f16_m16(BMV_ARGS) { BMV(BkF16, 16); }
+extern "C" __global__ void bmvglu_f16_m1(BMVGLU_ARGS) { BMVGLU(BkF16, 1); }
+extern "C" __global__ void bmvglu_f16_m4(BMVGLU_ARGS) { BMVGLU(BkF16, 4); }
+extern "C" __global__ void bmvglu_f16_m16(BMVGLU_ARGS) { BMVGLU(BkF16, 16); }
 extern "C" __global__ void bdq_f16(BDQ_ARGS) { bdq_impl<BkF16>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_f16(BEMB_ARGS) { bemb_impl<BkF16>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }
 
@@ -580,5 +690,8 @@ extern "C" __global__ void bemb_f16(BEMB_ARGS) { bemb_impl<BkF16>(w, row_bytes, 
 extern "C" __global__ void bmv_bf16_m1(BMV_ARGS) { BMV(BkBF16, 1); }
 extern "C" __global__ void bmv_bf16_m4(BMV_ARGS) { BMV(BkBF16, 4); }
 extern "C" __global__ void bmv_bf16_m16(BMV_ARGS) { BMV(BkBF16, 16); }
+extern "C" __global__ void bmvglu_bf16_m1(BMVGLU_ARGS) { BMVGLU(BkBF16, 1); }
+extern "C" __global__ void bmvglu_bf16_m4(BMVGLU_ARGS) { BMVGLU(BkBF16, 4); }
+extern "C" __global__ void bmvglu_bf16_m16(BMVGLU_ARGS) { BMVGLU(BkBF16, 16); }
 extern "C" __global__ void bdq_bf16(BDQ_ARGS) { bdq_impl<BkBF16>(w, row_bytes, r0, n_rows, k, out); }
 extern "C" __global__ void bemb_bf16(BEMB_ARGS) { bemb_impl<BkBF16>(w, row_bytes, vocab, k, tokens, n_tok, scale, out); }

@@ -24,16 +24,11 @@
 //   moe_glu_f32         a[p, i] = act(gu[p, i], gu[p, n_ff + i]) (after two gmv launches).
 //   moe_combine_f32     out[t, c] = sum over slots j, in slot order, of y[t * k + j, c].
 //
-// act: 0 SwiGLU (ops.activation.swiglu), 1 GEGLU with tanh GELU (geglu_tanh), 2 gpt-oss's
-// swiglu_oai (the gate clamped to <= 7, the up value to [-7, 7], x sigmoid(1.702 x) (y + 1)).
+// act: blocks.cu's bk_act: 0 SwiGLU (ops.activation.swiglu), 1 GEGLU with tanh GELU
+// (geglu_tanh), 2 gpt-oss's swiglu_oai (the gate clamped to <= 7, the up value to [-7, 7],
+// x sigmoid(1.702 x) (y + 1)). The warp reduction is blocks.cu's bk_reduce (bmv's).
 
 #define GM_WARPS 4
-#define GM_OAI_ALPHA 1.702f
-#define GM_OAI_LIMIT 7.0f
-// activation.cu's geglu_tanh constants (float32 roundings of the float64 products)
-#define GM_GELU_C1 ((float)(-2.0 * 0.7978845608028654 * 0.044715))
-#define GM_GELU_C2 ((float)(2.0 * 0.7978845608028654))
-
 // MXFP4 (gpt-oss's experts; a format of these kernels only, blocks.cu has no decoder for it):
 // e u8 (E8M0 exponent), qs[16] in Q4_0's nibble layout; value = kvalues_mxfp4[q] (the E2M1
 // values doubled: 0 1 2 3 4 6 8 12, then the same negated) * 2^(e - 128) (ggml's
@@ -62,45 +57,6 @@ struct BkMXFP4 {
 // Output rows per warp: gmv as bmv (2 for M = 1, else 4); gmvglu 2 (each is a gate and an up
 // row, so 4 weight rows either way but M = 1).
 template <int M, int NW> struct GmRows { static constexpr int R = (NW == 2 || M == 1) ? 2 : 4; };
-
-__device__ __forceinline__ float gm_act(float g, float u, int act) {
-    if (act == 0) return g / (1.0f + expf(-g)) * u;
-    if (act == 1) {
-        // activation.cu's geglu_tanh, the same float32 roundings
-        float t = __fmul_rn(g, g);
-        t = __fsub_rn(__fmul_rn(t, GM_GELU_C1), GM_GELU_C2);
-        t = __fmul_rn(t, g);
-        return g / (1.0f + expf(t)) * u;
-    }
-    const float x = fminf(g, GM_OAI_LIMIT);
-    const float y = fminf(fmaxf(u, -GM_OAI_LIMIT), GM_OAI_LIMIT);
-    return x / (1.0f + expf(GM_OAI_ALPHA * -x)) * (y + 1.0f);
-}
-
-// The M sums of acc across the warp, as bmv_impl reduces them: each halving step trades half
-// of the remaining sums with the lane `o` away, then plain sums; lane L ends with the total of
-// row L >> (5 - log2 M) in acc[0].
-template <int M>
-__device__ __forceinline__ float gm_reduce(float (&acc)[M], int lane) {
-    int cnt = M;
-#pragma unroll
-    for (int o = KVS_WARP / 2; o > 0; o >>= 1) {
-        if (cnt > 1) {
-            const int half = cnt >> 1;
-            const bool upper = (lane & o) != 0;
-#pragma unroll
-            for (int j = 0; j < half; ++j) {
-                const float send = upper ? acc[j] : acc[j + half];
-                const float keep = upper ? acc[j + half] : acc[j];
-                acc[j] = keep + __shfl_xor_sync(KVS_FULL_MASK, send, o);
-            }
-            cnt = half;
-        } else {
-            acc[0] += __shfl_xor_sync(KVS_FULL_MASK, acc[0], o);
-        }
-    }
-    return acc[0];
-}
 
 // NW = 1: gmv (weights w0 rows row_off0 + i of each expert's `expert_rows` rows);
 // NW = 2: gmvglu (gate from w0 / row_off0, up from w1 / row_off1).
@@ -180,13 +136,13 @@ __device__ __forceinline__ void gm_impl(
 #pragma unroll
         for (int i = 0; i < R; ++i) {
             const i64 row = row0 + i;
-            const float s0 = gm_reduce<M>(acc[0][i], lane);
+            const float s0 = bk_reduce<M>(acc[0][i], lane);
             if constexpr (NW == 2) {
-                const float s1 = gm_reduce<M>(acc[1][i], lane);
+                const float s1 = bk_reduce<M>(acc[1][i], lane);
                 if (writer && row < n_rows) {
                     const float g = s0 + (has_bias ? bias0[(i64)e * bias_stride + row] : 0.f);
                     const float u = s1 + (has_bias ? bias1[(i64)e * bias_stride + row] : 0.f);
-                    y[(i64)p * y_stride + col0 + row] = gm_act(g, u, act);
+                    y[(i64)p * y_stride + col0 + row] = bk_act(g, u, act);
                 }
             } else {
                 if (writer && row < n_rows) {
@@ -207,7 +163,7 @@ extern "C" __global__ void moe_glu_f32(const float* __restrict__ gu, float* __re
     for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
          idx += (i64)gridDim.x * blockDim.x) {
         const i64 p = idx / n_ff, i = idx - p * n_ff;
-        a[idx] = gm_act(gu[p * 2 * n_ff + i], gu[p * 2 * n_ff + n_ff + i], act);
+        a[idx] = bk_act(gu[p * 2 * n_ff + i], gu[p * 2 * n_ff + n_ff + i], act);
     }
 }
 

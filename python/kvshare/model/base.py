@@ -28,14 +28,12 @@ from kvshare.model.batch import SeqChunk
 from kvshare.model.kv_arrays import KVArrays
 from kvshare.model import fused, gpu_graphs
 from kvshare.model.config import ATTENTION, RECURRENT, ModelConfig
-from kvshare.ops.activation import glu
-from kvshare.ops.attention import (pad_block_tables, paged_attention, slots_of, token_positions,
-                                   write_kv)
+from kvshare.ops.attention import pad_block_tables, paged_attention, slots_of, token_positions
 from kvshare.ops.embedding import embedding
-from kvshare.ops.linear import linear
+from kvshare.ops.linear import linear, linear_add, linear_glu
 from kvshare.ops.norm import rms_norm
 from kvshare.ops.parallel import ROWS, split_rows
-from kvshare.ops.rope import norm_and_rope, rope_cos_sin
+from kvshare.ops.rope import qkv_rope_write, rope_cos_sin
 
 
 @dataclass(frozen=True)
@@ -478,32 +476,33 @@ class DecoderModel(Model):
         cfg, be = self.config, self.backend
         eps = cfg.norm_eps
         H, K, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        n = x.shape[0]
         h = rms_norm(x, L.attn_norm, eps, backend=be)
         qkv = linear(h, L.wqkv, L.bqkv, backend=be)
-        q = qkv[:, : H * D].reshape(n, H, D)
-        k = qkv[:, H * D : (H + K) * D].reshape(n, K, D)
-        v = qkv[:, (H + K) * D :].reshape(n, K, D)
-        norm_and_rope(q, L.q_norm, eps, cos, sin, cfg.rope_style, backend=be)
-        norm_and_rope(k, L.k_norm, eps, cos, sin, cfg.rope_style, backend=be)
-        write_kv(kc, vc, slots, k, v, backend=be)
-        return q
+        # q/k norms, rope and the K/V store: one kernel on the GPU
+        return qkv_rope_write(qkv, L.q_norm, L.k_norm, eps, cos, sin, cfg.rope_style, kc, vc,
+                              slots, H, K, D, backend=be)
 
     def _output_and_mlp(self, L: AttentionLayer, x: Any, attn: Any) -> None:
         """Output projection and the MLP block, added into the rows x in place (x is this
         call's own array, the copy x[rows], or a row slice of either)."""
         be = self.backend
         eps = self.config.norm_eps
-        o = linear(attn, L.wo, L.bo, backend=be)
-        if L.post_attn_norm is not None:
+        # without a post-norm the projections add into x themselves (`linear_add`: on the GPU
+        # a block weight's mat-vec accumulates into x, no separate add); the same values
+        if L.post_attn_norm is None:
+            linear_add(attn, L.wo, L.bo, x, backend=be)
+        else:
+            o = linear(attn, L.wo, L.bo, backend=be)
             rms_norm(o, L.post_attn_norm, eps, backend=be, out=o)
-        x += o
+            x += o
         h = rms_norm(x, L.ffn_norm, eps, backend=be)
         if L.moe is not None:
             y = L.moe(h)
         else:
-            gu = linear(h, L.w_gate_up, backend=be)
-            a = glu(gu, self.glu_activation, backend=be)
+            a = linear_glu(h, L.w_gate_up, self.glu_activation, backend=be)
+            if L.post_ffn_norm is None:
+                linear_add(a, L.w_down, None, x, backend=be)
+                return
             y = linear(a, L.w_down, backend=be)
         if L.post_ffn_norm is not None:
             rms_norm(y, L.post_ffn_norm, eps, backend=be, out=y)

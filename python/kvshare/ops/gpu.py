@@ -33,6 +33,7 @@ _OWN_ENTRY_POINTS: dict[str, tuple[str, ...]] = {
                              for hd in ("hd64", "hd128", "hd256", "hdx")) + ("paged_attn_combine",),
     "kv_write": ("kv_write_f16", "kv_write_f32"),
     "rope": ("rope_f32", "rope_cos_sin_f32"),
+    "qkv_rope": ("qkv_rope_write_f16", "qkv_rope_write_f32"),
     "rms_norm": ("rms_norm_f32",),
     "activation": ("geglu_tanh_f32", "swiglu_f32"),
     "embedding": ("embedding_f16", "embedding_f32"),
@@ -446,6 +447,71 @@ def rope_cos_sin(positions: Any, n_rot: int, base: float, scale: float = 1.0,
     return cos, sin
 
 
+def qkv_rope_write(qkv: Any, q_norm: Any | None, k_norm: Any | None, eps: float, cos: Any,
+                   sin: Any, style: str, k_cache: Any, v_cache: Any, slots: Any, n_head: int,
+                   n_head_kv: int, head_dim: int) -> Any:
+    """GPU twin of `kvshare.ops.rope.qkv_rope_write`, one `qkv_rope_write_<kv dtype>` launch
+    (kernels/qkv_rope.cu): q normed and rotated in place in qkv's q columns (returned as the
+    `[N, n_head, head_dim]` view), K normed, rotated and stored at `slots`, V stored. Host
+    slots are checked as `write_kv` checks them; a device slot outside the pool (a graph's
+    padding row: -1) stores nothing."""
+    cp = cupy_module()
+    if style not in _ROPE_STYLES:
+        raise ValueError(f"unknown rope style {style!r}")
+    _check_cache(k_cache, v_cache)
+    H, K, D = int(n_head), int(n_head_kv), int(head_dim)
+    nb, bs, n_kv, hd = (int(s) for s in k_cache.shape)
+    if (n_kv, hd) != (K, D):
+        raise ValueError(f"the cache holds [{n_kv}, {hd}] per token, the model [{K}, {D}]")
+    if not (isinstance(qkv, cp.ndarray) and qkv.ndim == 2 and qkv.dtype == np.float32
+            and int(qkv.shape[1]) == (H + 2 * K) * D and qkv.strides[1] == 4
+            and qkv.strides[0] % 4 == 0):
+        raise TypeError(f"qkv must be a float32 CuPy array [N, {(H + 2 * K) * D}] with unit "
+                        "column stride (it is updated in place)")
+    n = int(qkv.shape[0])
+    cos = rt.upload(cos, np.float32)
+    sin = rt.upload(sin, np.float32)
+    half = int(cos.shape[-1]) if cos.ndim == 2 else -1
+    if (cos.ndim != 2 or tuple(sin.shape) != tuple(cos.shape) or int(cos.shape[0]) != n
+            or 2 * half > D):
+        raise ValueError(f"cos/sin {tuple(cos.shape)} do not fit {n} rows of head size {D}")
+    if not cos.flags.c_contiguous:
+        cos = cp.ascontiguousarray(cos)
+    if not sin.flags.c_contiguous:
+        sin = cp.ascontiguousarray(sin)
+    n_slots = nb * bs
+    if not rt.is_device(slots):
+        hs = np.asarray(slots).reshape(-1)
+        if hs.size != n:
+            raise ValueError(f"{hs.size} slots for {n} tokens")
+        if hs.size and (hs.min() < 0 or hs.max() >= n_slots):
+            raise IndexError(f"KV slot out of range [0, {n_slots})")
+    elif int(slots.size) != n:
+        raise ValueError(f"{int(slots.size)} slots for {n} tokens")
+    norms = []
+    for name, wt in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if wt is None:
+            norms.append(None)
+            continue
+        wd = rt.upload(wt, np.float32).reshape(-1)
+        if int(wd.size) != D:
+            raise ValueError(f"{name} has {int(wd.size)} elements, heads have {D}")
+        norms.append(wd)
+    q = qkv[:, : H * D].reshape(n, H, D)
+    if n == 0:
+        return q
+    d_slots = rt.upload(slots, np.int64).reshape(-1)
+    flags = (1 if norms[0] is not None else 0) | (2 if norms[1] is not None else 0)
+    rt.kernel("qkv_rope", f"qkv_rope_write_{_kv_tag(k_cache.dtype)}")(
+        rt.grid(n * (H + K), ROWS_PER_BLOCK), (32 * ROWS_PER_BLOCK, 1, 1),
+        (qkv, np.int64(rt.estrides(qkv)[0]), cos, sin,
+         norms[0] if norms[0] is not None else cos, norms[1] if norms[1] is not None else cos,
+         np.int32(flags), np.float32(eps), k_cache, v_cache, d_slots, np.int64(n_slots),
+         np.int32(n), np.int32(H), np.int32(K), np.int32(D), np.int32(max(half, 0)),
+         np.int32(_ROPE_STYLES[style])))
+    return q
+
+
 # --- RMSNorm -------------------------------------------------------------------------------------
 
 def _row_layout(a: Any) -> tuple[int, int, int, int] | None:
@@ -641,6 +707,33 @@ def linear(x: Any, w: Any, bias: Any | None = None, *, out: Any | None = None) -
         out[...] = y
         return out
     return y
+
+
+def linear_add(x: Any, w: Any, bias: Any | None, y: Any) -> Any:
+    """GPU twin of `kvshare.ops.linear.linear_add`: `y += x @ w.T (+ bias)` in place. On a
+    `GpuBlockWeight` with up to 16 rows, the mat-vec adds into y (one launch per part,
+    `gpu_blocks.linear_add`); otherwise `linear`, then the add."""
+    if isinstance(w, GpuBlockWeight):
+        return gpu_blocks.linear_add(x, w, bias, y)
+    y += linear(x, w, bias)
+    return y
+
+
+def linear_glu(x: Any, w: Any, activation: str) -> Any:
+    """GPU twin of `kvshare.ops.linear.linear_glu`: `act(x @ gate.T) * (x @ up.T)` float32
+    `[N, n_ff]` for w = gate|up stacked `[2 n_ff, in]`. One `bmvglu` launch where
+    `gpu_blocks.glu_fuses` (block weights, gate and up of one type, up to 16 rows); otherwise
+    `linear`, then the activation over the gate half (the view it returns)."""
+    if activation not in gpu_blocks.GLU_ACT:
+        raise ValueError(f"unknown activation {activation!r}")
+    if isinstance(w, GpuBlockWeight) and gpu_blocks.glu_fuses(w, int(rt.as_rows(x).shape[0])):
+        return gpu_blocks.linear_glu(x, w, activation)
+    gu = linear(x, w)
+    ff = int(gu.shape[1]) // 2
+    gate, up = gu[:, :ff], gu[:, ff:]
+    if activation == "gelu_tanh":
+        return geglu_tanh(gate, up, out=gate)
+    return swiglu(gate, up, out=gate)
 
 
 # --- hybrid-model ops (gated delta rule, causal conv with state): kvshare.ops.gpu_hybrid --------

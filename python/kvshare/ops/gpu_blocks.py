@@ -56,13 +56,18 @@ BLOCK_TYPES: dict[int, tuple[str, int, int]] = {
 BMV_M = (1, 4, 16)  # row counts of the mat-vec kernels (bmv_<type>_m<M>)
 BMV_MAX_M = BMV_M[-1]  # linear with more rows than this: dequantized tiles + cuBLAS
 BMV_WARPS = 4  # bmv: 128-thread CTAs
-BMV_ROWS_PER_WARP = {1: 2, 4: 4, 16: 4}  # blocks.cu's BkRows<M>::R (output rows per warp)
+BMV_ROWS_PER_WARP = {1: 2, 4: 4, 16: 4}  # blocks.cu's BkRows<M, 1>::R (output rows per warp)
+BMVGLU_ROWS_PER_WARP = 2  # BkRows<M, 2>::R: gate rows per warp of bmvglu (and as many up rows)
+BMV_BIAS, BMV_ACCUMULATE = 1, 2  # bmv's flags word (blocks.cu)
+# ops.activation.glu's names -> blocks.cu's bk_act codes
+GLU_ACT = {"silu": 0, "gelu_tanh": 1}
 DEQUANT_TILE_ELEMS = 1 << 25  # weights per dequantized f16 tile (64 MB of scratch)
 
 # Every kernel of blocks.cu that this module launches (kvshare.ops.gpu.ENTRY_POINTS["blocks"]).
 ENTRY_POINTS: tuple[str, ...] = tuple(
     e for tag, _, _ in BLOCK_TYPES.values()
-    for e in (*(f"bmv_{tag}_m{m}" for m in BMV_M), f"bdq_{tag}", f"bemb_{tag}"))
+    for e in (*(f"bmv_{tag}_m{m}" for m in BMV_M), *(f"bmvglu_{tag}_m{m}" for m in BMV_M),
+              f"bdq_{tag}", f"bemb_{tag}"))
 rt.declare_entry_points("blocks", ENTRY_POINTS)
 # large batches convert x and scale y back as an f16 weight's linear does (kernels/linear.cu)
 rt.declare_entry_points("linear", ("f32_to_f16_rowscaled", "rowscale_bias_f32"))
@@ -228,36 +233,56 @@ def _aligned_rows(x: Any) -> Any:
     return cp.array(x, dtype=np.float32)
 
 
+def _bmv_rows(x: Any) -> tuple[Any, int, int]:
+    """(x as rows the mat-vec kernels can read, its row stride in elements, M: the smallest
+    kernel row count >= its rows)."""
+    xa = _aligned_rows(x)
+    n = int(xa.shape[0])
+    return xa, (rt.estrides(xa)[0] if n > 1 else int(xa.shape[1])), next(v for v in BMV_M if v >= n)
+
+
+def _bmv(xa: Any, xs: int, mm: int, w: GpuBlockWeight, b: Any | None, y: Any, y_stride: int,
+         flags: int) -> None:
+    """One `bmv_<type>_m<mm>` launch per part of w: y's columns of the part (=, or += with
+    BMV_ACCUMULATE) x @ part.T (+ bias)."""
+    n, n_in = int(xa.shape[0]), int(xa.shape[1])
+    for p in w.parts:
+        rt.kernel("blocks", f"bmv_{p.tag}_m{mm}")(
+            (max(1, min(rt.MAX_GRID, -(-p.n // (BMV_WARPS * BMV_ROWS_PER_WARP[mm])))), 1, 1),
+            (32 * BMV_WARPS, 1, 1),
+            (p.data, np.int64(p.row_bytes), np.int32(p.n), np.int32(n_in), xa, np.int64(xs),
+             np.int32(n), y, np.int64(y_stride), np.int64(p.col0), b if b is not None else y,
+             np.int32(flags | (BMV_BIAS if b is not None else 0))))
+
+
+def _check_linear(x: Any, w: GpuBlockWeight, bias: Any | None) -> tuple[Any, Any | None]:
+    """x as rows and the bias on the device, checked against w's shape."""
+    n_out, n_in = w.shape
+    x = rt.as_rows(x)
+    if int(x.shape[1]) != n_in:
+        raise ValueError(f"x has {int(x.shape[1])} features, w expects {n_in}")
+    b = rt.upload(bias, np.float32).reshape(-1) if bias is not None else None
+    if b is not None and int(b.size) != n_out:
+        raise ValueError(f"bias has {int(b.size)} elements, expected {n_out}")
+    return x, b
+
+
 def linear(x: Any, w: GpuBlockWeight, bias: Any | None = None, *, out: Any | None = None) -> Any:
     """`x @ w.T (+ bias)` as float32 `[N, n]` for a `GpuBlockWeight` (see the module doc);
     the contract of `kvshare.ops.gpu.linear`."""
     cp = cupy_module()
     n_out, n_in = w.shape
-    x = rt.as_rows(x)
+    x, b = _check_linear(x, w, bias)
     n = int(x.shape[0])
-    if int(x.shape[1]) != n_in:
-        raise ValueError(f"x has {int(x.shape[1])} features, w expects {n_in}")
     if out is not None and tuple(out.shape) != (n, n_out):
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {(n, n_out)}")
     direct = (out is not None and isinstance(out, cp.ndarray) and out.dtype == np.float32
               and out.flags.c_contiguous)
     y = out if direct else rt.empty((n, n_out), np.float32)
-    b = rt.upload(bias, np.float32).reshape(-1) if bias is not None else None
-    if b is not None and int(b.size) != n_out:
-        raise ValueError(f"bias has {int(b.size)} elements, expected {n_out}")
     if n and n_out:
         if n <= BMV_MAX_M:
-            xa = _aligned_rows(x)
-            mm = next(v for v in BMV_M if v >= n)
-            xs = rt.estrides(xa)[0] if n > 1 else n_in
-            for p in w.parts:
-                rt.kernel("blocks", f"bmv_{p.tag}_m{mm}")(
-                    (max(1, min(rt.MAX_GRID, -(-p.n // (BMV_WARPS * BMV_ROWS_PER_WARP[mm])))),
-                     1, 1),
-                    (32 * BMV_WARPS, 1, 1),
-                    (p.data, np.int64(p.row_bytes), np.int32(p.n), np.int32(n_in), xa,
-                     np.int64(xs), np.int32(n), y, np.int64(n_out), np.int64(p.col0),
-                     b if b is not None else y, np.int32(b is not None)))
+            xa, xs, mm = _bmv_rows(x)
+            _bmv(xa, xs, mm, w, b, y, n_out, 0)
         else:
             x16 = rt.empty((n, n_in), np.float16)
             inv = rt.empty(n, np.float32)
@@ -280,6 +305,57 @@ def linear(x: Any, w: GpuBlockWeight, bias: Any | None = None, *, out: Any | Non
         out[...] = y
         return out
     return y
+
+
+def linear_add(x: Any, w: GpuBlockWeight, bias: Any | None, y: Any) -> Any:
+    """`y += x @ w.T (+ bias)` in place for a `GpuBlockWeight`: the contract of
+    `kvshare.ops.gpu.linear_add`. Up to BMV_MAX_M rows of a float32 y with unit column stride,
+    one `bmv` launch per part that adds into y (the residual add fused into the mat-vec);
+    otherwise `linear`, then the add."""
+    cp = cupy_module()
+    n_out = w.shape[0]
+    x, b = _check_linear(x, w, bias)
+    n = int(x.shape[0])
+    if tuple(y.shape) != (n, n_out):
+        raise ValueError(f"y has shape {tuple(y.shape)}, expected {(n, n_out)}")
+    if not n or not n_out:
+        return y
+    if (n <= BMV_MAX_M and isinstance(y, cp.ndarray) and y.dtype == np.float32
+            and (n_out <= 1 or y.strides[1] == 4) and y.strides[0] % 4 == 0):
+        xa, xs, mm = _bmv_rows(x)
+        _bmv(xa, xs, mm, w, b, y, rt.estrides(y)[0] if n > 1 else n_out, BMV_ACCUMULATE)
+        return y
+    y += linear(x, w, b)
+    return y
+
+
+def glu_fuses(w: GpuBlockWeight, n: int) -> bool:
+    """Whether `linear_glu` of n rows on w is one `bmvglu` launch: n <= BMV_MAX_M and w is
+    two parts (gate, up) of the same type and row count."""
+    p = w.parts
+    return (0 < n <= BMV_MAX_M and len(p) == 2 and p[0].qtype == p[1].qtype
+            and p[0].n == p[1].n)
+
+
+def linear_glu(x: Any, w: GpuBlockWeight, activation: str) -> Any:
+    """`act(x @ gate.T) * (x @ up.T)` as float32 `[N, n_ff]` with w = gate|up stacked: one
+    `bmvglu_<type>_m<M>` launch where `glu_fuses` (the contract of
+    `kvshare.ops.gpu.linear_glu`, which composes the other cases)."""
+    if activation not in GLU_ACT:
+        raise ValueError(f"unknown activation {activation!r}")
+    x, _ = _check_linear(x, w, None)
+    n = int(x.shape[0])
+    if not glu_fuses(w, n):
+        raise ValueError(f"linear_glu on {n} rows of {w!r} is not one bmvglu launch")
+    g, u = w.parts
+    out = rt.empty((n, g.n), np.float32)
+    xa, xs, mm = _bmv_rows(x)
+    rt.kernel("blocks", f"bmvglu_{g.tag}_m{mm}")(
+        (max(1, min(rt.MAX_GRID, -(-g.n // (BMV_WARPS * BMVGLU_ROWS_PER_WARP)))), 1, 1),
+        (32 * BMV_WARPS, 1, 1),
+        (g.data, u.data, np.int64(g.row_bytes), np.int32(g.n), np.int32(g.k), xa, np.int64(xs),
+         np.int32(n), out, np.int64(g.n), np.int32(GLU_ACT[activation])))
+    return out
 
 
 def embedding(table: GpuBlockWeight, tokens: Any, scale: float = 1.0) -> Any:

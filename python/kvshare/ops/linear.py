@@ -27,6 +27,7 @@ import numpy as np
 from kvshare import _core
 from kvshare.backend import BLAS_PARALLEL_MIN_TOKENS, CPU, CPU_THREADS, Backend
 from kvshare.ops._dispatch import gpu_op
+from kvshare.ops.activation import glu
 
 try:  # pragma: no cover - exercised when numba is installed
     from numba import njit, prange
@@ -183,6 +184,26 @@ def linear(x: Any, w: Any, bias: Any | None = None, *, backend: Backend = CPU,
     if bias is not None:
         y += bias
     return y
+
+
+def linear_add(x: Any, w: Any, bias: Any | None, y: Any, *, backend: Backend = CPU) -> Any:
+    """`y += x @ w.T (+ bias)` in place (a projection added into the residual stream) and
+    return y: `linear`, then the add. y: float32 `[N, out]`, not overlapping x. On the GPU a
+    block weight's mat-vec adds into y itself (no second launch, no `[N, out]` temporary)."""
+    if backend.is_gpu:
+        return gpu_op("linear_add")(x, w, bias, y)
+    y += linear(x, w, bias, backend=backend)
+    return y
+
+
+def linear_glu(x: Any, w: Any, activation: str, *, backend: Backend = CPU) -> Any:
+    """The gated feed-forward input: `glu(linear(x, w), activation)`, i.e.
+    `act(x @ gate.T) * (x @ up.T)` float32 `[N, n_ff]` for w = gate|up stacked
+    `[2 n_ff, in]` and `act` as `ops.activation.glu` names it ("silu", "gelu_tanh"). On the
+    GPU a block weight's gate and up rows of one type take one fused mat-vec launch."""
+    if backend.is_gpu:
+        return gpu_op("linear_glu")(x, w, activation)
+    return glu(linear(x, w, backend=backend), activation, backend=backend)
 
 
 def warm_up() -> None:

@@ -8,6 +8,7 @@ import numpy as np
 
 from kvshare.backend import CPU, Backend
 from kvshare.ops._dispatch import gpu_op
+from kvshare.ops.attention import write_kv
 
 NEOX = "neox"
 NORM = "norm"
@@ -119,3 +120,27 @@ def norm_and_rope(x: Any, weight: Any | None, eps: float, cos: Any, sin: Any,
     if weight is not None:
         rms_norm(x, weight, eps, backend=backend, out=x)
     return apply_rope(x, cos, sin, style, backend=backend)
+
+
+def qkv_rope_write(qkv: Any, q_norm: Any | None, k_norm: Any | None, eps: float, cos: Any,
+                   sin: Any, style: str, k_cache: Any, v_cache: Any, slots: Any, n_head: int,
+                   n_head_kv: int, head_dim: int, *, backend: Backend = CPU) -> Any:
+    """The tail of an attention layer's fused Q/K/V projection `qkv` (float32
+    `[N, (n_head + 2 n_head_kv) * head_dim]`: q heads, k heads, v heads): q and k get their
+    per-head RMSNorm (`q_norm` / `k_norm` `[head_dim]`, or None: no norm) and rope
+    (`norm_and_rope`), K and V are stored at `slots` of the layer's cache (`write_kv`), and q
+    is returned as the `[N, n_head, head_dim]` view of qkv (updated in place; k's columns
+    too, on the CPU). On the GPU one kernel does all of it for any N (a device slot < 0, a
+    CUDA graph's padding row, stores nothing there)."""
+    if backend.is_gpu:
+        return gpu_op("qkv_rope_write")(qkv, q_norm, k_norm, eps, cos, sin, style, k_cache,
+                                        v_cache, slots, n_head, n_head_kv, head_dim)
+    H, K, D = n_head, n_head_kv, head_dim
+    n = qkv.shape[0]
+    q = qkv[:, : H * D].reshape(n, H, D)
+    k = qkv[:, H * D : (H + K) * D].reshape(n, K, D)
+    v = qkv[:, (H + K) * D :].reshape(n, K, D)
+    norm_and_rope(q, q_norm, eps, cos, sin, style, backend=backend)
+    norm_and_rope(k, k_norm, eps, cos, sin, style, backend=backend)
+    write_kv(k_cache, v_cache, slots, k, v, backend=backend)
+    return q
