@@ -1,0 +1,250 @@
+"""bench/gpu_targets.py: issue 40's acceptance table from the files bench/gpu_check.sh's steps
+write. The inputs are written here in the shapes the benches write (gpu_bench.py's and
+agent_fleet.py's JSON; pytest's own junit XML, made by running pytest), and the table's
+pass / FAIL / not run / timed out / invalid logic is checked row by row."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "bench" / "gpu_targets.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_targets", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gpu_targets", mod)  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gt = _load()
+
+
+def _decode(tps: float, ctx: int = 1024, graphs: bool = True) -> dict:
+    steps = 32
+    return {"ctx": ctx, "steps": steps, "seconds": round(steps / tps, 4),
+            "tokens_per_s": tps, "cuda_graphs": graphs, "ms_per_step": round(1e3 / tps, 2)}
+
+
+# bench/gpu_bench.py --model q15.gguf --prefill-sizes 1024 --batches 1,8,32 --greedy-check 4,32
+BENCH = {
+    "model": "kvshare-qwen3-1.5b-rand-ggml-vocab-qwen2.gguf",
+    "path": "/tmp/kvshare-qwen3-1.5b-rand-ggml-vocab-qwen2.gguf", "device": "cuda",
+    "load_s": 3.1, "gpu_weights": "blocks", "n_layers": 28, "n_embd": 2048, "vocab": 151936,
+    "weights_memory": {"device_pool_bytes": 1_110_000_000, "weight_bytes": 1_105_000_000,
+                       "file_tensor_bytes": 1_100_000_000,
+                       "measured_by": "cupy pool growth over the load", "ratio": 1.0091},
+    "prefill_chunk": 2048,
+    "prefill": {"1024": {"seconds": 0.02, "tokens_per_s": 51200.0}},
+    "decode": {"1": _decode(610.0), "8": _decode(3100.0), "32": _decode(7200.0)},
+    "decode_eager": {"1": _decode(80.0, graphs=False), "8": _decode(600.0, graphs=False),
+                     "32": _decode(2000.0, graphs=False)},
+    "greedy_graphs": {"batch": 4, "steps": 32, "ctx": 256, "cuda_graphs": True, "equal": True,
+                      "tokens": 128, "differing": 0, "first_difference": None},
+}
+
+
+def _stats(xs: list[float]) -> dict:
+    return {"median": sorted(xs)[len(xs) // 2], "max": max(xs), "n": len(xs)}
+
+
+# bench/agent_fleet.py --model q15.gguf --server-args "--device cuda"
+#   --server-env KVSHARE_GPU_WEIGHTS=blocks --out agent_fleet.json (summarize()'s keys)
+FLEET = {
+    "config": {"prefix_tokens": 6000, "sessions": 4, "turns": 3, "new_tokens": 150,
+               "max_tokens": 32, "quick": False, "seed": 0, "ignore_eos": False,
+               "no_warm_up": False, "model": "/tmp/kvshare-qwen3-1.5b-rand-ggml-vocab-qwen2.gguf",
+               "server_args": "--device cuda", "server_env": ["KVSHARE_GPU_WEIGHTS=blocks"],
+               "out": "/tmp/kvshare-gpu-check/agent_fleet.json", "peer_url": None,
+               "no_kvshare": False,
+               "kvshare_serve_args": ["--model", "/tmp/q15.gguf", "--device", "cuda"]},
+    "runs": {"kvshare": {
+        "wall_s": 1.21, "turn1_ttft": _stats([0.2, 0.21, 0.22, 0.25]),
+        "later_ttft": _stats([0.018, 0.019, 0.021, 0.022, 0.024, 0.025, 0.026, 0.028]),
+        "per_turn": {}, "later_cached_fraction": 0.95, "turn1_max_cached": 0,
+        "completion_tokens": 384, "empty_replies": 0, "errors": [], "records": [],
+        "prefix_tokens": 5989}},
+    "prompts": {"counted_by": "http://127.0.0.1:1/tokenize", "prefix_tokens": 5989},
+}
+
+_TEST_FILE = textwrap.dedent('''
+    import pytest
+
+    @pytest.mark.parametrize("t", ["Q2_K", "Q4_K", "Q6_K"])
+    def test_dequantize_f16_tiles(t):
+        assert t != FAIL_TYPE
+
+    def test_skipped():
+        pytest.skip("the Gemma 3 270M package is not installed")
+''')
+
+
+@pytest.fixture(scope="module")
+def junit(tmp_path_factory):
+    """Real pytest junit XML files: {'ok': every Q2_K..Q6_K case passes, 'q2k_fails': the
+    Q2_K case fails, 'all_skipped': every case skips (as on a machine without a GPU)}."""
+    d = tmp_path_factory.mktemp("junit")
+    out = {}
+    for name, body in {
+        "ok": _TEST_FILE.replace("FAIL_TYPE", "'none'"),
+        "q2k_fails": _TEST_FILE.replace("FAIL_TYPE", "'Q2_K'"),
+        "all_skipped": "import pytest\npytestmark = pytest.mark.skip('no GPU')\n"
+                       + _TEST_FILE.replace("FAIL_TYPE", "'none'"),
+    }.items():
+        src = d / f"test_{name}.py"
+        src.write_text(body)
+        xml = d / f"{name}.xml"
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        f"--junitxml={xml}", str(src)], cwd=d, capture_output=True,
+                       timeout=120, check=False)
+        out[name] = xml.read_text()
+    return out
+
+
+def _write(d: Path, bench=BENCH, fleet=FLEET, junit: dict | None = None,
+           steps: dict | None = None) -> Path:
+    if bench is not None:
+        (d / "gpu_bench_q15.json").write_text(json.dumps(bench))
+    if fleet is not None:
+        (d / "agent_fleet.json").write_text(json.dumps(fleet))
+    for name, text in (junit or {}).items():
+        (d / name).write_text(text)
+    for name, st in (steps or {}).items():
+        (d / f"step_{name}.json").write_text(json.dumps(st))
+    return d
+
+
+def _rows(d: Path) -> dict:
+    return {r.id: r for r in gt.build(d)}
+
+
+def test_every_target_met_passes_and_the_table_says_so(tmp_path, junit):
+    _write(tmp_path, junit={"pytest_graphs_on.xml": junit["ok"],
+                            "pytest_graphs_off.xml": junit["ok"],
+                            "pytest_q2k.xml": junit["ok"]})
+    rows = _rows(tmp_path)
+    for rid in ("decode_b1", "decode_b8", "decode_b32", "prefill_1k", "weights_memory",
+                "greedy_graphs", "fleet_ttft", "fleet_wall", "pytest_graphs_on",
+                "pytest_graphs_off", "q2k"):
+        assert rows[rid].status == "pass", (rid, rows[rid])
+    assert rows["decode_b1"].measured == "610"
+    assert rows["decode_b32"].value == 7200.0
+    assert rows["fleet_ttft"].measured == "24.0"  # the later-turn median, in ms
+    assert rows["weights_memory"].measured == "1.009"
+    assert rows["pytest_graphs_on"].measured.startswith("3 passed, 0 failed, 0 errors, 1 skipped")
+    # the rows filled by other modes
+    assert rows["pytest_moe"].status == "not run"
+    assert "MOE_ONLY=1" in rows["pytest_moe"].source
+    assert rows["matvec"].status == "not run"
+
+    out = tmp_path / "out"
+    assert gt.main(["--dir", str(tmp_path), "--out-dir", str(out), "--mode", "default run"]) == 0
+    text = (out / "targets.txt").read_text()
+    lines = text.splitlines()
+    assert lines[1].split()[:5] == ["figure", "target", "measured", "status", "source"]
+    b1 = next(ln for ln in lines if ln.startswith("decode, 1 sequence"))
+    assert ">= 500" in b1 and " 610 " in b1 and re.search(r"\s{2}pass\s{2}", b1)
+    assert lines[-1] == "11 pass, 3 not run"
+    saved = json.loads((out / "targets.json").read_text())
+    assert [r["id"] for r in saved["rows"]] == [r.id for r in gt.build(tmp_path)]
+    # the measurements come back inside targets.json
+    assert saved["sources"]["gpu_bench_q15.json"]["decode"]["8"]["tokens_per_s"] == 3100.0
+    assert saved["sources"]["agent_fleet.json"]["runs"]["kvshare"]["wall_s"] == 1.21
+
+
+def test_targets_missed_fail(tmp_path, junit):
+    bench = copy.deepcopy(BENCH)
+    bench["decode"]["1"] = _decode(74.0)
+    bench["decode"]["32"] = _decode(5999.0)
+    bench["prefill"]["1024"]["tokens_per_s"] = 28800.0
+    bench["weights_memory"]["ratio"] = 1.9
+    bench["greedy_graphs"].update(equal=False, differing=3, first_difference=[1, 5])
+    fleet = copy.deepcopy(FLEET)
+    fleet["runs"]["kvshare"]["later_ttft"] = _stats([0.081, 0.09])
+    fleet["runs"]["kvshare"]["wall_s"] = 3.96
+    _write(tmp_path, bench, fleet, junit={"pytest_graphs_on.xml": junit["q2k_fails"],
+                                          "pytest_q2k.xml": junit["q2k_fails"]})
+    rows = _rows(tmp_path)
+    for rid in ("decode_b1", "decode_b32", "prefill_1k", "weights_memory", "greedy_graphs",
+                "fleet_ttft", "fleet_wall", "pytest_graphs_on", "q2k"):
+        assert rows[rid].status == "FAIL", (rid, rows[rid])
+    assert rows["decode_b8"].status == "pass"
+    assert rows["greedy_graphs"].measured == "3 of 128 differ"
+    assert any("test_dequantize_f16_tiles[Q2_K]" in n for n in rows["pytest_graphs_on"].notes)
+    assert rows["q2k"].measured.startswith("Q2_K: 0 passed, 1 failed")
+    assert rows["pytest_graphs_off"].status == "not run"
+
+
+def test_bounds_are_inclusive(tmp_path):
+    bench = copy.deepcopy(BENCH)
+    bench["decode"]["1"] = _decode(500.0)
+    bench["weights_memory"]["ratio"] = 1.05
+    fleet = copy.deepcopy(FLEET)
+    fleet["runs"]["kvshare"]["later_ttft"] = _stats([0.030])
+    fleet["runs"]["kvshare"]["wall_s"] = 1.5
+    rows = _rows(_write(tmp_path, bench, fleet))
+    for rid in ("decode_b1", "weights_memory", "fleet_ttft", "fleet_wall"):
+        assert rows[rid].status == "pass", (rid, rows[rid])
+
+
+def test_nothing_measured_is_never_a_pass(tmp_path):
+    rows = gt.build(tmp_path)
+    assert {r.status for r in rows} == {"not run"}
+    text = gt.render(rows, "default run")
+    assert not re.search(r"\s{2}pass\s{2}", text)  # no status "pass" ("all pass" is a target)
+    assert text.splitlines()[-1] == f"{len(rows)} not run"
+
+
+def test_a_step_that_timed_out_or_crashed_says_so(tmp_path):
+    _write(tmp_path, bench=None, fleet=None,
+           steps={"gpu_bench_q15": {"rc": 124, "seconds": 240, "timeout": 240},
+                  "agent_fleet": {"rc": 1, "seconds": 12, "timeout": 150}})
+    rows = _rows(tmp_path)
+    assert rows["decode_b1"].status == "timed out"
+    assert rows["prefill_1k"].measured == "timed out after 240 s"
+    assert rows["fleet_wall"].status == "FAIL"
+    assert rows["fleet_wall"].measured == "failed (rc 1)"
+    assert rows["pytest_graphs_on"].status == "not run"
+
+
+def test_a_run_off_the_issues_conditions_is_invalid(tmp_path, junit):
+    """The CPU dry run's figures (tiny model, cpu, short context, f16 weights, --quick fleet,
+    every GPU test skipped) beat the targets but are never a pass."""
+    bench = copy.deepcopy(BENCH)
+    bench.update(device="cpu", n_layers=2, n_embd=256, vocab=367, gpu_weights="f16")
+    bench["decode"] = {k: _decode(9000.0, ctx=128, graphs=False) for k in ("1", "8", "32")}
+    bench["weights_memory"].update(device_pool_bytes=None,
+                                   measured_by="kvshare.model.loader.weight_bytes")
+    bench["greedy_graphs"]["cuda_graphs"] = False
+    fleet = copy.deepcopy(FLEET)
+    fleet["config"].update(sessions=2, turns=2, prefix_tokens=1500, quick=True)
+    fleet["config"]["kvshare_serve_args"] = ["--model", "/tmp/tiny.gguf", "--device", "cpu"]
+    _write(tmp_path, bench, fleet, junit={"pytest_graphs_on.xml": junit["all_skipped"],
+                                          "pytest_q2k.xml": junit["all_skipped"]})
+    rows = _rows(tmp_path)
+    for rid in ("decode_b1", "decode_b8", "decode_b32", "prefill_1k", "weights_memory",
+                "greedy_graphs", "fleet_ttft", "fleet_wall", "pytest_graphs_on", "q2k"):
+        assert rows[rid].status == "invalid", (rid, rows[rid])
+    notes = "; ".join(rows["decode_b1"].notes)
+    for why in ("device cpu", "not the 1.5b shape", "not blocks", "context 128",
+                "vocab 367", "CUDA graphs not captured"):
+        assert why in notes
+    assert any("server not on cuda" in n for n in rows["fleet_ttft"].notes)
+
+
+def test_only_the_vocabulary_differing_is_noted_not_invalid(tmp_path):
+    bench = copy.deepcopy(BENCH)
+    bench["vocab"] = 367  # the fallback tokenizer: the rows still count, with a note
+    rows = _rows(_write(tmp_path, bench))
+    assert rows["decode_b1"].status == "pass"
+    assert any("vocab 367" in n for n in rows["decode_b1"].notes)
