@@ -9,7 +9,10 @@ and `kvshare.ops.gpu.embedding` dispatch on it to `linear` and `embedding` here:
 - linear, x with m <= 16 rows (decode, small batches): per part, `bmv_<type>_m<M>` (M the
   smallest of 1, 4, 16 >= m) writes the part's columns of y directly (bias added there):
   one warp per 2 (M = 1) or 4 output rows, each weight block read once for all m rows,
-  float32 accumulation.
+  float32 accumulation. `linear_add` (y += x @ w.T + bias: a projection added into the
+  residual stream) is the same launch with the accumulate flag; `linear_glu` (a gate|up
+  weight of two parts of one type) is one `bmvglu_<type>_m<M>` launch that writes
+  act(gate) * up, the [m, 2 n_ff] products never stored.
 - linear, m > 16 (prefill): x is converted to row-scaled f16 as for f16 weights
   (`f32_to_f16_rowscaled`), then each part is dequantized tile by tile (`bdq_<type>`, at most
   `DEQUANT_TILE_ELEMS` weights per tile, 64 MB of f16 scratch) and multiplied by cuBLAS
