@@ -19,7 +19,7 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 // static __shared__ arrays: a function-local static is one object for all the fibers (threads)
 // of a block, as shared memory is (not poisoned between blocks, unlike the dynamic one)
 #define __shared__ static

@@ -390,9 +390,6 @@ __device__ __forceinline__ void mmvq_impl(
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & (KVS_WARP - 1);
     const int nb = k / T::QK;
     const int kqs = T::VDR * (tid % TPB);
-    const u8* yr[M];
-#pragma unroll
-    for (int j = 0; j < M; ++j) yr[j] = xq + (i64)(j < m ? j : m - 1) * xq_stride;
     for (i64 row0 = (i64)blockIdx.x * RPB; row0 < n_rows; row0 += (i64)gridDim.x * RPB) {
         const u8* wr[RPB];
 #pragma unroll
@@ -404,12 +401,15 @@ __device__ __forceinline__ void mmvq_impl(
 #pragma unroll
             for (int i = 0; i < RPB; ++i) acc[j][i] = 0.f;
         for (int kbx = tid / TPB; kbx < nb; kbx += BPI) {
-            const i64 kby = (i64)kbx * (T::QK / 32);  // the q8_1 block aligned with block kbx
+            // the q8_1 block aligned with weight block kbx (row pointers formed here, not held
+            // in registers across the loop: M = 8 spilled them on sm_80)
+            const u8* yk = xq + (i64)kbx * (T::QK / 32) * MQ_Q8_1_BYTES;
 #pragma unroll
-            for (int j = 0; j < M; ++j)
+            for (int j = 0; j < M; ++j) {
+                const u8* yb = yk + (i64)(j < m ? j : m - 1) * xq_stride;
 #pragma unroll
-                for (int i = 0; i < RPB; ++i)
-                    acc[j][i] += T::dot(wr[i] + (i64)kbx * T::BYTES, yr[j] + kby * MQ_Q8_1_BYTES, kqs);
+                for (int i = 0; i < RPB; ++i) acc[j][i] += T::dot(wr[i] + (i64)kbx * T::BYTES, yb, kqs);
+            }
         }
         if (warp > 0) {
 #pragma unroll
@@ -448,73 +448,73 @@ __device__ __forceinline__ void mmvq_impl(
 #define MQ(T, M) mmvq_impl<T, M>(w, row_bytes, n_rows, k, xq, xq_stride, m, y, y_stride, col0, bias, flags)
 
 // q4_0
-extern "C" __global__ void __launch_bounds__(128) mmvq_q4_0_m1(MQ_ARGS) { MQ(MqQ4_0, 1); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q4_0_m2(MQ_ARGS) { MQ(MqQ4_0, 2); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q4_0_m4(MQ_ARGS) { MQ(MqQ4_0, 4); }
-extern "C" __global__ void __launch_bounds__(64) mmvq_q4_0_m8(MQ_ARGS) { MQ(MqQ4_0, 8); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q4_0_m1(MQ_ARGS) { MQ(MqQ4_0, 1); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q4_0_m2(MQ_ARGS) { MQ(MqQ4_0, 2); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q4_0_m4(MQ_ARGS) { MQ(MqQ4_0, 4); }
+extern "C" __global__ void __launch_bounds__(64, 1) mmvq_q4_0_m8(MQ_ARGS) { MQ(MqQ4_0, 8); }
 
 // q4_1
-extern "C" __global__ void __launch_bounds__(128) mmvq_q4_1_m1(MQ_ARGS) { MQ(MqQ4_1, 1); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q4_1_m2(MQ_ARGS) { MQ(MqQ4_1, 2); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q4_1_m4(MQ_ARGS) { MQ(MqQ4_1, 4); }
-extern "C" __global__ void __launch_bounds__(64) mmvq_q4_1_m8(MQ_ARGS) { MQ(MqQ4_1, 8); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q4_1_m1(MQ_ARGS) { MQ(MqQ4_1, 1); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q4_1_m2(MQ_ARGS) { MQ(MqQ4_1, 2); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q4_1_m4(MQ_ARGS) { MQ(MqQ4_1, 4); }
+extern "C" __global__ void __launch_bounds__(64, 1) mmvq_q4_1_m8(MQ_ARGS) { MQ(MqQ4_1, 8); }
 
 // q5_0
-extern "C" __global__ void __launch_bounds__(128) mmvq_q5_0_m1(MQ_ARGS) { MQ(MqQ5_0, 1); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q5_0_m2(MQ_ARGS) { MQ(MqQ5_0, 2); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q5_0_m4(MQ_ARGS) { MQ(MqQ5_0, 4); }
-extern "C" __global__ void __launch_bounds__(64) mmvq_q5_0_m8(MQ_ARGS) { MQ(MqQ5_0, 8); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q5_0_m1(MQ_ARGS) { MQ(MqQ5_0, 1); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q5_0_m2(MQ_ARGS) { MQ(MqQ5_0, 2); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q5_0_m4(MQ_ARGS) { MQ(MqQ5_0, 4); }
+extern "C" __global__ void __launch_bounds__(64, 1) mmvq_q5_0_m8(MQ_ARGS) { MQ(MqQ5_0, 8); }
 
 // q5_1
-extern "C" __global__ void __launch_bounds__(128) mmvq_q5_1_m1(MQ_ARGS) { MQ(MqQ5_1, 1); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q5_1_m2(MQ_ARGS) { MQ(MqQ5_1, 2); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q5_1_m4(MQ_ARGS) { MQ(MqQ5_1, 4); }
-extern "C" __global__ void __launch_bounds__(64) mmvq_q5_1_m8(MQ_ARGS) { MQ(MqQ5_1, 8); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q5_1_m1(MQ_ARGS) { MQ(MqQ5_1, 1); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q5_1_m2(MQ_ARGS) { MQ(MqQ5_1, 2); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q5_1_m4(MQ_ARGS) { MQ(MqQ5_1, 4); }
+extern "C" __global__ void __launch_bounds__(64, 1) mmvq_q5_1_m8(MQ_ARGS) { MQ(MqQ5_1, 8); }
 
 // q8_0
-extern "C" __global__ void __launch_bounds__(128) mmvq_q8_0_m1(MQ_ARGS) { MQ(MqQ8_0, 1); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q8_0_m2(MQ_ARGS) { MQ(MqQ8_0, 2); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q8_0_m4(MQ_ARGS) { MQ(MqQ8_0, 4); }
-extern "C" __global__ void __launch_bounds__(64) mmvq_q8_0_m8(MQ_ARGS) { MQ(MqQ8_0, 8); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q8_0_m1(MQ_ARGS) { MQ(MqQ8_0, 1); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q8_0_m2(MQ_ARGS) { MQ(MqQ8_0, 2); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q8_0_m4(MQ_ARGS) { MQ(MqQ8_0, 4); }
+extern "C" __global__ void __launch_bounds__(64, 1) mmvq_q8_0_m8(MQ_ARGS) { MQ(MqQ8_0, 8); }
 
 // q2_k
-extern "C" __global__ void __launch_bounds__(128) mmvq_q2_k_m1(MQ_ARGS) { MQ(MqQ2_K, 1); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q2_k_m2(MQ_ARGS) { MQ(MqQ2_K, 2); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q2_k_m4(MQ_ARGS) { MQ(MqQ2_K, 4); }
-extern "C" __global__ void __launch_bounds__(64) mmvq_q2_k_m8(MQ_ARGS) { MQ(MqQ2_K, 8); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q2_k_m1(MQ_ARGS) { MQ(MqQ2_K, 1); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q2_k_m2(MQ_ARGS) { MQ(MqQ2_K, 2); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q2_k_m4(MQ_ARGS) { MQ(MqQ2_K, 4); }
+extern "C" __global__ void __launch_bounds__(64, 1) mmvq_q2_k_m8(MQ_ARGS) { MQ(MqQ2_K, 8); }
 
 // q3_k
-extern "C" __global__ void __launch_bounds__(128) mmvq_q3_k_m1(MQ_ARGS) { MQ(MqQ3_K, 1); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q3_k_m2(MQ_ARGS) { MQ(MqQ3_K, 2); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q3_k_m4(MQ_ARGS) { MQ(MqQ3_K, 4); }
-extern "C" __global__ void __launch_bounds__(64) mmvq_q3_k_m8(MQ_ARGS) { MQ(MqQ3_K, 8); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q3_k_m1(MQ_ARGS) { MQ(MqQ3_K, 1); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q3_k_m2(MQ_ARGS) { MQ(MqQ3_K, 2); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q3_k_m4(MQ_ARGS) { MQ(MqQ3_K, 4); }
+extern "C" __global__ void __launch_bounds__(64, 1) mmvq_q3_k_m8(MQ_ARGS) { MQ(MqQ3_K, 8); }
 
 // q4_k
-extern "C" __global__ void __launch_bounds__(128) mmvq_q4_k_m1(MQ_ARGS) { MQ(MqQ4_K, 1); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q4_k_m2(MQ_ARGS) { MQ(MqQ4_K, 2); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q4_k_m4(MQ_ARGS) { MQ(MqQ4_K, 4); }
-extern "C" __global__ void __launch_bounds__(64) mmvq_q4_k_m8(MQ_ARGS) { MQ(MqQ4_K, 8); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q4_k_m1(MQ_ARGS) { MQ(MqQ4_K, 1); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q4_k_m2(MQ_ARGS) { MQ(MqQ4_K, 2); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q4_k_m4(MQ_ARGS) { MQ(MqQ4_K, 4); }
+extern "C" __global__ void __launch_bounds__(64, 1) mmvq_q4_k_m8(MQ_ARGS) { MQ(MqQ4_K, 8); }
 
 // q5_k
-extern "C" __global__ void __launch_bounds__(128) mmvq_q5_k_m1(MQ_ARGS) { MQ(MqQ5_K, 1); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q5_k_m2(MQ_ARGS) { MQ(MqQ5_K, 2); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q5_k_m4(MQ_ARGS) { MQ(MqQ5_K, 4); }
-extern "C" __global__ void __launch_bounds__(64) mmvq_q5_k_m8(MQ_ARGS) { MQ(MqQ5_K, 8); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q5_k_m1(MQ_ARGS) { MQ(MqQ5_K, 1); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q5_k_m2(MQ_ARGS) { MQ(MqQ5_K, 2); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q5_k_m4(MQ_ARGS) { MQ(MqQ5_K, 4); }
+extern "C" __global__ void __launch_bounds__(64, 1) mmvq_q5_k_m8(MQ_ARGS) { MQ(MqQ5_K, 8); }
 
 // q6_k
-extern "C" __global__ void __launch_bounds__(128) mmvq_q6_k_m1(MQ_ARGS) { MQ(MqQ6_K, 1); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q6_k_m2(MQ_ARGS) { MQ(MqQ6_K, 2); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_q6_k_m4(MQ_ARGS) { MQ(MqQ6_K, 4); }
-extern "C" __global__ void __launch_bounds__(64) mmvq_q6_k_m8(MQ_ARGS) { MQ(MqQ6_K, 8); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q6_k_m1(MQ_ARGS) { MQ(MqQ6_K, 1); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q6_k_m2(MQ_ARGS) { MQ(MqQ6_K, 2); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_q6_k_m4(MQ_ARGS) { MQ(MqQ6_K, 4); }
+extern "C" __global__ void __launch_bounds__(64, 1) mmvq_q6_k_m8(MQ_ARGS) { MQ(MqQ6_K, 8); }
 
 // iq4_nl
-extern "C" __global__ void __launch_bounds__(128) mmvq_iq4_nl_m1(MQ_ARGS) { MQ(MqIQ4_NL, 1); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_iq4_nl_m2(MQ_ARGS) { MQ(MqIQ4_NL, 2); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_iq4_nl_m4(MQ_ARGS) { MQ(MqIQ4_NL, 4); }
-extern "C" __global__ void __launch_bounds__(64) mmvq_iq4_nl_m8(MQ_ARGS) { MQ(MqIQ4_NL, 8); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_iq4_nl_m1(MQ_ARGS) { MQ(MqIQ4_NL, 1); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_iq4_nl_m2(MQ_ARGS) { MQ(MqIQ4_NL, 2); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_iq4_nl_m4(MQ_ARGS) { MQ(MqIQ4_NL, 4); }
+extern "C" __global__ void __launch_bounds__(64, 1) mmvq_iq4_nl_m8(MQ_ARGS) { MQ(MqIQ4_NL, 8); }
 
 // iq4_xs
-extern "C" __global__ void __launch_bounds__(128) mmvq_iq4_xs_m1(MQ_ARGS) { MQ(MqIQ4_XS, 1); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_iq4_xs_m2(MQ_ARGS) { MQ(MqIQ4_XS, 2); }
-extern "C" __global__ void __launch_bounds__(128) mmvq_iq4_xs_m4(MQ_ARGS) { MQ(MqIQ4_XS, 4); }
-extern "C" __global__ void __launch_bounds__(64) mmvq_iq4_xs_m8(MQ_ARGS) { MQ(MqIQ4_XS, 8); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_iq4_xs_m1(MQ_ARGS) { MQ(MqIQ4_XS, 1); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_iq4_xs_m2(MQ_ARGS) { MQ(MqIQ4_XS, 2); }
+extern "C" __global__ void __launch_bounds__(128, 1) mmvq_iq4_xs_m4(MQ_ARGS) { MQ(MqIQ4_XS, 4); }
+extern "C" __global__ void __launch_bounds__(64, 1) mmvq_iq4_xs_m8(MQ_ARGS) { MQ(MqIQ4_XS, 8); }
