@@ -114,10 +114,13 @@ done
 log "$MODE; environment: $(head -3 "$OUT/env.txt" | tail -1)"
 
 # --- the package -----------------------------------------------------------------------------
-WHLS=$(ls .whl/*.whl 2>/dev/null | grep -v nvdisasm)
-if [ -n "$WHLS" ] && [ "$CPU" != 1 ]; then
+WHLS=()
+for w in .whl/*.whl; do
+    [ -f "$w" ] && [[ $w != *nvdisasm* ]] && WHLS+=("$w")
+done
+if [ ${#WHLS[@]} -gt 0 ] && [ "$CPU" != 1 ]; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/kvshare-site $WHLS && export PYTHONPATH=/tmp/kvshare-site${PYTHONPATH:+:$PYTHONPATH}
+        --target /tmp/kvshare-site "${WHLS[@]}" && export PYTHONPATH=/tmp/kvshare-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # nvdisasm unpacked apart (not on PYTHONPATH: its `nvidia` package would hide the device's)
 for w in .whl/nvidia_cuda_nvdisasm*.whl; do
@@ -181,7 +184,7 @@ table() {
         tail -n 300 "$f"
     done > "$OUT/logs.txt"
 }
-PYTEST=($PY -m pytest -p no:cacheprovider -rs --tb=short --durations=10)
+PYTEST=("$PY" -m pytest -p no:cacheprovider -rs --tb=short --durations=10)
 
 if [ "$CPU" = 1 ]; then
     Q15=$WORK/qwen3-tiny-rand.gguf
