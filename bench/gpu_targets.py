@@ -320,6 +320,11 @@ def matvec_row(d: Path) -> Row:
     row.status = "info"
     row.measured = "ran"
     row.source = "gpu_matvec_bench.json (in targets.json)"
+    one = [r for r in m.get("rows") or [] if r.get("m") == 1]
+    if one and all(isinstance(r.get(k), (int, float)) for r in one for k in ("bmv_ms", "mmvq_ms")):
+        # one decode step's products at m = 1 (each product once)
+        row.measured = (f"m=1, {len(one)} products: bmv {sum(r['bmv_ms'] for r in one):.3f} ms, "
+                        f"mmvq {sum(r['mmvq_ms'] for r in one):.3f} ms")
     return row
 
 

@@ -248,3 +248,16 @@ def test_only_the_vocabulary_differing_is_noted_not_invalid(tmp_path):
     rows = _rows(_write(tmp_path, bench))
     assert rows["decode_b1"].status == "pass"
     assert any("vocab 367" in n for n in rows["decode_b1"].notes)
+
+
+def test_the_matvec_bench_is_shown_without_a_target(tmp_path):
+    # bench/gpu_matvec_bench.py --out gpu_matvec_bench.json
+    rows = [{"product": p, "m": m, "k": 2048, "n": n, "weight_mb": 1.0, "types": ["Q4_K"],
+             "bmv_ms": 0.010 * m, "mmvq_ms": 0.008 * m, "quantize_ms": 0.002,
+             "bmv_gbs": 100.0, "mmvq_gbs": 125.0, "rel_diff": 0.003}
+            for p, n in (("qkv", 4096), ("down", 2048)) for m in (1, 4, 8)]
+    (tmp_path / "gpu_matvec_bench.json").write_text(json.dumps(
+        {"device": "NVIDIA H200", "iters": 200, "rows": rows}))
+    row = _rows(tmp_path)["matvec"]
+    assert row.status == "info"
+    assert row.measured == "m=1, 2 products: bmv 0.020 ms, mmvq 0.016 ms"
