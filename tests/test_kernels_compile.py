@@ -23,6 +23,7 @@ import pytest
 from kvshare import kernels
 from kvshare.ops import gpu
 from kvshare.ops import gpu_moe  # noqa: F401  (declares the moe_blocks kernels it launches)
+from kvshare.ops import gpu_sampling  # noqa: F401  (declares the sampling kernel)
 from kvshare.ops import gpu_mmvq  # noqa: F401  (declares the mmvq kernels it launches)
 
 ROOT = Path(__file__).resolve().parents[1]

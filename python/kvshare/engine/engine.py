@@ -37,6 +37,8 @@ from kvshare.engine.grammar_masks import MaskJob, compute_mask
 from kvshare.engine.handle import RequestHandle
 from kvshare.engine.output import TextAssembler
 from kvshare.engine.reasoning_budget import BudgetState, utf8_is_complete
+from kvshare.engine.device_sampling import DeviceSampling, Pick
+from kvshare.engine.device_sampling import wanted as device_sampling_wanted
 from kvshare.engine.sampling import Sampler, top_logprobs
 from kvshare.engine.scheduler import Planned, Scheduler
 from kvshare.engine.sequence import Sequence, SeqState
@@ -126,6 +128,8 @@ class Engine:
         # grammar masks beside the forward pass only where it leaves the CPU free (see
         # engine/grammar_masks.py)
         self._overlap_masks = bool(getattr(model.backend, "is_gpu", False))
+        # on a GPU the step's rows are sampled there (KVSHARE_DEVICE_SAMPLING=0: on the host)
+        self.device_sampling = DeviceSampling(model) if device_sampling_wanted(model) else None
         self.cache = build_cache(model, config, fingerprint)
         # the cache's parts, by name (tests, /cache, the forward pass)
         self.kv, self.pool, self.tiers = self.cache.kv, self.cache.pool, self.cache.tiers
@@ -489,16 +493,20 @@ class Engine:
 
     def _postprocess(self, plan: list[Planned], logits, allowed: dict) -> None:
         """Each planned sequence: the cache records its chunk (scheduler.commit), then its
-        logits, if it asked for them, are sampled."""
+        logits, if it asked for them, are sampled (on the device: `self.device_sampling`)."""
+        picks = iter(self.device_sampling.pick(
+            [(i.seq, out, allowed.get(i.seq.seq_id)) for i, out in zip(plan, logits)
+             if i.wants_logits]) if self.device_sampling is not None else ())
         for item, out in zip(plan, logits):
             item.seq.suspect = False
             try:
+                pick = next(picks, None) if item.wants_logits else None
                 self.scheduler.commit(item)
                 if item.wants_logits:
-                    row = np.asarray(out)[-1]
+                    row = pick.row if pick is not None else np.asarray(out)[-1]
                     if injected(item.seq.request, "logits_nan"):
                         row = np.full_like(row, np.nan)
-                    self._on_logits(item.seq, row, allowed.get(item.seq.seq_id))
+                    self._on_logits(item.seq, row, allowed.get(item.seq.seq_id), pick)
             except Exception as exc:  # noqa: BLE001 - this sequence's fault alone
                 self._fail(item.seq, exc)
         stats = self.pool.stats()
@@ -543,16 +551,19 @@ class Engine:
         except Exception:  # noqa: BLE001
             log.exception("finishing failed sequence %s", seq.request.request_id)
 
-    def _on_logits(self, seq: Sequence, row: np.ndarray, allowed=None) -> None:
+    def _on_logits(self, seq: Sequence, row: np.ndarray | None, allowed=None,
+                   pick: Pick | None = None) -> None:
         """The logits after the sequence's last token: sample, emit, maybe finish. `allowed`:
-        its grammar mask computed during the forward pass (or the exception that raised)."""
+        its grammar mask computed during the forward pass (or the exception that raised);
+        `pick`: the device sampler's outcome for the row (`row` None when it decided)."""
         if seq.state == SeqState.PREFILL:
             seq.state = SeqState.DECODE
         if seq.cancelled or seq.state == SeqState.FINISHED:
             return
         if seq.choice == 0 and seq.request.n > 1 and seq.first_token_at is None:
+            assert row is not None  # a forking row is sampled on the host
             self._fork(seq, row)
-        self._sample_and_emit(seq, row, allowed)
+        self._sample_and_emit(seq, row, allowed, pick)
 
     def _fork(self, parent: Sequence, row: np.ndarray) -> None:
         """OpenAI `n`: the prompt is computed once. The other choices start here, each with its
@@ -589,18 +600,23 @@ class Engine:
         return req.reasoning_budget.state(
             lambda t: utf8_is_complete(self.token_bytes(t)))
 
-    def _sample_and_emit(self, seq: Sequence, row: np.ndarray, allowed=None) -> None:
+    def _sample_and_emit(self, seq: Sequence, row: np.ndarray | None, allowed=None,
+                         pick: Pick | None = None) -> None:
         req = seq.request
-        mask = None
-        forced = seq.budget.forced_token() if seq.budget is not None else None
-        if forced is not None:  # the reasoning budget is spent: every other logit is -inf
-            mask = one_token_mask(forced, row.size)
-        elif seq.matcher is not None:
-            mask = allowed if allowed is not None else compute_mask(seq.matcher)
-            if isinstance(mask, Exception):
-                raise SequenceFault(f"constrained decoding failed: {mask}", status=500,
-                                    cause="grammar")
-        token = seq.sampler.sample(row, mask)
+        if pick is not None and pick.token is not None:  # decided on the device
+            token = pick.record(seq.sampler)
+        else:
+            assert row is not None
+            mask = None
+            forced = seq.budget.forced_token() if seq.budget is not None else None
+            if forced is not None:  # the reasoning budget is spent: every other logit is -inf
+                mask = one_token_mask(forced, row.size)
+            elif seq.matcher is not None:
+                mask = allowed if allowed is not None else compute_mask(seq.matcher)
+                if isinstance(mask, Exception):
+                    raise SequenceFault(f"constrained decoding failed: {mask}", status=500,
+                                        cause="grammar")
+            token = seq.sampler.sample(row, mask, u=pick.u if pick is not None else None)
         if seq.budget is not None:
             seq.budget.accept(token)
         now = time.perf_counter()
@@ -627,8 +643,13 @@ class Engine:
         text, hit_stop = asm.push(token)
         event = TokenEvent(token_id=token, text=text, index=seq.choice)
         if req.logprobs:
-            lp, top = (seq.sampler.post_sampling_logprobs(token, req.top_logprobs)
-                       if req.post_sampling_probs else top_logprobs(row, token, req.top_logprobs))
+            if pick is not None and pick.logprobs is not None:
+                lp, top = pick.logprobs
+            else:
+                assert row is not None
+                lp, top = (seq.sampler.post_sampling_logprobs(token, req.top_logprobs)
+                           if req.post_sampling_probs
+                           else top_logprobs(row, token, req.top_logprobs))
             event = TokenEvent(
                 token_id=token, text=text,
                 logprob=TokenLogprob(token, self.token_piece(token), lp),

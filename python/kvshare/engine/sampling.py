@@ -52,13 +52,33 @@ class Sampler:
             logits[ids] -= counts * p.frequency_penalty + p.presence_penalty
         return logits
 
-    def sample(self, logits: np.ndarray, mask: np.ndarray | None = None) -> int:
+    def uniform(self) -> float:
+        """The draw's uniform in [0, 1): what `rng.choice(p=...)` takes from the RNG for a
+        sampled token, taken when the draw happens elsewhere (on the device, or `sample`'s `u`),
+        so the sequence's random stream stays the one `sample` alone would use."""
+        return float(self.rng.random())
+
+    def record(self, token: int, greedy: bool) -> None:
+        """A token picked elsewhere (on the device) with this sampler's parameters: the history
+        the penalties look at, as `sample` records it. The draw's distribution is not known
+        here (the device keeps it): `last_ids` holds only a greedy pick."""
+        self.history.append(token)
+        self.generated[token] += 1
+        if greedy:
+            self.last_ids, self.last_probs = np.array([token]), np.ones(1, dtype=np.float32)
+        else:
+            self.last_ids = np.zeros(0, dtype=np.int64)
+            self.last_probs = np.zeros(0, dtype=np.float32)
+
+    def sample(self, logits: np.ndarray, mask: np.ndarray | None = None,
+               u: float | None = None) -> int:
         """Pick the next token from a [vocab] float32 row and record it in the history.
         `mask` (uint32 words, bit t of word t // 32 = token t allowed: kvshare.constrain's
         layout): the grammar's mask; only those tokens can be drawn. It is applied in one pass
         in Rust (argmax over the allowed bits, or -inf written over the rest), not unpacked
         into a [vocab] boolean array. Raises `SamplingError` (this sequence's fault alone) on
-        non-finite scores."""
+        non-finite scores. `u`: the draw's uniform when `uniform()` already took it (the device
+        handed the row back); None draws it here."""
         p = self.params
         logits = np.asarray(logits, dtype=np.float32)
         if not np.isfinite(logits).all():
@@ -89,12 +109,12 @@ class Sampler:
                 scores = np.array(scores, dtype=np.float32, copy=True)  # the caller's row
                 if mask_logits(scores, mask) == 0:
                     raise SamplingError("the grammar allows no token here")
-            token = self._draw(scores)
+            token = self._draw(scores, u)
         self.history.append(token)
         self.generated[token] += 1
         return token
 
-    def _draw(self, scores: np.ndarray) -> int:
+    def _draw(self, scores: np.ndarray, u: float | None = None) -> int:
         p = self.params
         k = p.top_k if 0 < p.top_k < scores.size else min(scores.size, 1024)
         # Candidates: the top-k (or the top 1024, which holds all the mass that top-p/min-p
@@ -118,7 +138,9 @@ class Sampler:
         if not np.isfinite(final).all() or final.sum() <= 0:
             raise SamplingError("the sampling probabilities are not finite")
         self.last_ids, self.last_probs = cand, final
-        return int(cand[self.rng.choice(len(cand), p=final)])
+        if u is None:
+            return int(cand[self.rng.choice(len(cand), p=final)])
+        return int(cand[choice_at(final, u)])
 
     def post_sampling_logprobs(self, chosen: int, n: int
                                ) -> tuple[float, list[tuple[int, float]]]:
@@ -132,6 +154,14 @@ class Sampler:
         chosen_lp = float(np.log(probs[hit[0]])) if hit.size else float("-inf")
         top = [(int(t), float(np.log(q))) for t, q in zip(ids[:n], probs[:n])]
         return chosen_lp, top
+
+
+def choice_at(p: np.ndarray, u: float) -> int:
+    """The index numpy's `Generator.choice(len(p), p=p)` picks when its uniform draw is `u`:
+    the float64 cumulative sum, normalised by its last value, searched on the right."""
+    cdf = np.asarray(p, dtype=np.float64).cumsum()
+    cdf /= cdf[-1]
+    return int(cdf.searchsorted(u, side="right"))
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

@@ -201,13 +201,17 @@ class DecodeGraphs:
             inp.send()
             if entry is None:
                 logits = self._first_step(b, cache, inp, launches)
-                return self._split_logits(rt.host(logits[:n]), chunks)
+                return self._split_logits(logits[:n], chunks)
             entry.graph.launch(stream=self.stream)
             self.replays += 1
-            return self._split_logits(rt.host(entry.logits[:n]), chunks)
+            return self._split_logits(entry.logits[:n], chunks)
 
-    @staticmethod
-    def _split_logits(logits: np.ndarray, chunks: Sequence[SeqChunk]) -> list[np.ndarray]:
+    def _split_logits(self, logits: Any, chunks: Sequence[SeqChunk]) -> list[Any]:
+        """Each chunk's `[1, vocab]` logits: host copies, or with `model.logits_on_device`
+        views of the graph's own logits buffer, which the next replay overwrites: the engine
+        samples from them before it runs the next step, so no copy is needed."""
+        if not self.model.logits_on_device:
+            logits = rt.host(logits)
         return [logits[i : i + 1] for i in range(len(chunks))]
 
     def _launches(self, cache: Any) -> list[tuple[int, int]]:

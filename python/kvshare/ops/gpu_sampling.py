@@ -1,0 +1,184 @@
+"""Sampling on the device (kernels/sampling.cu): all logits rows of a step in one launch, one
+CTA per row, following `kvshare.engine.sampling.Sampler.sample`'s chain; only the chosen
+tokens, the logprobs a row asked for and a status per row come back to the host.
+
+`RowSpec` is one row's request: its device logits row, the sequence's sampling parameters,
+the grammar mask (packed uint32, bit t of word t // 32), the penalty inputs (the host's
+history), the uniform u in [0, 1) of the draw (from the sequence's own RNG, so the random
+stream is the CPU path's) and how many top logprobs it wants. `sample_rows` returns one
+`RowResult` per row: `status` STATUS_OK (token and logprobs valid), STATUS_HOST (the kernel did
+not take the row: sample it on the host), or an error status whose `SamplingError` message is
+`ERROR_MESSAGES[status]` (the host path's, for that row alone).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvshare.backend import cupy_module
+from kvshare.ops import gpu_runtime as rt
+
+SAMPLE_THREADS = 512  # sampling.cu: SMP_THREADS (one CTA per row)
+MAX_TOP_K = 1024  # SMP_MAX_K: a larger top_k is sampled on the host
+MAX_TOP_LOGPROBS = 20  # SMP_MAX_TOP
+IP_COUNT, FP_COUNT, DP_COUNT = 8, 4, 2  # ints / floats / doubles per row (sampling.cu)
+EDIT_BIAS, EDIT_REPEAT, EDIT_SUB = 1, 2, 4
+
+STATUS_OK, STATUS_HOST = 0, 1
+ERROR_MESSAGES = {
+    2: "the model produced non-finite logits",
+    3: "the penalties (repeat/frequency/presence) made the scores non-finite",
+    4: "the grammar allows no token here",
+    5: "the sampling probabilities are not finite",
+}
+
+ENTRY_POINTS: tuple[str, ...] = ("sample_rows",)
+rt.declare_entry_points("sampling", ENTRY_POINTS)
+
+
+@dataclass
+class RowSpec:
+    """One row to sample. `history`: the ids the repetition penalty looks at (the window of
+    `penalty_last_n`); `generated`: token -> count for the frequency/presence penalties."""
+
+    logits: Any  # device float32 [vocab] (a contiguous row)
+    greedy: bool
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_ids: Sequence[int] = ()
+    generated: dict[int, int] | None = None
+    logit_bias: Sequence[tuple[int, float]] = ()
+    mask: np.ndarray | None = None
+    u: float = 0.0
+    n_top: int = -1  # top logprobs wanted (0..20); -1: no logprobs
+
+
+@dataclass
+class RowResult:
+    status: int
+    token: int = -1
+    logprob: float = 0.0
+    top: list[tuple[int, float]] | None = None
+
+
+def takes(spec: RowSpec, vocab: int) -> bool:
+    """Whether the kernel can take this row at all (else sample it on the host): top_k up to
+    MAX_TOP_K, at most MAX_TOP_LOGPROBS logprobs, logit_bias without a repeated token."""
+    if 0 < spec.top_k < vocab and spec.top_k > MAX_TOP_K:
+        return False
+    if spec.n_top > MAX_TOP_LOGPROBS:
+        return False
+    ids = [t for t, _ in spec.logit_bias]
+    return len(ids) == len(set(ids))
+
+
+def _edits(spec: RowSpec, vocab: int) -> tuple[list[int], list[int], list[float], list[float]]:
+    """The row's sparse score edits, one entry per token: (ids, flags, bias, sub). The values
+    are computed as the host's NumPy code computes them (float32)."""
+    flags: dict[int, int] = {}
+    bias: dict[int, float] = {}
+    sub: dict[int, float] = {}
+    for tok, b in spec.logit_bias:
+        if tok < vocab:  # the host skips ids past the row
+            flags[tok] = flags.get(tok, 0) | EDIT_BIAS
+            bias[tok] = float(np.float32(b))
+    if spec.repetition_penalty != 1.0:
+        for tok in set(spec.repeat_ids):
+            flags[tok] = flags.get(tok, 0) | EDIT_REPEAT
+    if (spec.presence_penalty != 0.0 or spec.frequency_penalty != 0.0) and spec.generated:
+        ids = np.fromiter(spec.generated.keys(), dtype=np.int64)
+        counts = np.fromiter(spec.generated.values(), dtype=np.float32)
+        vals = counts * spec.frequency_penalty + spec.presence_penalty  # float32, as the host
+        for tok, v in zip(ids.tolist(), vals.tolist()):
+            flags[tok] = flags.get(tok, 0) | EDIT_SUB
+            sub[tok] = v
+    ids = sorted(flags)
+    return (ids, [flags[t] for t in ids], [bias.get(t, 0.0) for t in ids],
+            [sub.get(t, 0.0) for t in ids])
+
+
+def sample_rows(specs: Sequence[RowSpec]) -> list[RowResult]:
+    """Sample every row of `specs` in one launch (rows of one vocabulary size). Reads back
+    the tokens, statuses and logprobs (a few bytes per row), nothing else."""
+    if not specs:
+        return []
+    cp = cupy_module()
+    n = len(specs)
+    vocab = int(specs[0].logits.shape[-1])
+    ip = np.zeros((n, IP_COUNT), dtype=np.int32)
+    fp = np.zeros((n, FP_COUNT), dtype=np.float32)
+    dp = np.zeros((n, DP_COUNT), dtype=np.float64)
+    ptrs = np.zeros(n, dtype=np.uint64)
+    mask_words: list[np.ndarray] = []
+    n_words = 0
+    e_ids: list[int] = []
+    e_flags: list[int] = []
+    e_bias: list[float] = []
+    e_sub: list[float] = []
+    for r, s in enumerate(specs):
+        row = s.logits
+        if int(row.shape[-1]) != vocab or row.dtype != np.float32 or row.strides[-1] != 4:
+            raise ValueError("sample_rows: every row must be a contiguous float32 row of the "
+                             "same vocabulary size")
+        ptrs[r] = row.data.ptr
+        ip[r, 0] = 1 if s.greedy else 0
+        ip[r, 1] = s.top_k
+        ip[r, 2] = s.n_top
+        if s.mask is not None:
+            m = np.ascontiguousarray(s.mask, dtype=np.uint32)
+            ip[r, 3], ip[r, 4] = n_words, m.size
+            mask_words.append(m)
+            n_words += m.size
+        ids, flags, bias, sub = _edits(s, vocab)
+        ip[r, 5], ip[r, 6] = len(e_ids), len(e_ids) + len(ids)
+        e_ids += ids
+        e_flags += flags
+        e_bias += bias
+        e_sub += sub
+        fp[r, 0] = np.float32(max(s.temperature, 1e-6))
+        fp[r, 1] = np.float32(s.min_p)
+        fp[r, 2] = np.float32(s.repetition_penalty)
+        dp[r, 0] = s.u
+        dp[r, 1] = s.top_p
+    # the uploads (small; zero-length arrays get one element so every pointer is valid)
+    masks = np.concatenate(mask_words) if mask_words else np.zeros(1, dtype=np.uint32)
+
+    def dev(a: Any, dtype: Any) -> Any:
+        h = np.asarray(a, dtype=dtype)
+        return cp.asarray(h if h.size else np.zeros(1, dtype=dtype))
+
+    scores = rt.empty((n, vocab), np.float32)
+    status = rt.empty((n,), np.int32)
+    token = rt.empty((n,), np.int32)
+    lp = rt.empty((n,), np.float32)
+    top_ids = rt.empty((n, MAX_TOP_LOGPROBS), np.int32)
+    top_lp = rt.empty((n, MAX_TOP_LOGPROBS), np.float32)
+    rt.kernel("sampling", "sample_rows")(
+        (n, 1, 1), (SAMPLE_THREADS, 1, 1),
+        (dev(ptrs, np.uint64), scores, np.int32(vocab), dev(ip, np.int32), dev(fp, np.float32),
+         dev(dp, np.float64), dev(masks, np.uint32), dev(e_ids, np.int32),
+         dev(e_flags, np.int32), dev(e_bias, np.float32), dev(e_sub, np.float32),
+         status, token, lp, top_ids, top_lp))
+    st, tok = rt.host(status), rt.host(token)
+    want_lp = any(s.n_top >= 0 for s in specs)
+    lp_h = rt.host(lp) if want_lp else None
+    want_top = any(s.n_top > 0 for s in specs)
+    ids_h = rt.host(top_ids) if want_top else None
+    tlp_h = rt.host(top_lp) if want_top else None
+    out: list[RowResult] = []
+    for r, s in enumerate(specs):
+        res = RowResult(int(st[r]), int(tok[r]))
+        if res.status == STATUS_OK and s.n_top >= 0 and lp_h is not None:
+            res.logprob = float(lp_h[r])
+            res.top = ([(int(ids_h[r, j]), float(tlp_h[r, j])) for j in range(s.n_top)]
+                       if s.n_top > 0 and ids_h is not None and tlp_h is not None else [])
+        out.append(res)
+    return out
