@@ -168,7 +168,7 @@ def test_logprobs_match_top_logprobs(cp):
     rng = np.random.default_rng(3)
     V = 3000
     rows = (rng.standard_normal((4, V)) * 3).astype(np.float32)
-    ps = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=5),
+    ps = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=50, seed=5),
           SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=40, seed=6)]
     n_tops = [0, 1, 5, 20]
     devs = [Sampler(p, []) for p in ps]
