@@ -328,22 +328,27 @@ sample_rows(const unsigned long long* rows, float* scores, int V,
             for (int j = t; j < K; j += SMP_THREADS)
                 sh.e[j] = j < kc ? expf(smp_key_value(sh.keys[j]) - c0) : 0.0f;
             __syncthreads();
+            if (t == 0) sh.floats[0] = smp_np_sum<6>(sh.e, K);
+            __syncthreads();
+            // the probabilities, divided in parallel (thread 0's loops below only add and compare)
+            const float sum0 = sh.floats[0];
+            for (int j = t; j < K; j += SMP_THREADS) sh.e[j] = sh.e[j] / sum0;
+            __syncthreads();
             if (t == 0) {
-                const float sum = smp_np_sum<6>(sh.e, K);
                 int keep = K;
                 const double top_p = dparams[r * DP_COUNT + DP_TOP_P];
                 const float min_p = fp[FP_MIN_P];
                 if (top_p < 1.0) {
                     float cum = 0.0f;
                     for (int j = 0; j < K; ++j) {
-                        cum = __fadd_rn(cum, sh.e[j] / sum);
+                        cum = __fadd_rn(cum, sh.e[j]);
                         if ((double)cum >= top_p) { keep = j + 1; break; }
                     }
                 }
                 if (min_p > 0.0f) {
-                    const float thr = __fmul_rn(min_p, sh.e[0] / sum);
+                    const float thr = __fmul_rn(min_p, sh.e[0]);
                     int n = 0;
-                    for (int j = 0; j < K; ++j) n += (sh.e[j] / sum >= thr) ? 1 : 0;
+                    for (int j = 0; j < K; ++j) n += (sh.e[j] >= thr) ? 1 : 0;
                     keep = min(keep, max(1, n));
                 }
                 sh.ints[3] = keep;
@@ -354,8 +359,12 @@ sample_rows(const unsigned long long* rows, float* scores, int V,
             for (int j = t; j < keep; j += SMP_THREADS)
                 sh.e[j] = j < kc ? expf(smp_key_value(sh.keys[j]) / tm - x0) : 0.0f;
             __syncthreads();
+            if (t == 0) sh.floats[0] = smp_np_sum<6>(sh.e, keep);
+            __syncthreads();
+            const float sum = sh.floats[0];
+            for (int j = t; j < keep; j += SMP_THREADS) sh.e[j] = sh.e[j] / sum;
+            __syncthreads();
             if (t == 0) {
-                const float sum = smp_np_sum<6>(sh.e, keep);
                 int st = SMP_OK, pick = 0;
                 if (!(smp_finite(sum) && sum > 0.0f)) {
                     st = SMP_ERR_PROBS;
@@ -363,12 +372,12 @@ sample_rows(const unsigned long long* rows, float* scores, int V,
                     // numpy's Generator.choice(p=final): cdf = cumsum(float64), cdf /= cdf[-1],
                     // the first entry > u
                     double c = 0.0;
-                    for (int j = 0; j < keep; ++j) c += (double)(sh.e[j] / sum);
+                    for (int j = 0; j < keep; ++j) c += (double)sh.e[j];
                     const double last = c, u = dparams[r * DP_COUNT + DP_U];
                     c = 0.0;
                     pick = keep - 1;
                     for (int j = 0; j < keep; ++j) {
-                        c += (double)(sh.e[j] / sum);
+                        c += (double)sh.e[j];
                         if (c / last > u) { pick = j; break; }
                     }
                     pick = min(pick, kc - 1);
