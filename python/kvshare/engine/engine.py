@@ -639,7 +639,8 @@ class Engine:
         asm = self._assemblers.get(seq.seq_id)
         if asm is None:
             decode = self._special_text if req.special_text else self._generated_text
-            asm = self._assemblers[seq.seq_id] = TextAssembler(decode, req.stop)
+            stream = self.tokenizer.incremental_decoder(skip_special=not req.special_text)
+            asm = self._assemblers[seq.seq_id] = TextAssembler(decode, req.stop, stream=stream)
         text, hit_stop = asm.push(token)
         event = TokenEvent(token_id=token, text=text, index=seq.choice)
         if req.logprobs:
