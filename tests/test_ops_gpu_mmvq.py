@@ -212,3 +212,65 @@ def test_linear_declines_what_it_does_not_cover(cp):
     wf, _ = make_weight(rng, [(Q.Q4_K, 2, 256), (Q.F16, 2, 256)])
     assert not gpu_mmvq.supports(wf.parts[1]) and gpu_mmvq.supports(wf.parts[0])
     assert gpu_mmvq.linear(cp.asarray(np.ones((1, 256), np.float32)), wf) is None
+
+
+def test_model_decode_on_the_q8_design(tmp_path, monkeypatch):
+    """`KVSHARE_GPU_MATVEC=q8` on a Q4_K_M model with block weights: `gpu_blocks` hands a
+    decode step's products (Q4_K and Q6_K parts, the output head included) to the mmvq
+    kernels; replayed as CUDA graphs (quantize_q8_1's scratch from the workspace) the logits
+    equal the eager steps bit for bit, and they stay within the 8-bit rounding of the f32
+    design's (bmv) logits."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvshare.model import gpu_graphs
+    from kvshare.model.batch import SeqChunk
+    from kvshare.model.loader import load_model
+
+    root = Path(__file__).resolve().parent.parent
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    subprocess.run([sys.executable, str(root / "scripts" / "make_random_gguf.py"), "--arch",
+                    "qwen3", "--size", "tiny", "--out", str(path), "--tokenizer-from",
+                    str(root / "tests" / "data" / "models" / "tiny-qwen3-chat.gguf")],
+                   check=True, capture_output=True)
+    monkeypatch.setenv("KVSHARE_GPU_WEIGHTS", "blocks")
+
+    def run(design: str, graphs: bool) -> np.ndarray:
+        monkeypatch.setenv(gpu_mmvq.MATVEC_ENV, design)
+        model = load_model(path, "cuda")
+        model.cuda_graphs = graphs
+        cache = model.new_cache(16, 16)
+        tables = [np.arange(0, 8, dtype=np.int32), np.arange(8, 16, dtype=np.int32)]
+        rng = np.random.default_rng(0)
+        for t in tables:
+            model.forward([SeqChunk(rng.integers(0, 367, 11), 0, t, logits="none")], cache)
+        out = []
+        for step in range(4):
+            lg = model.forward([SeqChunk(rng.integers(0, 367, 1), 11 + step, t)
+                                for t in tables], cache)
+            out.append(np.concatenate(lg))
+        if graphs:
+            r = gpu_graphs.runner(model)
+            assert r is not None and not r.failures and r.replays >= 2
+        return np.stack(out)
+
+    log = _launch_log()
+    before = len(log) if log is not None else 0
+    q8_eager = run("q8", False)
+    if log is not None:
+        names = [e[0] for e in log[before:]]
+        assert any(n.startswith("mmvq_q4_k") for n in names)
+        assert any(n.startswith("mmvq_q6_k") for n in names)
+    q8_graph = run("q8", True)
+    f32_eager = run("f32", False)
+    assert np.array_equal(q8_graph, q8_eager)
+    rel = np.abs(q8_eager - f32_eager).max() / np.abs(f32_eager).max()
+    assert 0 < rel <= 2e-2, rel
+
+
+def _launch_log():
+    """The emulator's record of kernel launches (None on a GPU)."""
+    import cupy
+
+    return getattr(cupy, "LAUNCHES", None)

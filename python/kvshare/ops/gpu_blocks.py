@@ -35,6 +35,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from kvshare.backend import cupy_module
+from kvshare.ops import gpu_mmvq
 from kvshare.ops import gpu_runtime as rt
 from kvshare.ops.gpu_runtime import ELEMWISE_THREADS, ROWS_PER_BLOCK
 
@@ -247,8 +248,13 @@ def _bmv_rows(x: Any) -> tuple[Any, int, int]:
 def _bmv(xa: Any, xs: int, mm: int, w: GpuBlockWeight, b: Any | None, y: Any, y_stride: int,
          flags: int) -> None:
     """One `bmv_<type>_m<mm>` launch per part of w: y's columns of the part (=, or += with
-    BMV_ACCUMULATE) x @ part.T (+ bias)."""
+    BMV_ACCUMULATE) x @ part.T (+ bias). With `KVSHARE_GPU_MATVEC=q8` the 8-bit-activation
+    kernels (`gpu_mmvq`) take the product instead where they cover its rows and types."""
     n, n_in = int(xa.shape[0]), int(xa.shape[1])
+    if (n <= gpu_mmvq.MAX_M and gpu_mmvq.matvec_design() == "q8"
+            and gpu_mmvq.linear(xa, w, b, out=y, accumulate=bool(flags & BMV_ACCUMULATE))
+            is not None):
+        return
     for p in w.parts:
         rt.kernel("blocks", f"bmv_{p.tag}_m{mm}")(
             (max(1, min(rt.MAX_GRID, -(-p.n // (BMV_WARPS * BMV_ROWS_PER_WARP[mm])))), 1, 1),
