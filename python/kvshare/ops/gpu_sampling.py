@@ -105,14 +105,32 @@ def _edits(spec: RowSpec, vocab: int) -> tuple[list[int], list[int], list[float]
             [sub.get(t, 0.0) for t in ids])
 
 
-def sample_rows(specs: Sequence[RowSpec]) -> list[RowResult]:
-    """Sample every row of `specs` in one launch (rows of one vocabulary size). Reads back
-    the tokens, statuses and logprobs (a few bytes per row), nothing else."""
-    if not specs:
-        return []
-    cp = cupy_module()
+class _Packed:
+    """Host arrays laid out in one buffer (each part 16-byte aligned), sent with one copy;
+    `upload` returns the device views, one per part, in order. An empty part gets one zero
+    element, so that every kernel pointer is valid."""
+
+    ALIGN = 16
+
+    def __init__(self, parts: list[tuple[Any, Any]]):
+        self.arrays = [np.ascontiguousarray(a if np.size(a) else np.zeros(1), dtype=dt).reshape(-1)
+                       for a, dt in parts]
+        self.offsets, off = [], 0
+        for a in self.arrays:
+            self.offsets.append(off)
+            off += -(-a.nbytes // self.ALIGN) * self.ALIGN
+        self.buf = np.zeros(off, dtype=np.uint8)
+        for a, o in zip(self.arrays, self.offsets):
+            self.buf[o : o + a.nbytes] = a.view(np.uint8)
+
+    def upload(self, cp: Any) -> list[Any]:
+        d = cp.asarray(self.buf)
+        return [d[o : o + a.nbytes].view(a.dtype) for a, o in zip(self.arrays, self.offsets)]
+
+
+def _pack_inputs(specs: Sequence[RowSpec], vocab: int) -> _Packed:
+    """The kernel's per-row parameters, grammar masks and score edits, in one buffer."""
     n = len(specs)
-    vocab = int(specs[0].logits.shape[-1])
     ip = np.zeros((n, IP_COUNT), dtype=np.int32)
     fp = np.zeros((n, FP_COUNT), dtype=np.float32)
     dp = np.zeros((n, DP_COUNT), dtype=np.float64)
@@ -148,37 +166,51 @@ def sample_rows(specs: Sequence[RowSpec]) -> list[RowResult]:
         fp[r, 2] = np.float32(s.repetition_penalty)
         dp[r, 0] = s.u
         dp[r, 1] = s.top_p
-    # the uploads (small; zero-length arrays get one element so every pointer is valid)
     masks = np.concatenate(mask_words) if mask_words else np.zeros(1, dtype=np.uint32)
+    return _Packed([(ptrs, np.uint64), (ip, np.int32), (fp, np.float32), (dp, np.float64),
+                    (masks, np.uint32), (e_ids, np.int32), (e_flags, np.int32),
+                    (e_bias, np.float32), (e_sub, np.float32)])
 
-    def dev(a: Any, dtype: Any) -> Any:
-        h = np.asarray(a, dtype=dtype)
-        return cp.asarray(h if h.size else np.zeros(1, dtype=dtype))
 
+def sample_rows(specs: Sequence[RowSpec]) -> list[RowResult]:
+    """Sample every row of `specs` in one launch (rows of one vocabulary size). Reads back
+    the tokens, statuses and logprobs (a few bytes per row), nothing else."""
+    if not specs:
+        return []
+    cp = cupy_module()
+    n = len(specs)
+    vocab = int(specs[0].logits.shape[-1])
+    # Every input goes up in one host-to-device copy and every output comes back in one
+    # device-to-host copy: each separate copy of a few bytes is a synchronous round trip
+    # (~10 us on a GPU), a dozen of them a step's worth of a small model's decode.
+    inputs = _pack_inputs(specs, vocab)
+    d_ptrs, d_ip, d_fp, d_dp, d_masks, d_ids, d_flags, d_bias, d_sub = inputs.upload(cp)
     scores = rt.empty((n, vocab), np.float32)
-    status = rt.empty((n,), np.int32)
-    token = rt.empty((n,), np.int32)
-    lp = rt.empty((n,), np.float32)
-    top_ids = rt.empty((n, MAX_TOP_LOGPROBS), np.int32)
-    top_lp = rt.empty((n, MAX_TOP_LOGPROBS), np.float32)
+    # outputs, one int32 buffer: status [n], token [n], lp [n] (float32 bits), then the top
+    # ids [n, MAX_TOP_LOGPROBS] and their logprobs (float32 bits)
+    nt = n * MAX_TOP_LOGPROBS
+    res = rt.empty((3 * n + 2 * nt,), np.int32)
+    status, token = res[:n], res[n : 2 * n]
+    lp = res[2 * n : 3 * n].view(np.float32)
+    top_ids = res[3 * n : 3 * n + nt].reshape(n, MAX_TOP_LOGPROBS)
+    top_lp = res[3 * n + nt :].view(np.float32).reshape(n, MAX_TOP_LOGPROBS)
     rt.kernel("sampling", "sample_rows")(
         (n, 1, 1), (SAMPLE_THREADS, 1, 1),
-        (dev(ptrs, np.uint64), scores, np.int32(vocab), dev(ip, np.int32), dev(fp, np.float32),
-         dev(dp, np.float64), dev(masks, np.uint32), dev(e_ids, np.int32),
-         dev(e_flags, np.int32), dev(e_bias, np.float32), dev(e_sub, np.float32),
-         status, token, lp, top_ids, top_lp))
-    st, tok = rt.host(status), rt.host(token)
-    want_lp = any(s.n_top >= 0 for s in specs)
-    lp_h = rt.host(lp) if want_lp else None
+        (d_ptrs, scores, np.int32(vocab), d_ip, d_fp, d_dp, d_masks, d_ids, d_flags, d_bias,
+         d_sub, status, token, lp, top_ids, top_lp))
     want_top = any(s.n_top > 0 for s in specs)
-    ids_h = rt.host(top_ids) if want_top else None
-    tlp_h = rt.host(top_lp) if want_top else None
+    back = rt.host(res if want_top else res[: 3 * n])
+    st, tok = back[:n], back[n : 2 * n]
+    lp_h = back[2 * n : 3 * n].view(np.float32)
+    ids_h = back[3 * n : 3 * n + nt].reshape(n, MAX_TOP_LOGPROBS) if want_top else None
+    tlp_h = (back[3 * n + nt :].view(np.float32).reshape(n, MAX_TOP_LOGPROBS)
+             if want_top else None)
     out: list[RowResult] = []
     for r, s in enumerate(specs):
-        res = RowResult(int(st[r]), int(tok[r]))
-        if res.status == STATUS_OK and s.n_top >= 0 and lp_h is not None:
-            res.logprob = float(lp_h[r])
-            res.top = ([(int(ids_h[r, j]), float(tlp_h[r, j])) for j in range(s.n_top)]
+        got = RowResult(int(st[r]), int(tok[r]))
+        if got.status == STATUS_OK and s.n_top >= 0:
+            got.logprob = float(lp_h[r])
+            got.top = ([(int(ids_h[r, j]), float(tlp_h[r, j])) for j in range(s.n_top)]
                        if s.n_top > 0 and ids_h is not None and tlp_h is not None else [])
-        out.append(res)
+        out.append(got)
     return out
