@@ -137,15 +137,29 @@ def decode(model, batch: int, ctx: int, steps: int, rng, warm: int = 2) -> float
             model.forward([SeqChunk(toks[s : s + 2048], s, tables[i], logits="none")], cache)
     nxt = rng.integers(0, model.config.vocab_size, batch).astype(np.int32)
     pos = ctx
-    for step in range(warm + steps):
-        if step == warm:
-            model.backend.synchronize()
-            t = time.perf_counter()
-        outs = model.forward([SeqChunk(nxt[i : i + 1], pos, tables[i])
-                              for i in range(batch)], cache)
-        nxt = np.array([int(o[0].argmax()) for o in outs], np.int32)  # host logits, as served
-        pos += 1
-    model.backend.synchronize()
+    # as served: on a GPU the logits stay there and the engine's device sampler picks the
+    # tokens (greedy rows), only the ids come back; elsewhere host logits and argmax
+    on_device = model.backend.is_gpu
+    model.logits_on_device = on_device
+    try:
+        for step in range(warm + steps):
+            if step == warm:
+                model.backend.synchronize()
+                t = time.perf_counter()
+            outs = model.forward([SeqChunk(nxt[i : i + 1], pos, tables[i])
+                                  for i in range(batch)], cache)
+            if on_device:
+                from kvshare.ops import gpu_sampling  # noqa: PLC0415
+
+                picked = gpu_sampling.sample_rows(
+                    [gpu_sampling.RowSpec(logits=o[0], greedy=True) for o in outs])
+                nxt = np.array([r.token for r in picked], np.int32)
+            else:
+                nxt = np.array([int(o[0].argmax()) for o in outs], np.int32)
+            pos += 1
+        model.backend.synchronize()
+    finally:
+        model.logits_on_device = False
     return time.perf_counter() - t
 
 
