@@ -32,6 +32,8 @@ from kvshare.engine.api import (FinishEvent, FinishReason, GenerationRequest, Mo
                                check_request)
 from kvshare.engine.cache import build_cache
 from kvshare.engine.context_shift import plan_shift, shift_tokens
+from kvshare.engine.deferred_emit import EmitQueue, PendingEmit
+from kvshare.engine.deferred_emit import wanted as emit_overlap_wanted
 from kvshare.engine.faults import SequenceFault, injected, maybe_inject
 from kvshare.engine.grammar_masks import MaskJob, compute_mask
 from kvshare.engine.handle import RequestHandle
@@ -112,6 +114,9 @@ class EngineConfig:
     # llama-server --context-shift: a full context drops part of its past instead of ending the
     # reply (engine/context_shift.py); off for models with recurrent state
     context_shift: bool = False
+    # each token's text and events are emitted while the device runs the next step
+    # (engine/deferred_emit.py); None: on where the model runs on a GPU (KVSHARE_EMIT_OVERLAP)
+    emit_overlap: bool | None = None
 
 
 class Engine:
@@ -130,6 +135,9 @@ class Engine:
         self._overlap_masks = bool(getattr(model.backend, "is_gpu", False))
         # on a GPU the step's rows are sampled there (KVSHARE_DEVICE_SAMPLING=0: on the host)
         self.device_sampling = DeviceSampling(model) if device_sampling_wanted(model) else None
+        # a token's EMIT half runs after the next step's launch (engine/deferred_emit.py)
+        self.emit_overlap = emit_overlap_wanted(model, config.emit_overlap)
+        self._emits = EmitQueue()
         self.cache = build_cache(model, config, fingerprint)
         # the cache's parts, by name (tests, /cache, the forward pass)
         self.kv, self.pool, self.tiers = self.cache.kv, self.cache.pool, self.cache.tiers
@@ -368,6 +376,7 @@ class Engine:
                 self._drain_inbox()
                 self._expire_queued()
                 if not self.scheduler.has_work():
+                    self._emit_deferred()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
@@ -383,6 +392,7 @@ class Engine:
                     self._fail(seq, exc)
             finally:
                 self._step_started = None
+        self._emit_deferred()
 
     def stalled_for(self) -> float:
         """Seconds the current step has been running (0 between steps): /health reports an
@@ -424,6 +434,7 @@ class Engine:
             self._drain_inbox()
             self._expire_queued()
             if not self.scheduler.has_work():
+                self._emit_deferred()
                 if self._fetching:  # a fetch-ahead is still running: its sequence comes next
                     self._wake.wait(0.01)
                     self._wake.clear()
@@ -440,6 +451,7 @@ class Engine:
         self._end_unscheduled(sched)
         plan = sched.planned
         if not plan:
+            self._emit_deferred()
             return
         done = self._forward(plan)
         if done is not None:
@@ -485,19 +497,25 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - pinned on its sequence below
             if masks is not None:
                 masks.wait()
+            self._emit_deferred()
             self._forward_failed(plan, exc)
             return None
+        # the device runs this step now: the previous step's text and events meanwhile
+        self._emit_deferred()
         self.counters["steps"] += 1
         self.counters["busy_slots_total"] += len(self.scheduler.running)
         return logits, (masks.wait() if masks is not None else {})
 
     def _postprocess(self, plan: list[Planned], logits, allowed: dict) -> None:
         """Each planned sequence: the cache records its chunk (scheduler.commit), then its
-        logits, if it asked for them, are sampled (on the device: `self.device_sampling`)."""
+        logits, if it asked for them, are sampled (on the device: `self.device_sampling`).
+        A sequence that a stop string in its deferred text finished after this step was
+        planned (engine/deferred_emit.py) is skipped: its blocks are released already."""
+        rows = [(i, out) for i, out in zip(plan, logits) if i.seq.state != SeqState.FINISHED]
         picks = iter(self.device_sampling.pick(
-            [(i.seq, out, allowed.get(i.seq.seq_id)) for i, out in zip(plan, logits)
+            [(i.seq, out, allowed.get(i.seq.seq_id)) for i, out in rows
              if i.wants_logits]) if self.device_sampling is not None else ())
-        for item, out in zip(plan, logits):
+        for item, out in rows:
             item.seq.suspect = False
             try:
                 pick = next(picks, None) if item.wants_logits else None
@@ -534,6 +552,7 @@ class Engine:
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
         """End one sequence with an error naming the cause; never raises."""
+        self._emit_deferred()  # its own and earlier tokens' events come before its end
         if seq.state == SeqState.FINISHED:
             return
         fault = exc if isinstance(exc, SequenceFault) else None
@@ -602,7 +621,38 @@ class Engine:
 
     def _sample_and_emit(self, seq: Sequence, row: np.ndarray | None, allowed=None,
                          pick: Pick | None = None) -> None:
+        """One token: DECIDE what the next step needs (the token, the budget, the grammar, stop
+        token ids, the end or the token kept), then EMIT its text and event, now or, with
+        `emit_overlap`, queued to run while the device computes the next step
+        (engine/deferred_emit.py)."""
         req = seq.request
+        token = self._sample(seq, row, allowed, pick)
+        if token in self.stop_ids and not req.ignore_eos or token in req.stop_token_ids:
+            self._finish(seq, "stop")
+            return
+        grammar_done = False
+        if seq.matcher is not None:
+            try:
+                seq.matcher.consume(token)
+            except ValueError as exc:
+                raise SequenceFault(f"constrained decoding failed: {exc}", status=500,
+                                    cause="grammar") from exc
+            grammar_done = seq.matcher.stopped
+        logprobs = self._logprob_values(seq, row, token, pick) if req.logprobs else None
+        # Only a token after which the sequence simply goes on is deferred: an end or a context
+        # shift must not happen before its text is checked for a stop string.
+        if (self.emit_overlap and not grammar_done and seq.n_generated < req.max_tokens
+                and len(seq.tokens) + 1 < self.ctx_size):
+            seq.tokens.append(token)
+            self._emits.put(PendingEmit(seq, token, logprobs))
+            return
+        self._emit_deferred()  # the earlier rows' events come first
+        hit_stop = self._emit(seq, token, logprobs)
+        self._end_or_continue(seq, token, hit_stop, grammar_done)
+
+    def _sample(self, seq: Sequence, row: np.ndarray | None, allowed, pick: Pick | None) -> int:
+        """The sequence's next token (the device's pick, or sampled here), recorded as
+        generated."""
         if pick is not None and pick.token is not None:  # decided on the device
             token = pick.record(seq.sampler)
         else:
@@ -619,47 +669,67 @@ class Engine:
             token = seq.sampler.sample(row, mask, u=pick.u if pick is not None else None)
         if seq.budget is not None:
             seq.budget.accept(token)
-        now = time.perf_counter()
         if seq.first_token_at is None:
-            seq.first_token_at = now
+            seq.first_token_at = time.perf_counter()
         seq.generated.append(token)
         self.counters["generated_tokens_total"] += 1
-        handle = self._handles.get(req.request_id)
-        if token in self.stop_ids and not req.ignore_eos or token in req.stop_token_ids:
-            self._finish(seq, "stop")
-            return
-        grammar_done = False
-        if seq.matcher is not None:
-            try:
-                seq.matcher.consume(token)
-            except ValueError as exc:
-                raise SequenceFault(f"constrained decoding failed: {exc}", status=500,
-                                    cause="grammar") from exc
-            grammar_done = seq.matcher.stopped
+        return token
+
+    def _logprob_values(self, seq: Sequence, row: np.ndarray | None, token: int,
+                        pick: Pick | None) -> tuple[float, list[tuple[int, float]]]:
+        """(the token's logprob, the top ones) as the request asked. Computed at DECIDE: the
+        next step may reuse the logits buffer and moves the sampler on."""
+        req = seq.request
+        if pick is not None and pick.logprobs is not None:
+            return pick.logprobs
+        assert row is not None
+        return (seq.sampler.post_sampling_logprobs(token, req.top_logprobs)
+                if req.post_sampling_probs else top_logprobs(row, token, req.top_logprobs))
+
+    def _emit(self, seq: Sequence, token: int,
+              logprobs: tuple[float, list[tuple[int, float]]] | None) -> bool:
+        """A token's EMIT half: its text (held back while it may start a stop string) and its
+        event on the handle. True: the text completed a stop string."""
+        req = seq.request
         asm = self._assemblers.get(seq.seq_id)
         if asm is None:
             decode = self._special_text if req.special_text else self._generated_text
             stream = self.tokenizer.incremental_decoder(skip_special=not req.special_text)
             asm = self._assemblers[seq.seq_id] = TextAssembler(decode, req.stop, stream=stream)
         text, hit_stop = asm.push(token)
-        event = TokenEvent(token_id=token, text=text, index=seq.choice)
-        if req.logprobs:
-            if pick is not None and pick.logprobs is not None:
-                lp, top = pick.logprobs
-            else:
-                assert row is not None
-                lp, top = (seq.sampler.post_sampling_logprobs(token, req.top_logprobs)
-                           if req.post_sampling_probs
-                           else top_logprobs(row, token, req.top_logprobs))
+        if logprobs is None:
+            event = TokenEvent(token_id=token, text=text, index=seq.choice)
+        else:
+            lp, top = logprobs
             event = TokenEvent(
                 token_id=token, text=text,
                 logprob=TokenLogprob(token, self.token_piece(token), lp),
                 top_logprobs=tuple(TokenLogprob(t, self.token_piece(t), v) for t, v in top),
                 index=seq.choice,
             )
+        handle = self._handles.get(req.request_id)
         if handle is not None:
             handle.put(event)
-        self._end_or_continue(seq, token, hit_stop, grammar_done)
+        return hit_stop
+
+    def _emit_deferred(self) -> bool:
+        """Run the queued EMIT halves (engine/deferred_emit.py); True when any ran."""
+        return self._emits.run(self._emit_queued)
+
+    def _emit_queued(self, item: PendingEmit) -> None:
+        seq = item.seq
+        if seq.state == SeqState.FINISHED:  # its request failed or was cancelled meanwhile
+            return
+        try:
+            if self._emit(seq, item.token, item.logprobs):
+                # A stop string ends the reply before this token, which was appended for the
+                # step now running: take it back, so the sequence ends as it does without
+                # overlap (the cache saves and releases tokens[:n_computed] either way).
+                assert seq.tokens[-1] == item.token
+                seq.tokens.pop()
+                self._finish(seq, "stop", flush=False)
+        except Exception as exc:  # noqa: BLE001 - this sequence's fault alone
+            self._fail(seq, exc)
 
     def _end_or_continue(self, seq: Sequence, token: int, hit_stop: bool,
                          grammar_done: bool) -> None:
@@ -704,6 +774,10 @@ class Engine:
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None, flush: bool = True,
                 status: int = 500, cause: str | None = None,
                 retry_after_s: float | None = None) -> None:
+        # the events of tokens still queued come first; the sequence's own may have hit a
+        # stop string and finished it
+        if self._emit_deferred() and seq.state == SeqState.FINISHED:
+            return
         req = seq.request
         rid = req.request_id
         left = self._open_choices.get(rid, 1) - 1
