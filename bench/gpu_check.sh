@@ -220,6 +220,11 @@ target_steps() {
         tests/test_ops_gpu_blocks.py tests/test_kernels_sass.py -k "Q2_K or sass or pack" || RC=1
     summ pytest_q2k
     table
+    # the decode kernels no device has run yet: fused ops, 8-bit-activation mat-vec, sampling
+    step pytest_kernels 150 "${PYTEST[@]}" -m gpu --junitxml="$WORK/pytest_kernels.xml" \
+        tests/test_ops_gpu_fused.py tests/test_ops_gpu_mmvq.py tests/test_sampling_gpu.py || RC=1
+    summ pytest_kernels
+    table
     # bmv vs mmvq kernel timing (a GPU-only bench: not in the CPU dry run); --out where the
     # bench takes it, so that its JSON comes back inside targets.json
     if [ -f bench/gpu_matvec_bench.py ] && [ "$CPU" != 1 ]; then
@@ -234,7 +239,8 @@ target_steps() {
 # pytest -m gpu with CUDA graphs on (the default), then off
 test_steps() {
     local files=(tests/test_ops_gpu.py tests/test_ops_gpu_blocks.py tests/test_ops_gpu_graph.py
-                 tests/test_model_gpu.py tests/test_engine_gpu.py)
+                 tests/test_model_gpu.py tests/test_engine_gpu.py tests/test_ops_gpu_fused.py
+                 tests/test_ops_gpu_mmvq.py tests/test_sampling_gpu.py)
     step pytest_graphs_on 260 "${PYTEST[@]}" -m gpu --junitxml="$WORK/pytest_graphs_on.xml" \
         "${files[@]}" || RC=1
     summ pytest_graphs_on

@@ -9,6 +9,7 @@ Reads, from one directory (`--dir`), the files the device check's steps write:
     pytest_graphs_on.xml     pytest -m gpu --junitxml, CUDA graphs on (TESTS_ONLY=1)
     pytest_graphs_off.xml    the same with KVSHARE_CUDA_GRAPHS=0 (TESTS_ONLY=1)
     pytest_q2k.xml           the Q2_K block tests alone (the default run)
+    pytest_kernels.xml       the fused decode, mmvq and device-sampling tests (the default run)
     pytest_moe.xml           the MoE tests (MOE_ONLY=1)
     pytest_compile.xml       the NVRTC compile and machine-code tests (EXTRAS_ONLY=1)
     gpu_matvec_bench.json    bench/gpu_matvec_bench.py (bmv vs mmvq), shown, no target
@@ -42,6 +43,7 @@ CTX = 1024
 
 # the gpu_check.sh mode that fills each group of rows
 MODE_OF = {"bench": "default run", "fleet": "default run", "q2k": "default run",
+           "kernels": "default run",
            "tests": "TESTS_ONLY=1 run", "matvec": "default run", "moe": "MOE_ONLY=1 run",
            "compile": "EXTRAS_ONLY=1 run"}
 
@@ -301,11 +303,15 @@ def test_rows(d: Path) -> list[Row]:
         if q2k.status == "pass" and (q2["passed"] == 0 or q2["skipped"]):
             q2k.status = "invalid"
             q2k.notes.append("Q2_K cases skipped or absent")
+    # the decode kernels new since the last device run, on their own (the full runs hold
+    # them too): the fused ops, the 8-bit-activation mat-vec, sampling on the device
+    kernels = pytest_row(Row("pytest_kernels", "pytest -m gpu, fused decode / mmvq / sampling",
+                             "all pass"), d, "pytest_kernels.xml", "pytest_kernels", "kernels")
     moe = pytest_row(Row("pytest_moe", "pytest -m gpu, MoE kernels and models", "all pass"),
                      d, "pytest_moe.xml", "pytest_moe", "moe")
     compile_ = pytest_row(Row("pytest_compile", "NVRTC compile + machine-code tests (device)",
                               "all pass"), d, "pytest_compile.xml", "pytest_compile", "compile")
-    return [on, off, q2k, moe, compile_]
+    return [on, off, q2k, kernels, moe, compile_]
 
 
 def matvec_row(d: Path) -> Row:

@@ -131,11 +131,12 @@ def _rows(d: Path) -> dict:
 def test_every_target_met_passes_and_the_table_says_so(tmp_path, junit):
     _write(tmp_path, junit={"pytest_graphs_on.xml": junit["ok"],
                             "pytest_graphs_off.xml": junit["ok"],
-                            "pytest_q2k.xml": junit["ok"]})
+                            "pytest_q2k.xml": junit["ok"],
+                            "pytest_kernels.xml": junit["ok"]})
     rows = _rows(tmp_path)
     for rid in ("decode_b1", "decode_b8", "decode_b32", "prefill_1k", "weights_memory",
                 "greedy_graphs", "fleet_ttft", "fleet_wall", "pytest_graphs_on",
-                "pytest_graphs_off", "q2k"):
+                "pytest_graphs_off", "q2k", "pytest_kernels"):
         assert rows[rid].status == "pass", (rid, rows[rid])
     assert rows["decode_b1"].measured == "610"
     assert rows["decode_b32"].value == 7200.0
@@ -154,7 +155,7 @@ def test_every_target_met_passes_and_the_table_says_so(tmp_path, junit):
     assert lines[1].split()[:5] == ["figure", "target", "measured", "status", "source"]
     b1 = next(ln for ln in lines if ln.startswith("decode, 1 sequence"))
     assert ">= 500" in b1 and " 610 " in b1 and re.search(r"\s{2}pass\s{2}", b1)
-    assert lines[-1] == "11 pass, 3 not run"
+    assert lines[-1] == "12 pass, 3 not run"
     saved = json.loads((out / "targets.json").read_text())
     assert [r["id"] for r in saved["rows"]] == [r.id for r in gt.build(tmp_path)]
     # the measurements come back inside targets.json
