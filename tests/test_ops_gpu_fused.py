@@ -307,12 +307,67 @@ def test_decode_step_launches_fewer_kernels(tmp_path, monkeypatch):
     print(f"launches per layer: composed {composed}, fused {fused}")
     n_layers = len(model.layers)
     assert len(fused) == len(composed) == n_layers
-    # per layer: rms_norm, 3 q/k/v mat-vecs, (rms_norm + rope) x 2, kv_write, attention,
-    # o mat-vec + add, rms_norm, 2 gate/up mat-vecs + swiglu, down mat-vec + add = 18;
-    # fused: rms_norm, 3 q/k/v mat-vecs, qkv_rope_write, attention, o mat-vec (adds),
-    # rms_norm, bmvglu, down mat-vec (adds) = 10; the first layer also computes the step's
+    # q, k, v (and gate, up) are each of one type here, so each group is one part of its
+    # GpuBlockWeight (from_gguf stacks them): one mat-vec for q|k|v, one for gate|up.
+    # per layer: rms_norm, the q|k|v mat-vec, (rms_norm + rope) x 2, kv_write, attention,
+    # o mat-vec + add, rms_norm, the gate|up mat-vec + swiglu, down mat-vec + add = 15;
+    # fused: rms_norm, the q|k|v mat-vec, qkv_rope_write, attention, o mat-vec (adds),
+    # rms_norm, bmvglu, down mat-vec (adds) = 8; the first layer also computes the step's
     # rope tables (rope_cos_sin_f32)
-    assert composed == [19] + [18] * (n_layers - 1)
-    assert fused == [11] + [10] * (n_layers - 1)
+    assert len(model.layers[0].wqkv.parts) == len(model.layers[0].w_gate_up.parts) == 1
+    assert composed == [16] + [15] * (n_layers - 1)
+    assert fused == [9] + [8] * (n_layers - 1)
     scale = np.abs(lg_composed).max()
     assert np.abs(lg_fused - lg_composed).max() <= 1e-3 * scale
+
+
+# --- tensors of one type stacked into one part (GpuBlockWeight.from_gguf) ---------------------
+
+def test_from_gguf_stacks_tensors_of_one_type(be, tmp_path):
+    """Q and K of one type (a Q4_K_M file's attn_q / attn_k) become one part, V of another
+    type its own: one mat-vec fewer a layer; gate and up of one type one part whose halves
+    `linear_glu` takes (one `bmvglu` launch). The products equal the tensors' own."""
+    from gguf import GGUFWriter
+
+    from kvshare.model.gguf_file import GGUFFile
+
+    rng = np.random.default_rng(7)
+    k = 256
+    spec = {"q": (Q.Q4_K, 24), "k": (Q.Q4_K, 8), "v": (Q.Q6_K, 8), "gate": (Q.Q4_K, 20),
+            "up": (Q.Q4_K, 20)}
+    raws = {nm: random_rows(rng, t, n, k) for nm, (t, n) in spec.items()}
+    path = tmp_path / "w.gguf"
+    w = GGUFWriter(str(path), "llama")
+    for nm, (t, n) in spec.items():
+        w.add_tensor(nm, raws[nm], raw_shape=raws[nm].shape, raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    gf = GGUFFile(path)
+    qkv = gpu_blocks.GpuBlockWeight.from_gguf(gf, ["q", "k", "v"], be)
+    assert [(p.qtype, p.n, p.col0) for p in qkv.parts] == [(int(Q.Q4_K), 32, 0),
+                                                             (int(Q.Q6_K), 8, 32)]
+    want = np.concatenate([ref_dequant(raws[nm], spec[nm][0], k) for nm in ("q", "k", "v")])
+    for m in (1, 5, 20):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        got = be.to_host(linear(be.asarray(x), qkv, backend=be))
+        err = np.abs(got.astype(np.float64) - x.astype(np.float64) @ want.T.astype(np.float64))
+        assert (err <= _bound(x, want, 1e-4 if m <= 16 else 4e-3)).all()
+    gu = gpu_blocks.GpuBlockWeight.from_gguf(gf, ["gate", "up"], be)
+    assert len(gu.parts) == 1 and gu.shape == (40, k) and gpu_blocks.glu_fuses(gu, 3)
+    log = _launch_log()
+    before = len(log) if log is not None else 0
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    got = be.to_host(linear_glu(be.asarray(x), gu, "silu", backend=be))
+    if log is not None:
+        assert [e[0] for e in log[before:]] == ["bmvglu_q4_k_m4"]
+    _glu_check(got, x, ref_dequant(raws["gate"], Q.Q4_K, k), ref_dequant(raws["up"], Q.Q4_K, k),
+               "silu", 1e-4)
+    gf.close()
+
+
+def _launch_log():
+    import cupy
+
+    return getattr(cupy, "LAUNCHES", None)

@@ -177,16 +177,23 @@ class GpuBlockWeight:
         """Tensors `names` of a `GGUFFile` (2-D, stacked along the output axis in this order)
         straight from the file's bytes (`gf.raw(name)`), or None when one is missing, not 2-D
         or of a type / row length the kernels do not take (the caller then loads it another
-        way)."""
-        parts = []
+        way). Consecutive tensors of one type become one part (their rows are whole blocks of
+        the same format, so the stacked bytes are a valid part): a decode step then launches
+        one mat-vec for them (Q and K of a Q4_K_M file, gate and up) instead of one each."""
+        parts: list[tuple[Any, int, int]] = []
         for name in names:
             info = gf.tensors.get(name)
             if info is None or len(info.shape) != 2:
                 return None
             k = int(info.shape[0])  # GGUF order: the row length first
-            if not supports(int(info.qtype), k):
+            qtype = int(info.qtype)
+            if not supports(qtype, k):
                 return None
-            parts.append((gf.raw(name), int(info.qtype), k))
+            raw = gf.raw(name)
+            if parts and parts[-1][1:] == (qtype, k):
+                parts[-1] = (np.concatenate([parts[-1][0], raw]), qtype, k)
+            else:
+                parts.append((raw, qtype, k))
         return cls.from_parts(parts, backend) if parts else None
 
     @property
@@ -340,10 +347,23 @@ def linear_add(x: Any, w: GpuBlockWeight, bias: Any | None, y: Any) -> Any:
 
 def glu_fuses(w: GpuBlockWeight, n: int) -> bool:
     """Whether `linear_glu` of n rows on w is one `bmvglu` launch: n <= BMV_MAX_M and w is
-    two parts (gate, up) of the same type and row count."""
+    two parts (gate, up) of the same type and row count, or one part of an even row count
+    (gate and up of one type stacked into one part by `from_gguf`: its halves)."""
     p = w.parts
-    return (0 < n <= BMV_MAX_M and len(p) == 2 and p[0].qtype == p[1].qtype
-            and p[0].n == p[1].n)
+    return 0 < n <= BMV_MAX_M and (len(p) == 2 and p[0].qtype == p[1].qtype
+                                   and p[0].n == p[1].n
+                                   or len(p) == 1 and p[0].n % 2 == 0)
+
+
+def _gate_up(w: GpuBlockWeight) -> tuple[Any, Any, BlockPart]:
+    """The device bytes of the gate rows and of the up rows of a gate|up weight that
+    `glu_fuses`, and the part that describes either (type, rows, row bytes)."""
+    if len(w.parts) == 2:
+        g, u = w.parts
+        return g.data, u.data, g
+    p = w.parts[0]
+    half = p.n // 2
+    return p.data[:half], p.data[half:], BlockPart(p.data[:half], p.qtype, half, p.k, 0)
 
 
 def linear_glu(x: Any, w: GpuBlockWeight, activation: str) -> Any:
@@ -356,13 +376,13 @@ def linear_glu(x: Any, w: GpuBlockWeight, activation: str) -> Any:
     n = int(x.shape[0])
     if not glu_fuses(w, n):
         raise ValueError(f"linear_glu on {n} rows of {w!r} is not one bmvglu launch")
-    g, u = w.parts
+    gate, up, g = _gate_up(w)
     out = rt.empty((n, g.n), np.float32)
     xa, xs, mm = _bmv_rows(x)
     rt.kernel("blocks", f"bmvglu_{g.tag}_m{mm}")(
         (max(1, min(rt.MAX_GRID, -(-g.n // (BMV_WARPS * BMVGLU_ROWS_PER_WARP)))), 1, 1),
         (32 * BMV_WARPS, 1, 1),
-        (g.data, u.data, np.int64(g.row_bytes), np.int32(g.n), np.int32(g.k), xa, np.int64(xs),
+        (gate, up, np.int64(g.row_bytes), np.int32(g.n), np.int32(g.k), xa, np.int64(xs),
          np.int32(n), out, np.int64(g.n), np.int32(GLU_ACT[activation])))
     return out
 
