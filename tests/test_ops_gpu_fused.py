@@ -338,7 +338,7 @@ def test_from_gguf_stacks_tensors_of_one_type(be, tmp_path):
     raws = {nm: random_rows(rng, t, n, k) for nm, (t, n) in spec.items()}
     path = tmp_path / "w.gguf"
     w = GGUFWriter(str(path), "llama")
-    for nm, (t, n) in spec.items():
+    for nm, (t, _n) in spec.items():
         w.add_tensor(nm, raws[nm], raw_shape=raws[nm].shape, raw_dtype=t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
