@@ -220,9 +220,11 @@ target_steps() {
         tests/test_ops_gpu_blocks.py tests/test_kernels_sass.py -k "Q2_K or sass or pack" || RC=1
     summ pytest_q2k
     table
-    # the decode kernels no device has run yet: fused ops, 8-bit-activation mat-vec, sampling
+    # what no device has run yet: the fused ops, the 8-bit-activation mat-vec, sampling on the
+    # device, the engine's emission beside the device's step
     step pytest_kernels 150 "${PYTEST[@]}" -m gpu --junitxml="$WORK/pytest_kernels.xml" \
-        tests/test_ops_gpu_fused.py tests/test_ops_gpu_mmvq.py tests/test_sampling_gpu.py || RC=1
+        tests/test_ops_gpu_fused.py tests/test_ops_gpu_mmvq.py tests/test_sampling_gpu.py \
+        tests/test_engine_overlap.py || RC=1
     summ pytest_kernels
     table
     # bmv vs mmvq kernel timing (a GPU-only bench: not in the CPU dry run); --out where the
@@ -240,7 +242,7 @@ target_steps() {
 test_steps() {
     local files=(tests/test_ops_gpu.py tests/test_ops_gpu_blocks.py tests/test_ops_gpu_graph.py
                  tests/test_model_gpu.py tests/test_engine_gpu.py tests/test_ops_gpu_fused.py
-                 tests/test_ops_gpu_mmvq.py tests/test_sampling_gpu.py)
+                 tests/test_ops_gpu_mmvq.py tests/test_sampling_gpu.py tests/test_engine_overlap.py)
     step pytest_graphs_on 260 "${PYTEST[@]}" -m gpu --junitxml="$WORK/pytest_graphs_on.xml" \
         "${files[@]}" || RC=1
     summ pytest_graphs_on
