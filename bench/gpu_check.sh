@@ -227,6 +227,19 @@ target_steps() {
         tests/test_engine_overlap.py || RC=1
     summ pytest_kernels
     table
+    # the alternatives a device run decides between (info rows, not targets): decode on the
+    # 8-bit-activation mat-vec (mmvq, m <= 8), and 32 rows on the mat-vec kernels in 16-row
+    # launches instead of dequantized tiles + cuBLAS
+    KVSHARE_GPU_WEIGHTS=blocks KVSHARE_GPU_MATVEC=q8 step gpu_bench_q8 120 $PY bench/gpu_bench.py \
+        --device "$DEV" --model "$Q15" --decode-only --batches 1,8 --ctx "$CTX" --graphs on \
+        --out "$WORK/gpu_bench_q8.json" || RC=1
+    grep -E '^decode' "$WORK/gpu_bench_q8.log" | sed 's/^/[q8 mat-vec] /' | tee -a "$OUT/summary.txt"
+    KVSHARE_GPU_WEIGHTS=blocks KVSHARE_GPU_MATVEC_MAX_ROWS=32 step gpu_bench_rows32 120 \
+        $PY bench/gpu_bench.py --device "$DEV" --model "$Q15" --decode-only --batches 32 \
+        --ctx "$CTX" --graphs on --out "$WORK/gpu_bench_rows32.json" || RC=1
+    grep -E '^decode' "$WORK/gpu_bench_rows32.log" | sed 's/^/[mat-vec to 32 rows] /' |
+        tee -a "$OUT/summary.txt"
+    table
     # bmv vs mmvq kernel timing (a GPU-only bench: not in the CPU dry run); --out where the
     # bench takes it, so that its JSON comes back inside targets.json
     if [ -f bench/gpu_matvec_bench.py ] && [ "$CPU" != 1 ]; then

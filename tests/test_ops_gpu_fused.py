@@ -371,3 +371,94 @@ def _launch_log():
     import cupy
 
     return getattr(cupy, "LAUNCHES", None)
+
+
+# --- more rows than one mat-vec launch takes ($KVSHARE_GPU_MATVEC_MAX_ROWS) ------------------
+
+def test_matvec_in_row_chunks(be, monkeypatch):
+    """With the limit at 48 rows, 40 rows run the mat-vec kernels in launches of 16, 16 and 8
+    rows (no dequantized tiles): linear, linear_add and linear_glu within the mat-vec's bounds
+    of the float64 product; past the limit the tiles + cuBLAS again; a limit that is not a
+    multiple of 16 is refused."""
+    monkeypatch.setenv(gpu_blocks.MATVEC_ROWS_ENV, "48")
+    rng = np.random.default_rng(11)
+    k, m = 256, 40
+    rq, rk = random_rows(rng, Q.Q4_K, 24, k), random_rows(rng, Q.Q6_K, 8, k)
+    w = gpu_blocks.GpuBlockWeight.from_parts([(rq, int(Q.Q4_K), k), (rk, int(Q.Q6_K), k)], be)
+    ref_w = np.concatenate([ref_dequant(rq, Q.Q4_K, k), ref_dequant(rk, Q.Q6_K, k)])
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    want = x.astype(np.float64) @ ref_w.T.astype(np.float64)
+    log = _launch_log()
+    before = len(log) if log is not None else 0
+    got = be.to_host(linear(be.asarray(x), w, backend=be))
+    if log is not None:
+        names = [e[0] for e in log[before:]]
+        assert names == ["bmv_q4_k_m16", "bmv_q6_k_m16"] * 2 + ["bmv_q4_k_m16", "bmv_q6_k_m16"]
+    assert (np.abs(got - want) <= _bound(x, ref_w, 1e-4)).all()
+    y0 = rng.standard_normal((m, 32)).astype(np.float32)
+    y = be.asarray(y0)
+    linear_add(be.asarray(x), w, None, y, backend=be)
+    assert (np.abs(be.to_host(y) - (y0 + want)) <= _bound(x, ref_w, 1e-4) + 1e-6).all()
+    rg, ru = random_rows(rng, Q.Q4_K, 20, k), random_rows(rng, Q.Q4_K, 20, k)
+    gu = gpu_blocks.GpuBlockWeight.from_parts([(rg, int(Q.Q4_K), k), (ru, int(Q.Q4_K), k)], be)
+    assert gpu_blocks.glu_fuses(gu, m) and not gpu_blocks.glu_fuses(gu, 49)
+    got = be.to_host(linear_glu(be.asarray(x), gu, "silu", backend=be))
+    _glu_check(got, x, ref_dequant(rg, Q.Q4_K, k), ref_dequant(ru, Q.Q4_K, k), "silu", 1e-4)
+    before = len(log) if log is not None else 0
+    x2 = rng.standard_normal((49, k)).astype(np.float32)
+    linear(be.asarray(x2), w, backend=be)
+    if log is not None:
+        assert any(e[0].startswith("bdq_") for e in log[before:])
+    monkeypatch.setenv(gpu_blocks.MATVEC_ROWS_ENV, "40")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gpu_blocks.matvec_max_rows()
+
+
+def test_decode_graphs_on_row_chunks(tmp_path, monkeypatch):
+    """A decode step of 18 sequences (the graph of 32) with the mat-vec limit at 32 rows: its
+    products run the mat-vec kernels in launches of 16 rows, captured and replayed; the
+    replays equal the eager steps bit for bit."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvshare.model import gpu_graphs
+    from kvshare.model.batch import SeqChunk
+    from kvshare.model.loader import load_model
+
+    root = Path(__file__).resolve().parent.parent
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    subprocess.run([sys.executable, str(root / "scripts" / "make_random_gguf.py"), "--arch",
+                    "qwen3", "--size", "tiny", "--layers", "1", "--out", str(path),
+                    "--tokenizer-from",
+                    str(root / "tests" / "data" / "models" / "tiny-qwen3-chat.gguf")],
+                   check=True, capture_output=True)
+    monkeypatch.setenv("KVSHARE_GPU_WEIGHTS", "blocks")
+    monkeypatch.setenv(gpu_blocks.MATVEC_ROWS_ENV, "32")
+    model = load_model(path, "cuda")
+    n = 18
+
+    def run(graphs: bool) -> np.ndarray:
+        model.cuda_graphs = graphs
+        cache = model.new_cache(2 * n, 16)
+        rng = np.random.default_rng(3)
+        tables = [np.array([2 * i, 2 * i + 1], np.int32) for i in range(n)]
+        for t in tables:
+            model.forward([SeqChunk(rng.integers(0, 367, 5), 0, t, logits="none")], cache)
+        out = []
+        for step in range(3):
+            lg = model.forward([SeqChunk(rng.integers(0, 367, 1), 5 + step, t) for t in tables],
+                               cache)
+            out.append(np.concatenate(lg))
+        return np.stack(out)
+
+    log = _launch_log()
+    before = len(log) if log is not None else 0
+    eager = run(False)
+    if log is not None:
+        names = [e[0] for e in log[before:]]
+        assert not any(nm.startswith("bdq_") for nm in names[-40:])  # the last decode step
+    graph = run(True)
+    r = gpu_graphs.runner(model)
+    assert r is not None and not r.failures and 32 in r.graphs and r.replays >= 2
+    assert np.array_equal(graph, eager)

@@ -29,6 +29,7 @@ GPU this way). Nothing GPU-related is imported before first use.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable
 
 import numpy as np
@@ -58,7 +59,13 @@ BLOCK_TYPES: dict[int, tuple[str, int, int]] = {
     int(Q.BF16): ("bf16", 8, 16),
 }
 BMV_M = (1, 4, 16)  # row counts of the mat-vec kernels (bmv_<type>_m<M>)
-BMV_MAX_M = BMV_M[-1]  # linear with more rows than this: dequantized tiles + cuBLAS
+BMV_MAX_M = BMV_M[-1]  # rows of one mat-vec launch
+# Rows up to which `linear` takes the mat-vec kernels (in launches of at most BMV_MAX_M rows,
+# each reading the weight once) rather than dequantized f16 tiles + cuBLAS (which writes and
+# reads an f16 copy of every tile): $KVSHARE_GPU_MATVEC_MAX_ROWS, default BMV_MAX_M. Which
+# side of, e.g., a 32-sequence decode step is faster is a device measurement
+# (bench/gpu_bench.py --matvec-max-rows).
+MATVEC_ROWS_ENV = "KVSHARE_GPU_MATVEC_MAX_ROWS"
 BMV_WARPS = 4  # bmv: 128-thread CTAs
 BMV_ROWS_PER_WARP = {1: 2, 4: 4, 16: 4}  # blocks.cu's BkRows<M, 1>::R (output rows per warp)
 BMVGLU_ROWS_PER_WARP = 2  # BkRows<M, 2>::R: gate rows per warp of bmvglu (and as many up rows)
@@ -244,6 +251,21 @@ def _aligned_rows(x: Any) -> Any:
     return cp.array(x, dtype=np.float32)
 
 
+def matvec_max_rows() -> int:
+    """$KVSHARE_GPU_MATVEC_MAX_ROWS (a positive multiple of BMV_MAX_M, or BMV_MAX_M)."""
+    v = os.environ.get(MATVEC_ROWS_ENV, "").strip()
+    if not v:
+        return BMV_MAX_M
+    if not v.isdigit() or int(v) < BMV_MAX_M or int(v) % BMV_MAX_M:
+        raise ValueError(f"{MATVEC_ROWS_ENV}={v!r}: expected a multiple of {BMV_MAX_M}")
+    return int(v)
+
+
+def _row_chunks(n: int) -> list[tuple[int, int]]:
+    """[r0, r1) row ranges of at most BMV_MAX_M rows covering n rows (one launch each)."""
+    return [(r0, min(n, r0 + BMV_MAX_M)) for r0 in range(0, n, BMV_MAX_M)]
+
+
 def _bmv_rows(x: Any) -> tuple[Any, int, int]:
     """(x as rows the mat-vec kernels can read, its row stride in elements, M: the smallest
     kernel row count >= its rows)."""
@@ -296,9 +318,10 @@ def linear(x: Any, w: GpuBlockWeight, bias: Any | None = None, *, out: Any | Non
               and out.flags.c_contiguous)
     y = out if direct else rt.empty((n, n_out), np.float32)
     if n and n_out:
-        if n <= BMV_MAX_M:
-            xa, xs, mm = _bmv_rows(x)
-            _bmv(xa, xs, mm, w, b, y, n_out, 0)
+        if n <= matvec_max_rows():
+            for r0, r1 in _row_chunks(n):
+                xa, xs, mm = _bmv_rows(x[r0:r1])
+                _bmv(xa, xs, mm, w, b, y[r0:r1], n_out, 0)
         else:
             x16 = rt.empty((n, n_in), np.float16)
             inv = rt.empty(n, np.float32)
@@ -325,9 +348,9 @@ def linear(x: Any, w: GpuBlockWeight, bias: Any | None = None, *, out: Any | Non
 
 def linear_add(x: Any, w: GpuBlockWeight, bias: Any | None, y: Any) -> Any:
     """`y += x @ w.T (+ bias)` in place for a `GpuBlockWeight`: the contract of
-    `kvshare.ops.gpu.linear_add`. Up to BMV_MAX_M rows of a float32 y with unit column stride,
-    one `bmv` launch per part that adds into y (the residual add fused into the mat-vec);
-    otherwise `linear`, then the add."""
+    `kvshare.ops.gpu.linear_add`. Up to `matvec_max_rows()` rows of a float32 y with unit
+    column stride, one `bmv` launch per part (and BMV_MAX_M rows) that adds into y (the
+    residual add fused into the mat-vec); otherwise `linear`, then the add."""
     cp = cupy_module()
     n_out = w.shape[0]
     x, b = _check_linear(x, w, bias)
@@ -336,21 +359,24 @@ def linear_add(x: Any, w: GpuBlockWeight, bias: Any | None, y: Any) -> Any:
         raise ValueError(f"y has shape {tuple(y.shape)}, expected {(n, n_out)}")
     if not n or not n_out:
         return y
-    if (n <= BMV_MAX_M and isinstance(y, cp.ndarray) and y.dtype == np.float32
+    if (n <= matvec_max_rows() and isinstance(y, cp.ndarray) and y.dtype == np.float32
             and (n_out <= 1 or y.strides[1] == 4) and y.strides[0] % 4 == 0):
-        xa, xs, mm = _bmv_rows(x)
-        _bmv(xa, xs, mm, w, b, y, rt.estrides(y)[0] if n > 1 else n_out, BMV_ACCUMULATE)
+        ys = rt.estrides(y)[0] if n > 1 else n_out
+        for r0, r1 in _row_chunks(n):
+            xa, xs, mm = _bmv_rows(x[r0:r1])
+            _bmv(xa, xs, mm, w, b, y[r0:r1], ys if r1 - r0 > 1 else n_out, BMV_ACCUMULATE)
         return y
     y += linear(x, w, b)
     return y
 
 
 def glu_fuses(w: GpuBlockWeight, n: int) -> bool:
-    """Whether `linear_glu` of n rows on w is one `bmvglu` launch: n <= BMV_MAX_M and w is
+    """Whether `linear_glu` of n rows on w is `bmvglu` launches (one per BMV_MAX_M rows):
+    n <= `matvec_max_rows()` and w is
     two parts (gate, up) of the same type and row count, or one part of an even row count
     (gate and up of one type stacked into one part by `from_gguf`: its halves)."""
     p = w.parts
-    return 0 < n <= BMV_MAX_M and (len(p) == 2 and p[0].qtype == p[1].qtype
+    return 0 < n <= matvec_max_rows() and (len(p) == 2 and p[0].qtype == p[1].qtype
                                    and p[0].n == p[1].n
                                    or len(p) == 1 and p[0].n % 2 == 0)
 
@@ -378,12 +404,13 @@ def linear_glu(x: Any, w: GpuBlockWeight, activation: str) -> Any:
         raise ValueError(f"linear_glu on {n} rows of {w!r} is not one bmvglu launch")
     gate, up, g = _gate_up(w)
     out = rt.empty((n, g.n), np.float32)
-    xa, xs, mm = _bmv_rows(x)
-    rt.kernel("blocks", f"bmvglu_{g.tag}_m{mm}")(
-        (max(1, min(rt.MAX_GRID, -(-g.n // (BMV_WARPS * BMVGLU_ROWS_PER_WARP)))), 1, 1),
-        (32 * BMV_WARPS, 1, 1),
-        (gate, up, np.int64(g.row_bytes), np.int32(g.n), np.int32(g.k), xa, np.int64(xs),
-         np.int32(n), out, np.int64(g.n), np.int32(GLU_ACT[activation])))
+    for r0, r1 in _row_chunks(n):
+        xa, xs, mm = _bmv_rows(x[r0:r1])
+        rt.kernel("blocks", f"bmvglu_{g.tag}_m{mm}")(
+            (max(1, min(rt.MAX_GRID, -(-g.n // (BMV_WARPS * BMVGLU_ROWS_PER_WARP)))), 1, 1),
+            (32 * BMV_WARPS, 1, 1),
+            (gate, up, np.int64(g.row_bytes), np.int32(g.n), np.int32(g.k), xa, np.int64(xs),
+             np.int32(r1 - r0), out[r0:r1], np.int64(g.n), np.int32(GLU_ACT[activation])))
     return out
 
 
