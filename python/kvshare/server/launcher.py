@@ -26,8 +26,9 @@ log = logging.getLogger("kvshare.server")
 
 
 class Listeners:
-    """The bound (not yet listening) TCP sockets of one server: one per address of a host
-    list (llama-server's `--host 127.0.0.1,::1`), all on one port."""
+    """The TCP sockets of one server, bound (listening once `make_config` hands them to
+    Hypercorn): one per address of a host list (llama-server's `--host 127.0.0.1,::1`), all
+    on one port."""
 
     def __init__(self, socks: list[socket.socket]):
         self.socks = socks
@@ -38,6 +39,10 @@ class Listeners:
     def close(self) -> None:
         for s in self.socks:
             s.close()
+
+    def listen(self, backlog: int) -> None:
+        for s in self.socks:
+            s.listen(backlog)
 
     def detach(self) -> list[int]:
         """The file descriptors, handed over (Hypercorn owns them from here)."""
@@ -91,6 +96,11 @@ def make_config(sock: Listeners, *, root_path: str = "", graceful_timeout: float
     not sent a complete request head this long after it opened, or after its previous
     response (keep-alive), is closed (Hypercorn's keep_alive_timeout covers both)."""
     config = Config()
+    # Listening from here on: the app's startup (which prints "kvshare: serving ... at URL",
+    # what a model router or a script waits for) runs before Hypercorn starts accepting, and
+    # a client that connects in between must queue in the backlog, not be refused. (Before
+    # this, while the model loads, the sockets are bound but refuse connections.)
+    sock.listen(config.backlog)
     config.bind = [f"fd://{fd}" for fd in sock.detach()]  # hypercorn owns them from here
     config.root_path = root_path
     config.graceful_timeout = graceful_timeout
