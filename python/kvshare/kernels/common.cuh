@@ -44,6 +44,20 @@ __device__ __forceinline__ float kvs_warp_sum(float v) {
     return v;
 }
 
+// 1 / sqrt(mean(x^2) + eps) of the d floats at xr, one warp (every lane gets it): RMSNorm's
+// scale, float32 sums per lane (lane-strided), then across the warp. rms_norm.cu and
+// qkv_rope.cu use it, so their norms round alike.
+__device__ __forceinline__ float kvs_warp_inv_rms(const float* xr, int d, float eps, int lane) {
+    float ss = 0.f;
+    for (int i = lane; i < d; i += KVS_WARP) {
+        const float v = xr[i];
+        ss += v * v;
+    }
+    ss = kvs_warp_sum(ss);
+    const float ms = ss * (1.0f / (float)d) + eps;
+    return 1.0f / sqrtf(ms);
+}
+
 // -inf and NaN without <cmath>/<limits>.
 __device__ __forceinline__ float kvs_neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float kvs_nan() { return __int_as_float(0x7fc00000); }

@@ -10,26 +10,14 @@
 // still rotated.
 //
 // One warp per (token, head) with head < n_head + n_kv: a q head, or k head j and v head j.
-// The norm's sum of squares is rms_norm.cu's (lane-strided float32 partial sums, then a warp
-// sum; out = x * inv * weight), the rotation rope.cu's (__fmul_rn / __fadd_rn / __fsub_rn: the
-// NumPy op's float32 roundings, no FMA). Each element of the head is read by any lane in the
-// norm's first pass, but after the warp sum (a warp-wide exchange) only the lane that owns its
-// pair or pass-through dim reads and writes it, so the in-place q update has no race.
+// The norm's scale is rms_norm.cu's (common.cuh kvs_warp_inv_rms; out = x * inv * weight),
+// the rotation rope.cu's (__fmul_rn / __fadd_rn / __fsub_rn: the NumPy op's float32
+// roundings, no FMA). Each element of the head is read by any lane in the norm's first pass,
+// but after the warp sum (a warp-wide exchange) only the lane that owns its pair or
+// pass-through dim reads and writes it, so the in-place q update has no race.
 
 #define QR_Q_NORM 1
 #define QR_K_NORM 2
-
-__device__ __forceinline__ float qr_inv_rms(const float* __restrict__ xr, int d, float eps,
-                                            int lane) {
-    float ss = 0.f;
-    for (int i = lane; i < d; i += KVS_WARP) {
-        const float v = xr[i];
-        ss += v * v;
-    }
-    ss = kvs_warp_sum(ss);
-    const float ms = ss * (1.0f / (float)d) + eps;
-    return 1.0f / sqrtf(ms);
-}
 
 template <typename T>
 __device__ __forceinline__ void qkv_rope_write_impl(
@@ -57,7 +45,7 @@ __device__ __forceinline__ void qkv_rope_write_impl(
         const float* nw = is_q ? q_norm : k_norm;
         const bool norm = (flags & (is_q ? QR_Q_NORM : QR_K_NORM)) != 0;
         // the head's RMS scale (the warp's branch: norm is uniform across the warp)
-        const float inv = norm ? qr_inv_rms(xr, head_dim, eps, lane) : 1.0f;
+        const float inv = norm ? kvs_warp_inv_rms(xr, head_dim, eps, lane) : 1.0f;
         const float* cr = cos_t + t * half;
         const float* sr = sin_t + t * half;
         for (int i = lane; i < half; i += KVS_WARP) {

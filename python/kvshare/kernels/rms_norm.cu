@@ -19,14 +19,7 @@ extern "C" __global__ void __launch_bounds__(128) rms_norm_f32(
         const i64 r0 = r / inner, r1 = r - r0 * inner;
         const float* xr = x + r0 * x_stride0 + r1 * x_stride1;
         float* orow = out + r0 * o_stride0 + r1 * o_stride1;
-        float ss = 0.f;
-        for (int i = lane; i < d; i += KVS_WARP) {
-            const float v = xr[i];
-            ss += v * v;
-        }
-        ss = kvs_warp_sum(ss);
-        const float ms = ss * (1.0f / (float)d) + eps;
-        const float inv = 1.0f / sqrtf(ms);
+        const float inv = kvs_warp_inv_rms(xr, d, eps, lane);
         for (int i = lane; i < d; i += KVS_WARP) {
             float v = xr[i] * inv;
             if (has_weight) v *= weight[i];

@@ -85,6 +85,20 @@ def _check_cache(k_cache: Any, v_cache: Any) -> None:
 
 # --- KV write ------------------------------------------------------------------------------------
 
+def _check_slots(slots: Any, n: int, n_slots: int) -> None:
+    """n KV slots: host slots must lie in [0, n_slots) (IndexError, as the NumPy op); slots
+    already on the device are not read back (a CUDA-graph step's padding rows carry -1, which
+    the kernels skip)."""
+    if not rt.is_device(slots):
+        hs = np.asarray(slots).reshape(-1)
+        if hs.size != n:
+            raise ValueError(f"{hs.size} slots for {n} tokens")
+        if hs.size and (hs.min() < 0 or hs.max() >= n_slots):
+            raise IndexError(f"KV slot out of range [0, {n_slots})")
+    elif int(slots.size) != n:
+        raise ValueError(f"{int(slots.size)} slots for {n} tokens")
+
+
 def write_kv(k_cache: Any, v_cache: Any, slots: Any, k: Any, v: Any) -> None:
     """GPU twin of `kvshare.ops.attention.write_kv`."""
     _check_cache(k_cache, v_cache)
@@ -96,14 +110,7 @@ def write_kv(k_cache: Any, v_cache: Any, slots: Any, k: Any, v: Any) -> None:
     if tuple(k.shape) != (n, n_kv, hd) or tuple(v.shape) != (n, n_kv, hd):
         raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match the cache's "
                          f"[N, {n_kv}, {hd}]")
-    if not rt.is_device(slots):
-        hs = np.asarray(slots).reshape(-1)
-        if hs.size != n:
-            raise ValueError(f"{hs.size} slots for {n} tokens")
-        if hs.size and (hs.min() < 0 or hs.max() >= n_slots):
-            raise IndexError(f"KV slot out of range [0, {n_slots})")
-    elif int(slots.size) != n:
-        raise ValueError(f"{int(slots.size)} slots for {n} tokens")
+    _check_slots(slots, n, n_slots)
     if n == 0:
         return None
     d_slots = rt.upload(slots, np.int64).reshape(-1)
@@ -480,14 +487,7 @@ def qkv_rope_write(qkv: Any, q_norm: Any | None, k_norm: Any | None, eps: float,
     if not sin.flags.c_contiguous:
         sin = cp.ascontiguousarray(sin)
     n_slots = nb * bs
-    if not rt.is_device(slots):
-        hs = np.asarray(slots).reshape(-1)
-        if hs.size != n:
-            raise ValueError(f"{hs.size} slots for {n} tokens")
-        if hs.size and (hs.min() < 0 or hs.max() >= n_slots):
-            raise IndexError(f"KV slot out of range [0, {n_slots})")
-    elif int(slots.size) != n:
-        raise ValueError(f"{int(slots.size)} slots for {n} tokens")
+    _check_slots(slots, n, n_slots)
     norms = []
     for name, wt in (("q_norm", q_norm), ("k_norm", k_norm)):
         if wt is None:
