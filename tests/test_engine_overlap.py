@@ -17,14 +17,10 @@ from kvshare.model.chat_template import ChatTemplate
 from kvshare.model.loader import load_model
 from kvshare.model.tokenizer import Tokenizer
 
+from test_engine_gpu import SCHEMA  # the record schema of the engine's GPU tests
+
 MODEL = Path(__file__).parent / "data" / "models" / "tiny-qwen3-chat.gguf"
 GREEDY = SamplingParams(temperature=0.0)
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 12},
-    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
-    "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-    "required": ["name", "tags", "n"], "additionalProperties": False,
-    "x-guidance": {"whitespace_flexible": False}}
 CANCEL_AFTER_STEPS = 9
 CTX = 96  # small enough that one reply shifts its context
 

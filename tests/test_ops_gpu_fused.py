@@ -25,7 +25,7 @@ from kvshare.backend import CPU, get_backend
 from kvshare.ops import gpu_blocks
 from kvshare.ops.activation import glu
 from kvshare.ops.linear import linear, linear_add, linear_glu
-from kvshare.ops.rope import NEOX, NORM, qkv_rope_write, rope_cos_sin
+from kvshare.ops.rope import NEOX, NORM, qkv_rope_write, qkv_rope_write_unfused, rope_cos_sin
 from test_ops_gpu_blocks import ALL_TYPES, _k_for, random_rows, ref_dequant
 
 pytestmark = pytest.mark.gpu
@@ -232,8 +232,6 @@ def _emulated() -> bool:
 
 def _composed(be):
     """Today's op sequences in place of the fused ops (what a layer launched before them)."""
-    from kvshare.ops.attention import write_kv  # noqa: PLC0415
-    from kvshare.ops.rope import norm_and_rope  # noqa: PLC0415
 
     def add(x, w, bias, y, *, backend):
         y += linear(x, w, bias, backend=backend)
@@ -241,17 +239,7 @@ def _composed(be):
     def gl(x, w, kind, *, backend):
         return glu(linear(x, w, backend=backend), kind, backend=backend)
 
-    def qkv_op(qkv, qn, kn, eps, cos, sin, style, kc, vc, slots, H, K, D, *, backend):
-        n = qkv.shape[0]
-        q = qkv[:, : H * D].reshape(n, H, D)
-        k = qkv[:, H * D : (H + K) * D].reshape(n, K, D)
-        v = qkv[:, (H + K) * D :].reshape(n, K, D)
-        norm_and_rope(q, qn, eps, cos, sin, style, backend=backend)
-        norm_and_rope(k, kn, eps, cos, sin, style, backend=backend)
-        write_kv(kc, vc, slots, k, v, backend=backend)
-        return q
-
-    return {"linear_add": add, "linear_glu": gl, "qkv_rope_write": qkv_op}
+    return {"linear_add": add, "linear_glu": gl, "qkv_rope_write": qkv_rope_write_unfused}
 
 
 def test_decode_step_launches_fewer_kernels(tmp_path, monkeypatch):

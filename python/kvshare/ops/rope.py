@@ -135,6 +135,16 @@ def qkv_rope_write(qkv: Any, q_norm: Any | None, k_norm: Any | None, eps: float,
     if backend.is_gpu:
         return gpu_op("qkv_rope_write")(qkv, q_norm, k_norm, eps, cos, sin, style, k_cache,
                                         v_cache, slots, n_head, n_head_kv, head_dim)
+    return qkv_rope_write_unfused(qkv, q_norm, k_norm, eps, cos, sin, style, k_cache, v_cache,
+                                  slots, n_head, n_head_kv, head_dim, backend=backend)
+
+
+def qkv_rope_write_unfused(qkv: Any, q_norm: Any | None, k_norm: Any | None, eps: float,
+                           cos: Any, sin: Any, style: str, k_cache: Any, v_cache: Any,
+                           slots: Any, n_head: int, n_head_kv: int, head_dim: int, *,
+                           backend: Backend = CPU) -> Any:
+    """`qkv_rope_write` as the ops it fuses (`norm_and_rope` of q and of k, `write_kv`): the
+    CPU path, and on a GPU what the fused kernel is compared with."""
     H, K, D = n_head, n_head_kv, head_dim
     n = qkv.shape[0]
     q = qkv[:, : H * D].reshape(n, H, D)
