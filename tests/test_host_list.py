@@ -4,8 +4,10 @@ address, one port for all (launcher.bind_socket, flag_types.host)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
+from typing import Iterator
 
 import httpx
 import pytest
@@ -57,7 +59,20 @@ def test_bind_list_shares_one_port():
 def test_server_answers_on_each_address():
     listeners = bind_socket("127.0.0.1,::1", 0)
     port = listeners.getsockname()[1]
-    app = create_app(FakeEngine(), ServerSettings())
+    with serving_in_thread(create_app(FakeEngine(), ServerSettings()), listeners):
+        for base in (f"http://127.0.0.1:{port}", f"http://[::1]:{port}"):
+            for _ in range(100):
+                try:
+                    r = httpx.get(base + "/health", timeout=2)
+                    break
+                except httpx.HTTPError:
+                    threading.Event().wait(0.05)
+            assert r.status_code == 200 and r.json()["status"] == "ok", base
+
+
+@contextlib.contextmanager
+def serving_in_thread(app, listeners) -> Iterator[None]:
+    """`serve_app(app, listeners)` on its own event loop in a thread, stopped on exit."""
     loop = asyncio.new_event_loop()
     stop: list[asyncio.Event] = []
     started = threading.Event()
@@ -72,14 +87,7 @@ def test_server_answers_on_each_address():
     thread.start()
     started.wait(5)
     try:
-        for base in (f"http://127.0.0.1:{port}", f"http://[::1]:{port}"):
-            for _ in range(100):
-                try:
-                    r = httpx.get(base + "/health", timeout=2)
-                    break
-                except httpx.HTTPError:
-                    threading.Event().wait(0.05)
-            assert r.status_code == 200 and r.json()["status"] == "ok", base
+        yield
     finally:
         loop.call_soon_threadsafe(stop[0].set)
         thread.join(15)

@@ -5,15 +5,15 @@ connects in that window is queued and answered, not refused (launcher.make_confi
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import threading
 
 from kvshare.server.app import create_app
-from kvshare.server.launcher import bind_socket, serve_app
+from kvshare.server.launcher import bind_socket
 from kvshare.server.settings import ServerSettings
 
 from fake_engine import FakeEngine
+from test_host_list import serving_in_thread
 
 
 def test_a_client_connecting_at_the_ready_line_is_answered():
@@ -36,20 +36,7 @@ def test_a_client_connecting_at_the_ready_line_is_answered():
             early.append(e)
 
     app = create_app(FakeEngine(), ServerSettings(), on_startup=ready)
-    loop = asyncio.new_event_loop()
-    stop: list[asyncio.Event] = []
-    started = threading.Event()
-
-    async def main():
-        stop.append(asyncio.Event())
-        started.set()
-        await serve_app(app, listeners, graceful_timeout=1.0, stop=stop[0],
-                        install_signal_handlers=False)
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    started.wait(5)
-    try:
+    with serving_in_thread(app, listeners):
         for _ in range(200):
             if early:
                 break
@@ -62,6 +49,3 @@ def test_a_client_connecting_at_the_ready_line_is_answered():
             reply += chunk
         c.close()
         assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
-    finally:
-        loop.call_soon_threadsafe(stop[0].set)
-        thread.join(15)
