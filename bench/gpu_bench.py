@@ -227,19 +227,40 @@ def device_pool_bytes(device: str) -> int | None:
 
 
 def attention_kernel(model, rng) -> dict:
-    """The paged-attention op alone (CUDA events), Gemma's head layout."""
+    """The paged-attention op alone (CUDA events), the model's head layout. Prefill launches
+    on an f16 cache of head size 64 / 128 run on the tensor-core kernels; each such row is
+    also timed on the FMA kernels (`KVSHARE_GPU_ATTN_MMA=0`, the row's name + "_fma")."""
+    cases = {
+        "decode_b8_ctx4096_full": (8, 1, 4096, 0),
+        "decode_b8_ctx4096_win512": (8, 1, 4096, 512),
+        "prefill_1024_at_0_full": (1, 1024, 0, 0),
+        "prefill_2048_at_0_full": (1, 2048, 0, 0),
+        "prefill_2048_at_4096_win512": (1, 2048, 4096, 512),
+        # an agent's next turn: a few hundred new tokens on a cached 6K prefix
+        "prefill_256_at_6144_full": (1, 256, 6144, 0),
+    }
+    res = _attention_times(model, rng, cases)
+    prev = os.environ.get("KVSHARE_GPU_ATTN_MMA")
+    os.environ["KVSHARE_GPU_ATTN_MMA"] = "0"
+    try:
+        fma = _attention_times(model, rng, {k: v for k, v in cases.items() if v[1] > 1})
+    finally:
+        if prev is None:
+            del os.environ["KVSHARE_GPU_ATTN_MMA"]
+        else:
+            os.environ["KVSHARE_GPU_ATTN_MMA"] = prev
+    res.update({f"{k}_fma": v for k, v in fma.items()})
+    return res
+
+
+def _attention_times(model, rng, cases: dict) -> dict:
     from kvshare.ops.attention import paged_attention  # noqa: PLC0415
 
     be = model.backend
     cp = be.xp
     c = model.config
     res = {}
-    for name, (n_seq, q_len, ctx, window) in {
-        "decode_b8_ctx4096_full": (8, 1, 4096, 0),
-        "decode_b8_ctx4096_win512": (8, 1, 4096, 512),
-        "prefill_2048_at_0_full": (1, 2048, 0, 0),
-        "prefill_2048_at_4096_win512": (1, 2048, 4096, 512),
-    }.items():
+    for name, (n_seq, q_len, ctx, window) in cases.items():
         end = ctx + q_len
         nbs = -(-end // 16)
         kv = cp.asarray(rng.standard_normal((2, nbs * n_seq, 16, c.n_head_kv, c.head_dim),

@@ -209,7 +209,8 @@ target_steps() {
     KVSHARE_GPU_WEIGHTS=blocks step gpu_bench_q15 240 $PY bench/gpu_bench.py --device "$DEV" \
         --model "$Q15" --prefill-sizes 1024 --batches 1,8,32 --ctx "$CTX" --graphs both \
         --greedy-check 4,32 --out "$WORK/gpu_bench_q15.json" || RC=1
-    grep -E '^(model|weights|prefill|decode|greedy)' "$WORK/gpu_bench_q15.log" | tee -a "$OUT/summary.txt"
+    grep -E '^(model|weights|prefill|decode|greedy|paged attention)' "$WORK/gpu_bench_q15.log" |
+        tee -a "$OUT/summary.txt"
     table
     step agent_fleet 150 $PY bench/agent_fleet.py "${FLEET[@]}" --model "$Q15" \
         --server-args "--device $DEV" --server-env KVSHARE_GPU_WEIGHTS=blocks \
@@ -224,7 +225,7 @@ target_steps() {
     # device, the engine's emission beside the device's step
     step pytest_kernels 150 "${PYTEST[@]}" -m gpu --junitxml="$WORK/pytest_kernels.xml" \
         tests/test_ops_gpu_fused.py tests/test_ops_gpu_mmvq.py tests/test_sampling_gpu.py \
-        tests/test_engine_overlap.py || RC=1
+        tests/test_engine_overlap.py tests/test_ops_gpu_attention_mma.py || RC=1
     summ pytest_kernels
     table
     # the alternatives a device run decides between (info rows, not targets): decode on the
@@ -255,7 +256,8 @@ target_steps() {
 test_steps() {
     local files=(tests/test_ops_gpu.py tests/test_ops_gpu_blocks.py tests/test_ops_gpu_graph.py
                  tests/test_model_gpu.py tests/test_engine_gpu.py tests/test_ops_gpu_fused.py
-                 tests/test_ops_gpu_mmvq.py tests/test_sampling_gpu.py tests/test_engine_overlap.py)
+                 tests/test_ops_gpu_mmvq.py tests/test_sampling_gpu.py tests/test_engine_overlap.py
+                 tests/test_ops_gpu_attention_mma.py)
     step pytest_graphs_on 260 "${PYTEST[@]}" -m gpu --junitxml="$WORK/pytest_graphs_on.xml" \
         "${files[@]}" || RC=1
     summ pytest_graphs_on

@@ -191,6 +191,8 @@ def array(a, dtype=None): return _dev(np.array(a, dtype=dtype, copy=True))
 def ascontiguousarray(a, dtype=None): return _dev(np.ascontiguousarray(a, dtype=dtype))
 def empty(shape, dtype=np.float32):
     a = np.empty(shape, dtype)
+    if NOOP:
+        return _dev(a)
     if a.dtype.kind == "f": a.fill(np.nan)   # uninitialised device memory: poison
     elif a.dtype == np.uint8: a.fill(0xFF)   # (raw buffers, e.g. a workspace: NaN bytes)
     return _dev(a)
@@ -220,11 +222,12 @@ float16, float32, int32, int64 = np.float16, np.float32, np.int32, np.int64
 # ---- cuda ----
 cuda = types.ModuleType("fakecupy.cuda")
 runtime = types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1,
-                                deviceGetAttribute=lambda code, dev: {16: 132, 97: 232448}[code])
+                                deviceGetAttribute=lambda code, dev: {16: 132, 97: 232448, 75: 9, 76: 0}[code])
 cuda.runtime = runtime
 class Device:
     def __init__(self, i=0): self.id = i
-    attributes = {"MultiProcessorCount": 132, "MaxSharedMemoryPerBlockOptin": 232448}
+    attributes = {"MultiProcessorCount": 132, "MaxSharedMemoryPerBlockOptin": 232448,
+                  "ComputeCapabilityMajor": 9, "ComputeCapabilityMinor": 0}
     def __enter__(self): return self
     def __exit__(self, *a): return False
     def synchronize(self): _no_capture("Device.synchronize")
@@ -360,6 +363,9 @@ class _Cublas:
     @staticmethod
     def gemm(handle, ta, tb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype,
              ldc, ct, algo):
+        if NOOP:
+            _Cublas.calls += 1
+            return
         dt = {0: np.float32, 2: np.float16}
         al = np.frombuffer((ctypes.c_char * 4).from_address(alpha), np.float32)[0]
         be = np.frombuffer((ctypes.c_char * 4).from_address(beta), np.float32)[0]
@@ -393,6 +399,10 @@ cuda.cublas = _Cublas()
 # ---- RawModule ----
 ENTRY_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*\(')
 LAUNCHES = []
+# KVSHARE_EMU_NOOP=1: kernels and GEMMs are checked and recorded but not run, and `empty` does
+# not poison; results are garbage. For measuring the host side of the GPU path
+# (bench/gpu_host_cost.py), never for tests.
+NOOP = os.environ.get("KVSHARE_EMU_NOOP") == "1"
 
 def _build(code):
     with open(os.path.join(HERE, "shim.h"), "rb") as f: shim = f.read()
@@ -402,7 +412,9 @@ def _build(code):
         return so
     src = code.replace('asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));', "f = emu_h2f(h);")
     src = src.replace('asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));', "h = emu_f2h(f);")
-    assert "asm(" not in src
+    # device-only code (inline PTX the emulator has its own version of in shim.h)
+    src = re.sub(r"// emu: begin device-only.*?// emu: end device-only", "", src, flags=re.S)
+    assert "asm(" not in src and "asm volatile(" not in src
     src = src.replace("extern __shared__ float4 pa_smem4[];",
                       "float4* pa_smem4 = reinterpret_cast<float4*>(emu_smem_ptr);")
     names = ENTRY_RE.findall(code)
@@ -466,6 +478,8 @@ class RawKernel:
         argv = (ctypes.c_void_p * max(1, len(ptrs)))(*[p.value for p in ptrs])
         def run(keep=keep, argv=argv):
             LAUNCHES.append((self.name, grid, block, shared_mem))
+            if NOOP:
+                return
             rc = self.lib.emu_launch(self.name.encode(), grid[0], grid[1], grid[2], block[0],
                                      ctypes.c_ulong(shared_mem), argv)
             assert rc == 0, f"unknown kernel {self.name}"

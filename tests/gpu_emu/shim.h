@@ -23,6 +23,7 @@
 // static __shared__ arrays: a function-local static is one object for all the fibers (threads)
 // of a block, as shared memory is (not poisoned between blocks, unlike the dynamic one)
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 struct uint3_ { unsigned x = 0, y = 0, z = 0; };
 struct dim3_ { unsigned x = 1, y = 1, z = 1; };
@@ -32,6 +33,8 @@ static unsigned char* emu_smem_ptr = nullptr;
 
 struct float4 { float x, y, z, w; };
 static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 
 static inline int min(int a, int b) { return a < b ? a : b; }
 static inline int max(int a, int b) { return a > b ? a : b; }
@@ -109,6 +112,34 @@ static inline float __shfl_xor_sync(unsigned, float v, int o) {
     float r = emu_warp_slots[(t & ~31) | ((t & 31) ^ o)];
     emu_yield_wait(2);
     return r;
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 of one warp (kvs_mma_16816 in
+// kernels/paged_attention_mma.cu, whose comment gives the fragment layout): every lane posts
+// its fragments, then computes its four outputs from the posted A and B elements (products of
+// f16 values are exact in float32; the sum over k is float32 in k order).
+static unsigned emu_mma_a[1024][4], emu_mma_b[1024][2];
+static inline void kvs_mma_16816(float* c, const unsigned* a, const unsigned* b) {
+    const int t = threadIdx.x, w0 = t & ~31, lane = t & 31, g = lane >> 2, tq = lane & 3;
+    for (int i = 0; i < 4; ++i) emu_mma_a[t][i] = a[i];
+    emu_mma_b[t][0] = b[0]; emu_mma_b[t][1] = b[1];
+    emu_yield_wait(2);
+    auto half = [](unsigned w, int k) { return emu_h2f((unsigned short)((k & 1) ? w >> 16 : w & 0xffffu)); };
+    auto A = [&](int r, int k) {   // A[r][k]: lane 4 (r % 8) + (k % 8) / 2, word (r / 8) + 2 (k / 8)
+        return half(emu_mma_a[w0 + 4 * (r & 7) + ((k & 7) >> 1)][(r >> 3) + 2 * (k >> 3)], k);
+    };
+    auto B = [&](int k, int n) {   // B[k][n]: lane 4 n + (k % 8) / 2, word k / 8
+        return half(emu_mma_b[w0 + 4 * n + ((k & 7) >> 1)][k >> 3], k);
+    };
+    float r[4];
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + 8 * (i >> 1), col = 2 * tq + (i & 1);
+        float s = 0.f;
+        for (int k = 0; k < 16; ++k) s += A(row, k) * B(k, col);
+        r[i] = c[i] + s;
+    }
+    emu_yield_wait(2);   // every lane has read the posted fragments before any posts again
+    for (int i = 0; i < 4; ++i) c[i] = r[i];
 }
 
 static void emu_fiber_entry() {

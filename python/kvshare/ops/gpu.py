@@ -15,6 +15,7 @@ then guard every index (never an out-of-bounds access) instead of raising.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -31,6 +32,7 @@ from kvshare.ops.gpu_runtime import ELEMWISE_THREADS, ROWS_PER_BLOCK
 _OWN_ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "paged_attention": tuple(f"paged_attn_{dt}_{hd}" for dt in ("f16", "f32")
                              for hd in ("hd64", "hd128", "hd256", "hdx")) + ("paged_attn_combine",),
+    "paged_attention_mma": ("paged_attn_mma_f16_hd64", "paged_attn_mma_f16_hd128"),
     "kv_write": ("kv_write_f16", "kv_write_f32"),
     "rope": ("rope_f32", "rope_cos_sin_f32"),
     "qkv_rope": ("qkv_rope_write_f16", "qkv_rope_write_f32"),
@@ -52,6 +54,14 @@ PA_ROWS = 16  # PA_NW * PA_RPW: (token, head) rows per CTA
 PA_BN = 32  # keys per tile
 PA_MAXD = 512  # largest head_dim of the generic kernels
 PA_SPECIALISED_HD = (64, 128, 256)
+# paged_attention_mma.cu: the tensor-core kernels for prefill chunks
+PM_THREADS = 128  # PM_NW * 32
+PM_ROWS = 64  # (token, head) rows per CTA: 16 per warp
+PM_HD = (64, 128)  # head sizes it has (f16 caches)
+# A launch goes to the tensor-core kernels when some sequence brings at least this many query
+# tokens (a prefill chunk; decode rows would fill a 16-row product with one token's heads).
+PM_MIN_TOKENS = 16
+ATTN_MMA_ENV = "KVSHARE_GPU_ATTN_MMA"  # "0": every launch on the FMA kernels
 _DEFAULT_SMEM = 48 * 1024
 _LOG2E = 1.4426950408889634
 
@@ -156,14 +166,16 @@ def _check_tables(tables: np.ndarray, q_starts: np.ndarray, start: np.ndarray, b
         raise IndexError(f"sequence {s}: block table does not cover positions < {int(hi[s])}")
 
 
-def pa_tiles(q_starts: np.ndarray, start_positions: np.ndarray, group_chunk: int) -> np.ndarray:
+def pa_tiles(q_starts: np.ndarray, start_positions: np.ndarray, group_chunk: int,
+             cta_rows: int = PA_ROWS) -> np.ndarray:
     """Work tiles of one paged-attention launch, int32 `[n_tiles, 4]`: (sequence, first query
     row, rows in the tile, position of the first row). Each sequence's rows are cut into
-    runs of at most `PA_ROWS // group_chunk` tokens (a CTA holds PA_ROWS (token, head) rows);
-    sequences without rows get no tile."""
+    runs of at most `cta_rows // group_chunk` tokens (a CTA holds `cta_rows` (token, head)
+    rows: PA_ROWS, or PM_ROWS for the tensor-core kernels); sequences without rows get no
+    tile."""
     qs = np.asarray(q_starts, np.int64)
     sp = np.asarray(start_positions, np.int64)
-    bm = max(1, PA_ROWS // group_chunk)
+    bm = max(1, cta_rows // group_chunk)
     lens = np.diff(qs)
     n_t = -(-lens // bm)
     seq = np.repeat(np.arange(len(lens), dtype=np.int64), n_t)
@@ -196,7 +208,7 @@ def pa_splits(tiles: np.ndarray, window: int, n_kv: int, n_gchunks: int, n_tok: 
 
 class _PaPlan:
     __slots__ = ("tiles", "tables", "n_tiles", "n_splits", "gc", "n_gchunks", "width",
-                 "splits_dev")
+                 "splits_dev", "mma")
 
 
 class StaticAttention:
@@ -216,10 +228,11 @@ class StaticAttention:
         self.max_splits = int(max_splits)
 
 
-def group_chunk(n_head: int, n_kv: int) -> tuple[int, int]:
-    """(query heads per CTA, CTAs per KV head) of a paged-attention launch."""
+def group_chunk(n_head: int, n_kv: int, cta_rows: int = PA_ROWS) -> tuple[int, int]:
+    """(query heads per CTA, CTAs per KV head) of a paged-attention launch whose CTAs hold
+    `cta_rows` (token, head) rows."""
     G = n_head // n_kv
-    gc = min(G, PA_ROWS)
+    gc = min(G, cta_rows)
     return gc, -(-G // gc)
 
 
@@ -233,6 +246,7 @@ def _static_plan(st: StaticAttention, n_head: int, n_kv: int, n_tok: int) -> _Pa
     # one split at most: the count is always 1, the kernels need not read it
     plan.splits_dev = st.splits if st.max_splits > 1 else None
     plan.gc, plan.n_gchunks = group_chunk(n_head, n_kv)
+    plan.mma = False
     return plan
 
 
@@ -240,16 +254,20 @@ _plan_cache: OrderedDict = OrderedDict()
 
 
 def _pa_plan(block_tables: Any, q_starts: Any, start_positions: Any, n_head: int, n_kv: int,
-             bs: int, n_blocks: int, window: int, hd: int, n_tok: int) -> _PaPlan:
+             bs: int, n_blocks: int, window: int, hd: int, n_tok: int,
+             mma: bool | None = None) -> _PaPlan:
     """Tiles, uploaded block table and split count of one call (cached by content: the layers
-    of a forward call with the same window share it)."""
+    of a forward call with the same window share it). `mma`: whether the call goes to the
+    tensor-core kernels (tiles of PM_ROWS rows, no split), or None to decide here
+    (`_takes_mma`'s token rule; the caller has checked the cache and head size); the plan
+    says which in `mma`."""
     qs = rt.host(q_starts, np.int64).reshape(-1)
     sp = rt.host(start_positions, np.int64).reshape(-1)
     bt = rt.host(block_tables, np.int32)
     if bt.ndim == 1:
         bt = bt.reshape(1, -1)
     key = (rt.device_id(), qs.tobytes(), sp.tobytes(), bt.shape, bt.tobytes(), n_head, n_kv, bs,
-           n_blocks, window, hd)
+           n_blocks, window, hd, mma)
     with _plan_lock:
         plan = _plan_cache.get(key)
         if plan is not None:
@@ -264,14 +282,16 @@ def _pa_plan(block_tables: Any, q_starts: Any, start_positions: Any, n_head: int
     if (sp[:n_seq] < 0).any():
         raise ValueError("start_positions must be >= 0")
     _check_tables(bt[:n_seq], qs, sp[:n_seq], bs, n_blocks, window)
-    G = n_head // n_kv
-    gc = min(G, PA_ROWS)
-    n_gchunks = -(-G // gc)
-    tiles = pa_tiles(qs, sp[:n_seq], gc)
+    if mma is None:
+        mma = n_seq > 0 and int(np.diff(qs).max()) >= PM_MIN_TOKENS
+    cta_rows = PM_ROWS if mma else PA_ROWS
+    gc, n_gchunks = group_chunk(n_head, n_kv, cta_rows)
+    tiles = pa_tiles(qs, sp[:n_seq], gc, cta_rows)
     plan = _PaPlan()
+    plan.mma = mma
     plan.n_tiles = int(tiles.shape[0])
-    plan.n_splits = pa_splits(tiles, window, n_kv, n_gchunks, n_tok, n_head, hd,
-                              rt.device_attr("MultiProcessorCount"))
+    plan.n_splits = 1 if mma else pa_splits(tiles, window, n_kv, n_gchunks, n_tok, n_head, hd,
+                                            rt.device_attr("MultiProcessorCount"))
     plan.tiles = rt.upload(tiles.reshape(-1), np.int32)
     plan.tables = rt.upload(bt, np.int32)
     plan.gc = gc
@@ -309,6 +329,20 @@ def _pa_kernel(k_cache: Any, v_cache: Any, hd: int) -> tuple[Any, int]:
     return fn, smem
 
 
+def _mma_fits(k_cache: Any, v_cache: Any, hd: int) -> bool:
+    """Whether the tensor-core kernels can take this cache: f16 with head size 64 or 128,
+    16-byte aligned, a device of compute capability 7.5 or later (mma.sync on f16), and
+    KVSHARE_GPU_ATTN_MMA not "0"."""
+    if os.environ.get(ATTN_MMA_ENV, "1") == "0":
+        return False
+    if k_cache.dtype != np.float16 or hd not in PM_HD:
+        return False
+    if k_cache.data.ptr % 16 or v_cache.data.ptr % 16:
+        return False
+    cc = rt.device_attr("ComputeCapabilityMajor") * 10 + rt.device_attr("ComputeCapabilityMinor")
+    return cc >= 75
+
+
 def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_starts: Any,
                     start_positions: Any, *, scale: float, window: int = 0,
                     out: Any | None = None, static: StaticAttention | None = None,
@@ -318,7 +352,11 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     tables and split count already in device buffers (`StaticAttention`; `block_tables`,
     `q_starts` and `start_positions` are then not read): what a captured step launches.
     `sinks`: float32 `[n_head]` sink logits (host arrays are uploaded once per content; the
-    launch then always goes through `paged_attn_combine`, which adds them) or None."""
+    launch then always goes through `paged_attn_combine`, which adds them) or None.
+    A launch with a prefill chunk (`PM_MIN_TOKENS` query tokens or more in one sequence) on
+    an f16 cache of head size 64 or 128, without sinks, runs on the tensor-core kernels
+    (kernels/paged_attention_mma.cu: q and P rounded to f16 for the products); the rest on
+    the FMA kernels (kernels/paged_attention.cu)."""
     cp = cupy_module()
     _check_cache(k_cache, v_cache)
     nb, bs, n_kv, hd = (int(s) for s in k_cache.shape)
@@ -341,8 +379,9 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     if static is not None:
         plan = _static_plan(static, n_head, n_kv, n_tok)
     else:
+        mma = None if sinks is None and _mma_fits(k_cache, v_cache, hd) else False
         plan = _pa_plan(block_tables, q_starts, start_positions, n_head, n_kv, bs, nb, window,
-                        hd, n_tok)
+                        hd, n_tok, mma)
     direct = (out is not None and isinstance(out, cp.ndarray) and out.dtype == np.float32
               and tuple(out.shape) == (n_tok, n_head, hd) and out.flags.c_contiguous)
     if out is not None and tuple(out.shape) != (n_tok, n_head, hd):
@@ -351,6 +390,17 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     if n_tok == 0 or plan.n_tiles == 0:
         return out if out is not None else res
     qs = rt.estrides(q)
+    if plan.mma:
+        rt.kernel("paged_attention_mma", f"paged_attn_mma_f16_hd{hd}")(
+            (plan.n_tiles, n_kv * plan.n_gchunks, 1), (PM_THREADS, 1, 1),
+            (q, np.int64(qs[0]), np.int64(qs[1]), k_cache, v_cache, plan.tables,
+             np.int32(plan.width), plan.tiles, res, np.int32(n_tok), np.int32(n_head),
+             np.int32(n_kv), np.int32(bs), np.int32(nb), np.int32(plan.gc),
+             np.float32(float(scale) * _LOG2E), np.int32(window)))
+        if out is not None and res is not out:
+            out[...] = res
+            return out
+        return res
     n_splits = plan.n_splits
     # partials and paged_attn_combine for split-KV, and for sinks at any split count: the
     # combine kernel alone adds them (kernels/paged_attention.cu)

@@ -39,7 +39,8 @@ _kernel_cache: dict[tuple[str, str, int], Any] = {}
 _upload_cache: OrderedDict = OrderedDict()
 _device_attrs: dict[tuple[int, str], int] = {}
 # cudaDeviceAttr codes, for CuPy versions whose Device.attributes lacks a name
-_ATTR_CODES = {"MultiProcessorCount": 16, "MaxSharedMemoryPerBlockOptin": 97}
+_ATTR_CODES = {"MultiProcessorCount": 16, "MaxSharedMemoryPerBlockOptin": 97,
+               "ComputeCapabilityMajor": 75, "ComputeCapabilityMinor": 76}
 
 _CUDA_R_32F = 0  # cudaDataType_t values (library_types.h)
 _CUDA_R_16F = 2
@@ -75,7 +76,7 @@ def kernel(module: str, entry: str) -> Any:
 
 def device_attr(name: str) -> int:
     """A device attribute of the current device (cached): MultiProcessorCount,
-    MaxSharedMemoryPerBlockOptin."""
+    MaxSharedMemoryPerBlockOptin, ComputeCapabilityMajor / Minor."""
     dev = device_id()
     key = (dev, name)
     v = _device_attrs.get(key)
