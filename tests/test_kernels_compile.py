@@ -206,6 +206,18 @@ def test_launch_constants_match_the_cuda_source():
     assert gpu._pa_smem_bytes(gpu.PA_MAXD, 4) <= 227 * 1024
 
 
+def test_mma_attention_launch_constants_match_the_cuda_source():
+    src = kernels.source("paged_attention_mma")
+    nw = _define(src, "PM_NW")
+    assert nw * 32 == gpu.PM_THREADS
+    assert nw * 16 == gpu.PM_ROWS  # one 16-row mma tile per warp
+    for hd in gpu.PM_HD:
+        assert f"paged_attn_mma_f16_hd{hd}" in gpu.ENTRY_POINTS["paged_attention_mma"]
+    # the tiles the host cuts for it hold PM_ROWS rows of (token, head)
+    tiles = gpu.pa_tiles(np.array([0, 100]), np.array([7]), 2, gpu.PM_ROWS)
+    assert tiles[:, 2].max() == gpu.PM_ROWS // 2 and tiles[:, 2].sum() == 100
+
+
 def test_moe_blocks_reuses_the_block_decoders_without_their_kernels():
     assert kernels.uses("moe_blocks") == "blocks"
     src = kernels.source("moe_blocks")
