@@ -23,7 +23,7 @@ Not a test module: `PYTHONPATH=tests/gpu_emu python -m pytest -p emu_plugin test
 installs it as `cupy` (the `gpu` tests then run instead of skipping). Needs g++ >= 12
 (`_Float16`) on x86-64 Linux.
 """
-import ctypes, hashlib, os, re, subprocess, sys, tempfile, types
+import ctypes, hashlib, os, re, subprocess, sys, tempfile, time, types
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -105,6 +105,13 @@ class ndarray(np.ndarray):
             _register(self)
 
     def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kw):
+        t0 = time.perf_counter()
+        try:
+            return self._ufunc(ufunc, method, *inputs, out=out, **kw)
+        finally:
+            COUNTS["emu_s"] += time.perf_counter() - t0
+
+    def _ufunc(self, ufunc, method, *inputs, out=None, **kw):
         args = tuple(_base(a) for a in inputs)
         outs = tuple(_base(o) for o in out) if out is not None else None
         if _capturing_here(f"{ufunc.__name__}.{method}"):
@@ -120,6 +127,7 @@ class ndarray(np.ndarray):
                                                            out=tuple(g() for g in get_outs), **kw),
                             [a for a in (*inputs, *out) if isinstance(a, ndarray)])
             return out[0] if len(out) == 1 else out
+        COUNTS["elementwise"] += 1
         r = getattr(ufunc, method)(*args, **({"out": outs} if outs is not None else {}), **kw)
         if out is not None:
             return out[0] if len(out) == 1 else out
@@ -150,10 +158,12 @@ class ndarray(np.ndarray):
     def set(self, arr, stream=None):
         """Host-to-device copy (CuPy's ndarray.set)."""
         _no_capture("host-to-device copy (ndarray.set)")
+        COUNTS["h2d"] += 1
         np.ndarray.__setitem__(self, Ellipsis, np.asarray(arr))
 
     def get(self, stream=None):
         _no_capture("device-to-host copy (ndarray.get)")
+        COUNTS["d2h"] += 1
         return np.array(self.view(np.ndarray))
 
     def __int__(self):
@@ -186,13 +196,17 @@ def _dev(a):
 def asarray(a, dtype=None):
     if isinstance(a, ndarray):
         return _dev(np.asarray(a, dtype=dtype))
+    COUNTS["h2d"] += 1
     return _dev(np.array(a, dtype=dtype, copy=True))
 def array(a, dtype=None): return _dev(np.array(a, dtype=dtype, copy=True))
 def ascontiguousarray(a, dtype=None): return _dev(np.ascontiguousarray(a, dtype=dtype))
 def empty(shape, dtype=np.float32):
+    if NOOP:   # a memory pool's allocation on a GPU: not kvshare's time
+        t0 = time.perf_counter()
+        a = _dev(np.empty(shape, dtype))
+        COUNTS["emu_s"] += time.perf_counter() - t0
+        return a
     a = np.empty(shape, dtype)
-    if NOOP:
-        return _dev(a)
     if a.dtype.kind == "f": a.fill(np.nan)   # uninitialised device memory: poison
     elif a.dtype == np.uint8: a.fill(0xFF)   # (raw buffers, e.g. a workspace: NaN bytes)
     return _dev(a)
@@ -206,6 +220,7 @@ def matmul(a, b, out=None):
 def asnumpy(a, stream=None):
     if isinstance(a, ndarray):
         _no_capture("device-to-host copy (asnumpy)")
+        COUNTS["d2h"] += 1
     return np.array(np.asarray(a).view(np.ndarray))
 def __getattr__(name):
     # NumPy for the rest of CuPy's array API (exp, negative, multiply, arange, ...): ufuncs
@@ -311,7 +326,14 @@ class Graph:
     def _from(cls, ops):
         g = cls.__new__(cls); g._ops = list(ops); g.launches = 0; return g
     def launch(self, stream=None):
+        t0 = time.perf_counter()
+        try:
+            self._launch(stream)
+        finally:
+            COUNTS["emu_s"] += time.perf_counter() - t0
+    def _launch(self, stream=None):
         _no_capture("Graph.launch")
+        COUNTS["graph"] += 1
         for what, _, owners in self._ops:
             for p, ref in owners:
                 if ref() is None:
@@ -358,6 +380,7 @@ class _Cublas:
                     _Cublas.mode = mode
             _CAPTURE.record("gemmEx", run, ptrs=(A, B, C))
             return
+        COUNTS["gemm"] += 1
         _Cublas.gemm(handle, ta, tb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C,
                      Ctype, ldc, ct, algo)
     @staticmethod
@@ -399,6 +422,13 @@ cuda.cublas = _Cublas()
 # ---- RawModule ----
 ENTRY_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*\(')
 LAUNCHES = []
+# host-to-device copies (asarray of a host array, ndarray.set) and device-to-host reads
+# (asnumpy, ndarray.get), counted for bench/gpu_host_cost.py
+# and the launches the host issues (kernels, cuBLAS GEMMs, graphs; not those a graph replays)
+# and the seconds spent in this module's launch plumbing (`emu_s`: what a GPU would not spend)
+# (`elementwise`: array operations, each a CuPy elementwise kernel on a GPU)
+COUNTS = {"h2d": 0, "d2h": 0, "kernel": 0, "gemm": 0, "graph": 0, "elementwise": 0,
+          "emu_s": 0.0}
 # KVSHARE_EMU_NOOP=1: kernels and GEMMs are checked and recorded but not run, and `empty` does
 # not poison; results are garbage. For measuring the host side of the GPU path
 # (bench/gpu_host_cost.py), never for tests.
@@ -454,6 +484,12 @@ class RawKernel:
         self.lib, self.name = lib, name
         self.max_dynamic_shared_size_bytes = 0
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        t0 = time.perf_counter()
+        try:
+            self._call(grid, block, args, shared_mem, stream)
+        finally:
+            COUNTS["emu_s"] += time.perf_counter() - t0
+    def _call(self, grid, block, args, shared_mem=0, stream=None):
         grid = tuple(grid) + (1,) * (3 - len(grid)); block = tuple(block) + (1,) * (3 - len(block))
         assert block[1] == block[2] == 1 and 0 < block[0] <= 1024
         assert 0 < grid[0] < 2**31 and 0 < grid[1] <= 65535 and 0 < grid[2] <= 65535, grid
@@ -493,6 +529,7 @@ class RawKernel:
                             ptrs=[a.__array_interface__["data"][0] for a in args
                                   if isinstance(a, ndarray) and a.size])
             return
+        COUNTS["kernel"] += 1
         run()
 
 class RawModule:

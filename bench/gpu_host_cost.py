@@ -1,0 +1,174 @@
+"""The host side of the GPU path, measured without a GPU: per decode step (CUDA graphs on and
+off, batch 1 / 8 / 32) and per prefill forward, the launches the host issues (kernels,
+cuBLAS GEMMs, graph launches), its host-to-device copies and device-to-host reads, and the
+host's wall time per step with the device's work taken out.
+
+It runs the real GPU code path on the CPU emulator of CuPy (`tests/gpu_emu`) with
+`KVSHARE_EMU_NOOP=1`: kernels and GEMMs are checked and recorded but not run. The counts are
+kvshare's own (what it asks of CuPy per step, the same on a GPU); the time is kvshare's
+Python plus the emulator's launch plumbing (ctypes, a few microseconds a launch, about
+CuPy's own cost of a launch), so it estimates how much of a device step the host needs when
+the device is fast, not a GPU figure. A decode step is sampled as served: logits stay on
+the device and the device sampler picks greedy tokens (`ops.gpu_sampling`).
+
+    python bench/gpu_host_cost.py [--model FILE.gguf] [--layers 4] [--out FILE.json]
+
+Default model: a random qwen3 GGUF of Qwen3-1.7B's layer shapes (`scripts/make_random_gguf.py
+--size 1.5b --layers N`, the vocabulary of `--tokenizer-from` when given), block weights
+(`KVSHARE_GPU_WEIGHTS=blocks`, issue 40's setting). Per-layer figures scale to the full
+model's 28 layers: the table shows both the measured step and that estimate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FULL_LAYERS = 28  # Qwen3-1.7B
+
+
+def _emulator():
+    os.environ["KVSHARE_EMU_NOOP"] = "1"
+    os.environ.setdefault("KVSHARE_GPU_WEIGHTS", "blocks")
+    sys.path.insert(0, str(ROOT / "tests" / "gpu_emu"))
+    sys.path.insert(0, str(ROOT / "python"))
+    import fakecupy  # noqa: PLC0415
+
+    fakecupy.install()
+    return fakecupy
+
+
+def _counts(emu) -> dict:
+    return dict(emu.COUNTS)
+
+
+def _delta(a: dict, b: dict, n: int, dt: float) -> dict:
+    """Per-step counts, the step's host time, and kvshare's part of it: the time less what the
+    emulator's launch plumbing took (`emu_s`)."""
+    d = {k: (b[k] - a[k]) / n for k in a}
+    emu = d.pop("emu_s")
+    return {"host_us": dt * 1e6, "kvshare_us": (dt - emu) * 1e6, **d}
+
+
+def decode_cost(emu, model, batch: int, graphs: bool, steps: int = 40) -> dict:
+    import numpy as np  # noqa: PLC0415
+
+    from kvshare.model.batch import SeqChunk  # noqa: PLC0415
+    from kvshare.ops import gpu_sampling  # noqa: PLC0415
+
+    model.cuda_graphs = graphs
+    nbs = 16
+    cache = model.new_cache(nbs * batch, 16)
+    tables = [np.arange(i * nbs, (i + 1) * nbs) for i in range(batch)]
+    model.logits_on_device = True
+    nxt = np.zeros(batch, np.int32)
+    pos = [64]
+
+    def step():
+        outs = model.forward([SeqChunk(nxt[i : i + 1], pos[0], tables[i]) for i in range(batch)],
+                             cache)
+        gpu_sampling.sample_rows([gpu_sampling.RowSpec(logits=o[0], greedy=True) for o in outs])
+        pos[0] += 1
+
+    try:
+        for _ in range(3):  # capture, warm caches
+            step()
+        c0 = _counts(emu)
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        dt = (time.perf_counter() - t) / steps
+        return _delta(c0, _counts(emu), steps, dt)
+    finally:
+        model.logits_on_device = False
+        model.cuda_graphs = None
+
+
+def prefill_cost(emu, model, n: int, reps: int = 5) -> dict:
+    import numpy as np  # noqa: PLC0415
+
+    from kvshare.model.batch import SeqChunk  # noqa: PLC0415
+
+    toks = np.arange(n, dtype=np.int32) % 1000
+    nb = -(-n // 16) + 1
+    cache = model.new_cache(nb, 16)
+    table = np.arange(nb)
+
+    def fwd():
+        model.forward([SeqChunk(toks, 0, table, logits="last")], cache)
+
+    fwd()
+    c0 = _counts(emu)
+    t = time.perf_counter()
+    for _ in range(reps):
+        fwd()
+    dt = (time.perf_counter() - t) / reps
+    return _delta(c0, _counts(emu), reps, dt)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="GGUF (default: a random 1.5b-shaped qwen3)")
+    ap.add_argument("--layers", type=int, default=4, help="layers of the default model")
+    ap.add_argument("--tokenizer-from", default=None,
+                    help="GGUF whose vocabulary the default model takes (e.g. "
+                         ".whl/ggml-vocab-qwen2.gguf from gpu_check.sh --prepare)")
+    ap.add_argument("--out", default=None, help="write the JSON here")
+    args = ap.parse_args()
+    emu = _emulator()
+    from kvshare.model.loader import load_model  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.model
+        if path is None:
+            path = str(Path(tmp) / "q15.gguf")
+            cmd = [sys.executable, str(ROOT / "scripts" / "make_random_gguf.py"), "--arch",
+                   "qwen3", "--size", "1.5b", "--layers", str(args.layers), "--out", path]
+            if args.tokenizer_from:
+                cmd += ["--tokenizer-from", args.tokenizer_from]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        model = load_model(path, device="cuda")
+    n_layers = model.config.n_layers
+    rows = {}
+    for graphs in (True, False):
+        for b in (1, 8, 32):
+            rows[f"decode b{b} graphs {'on' if graphs else 'off'}"] = decode_cost(
+                emu, model, b, graphs)
+    rows["prefill 1024"] = prefill_cost(emu, model, 1024)
+    result = {"model": Path(path).name if args.model else f"random qwen3 1.5b, {n_layers} layers",
+              "n_layers": n_layers, "gpu_weights": os.environ["KVSHARE_GPU_WEIGHTS"],
+              "rows": rows}
+    if n_layers < FULL_LAYERS:
+        # the eager rows grow with the layers (the graph and sampling part does not: the
+        # graphs-on row of the same batch); a prefill is all layers, near enough
+        for name, r in rows.items():
+            if "graphs on" in name:
+                continue
+            fixed = rows[name.replace("off", "on")] if "graphs off" in name else None
+            for k in ("kvshare_us", "kernel"):
+                f = fixed[k] if fixed is not None else 0.0
+                r[f"{k}_x{FULL_LAYERS}"] = f + (r[k] - f) * FULL_LAYERS / n_layers
+    print(f"host side of the GPU path on the no-op emulator ({result['model']}, "
+          f"{result['gpu_weights']} weights), per step. kvshare us: the host's time less the "
+          f"emulator's launch plumbing; x{FULL_LAYERS}: scaled to {FULL_LAYERS} layers")
+    print(f"{'path':<24} {'kvshare us':>10} {'x28':>7} {'kernels':>8} {'x28':>6} {'gemms':>6} "
+          f"{'elemwise':>8} {'graphs':>6} {'h2d':>5} {'d2h':>5}")
+    for name, r in rows.items():
+        x_us = r.get(f"kvshare_us_x{FULL_LAYERS}", r["kvshare_us"])
+        x_k = r.get(f"kernel_x{FULL_LAYERS}", r["kernel"])
+        print(f"{name:<24} {r['kvshare_us']:10.0f} {x_us:7.0f} {r['kernel']:8.1f} {x_k:6.0f} "
+              f"{r['gemm']:6.1f} {r['elementwise']:8.1f} {r['graph']:6.1f} {r['h2d']:5.1f} "
+              f"{r['d2h']:5.1f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
