@@ -45,16 +45,19 @@ def _emulator():
     return fakecupy
 
 
-def _counts(emu) -> dict:
-    return dict(emu.COUNTS)
-
-
-def _delta(a: dict, b: dict, n: int, dt: float) -> dict:
-    """Per-step counts, the step's host time, and kvshare's part of it: the time less what the
-    emulator's launch plumbing took (`emu_s`)."""
-    d = {k: (b[k] - a[k]) / n for k in a}
-    emu = d.pop("emu_s")
-    return {"host_us": dt * 1e6, "kvshare_us": (dt - emu) * 1e6, **d}
+def _measure(emu, fn, warm: int, reps: int) -> dict:
+    """`fn` run `warm` times, then `reps` times measured: per run, the counts, the host time,
+    and kvshare's part of it (the time less what the emulator's plumbing took, `emu_s`)."""
+    for _ in range(warm):
+        fn()
+    c0 = dict(emu.COUNTS)
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    dt = (time.perf_counter() - t) / reps
+    d = {k: (emu.COUNTS[k] - c0[k]) / reps for k in c0}
+    emu_s = d.pop("emu_s")
+    return {"host_us": dt * 1e6, "kvshare_us": (dt - emu_s) * 1e6, **d}
 
 
 def decode_cost(emu, model, batch: int, graphs: bool, steps: int = 40) -> dict:
@@ -78,14 +81,7 @@ def decode_cost(emu, model, batch: int, graphs: bool, steps: int = 40) -> dict:
         pos[0] += 1
 
     try:
-        for _ in range(3):  # capture, warm caches
-            step()
-        c0 = _counts(emu)
-        t = time.perf_counter()
-        for _ in range(steps):
-            step()
-        dt = (time.perf_counter() - t) / steps
-        return _delta(c0, _counts(emu), steps, dt)
+        return _measure(emu, step, warm=3, reps=steps)  # the warm steps capture the graph
     finally:
         model.logits_on_device = False
         model.cuda_graphs = None
@@ -104,13 +100,7 @@ def prefill_cost(emu, model, n: int, reps: int = 5) -> dict:
     def fwd():
         model.forward([SeqChunk(toks, 0, table, logits="last")], cache)
 
-    fwd()
-    c0 = _counts(emu)
-    t = time.perf_counter()
-    for _ in range(reps):
-        fwd()
-    dt = (time.perf_counter() - t) / reps
-    return _delta(c0, _counts(emu), reps, dt)
+    return _measure(emu, fwd, warm=1, reps=reps)
 
 
 def main() -> None:

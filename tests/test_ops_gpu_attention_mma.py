@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from kvshare.backend import get_backend
-from kvshare.ops.attention import attention_reference, pad_block_tables, paged_attention
+from kvshare.ops.attention import pad_block_tables, paged_attention
+from test_ops_gpu import _dense_reference  # float64 dense attention over the gathered keys
 
 pytestmark = pytest.mark.gpu
 
@@ -51,23 +52,6 @@ def _case(rng, *, n_head, n_kv, hd, bs, chunks):
     q = (rng.standard_normal((int(qs[-1]), n_head, hd)) * 1.5).astype(np.float32)
     sp = np.array([s for s, _ in chunks], np.int64)
     return q, kv, pad_block_tables(tables), qs, sp
-
-
-def _dense(q, kv, bt, qs, sp, scale, window):
-    """float64 dense attention of each sequence's rows over its keys (gathered)."""
-    bs = kv.shape[2]
-    out = np.zeros(q.shape, np.float64)
-    for s in range(len(qs) - 1):
-        r0, r1 = int(qs[s]), int(qs[s + 1])
-        if r1 == r0:
-            continue
-        p0 = int(sp[s])
-        kp = np.arange(p0 + r1 - r0)
-        k = kv[0][bt[s][kp // bs], kp % bs].astype(np.float32)
-        v = kv[1][bt[s][kp // bs], kp % bs].astype(np.float32)
-        out[r0:r1] = attention_reference(q[r0:r1], k, v, np.arange(p0, p0 + r1 - r0), kp,
-                                         scale=scale, window=window)
-    return out
 
 
 def _plan_is_mma(q, kv_d, bt, qs, sp, window):
@@ -108,7 +92,8 @@ def test_mma_attention_matches_numpy_and_the_oracle(be, n_head, n_kv, hd, bs, wi
     ref = paged_attention(q, kv[0].astype(np.float32), kv[1].astype(np.float32), bt, qs, sp,
                           scale=scale, window=window)
     np.testing.assert_allclose(got, ref, **TOL)
-    np.testing.assert_allclose(got, _dense(q, kv, bt, qs, sp, scale, window), **TOL)
+    np.testing.assert_allclose(
+        got, _dense_reference(q, kv, bt, qs, sp, scale=scale, window=window, sinks=None), **TOL)
     # and well inside the tolerance on average: the rounding is f16's, not an error's
     assert np.abs(got - ref).mean() < 3e-4
 

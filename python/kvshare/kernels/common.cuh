@@ -58,6 +58,27 @@ __device__ __forceinline__ float kvs_warp_inv_rms(const float* xr, int d, float 
     return 1.0f / sqrtf(ms);
 }
 
+// The work tile of a paged-attention CTA (paged_attention.cu, paged_attention_mma.cu): the
+// host's tile row blockIdx.x (kvshare.ops.gpu.pa_tiles: sequence, first query row, tokens,
+// position of the first token) and, from blockIdx.y, the KV head and the chunk of its G query
+// heads, starting at g0, gc of them (rows r = token * gc + (g - g0)).
+struct KvsAttnTile { int seq, row0, nr, pos0, G, kvh, g0, gc; };
+
+__device__ __forceinline__ KvsAttnTile kvs_attn_tile(const int* tiles, int n_head, int n_kv,
+                                                     int group_chunk) {
+    KvsAttnTile t;
+    t.seq = tiles[4 * blockIdx.x + 0];
+    t.row0 = tiles[4 * blockIdx.x + 1];
+    t.nr = tiles[4 * blockIdx.x + 2];
+    t.pos0 = tiles[4 * blockIdx.x + 3];
+    t.G = n_head / n_kv;
+    const int n_gchunks = (t.G + group_chunk - 1) / group_chunk;
+    t.kvh = blockIdx.y / n_gchunks;
+    t.g0 = (blockIdx.y % n_gchunks) * group_chunk;
+    t.gc = min(group_chunk, t.G - t.g0);
+    return t;
+}
+
 // -inf and NaN without <cmath>/<limits>.
 __device__ __forceinline__ float kvs_neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float kvs_nan() { return __int_as_float(0x7fc00000); }

@@ -102,15 +102,9 @@ __device__ __forceinline__ void paged_attn_impl(
     const int warp = tid >> 5;
 
     // ---- which rows and keys this CTA owns -------------------------------------------------
-    const int seq = tiles[4 * blockIdx.x + 0];
-    const int row0 = tiles[4 * blockIdx.x + 1];
-    const int nr = tiles[4 * blockIdx.x + 2];
-    const int pos0 = tiles[4 * blockIdx.x + 3];
-    const int G = n_head / n_kv;
-    const int n_gchunks = (G + group_chunk - 1) / group_chunk;
-    const int kvh = blockIdx.y / n_gchunks;
-    const int g0 = (blockIdx.y % n_gchunks) * group_chunk;
-    const int gc = min(group_chunk, G - g0);
+    const KvsAttnTile tile = kvs_attn_tile(tiles, n_head, n_kv, group_chunk);
+    const int seq = tile.seq, row0 = tile.row0, nr = tile.nr, pos0 = tile.pos0;
+    const int G = tile.G, kvh = tile.kvh, g0 = tile.g0, gc = tile.gc;
     const int n_rows = nr * gc;                // active rows: r = token * gc + (g - g0)
 
     const int ke = pos0 + nr;                  // one past the last key any row may see
