@@ -76,7 +76,11 @@ def row_spec(sampler: Sampler, row: Any, mask: np.ndarray | None, n_top: int) ->
         logits=row, greedy=p.greedy, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
         min_p=p.min_p, repetition_penalty=p.repetition_penalty,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repeat_ids=repeat, generated=dict(sampler.generated), logit_bias=p.logit_bias,
+        repeat_ids=repeat, logit_bias=p.logit_bias,
+        # the counts only where a penalty reads them (a copy of a long reply's counts per row
+        # per step otherwise)
+        generated=(dict(sampler.generated)
+                   if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 else None),
         mask=mask, u=0.0 if p.greedy else sampler.uniform(), n_top=n_top)
 
 
