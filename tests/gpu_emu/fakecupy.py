@@ -19,6 +19,11 @@ sources and `kvshare.ops.gpu` without a GPU (see docs/gpu.md, "Verification"):
   recorded pointer belongs to an allocation freed since the capture raises too (on a GPU it
   would write freed memory).
 
+`KVSHARE_EMU_NOOP=1` checks and records launches without running them, for measuring the
+host's side of a step (`bench/gpu_host_cost.py`, which reads `COUNTS`: the launches, GEMMs,
+array operations, graph launches and copies the host issued, and the seconds this module's
+own plumbing took).
+
 Not a test module: `PYTHONPATH=tests/gpu_emu python -m pytest -p emu_plugin tests/test_ops_gpu.py`
 installs it as `cupy` (the `gpu` tests then run instead of skipping). Needs g++ >= 12
 (`_Float16`) on x86-64 Linux.
