@@ -162,7 +162,10 @@ def bench_rows(d: Path) -> list[Row]:
                 unmeasured(r, d, "gpu_bench_q15", "bench", f"{src}: no prefill {CTX}")
                 continue
             judge(r, float(e["tokens_per_s"]), ">=", 40000, ",.0f", list(bad))
-            r.source = f"{src} prefill[{CTX}]: {e.get('seconds')} s, chunk {b.get('prefill_chunk')}"
+            r.source = (f"{src} prefill[{CTX}]: {e.get('seconds')} s, chunk "
+                        f"{b.get('prefill_chunk')}"
+                        + (f", issued by the host in {e['host_issue_seconds']} s"
+                           if e.get("host_issue_seconds") is not None else ""))
         elif r.id == "weights_memory":
             m = b.get("weights_memory") or {}
             if m.get("ratio") is None:
