@@ -2,7 +2,8 @@
 the NumPy op and the float64 dense oracle: grouped-query heads from 1 to 8 per KV head (and
 more heads than a CTA holds), head sizes 64 and 128, block sizes 8 / 16 / 32, sliding windows,
 prompts from position 0 and chunks in mid-sequence, key ranges of several 64-key tiles, decode
-rows in the same launch, strided q and `out`; and which launches the host sends to it.
+rows in the same launch, attention sinks, strided q and `out`; and which launches the host
+sends to it.
 Marked `gpu`: skipped without a CUDA device (conftest); CI runs it on the CPU emulator.
 
 Tolerance: q (scaled) and the probabilities P are rounded to f16 for the products (relative
@@ -18,7 +19,7 @@ import pytest
 
 from kvshare.backend import get_backend
 from kvshare.ops.attention import pad_block_tables, paged_attention
-from test_ops_gpu import _dense_reference  # float64 dense attention over the gathered keys
+from test_ops_gpu import _dense_reference, _sinks  # the float64 oracle; sink logits
 
 pytestmark = pytest.mark.gpu
 
@@ -96,6 +97,36 @@ def test_mma_attention_matches_numpy_and_the_oracle(be, n_head, n_kv, hd, bs, wi
         got, _dense_reference(q, kv, bt, qs, sp, scale=scale, window=window, sinks=None), **TOL)
     # and well inside the tolerance on average: the rounding is f16's, not an error's
     assert np.abs(got - ref).mean() < 3e-4
+
+
+@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("n_head,n_kv,hd,bs", [(8, 2, 64, 16), (16, 8, 128, 16)])
+def test_mma_attention_with_sinks(be, n_head, n_kv, hd, bs, window):
+    """gpt-oss's sinks: one logit per query head in the softmax's denominator (the oracle's
+    and the CPU op's), host and device arrays; a sink far above the scores leaves its head
+    almost nothing."""
+    rng = np.random.default_rng(n_head + hd + window)
+    chunks = [(0, 150), (70, 23), (99, 1)]
+    q, kv, bt, qs, sp = _case(rng, n_head=n_head, n_kv=n_kv, hd=hd, bs=bs, chunks=chunks)
+    sinks = _sinks(rng, n_head)
+    scale = 1.0 / np.sqrt(hd)
+    kv_d = be.asarray(kv)
+    assert _plan_is_mma(q, kv_d, bt, qs, sp, window)
+    got = be.to_host(paged_attention(be.asarray(q), kv_d[0], kv_d[1], bt, qs, sp, scale=scale,
+                                     window=window, backend=be, sinks=sinks))
+    ref = _dense_reference(q, kv, bt, qs, sp, scale=scale, window=window, sinks=sinks)
+    np.testing.assert_allclose(got, ref, **TOL)
+    cpu = paged_attention(q, kv[0].astype(np.float32), kv[1].astype(np.float32), bt, qs, sp,
+                          scale=scale, window=window, sinks=sinks)
+    np.testing.assert_allclose(got, cpu, **TOL)
+    assert np.abs(got[:, 0]).max() < 1e-6 * np.abs(got).max() + 1e-9
+    got_d = be.to_host(paged_attention(be.asarray(q), kv_d[0], kv_d[1], bt, qs, sp, scale=scale,
+                                       window=window, backend=be, sinks=be.asarray(sinks)))
+    np.testing.assert_array_equal(got_d, got)
+    # without the sinks it is another result
+    plain = be.to_host(paged_attention(be.asarray(q), kv_d[0], kv_d[1], bt, qs, sp,
+                                       scale=scale, window=window, backend=be))
+    assert np.abs(plain - got).max() > 0.1
 
 
 def test_mma_attention_strided_q_and_out(be):

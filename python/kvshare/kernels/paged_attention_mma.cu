@@ -15,8 +15,10 @@
 // pre-multiplied by scale * log2(e) before it is rounded to f16), rounds P to f16 and adds
 // P V to its 16 x HD output. Differences from paged_attention.cu: q and P are rounded to f16
 // for the products (llama.cpp's CUDA flash attention does the same), and there is no split-KV
-// (a prefill chunk has tiles enough to fill the GPU) and no sinks; the host sends those
-// launches (decode steps, sinks, f32 caches, other head sizes) to paged_attention.cu.
+// (a prefill chunk has tiles enough to fill the GPU); the host sends the launches that need
+// it (decode steps), f32 caches and other head sizes to paged_attention.cu. Sinks (gpt-oss):
+// the row's sink logit joins the denominator at the end, as paged_attn_combine adds it (a
+// row that saw no key still gets zeros).
 //
 // Fragment layout of mma.m16n8k16 (.row.col, f16 inputs, f32 accumulators; PTX ISA "Matrix
 // Fragments for mma.m16n8k16 with floating point type"), lane = 4 g + t:
@@ -32,6 +34,7 @@
 #define PM_ROWS (PM_NW * 16)       // (token, head) rows per CTA: 16 per warp
 #define PM_BN 64                   // keys per tile
 #define PM_KPAD 8                  // f16 padding of a shared K row / V^T row
+#define PM_LOG2E 1.4426950408889634f  // sinks are natural-log logits; scores are in the log2 domain
 
 // emu: begin device-only (the CPU emulator, tests/gpu_emu, brings its own of these)
 // D = A B + D for one warp (the layout above). sm_80 and later: one m16n8k16; sm_75 (Turing):
@@ -67,7 +70,7 @@ __device__ __forceinline__ void paged_attn_mma_impl(
     const int* __restrict__ block_tables, int bt_width,
     const int* __restrict__ tiles, float* __restrict__ out,
     int n_tok, int n_head, int n_kv, int block_size, int n_blocks,
-    int group_chunk, float qk_scale_log2, int window)
+    int group_chunk, float qk_scale_log2, int window, const float* __restrict__ sinks)
 {
     constexpr int KS = HD / 16;                 // k-steps of Q K^T
     constexpr int NT = PM_BN / 8;               // 8-key score tiles per key tile
@@ -234,7 +237,8 @@ __device__ __forceinline__ void paged_attn_mma_impl(
         }
     }
 
-    // each row's sum over its four threads, then out = O / l (zeros for a row with no key)
+    // each row's sum over its four threads, the sink term, then out = O / l (zeros for a row
+    // with no key)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         l[i] += __shfl_xor_sync(KVS_FULL_MASK, l[i], 1);
@@ -246,7 +250,14 @@ __device__ __forceinline__ void paged_attn_mma_impl(
         const int r = 16 * warp + g + 8 * i;
         const int tok = r / gc;
         const int h = kvh * G + g0 + r % gc;
-        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+        float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+        if (sinks != nullptr && l[i] > 0.f) {
+            // m and l over the sink too: sum_j e^(s_j - M) + e^(sink - M), M = max(m, sink)
+            const float sk = sinks[h] * PM_LOG2E;
+            const float mf = fmaxf(m[i], sk);
+            const float a = exp2f(m[i] - mf);
+            inv = a / (l[i] * a + exp2f(sk - mf));
+        }
         float* orow = out + ((i64)(row0 + tok) * n_head + h) * HD;
 #pragma unroll
         for (int n = 0; n < ND; ++n) {
@@ -261,9 +272,9 @@ __device__ __forceinline__ void paged_attn_mma_impl(
     const f16_t* __restrict__ k_cache, const f16_t* __restrict__ v_cache,                      \
     const int* __restrict__ block_tables, int bt_width, const int* __restrict__ tiles,         \
     float* __restrict__ out, int n_tok, int n_head, int n_kv, int block_size, int n_blocks,    \
-    int group_chunk, float qk_scale_log2, int window
+    int group_chunk, float qk_scale_log2, int window, const float* __restrict__ sinks
 #define PM_ARGS q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, bt_width, tiles, \
-    out, n_tok, n_head, n_kv, block_size, n_blocks, group_chunk, qk_scale_log2, window
+    out, n_tok, n_head, n_kv, block_size, n_blocks, group_chunk, qk_scale_log2, window, sinks
 
 // Entry points: f16 cache x head_dim 64 / 128. kvshare.ops.gpu.ENTRY_POINTS lists these names.
 extern "C" __global__ void __launch_bounds__(PM_THREADS) paged_attn_mma_f16_hd64(PM_PARAMS) { paged_attn_mma_impl<64>(PM_ARGS); }

@@ -354,7 +354,7 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     `sinks`: float32 `[n_head]` sink logits (host arrays are uploaded once per content; the
     launch then always goes through `paged_attn_combine`, which adds them) or None.
     A launch with a prefill chunk (`PM_MIN_TOKENS` query tokens or more in one sequence) on
-    an f16 cache of head size 64 or 128, without sinks, runs on the tensor-core kernels
+    an f16 cache of head size 64 or 128 runs on the tensor-core kernels
     (kernels/paged_attention_mma.cu: q and P rounded to f16 for the products); the rest on
     the FMA kernels (kernels/paged_attention.cu)."""
     cp = cupy_module()
@@ -379,7 +379,7 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     if static is not None:
         plan = _static_plan(static, n_head, n_kv, n_tok)
     else:
-        mma = None if sinks is None and _mma_fits(k_cache, v_cache, hd) else False
+        mma = None if _mma_fits(k_cache, v_cache, hd) else False
         plan = _pa_plan(block_tables, q_starts, start_positions, n_head, n_kv, bs, nb, window,
                         hd, n_tok, mma)
     direct = (out is not None and isinstance(out, cp.ndarray) and out.dtype == np.float32
@@ -396,7 +396,7 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
             (q, np.int64(qs[0]), np.int64(qs[1]), k_cache, v_cache, plan.tables,
              np.int32(plan.width), plan.tiles, res, np.int32(n_tok), np.int32(n_head),
              np.int32(n_kv), np.int32(bs), np.int32(nb), np.int32(plan.gc),
-             np.float32(float(scale) * _LOG2E), np.int32(window)))
+             np.float32(float(scale) * _LOG2E), np.int32(window), sinks_d))
         if out is not None and res is not out:
             out[...] = res
             return out
