@@ -1,6 +1,6 @@
 """The tensor-core paged attention for prefill chunks (kernels/paged_attention_mma.cu) against
 the NumPy op and the float64 dense oracle: grouped-query heads from 1 to 8 per KV head (and
-more heads than a CTA holds), head sizes 64 and 128, block sizes 8 / 16 / 32, sliding windows,
+more heads than a CTA holds), head sizes 64, 80, 112 and 128, block sizes 8 / 16 / 32, sliding windows,
 prompts from position 0 and chunks in mid-sequence, key ranges of several 64-key tiles, decode
 rows in the same launch, attention sinks, strided q and `out`; and which launches the host
 sends to it.
@@ -73,6 +73,8 @@ CONFIGS = [
     (12, 4, 128, 32),  # 3 per KV head: 21 tokens and a padding row per CTA
     (32, 4, 64, 16),   # 8 per KV head
     (8, 1, 64, 16),    # MQA
+    (8, 2, 80, 16),    # the other head sizes the kernels have (multiples of 16 up to 128)
+    (6, 2, 112, 8),
     (96, 1, 64, 16),   # more query heads than a CTA holds: head chunks
 ]
 
@@ -165,7 +167,7 @@ def test_which_launches_take_the_tensor_cores(be, monkeypatch):
     # f32 caches, other head sizes, the switch: the FMA kernels
     assert not gpu._mma_fits(be.asarray(kv[0].astype(np.float32)),
                              be.asarray(kv[1].astype(np.float32)), 128)
-    assert not gpu._mma_fits(kv_d[0][..., :80], kv_d[1][..., :80], 80)
+    assert not gpu._mma_fits(kv_d[0][..., :72], kv_d[1][..., :72], 72)
     monkeypatch.setenv("KVSHARE_GPU_ATTN_MMA", "0")
     assert not _plan_is_mma(q, kv_d, bt, qs, sp, 0)
     # either way the same attention, within the tensor cores' rounding

@@ -1,6 +1,6 @@
 // Paged attention on tensor cores for prefill chunks: the same contract as paged_attention.cu's
 // kernels (same arguments, the same `tiles` from kvshare.ops.gpu.pa_tiles, the same masks) for
-// an f16 KV cache and head size 64 or 128, with Q.K^T and P.V as warp-level `mma.sync`
+// an f16 KV cache and a head size of 64 to 128 (multiples of 16), with Q.K^T and P.V as warp-level `mma.sync`
 // products (f16 inputs, float32 accumulators) instead of per-lane FMAs: a long prompt's
 // attention is the one part of a prefill that grows with the square of its length.
 //
@@ -276,6 +276,11 @@ __device__ __forceinline__ void paged_attn_mma_impl(
 #define PM_ARGS q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, bt_width, tiles, \
     out, n_tok, n_head, n_kv, block_size, n_blocks, group_chunk, qk_scale_log2, window, sinks
 
-// Entry points: f16 cache x head_dim 64 / 128. kvshare.ops.gpu.ENTRY_POINTS lists these names.
+// Entry points: f16 cache x head_dim 64 / 80 / 96 / 112 / 128 (any multiple of 16 up to 128:
+// the padded shared rows stay 16-byte aligned and conflict-free for each).
+// kvshare.ops.gpu.ENTRY_POINTS lists these names.
 extern "C" __global__ void __launch_bounds__(PM_THREADS) paged_attn_mma_f16_hd64(PM_PARAMS) { paged_attn_mma_impl<64>(PM_ARGS); }
+extern "C" __global__ void __launch_bounds__(PM_THREADS) paged_attn_mma_f16_hd80(PM_PARAMS) { paged_attn_mma_impl<80>(PM_ARGS); }
+extern "C" __global__ void __launch_bounds__(PM_THREADS) paged_attn_mma_f16_hd96(PM_PARAMS) { paged_attn_mma_impl<96>(PM_ARGS); }
+extern "C" __global__ void __launch_bounds__(PM_THREADS) paged_attn_mma_f16_hd112(PM_PARAMS) { paged_attn_mma_impl<112>(PM_ARGS); }
 extern "C" __global__ void __launch_bounds__(PM_THREADS) paged_attn_mma_f16_hd128(PM_PARAMS) { paged_attn_mma_impl<128>(PM_ARGS); }

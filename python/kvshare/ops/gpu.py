@@ -32,7 +32,7 @@ from kvshare.ops.gpu_runtime import ELEMWISE_THREADS, ROWS_PER_BLOCK
 _OWN_ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "paged_attention": tuple(f"paged_attn_{dt}_{hd}" for dt in ("f16", "f32")
                              for hd in ("hd64", "hd128", "hd256", "hdx")) + ("paged_attn_combine",),
-    "paged_attention_mma": ("paged_attn_mma_f16_hd64", "paged_attn_mma_f16_hd128"),
+    "paged_attention_mma": tuple(f"paged_attn_mma_f16_hd{hd}" for hd in (64, 80, 96, 112, 128)),
     "kv_write": ("kv_write_f16", "kv_write_f32"),
     "rope": ("rope_f32", "rope_cos_sin_f32"),
     "qkv_rope": ("qkv_rope_write_f16", "qkv_rope_write_f32"),
@@ -57,7 +57,7 @@ PA_SPECIALISED_HD = (64, 128, 256)
 # paged_attention_mma.cu: the tensor-core kernels for prefill chunks
 PM_THREADS = 128  # PM_NW * 32
 PM_ROWS = 64  # (token, head) rows per CTA: 16 per warp
-PM_HD = (64, 128)  # head sizes it has (f16 caches)
+PM_HD = (64, 80, 96, 112, 128)  # head sizes it has (f16 caches)
 # A launch goes to the tensor-core kernels when some sequence brings at least this many query
 # tokens (a prefill chunk; decode rows would fill a 16-row product with one token's heads).
 PM_MIN_TOKENS = 16
@@ -330,7 +330,7 @@ def _pa_kernel(k_cache: Any, v_cache: Any, hd: int) -> tuple[Any, int]:
 
 
 def _mma_fits(k_cache: Any, v_cache: Any, hd: int) -> bool:
-    """Whether the tensor-core kernels can take this cache: f16 with head size 64 or 128,
+    """Whether the tensor-core kernels can take this cache: f16 with a head size of `PM_HD`,
     16-byte aligned, a device of compute capability 7.5 or later (mma.sync on f16), and
     KVSHARE_GPU_ATTN_MMA not "0"."""
     if os.environ.get(ATTN_MMA_ENV, "1") == "0":
@@ -354,7 +354,8 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     `sinks`: float32 `[n_head]` sink logits (host arrays are uploaded once per content; the
     launch then always goes through `paged_attn_combine`, which adds them) or None.
     A launch with a prefill chunk (`PM_MIN_TOKENS` query tokens or more in one sequence) on
-    an f16 cache of head size 64 or 128 runs on the tensor-core kernels
+    an f16 cache of a head size in `PM_HD` (64 to 128, multiples of 16) runs on the
+    tensor-core kernels
     (kernels/paged_attention_mma.cu: q and P rounded to f16 for the products); the rest on
     the FMA kernels (kernels/paged_attention.cu)."""
     cp = cupy_module()
