@@ -238,8 +238,9 @@ def device_pool_bytes(device: str) -> int | None:
 
 def attention_kernel(model, rng) -> dict:
     """The paged-attention op alone (CUDA events), the model's head layout. Prefill launches
-    on an f16 cache of head size 64 / 128 run on the tensor-core kernels; each such row is
-    also timed on the FMA kernels (`KVSHARE_GPU_ATTN_MMA=0`, the row's name + "_fma")."""
+    on an f16 cache run on the tensor-core kernels where the head size is one of theirs
+    (`ops.gpu.PM_HD`); each prefill row is also timed on the FMA kernels
+    (`KVSHARE_GPU_ATTN_MMA=0`, the row's name + "_fma")."""
     cases = {
         "decode_b8_ctx4096_full": (8, 1, 4096, 0),
         "decode_b8_ctx4096_win512": (8, 1, 4096, 512),

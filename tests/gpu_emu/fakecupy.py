@@ -242,7 +242,8 @@ float16, float32, int32, int64 = np.float16, np.float32, np.int32, np.int64
 # ---- cuda ----
 cuda = types.ModuleType("fakecupy.cuda")
 runtime = types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1,
-                                deviceGetAttribute=lambda code, dev: {16: 132, 97: 232448, 75: 9, 76: 0}[code])
+                                deviceGetAttribute=lambda code, dev: {16: 132, 97: 232448,
+                                                                      75: 9, 76: 0}[code])
 cuda.runtime = runtime
 class Device:
     def __init__(self, i=0): self.id = i
@@ -427,11 +428,11 @@ cuda.cublas = _Cublas()
 # ---- RawModule ----
 ENTRY_RE = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*\(')
 LAUNCHES = []
-# host-to-device copies (asarray of a host array, ndarray.set) and device-to-host reads
-# (asnumpy, ndarray.get), counted for bench/gpu_host_cost.py
-# and the launches the host issues (kernels, cuBLAS GEMMs, graphs; not those a graph replays)
-# and the seconds spent in this module's launch plumbing (`emu_s`: what a GPU would not spend)
-# (`elementwise`: array operations, each a CuPy elementwise kernel on a GPU)
+# What the host issued, for bench/gpu_host_cost.py: host-to-device copies (asarray of a host
+# array, ndarray.set), device-to-host reads (asnumpy, ndarray.get), kernel launches, cuBLAS
+# GEMMs and graph launches (not what a graph replays), array operations (`elementwise`: each
+# a CuPy elementwise kernel on a GPU); and `emu_s`, the seconds this module's own plumbing
+# took (launch marshalling, allocations, array operations: what a GPU would not spend).
 COUNTS = {"h2d": 0, "d2h": 0, "kernel": 0, "gemm": 0, "graph": 0, "elementwise": 0,
           "emu_s": 0.0}
 # KVSHARE_EMU_NOOP=1: kernels and GEMMs are checked and recorded but not run, and `empty` does

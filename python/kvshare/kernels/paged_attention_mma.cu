@@ -1,7 +1,8 @@
 // Paged attention on tensor cores for prefill chunks: the same contract as paged_attention.cu's
-// kernels (same arguments, the same `tiles` from kvshare.ops.gpu.pa_tiles, the same masks) for
-// an f16 KV cache and a head size of 64 to 128 (multiples of 16), with Q.K^T and P.V as warp-level `mma.sync`
-// products (f16 inputs, float32 accumulators) instead of per-lane FMAs: a long prompt's
+// kernels (the same q, cache, block-table and `tiles` inputs from kvshare.ops.gpu.pa_tiles, the
+// same masks; no split-KV arguments) for an f16 KV cache and a head size of 64 to 128
+// (multiples of 16), with Q.K^T and P.V as warp-level `mma.sync` products (f16 inputs,
+// float32 accumulators) instead of per-lane FMAs: a long prompt's
 // attention is the one part of a prefill that grows with the square of its length.
 //
 // A CTA (PM_NW warps) takes one tile of the host's work split: PM_ROWS (token, head) rows of
@@ -69,7 +70,7 @@ __device__ __forceinline__ void paged_attn_mma_impl(
     const f16_t* __restrict__ k_cache, const f16_t* __restrict__ v_cache,
     const int* __restrict__ block_tables, int bt_width,
     const int* __restrict__ tiles, float* __restrict__ out,
-    int n_tok, int n_head, int n_kv, int block_size, int n_blocks,
+    int n_head, int n_kv, int block_size, int n_blocks,
     int group_chunk, float qk_scale_log2, int window, const float* __restrict__ sinks)
 {
     constexpr int KS = HD / 16;                 // k-steps of Q K^T
@@ -271,10 +272,10 @@ __device__ __forceinline__ void paged_attn_mma_impl(
     const float* __restrict__ q, i64 q_row_stride, i64 q_head_stride,                          \
     const f16_t* __restrict__ k_cache, const f16_t* __restrict__ v_cache,                      \
     const int* __restrict__ block_tables, int bt_width, const int* __restrict__ tiles,         \
-    float* __restrict__ out, int n_tok, int n_head, int n_kv, int block_size, int n_blocks,    \
+    float* __restrict__ out, int n_head, int n_kv, int block_size, int n_blocks,               \
     int group_chunk, float qk_scale_log2, int window, const float* __restrict__ sinks
 #define PM_ARGS q, q_row_stride, q_head_stride, k_cache, v_cache, block_tables, bt_width, tiles, \
-    out, n_tok, n_head, n_kv, block_size, n_blocks, group_chunk, qk_scale_log2, window, sinks
+    out, n_head, n_kv, block_size, n_blocks, group_chunk, qk_scale_log2, window, sinks
 
 // Entry points: f16 cache x head_dim 64 / 80 / 96 / 112 / 128 (any multiple of 16 up to 128:
 // the padded shared rows stay 16-byte aligned and conflict-free for each).

@@ -258,9 +258,9 @@ def _pa_plan(block_tables: Any, q_starts: Any, start_positions: Any, n_head: int
              mma: bool | None = None) -> _PaPlan:
     """Tiles, uploaded block table and split count of one call (cached by content: the layers
     of a forward call with the same window share it). `mma`: whether the call goes to the
-    tensor-core kernels (tiles of PM_ROWS rows, no split), or None to decide here
-    (`_takes_mma`'s token rule; the caller has checked the cache and head size); the plan
-    says which in `mma`."""
+    tensor-core kernels (tiles of PM_ROWS rows, no split), or None to decide here: it does
+    when some sequence brings PM_MIN_TOKENS query tokens or more (the caller has checked the
+    cache and head size, `_mma_fits`); the plan says which in `mma`."""
     qs = rt.host(q_starts, np.int64).reshape(-1)
     sp = rt.host(start_positions, np.int64).reshape(-1)
     bt = rt.host(block_tables, np.int32)
@@ -355,9 +355,8 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     launch then always goes through `paged_attn_combine`, which adds them) or None.
     A launch with a prefill chunk (`PM_MIN_TOKENS` query tokens or more in one sequence) on
     an f16 cache of a head size in `PM_HD` (64 to 128, multiples of 16) runs on the
-    tensor-core kernels
-    (kernels/paged_attention_mma.cu: q and P rounded to f16 for the products); the rest on
-    the FMA kernels (kernels/paged_attention.cu)."""
+    tensor-core kernels (kernels/paged_attention_mma.cu: q and P rounded to f16 for the
+    products); the rest on the FMA kernels (kernels/paged_attention.cu)."""
     cp = cupy_module()
     _check_cache(k_cache, v_cache)
     nb, bs, n_kv, hd = (int(s) for s in k_cache.shape)
@@ -395,36 +394,34 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
         rt.kernel("paged_attention_mma", f"paged_attn_mma_f16_hd{hd}")(
             (plan.n_tiles, n_kv * plan.n_gchunks, 1), (PM_THREADS, 1, 1),
             (q, np.int64(qs[0]), np.int64(qs[1]), k_cache, v_cache, plan.tables,
-             np.int32(plan.width), plan.tiles, res, np.int32(n_tok), np.int32(n_head),
-             np.int32(n_kv), np.int32(bs), np.int32(nb), np.int32(plan.gc),
-             np.float32(float(scale) * _LOG2E), np.int32(window), sinks_d))
-        if out is not None and res is not out:
-            out[...] = res
-            return out
-        return res
-    n_splits = plan.n_splits
-    # partials and paged_attn_combine for split-KV, and for sinks at any split count: the
-    # combine kernel alone adds them (kernels/paged_attention.cu)
-    merged = n_splits > 1 or sinks is not None
-    if merged:
-        part_o = rt.empty((n_splits, n_tok, n_head, hd), np.float32)
-        part_ml = rt.empty((n_splits, n_tok, n_head, 2), np.float32)
+             np.int32(plan.width), plan.tiles, res, np.int32(n_head), np.int32(n_kv),
+             np.int32(bs), np.int32(nb), np.int32(plan.gc), np.float32(float(scale) * _LOG2E),
+             np.int32(window), sinks_d))
     else:
-        part_o = part_ml = res  # unused by the kernel
-    grid = (plan.n_tiles, n_kv * plan.n_gchunks, n_splits)
-    fn(grid, (PA_THREADS, 1, 1),
-       (q, np.int64(qs[0]), np.int64(qs[1]), k_cache, v_cache, plan.tables,
-        np.int32(plan.width), plan.tiles, _NULL if merged else res, part_o, part_ml,
-        np.int32(n_tok), np.int32(n_head), np.int32(n_kv), np.int32(hd), np.int32(bs),
-        np.int32(nb), np.int32(plan.gc), np.float32(float(scale) * _LOG2E), np.int32(window),
-        np.int32(n_splits), _NULL if plan.splits_dev is None else plan.splits_dev),
-       shared_mem=smem)
-    if merged:
-        comb = rt.kernel("paged_attention", "paged_attn_combine")
-        comb((n_tok * n_head, 1, 1), (128, 1, 1),
-             (part_o, part_ml, res, np.int32(n_tok * n_head), np.int32(hd),
-              np.int32(n_splits), _NULL if plan.splits_dev is None else plan.splits_dev,
-              np.int32(n_head), sinks_d))
+        n_splits = plan.n_splits
+        # partials and paged_attn_combine for split-KV, and for sinks at any split count: the
+        # combine kernel alone adds them (kernels/paged_attention.cu)
+        merged = n_splits > 1 or sinks is not None
+        if merged:
+            part_o = rt.empty((n_splits, n_tok, n_head, hd), np.float32)
+            part_ml = rt.empty((n_splits, n_tok, n_head, 2), np.float32)
+        else:
+            part_o = part_ml = res  # unused by the kernel
+        grid = (plan.n_tiles, n_kv * plan.n_gchunks, n_splits)
+        fn(grid, (PA_THREADS, 1, 1),
+           (q, np.int64(qs[0]), np.int64(qs[1]), k_cache, v_cache, plan.tables,
+            np.int32(plan.width), plan.tiles, _NULL if merged else res, part_o, part_ml,
+            np.int32(n_tok), np.int32(n_head), np.int32(n_kv), np.int32(hd), np.int32(bs),
+            np.int32(nb), np.int32(plan.gc), np.float32(float(scale) * _LOG2E),
+            np.int32(window), np.int32(n_splits),
+            _NULL if plan.splits_dev is None else plan.splits_dev),
+           shared_mem=smem)
+        if merged:
+            comb = rt.kernel("paged_attention", "paged_attn_combine")
+            comb((n_tok * n_head, 1, 1), (128, 1, 1),
+                 (part_o, part_ml, res, np.int32(n_tok * n_head), np.int32(hd),
+                  np.int32(n_splits), _NULL if plan.splits_dev is None else plan.splits_dev,
+                  np.int32(n_head), sinks_d))
     if out is not None and res is not out:
         out[...] = res
         return out

@@ -145,10 +145,9 @@ def _pack_inputs(specs: Sequence[RowSpec], vocab: int) -> _Packed:
     e_flags: list[int] = []
     e_bias: list[float] = []
     e_sub: list[float] = []
-    f32 = np.float32
     for s in specs:
         row = s.logits
-        if row.shape[-1] != vocab or row.dtype != f32 or row.strides[-1] != 4:
+        if row.shape[-1] != vocab or row.dtype != np.float32 or row.strides[-1] != 4:
             raise ValueError("sample_rows: every row must be a contiguous float32 row of the "
                              "same vocabulary size")
         ptrs.append(row.data.ptr)
@@ -172,8 +171,9 @@ def _pack_inputs(specs: Sequence[RowSpec], vocab: int) -> _Packed:
     fp = np.array(fp_rows, dtype=np.float32).reshape(-1, FP_COUNT)
     dp = np.array(dp_rows, dtype=np.float64).reshape(-1, DP_COUNT)
     masks = np.concatenate(mask_words) if mask_words else np.zeros(1, dtype=np.uint32)
-    return _Packed([(np.array(ptrs, dtype=np.uint64), np.uint64), (ip, np.int32), (fp, np.float32), (dp, np.float64),
-                    (masks, np.uint32), (e_ids, np.int32), (e_flags, np.int32),
+    return _Packed([(np.array(ptrs, dtype=np.uint64), np.uint64), (ip, np.int32),
+                    (fp, np.float32), (dp, np.float64), (masks, np.uint32), (e_ids, np.int32),
+                    (e_flags, np.int32),
                     (e_bias, np.float32), (e_sub, np.float32)])
 
 
