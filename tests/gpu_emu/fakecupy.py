@@ -19,6 +19,15 @@ sources and `kvshare.ops.gpu` without a GPU (see docs/gpu.md, "Verification"):
   recorded pointer belongs to an allocation freed since the capture raises too (on a GPU it
   would write freed memory).
 
+`KVSHARE_EMU_ORDER=reverse` (or `shuffle`, seeded by `KVSHARE_EMU_SEED`) resumes a block's
+fibers in reverse thread order (a new random order each pass) instead of thread order: a
+kernel that reads what another of its threads wrote without a barrier between gets the old
+value in one of the two orders, as a GPU may (docs/gpu.md, "Verification").
+
+`KVSHARE_EMU_SANITIZE=1` builds the kernels with UndefinedBehaviorSanitizer (`_sanitize_flags`):
+misaligned loads, over-wide shifts, signed overflow and out-of-bounds fixed-size arrays
+abort with the source line.
+
 `KVSHARE_EMU_NOOP=1` checks and records launches without running them, for measuring the
 host's side of a step (`bench/gpu_host_cost.py`, which reads `COUNTS`: the launches, GEMMs,
 array operations, graph launches and copies the host issued, and the seconds this module's
@@ -440,9 +449,28 @@ COUNTS = {"h2d": 0, "d2h": 0, "kernel": 0, "gemm": 0, "graph": 0, "elementwise":
 # (bench/gpu_host_cost.py), never for tests.
 NOOP = os.environ.get("KVSHARE_EMU_NOOP") == "1"
 
+# a static shared declaration: `__shared__ [__align__(n)] TYPE NAME[...]...;`
+SHARED_RE = re.compile(r"(?<!extern )__shared__\s+(?:__align__\(\d+\)\s+)?[\w:<>]+\s+(\w+)"
+                       r"(?:\[[^;\]]*\])*\s*;")
+
+def _sanitize_flags():
+    """g++ flags of KVSHARE_EMU_SANITIZE=1: the kernels built with UndefinedBehaviorSanitizer,
+    aborting at the first report. It catches what faults or differs on a GPU and passes
+    silently on x86: a misaligned typed load or store (a `float4`, `uint4`, `u32` or `f16`
+    read at an address its size does not divide: "misaligned address" on a GPU), shifts by
+    the type's width or more (x86 masks the count, PTX clamps it), signed overflow, and
+    indexing past a fixed-size array. Not a signed left shift out of range (`shift-base`):
+    the quant kernels shift packed signed words as llama.cpp's do, which the GPU compilers
+    emit as a plain `shl` and C++20 defines as the same wrap-around."""
+    if os.environ.get("KVSHARE_EMU_SANITIZE") != "1":
+        return []
+    return ["-fsanitize=undefined", "-fno-sanitize=shift-base",
+            "-fno-sanitize-recover=undefined"]
+
 def _build(code):
     with open(os.path.join(HERE, "shim.h"), "rb") as f: shim = f.read()
-    h = hashlib.sha1(code.encode() + shim).hexdigest()[:16]
+    san = _sanitize_flags()
+    h = hashlib.sha1(code.encode() + shim + " ".join(san).encode()).hexdigest()[:16]
     so = os.path.join(BUILD, f"k_{h}.so")
     if os.path.exists(so):
         return so
@@ -451,6 +479,11 @@ def _build(code):
     # device-only code (inline PTX the emulator has its own version of in shim.h)
     src = re.sub(r"// emu: begin device-only.*?// emu: end device-only", "", src, flags=re.S)
     assert "asm(" not in src and "asm volatile(" not in src
+    # static shared objects are poisoned at each block's first use (shim.h emu_poison_shared)
+    n_shared = len(re.findall(r"(?<!extern )__shared__", src))
+    assert len(SHARED_RE.findall(src)) == n_shared, "a __shared__ declaration SHARED_RE misses"
+    src = SHARED_RE.sub(lambda m: f"{m.group(0)} emu_poison_shared(&{m.group(1)}, "
+                                  f"sizeof({m.group(1)}));", src)
     src = src.replace("extern __shared__ float4 pa_smem4[];",
                       "float4* pa_smem4 = reinterpret_cast<float4*>(emu_smem_ptr);")
     names = ENTRY_RE.findall(code)
@@ -462,6 +495,9 @@ extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned g
                           unsigned long smem, void** argv) {
     auto it = emu_registry.find(name);
     if (it == emu_registry.end()) return -1;
+    const char* order = std::getenv("KVSHARE_EMU_ORDER");
+    emu_order_mode = !order ? 0 : !std::strcmp(order, "reverse") ? 1 : !std::strcmp(order, "shuffle") ? 2 : 0;
+    if (const char* seed = std::getenv("KVSHARE_EMU_SEED")) emu_order_rng = std::strtoull(seed, nullptr, 10) * 2 + 1;
     gridDim.x = gx; gridDim.y = gy; gridDim.z = gz; blockDim.x = bx; blockDim.y = 1; blockDim.z = 1;
     std::vector<unsigned char> sm(smem + 64);
     unsigned char* p = sm.data() + (16 - ((uintptr_t)sm.data() & 15)) % 16;
@@ -480,7 +516,7 @@ extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned g
     cpp = so[:-3] + ".cpp"
     with open(cpp, "w") as f: f.write(full)
     r = subprocess.run(["g++", "-std=c++17", "-O2", "-g", "-fPIC", "-shared", "-Wno-unknown-pragmas",
-                        "-I", HERE, cpp, "-o", so], capture_output=True, text=True)
+                        *san, "-I", HERE, cpp, "-o", so], capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(r.stderr[-6000:])
     return so

@@ -21,7 +21,11 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 // static __shared__ arrays: a function-local static is one object for all the fibers (threads)
-// of a block, as shared memory is (not poisoned between blocks, unlike the dynamic one)
+// of a block, as shared memory is; fakecupy follows each declaration with
+// emu_poison_shared(), which fills the object with 0xFF bytes (NaN in f16 and f32) when the
+// first thread of a block reaches it, as the dynamic shared memory is before each block: a
+// kernel that reads shared memory it did not write in this block reads NaN, not the previous
+// block's values nor a static's zeros
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 
@@ -31,7 +35,7 @@ static uint3_ threadIdx, blockIdx;
 static dim3_ blockDim, gridDim;
 static unsigned char* emu_smem_ptr = nullptr;
 
-struct float4 { float x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };   // CUDA's float4 is 16-byte aligned too
 static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
@@ -142,13 +146,42 @@ static inline void kvs_mma_16816(float* c, const unsigned* a, const unsigned* b)
     for (int i = 0; i < 4; ++i) c[i] = r[i];
 }
 
+static long emu_block_serial = 0;   // blocks run so far, this one included
+static std::map<void*, long> emu_poisoned;   // static shared object -> the block that poisoned it
+static inline void emu_poison_shared(void* p, std::size_t n) {
+    long& s = emu_poisoned[p];
+    if (s != emu_block_serial) { std::memset(p, 0xFF, n); s = emu_block_serial; }
+}
+
 static void emu_fiber_entry() {
     emu_body();
     emu_fibers[emu_cur].done = true;
     // returning resumes uc_link (the scheduler)
 }
 
+// The order the scheduler resumes the runnable fibers in, each pass (KVSHARE_EMU_ORDER, read
+// at every launch): 0 thread order; 1 reverse; 2 a new pseudo-random permutation each pass
+// (KVSHARE_EMU_SEED). A kernel whose threads read what another thread wrote without a
+// barrier between (a missing __syncthreads / __syncwarp) sees the other thread's old value
+// in one of the orders, where a GPU may too: running its tests in thread order and in
+// reverse catches a dependence in either direction.
+static int emu_order_mode = 0;
+static unsigned long long emu_order_rng = 0x9e3779b97f4a7c15ull;
+static std::vector<int> emu_order;
+static void emu_next_order(int nthreads) {
+    emu_order.resize(nthreads);
+    for (int i = 0; i < nthreads; ++i) emu_order[i] = emu_order_mode == 1 ? nthreads - 1 - i : i;
+    if (emu_order_mode == 2) {
+        for (int i = nthreads - 1; i > 0; --i) {
+            emu_order_rng = emu_order_rng * 6364136223846793005ull + 1442695040888963407ull;
+            const int j = (int)((emu_order_rng >> 33) % (unsigned long long)(i + 1));
+            std::swap(emu_order[i], emu_order[j]);
+        }
+    }
+}
+
 static void emu_run_block(int nthreads) {
+    ++emu_block_serial;
     emu_nthreads = nthreads;
     emu_block_count = 0; emu_block_gen = 0;
     for (int w = 0; w < 32; ++w) { emu_warp_count[w] = 0; emu_warp_gen[w] = 0; }
@@ -164,9 +197,12 @@ static void emu_run_block(int nthreads) {
         makecontext(&f.ctx, emu_fiber_entry, 0);
     }
     int alive = nthreads;
+    emu_next_order(nthreads);
     while (alive > 0) {
         bool progress = false;
-        for (int t = 0; t < nthreads; ++t) {
+        if (emu_order_mode == 2) emu_next_order(nthreads);
+        for (int i = 0; i < nthreads; ++i) {
+            const int t = emu_order[i];
             EmuFiber& f = emu_fibers[t];
             if (f.done) continue;
             if (f.wait_kind == 1 && !(emu_block_gen > f.wait_gen)) continue;

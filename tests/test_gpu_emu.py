@@ -1,0 +1,126 @@
+"""The CPU emulator's own checks (tests/gpu_emu), each shown to catch its class of bug:
+
+- thread orders (`KVSHARE_EMU_ORDER`, shim.h): a kernel whose threads read what a lower
+  thread wrote without a barrier between passes in thread order (the default, where the
+  writer has run first) and fails in reverse and shuffled order, as it may fail on a GPU;
+  with the barrier it passes in every order;
+- shared memory poisoned before each block: a block that reads a static `__shared__` array
+  another block wrote reads NaN (on a GPU, whatever the memory held), not that block's
+  values;
+- the sanitizer build (`KVSHARE_EMU_SANITIZE=1`, fakecupy): a `float4` load at an address
+  16 does not divide (a "misaligned address" fault on a GPU, silent on x86) aborts with
+  UndefinedBehaviorSanitizer's report; aligned, it runs.
+
+Runs only on the emulator (`PYTHONPATH=tests/gpu_emu pytest -p emu_plugin`; CI's emulator
+step): a GPU gives no control over its scheduling, so elsewhere it skips.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SRC = r"""
+extern "C" __global__ void shift_%(name)s(const float* x, float* y) {
+    __shared__ float s[128];
+    const int t = threadIdx.x;
+    s[t] = x[t];
+    %(barrier)s
+    y[t] = t > 0 ? s[t - 1] : 0.f;   // a lower thread's value
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def cp():
+    mod = sys.modules.get("cupy")
+    if mod is None or not hasattr(mod, "COUNTS"):
+        pytest.skip("checks of the CPU emulator (tests/gpu_emu) itself")
+    return mod
+
+
+def _shift(cp, barrier: bool, order: str, monkeypatch, seed: int = 1) -> bool:
+    """Whether the kernel's output is the shifted input under `order`."""
+    monkeypatch.setenv("KVSHARE_EMU_ORDER", order)
+    monkeypatch.setenv("KVSHARE_EMU_SEED", str(seed))
+    name = "sync" if barrier else "racy"
+    code = SRC % {"name": name, "barrier": "__syncthreads();" if barrier else ""}
+    fn = cp.RawModule(code=code).get_function(f"shift_{name}")
+    ok = True
+    # a fresh input each launch: the static shared array keeps the previous launch's values
+    for rep in range(3):
+        x = np.arange(128, dtype=np.float32) + 1000 * (rep + 1)
+        y = cp.empty(128, np.float32)
+        fn((1, 1, 1), (128, 1, 1), (cp.asarray(x), y))
+        ok &= bool(np.array_equal(cp.asnumpy(y)[1:], x[:-1]))
+    return ok
+
+
+def test_missing_barrier_is_caught_in_reverse_and_shuffled_order(cp, monkeypatch):
+    assert _shift(cp, False, "forward", monkeypatch)  # the writer ran first: no sign of it
+    assert not _shift(cp, False, "reverse", monkeypatch)
+    assert not _shift(cp, False, "shuffle", monkeypatch, seed=7)
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse", "shuffle"])
+def test_barrier_orders_the_threads_in_every_order(cp, monkeypatch, order):
+    assert _shift(cp, True, order, monkeypatch)
+
+
+MISALIGNED = r"""
+import sys
+import numpy as np
+import fakecupy
+fakecupy.install()
+import cupy as cp
+src = r'''
+extern "C" __global__ void load4(const float* x, float* y, int offset) {
+    const float4 v = *reinterpret_cast<const float4*>(x + offset);
+    y[threadIdx.x] = v.x + v.y + v.z + v.w;
+}'''
+fn = cp.RawModule(code=src).get_function("load4")
+y = cp.empty(32, np.float32)
+fn((1, 1, 1), (32, 1, 1), (cp.asarray(np.ones(64, np.float32)), y, np.int32(sys.argv[1])))
+print(float(cp.asnumpy(y)[0]))
+"""
+
+
+def _load4(offset: int, sanitize: bool) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent / "gpu_emu"),
+               KVSHARE_EMU_SANITIZE="1" if sanitize else "0")
+    return subprocess.run([sys.executable, "-c", MISALIGNED, str(offset)], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_sanitizer_build_catches_a_misaligned_vector_load(cp):
+    plain = _load4(1, sanitize=False)
+    assert plain.returncode == 0 and plain.stdout.strip() == "4.0", plain.stderr
+    bad = _load4(1, sanitize=True)
+    assert bad.returncode != 0
+    assert "misaligned address" in bad.stderr and "float4" in bad.stderr, bad.stderr
+    good = _load4(4, sanitize=True)
+    assert good.returncode == 0 and good.stdout.strip() == "4.0", good.stderr
+
+
+def test_static_shared_memory_is_poisoned_for_each_block(cp):
+    code = r"""
+extern "C" __global__ void first_block_writes(const float* x, float* y) {
+    __shared__ float s[32];
+    const int t = threadIdx.x;
+    if (blockIdx.x == 0) s[t] = x[t];
+    __syncthreads();
+    y[32 * blockIdx.x + t] = s[t];
+}
+"""
+    fn = cp.RawModule(code=code).get_function("first_block_writes")
+    x = np.arange(32, dtype=np.float32)
+    y = cp.empty(64, np.float32)
+    fn((2, 1, 1), (32, 1, 1), (cp.asarray(x), y))
+    out = cp.asnumpy(y)
+    assert np.array_equal(out[:32], x)
+    assert np.isnan(out[32:]).all()  # not block 0's values
