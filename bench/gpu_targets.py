@@ -16,6 +16,10 @@ Reads, from one directory (`--dir`), the files the device check's steps write:
     step_<name>.json         {"rc": ..., "seconds": ...} per step: a timeout (rc 124) or a
                              crash shows as such instead of "not run"
 
+    triage.json              `--triage pytest_kernels.xml`: the kernel families whose tests
+                             failed in the default run's first step and the switches that
+                             took them out of the figures measured after it
+
 and prints ONE table (figure | target | measured | status | source), also written to
 `--out-dir`/targets.txt and targets.json (the rows plus the JSON sources themselves, so that
 one file brings every measurement back). A figure counts only when measured as the issue
@@ -25,6 +29,7 @@ those). A missing measurement is "not run" (with the mode of gpu_check.sh that m
 never a pass.
 
     python bench/gpu_targets.py --dir /tmp/kvshare-gpu-check --out-dir "$OUT" [--mode default]
+    python bench/gpu_targets.py --dir /tmp/kvshare-gpu-check --triage pytest_kernels.xml
 """
 
 from __future__ import annotations
@@ -46,6 +51,19 @@ MODE_OF = {"bench": "default run", "fleet": "default run", "q2k": "default run",
            "kernels": "default run",
            "tests": "TESTS_ONLY=1 run", "matvec": "default run", "moe": "MOE_ONLY=1 run",
            "compile": "EXTRAS_ONLY=1 run"}
+
+
+# The default run tests the kernels no device has run yet before it measures anything
+# (gpu_check.sh): a test module that fails there -> the environment switch that takes its
+# kernels out of the figures measured after it, so that they time what computes correctly
+# (None: no switch; the figures run those kernels anyway, and the failing test row says so).
+TRIAGE_SWITCHES = {
+    "test_ops_gpu_attention_mma": "KVSHARE_GPU_ATTN_MMA=0",  # prefill attention on FMA units
+    "test_sampling_gpu": "KVSHARE_DEVICE_SAMPLING=0",  # sampling on the host
+    "test_engine_overlap": "KVSHARE_EMIT_OVERLAP=0",  # each token's emission in its step
+    "test_ops_gpu_mmvq": None,  # opt-in (KVSHARE_GPU_MATVEC=q8): its info run is skipped
+    "test_ops_gpu_fused": None,  # the decode step's fused ops have no switch
+}
 
 
 @dataclass
@@ -337,8 +355,37 @@ def matvec_row(d: Path) -> Row:
     return row
 
 
+def triage(xml: Path) -> dict:
+    """{"failed": {test module: [failed test ids]}, "switches": [NAME=VALUE]} of a junit XML
+    of the kernel tests (`TRIAGE_SWITCHES`); a missing or unreadable file fails nothing."""
+    c = junit_counts(xml)
+    failed: dict[str, list[str]] = {}
+    for test in (c or {}).get("failed_tests", []):
+        # classname tests.test_x (or tests.test_x.TestClass); a module that failed to import
+        # has no classname, its name is the module (it ran no test: it counts as failed)
+        cls, _, name = test.partition("::")
+        parts = (cls or name).split(".")
+        module = next((p for p in parts if p.startswith("test_")), parts[-1])
+        failed.setdefault(module, []).append(test)
+    switches = [TRIAGE_SWITCHES[m] for m in sorted(failed) if TRIAGE_SWITCHES.get(m)]
+    return {"failed": failed, "switches": switches}
+
+
+def triage_notes(d: Path) -> list[str]:
+    t = load_json(d / "triage.json")
+    if not t or not t.get("switches"):
+        return []
+    return [f"measured with {' '.join(t['switches'])}: the tests of "
+            f"{', '.join(sorted(t['failed']))} failed on this device first"]
+
+
 def build(d: Path) -> list[Row]:
-    return [*bench_rows(d), *fleet_rows(d), *test_rows(d), matvec_row(d)]
+    rows = [*bench_rows(d), *fleet_rows(d)]
+    notes = triage_notes(d)
+    for r in rows:
+        if r.status != "not run":
+            r.notes += notes
+    return [*rows, *test_rows(d), matvec_row(d)]
 
 
 # ----------------------------------------------------------------------------- output
@@ -365,8 +412,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", required=True, help="where the steps wrote their files")
     ap.add_argument("--out-dir", default=None, help="write targets.txt / targets.json here")
     ap.add_argument("--mode", default="default run", help="the gpu_check.sh mode, for the title")
+    ap.add_argument("--triage", default=None, metavar="XML",
+                    help="instead of the table: write --dir/triage.json from this junit XML "
+                         "(in --dir) and print the switches, one NAME=VALUE a line")
     args = ap.parse_args(argv)
     d = Path(args.dir)
+    if args.triage:
+        t = triage(d / args.triage)
+        (d / "triage.json").write_text(json.dumps(t, indent=1))
+        sys.stdout.write("".join(f"{sw}\n" for sw in t["switches"]))
+        return 0
     rows = build(d)
     text = render(rows, args.mode)
     sys.stdout.write(text)

@@ -262,3 +262,50 @@ def test_the_matvec_bench_is_shown_without_a_target(tmp_path):
     row = _rows(tmp_path)["matvec"]
     assert row.status == "info"
     assert row.measured == "m=1, 2 products: bmv 0.020 ms, mmvq 0.016 ms"
+
+
+def test_triage_switches_off_the_kernels_whose_tests_failed(tmp_path):
+    """The default run's first step: a kernel family failing its tests on the device is
+    switched off for the figures after it, and the table says with what."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "__init__.py").write_text("")
+    (tests / "test_ops_gpu_attention_mma.py").write_text(
+        "def test_prefill():\n    assert False\n\ndef test_decode_rows():\n    pass\n")
+    (tests / "test_sampling_gpu.py").write_text(
+        "class TestTopP:\n    def test_rows(self):\n        assert False\n")
+    (tests / "test_ops_gpu_fused.py").write_text("def test_glu():\n    assert False\n")
+    (tests / "test_engine_overlap.py").write_text("def test_events():\n    pass\n")
+    # a module that does not import ran no test: it counts as failed
+    (tests / "test_ops_gpu_mmvq.py").write_text("import kvshare_no_such_module\n")
+    xml = tmp_path / "pytest_kernels.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    "--continue-on-collection-errors", f"--junitxml={xml}", "tests"],
+                   cwd=tmp_path, capture_output=True, timeout=120, check=False)
+    out = subprocess.run([sys.executable, str(_PATH), "--dir", str(tmp_path), "--triage",
+                          "pytest_kernels.xml"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    # the fused ops and the (opt-in) mmvq have no switch; overlap passed
+    assert out.splitlines() == ["KVSHARE_GPU_ATTN_MMA=0", "KVSHARE_DEVICE_SAMPLING=0"]
+    t = json.loads((tmp_path / "triage.json").read_text())
+    assert sorted(t["failed"]) == ["test_ops_gpu_attention_mma", "test_ops_gpu_fused",
+                                   "test_ops_gpu_mmvq", "test_sampling_gpu"]
+    assert t["failed"]["test_ops_gpu_attention_mma"] == [
+        "tests.test_ops_gpu_attention_mma::test_prefill"]
+    rows = _rows(_write(tmp_path))
+    note = ("measured with KVSHARE_GPU_ATTN_MMA=0 KVSHARE_DEVICE_SAMPLING=0: the tests of "
+            "test_ops_gpu_attention_mma, test_ops_gpu_fused, test_ops_gpu_mmvq, "
+            "test_sampling_gpu failed on this device first")
+    for rid in ("decode_b1", "prefill_1k", "fleet_ttft"):
+        assert note in rows[rid].notes, rows[rid]
+    assert rows["decode_b1"].status == "pass"  # the figure still stands, with its note
+    assert note not in rows["pytest_graphs_on"].notes
+
+
+def test_triage_without_failures_switches_nothing(tmp_path, junit):
+    (tmp_path / "pytest_kernels.xml").write_text(junit["ok"])
+    assert gt.main(["--dir", str(tmp_path), "--triage", "pytest_kernels.xml"]) == 0
+    assert json.loads((tmp_path / "triage.json").read_text())["switches"] == []
+    assert gt.triage(tmp_path / "absent.xml") == {"failed": {}, "switches": []}
+    rows = _rows(_write(tmp_path))
+    assert not any("measured with" in n for n in rows["decode_b1"].notes)

@@ -38,12 +38,12 @@ def be():
 
 
 @pytest.fixture(autouse=True)
-def fma_attention(request, monkeypatch):
-    """The attention tests here hold the FMA kernels (kernels/paged_attention.cu) to 1e-4;
-    prefill chunks on f16 caches would otherwise go to the tensor-core kernels, which round q
-    and P to f16 and have their own tests (tests/test_ops_gpu_attention_mma.py)."""
-    if "attention" in request.node.name or "attend" in request.node.name:
-        monkeypatch.setenv("KVSHARE_GPU_ATTN_MMA", "0")
+def fma_attention(monkeypatch):
+    """Every attention launch here runs on the FMA kernels (kernels/paged_attention.cu),
+    held to 1e-4: prefill chunks on f16 caches would otherwise go to the tensor-core kernels,
+    which round q and P to f16 and have their own tests (tests/test_ops_gpu_attention_mma.py).
+    The module's other tests launch no attention."""
+    monkeypatch.setenv("KVSHARE_GPU_ATTN_MMA", "0")
 
 
 def _np(be, a):
