@@ -211,7 +211,8 @@ make_model() {
 # yet (the fused ops, the 8-bit-activation mat-vec, sampling on the device, the engine's
 # emission beside the device's step, the tensor-core attention): a family whose tests fail
 # here is switched off for the figures (bench/gpu_targets.py --triage: KVSHARE_GPU_ATTN_MMA=0,
-# KVSHARE_DEVICE_SAMPLING=0, KVSHARE_EMIT_OVERLAP=0), so that one run brings back both the
+# KVSHARE_GPU_FUSED=0, KVSHARE_DEVICE_SAMPLING=0, KVSHARE_EMIT_OVERLAP=0; the q8 info run
+# skipped), so that one run brings back both the
 # failure and figures of what computes correctly; the table names the switches
 target_steps() {
     step pytest_kernels 120 "${PYTEST[@]}" -m gpu --junitxml="$WORK/pytest_kernels.xml" \

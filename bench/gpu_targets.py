@@ -56,13 +56,13 @@ MODE_OF = {"bench": "default run", "fleet": "default run", "q2k": "default run",
 # The default run tests the kernels no device has run yet before it measures anything
 # (gpu_check.sh): a test module that fails there -> the environment switch that takes its
 # kernels out of the figures measured after it, so that they time what computes correctly
-# (None: no switch; the figures run those kernels anyway, and the failing test row says so).
+# (None: the figures do not run them by default).
 TRIAGE_SWITCHES = {
     "test_ops_gpu_attention_mma": "KVSHARE_GPU_ATTN_MMA=0",  # prefill attention on FMA units
     "test_sampling_gpu": "KVSHARE_DEVICE_SAMPLING=0",  # sampling on the host
     "test_engine_overlap": "KVSHARE_EMIT_OVERLAP=0",  # each token's emission in its step
     "test_ops_gpu_mmvq": None,  # opt-in (KVSHARE_GPU_MATVEC=q8): its info run is skipped
-    "test_ops_gpu_fused": None,  # the decode step's fused ops have no switch
+    "test_ops_gpu_fused": "KVSHARE_GPU_FUSED=0",  # the op sequences the fused ops replace
 }
 
 

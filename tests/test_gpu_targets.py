@@ -285,15 +285,17 @@ def test_triage_switches_off_the_kernels_whose_tests_failed(tmp_path):
     out = subprocess.run([sys.executable, str(_PATH), "--dir", str(tmp_path), "--triage",
                           "pytest_kernels.xml"], capture_output=True, text=True, timeout=60,
                          check=True).stdout
-    # the fused ops and the (opt-in) mmvq have no switch; overlap passed
-    assert out.splitlines() == ["KVSHARE_GPU_ATTN_MMA=0", "KVSHARE_DEVICE_SAMPLING=0"]
+    # mmvq is opt-in (no switch, its info run is skipped); overlap passed
+    assert out.splitlines() == ["KVSHARE_GPU_ATTN_MMA=0", "KVSHARE_GPU_FUSED=0",
+                                "KVSHARE_DEVICE_SAMPLING=0"]
     t = json.loads((tmp_path / "triage.json").read_text())
     assert sorted(t["failed"]) == ["test_ops_gpu_attention_mma", "test_ops_gpu_fused",
                                    "test_ops_gpu_mmvq", "test_sampling_gpu"]
     assert t["failed"]["test_ops_gpu_attention_mma"] == [
         "tests.test_ops_gpu_attention_mma::test_prefill"]
     rows = _rows(_write(tmp_path))
-    note = ("measured with KVSHARE_GPU_ATTN_MMA=0 KVSHARE_DEVICE_SAMPLING=0: the tests of "
+    note = ("measured with KVSHARE_GPU_ATTN_MMA=0 KVSHARE_GPU_FUSED=0 "
+            "KVSHARE_DEVICE_SAMPLING=0: the tests of "
             "test_ops_gpu_attention_mma, test_ops_gpu_fused, test_ops_gpu_mmvq, "
             "test_sampling_gpu failed on this device first")
     for rid in ("decode_b1", "prefill_1k", "fleet_ttft"):

@@ -245,7 +245,8 @@ def _composed(be):
 def test_decode_step_launches_fewer_kernels(tmp_path, monkeypatch):
     """One decode step of the tiny qwen3 (q/k norms) on block weights, eager: the device
     operations each attention layer launches (kernels, cuBLAS calls, CuPy array operations),
-    with the fused ops and with the op sequences they replace; the logits agree."""
+    with the fused ops and with the op sequences they replace; the logits agree. With
+    KVSHARE_GPU_FUSED=0 the step is the op sequences', launch for launch and bit for bit."""
     if not _emulated():
         pytest.skip("counts the CPU emulator's launches")
     import cupy  # noqa: PLC0415
@@ -289,10 +290,17 @@ def test_decode_step_launches_fewer_kernels(tmp_path, monkeypatch):
         return list(counts), lg
 
     fused, lg_fused = step()
+    # KVSHARE_GPU_FUSED=0 (gpu_check.sh's way around fused kernels failing on a device)
+    monkeypatch.setenv("KVSHARE_GPU_FUSED", "0")
+    switched, lg_switched = step()
+    monkeypatch.delenv("KVSHARE_GPU_FUSED")
     for name, fn in _composed(model.backend).items():
         monkeypatch.setattr(base, name, fn)
     composed, lg_composed = step()
-    print(f"launches per layer: composed {composed}, fused {fused}")
+    print(f"launches per layer: composed {composed}, fused {fused}, "
+          f"KVSHARE_GPU_FUSED=0 {switched}")
+    assert switched == composed
+    assert np.array_equal(lg_switched, lg_composed)
     n_layers = len(model.layers)
     assert len(fused) == len(composed) == n_layers
     # q, k, v (and gate, up) are each of one type here, so each group is one part of its
@@ -449,4 +457,51 @@ def test_decode_graphs_on_row_chunks(tmp_path, monkeypatch):
     graph = run(True)
     r = gpu_graphs.runner(model)
     assert r is not None and not r.failures and 32 in r.graphs and r.replays >= 2
+    assert np.array_equal(graph, eager)
+
+
+def test_decode_graphs_without_fused_ops(tmp_path, monkeypatch):
+    """KVSHARE_GPU_FUSED=0: decode steps still capture (the op sequences allocate nothing
+    while a stream captures) and replay the eager steps' bits."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kvshare.model import gpu_graphs
+    from kvshare.model.batch import SeqChunk
+    from kvshare.model.loader import load_model
+
+    root = Path(__file__).resolve().parent.parent
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    subprocess.run([sys.executable, str(root / "scripts" / "make_random_gguf.py"), "--arch",
+                    "qwen3", "--size", "tiny", "--layers", "1", "--out", str(path),
+                    "--tokenizer-from",
+                    str(root / "tests" / "data" / "models" / "tiny-qwen3-chat.gguf")],
+                   check=True, capture_output=True)
+    monkeypatch.setenv("KVSHARE_GPU_WEIGHTS", "blocks")
+    monkeypatch.setenv("KVSHARE_GPU_FUSED", "0")
+    model = load_model(path, "cuda")
+    n = 3
+
+    def run(graphs: bool) -> np.ndarray:
+        model.cuda_graphs = graphs
+        cache = model.new_cache(2 * n, 16)
+        rng = np.random.default_rng(5)
+        tables = [np.array([2 * i, 2 * i + 1], np.int32) for i in range(n)]
+        for t in tables:
+            model.forward([SeqChunk(rng.integers(0, 367, 5), 0, t, logits="none")], cache)
+        return np.stack([np.concatenate(model.forward(
+            [SeqChunk(rng.integers(0, 367, 1), 5 + step, t) for t in tables], cache))
+            for step in range(3)])
+
+    log = _launch_log()
+    before = len(log) if log is not None else 0
+    eager = run(False)
+    if log is not None:  # the emulator: the op sequences ran, not the fused kernels
+        names = {e[0] for e in log[before:]}
+        assert not any(nm.startswith(("qkv_rope_write", "bmvglu")) for nm in names)
+        assert any(nm.startswith("kv_write") for nm in names)
+    graph = run(True)
+    r = gpu_graphs.runner(model)
+    assert r is not None and not r.failures and 4 in r.graphs and r.replays >= 2
     assert np.array_equal(graph, eager)

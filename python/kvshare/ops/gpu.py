@@ -760,8 +760,9 @@ def linear(x: Any, w: Any, bias: Any | None = None, *, out: Any | None = None) -
 def linear_add(x: Any, w: Any, bias: Any | None, y: Any) -> Any:
     """GPU twin of `kvshare.ops.linear.linear_add`: `y += x @ w.T (+ bias)` in place. On a
     `GpuBlockWeight` with up to 16 rows, the mat-vec adds into y (one launch per part,
-    `gpu_blocks.linear_add`); otherwise `linear`, then the add."""
-    if isinstance(w, GpuBlockWeight):
+    `gpu_blocks.linear_add`; not with KVSHARE_GPU_FUSED=0, `rt.fused_ops`); otherwise
+    `linear`, then the add."""
+    if isinstance(w, GpuBlockWeight) and rt.fused_ops():
         return gpu_blocks.linear_add(x, w, bias, y)
     y += linear(x, w, bias)
     return y
@@ -770,11 +771,13 @@ def linear_add(x: Any, w: Any, bias: Any | None, y: Any) -> Any:
 def linear_glu(x: Any, w: Any, activation: str) -> Any:
     """GPU twin of `kvshare.ops.linear.linear_glu`: `act(x @ gate.T) * (x @ up.T)` float32
     `[N, n_ff]` for w = gate|up stacked `[2 n_ff, in]`. One `bmvglu` launch where
-    `gpu_blocks.glu_fuses` (block weights, gate and up of one type, up to 16 rows); otherwise
-    `linear`, then the activation over the gate half (the view it returns)."""
+    `gpu_blocks.glu_fuses` (block weights, gate and up of one type, up to 16 rows; not with
+    KVSHARE_GPU_FUSED=0, `rt.fused_ops`); otherwise `linear`, then the activation over the
+    gate half (the view it returns)."""
     if activation not in gpu_blocks.GLU_ACT:
         raise ValueError(f"unknown activation {activation!r}")
-    if isinstance(w, GpuBlockWeight) and gpu_blocks.glu_fuses(w, int(rt.as_rows(x).shape[0])):
+    if (isinstance(w, GpuBlockWeight) and rt.fused_ops()
+            and gpu_blocks.glu_fuses(w, int(rt.as_rows(x).shape[0]))):
         return gpu_blocks.linear_glu(x, w, activation)
     gu = linear(x, w)
     ff = int(gu.shape[1]) // 2

@@ -8,6 +8,7 @@ imports nothing GPU-related at import time (CuPy comes from `kvshare.backend` on
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -21,7 +22,7 @@ __all__ = [
     "ENTRY_POINTS", "declare_entry_points", "kernel", "device_id", "device_attr", "grid",
     "is_device", "upload", "host", "estrides", "f32_lastdim_view", "as_rows", "gemm_f16",
     "ELEMWISE_THREADS", "ROWS_PER_BLOCK", "MAX_GRID", "empty", "Workspace", "using",
-    "capturing", "is_capturing",
+    "capturing", "is_capturing", "FUSED_ENV", "fused_ops",
 ]
 
 # Every kernel the GPU ops launch, by kernel module: each op module declares the ones it
@@ -48,6 +49,19 @@ _CUBLAS_COMPUTE_32F = 68  # cublasComputeType_t
 _CUBLAS_GEMM_DEFAULT = -1
 _CUBLAS_OP_N = 0
 _CUBLAS_OP_T = 1
+
+
+FUSED_ENV = "KVSHARE_GPU_FUSED"
+
+
+def fused_ops() -> bool:
+    """Whether the GPU runs the decode step's fused ops: `qkv_rope_write` as one kernel, the
+    block mat-vec adding into the residual stream (`linear_add`), the gate|up mat-vec with
+    its activation (`linear_glu`). KVSHARE_GPU_FUSED=0 runs the op sequences they replace
+    instead (the same values up to float32 rounding): the way around a device on which the
+    fused kernels fail their tests (bench/gpu_check.sh switches them off then). Read at each
+    call, as the other GPU switches, so that a test can flip it."""
+    return os.environ.get(FUSED_ENV, "1") != "0"
 
 
 def declare_entry_points(module: str, entries: tuple[str, ...]) -> None:

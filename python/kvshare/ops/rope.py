@@ -9,6 +9,7 @@ import numpy as np
 from kvshare.backend import CPU, Backend
 from kvshare.ops._dispatch import gpu_op
 from kvshare.ops.attention import write_kv
+from kvshare.ops.gpu_runtime import fused_ops
 
 NEOX = "neox"
 NORM = "norm"
@@ -131,8 +132,9 @@ def qkv_rope_write(qkv: Any, q_norm: Any | None, k_norm: Any | None, eps: float,
     (`norm_and_rope`), K and V are stored at `slots` of the layer's cache (`write_kv`), and q
     is returned as the `[N, n_head, head_dim]` view of qkv (updated in place; k's columns
     too, on the CPU). On the GPU one kernel does all of it for any N (a device slot < 0, a
-    CUDA graph's padding row, stores nothing there)."""
-    if backend.is_gpu:
+    CUDA graph's padding row, stores nothing there), unless KVSHARE_GPU_FUSED=0
+    (`gpu_runtime.fused_ops`): then the ops it fuses, as on the CPU."""
+    if backend.is_gpu and fused_ops():
         return gpu_op("qkv_rope_write")(qkv, q_norm, k_norm, eps, cos, sin, style, k_cache,
                                         v_cache, slots, n_head, n_head_kv, head_dim)
     return qkv_rope_write_unfused(qkv, q_norm, k_norm, eps, cos, sin, style, k_cache, v_cache,
