@@ -61,6 +61,7 @@ TRIAGE_SWITCHES = {
     "test_ops_gpu_attention_mma": "KVSHARE_GPU_ATTN_MMA=0",  # prefill attention on FMA units
     "test_sampling_gpu": "KVSHARE_DEVICE_SAMPLING=0",  # sampling on the host
     "test_engine_overlap": "KVSHARE_EMIT_OVERLAP=0",  # each token's emission in its step
+    "test_engine_step_ahead": "KVSHARE_ASYNC_SCHEDULING=0",  # every step scheduled in turn
     "test_ops_gpu_mmvq": None,  # opt-in (KVSHARE_GPU_MATVEC=q8): its info run is skipped
     "test_ops_gpu_fused": "KVSHARE_GPU_FUSED=0",  # the op sequences the fused ops replace
 }

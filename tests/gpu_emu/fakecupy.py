@@ -231,10 +231,13 @@ def matmul(a, b, out=None):
         return np.matmul(a, b, out=out)   # through ndarray.__array_ufunc__ (captured)
     _no_capture("matmul without out= (an allocation)")
     return _dev(np.matmul(_base(a), _base(b)))
-def asnumpy(a, stream=None):
+def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
     if isinstance(a, ndarray):
         _no_capture("device-to-host copy (asnumpy)")
         COUNTS["d2h"] += 1
+    if out is not None:   # (blocking=False: an asynchronous copy; here it is done at once)
+        np.copyto(out, np.asarray(a).view(np.ndarray))
+        return out
     return np.array(np.asarray(a).view(np.ndarray))
 def __getattr__(name):
     # NumPy for the rest of CuPy's array API (exp, negative, multiply, arange, ...): ufuncs
@@ -329,6 +332,8 @@ class Event:
     def record(self, stream=None): pass
     def synchronize(self): _no_capture("Event.synchronize")
 cuda.Event = Event
+# page-locked host memory (the target of an asynchronous device-to-host copy): a buffer
+cuda.alloc_pinned_memory = lambda nbytes: bytearray(int(nbytes))
 cuda.get_elapsed_time = lambda a, b: 0.0
 
 graph = types.ModuleType("fakecupy.cuda.graph")

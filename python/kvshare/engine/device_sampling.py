@@ -84,6 +84,52 @@ def row_spec(sampler: Sampler, row: Any, mask: np.ndarray | None, n_top: int) ->
         mask=mask, u=0.0 if p.greedy else sampler.uniform(), n_top=n_top)
 
 
+class PendingPicks:
+    """A step's rows with their device sampling launched (`DeviceSampling.launch`).
+    `on_device`: every row went to the kernel, so `tokens` (device int32, one per row, in
+    order) holds what each row drew unless the kernel hands it back or fails it. `wait()`
+    gives the `Pick`s; `keep_logits()` first copies the rows' logits on the device, for the
+    rows the host samples after all, when the logits buffer will be overwritten before
+    `wait()` (the next step launched ahead)."""
+
+    def __init__(self, owner: "DeviceSampling", items: list, picks: list[Pick], at: list[int],
+                 pending: Any):
+        self._owner, self._items, self._picks, self._at = owner, items, picks, at
+        self._pending = pending
+        self._kept: list[Any] | None = None
+        self.on_device = pending is not None and len(at) == len(picks)
+        self.tokens = pending.tokens if pending is not None else None
+        # whether the kernel may hand a row back to the host (sampled rows; top logprobs)
+        self.may_hand_back = pending is not None and any(
+            not sp.greedy or sp.n_top > 0 for sp in pending.specs)
+
+    def keep_logits(self) -> None:
+        from kvshare.backend import cupy_module  # noqa: PLC0415
+
+        rows = cupy_module().concatenate([out[-1:] for _, out, _ in self._items])
+        self._kept = [rows[k : k + 1] for k in range(len(self._items))]
+
+    def wait(self) -> list[Pick]:
+        from kvshare.ops import gpu_sampling as gs  # noqa: PLC0415 - CuPy-side module
+
+        picks, owner = self._picks, self._owner
+        results = self._pending.results() if self._pending is not None else []
+        for i, res in zip(self._at, results):
+            pk = picks[i]
+            if res.status == gs.STATUS_OK:
+                pk.token = res.token
+                if res.top is not None:
+                    pk.logprobs = (res.logprob, res.top)
+            elif res.status in gs.ERROR_MESSAGES:
+                pk.token, pk.error = -1, gs.ERROR_MESSAGES[res.status]
+        for k, (pk, (_, out, _)) in enumerate(zip(picks, self._items)):
+            if pk.token is None and pk.row is None:
+                pk.row = owner._host_row(out if self._kept is None else self._kept[k])
+        owner.rows_host += sum(pk.token is None for pk in picks)
+        owner.rows_device += sum(pk.token is not None for pk in picks)
+        return picks
+
+
 class DeviceSampling:
     """The engine's device sampler for one model (sets `model.logits_on_device`)."""
 
@@ -96,9 +142,10 @@ class DeviceSampling:
     def _host_row(self, out: Any) -> np.ndarray:
         return np.asarray(self.backend.to_host(out[-1:]))[-1]
 
-    def pick(self, items: list[tuple[Any, Any, Any]]) -> list[Pick]:
+    def launch(self, items: list[tuple[Any, Any, Any]]) -> PendingPicks:
         """(sequence, its chunk's logits, its precomputed grammar mask or None) of each row
-        of a step -> one `Pick` each, in order."""
+        of a step: the device rows' sampling launched (`PendingPicks.wait` for the `Pick`s,
+        one per row, in order). The host-only rows' logits are copied now."""
         from kvshare.ops import gpu_sampling as gs  # noqa: PLC0415 - CuPy-side module
 
         picks: list[Pick] = []
@@ -117,18 +164,8 @@ class DeviceSampling:
             if gs.takes(spec, int(out.shape[-1])):
                 specs.append(spec)
                 at.append(len(picks) - 1)
-        results = gs.sample_rows(specs) if specs else []
-        for i, res in zip(at, results):
-            pk = picks[i]
-            if res.status == gs.STATUS_OK:
-                pk.token = res.token
-                if res.top is not None:
-                    pk.logprobs = (res.logprob, res.top)
-            elif res.status in gs.ERROR_MESSAGES:
-                pk.token, pk.error = -1, gs.ERROR_MESSAGES[res.status]
-        for pk, (_, out, _) in zip(picks, items):
-            if pk.token is None and pk.row is None:
-                pk.row = self._host_row(out)
-        self.rows_host += sum(pk.token is None for pk in picks)
-        self.rows_device += sum(pk.token is not None for pk in picks)
-        return picks
+        return PendingPicks(self, items, picks, at, gs.launch_rows(specs) if specs else None)
+
+    def pick(self, items: list[tuple[Any, Any, Any]]) -> list[Pick]:
+        """`launch`, then wait: one `Pick` per row, in order."""
+        return self.launch(items).wait()

@@ -44,6 +44,8 @@ from kvshare.engine.device_sampling import wanted as device_sampling_wanted
 from kvshare.engine.sampling import Sampler, top_logprobs
 from kvshare.engine.scheduler import Planned, Scheduler
 from kvshare.engine.sequence import Sequence, SeqState
+from kvshare.engine.step_ahead import Ahead, holds
+from kvshare.engine.step_ahead import wanted as step_ahead_wanted
 
 if TYPE_CHECKING:
     from kvshare._core import Grammar, Matcher, _PoolStats
@@ -70,6 +72,10 @@ def new_matcher(req: GenerationRequest) -> Matcher | None:
     if req.grammar is None:
         return None
     return req.grammar.matcher()
+
+
+# a launched-ahead row's token: the device feeds the real one (engine/step_ahead.py)
+_PLACEHOLDER = np.zeros(1, dtype=np.int32)
 
 
 def one_token_mask(token: int, n: int) -> np.ndarray:
@@ -117,6 +123,10 @@ class EngineConfig:
     # each token's text and events are emitted while the device runs the next step
     # (engine/deferred_emit.py); None: on where the model runs on a GPU (KVSHARE_EMIT_OVERLAP)
     emit_overlap: bool | None = None
+    # a steady decode's next step is launched before this step's tokens reach the host
+    # (engine/step_ahead.py); None: on where the engine samples on the device
+    # (KVSHARE_ASYNC_SCHEDULING)
+    async_scheduling: bool | None = None
 
 
 class Engine:
@@ -138,6 +148,10 @@ class Engine:
         # a token's EMIT half runs after the next step's launch (engine/deferred_emit.py)
         self.emit_overlap = emit_overlap_wanted(model, config.emit_overlap)
         self._emits = EmitQueue()
+        # the next decode step launched before this one's tokens are back (engine/step_ahead.py)
+        self.async_scheduling = step_ahead_wanted(self.device_sampling is not None,
+                                                  config.async_scheduling)
+        self._ahead: Ahead | None = None
         self.cache = build_cache(model, config, fingerprint)
         # the cache's parts, by name (tests, /cache, the forward pass)
         self.kv, self.pool, self.tiers = self.cache.kv, self.cache.pool, self.cache.tiers
@@ -174,7 +188,8 @@ class Engine:
         self.counters = {"prompt_tokens_total": 0, "prompt_tokens_cached_total": 0,
                          "generated_tokens_total": 0, "steps": 0, "preemptions": 0,
                          "prompt_seconds_total": 0.0, "generation_seconds_total": 0.0,
-                         "busy_slots_total": 0, "seq_tokens_max": 0, "context_shifts": 0}
+                         "busy_slots_total": 0, "seq_tokens_max": 0, "context_shifts": 0,
+                         "steps_ahead": 0}
         self.peak_tokens_used = 0
         self.peak_kv_bytes = 0  # KV bytes in blocks sequences hold (both groups), at most
         self._step_started: float | None = None  # perf_counter while a step runs
@@ -446,7 +461,17 @@ class Engine:
     def step(self) -> None:
         """One model step: schedule (admission and blocks), forward, post-process (the cache
         records what was computed; sample, emit). A sequence whose part of this fails is
-        failed alone; the others go on."""
+        failed alone; the others go on. A step launched ahead by the previous one
+        (engine/step_ahead.py) is post-processed instead."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            # the device runs this step now: the previous step's text and events meanwhile
+            self._emit_deferred()
+            self.counters["steps"] += 1
+            self.counters["steps_ahead"] += 1
+            self.counters["busy_slots_total"] += len(self.scheduler.running)
+            self._postprocess(ahead.plan, ahead.logits, {})
+            return
         sched = self.scheduler.schedule()
         self._end_unscheduled(sched)
         plan = sched.planned
@@ -510,11 +535,17 @@ class Engine:
         """Each planned sequence: the cache records its chunk (scheduler.commit), then its
         logits, if it asked for them, are sampled (on the device: `self.device_sampling`).
         A sequence that a stop string in its deferred text finished after this step was
-        planned (engine/deferred_emit.py) is skipped: its blocks are released already."""
-        rows = [(i, out) for i, out in zip(plan, logits) if i.seq.state != SeqState.FINISHED]
-        picks = iter(self.device_sampling.pick(
-            [(i.seq, out, allowed.get(i.seq.seq_id)) for i, out in rows
-             if i.wants_logits]) if self.device_sampling is not None else ())
+        planned (engine/deferred_emit.py) is skipped: its blocks are released already, and so
+        is a void row of a step launched ahead (engine/step_ahead.py). Where it applies, the
+        next step is launched once this step's sampling is, before its tokens are back."""
+        rows = [(i, out) for i, out in zip(plan, logits)
+                if i.seq.state != SeqState.FINISHED and not i.void]
+        sampled = [(i.seq, out, allowed.get(i.seq.seq_id)) for i, out in rows if i.wants_logits]
+        pending = (self.device_sampling.launch(sampled)
+                   if self.device_sampling is not None and sampled else None)
+        ahead = self._launch_ahead(rows, pending) if pending is not None else None
+        picks_list = pending.wait() if pending is not None else []
+        picks = iter(picks_list)
         for item, out in rows:
             item.seq.suspect = False
             try:
@@ -527,11 +558,53 @@ class Engine:
                     self._on_logits(item.seq, row, allowed.get(item.seq.seq_id), pick)
             except Exception as exc:  # noqa: BLE001 - this sequence's fault alone
                 self._fail(item.seq, exc)
+        if ahead is not None:
+            # every row of the launched step is one of this step's rows (all sampled here)
+            for nxt, pick in zip(ahead.plan, picks_list):
+                nxt.void = not holds(nxt, pick)
+            if not all(i.void or i.seq.state == SeqState.FINISHED for i in ahead.plan):
+                self._ahead = ahead
         stats = self.pool.stats()
         self.peak_tokens_used = max(self.peak_tokens_used, stats["tokens_held"])
         self.peak_kv_bytes = max(self.peak_kv_bytes, self.cache.kv_bytes_held(stats))
         self.counters["seq_tokens_max"] = max(self.counters["seq_tokens_max"],
                                               max(len(i.seq.tokens) for i in plan))
+
+    def _launch_ahead(self, rows: list, pending) -> Ahead | None:
+        """The next step launched now, fed this step's tokens on the device, where it
+        applies (engine/step_ahead.py); None: the next step is scheduled as usual."""
+        from kvshare.model.batch import SeqChunk
+
+        if (not self.async_scheduling or not pending.on_device or self._inbox or self._cancels
+                or self.scheduler.waiting or self.windows is not None
+                or len(rows) != len(self.scheduler.running)):
+            return None
+        bs = self.config.block_size
+        running = {id(s) for s in self.scheduler.running}
+        for item, _ in rows:
+            seq = item.seq
+            if (id(seq) not in running or seq.state != SeqState.DECODE or seq.suspect
+                    or item.end - item.start != 1 or not item.wants_logits
+                    or item.end // bs >= len(seq.block_table)
+                    or getattr(seq.request, "fault", None)
+                    or (self.context_shift and item.end + 2 >= self.ctx_size)):
+                return None
+        chunks = [SeqChunk(tokens=_PLACEHOLDER, start_pos=item.end,
+                           block_table=np.asarray(item.seq.block_table, dtype=np.int32),
+                           logits="last", state_slot=item.seq.state_slot)
+                  for item, _ in rows]
+        if pending.may_hand_back:
+            # a row the kernel hands back is sampled on the host from this step's logits,
+            # which the launch is about to overwrite (a graph's logits buffer)
+            pending.keep_logits()
+        try:
+            logits = self.model.forward_fed(chunks, self.kv, pending.tokens)
+        except Exception:  # noqa: BLE001 - the next step is scheduled as usual instead
+            log.exception("launching a decode step ahead failed; scheduling it instead")
+            return None
+        if logits is None:
+            return None
+        return Ahead([Planned(item.seq, item.end, item.end + 1) for item, _ in rows], logits)
 
     def _forward_failed(self, plan: list[Planned], exc: Exception) -> None:
         """A forward step raised. Alone, its sequence fails. In a batch the culprit is not

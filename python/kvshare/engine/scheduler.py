@@ -41,6 +41,8 @@ class Planned:
     seq: Sequence
     start: int
     end: int
+    # a row of a step launched ahead that its sequence no longer needs (engine/step_ahead.py)
+    void: bool = False
 
     @property
     def wants_logits(self) -> bool:

@@ -134,6 +134,12 @@ class Model(ABC):
     def forward(self, chunks: Sequence[SeqChunk], cache: KVArrays) -> list[np.ndarray | None]:
         ...
 
+    def forward_fed(self, chunks: Sequence[SeqChunk], cache: KVArrays, token_feed: Any
+                    ) -> list[Any] | None:
+        """A decode step fed its input tokens on the device (`DecoderModel.forward_fed`), or
+        None: this model launches no such step."""
+        return None
+
 
 # positions per table of `DecoderModel._rope_row` (256 x n_rot / 2 x 2 f32: 256 KB for Gemma 3)
 ROPE_BLOCK = 256
@@ -346,6 +352,21 @@ class DecoderModel(Model):
                 return False
         return all(type(L) is AttentionLayer and L.moe is None and L.sinks is None
                    for L in self.layers)
+
+    def forward_fed(self, chunks: Sequence[SeqChunk], cache: KVArrays, token_feed: Any
+                    ) -> list[Any] | None:
+        """A decode step whose input tokens are on the device already (`token_feed`: device
+        int32, one per chunk, in order; the chunks' own tokens are placeholders), launched
+        as a CUDA graph: its logits as `forward` returns them, or None where no graph takes
+        the step (nothing was launched). The engine launches a step this way before the
+        previous step's sampled tokens have reached the host (engine/step_ahead.py)."""
+        if not self.backend.is_gpu or any(c.n != 1 for c in chunks):
+            return None
+        graphs = gpu_graphs.runner(self)
+        if graphs is None:
+            return None
+        plan = make_plan(chunks, cache.block_size, self.config)
+        return graphs.forward(chunks, cache, plan, token_feed=token_feed)
 
     # ------------------------------------------------------------------------------------
     def forward(self, chunks: Sequence[SeqChunk], cache: KVArrays) -> list[np.ndarray | None]:

@@ -147,11 +147,14 @@ class DecodeGraphs:
         return True
 
     # -- the step --------------------------------------------------------------------------
-    def forward(self, chunks: Sequence[SeqChunk], cache: Any, plan: Any
-                ) -> list[np.ndarray] | None:
+    def forward(self, chunks: Sequence[SeqChunk], cache: Any, plan: Any,
+                token_feed: Any = None) -> list[np.ndarray] | None:
         """The step's logits as `DecoderModel.forward` returns them, or None when this step
         stays eager. `plan`: the step's `base.BatchPlan` (made first: its checks and errors
-        are the eager step's)."""
+        are the eager step's). `token_feed`: a device int32 array whose first n values are
+        the rows' input tokens, copied on the device into the step's inputs after the host's
+        (the chunks' tokens are then placeholders): a step launched before the previous
+        step's sampled tokens reached the host (`DecoderModel.forward_fed`)."""
         from kvshare.ops import gpu  # noqa: PLC0415
 
         if not self.step_applies(chunks, cache):
@@ -199,6 +202,10 @@ class DecodeGraphs:
         entry = self.graphs.get(b)
         with self.stream:
             inp.send()
+            if token_feed is not None:
+                # ordered after the sampling that wrote them (a blocking stream waits for
+                # the default stream's earlier work)
+                inp.d["tokens"][:n] = token_feed[:n]
             if entry is None:
                 logits = self._first_step(b, cache, inp, launches)
                 return self._split_logits(logits[:n], chunks)

@@ -177,11 +177,41 @@ def _pack_inputs(specs: Sequence[RowSpec], vocab: int) -> _Packed:
                     (e_bias, np.float32), (e_sub, np.float32)])
 
 
-def sample_rows(specs: Sequence[RowSpec]) -> list[RowResult]:
-    """Sample every row of `specs` in one launch (rows of one vocabulary size). Reads back
-    the tokens, statuses and logprobs (a few bytes per row), nothing else."""
-    if not specs:
-        return []
+class PendingRows:
+    """A `launch_rows` launch: the device int32 `tokens` `[n]` of the sampled ids (a row
+    whose status is not STATUS_OK holds junk there), and its statuses, tokens and logprobs on
+    their way to the host (an asynchronous copy into pinned memory, issued right after the
+    kernel). `results()` waits for that copy alone, not for work issued after the launch."""
+
+    def __init__(self, specs: Sequence[RowSpec], tokens: Any, back: np.ndarray, event: Any,
+                 want_top: bool):
+        self.specs, self.tokens, self._back, self._event = specs, tokens, back, event
+        self._want_top = want_top
+
+    def results(self) -> list[RowResult]:
+        self._event.synchronize()
+        specs, back, n = self.specs, self._back, len(self.specs)
+        nt = n * MAX_TOP_LOGPROBS
+        st, tok = back[:n], back[n : 2 * n]
+        lp_h = back[2 * n : 3 * n].view(np.float32)
+        ids_h = back[3 * n : 3 * n + nt].reshape(n, MAX_TOP_LOGPROBS) if self._want_top else None
+        tlp_h = (back[3 * n + nt :].view(np.float32).reshape(n, MAX_TOP_LOGPROBS)
+                 if self._want_top else None)
+        out: list[RowResult] = []
+        for r, s in enumerate(specs):
+            got = RowResult(int(st[r]), int(tok[r]))
+            if got.status == STATUS_OK and s.n_top >= 0:
+                got.logprob = float(lp_h[r])
+                got.top = ([(int(ids_h[r, j]), float(tlp_h[r, j])) for j in range(s.n_top)]
+                           if s.n_top > 0 and ids_h is not None and tlp_h is not None else [])
+            out.append(got)
+        return out
+
+
+def launch_rows(specs: Sequence[RowSpec]) -> PendingRows:
+    """Launch the sampling of every row of `specs` (rows of one vocabulary size) and start
+    copying the tokens, statuses and logprobs (a few bytes per row, nothing else) back.
+    `specs` must not be empty."""
     cp = cupy_module()
     n = len(specs)
     vocab = int(specs[0].logits.shape[-1])
@@ -204,18 +234,17 @@ def sample_rows(specs: Sequence[RowSpec]) -> list[RowResult]:
         (d_ptrs, scores, np.int32(vocab), d_ip, d_fp, d_dp, d_masks, d_ids, d_flags, d_bias,
          d_sub, status, token, lp, top_ids, top_lp))
     want_top = any(s.n_top > 0 for s in specs)
-    back = rt.host(res if want_top else res[: 3 * n])
-    st, tok = back[:n], back[n : 2 * n]
-    lp_h = back[2 * n : 3 * n].view(np.float32)
-    ids_h = back[3 * n : 3 * n + nt].reshape(n, MAX_TOP_LOGPROBS) if want_top else None
-    tlp_h = (back[3 * n + nt :].view(np.float32).reshape(n, MAX_TOP_LOGPROBS)
-             if want_top else None)
-    out: list[RowResult] = []
-    for r, s in enumerate(specs):
-        got = RowResult(int(st[r]), int(tok[r]))
-        if got.status == STATUS_OK and s.n_top >= 0:
-            got.logprob = float(lp_h[r])
-            got.top = ([(int(ids_h[r, j]), float(tlp_h[r, j])) for j in range(s.n_top)]
-                       if s.n_top > 0 and ids_h is not None and tlp_h is not None else [])
-        out.append(got)
-    return out
+    src = res if want_top else res[: 3 * n]
+    back = np.frombuffer(cp.cuda.alloc_pinned_memory(src.nbytes), np.int32, int(src.size))
+    cp.asnumpy(src, out=back, blocking=False)
+    event = cp.cuda.Event(disable_timing=True)
+    event.record()
+    return PendingRows(specs, token, back, event, want_top)
+
+
+def sample_rows(specs: Sequence[RowSpec]) -> list[RowResult]:
+    """Sample every row of `specs` in one launch (rows of one vocabulary size): the tokens,
+    statuses and logprobs (`launch_rows`, waited for)."""
+    if not specs:
+        return []
+    return launch_rows(specs).results()

@@ -120,6 +120,9 @@ class EngineCollector(Collector):
                 value=computed_prompt_tokens(counters))
         for key, name, doc in (
             ("steps", "kvshare_forward_steps", "Model forward steps (batches computed)"),
+            ("steps_ahead", "kvshare_forward_steps_ahead",
+             "Forward steps launched before the previous step's tokens reached the host "
+             "(async scheduling, GPU)"),
             ("busy_slots_total", "kvshare_step_sequences",
              "Sequences busy (prefill or decode) at each forward step, summed over steps; "
              "divided by kvshare_forward_steps: the mean batch"),

@@ -1,0 +1,149 @@
+"""Decode steps launched ahead (engine/step_ahead.py) change nothing a client sees: the mix of
+concurrent requests of tests/test_engine_overlap.py (greedy, seeded, stop strings and ids,
+n = 3 choices, grammars, a context shift, logprobs, a cancellation, a failing row) streams
+the same events with async scheduling on as off, on the GPU backend (CI: the CPU emulator,
+where a launch runs at once, so a row read after the next launch reads that launch's
+logits). Rows the sampling kernel hands back to the host are forced here (the tiny model's
+vocabulary never makes the kernel do it): they are sampled from logits kept before the next
+launch and their launched-ahead rows are computed again.
+
+Each row's logits must not depend on the batch around it (a launched-ahead step holds rows
+the scheduled step would not: sequences that just ended), as CUDA graphs padded to a larger
+batch already assume.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvshare.engine import step_ahead
+from kvshare.engine.device_sampling import PendingPicks
+from kvshare.model.chat_template import ChatTemplate
+from kvshare.model.loader import load_model
+from kvshare.model.tokenizer import Tokenizer
+from kvshare.ops import gpu_sampling
+
+import test_engine_overlap as mix
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    model = load_model(mix.MODEL, device="cuda")
+    tok = Tokenizer.from_gguf(mix.MODEL)
+    return model, tok, ChatTemplate.from_gguf(mix.MODEL, tok), bytes.fromhex(model.fingerprint)
+
+
+@pytest.fixture(scope="module")
+def stops(gpu):
+    return mix.pick_stops(gpu)
+
+
+def run(gpu, stops, on: bool) -> tuple[object, dict, int]:
+    """The mix with async scheduling on or off: (engine, streams, rows found void)."""
+    void = [0]
+    real = step_ahead.holds
+
+    def counting(item, pick):
+        ok = real(item, pick)
+        void[0] += (not ok) and item.seq.state.value != "finished"
+        return ok
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("kvshare.engine.engine.holds", counting)
+        m.setattr(mix, "make_engine", _engine(on))
+        eng, streams = mix.run_mix(gpu, None, stops)
+    return eng, streams, void[0]
+
+
+def _engine(on: bool):
+    make = mix.make_engine
+
+    def make_engine(parts, overlap, **kw):
+        return make(parts, overlap, async_scheduling=on, **kw)
+
+    return make_engine
+
+
+def hand_back_some(monkeypatch) -> list[int]:
+    """Make the kernel hand every sampled row whose uniform falls in a third of [0, 1) back
+    to the host (the same rows whatever the batch: u is the sequence's own draw)."""
+    real = gpu_sampling.PendingRows.results
+    handed = [0]
+
+    def results(self):
+        out = real(self)
+        for spec, res in zip(self.specs, out):
+            if not spec.greedy and res.status == gpu_sampling.STATUS_OK and spec.u < 1 / 3:
+                res.status, res.token, res.top = gpu_sampling.STATUS_HOST, -1, None
+                handed[0] += 1
+        return out
+
+    monkeypatch.setattr(gpu_sampling.PendingRows, "results", results)
+    return handed
+
+
+def check(eng, streams, stops) -> None:
+    mix.check_mix(streams, stops, exact=False)
+    eng.pool.check_invariants()
+    assert eng.pool.stats()["used"] == 0
+    assert not eng.scheduler.running and not eng.scheduler.waiting and eng._ahead is None
+
+
+@pytest.mark.gpu
+def test_async_streams_equal_sync(gpu, stops):
+    eng_off, off, _ = run(gpu, stops, False)
+    eng_on, on, void = run(gpu, stops, True)
+    assert eng_off.counters["steps_ahead"] == 0
+    # most of the mix's steps are a steady decode
+    assert eng_on.counters["steps_ahead"] > eng_on.counters["steps"] // 2
+    assert void == 0  # every row held: nothing was handed back
+    check(eng_on, on, stops)
+    for name in off:
+        assert on[name] == off[name], name
+
+
+def by_choice(streams: dict) -> dict:
+    """Each choice's events in order (a row computed again delays its choice by a step, so
+    the choices of one request may interleave otherwise)."""
+    return {(name, e.index): [x for x in events if x.index == e.index]
+            for name, events in streams.items() for e in events}
+
+
+@pytest.mark.gpu
+def test_rows_handed_back_are_sampled_from_kept_logits(gpu, stops, monkeypatch):
+    with monkeypatch.context() as m:
+        handed = hand_back_some(m)
+        _, off, _ = run(gpu, stops, False)
+        n_off = handed[0]
+        eng, on, void = run(gpu, stops, True)
+    assert n_off > 10 and handed[0] > n_off  # (the sync run's, then the async run's too)
+    assert void > 0  # their launched-ahead rows were computed again
+    check(eng, on, stops)
+    a, b = by_choice(on), by_choice(off)
+    # the cancellation comes after a number of steps: a row computed again delays its
+    # sequence, which is cancelled with fewer tokens (the same ones)
+    tok_a, tok_b = ([e.token_id for e in x[("cancelled", 0)][:-1]] for x in (a, b))
+    assert tok_a == tok_b[: len(tok_a)] and len(tok_a) > 3
+    del a[("cancelled", 0)], b[("cancelled", 0)]
+    assert a == b
+
+
+@pytest.mark.gpu
+def test_a_host_row_read_after_the_next_launch_is_caught(gpu, stops, monkeypatch):
+    """The comparison can fail: without the kept logits, a handed-back row is sampled from
+    the logits the launch ahead wrote over its own."""
+    with monkeypatch.context() as m:
+        hand_back_some(m)
+        _, off, _ = run(gpu, stops, False)
+        m.setattr(PendingPicks, "keep_logits", lambda self: None)
+        _, on, _ = run(gpu, stops, True)
+    a, b = by_choice(on), by_choice(off)
+    assert any(a[k] != b[k] for k in a if k != ("cancelled", 0))
+
+
+def test_switch(monkeypatch):
+    monkeypatch.delenv(step_ahead.ENV, raising=False)
+    assert step_ahead.wanted(True, None) and not step_ahead.wanted(False, None)
+    assert not step_ahead.wanted(True, False) and not step_ahead.wanted(False, True)
+    monkeypatch.setenv(step_ahead.ENV, "0")
+    assert not step_ahead.wanted(True, None) and step_ahead.wanted(True, True)
