@@ -173,6 +173,47 @@ def decode(model, batch: int, ctx: int, steps: int, rng, warm: int = 2) -> float
     return time.perf_counter() - t
 
 
+def engine_decode(model, batch: int, ctx: int, steps: int, rng, async_on: bool,
+                  warm: int = 3) -> dict:
+    """Decode through the engine, as served (device sampling, the emission beside the
+    device, CUDA graphs): `batch` greedy requests of `ctx` random prompt tokens, timed over
+    the `steps` decode steps after `warm` (every prompt computed by then), with async
+    scheduling (engine/step_ahead.py) on or off. The engine's own host work per step is in
+    the figure; `decode` times the model's step alone."""
+    from kvshare.engine.api import GenerationRequest, SamplingParams  # noqa: PLC0415
+    from kvshare.engine.engine import Engine, EngineConfig  # noqa: PLC0415
+    from kvshare.model.tokenizer import Tokenizer  # noqa: PLC0415
+
+    tok = Tokenizer.from_gguf(model.path)
+    n_ctx = ctx + warm + steps + 16
+    cfg = EngineConfig(parallel=batch, ctx_size=n_ctx, kv_blocks=batch * (-(-n_ctx // 16) + 1),
+                       prefill_chunk=2048, cache_ram_mib=0, async_scheduling=async_on)
+    eng = Engine(model, tok, None, bytes(32), cfg)
+    try:
+        for _ in range(batch):
+            prompt = rng.integers(0, model.config.vocab_size, ctx).tolist()
+            eng.submit(GenerationRequest(prompt, warm + steps, SamplingParams(temperature=0.0),
+                                         ignore_eos=True))
+        eng._drain_inbox()
+        seqs = list(eng.scheduler.waiting)
+        while eng.scheduler.has_work() and min(s.n_generated for s in seqs) < warm:
+            eng.step()
+        model.backend.synchronize()
+        g0, s0, a0 = (sum(s.n_generated for s in seqs), eng.counters["steps"],
+                      eng.counters["steps_ahead"])
+        t = time.perf_counter()
+        eng.run_until_idle()
+        model.backend.synchronize()
+        dt = time.perf_counter() - t
+        n = sum(s.n_generated for s in seqs) - g0
+        return {"ctx": ctx, "tokens": n, "seconds": round(dt, 4),
+                "tokens_per_s": round(n / dt, 1), "steps": eng.counters["steps"] - s0,
+                "steps_ahead": eng.counters["steps_ahead"] - a0,
+                "async_scheduling": eng.async_scheduling}
+    finally:
+        model.logits_on_device = False
+
+
 def greedy_tokens(model, batch: int, ctx: int, steps: int, seed: int) -> list[list[int]]:
     """Greedy decode of `batch` random prompts of `ctx` tokens for `steps` steps on a fresh
     cache: the token ids chosen, per sequence (the same prompts for the same seed)."""
@@ -313,6 +354,9 @@ def main() -> None:
     ap.add_argument("--prefill-sizes", default=None,
                     help="prefill prompt lengths, e.g. 1024 (default 1024,4096,8192; "
                          "--quick 1024)")
+    ap.add_argument("--engine-decode", default=None, metavar="BATCHES",
+                    help="also decode through the engine at these batch sizes (e.g. 1,32), "
+                         "async scheduling on and off")
     ap.add_argument("--greedy-check", default=None, metavar="BATCH,STEPS",
                     help="greedy decode with CUDA graphs on and off, tokens compared")
     args = ap.parse_args()
@@ -383,6 +427,16 @@ def main() -> None:
             print(f"decode batch {b} cuda graphs {'on ' if on else 'off'}: "
                   f"{dt / steps * 1e3:7.2f} ms/step  {tps:8.1f} tok/s", flush=True)
     model.cuda_graphs = None
+    if args.engine_decode:
+        result["engine_decode"] = {}
+        for b in (int(x) for x in args.engine_decode.split(",")):
+            for on in (True, False):
+                e = engine_decode(model, b, args.ctx, steps, rng, on)
+                result["engine_decode"][f"{b} async {'on' if on else 'off'}"] = e
+                print(f"engine decode batch {b} async scheduling "
+                      f"{'on ' if e['async_scheduling'] else 'off'}: "
+                      f"{e['tokens_per_s']:8.1f} tok/s ({e['steps_ahead']} of {e['steps']} "
+                      f"steps launched ahead)", flush=True)
     if args.greedy_check:
         gb, gs = (int(x) for x in args.greedy_check.split(","))
         g = result["greedy_graphs"] = greedy_graphs_check(model, gb, gs)

@@ -233,8 +233,9 @@ target_steps() {
     make_model
     KVSHARE_GPU_WEIGHTS=blocks step gpu_bench_q15 240 $PY bench/gpu_bench.py --device "$DEV" \
         --model "$Q15" --prefill-sizes 1024 --batches 1,8,32 --ctx "$CTX" --graphs both \
-        --greedy-check 4,32 --out "$WORK/gpu_bench_q15.json" || RC=1
-    grep -E '^(model|weights|prefill|decode|greedy|paged attention)' "$WORK/gpu_bench_q15.log" |
+        --greedy-check 4,32 --engine-decode 1,32 --out "$WORK/gpu_bench_q15.json" || RC=1
+    grep -E '^(model|weights|prefill|decode|engine decode|greedy|paged attention)' \
+        "$WORK/gpu_bench_q15.log" |
         tee -a "$OUT/summary.txt"
     table
     step agent_fleet 150 $PY bench/agent_fleet.py "${FLEET[@]}" --model "$Q15" \

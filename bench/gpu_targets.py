@@ -380,13 +380,33 @@ def triage_notes(d: Path) -> list[str]:
             f"{', '.join(sorted(t['failed']))} failed on this device first"]
 
 
+def engine_row(d: Path) -> Row:
+    """Decode through the engine, async scheduling on vs off (gpu_bench.py --engine-decode):
+    shown, no target (the decode targets time the model's step)."""
+    row = Row("engine_decode", "decode through the engine, async scheduling on / off (tok/s)",
+              "(no target)")
+    b = load_json(d / "gpu_bench_q15.json")
+    e = (b or {}).get("engine_decode")
+    if not e:
+        return unmeasured(row, d, "gpu_bench_q15", "bench", "gpu_bench_q15.json")
+    parts = []
+    for key in sorted({k.split(" ")[0] for k in e}, key=int):
+        on, off = e.get(f"{key} async on"), e.get(f"{key} async off")
+        if on and off:
+            parts.append(f"batch {key}: {on['tokens_per_s']:,.0f} / {off['tokens_per_s']:,.0f}"
+                         f" ({on['steps_ahead']} of {on['steps']} steps ahead)")
+    row.status, row.measured = "info", "; ".join(parts) or "-"
+    row.source = "gpu_bench_q15.json engine_decode"
+    return row
+
+
 def build(d: Path) -> list[Row]:
     rows = [*bench_rows(d), *fleet_rows(d)]
     notes = triage_notes(d)
     for r in rows:
         if r.status != "not run":
             r.notes += notes
-    return [*rows, *test_rows(d), matvec_row(d)]
+    return [*rows, engine_row(d), *test_rows(d), matvec_row(d)]
 
 
 # ----------------------------------------------------------------------------- output

@@ -51,6 +51,14 @@ BENCH = {
                      "32": _decode(2000.0, graphs=False)},
     "greedy_graphs": {"batch": 4, "steps": 32, "ctx": 256, "cuda_graphs": True, "equal": True,
                       "tokens": 128, "differing": 0, "first_difference": None},
+    # --engine-decode 1,32
+    "engine_decode": {
+        f"{b} async {on}": {"ctx": 1024, "tokens": 32 * b, "seconds": 1.0,
+                            "tokens_per_s": tps, "steps": 32,
+                            "steps_ahead": 30 if on == "on" else 0,
+                            "async_scheduling": on == "on"}
+        for b, on, tps in ((1, "on", 900.0), (1, "off", 700.0), (32, "on", 9000.0),
+                           (32, "off", 7100.0))},
 }
 
 
@@ -147,6 +155,9 @@ def test_every_target_met_passes_and_the_table_says_so(tmp_path, junit):
     assert rows["pytest_moe"].status == "not run"
     assert "MOE_ONLY=1" in rows["pytest_moe"].source
     assert rows["matvec"].status == "not run"
+    assert rows["engine_decode"].status == "info"
+    assert rows["engine_decode"].measured == ("batch 1: 900 / 700 (30 of 32 steps ahead); "
+                                              "batch 32: 9,000 / 7,100 (30 of 32 steps ahead)")
 
     out = tmp_path / "out"
     assert gt.main(["--dir", str(tmp_path), "--out-dir", str(out), "--mode", "default run"]) == 0
