@@ -18,6 +18,7 @@ import pytest
 
 from kvshare.engine import step_ahead
 from kvshare.engine.device_sampling import PendingPicks
+from kvshare.model import gpu_graphs
 from kvshare.model.chat_template import ChatTemplate
 from kvshare.model.loader import load_model
 from kvshare.model.tokenizer import Tokenizer
@@ -94,8 +95,11 @@ def test_async_streams_equal_sync(gpu, stops):
     eng_off, off, _ = run(gpu, stops, False)
     eng_on, on, void = run(gpu, stops, True)
     assert eng_off.counters["steps_ahead"] == 0
-    # most of the mix's steps are a steady decode
-    assert eng_on.counters["steps_ahead"] > eng_on.counters["steps"] // 2
+    if gpu_graphs.enabled_by_env():
+        # most of the mix's steps are a steady decode
+        assert eng_on.counters["steps_ahead"] > eng_on.counters["steps"] // 2
+    else:  # KVSHARE_CUDA_GRAPHS=0: no step is launched ahead (it needs a graph)
+        assert eng_on.counters["steps_ahead"] == 0
     assert void == 0  # every row held: nothing was handed back
     check(eng_on, on, stops)
     for name in off:
@@ -109,7 +113,12 @@ def by_choice(streams: dict) -> dict:
             for name, events in streams.items() for e in events}
 
 
+graphs_on = pytest.mark.skipif(not gpu_graphs.enabled_by_env(),
+                               reason="launches ahead need CUDA graphs (KVSHARE_CUDA_GRAPHS=0)")
+
+
 @pytest.mark.gpu
+@graphs_on
 def test_rows_handed_back_are_sampled_from_kept_logits(gpu, stops, monkeypatch):
     with monkeypatch.context() as m:
         handed = hand_back_some(m)
@@ -129,6 +138,7 @@ def test_rows_handed_back_are_sampled_from_kept_logits(gpu, stops, monkeypatch):
 
 
 @pytest.mark.gpu
+@graphs_on
 def test_a_host_row_read_after_the_next_launch_is_caught(gpu, stops, monkeypatch):
     """The comparison can fail: without the kept logits, a handed-back row is sampled from
     the logits the launch ahead wrote over its own."""

@@ -577,7 +577,8 @@ class Engine:
 
         if (not self.async_scheduling or not pending.on_device or self._inbox or self._cancels
                 or self.scheduler.waiting or self.windows is not None
-                or len(rows) != len(self.scheduler.running)):
+                or len(rows) != len(self.scheduler.running)
+                or not self.model.fed_steps_apply()):
             return None
         bs = self.config.block_size
         running = {id(s) for s in self.scheduler.running}

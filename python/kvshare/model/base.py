@@ -134,6 +134,10 @@ class Model(ABC):
     def forward(self, chunks: Sequence[SeqChunk], cache: KVArrays) -> list[np.ndarray | None]:
         ...
 
+    def fed_steps_apply(self) -> bool:
+        """Whether `forward_fed` may launch steps (a GPU model with decode graphs)."""
+        return False
+
     def forward_fed(self, chunks: Sequence[SeqChunk], cache: KVArrays, token_feed: Any
                     ) -> list[Any] | None:
         """A decode step fed its input tokens on the device (`DecoderModel.forward_fed`), or
@@ -352,6 +356,9 @@ class DecoderModel(Model):
                 return False
         return all(type(L) is AttentionLayer and L.moe is None and L.sinks is None
                    for L in self.layers)
+
+    def fed_steps_apply(self) -> bool:
+        return self.backend.is_gpu and gpu_graphs.runner(self) is not None
 
     def forward_fed(self, chunks: Sequence[SeqChunk], cache: KVArrays, token_feed: Any
                     ) -> list[Any] | None:
