@@ -410,17 +410,11 @@ def test_matvec_in_row_chunks(be, monkeypatch):
         gpu_blocks.matvec_max_rows()
 
 
-def test_decode_graphs_on_row_chunks(tmp_path, monkeypatch):
-    """A decode step of 18 sequences (the graph of 32) with the mat-vec limit at 32 rows: its
-    products run the mat-vec kernels in launches of 16 rows, captured and replayed; the
-    replays equal the eager steps bit for bit."""
+def _tiny_q4_k_m(tmp_path):
+    """A one-layer random qwen3 in a Q4_K_M mix (scripts/make_random_gguf.py --size tiny)."""
     import subprocess
     import sys
     from pathlib import Path
-
-    from kvshare.model import gpu_graphs
-    from kvshare.model.batch import SeqChunk
-    from kvshare.model.loader import load_model
 
     root = Path(__file__).resolve().parent.parent
     path = tmp_path / "tiny-q4_k_m.gguf"
@@ -429,32 +423,45 @@ def test_decode_graphs_on_row_chunks(tmp_path, monkeypatch):
                     "--tokenizer-from",
                     str(root / "tests" / "data" / "models" / "tiny-qwen3-chat.gguf")],
                    check=True, capture_output=True)
+    return path
+
+
+def _decode_steps(model, n: int, graphs: bool, seed: int) -> np.ndarray:
+    """Logits of 3 decode steps of n sequences (5 random prompt tokens each), graphs on or
+    off, from a fresh cache."""
+    from kvshare.model.batch import SeqChunk
+
+    model.cuda_graphs = graphs
+    cache = model.new_cache(2 * n, 16)
+    rng = np.random.default_rng(seed)
+    tables = [np.array([2 * i, 2 * i + 1], np.int32) for i in range(n)]
+    for t in tables:
+        model.forward([SeqChunk(rng.integers(0, 367, 5), 0, t, logits="none")], cache)
+    return np.stack([np.concatenate(model.forward(
+        [SeqChunk(rng.integers(0, 367, 1), 5 + step, t) for t in tables], cache))
+        for step in range(3)])
+
+
+def test_decode_graphs_on_row_chunks(tmp_path, monkeypatch):
+    """A decode step of 18 sequences (the graph of 32) with the mat-vec limit at 32 rows: its
+    products run the mat-vec kernels in launches of 16 rows, captured and replayed; the
+    replays equal the eager steps bit for bit."""
+    from kvshare.model import gpu_graphs
+    from kvshare.model.loader import load_model
+
+    path = _tiny_q4_k_m(tmp_path)
     monkeypatch.setenv("KVSHARE_GPU_WEIGHTS", "blocks")
     monkeypatch.setenv(gpu_blocks.MATVEC_ROWS_ENV, "32")
     model = load_model(path, "cuda")
     n = 18
 
-    def run(graphs: bool) -> np.ndarray:
-        model.cuda_graphs = graphs
-        cache = model.new_cache(2 * n, 16)
-        rng = np.random.default_rng(3)
-        tables = [np.array([2 * i, 2 * i + 1], np.int32) for i in range(n)]
-        for t in tables:
-            model.forward([SeqChunk(rng.integers(0, 367, 5), 0, t, logits="none")], cache)
-        out = []
-        for step in range(3):
-            lg = model.forward([SeqChunk(rng.integers(0, 367, 1), 5 + step, t) for t in tables],
-                               cache)
-            out.append(np.concatenate(lg))
-        return np.stack(out)
-
     log = _launch_log()
     before = len(log) if log is not None else 0
-    eager = run(False)
+    eager = _decode_steps(model, n, False, seed=3)
     if log is not None:
         names = [e[0] for e in log[before:]]
         assert not any(nm.startswith("bdq_") for nm in names[-40:])  # the last decode step
-    graph = run(True)
+    graph = _decode_steps(model, n, True, seed=3)
     r = gpu_graphs.runner(model)
     assert r is not None and not r.failures and 32 in r.graphs and r.replays >= 2
     assert np.array_equal(graph, eager)
@@ -463,45 +470,23 @@ def test_decode_graphs_on_row_chunks(tmp_path, monkeypatch):
 def test_decode_graphs_without_fused_ops(tmp_path, monkeypatch):
     """KVSHARE_GPU_FUSED=0: decode steps still capture (the op sequences allocate nothing
     while a stream captures) and replay the eager steps' bits."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from kvshare.model import gpu_graphs
-    from kvshare.model.batch import SeqChunk
     from kvshare.model.loader import load_model
 
-    root = Path(__file__).resolve().parent.parent
-    path = tmp_path / "tiny-q4_k_m.gguf"
-    subprocess.run([sys.executable, str(root / "scripts" / "make_random_gguf.py"), "--arch",
-                    "qwen3", "--size", "tiny", "--layers", "1", "--out", str(path),
-                    "--tokenizer-from",
-                    str(root / "tests" / "data" / "models" / "tiny-qwen3-chat.gguf")],
-                   check=True, capture_output=True)
+    path = _tiny_q4_k_m(tmp_path)
     monkeypatch.setenv("KVSHARE_GPU_WEIGHTS", "blocks")
     monkeypatch.setenv("KVSHARE_GPU_FUSED", "0")
     model = load_model(path, "cuda")
     n = 3
 
-    def run(graphs: bool) -> np.ndarray:
-        model.cuda_graphs = graphs
-        cache = model.new_cache(2 * n, 16)
-        rng = np.random.default_rng(5)
-        tables = [np.array([2 * i, 2 * i + 1], np.int32) for i in range(n)]
-        for t in tables:
-            model.forward([SeqChunk(rng.integers(0, 367, 5), 0, t, logits="none")], cache)
-        return np.stack([np.concatenate(model.forward(
-            [SeqChunk(rng.integers(0, 367, 1), 5 + step, t) for t in tables], cache))
-            for step in range(3)])
-
     log = _launch_log()
     before = len(log) if log is not None else 0
-    eager = run(False)
+    eager = _decode_steps(model, n, False, seed=5)
     if log is not None:  # the emulator: the op sequences ran, not the fused kernels
         names = {e[0] for e in log[before:]}
         assert not any(nm.startswith(("qkv_rope_write", "bmvglu")) for nm in names)
         assert any(nm.startswith("kv_write") for nm in names)
-    graph = run(True)
+    graph = _decode_steps(model, n, True, seed=5)
     r = gpu_graphs.runner(model)
     assert r is not None and not r.failures and 4 in r.graphs and r.replays >= 2
     assert np.array_equal(graph, eager)
