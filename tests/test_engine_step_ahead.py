@@ -157,3 +157,32 @@ def test_switch(monkeypatch):
     assert not step_ahead.wanted(True, False) and not step_ahead.wanted(False, True)
     monkeypatch.setenv(step_ahead.ENV, "0")
     assert not step_ahead.wanted(True, None) and step_ahead.wanted(True, True)
+
+
+@pytest.mark.gpu
+@graphs_on
+def test_cancelled_while_its_next_step_runs(gpu):
+    """A request cancelled while its next step is launched ahead: the engine goes idle with
+    nothing held, and the next request is served as by an engine that never launched ahead."""
+    from kvshare.engine.api import GenerationRequest, TokenEvent
+
+    def reply(eng, h):
+        eng.run_until_idle()
+        return [e.token_id for e in h.events(timeout=0) if isinstance(e, TokenEvent)]
+
+    eng = mix.make_engine(gpu, None, async_scheduling=True)
+    h = eng.submit(GenerationRequest(mix.chat(eng, "Count to five."), 40, mix.GREEDY,
+                                     ignore_eos=True))
+    eng._drain_inbox()
+    while eng._ahead is None:
+        eng.step()
+    h.cancel()
+    eng._drain_inbox()
+    assert not eng.scheduler.has_work() and eng._ahead is not None  # its only row ended
+    req = GenerationRequest(mix.chat(eng, "Say hi."), 12, mix.GREEDY, ignore_eos=True)
+    got = reply(eng, eng.submit(req))
+    assert eng._ahead is None and eng.counters["steps_ahead"] > 0
+    eng.pool.check_invariants()
+    assert eng.pool.stats()["used"] == 0
+    fresh = mix.make_engine(gpu, None, async_scheduling=False)
+    assert len(got) == 12 and got == reply(fresh, fresh.submit(req))

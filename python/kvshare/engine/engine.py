@@ -464,6 +464,9 @@ class Engine:
         failed alone; the others go on. A step launched ahead by the previous one
         (engine/step_ahead.py) is post-processed instead."""
         ahead, self._ahead = self._ahead, None
+        if ahead is not None and all(i.void or i.seq.state == SeqState.FINISHED
+                                     for i in ahead.plan):
+            ahead = None  # every row ended since the launch (cancelled): schedule instead
         if ahead is not None:
             # the device runs this step now: the previous step's text and events meanwhile
             self._emit_deferred()
