@@ -124,7 +124,7 @@ class PendingPicks:
                 pk.token, pk.error = -1, gs.ERROR_MESSAGES[res.status]
         for k, (pk, (_, out, _)) in enumerate(zip(picks, self._items)):
             if pk.token is None and pk.row is None:
-                pk.row = owner._host_row(out if self._kept is None else self._kept[k])
+                pk.row = owner.host_row(out if self._kept is None else self._kept[k])
         owner.rows_host += sum(pk.token is None for pk in picks)
         owner.rows_device += sum(pk.token is not None for pk in picks)
         return picks
@@ -139,7 +139,7 @@ class DeviceSampling:
         self.rows_device = 0  # rows sampled on the device / handed to the host (counters)
         self.rows_host = 0
 
-    def _host_row(self, out: Any) -> np.ndarray:
+    def host_row(self, out: Any) -> np.ndarray:
         return np.asarray(self.backend.to_host(out[-1:]))[-1]
 
     def launch(self, items: list[tuple[Any, Any, Any]]) -> PendingPicks:
@@ -152,7 +152,7 @@ class DeviceSampling:
         specs, at = [], []
         for seq, out, allowed in items:
             if _host_only(seq, allowed):
-                picks.append(Pick(row=self._host_row(out)))
+                picks.append(Pick(row=self.host_row(out)))
                 continue
             mask = None
             if seq.matcher is not None:
