@@ -583,16 +583,25 @@ class Engine:
                 or len(rows) != len(self.scheduler.running)
                 or not self.model.fed_steps_apply()):
             return None
-        bs = self.config.block_size
         running = {id(s) for s in self.scheduler.running}
         for item, _ in rows:
             seq = item.seq
             if (id(seq) not in running or seq.state != SeqState.DECODE or seq.suspect
                     or item.end - item.start != 1 or not item.wants_logits
-                    or item.end // bs >= len(seq.block_table)
                     or getattr(seq.request, "fault", None)
                     or (self.context_shift and item.end + 2 >= self.ctx_size)):
                 return None
+        bs = self.config.block_size
+        for item, _ in rows:
+            # a row whose next position starts a block gets it now; without room the next
+            # step is scheduled (which may preempt). A block taken here is one the sequence
+            # would take at its next scheduled step anyway.
+            if item.end // bs >= len(item.seq.block_table):
+                try:
+                    if not self.cache.allocate(item.seq, item.end + 1):
+                        return None
+                except Exception:  # noqa: BLE001 - the scheduled step meets it again
+                    return None
         chunks = [SeqChunk(tokens=_PLACEHOLDER, start_pos=item.end,
                            block_table=np.asarray(item.seq.block_table, dtype=np.int32),
                            logits="last", state_slot=item.seq.state_slot)

@@ -21,9 +21,10 @@ sequence, so a void row stops the pipelining until a scheduled step has recomput
 
 Where it applies (`Engine._launch_ahead` checks it): the model takes fed decode steps (a
 dense model with CUDA graphs), every row of step N is a decode row sampled on the device, no
-request waits for admission or cancellation, no row's next position needs a new KV block
-(the scheduler's allocation, which may preempt, runs only in scheduled steps), no
-sliding-window cache group, no row about to shift its context, no injected fault. Grammar
+request waits for admission or cancellation, no sliding-window cache group, no row about to
+shift its context, no injected fault. A row whose next position starts a KV block gets the
+block at the launch; where the pool has no room the next step is scheduled instead (the
+scheduler may preempt). Grammar
 rows and penalties take the step: their masks and penalty inputs are computed when the
 launched step is sampled, after step N's DECIDE.
 
