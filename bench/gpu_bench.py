@@ -173,6 +173,9 @@ def decode(model, batch: int, ctx: int, steps: int, rng, warm: int = 2) -> float
     return time.perf_counter() - t
 
 
+_TOKENIZERS: dict[str, object] = {}
+
+
 def engine_decode(model, batch: int, ctx: int, steps: int, rng, async_on: bool,
                   warm: int = 3) -> dict:
     """Decode through the engine, as served (device sampling, the emission beside the
@@ -184,7 +187,9 @@ def engine_decode(model, batch: int, ctx: int, steps: int, rng, async_on: bool,
     from kvshare.engine.engine import Engine, EngineConfig  # noqa: PLC0415
     from kvshare.model.tokenizer import Tokenizer  # noqa: PLC0415
 
-    tok = Tokenizer.from_gguf(model.path)
+    tok = _TOKENIZERS.get(str(model.path))
+    if tok is None:  # (151,936 tokens take a second or two to load: once per bench)
+        tok = _TOKENIZERS[str(model.path)] = Tokenizer.from_gguf(model.path)
     n_ctx = ctx + warm + steps + 16
     cfg = EngineConfig(parallel=batch, ctx_size=n_ctx, kv_blocks=batch * (-(-n_ctx // 16) + 1),
                        prefill_chunk=2048, cache_ram_mib=0, async_scheduling=async_on)
