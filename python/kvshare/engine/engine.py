@@ -464,8 +464,7 @@ class Engine:
         failed alone; the others go on. A step launched ahead by the previous one
         (engine/step_ahead.py) is post-processed instead."""
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and all(i.void or i.seq.state == SeqState.FINISHED
-                                     for i in ahead.plan):
+        if ahead is not None and ahead.ended():
             ahead = None  # every row ended since the launch (cancelled): schedule instead
         if ahead is not None:
             # the device runs this step now: the previous step's text and events meanwhile
@@ -565,7 +564,7 @@ class Engine:
             # every row of the launched step is one of this step's rows (all sampled here)
             for nxt, pick in zip(ahead.plan, picks_list):
                 nxt.void = not holds(nxt, pick)
-            if not all(i.void or i.seq.state == SeqState.FINISHED for i in ahead.plan):
+            if not ahead.ended():
                 self._ahead = ahead
         stats = self.pool.stats()
         self.peak_tokens_used = max(self.peak_tokens_used, stats["tokens_held"])
@@ -588,7 +587,7 @@ class Engine:
             seq = item.seq
             if (id(seq) not in running or seq.state != SeqState.DECODE or seq.suspect
                     or item.end - item.start != 1 or not item.wants_logits
-                    or getattr(seq.request, "fault", None)
+                    or seq.request.fault is not None
                     or (self.context_shift and item.end + 2 >= self.ctx_size)):
                 return None
         bs = self.config.block_size

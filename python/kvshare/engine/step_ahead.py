@@ -24,9 +24,8 @@ dense model with CUDA graphs), every row of step N is a decode row sampled on th
 request waits for admission or cancellation, no sliding-window cache group, no row about to
 shift its context, no injected fault. A row whose next position starts a KV block gets the
 block at the launch; where the pool has no room the next step is scheduled instead (the
-scheduler may preempt). Grammar
-rows and penalties take the step: their masks and penalty inputs are computed when the
-launched step is sampled, after step N's DECIDE.
+scheduler may preempt). Grammar rows and penalties take the step: their masks and penalty
+inputs are computed when the launched step is sampled, after step N's DECIDE.
 
 On by default where the engine samples on the device; `EngineConfig.async_scheduling` or
 `KVSHARE_ASYNC_SCHEDULING` ("0"/"1") says so explicitly.
@@ -65,6 +64,12 @@ class Ahead:
 
     plan: list[Planned]
     logits: list[Any]
+
+    def ended(self) -> bool:
+        """Whether no row is left to post-process: each is void or its sequence ended."""
+        from kvshare.engine.sequence import SeqState  # noqa: PLC0415
+
+        return all(i.void or i.seq.state == SeqState.FINISHED for i in self.plan)
 
 
 def holds(item: Planned, pick: Pick | None) -> bool:
