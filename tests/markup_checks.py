@@ -23,7 +23,9 @@ def openai_client(url: str):
 def assert_no_markup_in_cut_replies(url: str, client, tool: dict, messages: list[dict],
                                     choice: str, max_tokens: int, markup: tuple[str, ...],
                                     seed: int = 3) -> None:
-    """`tool`: an OpenAI function tool; `choice`: "required" or "auto"."""
+    """`tool`: an OpenAI function tool; `choice`: "required" or "auto". The Anthropic and
+    Responses requests carry no seed (their APIs have none): the server's `--seed` makes them
+    reproducible."""
     r = client.chat.completions.create(model="m", messages=messages, tools=[tool],
                                        tool_choice=choice, max_tokens=max_tokens, seed=seed)
     assert not any(m in (r.choices[0].message.content or "") for m in markup)

@@ -27,7 +27,9 @@ MARKUP = ("<tool_call", '{"name"', "```json")
 @pytest.fixture(scope="module")
 def server(launcher):
     path = catalog.ensure(catalog.DEFAULT_MODEL, progress=False)
-    s = Server(launcher, "--parallel", "2", "--kv-unified-per-slot", "2048", model=path)
+    # --seed: the Anthropic and Responses requests carry none (their APIs have no seed)
+    s = Server(launcher, "--parallel", "2", "--kv-unified-per-slot", "2048", "--seed", "3",
+               model=path)
     yield s
     s.terminate()
 

@@ -67,6 +67,7 @@ class Case:
         return f"{self.fmt}-{self.name}"
 
 
+WEATHER_FN = fn("get_weather", obj({"city": {"type": "string"}}, ["city"]))
 SPECIAL = [fn("special_function", obj({"arg1": {"type": "integer"}}, ["arg1"]))]
 HERMES_CALL = '<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}\n</tool_call>'
 NESTED_ARGS = {"code": 'if x: print("}</tool_call>{")', "nested": {"a": [1, {"b": "}"}], "c": "\\"}}
@@ -159,6 +160,18 @@ HERMES = [
          "Use this:\n```\nx = {1: 2}\n```\nand ```python\ny=1\n```"),
     Case("hermes", "json-object-answer", OWN, '{"answer": 42}', '{"answer": 42}'),
     Case("hermes", "fence-cut-at-name", OWN, 'Sure.\n```json\n{"na', "Sure."),
+    # cut off inside arguments given as a string: still a call's markup, dropped
+    Case("hermes", "bare-cut-in-string-arguments", QWEN_CODER,
+         '{"name": "get_weather", "arguments": "city', "", tools=[WEATHER_FN]),
+    # (a block that breaks before the cut is content as written, as any malformed block)
+    Case("hermes", "bare-broken-then-cut", QWEN_CODER,
+         '{"name": "get_weather", "arguments": `"Paris',
+         '{"name": "get_weather", "arguments": `"Paris', tools=[WEATHER_FN]),
+    Case("hermes", "named-cut-in-string-arguments", OWN,
+         'Sure. {"name": "f", "arguments": "{\\"a\\": ', "Sure."),
+    Case("hermes", "undeclared-cut-in-string-arguments", OWN,
+         '{"name": "Bob", "arguments": "x', '{"name": "Bob", "arguments": "x',
+         tools=[WEATHER_FN]),
     # a tag that nothing follows may still open a call: at the reply's end it goes
     Case("hermes", "tag-as-text", OWN, "x <tools> y <json>", "x <tools> y"),
 ]
@@ -368,6 +381,8 @@ LLAMA3 = [
     Case("llama3", "brace-prose", OWN, "{name} is a placeholder", "{name} is a placeholder"),
     Case("llama3", "truncated", OWN, '{"name": "get_weather", "parameters": {"city": "Pa',
          "", breaks=True),
+    Case("llama3", "truncated-string-parameters", OWN,
+         '{"name": "get_weather", "parameters": "{\\"city', ""),
     Case("llama3", "invalid-json", OWN, '{"name": "f", "parameters": {"a": 1,}}',
          '{"name": "f", "parameters": {"a": 1,}}', breaks=True),
     Case("llama3", "python-tag-builtin", OWN, "<|python_tag|>brave_search.call(query=\"x\")",

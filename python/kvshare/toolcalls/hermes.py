@@ -68,9 +68,10 @@ class LenientCallRegion(JsonCallRegion):
     def is_markup(self) -> bool:
         # cut off, the block is a call (dropped) once its object opened with `{"name"`, the
         # point where llama.cpp's lazy grammar takes over, and while it still may (a reply
-        # cut off inside "```json\n{" ends without the fragment)
-        if self.streaming is not None:
-            return self.streaming
+        # cut off inside "```json\n{" ends without the fragment); arguments given as a string
+        # are a call's too
+        if self.headed:
+            return True
         rest = "".join(self._text[len(self.opener) if not self.inline else 0:].split())
         if self.fence:
             for tag in (OPEN,) + TAGS:

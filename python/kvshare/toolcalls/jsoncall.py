@@ -43,13 +43,14 @@ class JsonCallRegion(Region):
         self.obj: JsonScanner | None = None
         self.obj_start = 0
         self.streaming: bool | None = None  # None: not decided yet
+        self.headed = False  # the object opened with a declared name and an arguments key
         self.name = ""
         self.args: JsonScanner | None = None
         self.args_start = self.sent = 0
 
     def is_markup(self) -> bool:
         # a bare object (llama3) is a call only once it opened with a name and arguments
-        return not self.inline or bool(self.streaming)
+        return not self.inline or self.headed
 
     def run(self, cur: Cursor) -> int:
         if self.phase == "open":
@@ -91,15 +92,18 @@ class JsonCallRegion(Region):
             if ended or stop - self.obj_start >= _HEAD_WINDOW:
                 self.streaming = False
             return
+        # the name is read here either way: an undeclared one fails now, as it would at the
+        # object's end, and a reply cut off after a declared one was cutting a call
+        try:
+            self.name = json.loads('"' + m.group(1) + '"')
+        except ValueError:
+            raise Malformed("bad name string") from None
+        if not self.name:
+            raise Malformed("empty name")
+        self._check_name(self.name)
+        self.headed = True
         self.streaming = text[m.end()] == "{"
         if self.streaming:
-            try:
-                self.name = json.loads('"' + m.group(1) + '"')
-            except ValueError:
-                raise Malformed("bad name string") from None
-            if not self.name:
-                raise Malformed("empty name")
-            self._check_name(self.name)
             self.sink.begin(self.name)
             self.args_start = self.sent = m.end()
             self.args = JsonScanner(m.end())
