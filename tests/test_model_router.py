@@ -184,7 +184,7 @@ def test_router_models_routing_load_unload_and_models_max(layout):
         assert r.status("alpha") == "loaded"
         assert r.client.get("/props", params={"model": "alpha"}).json()["total_slots"] == 1
         native = r.client.post("/completion", json={"model": "first", "prompt": "hi",
-                                                    "n_predict": 2})
+                                                    "n_predict": 2, "temperature": 0})
         assert native.status_code == 200 and native.json()["tokens_predicted"] == 2
 
         # --models-max 1: beta's load unloads alpha; a stream passes through

@@ -28,7 +28,9 @@ MARKUP = ('"tool_call', "<tool_call", '"response"', '{"name"')
 @pytest.fixture(scope="module")
 def server(launcher):
     path = catalog.ensure("smollm2-135m-instruct", progress=False)
-    s = Server(launcher, "--parallel", "4", "--kv-unified-per-slot", "4096", model=path)
+    # --seed: the Anthropic and Responses requests of the cut-reply check carry none
+    s = Server(launcher, "--parallel", "4", "--kv-unified-per-slot", "4096", "--seed", "3",
+               model=path)
     yield s
     s.terminate()
 

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(not TINY_MODEL.exists(),
                                 reason="run tests/data/make_tiny_qwen3_chat.py")
 
 OUT = Path(__file__).resolve().parents[1] / "bench" / "out"
-COMMON = ("--parallel", "3", "--kv-unified-per-slot", "1024")
+# --seed: the page's requests carry no seed
+COMMON = ("--parallel", "3", "--kv-unified-per-slot", "1024", "--seed", "1")
 SYSTEM = ("You are the planning agent of a team of three. Read the task, split it into steps, "
           "and answer each step in one short line. ") * 3
 # The acceptance's bound: the cache view shows a prefix three sessions share within 2 s of
