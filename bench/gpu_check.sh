@@ -209,16 +209,17 @@ make_model() {
 
 # issue 40's figures, most important first, after the tests of the kernels no device has run
 # yet (the fused ops, the 8-bit-activation mat-vec, sampling on the device, the engine's
-# emission beside the device's step, the tensor-core attention): a family whose tests fail
-# here is switched off for the figures (bench/gpu_targets.py --triage: KVSHARE_GPU_ATTN_MMA=0,
-# KVSHARE_GPU_FUSED=0, KVSHARE_DEVICE_SAMPLING=0, KVSHARE_EMIT_OVERLAP=0,
-# KVSHARE_ASYNC_SCHEDULING=0; the q8 info run skipped), so that one run brings back both the
+# emission beside the device's step, the tensor-core attention, steps launched ahead, prefill
+# chunks as CUDA graphs): a family whose tests fail here is switched off for the figures
+# (bench/gpu_targets.py --triage: KVSHARE_GPU_ATTN_MMA=0, KVSHARE_GPU_FUSED=0,
+# KVSHARE_DEVICE_SAMPLING=0, KVSHARE_EMIT_OVERLAP=0, KVSHARE_ASYNC_SCHEDULING=0,
+# KVSHARE_CUDA_GRAPHS_PREFILL=0; the q8 info run skipped), so that one run brings back both the
 # failure and figures of what computes correctly; the table names the switches
 target_steps() {
     step pytest_kernels 150 "${PYTEST[@]}" -m gpu --junitxml="$WORK/pytest_kernels.xml" \
         tests/test_ops_gpu_fused.py tests/test_ops_gpu_mmvq.py tests/test_sampling_gpu.py \
         tests/test_engine_overlap.py tests/test_ops_gpu_attention_mma.py \
-        tests/test_engine_step_ahead.py || RC=1
+        tests/test_engine_step_ahead.py tests/test_model_gpu_step_graphs.py || RC=1
     summ pytest_kernels
     local switches=() fleet_env=(--server-env KVSHARE_GPU_WEIGHTS=blocks) sw
     mapfile -t switches < <($PY bench/gpu_targets.py --dir "$WORK" --triage pytest_kernels.xml \
@@ -280,7 +281,8 @@ test_steps() {
     local files=(tests/test_ops_gpu.py tests/test_ops_gpu_blocks.py tests/test_ops_gpu_graph.py
                  tests/test_model_gpu.py tests/test_engine_gpu.py tests/test_ops_gpu_fused.py
                  tests/test_ops_gpu_mmvq.py tests/test_sampling_gpu.py tests/test_engine_overlap.py
-                 tests/test_ops_gpu_attention_mma.py tests/test_engine_step_ahead.py)
+                 tests/test_ops_gpu_attention_mma.py tests/test_engine_step_ahead.py
+                 tests/test_model_gpu_step_graphs.py)
     step pytest_graphs_on 260 "${PYTEST[@]}" -m gpu --junitxml="$WORK/pytest_graphs_on.xml" \
         "${files[@]}" || RC=1
     summ pytest_graphs_on

@@ -1,7 +1,8 @@
 """The host side of the GPU path, measured without a GPU: per decode step (CUDA graphs on and
-off, batch 1 / 8 / 32) and per prefill forward, the launches the host issues (kernels,
-cuBLAS GEMMs, graph launches), its host-to-device copies and device-to-host reads, and the
-host's wall time per step with the device's work taken out.
+off, batch 1 / 8 / 32) and per prefill forward (128 and 1,024 tokens, graphs on and off),
+the launches the host issues (kernels, cuBLAS GEMMs, graph launches), its host-to-device
+copies and device-to-host reads, and the host's wall time per step with the device's work
+taken out.
 
 It runs the real GPU code path on the CPU emulator of CuPy (`tests/gpu_emu`) with
 `KVSHARE_EMU_NOOP=1`: kernels and GEMMs are checked and recorded but not run. The counts are
@@ -87,7 +88,7 @@ def decode_cost(emu, model, batch: int, graphs: bool, steps: int = 40) -> dict:
         model.cuda_graphs = None
 
 
-def prefill_cost(emu, model, n: int, reps: int = 5) -> dict:
+def prefill_cost(emu, model, n: int, graphs: bool, reps: int = 5) -> dict:
     import numpy as np  # noqa: PLC0415
 
     from kvshare.model.batch import SeqChunk  # noqa: PLC0415
@@ -96,11 +97,15 @@ def prefill_cost(emu, model, n: int, reps: int = 5) -> dict:
     nb = -(-n // 16) + 1
     cache = model.new_cache(nb, 16)
     table = np.arange(nb)
+    model.cuda_graphs = graphs
 
     def fwd():
         model.forward([SeqChunk(toks, 0, table, logits="last")], cache)
 
-    return _measure(emu, fwd, warm=1, reps=reps)
+    try:
+        return _measure(emu, fwd, warm=2, reps=reps)  # the warm runs capture the graph
+    finally:
+        model.cuda_graphs = None
 
 
 def main() -> None:
@@ -131,7 +136,10 @@ def main() -> None:
         for b in (1, 8, 32):
             rows[f"decode b{b} graphs {'on' if graphs else 'off'}"] = decode_cost(
                 emu, model, b, graphs)
-    rows["prefill 1024"] = prefill_cost(emu, model, 1024)
+    for graphs in (True, False):
+        for n in (128, 1024):
+            rows[f"prefill {n} graphs {'on' if graphs else 'off'}"] = prefill_cost(
+                emu, model, n, graphs)
     result = {"model": Path(path).name if args.model else f"random qwen3 1.5b, {n_layers} layers",
               "n_layers": n_layers, "gpu_weights": os.environ["KVSHARE_GPU_WEIGHTS"],
               "rows": rows}

@@ -64,6 +64,7 @@ TRIAGE_SWITCHES = {
     "test_engine_step_ahead": "KVSHARE_ASYNC_SCHEDULING=0",  # every step scheduled in turn
     "test_ops_gpu_mmvq": None,  # opt-in (KVSHARE_GPU_MATVEC=q8): its info run is skipped
     "test_ops_gpu_fused": "KVSHARE_GPU_FUSED=0",  # the op sequences the fused ops replace
+    "test_model_gpu_step_graphs": "KVSHARE_CUDA_GRAPHS_PREFILL=0",  # prefill chunks eager
 }
 
 
@@ -184,7 +185,10 @@ def bench_rows(d: Path) -> list[Row]:
             r.source = (f"{src} prefill[{CTX}]: {e.get('seconds')} s, chunk "
                         f"{b.get('prefill_chunk')}"
                         + (f", issued by the host in {e['host_issue_seconds']} s"
-                           if e.get("host_issue_seconds") is not None else ""))
+                           if e.get("host_issue_seconds") is not None else "")
+                        + (f"; eager {e['eager_tokens_per_s']:,.0f} tok/s, issued in "
+                           f"{e.get('eager_host_issue_seconds')} s"
+                           if e.get("eager_tokens_per_s") is not None else ""))
         elif r.id == "weights_memory":
             m = b.get("weights_memory") or {}
             if m.get("ratio") is None:

@@ -1,42 +1,54 @@
-"""Decode steps of a dense `DecoderModel` on the GPU as CUDA graphs.
+"""Steps of a dense `DecoderModel` on the GPU as CUDA graphs: decode steps, prefill chunks
+and mixed steps of up to `MAX_TOKENS` tokens.
 
-A GPU decode step is a few hundred kernel launches (per layer: norms, the fused Q/K/V
-product, q/k norms and rope, the KV write, attention, the output product, the gated MLP,
-residual adds), each with its own Python argument marshalling: on a fast GPU the host, not
-the device, sets the step time, and a batch of 4 costs what a batch of 1 does. A CUDA graph
-replays all of a step's launches with one call.
+A GPU step is a few hundred kernel launches (per layer: norms, the fused Q/K/V product, q/k
+norms and rope, the KV write, attention, the output product, the gated MLP, residual adds),
+each with its own Python argument marshalling: on a fast GPU the host, not the device, sets
+the step time, and a batch of 4 costs what a batch of 1 does. A prefill chunk of an agent's
+next turn (a tool result, a user message: tens to hundreds of tokens after a cached prefix)
+costs the host as much as a decode step, and every decode row beside it waits for it. A
+CUDA graph replays all of a step's launches with one call.
 
 How (`DecodeGraphs`):
-- Batch buckets 1, 2, 4, 8, ... (up to `MAX_BUCKET`): a step of n decode rows runs in the
-  graph of the smallest bucket >= n, its rows padded with copies of row 0 that write no KV
-  (slot -1) and whose logits are dropped.
+- A step is captured per `StepShape`: its token rows, sequences and logit rows each padded
+  to a bucket (powers of two up to 64, then multiples of 64: `bucket_of`), whether the last
+  layer keeps only the rows whose logits are wanted (`gather`), and whether attention runs
+  on the tensor-core kernels (`mma`, decided as the eager step decides it). Padding token
+  rows are copies of row 0 that write no KV (slot -1); padding sequences and logit rows
+  repeat the first; their logits are dropped.
 - Every input that changes between steps lives in one device buffer (`StepInputs`): token
-  ids, positions, KV slots, block tables (`width` entries per row, -1 padded; the window
-  group's too in a split cache), the attention tiles and the split count of each attention
-  launch. The host fills a staging copy and sends it with one copy before each replay; the
-  graph's kernels read the buffer, so block tables and positions are never constants of a
-  graph.
+  ids, positions, KV slots, block tables (`width` entries per sequence, -1 padded; the
+  window group's too in a split cache), the attention tiles (`pa_tiles` of the step's
+  chunks, one single-row tile per padding row, then tiles of no rows, which the kernels
+  skip) and the split count of each attention launch, and for a shape that gathers the kept
+  rows with their own one-token tiles and block tables (`DecoderModel._attention_rows`).
+  The host fills a staging copy and sends it with one copy before each replay; the graph's
+  kernels read the buffer, so block tables, positions and chunk boundaries are never
+  constants of a graph.
 - Every array the step's ops create comes from a `gpu_runtime.Workspace` (one buffer shared
-  by all buckets: steps run one at a time), the same offsets at every run; a layer's
+  by all shapes: steps run one at a time), the same offsets at every run; a layer's
   intermediates are released once it has added into the residual stream. Nothing is
   allocated, copied to or from the host, or synchronized while a graph is captured, and no
   host code branches on device values (the attention split count, which follows the context
   length, is a device input: `gpu.StaticAttention`).
-- A bucket's first step runs the step's code eagerly (it measures the workspace and warms
+- A shape's first step runs the step's code eagerly (it measures the workspace and warms
   NVRTC, cuBLAS and the launch attributes; its logits are that step's), then captures it on
-  the runner's stream; later steps of that bucket replay it. Another KV cache object or a
+  the runner's stream; later steps of that shape replay it. Another KV cache object or a
   larger workspace drops the graphs; they are captured again when next used.
 - The step calls the model's own `_project_qkv` and `_output_and_mlp` and the same GPU ops
-  as `DecoderModel.forward`, in the same order: the logits equal the eager step's, bit for
-  bit where the eager step has the same batch (tests/test_model_gpu.py and
-  tests/test_engine_gpu.py check it, tests/test_ops_gpu_graph.py the parts).
+  as `DecoderModel.forward`, in the same order, and its attention tiles are the eager
+  step's: the logits and the KV equal the eager step's, bit for bit where the eager step has
+  the same rows (tests/test_model_gpu.py and tests/test_engine_gpu.py check it,
+  tests/test_ops_gpu_graph.py the parts; on a GPU, cuBLAS may pick another algorithm for a
+  padded row count).
 
-Where graphs do not apply the step stays eager: prefill and mixed steps (any chunk of more
-than one token), steps with a row that wants no logits, more rows than `MAX_BUCKET`, a block
-table longer than `width`, models whose layers are not all plain attention layers (MoE
-layers route on the host; hybrid recurrent layers; attention sinks), and architectures that
-override the layer methods. `KVSHARE_CUDA_GRAPHS=0` (`kvshare serve --no-cuda-graphs`), or
-`model.cuda_graphs = False`, turns graphs off.
+Where graphs do not apply the step stays eager: more than `MAX_TOKENS` tokens, a block table
+longer than `width`, a step whose attention needs more splits than its shape's grid has,
+models whose layers are not all plain attention layers (MoE layers route on the host; hybrid
+recurrent layers; attention sinks), and architectures that override the layer methods.
+`KVSHARE_CUDA_GRAPHS=0` (`kvshare serve --no-cuda-graphs`), or `model.cuda_graphs = False`,
+turns graphs off; `KVSHARE_CUDA_GRAPHS_PREFILL=0` keeps them to decode steps (every chunk
+one token).
 """
 
 from __future__ import annotations
@@ -44,7 +56,7 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -52,22 +64,64 @@ from kvshare.model.batch import SeqChunk
 from kvshare.ops import gpu_runtime as rt
 
 ENV = "KVSHARE_CUDA_GRAPHS"
-MAX_BUCKET = 256
+MAX_TOKENS = 1024  # the most query rows (tokens) of a captured step
+FINE_FROM = 64  # buckets are powers of two up to here, then multiples of it
+
+
+PREFILL_ENV = "KVSHARE_CUDA_GRAPHS_PREFILL"
+_OFF = ("0", "false", "no", "off")
 
 
 def enabled_by_env(environ: Any = None) -> bool:
     """Whether $KVSHARE_CUDA_GRAPHS leaves graphs on (the default)."""
     env = os.environ if environ is None else environ
-    return env.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return env.get(ENV, "1").strip().lower() not in _OFF
+
+
+def prefill_by_env(environ: Any = None) -> bool:
+    """Whether $KVSHARE_CUDA_GRAPHS_PREFILL leaves steps with a prefill chunk to graphs too
+    (the default; "0": decode steps only)."""
+    env = os.environ if environ is None else environ
+    return env.get(PREFILL_ENV, "1").strip().lower() not in _OFF
 
 
 def bucket_of(n: int) -> int:
-    """The graph batch size of a step of n decode rows: the smallest power of two >= n."""
-    return 1 << max(0, int(n) - 1).bit_length()
+    """The padded size of n rows (tokens, sequences or logit rows) in a graph: the smallest
+    power of two >= n up to `FINE_FROM`, then the next multiple of `FINE_FROM` (a 65-token
+    chunk pads to 128, a 600-token one to 640)."""
+    n = max(1, int(n))
+    if n <= FINE_FROM:
+        return 1 << (n - 1).bit_length()
+    return -(-n // FINE_FROM) * FINE_FROM
+
+
+def bucket_floor(b: int) -> int:
+    """The fewest rows a step padded to bucket b has."""
+    if b <= 1:
+        return 1
+    return b // 2 + 1 if b <= FINE_FROM else b - FINE_FROM + 1
+
+
+class StepShape(NamedTuple):
+    """What a captured step is specialised to: its padded token rows, sequences and logit
+    rows, whether the last layer keeps only the logit rows (`gather`: some token wants no
+    logits, as in a prefill chunk), and whether attention runs on the tensor-core kernels
+    (`mma`: some chunk brings `gpu.PM_MIN_TOKENS` tokens, as the eager step decides)."""
+
+    tokens: int
+    seqs: int
+    rows: int  # 0: no logits wanted (the step only writes KV)
+    gather: bool
+    mma: bool
+
+    @classmethod
+    def decode(cls, b: int) -> StepShape:
+        """The shape of a step of b decode rows that all want logits."""
+        return cls(b, b, b, False, False)
 
 
 def model_applies(model: Any) -> bool:
-    """Whether the model's decode steps can be graphs: a GPU model whose layers are all plain
+    """Whether the model's steps can be graphs: a GPU model whose layers are all plain
     attention layers and whose forward pass is `DecoderModel`'s (the model says:
     `decode_graphs_apply`)."""
     if not model.backend.is_gpu:
@@ -77,29 +131,35 @@ def model_applies(model: Any) -> bool:
 
 
 class StepInputs:
-    """The device buffer of a bucket's step inputs and its host staging copy: one uint8
+    """The device buffer of a shape's step inputs and its host staging copy: one uint8
     buffer, typed views at 256-byte aligned offsets (`fields`)."""
 
-    def __init__(self, b: int, width: int, split: bool, n_groups: int, n_launch: int):
+    def __init__(self, shape: StepShape, width: int, split: bool, n_launch: int):
         cp = rt.cupy_module()
-        spec = [("tokens", (b,), np.int32), ("positions", (b,), np.int64),
-                ("slots0", (b,), np.int64), ("tiles", (b, 4), np.int32),
-                ("splits", (n_launch,), np.int32), ("tables0", (b, width), np.int32)]
-        if split:
-            spec += [("slots1", (b,), np.int64), ("tables1", (b, width), np.int32)]
+        t, s, r = shape.tokens, shape.seqs, shape.rows
+        groups = (0, 1) if split else (0,)
+        spec = [("tokens", (t,), np.int32), ("positions", (t,), np.int64),
+                ("tiles", (t, 4), np.int32), ("splits", (n_launch,), np.int32)]
+        spec += [(f"slots{g}", (t,), np.int64) for g in groups]
+        spec += [(f"tables{g}", (s, width), np.int32) for g in groups]
+        if shape.gather:
+            # the last layer's rows: one-token tiles at each kept row's position
+            spec += [("rows", (r,), np.int32), ("rtiles", (r, 4), np.int32),
+                     ("rsplits", (n_launch,), np.int32)]
+            spec += [(f"rtables{g}", (r, width), np.int32) for g in groups]
         off, lay = 0, []
-        for name, shape, dt in spec:
-            n = int(np.prod(shape)) * np.dtype(dt).itemsize
-            lay.append((name, off, shape, dt, n))
+        for name, shp, dt in spec:
+            n = int(np.prod(shp)) * np.dtype(dt).itemsize
+            lay.append((name, off, shp, dt, n))
             off += -(-n // 256) * 256
         self.nbytes = off
         self.host = np.zeros(off, np.uint8)
         self.dev = cp.zeros(off, np.uint8)
         self.h: dict[str, np.ndarray] = {}
         self.d: dict[str, Any] = {}
-        for name, o, shape, dt, n in lay:
-            self.h[name] = self.host[o : o + n].view(dt).reshape(shape)
-            self.d[name] = self.dev[o : o + n].view(dt).reshape(shape)
+        for name, o, shp, dt, n in lay:
+            self.h[name] = self.host[o : o + n].view(dt).reshape(shp)
+            self.d[name] = self.dev[o : o + n].view(dt).reshape(shp)
 
     def send(self) -> None:
         """The staging copy to the device (on the current stream)."""
@@ -110,18 +170,32 @@ class _Graph:
     __slots__ = ("graph", "logits", "inputs")
 
 
+def _fill_tiles(dst: np.ndarray, real: np.ndarray, n_rows: int, pad_pos: int) -> None:
+    """A static tile list: the step's own tiles, then one single-row tile for each padding
+    row (n_rows .. len(dst) - 1, sequence 0 at `pad_pos`), then tiles of no rows, which the
+    kernels skip (position 0: no key either)."""
+    k = len(real)
+    dst[:k] = real
+    pad = np.arange(n_rows, len(dst), dtype=np.int32)
+    dst[k : k + len(pad), 0] = 0
+    dst[k : k + len(pad), 1] = pad
+    dst[k : k + len(pad), 2] = 1
+    dst[k : k + len(pad), 3] = pad_pos
+    dst[k + len(pad) :] = 0
+
+
 class DecodeGraphs:
-    """A model's decode-step graphs (see the module doc). `failures`: buckets whose capture
-    raised (they stay eager; the first failure also warns)."""
+    """A model's step graphs (see the module doc). `failures`: shapes whose capture raised
+    (they stay eager; the first failure also warns)."""
 
     def __init__(self, model: Any):
         self.model = model
         self.cp = rt.cupy_module()
         self.stream: Any = None
         self.ws = rt.Workspace()
-        self.graphs: dict[int, _Graph] = {}
-        self.inputs: dict[int, StepInputs] = {}
-        self.failures: dict[int, str] = {}
+        self.graphs: dict[StepShape, _Graph] = {}
+        self.inputs: dict[StepShape, StepInputs] = {}
+        self.failures: dict[StepShape, str] = {}
         self.replays = 0
         self.captures = 0
         self._cache_key: Any = None
@@ -133,104 +207,174 @@ class DecodeGraphs:
         per_seq = -(-int(self.model.config.context_length) // cache.block_size)
         return max(1, min(per_seq, max(cache.n_blocks, cache.n_win_blocks or 0)))
 
-    def step_applies(self, chunks: Sequence[SeqChunk], cache: Any) -> bool:
-        if len(chunks) > MAX_BUCKET or bucket_of(len(chunks)) in self.failures:
-            return False
+    def step_shape(self, chunks: Sequence[SeqChunk], cache: Any, plan: Any) -> StepShape | None:
+        """The shape whose graph runs this step, or None where the step stays eager."""
+        from kvshare.ops import gpu  # noqa: PLC0415
+
+        n_tok = len(plan.tokens)
+        if n_tok > MAX_TOKENS:
+            return None
         if cache.kv_dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
-            return False
+            return None
+        prefill = plan.max_seq_rows > 1
+        if prefill and not prefill_by_env():
+            return None
         width = self._width(cache)
-        for c in chunks:
-            if c.n != 1 or c.logits == "none":
-                return False
-            if -(-c.end_pos // cache.block_size) > width:
-                return False
-        return True
+        if any(-(-c.end_pos // cache.block_size) > width for c in chunks):
+            return None
+        n_rows = len(plan.logit_rows)
+        gather = 0 < n_rows < n_tok
+        mma = False
+        if plan.max_seq_rows >= gpu.PM_MIN_TOKENS:
+            kc, vc = cache.layer_kv(self.model.layers[0].attn_index)
+            mma = gpu._mma_fits(kc, vc, self.model.config.head_dim)  # noqa: SLF001
+        t = bucket_of(n_tok)
+        shape = StepShape(t, bucket_of(len(chunks)), bucket_of(n_rows) if gather else
+                          (t if n_rows else 0), gather, mma)
+        return None if shape in self.failures else shape
+
+    def step_applies(self, chunks: Sequence[SeqChunk], cache: Any) -> bool:
+        """Whether a graph runs this step (tests and benches ask)."""
+        from kvshare.model.base import make_plan  # noqa: PLC0415
+
+        return self.step_shape(chunks, cache,
+                               make_plan(chunks, cache.block_size, self.model.config)) is not None
 
     # -- the step --------------------------------------------------------------------------
     def forward(self, chunks: Sequence[SeqChunk], cache: Any, plan: Any,
-                token_feed: Any = None) -> list[np.ndarray] | None:
+                token_feed: Any = None) -> list[Any] | None:
         """The step's logits as `DecoderModel.forward` returns them, or None when this step
         stays eager. `plan`: the step's `base.BatchPlan` (made first: its checks and errors
         are the eager step's). `token_feed`: a device int32 array whose first n values are
         the rows' input tokens, copied on the device into the step's inputs after the host's
-        (the chunks' tokens are then placeholders): a step launched before the previous
-        step's sampled tokens reached the host (`DecoderModel.forward_fed`)."""
-        from kvshare.ops import gpu  # noqa: PLC0415
-
-        if not self.step_applies(chunks, cache):
+        (the chunks' tokens are then placeholders): a decode step launched before the
+        previous step's sampled tokens reached the host (`DecoderModel.forward_fed`)."""
+        shape = self.step_shape(chunks, cache, plan)
+        if shape is None:
             return None
-        cfg = self.model.config
-        n = len(chunks)
-        b = bucket_of(n)
         self._check_cache(cache)
-        width = self._width(cache)
         launches = self._launches(cache)
-        inp = self.inputs.get(b)
+        inp = self.inputs.get(shape)
         if inp is None:
-            inp = self.inputs[b] = StepInputs(b, width, cache.split, 2, len(launches))
-        nb_of = {0: cache.n_blocks, 1: cache.n_win_blocks}
-        q_starts = np.arange(n + 1, dtype=np.int64)
-        H, K = cfg.n_head, cfg.n_head_kv
-        gc, n_gchunks = gpu.group_chunk(H, K)
-        n_sm = rt.device_attr("MultiProcessorCount")
-        tiles = gpu.pa_tiles(q_starts, plan.start_positions, gc)
-        h = inp.h
-        h["tokens"][:n] = plan.tokens
-        h["tokens"][n:] = plan.tokens[0]
-        h["positions"][:n] = plan.positions
-        h["positions"][n:] = plan.positions[0]
-        h["tiles"][:n] = tiles
-        h["tiles"][n:] = tiles[0]
-        h["tiles"][:, 0] = h["tiles"][:, 1] = np.arange(b, dtype=np.int32)
-        for g in (0, 1) if cache.split else (0,):
-            tables, slots = plan.group(g)
-            t = h[f"tables{g}"]
-            t.fill(-1)
-            t[:n, : tables.shape[1]] = tables[:, :width]
-            t[n:] = t[0]
-            h[f"slots{g}"][:n] = slots
-            h[f"slots{g}"][n:] = -1  # padding rows write no KV
-        for i, (g, window) in enumerate(launches):
-            tables, _ = plan.group(g)
-            # the eager op's check of the tables against the pool
-            gpu._check_tables(tables, q_starts, plan.start_positions, cache.block_size,  # noqa: SLF001
-                              nb_of[g], window)
-            s = gpu.pa_splits(tiles, window, K, n_gchunks, n, H, cfg.head_dim, n_sm)
-            if s > self._max_splits(b, K, n_gchunks, n_sm):
-                return None
-            h["splits"][i] = s
-        entry = self.graphs.get(b)
+            inp = self.inputs[shape] = StepInputs(shape, self._width(cache), cache.split,
+                                                  len(launches))
+        if not self._stage(shape, chunks, cache, plan, inp, launches):
+            return None
+        n_tok = len(plan.tokens)
+        entry = self.graphs.get(shape)
         with self.stream:
             inp.send()
             if token_feed is not None:
                 # ordered after the sampling that wrote them (a blocking stream waits for
                 # the default stream's earlier work)
-                inp.d["tokens"][:n] = token_feed[:n]
+                inp.d["tokens"][:n_tok] = token_feed[:n_tok]
             if entry is None:
-                logits = self._first_step(b, cache, inp, launches)
-                return self._split_logits(logits[:n], chunks)
-            entry.graph.launch(stream=self.stream)
-            self.replays += 1
-            return self._split_logits(entry.logits[:n], chunks)
+                logits = self._first_step(shape, cache, inp, launches)
+            else:
+                entry.graph.launch(stream=self.stream)
+                self.replays += 1
+                logits = entry.logits
+        return self._split_logits(logits, chunks, len(plan.logit_rows))
 
-    def _split_logits(self, logits: Any, chunks: Sequence[SeqChunk]) -> list[Any]:
-        """Each chunk's `[1, vocab]` logits: host copies, or with `model.logits_on_device`
-        views of the graph's own logits buffer, which the next replay overwrites: the engine
-        samples from them before it runs the next step, so no copy is needed."""
+    def _stage(self, shape: StepShape, chunks: Sequence[SeqChunk], cache: Any, plan: Any,
+               inp: StepInputs, launches: list[tuple[int, int]]) -> bool:
+        """Fill the staging copy of the step's inputs; False where the step's attention
+        needs more splits than the shape's grid has (the step then stays eager)."""
+        from kvshare.ops import gpu  # noqa: PLC0415
+
+        cfg = self.model.config
+        H, K = cfg.n_head, cfg.n_head_kv
+        n_tok, n_seq = len(plan.tokens), len(chunks)
+        width = inp.h["tables0"].shape[1]
+        n_sm = rt.device_attr("MultiProcessorCount")
+        nb_of = {0: cache.n_blocks, 1: cache.n_win_blocks}
+        h = inp.h
+        h["tokens"][:n_tok] = plan.tokens
+        h["tokens"][n_tok:] = plan.tokens[0]
+        h["positions"][:n_tok] = plan.positions
+        h["positions"][n_tok:] = plan.positions[0]
+        rows_attn = gpu.PM_ROWS if shape.mma else gpu.PA_ROWS
+        gc, n_gchunks = gpu.group_chunk(H, K, rows_attn)
+        real = gpu.pa_tiles(plan.q_starts, plan.start_positions, gc, rows_attn)
+        _fill_tiles(h["tiles"], real, n_tok, int(plan.positions[0]))
+        gather = shape.gather
+        if gather:
+            rows = plan.logit_rows
+            n_r = len(rows)
+            seq_of_row = np.searchsorted(plan.q_starts, rows, side="right") - 1
+            h["rows"][:n_r] = rows
+            h["rows"][n_r:] = rows[0]
+            rpos = plan.positions[rows]
+            rtiles = gpu.pa_tiles(np.arange(n_r + 1), rpos, gpu.group_chunk(H, K)[0])
+            # each kept row is a one-token sequence of its own (as `_attention_rows`)
+            _fill_tiles(h["rtiles"], rtiles, n_r, int(rpos[0]))
+        for g in (0, 1) if cache.split else (0,):
+            tables, slots = plan.group(g)
+            t = h[f"tables{g}"]
+            t.fill(-1)
+            t[:n_seq, : tables.shape[1]] = tables[:, :width]
+            t[n_seq:] = t[0]
+            h[f"slots{g}"][:n_tok] = slots
+            h[f"slots{g}"][n_tok:] = -1  # padding rows write no KV
+            if gather:
+                rt_ = h[f"rtables{g}"]
+                rt_[:n_r] = t[seq_of_row]
+                rt_[n_r:] = rt_[0]
+        _, fma_chunks = gpu.group_chunk(H, K)
+        for i, (g, window) in enumerate(launches):
+            tables, _ = plan.group(g)
+            # the eager op's check of the tables against the pool
+            gpu._check_tables(tables, plan.q_starts, plan.start_positions,  # noqa: SLF001
+                              cache.block_size, nb_of[g], window)
+            s = 1
+            if not shape.mma:
+                s = gpu.pa_splits(real, window, K, n_gchunks, n_tok, H, cfg.head_dim, n_sm)
+                if s > self._max_splits(shape.tokens, shape.seqs, gc, n_gchunks):
+                    return False
+            h["splits"][i] = s
+            if gather:
+                s = gpu.pa_splits(rtiles, window, K, fma_chunks, n_r, H, cfg.head_dim, n_sm)
+                if s > self._max_splits(shape.rows, shape.rows, gpu.group_chunk(H, K)[0],
+                                        fma_chunks):
+                    return False
+                h["rsplits"][i] = s
+        return True
+
+    def _split_logits(self, logits: Any, chunks: Sequence[SeqChunk], n_rows: int
+                      ) -> list[Any]:
+        """Each chunk's logits rows (None where it wants none): host copies, or with
+        `model.logits_on_device` views of the graph's own logits buffer, which the next
+        replay overwrites: the engine samples from them before it runs the next step, so no
+        copy is needed."""
+        if logits is None:
+            return [None] * len(chunks)
+        logits = logits[:n_rows]
         if not self.model.logits_on_device:
             logits = rt.host(logits)
-        return [logits[i : i + 1] for i in range(len(chunks))]
+        out: list[Any] = []
+        i = 0
+        for c in chunks:
+            k = c.n_logits
+            out.append(logits[i : i + k] if k else None)
+            i += k
+        return out
 
     def _launches(self, cache: Any) -> list[tuple[int, int]]:
         """(layer group, window) of each distinct attention launch of a step."""
         return list(dict.fromkeys((cache.group_of(L.attn_index), int(L.window))
                                   for L in self.model.layers))
 
-    @staticmethod
-    def _max_splits(b: int, n_kv: int, n_gchunks: int, n_sm: int) -> int:
-        """The most splits `pa_splits` gives a step of bucket b (its fewest real rows)."""
-        r = 1 if b == 1 else b // 2 + 1
-        ctas = r * n_kv * n_gchunks
+    def _max_splits(self, tokens: int, seqs: int, gc: int, n_gchunks: int) -> int:
+        """The most splits `pa_splits` gives a step padded to `tokens` rows and `seqs`
+        sequences (the FMA kernels; its fewest tiles: the fewest real sequences, or the
+        fewest real tokens in tiles of `PA_ROWS // gc`)."""
+        from kvshare.ops import gpu  # noqa: PLC0415
+
+        cfg = self.model.config
+        bm = max(1, gpu.PA_ROWS // gc)
+        tiles = max(bucket_floor(seqs), -(-bucket_floor(tokens) // bm))
+        ctas = tiles * cfg.n_head_kv * n_gchunks
+        n_sm = rt.device_attr("MultiProcessorCount")
         return 1 if ctas >= n_sm else min(64, -(-2 * n_sm // ctas))
 
     def _check_cache(self, cache: Any) -> None:
@@ -244,20 +388,37 @@ class DecodeGraphs:
             # a blocking stream: ordered after the eager steps' work on the default stream
             self.stream = self.cp.cuda.Stream(non_blocking=False)
 
-    def _statics(self, b: int, cache: Any, inp: StepInputs,
-                 launches: list[tuple[int, int]]) -> dict[tuple[int, int], Any]:
+    def _statics(self, shape: StepShape, inp: StepInputs, launches: list[tuple[int, int]],
+                 last: bool) -> dict[tuple[int, int], Any]:
+        """Each attention launch's `StaticAttention`: the step's rows, or (`last`, a shape
+        that gathers) the last layer's kept rows."""
         from kvshare.ops import gpu  # noqa: PLC0415
 
         cfg = self.model.config
-        _, n_gchunks = gpu.group_chunk(cfg.n_head, cfg.n_head_kv)
-        ms = self._max_splits(b, cfg.n_head_kv, n_gchunks, rt.device_attr("MultiProcessorCount"))
-        return {gw: gpu.StaticAttention(inp.d[f"tables{gw[0]}"], inp.d["tiles"],
-                                        inp.d["splits"][i : i + 1], ms)
-                for i, gw in enumerate(launches)}
+        H, K = cfg.n_head, cfg.n_head_kv
+        d = inp.d
+        out = {}
+        for i, gw in enumerate(launches):
+            if last:
+                gc, n_gchunks = gpu.group_chunk(H, K)
+                ms = self._max_splits(shape.rows, shape.rows, gc, n_gchunks)
+                out[gw] = gpu.StaticAttention(d[f"rtables{gw[0]}"], d["rtiles"],
+                                              d["rsplits"][i : i + 1], ms)
+                continue
+            if shape.mma:
+                ms = 1
+            else:
+                gc, n_gchunks = gpu.group_chunk(H, K)
+                ms = self._max_splits(shape.tokens, shape.seqs, gc, n_gchunks)
+            out[gw] = gpu.StaticAttention(d[f"tables{gw[0]}"], d["tiles"],
+                                          d["splits"][i : i + 1], ms, mma=shape.mma)
+        return out
 
-    def _run(self, b: int, cache: Any, inp: StepInputs, launches: list[tuple[int, int]]) -> Any:
-        """The step's device work on bucket b's inputs (what the graph holds); returns the
-        logits `[b, vocab]`. `DecoderModel.forward`'s operations, in its order."""
+    def _run(self, shape: StepShape, cache: Any, inp: StepInputs,
+             launches: list[tuple[int, int]]) -> Any:
+        """The step's device work on the shape's inputs (what the graph holds); returns the
+        logits `[rows, vocab]` (None for a step that wants none).
+        `DecoderModel.forward`'s operations, in its order."""
         from kvshare.ops import gpu  # noqa: PLC0415
         from kvshare.ops.embedding import embedding  # noqa: PLC0415
         from kvshare.ops.linear import linear  # noqa: PLC0415
@@ -265,7 +426,8 @@ class DecodeGraphs:
         from kvshare.ops.rope import rope_cos_sin  # noqa: PLC0415
 
         model, cfg, be = self.model, self.model.config, self.model.backend
-        statics = self._statics(b, cache, inp, launches)
+        statics = self._statics(shape, inp, launches, last=False)
+        rstatics = self._statics(shape, inp, launches, last=True) if shape.gather else {}
         d = inp.d
         self.ws.reset()
         with rt.using(self.ws):
@@ -274,26 +436,37 @@ class DecodeGraphs:
                                        model.rope_freq_factors, backend=be)
                      for key in self.rope_keys}
             mark = self.ws.mark()
-            for L in model.layers:
+            n_layers = len(model.layers)
+            for il, L in enumerate(model.layers):
+                last = il == n_layers - 1
                 cos, sin = ropes[(L.rope_base, L.rope_scale)]
                 kc, vc = cache.layer_kv(L.attn_index)
                 g = cache.group_of(L.attn_index)
                 # the model's own layer code: the eager step's kernels, in its order
                 q = model._project_qkv(L, x, cos, sin, d[f"slots{g}"], kc, vc)  # noqa: SLF001
+                if last and shape.rows == 0:
+                    return None  # every layer has stored its K/V: nothing more is read
+                static = statics[(g, int(L.window))]
+                if last and shape.gather:
+                    # only the rows whose logits are wanted (`DecoderModel._attention_rows`)
+                    q = gpu.gather_rows(q, d["rows"])
+                    x = gpu.gather_rows(x, d["rows"])
+                    static = rstatics[(g, int(L.window))]
                 attn = gpu.paged_attention(q, kc, vc, None, None, None, scale=cfg.q_scale,
-                                           window=L.window, static=statics[(g, int(L.window))])
+                                           window=L.window, static=static)
                 model._output_and_mlp(L, x, attn.reshape(attn.shape[0], -1))  # noqa: SLF001
-                self.ws.release(mark)
+                if not last:
+                    self.ws.release(mark)
             hn = rms_norm(x, model.output_norm, cfg.norm_eps, backend=be)
             return linear(hn, model.output, backend=be)
 
-    def _first_step(self, b: int, cache: Any, inp: StepInputs,
+    def _first_step(self, shape: StepShape, cache: Any, inp: StepInputs,
                     launches: list[tuple[int, int]]) -> Any:
-        """Run bucket b's step eagerly (this step's logits), then capture it."""
+        """Run the shape's step eagerly (this step's logits), then capture it."""
         ws = self.ws
         buf, ws.buf = ws.buf, None  # measure: ordinary allocations, offsets counted
         try:
-            logits = self._run(b, cache, inp, launches)
+            logits = self._run(shape, cache, inp, launches)
         finally:
             ws.buf = buf
         if ws.peak > ws.nbytes:
@@ -306,17 +479,17 @@ class DecodeGraphs:
             st.begin_capture()
             try:
                 with rt.capturing():
-                    entry.logits = self._run(b, cache, inp, launches)
+                    entry.logits = self._run(shape, cache, inp, launches)
             finally:
                 entry.graph = st.end_capture()
-        except Exception as exc:  # noqa: BLE001 - the bucket stays eager, the step is done
+        except Exception as exc:  # noqa: BLE001 - the shape stays eager, the step is done
             if not self.failures:
-                warnings.warn(f"CUDA graph capture of decode batch {b} failed; such steps "
-                              f"stay eager ({type(exc).__name__}: {exc})", RuntimeWarning,
-                              stacklevel=3)
-            self.failures[b] = f"{type(exc).__name__}: {exc}"
+                warnings.warn(f"CUDA graph capture of a step of shape {tuple(shape)} failed; "
+                              f"such steps stay eager ({type(exc).__name__}: {exc})",
+                              RuntimeWarning, stacklevel=3)
+            self.failures[shape] = f"{type(exc).__name__}: {exc}"
             return logits
-        self.graphs[b] = entry
+        self.graphs[shape] = entry
         self.captures += 1
         return logits
 

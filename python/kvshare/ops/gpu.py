@@ -38,7 +38,7 @@ _OWN_ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "qkv_rope": ("qkv_rope_write_f16", "qkv_rope_write_f32"),
     "rms_norm": ("rms_norm_f32",),
     "activation": ("geglu_tanh_f32", "swiglu_f32"),
-    "embedding": ("embedding_f16", "embedding_f32"),
+    "embedding": ("embedding_f16", "embedding_f32", "gather_rows_f32"),
     "linear": ("f32_to_f16_rowscaled", "rowscale_bias_f32"),
 }
 for _module, _entries in _OWN_ENTRY_POINTS.items():
@@ -212,20 +212,25 @@ class _PaPlan:
 
 
 class StaticAttention:
-    """The launch of a decode step's paged attention whose inputs are device buffers that
-    stay put (a CUDA graph's): `tables` int32 `[n_tiles, width]`, `tiles` int32
-    `[n_tiles, 4]` (`pa_tiles`' rows, one per decode token), `splits` a device int32 holding
-    the step's split count (`pa_splits` of its real rows), `max_splits` the grid's z extent
-    (the largest count any step of this graph may have). The kernels read the count from
-    `splits`: a step computes what `paged_attention` with plain arrays computes, the same
-    bits (kernels/paged_attention.cu)."""
+    """The launch of a step's paged attention whose inputs are device buffers that stay put
+    (a CUDA graph's): `tables` int32 `[n_seq, width]`, `tiles` int32 `[n_tiles, 4]`
+    (`pa_tiles`' rows of the step's sequences, then padding: one tile per query row at
+    most, so `n_tiles` is the launch's query rows; a tile of no rows at position 0 does
+    nothing), `splits` a device int32 holding the step's split count (`pa_splits` of its
+    real tiles), `max_splits` the grid's z extent (the largest count any step of this graph
+    may have), `mma` whether the tiles are the tensor-core kernels' (`PM_ROWS` rows, no
+    split). The kernels read the count from `splits`: a step computes what `paged_attention`
+    with plain arrays computes, the same bits (kernels/paged_attention.cu)."""
 
-    __slots__ = ("tables", "width", "tiles", "n_tiles", "splits", "max_splits")
+    __slots__ = ("tables", "width", "tiles", "n_tiles", "splits", "max_splits", "mma")
 
-    def __init__(self, tables: Any, tiles: Any, splits: Any, max_splits: int):
+    def __init__(self, tables: Any, tiles: Any, splits: Any, max_splits: int,
+                 mma: bool = False):
         self.tables, self.tiles, self.splits = tables, tiles, splits
-        self.n_tiles, self.width = (int(s) for s in tables.shape)
-        self.max_splits = int(max_splits)
+        self.width = int(tables.shape[1])
+        self.n_tiles = int(tiles.shape[0])
+        self.max_splits = 1 if mma else int(max_splits)
+        self.mma = bool(mma)
 
 
 def group_chunk(n_head: int, n_kv: int, cta_rows: int = PA_ROWS) -> tuple[int, int]:
@@ -238,15 +243,15 @@ def group_chunk(n_head: int, n_kv: int, cta_rows: int = PA_ROWS) -> tuple[int, i
 
 def _static_plan(st: StaticAttention, n_head: int, n_kv: int, n_tok: int) -> _PaPlan:
     if st.n_tiles != n_tok:
-        raise ValueError(f"a static attention plan of {st.n_tiles} decode rows for {n_tok} "
+        raise ValueError(f"a static attention plan of {st.n_tiles} tiles for {n_tok} "
                          "query rows")
     plan = _PaPlan()
     plan.tiles, plan.tables, plan.width = st.tiles, st.tables, st.width
     plan.n_tiles, plan.n_splits = st.n_tiles, st.max_splits
     # one split at most: the count is always 1, the kernels need not read it
     plan.splits_dev = st.splits if st.max_splits > 1 else None
-    plan.gc, plan.n_gchunks = group_chunk(n_head, n_kv)
-    plan.mma = False
+    plan.gc, plan.n_gchunks = group_chunk(n_head, n_kv, PM_ROWS if st.mma else PA_ROWS)
+    plan.mma = st.mma
     return plan
 
 
@@ -696,6 +701,32 @@ def embedding(table: Any, tokens: Any, scale: float = 1.0) -> Any:
         rt.kernel("embedding", f"embedding_{tag}")(
             rt.grid(n * d), (ELEMWISE_THREADS, 1, 1),
             (table, tok, out, np.int32(n), np.int32(d), np.int32(vocab), np.float32(scale)))
+    return out
+
+
+def gather_rows(x: Any, idx: Any) -> Any:
+    """`x[idx]` of a float32 `[N, ...]` array whose rows are each contiguous (a row-strided
+    view such as q inside the fused Q/K/V product is fine), by a device int32 `idx`: a new
+    array `[len(idx), ...]` from `rt.empty` (a captured step's workspace). The indices are
+    the caller's own (not checked on the device)."""
+    if x.dtype != np.float32 or x.ndim < 2:
+        raise TypeError(f"gather_rows takes a float32 array of rows, got {x.dtype} {x.shape}")
+    inner = tuple(int(s) for s in x.shape[1:])
+    d = int(np.prod(inner))
+    es = rt.estrides(x)
+    # the elements of a row are contiguous: each stride after the first is the product of
+    # the sizes after it
+    want = d
+    for size, stride in zip(inner, es[1:]):
+        want //= size
+        if size > 1 and stride != want:
+            raise ValueError("gather_rows needs each row's elements contiguous")
+    n = int(idx.size)
+    out = rt.empty((n, *inner), np.float32)
+    if n and d:
+        rt.kernel("embedding", "gather_rows_f32")(
+            rt.grid(n * d), (ELEMWISE_THREADS, 1, 1),
+            (x, np.int64(es[0]), idx, out, np.int32(n), np.int32(d)))
     return out
 
 

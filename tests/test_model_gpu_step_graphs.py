@@ -1,0 +1,120 @@
+"""Steps with prefill chunks as CUDA graphs (`kvshare.model.gpu_graphs`): prefill chunks that
+want their last row's logits, every row's or none, decode rows beside a prefill chunk, the
+tensor-core attention's shapes and the FMA kernels', against the same steps eager, logits and
+KV cache. Marked `gpu`: skipped without a CUDA device; CI runs it on the CPU emulator
+(tests/gpu_emu), `bench/gpu_check.sh` on a GPU first of all (a failure there keeps the
+figures' graphs to decode steps: `KVSHARE_CUDA_GRAPHS_PREFILL=0`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvshare.model.batch import SeqChunk
+from test_model_gpu import SPECS, _emulated, _rel, _tokens, write_model
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def gpu(request, tmp_path_factory):
+    """The GPU model of one tiny architecture of tests/test_model_gpu.py."""
+    from kvshare.model.loader import load_model  # noqa: PLC0415
+
+    path = tmp_path_factory.mktemp("tiny-gpu-steps") / f"{request.param}.gguf"
+    write_model(path, request.param)
+    return load_model(path, "cuda")
+
+
+def _mixed_run(model, graphs, kv_dtype=None):
+    """A script of steps as the engine makes them: prefill chunks that want the last row's
+    logits, every row's, or none; decode rows beside a prefill chunk; a chunk long enough
+    for the tensor-core attention (f16 caches) beside one that is not; the same shapes again
+    with other tokens (replays). Returns each step's logits (None where a chunk wants none)
+    and the KV cache's arrays at the end."""
+    model.cuda_graphs = graphs
+    bs, per = 16, 6
+    cache = model.new_cache(4 * per + 1, bs, kv_dtype=kv_dtype)
+    perm = np.random.default_rng(11).permutation(4 * per + 1)
+    tab = [perm[i * per : (i + 1) * per] for i in range(4)]
+
+    def chunk(seq, n, pos, logits, seed):
+        return SeqChunk(_tokens(n, seed=seed), pos, tab[seq], logits=logits)
+
+    script = [
+        [chunk(0, 20, 0, "last", 1)],
+        [chunk(1, 7, 0, "none", 2)],
+        [chunk(1, 6, 7, "all", 3)],
+        [chunk(0, 1, 20, "last", 4), chunk(1, 1, 13, "last", 5), chunk(2, 33, 0, "last", 6)],
+        [chunk(0, 1, 21, "last", 7), chunk(2, 5, 33, "none", 8)],
+        [chunk(0, 1, 22, "last", 9), chunk(2, 5, 38, "none", 10)],  # the same shape
+        [chunk(3, 3, 0, "last", 12), chunk(1, 1, 14, "none", 13), chunk(2, 1, 43, "last", 14)],
+        [chunk(0, 1, 23, "last", 15), chunk(1, 1, 15, "last", 16), chunk(2, 1, 44, "last", 17)],
+        [chunk(0, 1, 24, "last", 18), chunk(1, 1, 16, "last", 19), chunk(2, 1, 45, "last", 20)],
+    ]
+    out = []
+    for step in script:
+        out.append(model.forward(step, cache))
+    kv = [np.asarray(a.get() if hasattr(a, "get") else a)
+          for i in range(len(model.layers)) for a in cache.layer_kv(model.layers[i].attn_index)]
+    return out, kv
+
+
+@pytest.mark.parametrize("kv", ["f16", "f32"])
+def test_step_graphs_equal_eager_for_prefill_and_mixed_steps(gpu, kv):
+    """Steps with prefill chunks run as graphs too (padded to their token, sequence and
+    logit-row buckets; the last layer keeps only the rows whose logits are wanted, as the
+    eager step does): the same logits and the same KV cache as the eager steps, bit for bit
+    on the emulator (on a GPU, cuBLAS may pick another algorithm for the padded rows: within
+    the GPU-vs-GPU tolerance), and padding rows write no KV."""
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+
+    try:
+        eager, kv_eager = _mixed_run(gpu, False, kv_dtype=kv)
+        gpu.cuda_graphs = True
+        r = gpu_graphs.runner(gpu)
+        captures, replays = r.captures, r.replays
+        graph, kv_graph = _mixed_run(gpu, True, kv_dtype=kv)
+    finally:
+        gpu.cuda_graphs = None
+    assert not r.failures, r.failures
+    shapes = set(r.inputs)  # (a larger workspace drops the graphs captured before it)
+    assert r.captures - captures >= 6 and r.replays - replays >= 2
+    assert any(s.gather for s in shapes) and any(s.rows == 0 for s in shapes)
+    assert any(s.mma for s in shapes) == (kv == "f16" and gpu.config.head_dim <= 128)
+    for i, (a, b) in enumerate(zip(graph, eager)):
+        assert [x is None for x in a] == [x is None for x in b], i
+        for x, y in zip(a, b):
+            if x is None:
+                continue
+            assert x.shape == y.shape, i
+            if _emulated():
+                assert np.array_equal(x, y), i
+            else:
+                assert _rel(x, y) <= 1e-2, i
+    for a, b in zip(kv_graph, kv_eager):
+        if _emulated():
+            assert np.array_equal(a, b)
+        else:
+            assert np.abs(a.astype(np.float32) - b.astype(np.float32)).max() <= 2e-2
+
+
+def test_graphs_can_be_turned_off_or_kept_to_decode(gpu, monkeypatch):
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+
+    monkeypatch.setenv(gpu_graphs.ENV, "0")
+    assert gpu_graphs.runner(gpu) is None
+    monkeypatch.setenv(gpu_graphs.ENV, "1")
+    monkeypatch.setenv(gpu_graphs.PREFILL_ENV, "0")
+    r = gpu_graphs.runner(gpu)
+    cache = gpu.new_cache(8, 16)
+    before = (r.captures, r.replays)
+    gpu.forward([SeqChunk(_tokens(5), 0, np.arange(8), logits="all")], cache)  # prefill
+    gpu.forward([SeqChunk(_tokens(3), 5, np.arange(8), logits="none")], cache)
+    assert (r.captures, r.replays) == before
+    gpu.forward([SeqChunk(_tokens(1), 8, np.arange(8))], cache)  # decode: captured
+    assert r.captures == before[0] + 1
+    monkeypatch.setenv(gpu_graphs.PREFILL_ENV, "1")
+    gpu.forward([SeqChunk(_tokens(3), 9, np.arange(8), logits="last")], cache)
+    assert r.captures == before[0] + 2
