@@ -31,9 +31,11 @@ How (`DecodeGraphs`):
   allocated, copied to or from the host, or synchronized while a graph is captured, and no
   host code branches on device values (the attention split count, which follows the context
   length, is a device input: `gpu.StaticAttention`).
-- A shape's first step runs the step's code eagerly (it measures the workspace and warms
-  NVRTC, cuBLAS and the launch attributes; its logits are that step's), then captures it on
-  the runner's stream; later steps of that shape replay it. Another KV cache object or a
+- A shape with a prefill chunk runs eager the first time it comes (chunk lengths vary: a
+  shape that never comes again is not worth a capture). A shape's first captured step runs
+  the step's code eagerly (it measures the workspace and warms NVRTC, cuBLAS and the launch
+  attributes; its logits are that step's), then captures it on the runner's stream; later
+  steps of that shape replay it. Another KV cache object or a
   larger workspace drops the graphs; they are captured again when next used.
 - The step calls the model's own `_project_qkv` and `_output_and_mlp` and the same GPU ops
   as `DecoderModel.forward`, in the same order, and its attention tiles are the eager
@@ -56,6 +58,7 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
+from collections import Counter
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
@@ -66,6 +69,9 @@ from kvshare.ops import gpu_runtime as rt
 ENV = "KVSHARE_CUDA_GRAPHS"
 MAX_TOKENS = 1024  # the most query rows (tokens) of a captured step
 FINE_FROM = 64  # buckets are powers of two up to here, then multiples of it
+# a shape with a prefill chunk is captured at its second step (the first runs eager); a
+# decode shape at its first
+PREFILL_SIGHTINGS = 2
 
 
 PREFILL_ENV = "KVSHARE_CUDA_GRAPHS_PREFILL"
@@ -196,6 +202,7 @@ class DecodeGraphs:
         self.graphs: dict[StepShape, _Graph] = {}
         self.inputs: dict[StepShape, StepInputs] = {}
         self.failures: dict[StepShape, str] = {}
+        self.sightings: Counter[StepShape] = Counter()  # eager steps of prefill shapes
         self.replays = 0
         self.captures = 0
         self._cache_key: Any = None
@@ -251,6 +258,11 @@ class DecodeGraphs:
         previous step's sampled tokens reached the host (`DecoderModel.forward_fed`)."""
         shape = self.step_shape(chunks, cache, plan)
         if shape is None:
+            return None
+        if plan.max_seq_rows > 1 and self.sightings[shape] < PREFILL_SIGHTINGS - 1:
+            # a shape with a prefill chunk is captured when it comes again: chunk lengths
+            # vary, and a capture costs the host about one more eager step
+            self.sightings[shape] += 1
             return None
         self._check_cache(cache)
         launches = self._launches(cache)
