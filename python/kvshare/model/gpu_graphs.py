@@ -174,6 +174,9 @@ class StepInputs:
 
 class _Graph:
     __slots__ = ("graph", "logits", "inputs")
+    graph: Any  # cupy.cuda.graph.Graph
+    logits: Any  # its logits buffer ([rows, vocab]; None for a step that wants none)
+    inputs: StepInputs
 
 
 def _fill_tiles(dst: np.ndarray, real: np.ndarray, n_rows: int, pad_pos: int) -> None:
