@@ -346,12 +346,12 @@ class DecoderModel(Model):
         # rope key -> (block number, cos, sin) of ROPE_BLOCK positions (`_rope_row`)
         self._rope_blocks: dict[tuple[float, float], tuple[int, np.ndarray, np.ndarray]] = {}
 
-    def decode_graphs_apply(self) -> bool:
-        """Whether decode steps can be CUDA graphs (`model.gpu_graphs`): every layer a plain
+    def step_graphs_apply(self) -> bool:
+        """Whether steps can be CUDA graphs (`model.gpu_graphs`): every layer a plain
         attention layer and the forward pass this class's."""
         cls = type(self)
         for name in ("forward", "_rope", "_project_qkv", "_output_and_mlp", "_attention_layer",
-                     "_logits"):
+                     "_attention_rows", "_logits"):
             if getattr(cls, name) is not getattr(DecoderModel, name):
                 return False
         return all(type(L) is AttentionLayer and L.moe is None and L.sinks is None

@@ -9,7 +9,7 @@ next turn (a tool result, a user message: tens to hundreds of tokens after a cac
 costs the host as much as a decode step, and every decode row beside it waits for it. A
 CUDA graph replays all of a step's launches with one call.
 
-How (`DecodeGraphs`):
+How (`StepGraphs`):
 - A step is captured per `StepShape`: its token rows, sequences and logit rows each padded
   to a bucket (powers of two up to 64, then multiples of 64: `bucket_of`), whether the last
   layer keeps only the rows whose logits are wanted (`gather`), and whether attention runs
@@ -129,10 +129,10 @@ class StepShape(NamedTuple):
 def model_applies(model: Any) -> bool:
     """Whether the model's steps can be graphs: a GPU model whose layers are all plain
     attention layers and whose forward pass is `DecoderModel`'s (the model says:
-    `decode_graphs_apply`)."""
+    `step_graphs_apply`)."""
     if not model.backend.is_gpu:
         return False
-    applies = getattr(model, "decode_graphs_apply", None)
+    applies = getattr(model, "step_graphs_apply", None)
     return bool(applies is not None and applies())
 
 
@@ -193,7 +193,7 @@ def _fill_tiles(dst: np.ndarray, real: np.ndarray, n_rows: int, pad_pos: int) ->
     dst[k + len(pad) :] = 0
 
 
-class DecodeGraphs:
+class StepGraphs:
     """A model's step graphs (see the module doc). `failures`: shapes whose capture raised
     (they stay eager; the first failure also warns)."""
 
@@ -509,18 +509,18 @@ class DecodeGraphs:
         return logits
 
 
-def runner(model: Any) -> DecodeGraphs | None:
-    """The model's `DecodeGraphs` (built on first use), or None where graphs are off or do
+def runner(model: Any) -> StepGraphs | None:
+    """The model's `StepGraphs` (built on first use), or None where graphs are off or do
     not apply to the model."""
     on = getattr(model, "cuda_graphs", None)
     if on is None:
         on = enabled_by_env()
     if not on:
         return None
-    r = model.__dict__.get("_decode_graphs")
+    r = model.__dict__.get("_step_graphs")
     if r is None:
         if not model_applies(model):
-            model.__dict__["_decode_graphs"] = False
+            model.__dict__["_step_graphs"] = False
             return None
-        r = model.__dict__["_decode_graphs"] = DecodeGraphs(model)
+        r = model.__dict__["_step_graphs"] = StepGraphs(model)
     return r or None
