@@ -243,13 +243,6 @@ class StepGraphs:
                           (t if n_rows else 0), gather, mma)
         return None if shape in self.failures else shape
 
-    def step_applies(self, chunks: Sequence[SeqChunk], cache: Any) -> bool:
-        """Whether a graph runs this step (tests and benches ask)."""
-        from kvshare.model.base import make_plan  # noqa: PLC0415
-
-        return self.step_shape(chunks, cache,
-                               make_plan(chunks, cache.block_size, self.model.config)) is not None
-
     # -- the step --------------------------------------------------------------------------
     def forward(self, chunks: Sequence[SeqChunk], cache: Any, plan: Any,
                 token_feed: Any = None) -> list[Any] | None:
