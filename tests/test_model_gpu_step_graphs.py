@@ -131,3 +131,26 @@ def test_graphs_can_be_turned_off_or_kept_to_decode(gpu, monkeypatch):
     for p in (9, 12):  # a prefill shape: captured when it comes again
         gpu.forward([SeqChunk(_tokens(3), p, np.arange(8), logits="last")], cache)
     assert r.captures == before[0] + 2
+
+
+def test_steps_with_many_logit_rows_stay_eager(gpu, monkeypatch):
+    """A graph's logits stay in the workspace: a step with more than MAX_LOGIT_ROWS logit rows
+    (a prompt's logits row by row) runs eager, never sighted or captured."""
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+
+    monkeypatch.setattr(gpu_graphs, "MAX_LOGIT_ROWS", 4)
+    gpu.cuda_graphs = True
+    try:
+        r = gpu_graphs.runner(gpu)
+        cache = gpu.new_cache(8, 16)
+        before = (r.captures, r.replays, sum(r.sightings.values()))
+        for p in (0, 6):
+            out = gpu.forward([SeqChunk(_tokens(6), p, np.arange(8), logits="all")], cache)
+            assert out[0].shape[0] == 6
+        assert (r.captures, r.replays, sum(r.sightings.values())) == before
+        for p in (12, 15):  # 3 rows: captured the second time
+            gpu.forward([SeqChunk(_tokens(3), p, np.arange(8), logits="all")], cache)
+        assert r.captures == before[0] + 1
+    finally:
+        gpu.cuda_graphs = None
+

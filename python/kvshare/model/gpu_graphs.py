@@ -44,10 +44,11 @@ How (`StepGraphs`):
   tests/test_ops_gpu_graph.py the parts; on a GPU, cuBLAS may pick another algorithm for a
   padded row count).
 
-Where graphs do not apply the step stays eager: more than `MAX_TOKENS` tokens, a block table
-longer than `width`, a step whose attention needs more splits than its shape's grid has,
-models whose layers are not all plain attention layers (MoE layers route on the host; hybrid
-recurrent layers; attention sinks), and architectures that override the layer methods.
+Where graphs do not apply the step stays eager: more than `MAX_TOKENS` tokens or
+`MAX_LOGIT_ROWS` logit rows, a block table longer than `width`, a step whose attention needs
+more splits than its shape's grid has, models whose layers are not all plain attention layers
+(MoE layers route on the host; hybrid recurrent layers; attention sinks), and architectures
+that override the layer methods.
 `KVSHARE_CUDA_GRAPHS=0` (`kvshare serve --no-cuda-graphs`), or `model.cuda_graphs = False`,
 turns graphs off; `KVSHARE_CUDA_GRAPHS_PREFILL=0` keeps them to decode steps (every chunk
 one token).
@@ -68,6 +69,9 @@ from kvshare.ops import gpu_runtime as rt
 
 ENV = "KVSHARE_CUDA_GRAPHS"
 MAX_TOKENS = 1024  # the most query rows (tokens) of a captured step
+# the most logit rows: a graph's logits live in the workspace for as long as the graphs do
+# (256 rows of a 152K vocabulary: 155 MB); a prompt's logits row by row stay eager
+MAX_LOGIT_ROWS = 256
 FINE_FROM = 64  # buckets are powers of two up to here, then multiples of it
 # a shape with a prefill chunk is captured at its second step (the first runs eager); a
 # decode shape at its first
@@ -233,6 +237,8 @@ class StepGraphs:
         if any(-(-c.end_pos // cache.block_size) > width for c in chunks):
             return None
         n_rows = len(plan.logit_rows)
+        if n_rows > MAX_LOGIT_ROWS:
+            return None
         gather = 0 < n_rows < n_tok
         mma = False
         if plan.max_seq_rows >= gpu.PM_MIN_TOKENS:
