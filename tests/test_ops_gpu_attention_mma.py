@@ -60,7 +60,7 @@ def _plan_is_mma(q, kv_d, bt, qs, sp, window):
 
     n_tok, n_head, hd = q.shape
     _, nb, bs, n_kv, _ = kv_d.shape
-    fits = gpu._mma_fits(kv_d[0], kv_d[1], hd)
+    fits = gpu.mma_fits(kv_d[0], kv_d[1], hd)
     plan = gpu._pa_plan(bt, qs, sp, n_head, n_kv, bs, nb, window, hd, n_tok,
                         None if fits else False)
     return plan.mma
@@ -165,9 +165,9 @@ def test_which_launches_take_the_tensor_cores(be, monkeypatch):
                                    chunks=[(40, 1), (9, gpu.PM_MIN_TOKENS - 1)])
     assert not _plan_is_mma(dq, be.asarray(dkv), dbt, dqs, dsp, 0)
     # f32 caches, other head sizes, the switch: the FMA kernels
-    assert not gpu._mma_fits(be.asarray(kv[0].astype(np.float32)),
+    assert not gpu.mma_fits(be.asarray(kv[0].astype(np.float32)),
                              be.asarray(kv[1].astype(np.float32)), 128)
-    assert not gpu._mma_fits(kv_d[0][..., :72], kv_d[1][..., :72], 72)
+    assert not gpu.mma_fits(kv_d[0][..., :72], kv_d[1][..., :72], 72)
     monkeypatch.setenv("KVSHARE_GPU_ATTN_MMA", "0")
     assert not _plan_is_mma(q, kv_d, bt, qs, sp, 0)
     # either way the same attention, within the tensor cores' rounding

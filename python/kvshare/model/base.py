@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvshare.backend import CPU, CPU_THREADS, Backend
-from kvshare.model.batch import SeqChunk
+from kvshare.model.batch import SeqChunk, split_logits
 from kvshare.model.kv_arrays import KVArrays
 from kvshare.model import fused, gpu_graphs
 from kvshare.model.config import ATTENTION, RECURRENT, ModelConfig
@@ -553,19 +553,13 @@ class DecoderModel(Model):
 
     def _logits(self, x: Any, plan: BatchPlan) -> list[np.ndarray | None]:
         be = self.backend
-        out: list[np.ndarray | None] = []
         if x is None or plan.logit_rows.size == 0:
             return [None] * len(plan.chunks)
         h = rms_norm(x, self.output_norm, self.config.norm_eps, backend=be)
         logits = linear(h, self.output, backend=be)
         if not (be.is_gpu and self.logits_on_device):
             logits = be.to_host(logits)
-        i = 0
-        for c in plan.chunks:
-            k = c.n_logits
-            out.append(logits[i : i + k] if k else None)
-            i += k
-        return out
+        return split_logits(logits, plan.chunks)
 
 
 def load_attention_layer(ld: Any, cfg: ModelConfig, il: int, attn_index: int) -> AttentionLayer:

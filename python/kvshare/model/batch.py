@@ -1,9 +1,10 @@
-"""`SeqChunk`: one sequence's share of a forward call (a prefill chunk or a decode token)."""
+"""`SeqChunk`: one sequence's share of a forward call (a prefill chunk or a decode token),
+and `split_logits`, which hands each chunk its rows of the call's logits."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, Sequence
 
 import numpy as np
 
@@ -55,3 +56,15 @@ class SeqChunk:
     @property
     def n_logits(self) -> int:
         return {"none": 0, "last": 1, "all": self.n}[self.logits]
+
+
+def split_logits(logits: Any, chunks: Sequence[SeqChunk]) -> list[Any]:
+    """Each chunk's rows of a step's logits (`n_logits` rows each, in chunk order), None
+    where a chunk wants none; views, not copies."""
+    out: list[Any] = []
+    i = 0
+    for c in chunks:
+        k = c.n_logits
+        out.append(logits[i : i + k] if k else None)
+        i += k
+    return out

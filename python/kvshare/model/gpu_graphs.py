@@ -64,7 +64,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from kvshare.model.batch import SeqChunk
+from kvshare.model.batch import SeqChunk, split_logits
 from kvshare.ops import gpu_runtime as rt
 
 ENV = "KVSHARE_CUDA_GRAPHS"
@@ -128,6 +128,23 @@ class StepShape(NamedTuple):
     def decode(cls, b: int) -> StepShape:
         """The shape of a step of b decode rows that all want logits."""
         return cls(b, b, b, False, False)
+
+
+class AttnBounds(NamedTuple):
+    """A shape's attention launch parameters, which follow from the shape and the model
+    alone (`StepGraphs.bounds`): the step's kernel (tensor-core or FMA) splits each KV
+    head's query heads into `n_gchunks` chunks of `gc` (CTAs of `cta_rows` (token, head)
+    rows), and its grid holds at most `max_splits` splits of the context (1 on the
+    tensor-core kernels); the kept rows of a shape that gathers run on the FMA kernels
+    (`fma_gc`, `fma_chunks`, at most `rmax_splits` splits)."""
+
+    cta_rows: int
+    gc: int
+    n_gchunks: int
+    max_splits: int
+    fma_gc: int
+    fma_chunks: int
+    rmax_splits: int  # 0: the shape does not gather
 
 
 def model_applies(model: Any) -> bool:
@@ -209,6 +226,7 @@ class StepGraphs:
         self.graphs: dict[StepShape, _Graph] = {}
         self.inputs: dict[StepShape, StepInputs] = {}
         self.failures: dict[StepShape, str] = {}
+        self._bounds: dict[StepShape, AttnBounds] = {}
         self.sightings: Counter[StepShape] = Counter()  # eager steps of prefill shapes
         self.replays = 0
         self.captures = 0
@@ -243,7 +261,7 @@ class StepGraphs:
         mma = False
         if plan.max_seq_rows >= gpu.PM_MIN_TOKENS:
             kc, vc = cache.layer_kv(self.model.layers[0].attn_index)
-            mma = gpu._mma_fits(kc, vc, self.model.config.head_dim)  # noqa: SLF001
+            mma = gpu.mma_fits(kc, vc, self.model.config.head_dim)
         t = bucket_of(n_tok)
         shape = StepShape(t, bucket_of(len(chunks)), bucket_of(n_rows) if gather else
                           (t if n_rows else 0), gather, mma)
@@ -298,6 +316,7 @@ class StepGraphs:
 
         cfg = self.model.config
         H, K = cfg.n_head, cfg.n_head_kv
+        b = self.bounds(shape)
         n_tok, n_seq = len(plan.tokens), len(chunks)
         width = inp.h["tables0"].shape[1]
         n_sm = rt.device_attr("MultiProcessorCount")
@@ -307,9 +326,7 @@ class StepGraphs:
         h["tokens"][n_tok:] = plan.tokens[0]
         h["positions"][:n_tok] = plan.positions
         h["positions"][n_tok:] = plan.positions[0]
-        rows_attn = gpu.PM_ROWS if shape.mma else gpu.PA_ROWS
-        gc, n_gchunks = gpu.group_chunk(H, K, rows_attn)
-        real = gpu.pa_tiles(plan.q_starts, plan.start_positions, gc, rows_attn)
+        real = gpu.pa_tiles(plan.q_starts, plan.start_positions, b.gc, b.cta_rows)
         _fill_tiles(h["tiles"], real, n_tok, int(plan.positions[0]))
         gather = shape.gather
         if gather:
@@ -319,7 +336,7 @@ class StepGraphs:
             h["rows"][:n_r] = rows
             h["rows"][n_r:] = rows[0]
             rpos = plan.positions[rows]
-            rtiles = gpu.pa_tiles(np.arange(n_r + 1), rpos, gpu.group_chunk(H, K)[0])
+            rtiles = gpu.pa_tiles(np.arange(n_r + 1), rpos, b.fma_gc)
             # each kept row is a one-token sequence of its own (as `_attention_rows`)
             _fill_tiles(h["rtiles"], rtiles, n_r, int(rpos[0]))
         for g in (0, 1) if cache.split else (0,):
@@ -334,7 +351,6 @@ class StepGraphs:
                 rt_ = h[f"rtables{g}"]
                 rt_[:n_r] = t[seq_of_row]
                 rt_[n_r:] = rt_[0]
-        _, fma_chunks = gpu.group_chunk(H, K)
         for i, (g, window) in enumerate(launches):
             tables, _ = plan.group(g)
             # the eager op's check of the tables against the pool
@@ -342,14 +358,13 @@ class StepGraphs:
                               cache.block_size, nb_of[g], window)
             s = 1
             if not shape.mma:
-                s = gpu.pa_splits(real, window, K, n_gchunks, n_tok, H, cfg.head_dim, n_sm)
-                if s > self._max_splits(shape.tokens, shape.seqs, gc, n_gchunks):
+                s = gpu.pa_splits(real, window, K, b.n_gchunks, n_tok, H, cfg.head_dim, n_sm)
+                if s > b.max_splits:
                     return False
             h["splits"][i] = s
             if gather:
-                s = gpu.pa_splits(rtiles, window, K, fma_chunks, n_r, H, cfg.head_dim, n_sm)
-                if s > self._max_splits(shape.rows, shape.rows, gpu.group_chunk(H, K)[0],
-                                        fma_chunks):
+                s = gpu.pa_splits(rtiles, window, K, b.fma_chunks, n_r, H, cfg.head_dim, n_sm)
+                if s > b.rmax_splits:
                     return False
                 h["rsplits"][i] = s
         return True
@@ -365,18 +380,30 @@ class StepGraphs:
         logits = logits[:n_rows]
         if not self.model.logits_on_device:
             logits = rt.host(logits)
-        out: list[Any] = []
-        i = 0
-        for c in chunks:
-            k = c.n_logits
-            out.append(logits[i : i + k] if k else None)
-            i += k
-        return out
+        return split_logits(logits, chunks)
 
     def _launches(self, cache: Any) -> list[tuple[int, int]]:
         """(layer group, window) of each distinct attention launch of a step."""
         return list(dict.fromkeys((cache.group_of(L.attn_index), int(L.window))
                                   for L in self.model.layers))
+
+    def bounds(self, shape: StepShape) -> AttnBounds:
+        """The shape's `AttnBounds` (computed once per shape)."""
+        b = self._bounds.get(shape)
+        if b is None:
+            from kvshare.ops import gpu  # noqa: PLC0415
+
+            cfg = self.model.config
+            H, K = cfg.n_head, cfg.n_head_kv
+            cta_rows = gpu.PM_ROWS if shape.mma else gpu.PA_ROWS
+            gc, n_gchunks = gpu.group_chunk(H, K, cta_rows)
+            fma_gc, fma_chunks = gpu.group_chunk(H, K)
+            ms = 1 if shape.mma else self._max_splits(shape.tokens, shape.seqs, gc, n_gchunks)
+            rms = (self._max_splits(shape.rows, shape.rows, fma_gc, fma_chunks)
+                   if shape.gather else 0)
+            b = self._bounds[shape] = AttnBounds(cta_rows, gc, n_gchunks, ms, fma_gc,
+                                                 fma_chunks, rms)
+        return b
 
     def _max_splits(self, tokens: int, seqs: int, gc: int, n_gchunks: int) -> int:
         """The most splits `pa_splits` gives a step padded to `tokens` rows and `seqs`
@@ -384,10 +411,9 @@ class StepGraphs:
         fewest real tokens in tiles of `PA_ROWS // gc`)."""
         from kvshare.ops import gpu  # noqa: PLC0415
 
-        cfg = self.model.config
         bm = max(1, gpu.PA_ROWS // gc)
         tiles = max(bucket_floor(seqs), -(-bucket_floor(tokens) // bm))
-        ctas = tiles * cfg.n_head_kv * n_gchunks
+        ctas = tiles * self.model.config.n_head_kv * n_gchunks
         n_sm = rt.device_attr("MultiProcessorCount")
         return 1 if ctas >= n_sm else min(64, -(-2 * n_sm // ctas))
 
@@ -408,24 +434,17 @@ class StepGraphs:
         that gathers) the last layer's kept rows."""
         from kvshare.ops import gpu  # noqa: PLC0415
 
-        cfg = self.model.config
-        H, K = cfg.n_head, cfg.n_head_kv
+        b = self.bounds(shape)
         d = inp.d
         out = {}
         for i, gw in enumerate(launches):
             if last:
-                gc, n_gchunks = gpu.group_chunk(H, K)
-                ms = self._max_splits(shape.rows, shape.rows, gc, n_gchunks)
                 out[gw] = gpu.StaticAttention(d[f"rtables{gw[0]}"], d["rtiles"],
-                                              d["rsplits"][i : i + 1], ms)
-                continue
-            if shape.mma:
-                ms = 1
+                                              d["rsplits"][i : i + 1], b.rmax_splits)
             else:
-                gc, n_gchunks = gpu.group_chunk(H, K)
-                ms = self._max_splits(shape.tokens, shape.seqs, gc, n_gchunks)
-            out[gw] = gpu.StaticAttention(d[f"tables{gw[0]}"], d["tiles"],
-                                          d["splits"][i : i + 1], ms, mma=shape.mma)
+                out[gw] = gpu.StaticAttention(d[f"tables{gw[0]}"], d["tiles"],
+                                              d["splits"][i : i + 1], b.max_splits,
+                                              mma=shape.mma)
         return out
 
     def _run(self, shape: StepShape, cache: Any, inp: StepInputs,

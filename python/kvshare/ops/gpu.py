@@ -265,7 +265,7 @@ def _pa_plan(block_tables: Any, q_starts: Any, start_positions: Any, n_head: int
     of a forward call with the same window share it). `mma`: whether the call goes to the
     tensor-core kernels (tiles of PM_ROWS rows, no split), or None to decide here: it does
     when some sequence brings PM_MIN_TOKENS query tokens or more (the caller has checked the
-    cache and head size, `_mma_fits`); the plan says which in `mma`."""
+    cache and head size, `mma_fits`); the plan says which in `mma`."""
     qs = rt.host(q_starts, np.int64).reshape(-1)
     sp = rt.host(start_positions, np.int64).reshape(-1)
     bt = rt.host(block_tables, np.int32)
@@ -334,7 +334,7 @@ def _pa_kernel(k_cache: Any, v_cache: Any, hd: int) -> tuple[Any, int]:
     return fn, smem
 
 
-def _mma_fits(k_cache: Any, v_cache: Any, hd: int) -> bool:
+def mma_fits(k_cache: Any, v_cache: Any, hd: int) -> bool:
     """Whether the tensor-core kernels can take this cache: f16 with a head size of `PM_HD`,
     16-byte aligned, a device of compute capability 7.5 or later (mma.sync on f16), and
     KVSHARE_GPU_ATTN_MMA not "0"."""
@@ -384,7 +384,7 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     if static is not None:
         plan = _static_plan(static, n_head, n_kv, n_tok)
     else:
-        mma = None if _mma_fits(k_cache, v_cache, hd) else False
+        mma = None if mma_fits(k_cache, v_cache, hd) else False
         plan = _pa_plan(block_tables, q_starts, start_positions, n_head, n_kv, bs, nb, window,
                         hd, n_tok, mma)
     direct = (out is not None and isinstance(out, cp.ndarray) and out.dtype == np.float32
