@@ -16,7 +16,9 @@
 #                  memory vs the file's tensor bytes; greedy tokens graphs on == off), then
 #                  bench/agent_fleet.py --server-args "--device cuda" (4 sessions x 3 turns,
 #                  6K prefix), the Q2_K block tests with the machine-code check
-#                  (tests/test_kernels_sass.py), bench/gpu_matvec_bench.py where it exists.
+#                  (tests/test_kernels_sass.py), the device time per kernel of a decode step
+#                  at 1 and 32 sequences and of a 1K prefill chunk
+#                  (bench/gpu_kernel_profile.py), bench/gpu_matvec_bench.py where it exists.
 #                  About 4-5 minutes after the machine is up.
 #   TESTS_ONLY=1   pytest -m gpu (ops, block weights, graphs, models, engine) with CUDA graphs
 #                  on, then again with KVSHARE_CUDA_GRAPHS=0: the two pytest rows and Q2_K.
@@ -247,6 +249,15 @@ target_steps() {
         tests/test_ops_gpu_blocks.py tests/test_kernels_sass.py -k "Q2_K or sass or pack" || RC=1
     summ pytest_q2k
     table
+    # where the device time of a step goes, per kernel (decode at 1 and 32 sequences, a 1K
+    # prefill chunk; eager against graph): what to fix next where a figure misses its target
+    if [ "$CPU" != 1 ]; then
+        KVSHARE_GPU_WEIGHTS=blocks step kernel_profile 90 $PY bench/gpu_kernel_profile.py \
+            --model "$Q15" --ctx "$CTX" --batches 1,32 --prefill 1024 \
+            --out "$WORK/gpu_kernel_profile.json" || RC=1
+        grep -vE '^\s*$' "$WORK/kernel_profile.log" | head -90 >> "$OUT/summary.txt"
+        table
+    fi
     # the alternatives a device run decides between (info rows, not targets): decode on the
     # 8-bit-activation mat-vec (mmvq, m <= 8; not where its tests failed), and 32 rows on the
     # mat-vec kernels in 16-row launches instead of dequantized tiles + cuBLAS
@@ -282,7 +293,7 @@ test_steps() {
                  tests/test_model_gpu.py tests/test_engine_gpu.py tests/test_ops_gpu_fused.py
                  tests/test_ops_gpu_mmvq.py tests/test_sampling_gpu.py tests/test_engine_overlap.py
                  tests/test_ops_gpu_attention_mma.py tests/test_engine_step_ahead.py
-                 tests/test_model_gpu_step_graphs.py)
+                 tests/test_model_gpu_step_graphs.py tests/test_gpu_kernel_profile.py)
     step pytest_graphs_on 260 "${PYTEST[@]}" -m gpu --junitxml="$WORK/pytest_graphs_on.xml" \
         "${files[@]}" || RC=1
     summ pytest_graphs_on

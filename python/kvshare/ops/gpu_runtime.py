@@ -85,7 +85,8 @@ def kernel(module: str, entry: str) -> Any:
             if fn is None:
                 fn = kernels.get_function(module, entry)
                 _kernel_cache[key] = fn
-    return fn
+    prof = _profile
+    return fn if prof is None else _TimedKernel(fn, entry, prof)
 
 
 def device_attr(name: str) -> int:
@@ -178,6 +179,14 @@ def gemm_f16(x16: Any, w: Any, y: Any, col: int = 0) -> None:
     C-contiguous float32 `[N, n_out]`, float32 accumulation (cublasGemmEx). Column-major
     view: y^T = w . x16^T, i.e. m = t, n = N, k = k, A = w read transposed (lda = k),
     B = x16^T (ldb = k), C offset by `col` with ldc = n_out."""
+    if _profile is not None:
+        with _profile.span("cublas_gemm_f16"):
+            _gemm_f16(x16, w, y, col)
+    else:
+        _gemm_f16(x16, w, y, col)
+
+
+def _gemm_f16(x16: Any, w: Any, y: Any, col: int) -> None:
     cp = cupy_module()
     cublas = cp.cuda.cublas
     n, k = (int(s) for s in x16.shape)
@@ -299,3 +308,97 @@ class capturing:  # noqa: N801
 
 def is_capturing() -> bool:
     return bool(getattr(_tls, "capturing", False))
+
+
+# --- kernel profile: device time per kernel over eager steps ----------------------------------
+
+_profile: KernelProfile | None = None
+
+
+class KernelProfile:
+    """Device time per kernel entry point (and cuBLAS GEMM) while active (`with
+    kernel_profile() as prof:`): a pair of CUDA events on the current stream around each
+    launch that goes through `kernel` or `gemm_f16`. Launches of CuPy's own kernels
+    (elementwise ops, copies) are not timed: the difference between a span's total and the
+    sum of its kernels (`totals`) holds them and the device's idle time between launches.
+    An event pair measures a kernel alone only when the device is never idle between the
+    host's launches (bench/gpu_kernel_profile.py queues a long-running kernel first); eager
+    steps only (a graph being captured refuses it)."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[str, Any, Any]] = []
+        self.ms: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def _event(self) -> Any:
+        return cupy_module().cuda.Event()
+
+    def span(self, name: str) -> _ProfileSpan:
+        """`with prof.span(name):` times the device work launched inside under `name`."""
+        if is_capturing():
+            raise RuntimeError("a kernel profile times eager launches; this thread captures")
+        return _ProfileSpan(self, name)
+
+    def collect(self) -> dict[str, tuple[int, float]]:
+        """Waits for the device, then returns {name: (calls, milliseconds)} over every span
+        so far."""
+        cp = cupy_module()
+        for name, a, b in self.pending:
+            b.synchronize()
+            self.ms[name] = self.ms.get(name, 0.0) + float(cp.cuda.get_elapsed_time(a, b))
+            self.calls[name] = self.calls.get(name, 0) + 1
+        self.pending.clear()
+        return {n: (self.calls[n], self.ms[n]) for n in self.ms}
+
+
+class _ProfileSpan:
+    __slots__ = ("prof", "name", "start")
+
+    def __init__(self, prof: KernelProfile, name: str):
+        self.prof, self.name = prof, name
+
+    def __enter__(self) -> None:
+        self.start = self.prof._event()  # noqa: SLF001
+        self.start.record()
+
+    def __exit__(self, *exc: Any) -> None:
+        stop = self.prof._event()  # noqa: SLF001
+        stop.record()
+        self.prof.pending.append((self.name, self.start, stop))
+
+
+class _TimedKernel:
+    """A kernel whose launches a `KernelProfile` times (attributes reach the kernel)."""
+
+    __slots__ = ("_fn", "_name", "_prof")
+
+    def __init__(self, fn: Any, name: str, prof: KernelProfile):
+        object.__setattr__(self, "_fn", fn)
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_prof", prof)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._prof.span(self._name):
+            return self._fn(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fn, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._fn, name, value)
+
+
+class kernel_profile:  # noqa: N801 - a context manager used like a function
+    """`with kernel_profile() as prof:` times this process's kernel launches (one profile at
+    a time; `KernelProfile`)."""
+
+    def __enter__(self) -> KernelProfile:
+        global _profile
+        if _profile is not None:
+            raise RuntimeError("a kernel profile is already active")
+        _profile = KernelProfile()
+        return _profile
+
+    def __exit__(self, *exc: Any) -> None:
+        global _profile
+        _profile = None
