@@ -1,7 +1,7 @@
 """Steps with prefill chunks as CUDA graphs (`kvshare.model.gpu_graphs`): prefill chunks that
 want their last row's logits, every row's or none, decode rows beside a prefill chunk, the
 tensor-core attention's shapes and the FMA kernels', against the same steps eager, logits and
-KV cache. Marked `gpu`: skipped without a CUDA device; CI runs it on the CPU emulator
+KV cache, in a fixed script and in seeded random ones. Marked `gpu`: skipped without a CUDA device; CI runs it on the CPU emulator
 (tests/gpu_emu), `bench/gpu_check.sh` on a GPU first of all (a failure there keeps the
 figures' graphs to decode steps: `KVSHARE_CUDA_GRAPHS_PREFILL=0`).
 """
@@ -154,3 +154,110 @@ def test_steps_with_many_logit_rows_stay_eager(gpu, monkeypatch):
     finally:
         gpu.cuda_graphs = None
 
+
+
+def _random_script(seed, n_seqs=5, per=8, bs=16, n_steps=28):
+    """A seeded random script of engine-like steps over `n_seqs` sequences of `per` blocks:
+    each step takes 1-4 sequences that have room, each a decode row (half of them) or a
+    prefill chunk of 2-40 tokens, wanting no logits, the last row's or every row's. Returns
+    the steps as (sequence, tokens, position, logits) tuples and each sequence's table."""
+    rng = np.random.default_rng(seed)
+    tables = list(rng.permutation(n_seqs * per + 1)[: n_seqs * per].reshape(n_seqs, per))
+    room = per * bs
+    pos = [0] * n_seqs
+    script = []
+    for _ in range(n_steps):
+        free = [s for s in range(n_seqs) if pos[s] < room]
+        if not free:
+            break
+        step = []
+        for s in rng.permutation(free)[: rng.integers(1, 5)]:
+            n = 1 if (pos[s] and rng.random() < 0.5) else int(rng.integers(2, 41))
+            n = min(n, room - pos[s])
+            logits = "last" if n == 1 else str(rng.choice(["none", "last", "all"]))
+            step.append((int(s), _tokens(n, seed=int(rng.integers(1 << 30))), pos[s], logits))
+            pos[s] += n
+        script.append(step)
+    return script, tables
+
+
+def _run_script(model, script, tables, cache):
+    out = []
+    for step in script:
+        out.append(model.forward([SeqChunk(t, p, tables[s], logits=lg)
+                                  for s, t, p, lg in step], cache))
+    kv = [np.asarray(a.get() if hasattr(a, "get") else a)
+          for L in model.layers for a in cache.layer_kv(L.attn_index)]
+    return out, kv
+
+
+def _emulator_loaded() -> bool:
+    """Whether tests/gpu_emu's CuPy is installed (at collection: emu_plugin installs it
+    first)."""
+    import sys  # noqa: PLC0415
+
+    return hasattr(sys.modules.get("cupy"), "CaptureError")
+
+
+# the emulator runs every kernel thread by thread (about a second a step of these models):
+# there two scripts of 14 steps, one of a plain model with the tensor-core attention and one
+# of gemma3's sliding-window layers (a split cache, head size 256); on a GPU every
+# architecture, two scripts of 28 steps each
+FUZZ = ([("qwen3", 1, 14), ("gemma3", 2, 14)] if _emulator_loaded() else
+        [(arch, seed, 28) for arch in SPECS for seed in (1, 2)])
+
+
+@pytest.fixture(scope="module")
+def fuzz_models(tmp_path_factory):
+    return {}
+
+
+@pytest.mark.parametrize("arch,seed,n_steps", FUZZ)
+def test_random_step_scripts_equal_eager(fuzz_models, tmp_path_factory, arch, seed, n_steps,
+                                         monkeypatch):
+    """Seeded random scripts of decode rows and prefill chunks (1-4 sequences a step, chunks
+    of 2-40 tokens wanting no logits, the last row's or all; f16 KV: tensor-core and FMA
+    attention) as graphs, every shape captured at its first step, then the script again on
+    the same cache (most steps replays): logits and KV as the eager steps'."""
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+    from kvshare.model.loader import load_model  # noqa: PLC0415
+
+    gpu = fuzz_models.get(arch)
+    if gpu is None:
+        path = tmp_path_factory.mktemp("tiny-gpu-fuzz") / f"{arch}.gguf"
+        write_model(path, arch)
+        gpu = fuzz_models[arch] = load_model(path, "cuda")
+    monkeypatch.setattr(gpu_graphs, "PREFILL_SIGHTINGS", 1)
+    script, tables = _random_script(seed, n_steps=n_steps)
+    try:
+        gpu.cuda_graphs = False
+        cache = gpu.new_cache(5 * 8 + 1, 16, kv_dtype="f16")
+        eager, kv_eager = _run_script(gpu, script, tables, cache)
+        gpu.cuda_graphs = True
+        r = gpu_graphs.runner(gpu)
+        cache = gpu.new_cache(5 * 8 + 1, 16, kv_dtype="f16")
+        runs = [_run_script(gpu, script, tables, cache)]
+        replays = r.replays
+        runs.append(_run_script(gpu, script, tables, cache))
+    finally:
+        gpu.cuda_graphs = None
+    assert not r.failures, r.failures
+    # the second run replays the steps whose shapes the first captured (a larger workspace
+    # drops the graphs captured before it: those steps are captured again)
+    assert r.replays - replays >= len(script) // 2
+    for graph, kv_graph in runs:
+        for i, (a, b) in enumerate(zip(graph, eager)):
+            assert [x is None for x in a] == [x is None for x in b], i
+            for x, y in zip(a, b):
+                if x is None:
+                    continue
+                assert x.shape == y.shape, i
+                if _emulated():
+                    assert np.array_equal(x, y), (i, script[i])
+                else:
+                    assert _rel(x, y) <= 1e-2, i
+        for a, b in zip(kv_graph, kv_eager):
+            if _emulated():
+                assert np.array_equal(a, b)
+            else:
+                assert np.abs(a.astype(np.float32) - b.astype(np.float32)).max() <= 2e-2
