@@ -1,9 +1,10 @@
 """Steps with prefill chunks as CUDA graphs (`kvshare.model.gpu_graphs`): prefill chunks that
 want their last row's logits, every row's or none, decode rows beside a prefill chunk, the
 tensor-core attention's shapes and the FMA kernels', against the same steps eager, logits and
-KV cache, in a fixed script and in seeded random ones. Marked `gpu`: skipped without a CUDA device; CI runs it on the CPU emulator
-(tests/gpu_emu), `bench/gpu_check.sh` on a GPU first of all (a failure there keeps the
-figures' graphs to decode steps: `KVSHARE_CUDA_GRAPHS_PREFILL=0`).
+KV cache, in a fixed script and in seeded random ones. Marked `gpu`: skipped without a CUDA
+device; CI runs it on the CPU emulator (tests/gpu_emu), `bench/gpu_check.sh` on a GPU first of
+all (a failure there keeps the figures' graphs to decode steps:
+`KVSHARE_CUDA_GRAPHS_PREFILL=0`).
 """
 
 from __future__ import annotations
