@@ -319,8 +319,8 @@ class KernelProfile:
     """Device time per kernel entry point (and cuBLAS GEMM) while active (`with
     kernel_profile() as prof:`): a pair of CUDA events on the current stream around each
     launch that goes through `kernel` or `gemm_f16`. Launches of CuPy's own kernels
-    (elementwise ops, copies) are not timed: the difference between a span's total and the
-    sum of its kernels (`totals`) holds them and the device's idle time between launches.
+    (elementwise ops, copies) are not timed: a step's device time less the sum of its
+    kernels' holds them and the device's idle time between launches.
     An event pair measures a kernel alone only when the device is never idle between the
     host's launches (bench/gpu_kernel_profile.py queues a long-running kernel first); eager
     steps only (a graph being captured refuses it)."""
@@ -329,9 +329,6 @@ class KernelProfile:
         self.pending: list[tuple[str, Any, Any]] = []
         self.ms: dict[str, float] = {}
         self.calls: dict[str, int] = {}
-
-    def _event(self) -> Any:
-        return cupy_module().cuda.Event()
 
     def span(self, name: str) -> _ProfileSpan:
         """`with prof.span(name):` times the device work launched inside under `name`."""
@@ -358,11 +355,11 @@ class _ProfileSpan:
         self.prof, self.name = prof, name
 
     def __enter__(self) -> None:
-        self.start = self.prof._event()  # noqa: SLF001
+        self.start = cupy_module().cuda.Event()
         self.start.record()
 
     def __exit__(self, *exc: Any) -> None:
-        stop = self.prof._event()  # noqa: SLF001
+        stop = cupy_module().cuda.Event()
         stop.record()
         self.prof.pending.append((self.name, self.start, stop))
 
