@@ -199,42 +199,22 @@ def _run_script(model, script, tables, cache):
     return out, kv
 
 
-def _emulator_loaded() -> bool:
-    """Whether tests/gpu_emu's CuPy is installed (at collection: emu_plugin installs it
-    first)."""
-    import sys  # noqa: PLC0415
-
-    return hasattr(sys.modules.get("cupy"), "CaptureError")
-
-
 # the emulator runs every kernel thread by thread (about a second a step of these models):
 # there two scripts of 14 steps, one of a plain model with the tensor-core attention and one
 # of gemma3's sliding-window layers (a split cache, head size 256); on a GPU every
 # architecture, two scripts of 28 steps each
-FUZZ = ([("qwen3", 1, 14), ("gemma3", 2, 14)] if _emulator_loaded() else
+FUZZ = ([("qwen3", 1, 14), ("gemma3", 2, 14)] if _emulated() else
         [(arch, seed, 28) for arch in SPECS for seed in (1, 2)])
 
 
-@pytest.fixture(scope="module")
-def fuzz_models(tmp_path_factory):
-    return {}
-
-
-@pytest.mark.parametrize("arch,seed,n_steps", FUZZ)
-def test_random_step_scripts_equal_eager(fuzz_models, tmp_path_factory, arch, seed, n_steps,
-                                         monkeypatch):
+@pytest.mark.parametrize("gpu,seed,n_steps", FUZZ, indirect=["gpu"])
+def test_random_step_scripts_equal_eager(gpu, seed, n_steps, monkeypatch):
     """Seeded random scripts of decode rows and prefill chunks (1-4 sequences a step, chunks
     of 2-40 tokens wanting no logits, the last row's or all; f16 KV: tensor-core and FMA
     attention) as graphs, every shape captured at its first step, then the script again on
     the same cache (most steps replays): logits and KV as the eager steps'."""
     from kvshare.model import gpu_graphs  # noqa: PLC0415
-    from kvshare.model.loader import load_model  # noqa: PLC0415
 
-    gpu = fuzz_models.get(arch)
-    if gpu is None:
-        path = tmp_path_factory.mktemp("tiny-gpu-fuzz") / f"{arch}.gguf"
-        write_model(path, arch)
-        gpu = fuzz_models[arch] = load_model(path, "cuda")
     monkeypatch.setattr(gpu_graphs, "PREFILL_SIGHTINGS", 1)
     script, tables = _random_script(seed, n_steps=n_steps)
     try:

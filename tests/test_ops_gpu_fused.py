@@ -26,6 +26,7 @@ from kvshare.ops import gpu_blocks
 from kvshare.ops.activation import glu
 from kvshare.ops.linear import linear, linear_add, linear_glu
 from kvshare.ops.rope import NEOX, NORM, qkv_rope_write, qkv_rope_write_unfused, rope_cos_sin
+from test_model_gpu import _emulated
 from test_ops_gpu_blocks import ALL_TYPES, _k_for, random_rows, ref_dequant
 
 pytestmark = pytest.mark.gpu
@@ -223,12 +224,6 @@ def test_qkv_rope_write_checks_host_slots(be):
 
 
 # --- launches per decode step ----------------------------------------------------------------------
-
-def _emulated() -> bool:
-    import cupy  # noqa: PLC0415
-
-    return hasattr(cupy, "CaptureError")  # tests/gpu_emu's CuPy
-
 
 def _composed(be):
     """Today's op sequences in place of the fused ops (what a layer launched before them)."""
