@@ -141,17 +141,24 @@ def prefill(model, n: int, chunk: int, rng) -> tuple[float, float]:
         model.logits_on_device = False
 
 
-def decode(model, batch: int, ctx: int, steps: int, rng, warm: int = 2) -> float:
-    """Seconds for `steps` decode steps of `batch` sequences at context `ctx`, after `warm`
-    untimed steps on the same cache (a CUDA graph is captured at its batch's first step and
-    kept while the cache is the same)."""
-    nbs = -(-(ctx + warm + steps) // 16) + 1
+def decode_cache(model, batch: int, ctx: int, room: int, rng) -> tuple:
+    """(KV cache, block tables) of `batch` sequences whose first `ctx` positions hold the KV
+    of random prompts (prefilled in chunks of 2,048), with room for `room` more each."""
+    nbs = -(-(ctx + room) // 16) + 1
     cache = model.new_cache(nbs * batch, 16)
     tables = [np.arange(i * nbs, (i + 1) * nbs) for i in range(batch)]
     for i in range(batch):
         toks = rng.integers(0, model.config.vocab_size, ctx).astype(np.int32)
         for s in range(0, ctx, 2048):
             model.forward([SeqChunk(toks[s : s + 2048], s, tables[i], logits="none")], cache)
+    return cache, tables
+
+
+def decode(model, batch: int, ctx: int, steps: int, rng, warm: int = 2) -> float:
+    """Seconds for `steps` decode steps of `batch` sequences at context `ctx`, after `warm`
+    untimed steps on the same cache (a CUDA graph is captured at its batch's first step and
+    kept while the cache is the same)."""
+    cache, tables = decode_cache(model, batch, ctx, warm + steps, rng)
     nxt = rng.integers(0, model.config.vocab_size, batch).astype(np.int32)
     pos = ctx
     # as served: on a GPU the logits stay there and the engine's device sampler picks the
