@@ -218,6 +218,19 @@ def test_mma_attention_launch_constants_match_the_cuda_source():
     assert tiles[:, 2].max() == gpu.PM_ROWS // 2 and tiles[:, 2].sum() == 100
 
 
+def test_bmv_launch_constants_match_the_cuda_source():
+    from kvshare.ops import gpu_blocks  # noqa: PLC0415
+
+    src = kernels.source("blocks")
+    # the warps of a CTA split its rows' chunks: the host launches that many
+    assert _define(src, "BK_MV_WARPS") == gpu_blocks.BMV_WARPS
+    # BkRows<M, NW>::R: 2 for M = 1 or bmvglu, else 4; rows per CTA
+    assert "(M == 1 || NW == 2) ? 2 : 4" in src
+    rows = {m: 2 if m == 1 else 4 for m in gpu_blocks.BMV_M}
+    assert rows == gpu_blocks.BMV_ROWS_PER_CTA
+    assert gpu_blocks.BMVGLU_ROWS_PER_CTA == 2
+
+
 def test_moe_blocks_reuses_the_block_decoders_without_their_kernels():
     assert kernels.uses("moe_blocks") == "blocks"
     src = kernels.source("moe_blocks")

@@ -101,6 +101,27 @@ def test_linear_matches_dequantized_weights(be, qtype, m):
     _check(y, x, ref_dequant(raw, qtype, k), 1e-4 if m <= 16 else 4e-3)
 
 
+def _long_k(qtype: Q) -> int:
+    # rows long enough that a bmv CTA's 128 lanes (4 warps, BMV_WARPS) pass over them more
+    # than twice: 292 chunks of 8 for 32-element blocks (lanes 0..35 take 3 chunks, the rest
+    # 2), 320 for 256-element ones (lanes 0..63 take 3): the M = 1 kernels' loop, unrolled
+    # by 2, runs its pair and its remainder; every warp has chunks; warps end unevenly
+    return 2336 if GGML_QUANT_SIZES[qtype][0] <= 32 else 2560
+
+
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_linear_long_rows_split_across_warps(be, qtype, m):
+    assert gpu_blocks.BMV_WARPS == 4
+    rng = np.random.default_rng(int(qtype) * 7 + m)
+    n, k = 5, _long_k(qtype)  # 5 rows: the last CTA's second row is past the end (m = 1)
+    raw = random_rows(rng, qtype, n, k)
+    w = gpu_blocks.GpuBlockWeight.from_parts([(raw, int(qtype), k)], be)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = be.to_host(linear(be.asarray(x), w, backend=be))
+    _check(y, x, ref_dequant(raw, qtype, k), 1e-4)
+
+
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 16, 20])
 def test_fused_parts_of_different_types_with_bias(be, m, monkeypatch):
     # m > 16: tiles of at most 10 rows, so parts span several tiles and tiles end mid-part

@@ -27,7 +27,7 @@ from kvshare.ops.activation import glu
 from kvshare.ops.linear import linear, linear_add, linear_glu
 from kvshare.ops.rope import NEOX, NORM, qkv_rope_write, qkv_rope_write_unfused, rope_cos_sin
 from test_model_gpu import _emulated
-from test_ops_gpu_blocks import ALL_TYPES, _k_for, random_rows, ref_dequant
+from test_ops_gpu_blocks import ALL_TYPES, _k_for, _long_k, random_rows, ref_dequant
 
 pytestmark = pytest.mark.gpu
 
@@ -131,6 +131,19 @@ def test_linear_glu_on_blocks(be, qtype, m):
     got = be.to_host(linear_glu(be.asarray(x), w, kind, backend=be))
     _glu_check(got, x, ref_dequant(rg, qtype, k), ref_dequant(ru, qtype, k), kind,
                1e-4 if m <= 16 else 4e-3)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
+def test_linear_glu_long_rows_split_across_warps(be, qtype):
+    # rows over which bmvglu's 4 warps make more than two passes (`_long_k`): the unrolled
+    # pair and the remainder of the M = 1 loop
+    rng = np.random.default_rng(int(qtype))
+    ff, k = 3, _long_k(qtype)
+    rg, ru = random_rows(rng, qtype, ff, k), random_rows(rng, qtype, ff, k)
+    w = gpu_blocks.GpuBlockWeight.from_parts([(rg, int(qtype), k), (ru, int(qtype), k)], be)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    got = be.to_host(linear_glu(be.asarray(x), w, "silu", backend=be))
+    _glu_check(got, x, ref_dequant(rg, qtype, k), ref_dequant(ru, qtype, k), "silu", 1e-4)
 
 
 @pytest.mark.parametrize("kind", ["silu", "gelu_tanh"])

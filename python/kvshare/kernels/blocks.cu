@@ -5,14 +5,15 @@
 //   bmv_<type>_m<M>   y[r, col0 + i] = sum_j x[r, j] * W[i, j] (+ bias[col0 + i]) for r < m <= M
 //                     (M = 1, 4, 16; m > M is the host's large-batch path, bdq + cuBLAS), or
 //                     `+=` that (flags: BMV_BIAS, BMV_ACCUMULATE: a residual add fused in):
-//                     one warp per R output rows (R = 2 for M = 1, else 4; 4 warps per
-//                     128-thread CTA, grid-stride); each lane decodes 8 consecutive weights
-//                     of each row at a time (a "chunk") and applies them to all m activation
-//                     rows, so every weight byte is read once per call; float32
-//                     accumulation, warp-shuffle reduction.
+//                     one 128-thread CTA per R output rows (R = 2 for M = 1, else 4;
+//                     grid-stride), its 4 warps splitting each row's length; each lane
+//                     decodes 8 consecutive weights of each row at a time (a "chunk") and
+//                     applies them to all m activation rows, so every weight byte is read
+//                     once per call; float32 accumulation, a warp-shuffle reduction, then
+//                     the 4 warps' sums added in shared memory.
 //   bmvglu_<type>_m<M> y[r, i] = act(sum_j x[r, j] G[i, j], sum_j x[r, j] U[i, j]): a fused
 //                     gate|up projection and its gated activation in one pass (G, U: the gate
-//                     and up tensors, same type and shape); each warp takes 2 gate rows and
+//                     and up tensors, same type and shape); each CTA takes 2 gate rows and
 //                     the 2 matching up rows; the [m, 2 n] products are never written.
 //   bdq_<type>        f16 out[i, :] = W[r0 + i, :] for i < n_rows (the tile that the large-batch
 //                     path hands to the cuBLAS f16 GEMM); one thread per chunk, grid-stride.
@@ -327,11 +328,19 @@ struct BkBF16 {
 
 // --- kernels ---------------------------------------------------------------------------------
 
-// Output rows per warp of bmv_<type>_m<M> (kvshare.ops.gpu_blocks.BMV_ROWS_PER_WARP): each
+// Output rows per CTA of bmv_<type>_m<M> (kvshare.ops.gpu_blocks.BMV_ROWS_PER_CTA): each
 // lane applies the 8 activations it loads to R weight rows, so the activation traffic (from L1)
 // per weight is 4 * m / R bytes instead of 4 * m. bmvglu (NW = 2) takes 2 gate rows and the 2
 // matching up rows: 4 weight rows and the accumulators of bmv's R = 4.
 template <int M, int NW> struct BkRows { static constexpr int R = (M == 1 || NW == 2) ? 2 : 4; };
+
+// Warps per bmv CTA (kvshare.ops.gpu_blocks.BMV_WARPS; launched with 32 * BK_MV_WARPS
+// threads). They share the CTA's R rows and split each row's chunks between them: a decode
+// mat-vec has few rows (a 2,048-wide projection: 1,024 to 6,144) and a load of a block takes
+// the device's memory latency, so a warp that walked a whole row alone would keep only R
+// blocks in flight per pass; split 4 ways, 4 times as many warps read 4 times fewer blocks
+// each, all at once.
+#define BK_MV_WARPS 4
 
 // bmv's flags word (kvshare.ops.gpu_blocks.BMV_BIAS / BMV_ACCUMULATE)
 #define BMV_BIAS 1        // add bias[col0 + row]
@@ -387,8 +396,10 @@ __device__ __forceinline__ float bk_reduce(float (&acc)[M], int lane) {
 // NW = 2 (bmvglu): y[r, i] = bk_act(sum_j x[r, j] G[i, j], sum_j x[r, j] U[i, j], act), with G
 // the rows of w and U those of w_up (same type and shape); flags, bias and col0 unused.
 // x: float32 rows (row stride x_stride, a multiple of 4; x 16-byte aligned: the host copies
-// otherwise); y: float32 rows of stride y_stride. Warp w of the grid takes output rows
-// [R w, R w + R), then grid-strides.
+// otherwise); y: float32 rows of stride y_stride. CTA b of the grid takes output rows
+// [R b, R b + R), then grid-strides; its warp v takes chunks v * 32 + lane, stepping by
+// 32 * BK_MV_WARPS. Each warp's sums are reduced across its lanes, then added over the warps
+// in warp order (a fixed order: the result is the same bits every run).
 template <typename B, int M, int NW>
 __device__ __forceinline__ void bmv_impl(
     const u8* __restrict__ w, const u8* __restrict__ w_up, i64 row_bytes, int n_rows, int k,
@@ -396,11 +407,12 @@ __device__ __forceinline__ void bmv_impl(
     i64 col0, const float* __restrict__ bias, int flags, int act)
 {
     constexpr int R = BkRows<M, NW>::R;
+    // each warp's row sums: [warp][h][i][activation row]
+    __shared__ float part[BK_MV_WARPS][NW][R][M];
     const int lane = threadIdx.x & (KVS_WARP - 1);
-    const int wpb = blockDim.x / KVS_WARP;
+    const int wid = threadIdx.x >> 5;
     const int n_chunks = k >> 3;
-    for (i64 row0 = ((i64)blockIdx.x * wpb + (threadIdx.x >> 5)) * R; row0 < n_rows;
-         row0 += (i64)gridDim.x * wpb * R) {
+    for (i64 row0 = (i64)blockIdx.x * R; row0 < n_rows; row0 += (i64)gridDim.x * R) {
         const u8* wr[NW][R];
 #pragma unroll
         for (int h = 0; h < NW; ++h)
@@ -415,9 +427,18 @@ __device__ __forceinline__ void bmv_impl(
             for (int i = 0; i < R; ++i)
 #pragma unroll
                 for (int r = 0; r < M; ++r) acc[h][i][r] = 0.f;
-        for (int c = lane; c < n_chunks; c += KVS_WARP) {
+#pragma unroll (M == 1 ? 2 : 1)
+        for (int c = wid * KVS_WARP + lane; c < n_chunks; c += BK_MV_WARPS * KVS_WARP) {
             const int e = c << 3;
             const int blk = e / B::QK;
+            // M = 1: the activations first, so that their loads and the weights' are all in
+            // flight together (m >= 1, so row 0 needs no check)
+            float4 a1, b1;
+            if constexpr (M == 1) {
+                const float4* xp = reinterpret_cast<const float4*>(x + e);
+                a1 = xp[0];
+                b1 = xp[1];
+            }
             float q[NW][R][8], d[NW][R], mn[NW][R];
 #pragma unroll
             for (int h = 0; h < NW; ++h)
@@ -426,9 +447,16 @@ __device__ __forceinline__ void bmv_impl(
                     B::dec(wr[h][i] + (i64)blk * B::BYTES, e - blk * B::QK, q[h][i], d[h][i], mn[h][i]);
 #pragma unroll
             for (int r = 0; r < M; ++r) {
-                if (r < m) {
-                    const float4* xp = reinterpret_cast<const float4*>(x + r * x_stride + e);
-                    const float4 a = xp[0], b = xp[1];
+                if (M == 1 || r < m) {
+                    float4 a, b;
+                    if constexpr (M == 1) {
+                        a = a1;
+                        b = b1;
+                    } else {
+                        const float4* xp = reinterpret_cast<const float4*>(x + r * x_stride + e);
+                        a = xp[0];
+                        b = xp[1];
+                    }
                     float sx = 0.f;
                     if constexpr (B::HAS_MIN) sx = (a.x + a.y) + (a.z + a.w) + (b.x + b.y) + (b.z + b.w);
 #pragma unroll
@@ -445,25 +473,38 @@ __device__ __forceinline__ void bmv_impl(
             }
         }
         constexpr int SH = M >= 32 ? 0 : (M >= 16 ? 1 : (M >= 8 ? 2 : (M >= 4 ? 3 : (M >= 2 ? 4 : 5))));
-        const int r = lane >> SH;
-        const bool writer = (lane & ((1 << SH) - 1)) == 0 && r < m;
+        const bool writer = (lane & ((1 << SH) - 1)) == 0;  // lane L: activation row L >> SH
 #pragma unroll
-        for (int i = 0; i < R; ++i) {
+        for (int h = 0; h < NW; ++h)
+#pragma unroll
+            for (int i = 0; i < R; ++i) {
+                const float v = bk_reduce<M>(acc[h][i], lane);  // (every lane shuffles)
+                if (writer) part[wid][h][i][lane >> SH] = v;
+            }
+        __syncthreads();
+        for (int t = threadIdx.x; t < R * M; t += blockDim.x) {
+            const int i = t / M, r = t % M;
             const i64 row = row0 + i;
-            const float s0 = bk_reduce<M>(acc[0][i], lane);
-            if constexpr (NW == 2) {
-                const float s1 = bk_reduce<M>(acc[1][i], lane);
-                if (writer && row < n_rows) y[r * y_stride + row] = bk_act(s0, s1, act);
-            } else {
-                if (writer && row < n_rows) {
+            if (r < m && row < n_rows) {
+                float s[NW];
+#pragma unroll
+                for (int h = 0; h < NW; ++h) {
+                    s[h] = part[0][h][i][r];
+#pragma unroll
+                    for (int v = 1; v < BK_MV_WARPS; ++v) s[h] += part[v][h][i][r];
+                }
+                if constexpr (NW == 2) {
+                    y[r * y_stride + row] = bk_act(s[0], s[1], act);
+                } else {
                     // the NumPy op's order: (W x + bias), then added to y
-                    float v = s0;
+                    float v = s[0];
                     if (flags & BMV_BIAS) v += bias[col0 + row];
                     float* yp = y + r * y_stride + col0 + row;
                     *yp = (flags & BMV_ACCUMULATE) ? *yp + v : v;
                 }
             }
         }
+        __syncthreads();  // `part` is written again for the next rows
     }
 }
 

@@ -66,9 +66,9 @@ BMV_MAX_M = BMV_M[-1]  # rows of one mat-vec launch
 # side of, e.g., a 32-sequence decode step is faster is a device measurement
 # (bench/gpu_bench.py --matvec-max-rows).
 MATVEC_ROWS_ENV = "KVSHARE_GPU_MATVEC_MAX_ROWS"
-BMV_WARPS = 4  # bmv: 128-thread CTAs
-BMV_ROWS_PER_WARP = {1: 2, 4: 4, 16: 4}  # blocks.cu's BkRows<M, 1>::R (output rows per warp)
-BMVGLU_ROWS_PER_WARP = 2  # BkRows<M, 2>::R: gate rows per warp of bmvglu (and as many up rows)
+BMV_WARPS = 4  # blocks.cu's BK_MV_WARPS: bmv's 128-thread CTAs, the warps splitting each row
+BMV_ROWS_PER_CTA = {1: 2, 4: 4, 16: 4}  # blocks.cu's BkRows<M, 1>::R (output rows per CTA)
+BMVGLU_ROWS_PER_CTA = 2  # BkRows<M, 2>::R: gate rows per CTA of bmvglu (and as many up rows)
 BMV_BIAS, BMV_ACCUMULATE = 1, 2  # bmv's flags word (blocks.cu)
 # ops.activation.glu's names -> blocks.cu's bk_act codes
 GLU_ACT = {"silu": 0, "gelu_tanh": 1}
@@ -286,7 +286,7 @@ def _bmv(xa: Any, xs: int, mm: int, w: GpuBlockWeight, b: Any | None, y: Any, y_
         return
     for p in w.parts:
         rt.kernel("blocks", f"bmv_{p.tag}_m{mm}")(
-            (max(1, min(rt.MAX_GRID, -(-p.n // (BMV_WARPS * BMV_ROWS_PER_WARP[mm])))), 1, 1),
+            (max(1, min(rt.MAX_GRID, -(-p.n // BMV_ROWS_PER_CTA[mm]))), 1, 1),
             (32 * BMV_WARPS, 1, 1),
             (p.data, np.int64(p.row_bytes), np.int32(p.n), np.int32(n_in), xa, np.int64(xs),
              np.int32(n), y, np.int64(y_stride), np.int64(p.col0), b if b is not None else y,
@@ -407,7 +407,7 @@ def linear_glu(x: Any, w: GpuBlockWeight, activation: str) -> Any:
     for r0, r1 in _row_chunks(n):
         xa, xs, mm = _bmv_rows(x[r0:r1])
         rt.kernel("blocks", f"bmvglu_{g.tag}_m{mm}")(
-            (max(1, min(rt.MAX_GRID, -(-g.n // (BMV_WARPS * BMVGLU_ROWS_PER_WARP)))), 1, 1),
+            (max(1, min(rt.MAX_GRID, -(-g.n // BMVGLU_ROWS_PER_CTA))), 1, 1),
             (32 * BMV_WARPS, 1, 1),
             (gate, up, np.int64(g.row_bytes), np.int32(g.n), np.int32(g.k), xa, np.int64(xs),
              np.int32(r1 - r0), out[r0:r1], np.int64(g.n), np.int32(GLU_ACT[activation])))
