@@ -9,7 +9,10 @@
   values;
 - the sanitizer build (`KVSHARE_EMU_SANITIZE=1`, fakecupy): a `float4` load at an address
   16 does not divide (a "misaligned address" fault on a GPU, silent on x86) aborts with
-  UndefinedBehaviorSanitizer's report; aligned, it runs.
+  UndefinedBehaviorSanitizer's report; aligned, it runs;
+- asynchronous copies from pinned memory: the host writing the bytes of a copy it has not
+  yet waited for raises when the copy is known done (on a GPU the device may read the new
+  bytes); waited for first, or from pageable memory, it does not.
 
 Runs only on the emulator (`PYTHONPATH=tests/gpu_emu pytest -p emu_plugin`; CI's emulator
 step): a GPU gives no control over its scheduling, so elsewhere it skips.
@@ -124,3 +127,44 @@ extern "C" __global__ void first_block_writes(const float* x, float* y) {
     out = cp.asnumpy(y)
     assert np.array_equal(out[:32], x)
     assert np.isnan(out[32:]).all()  # not block 0's values
+
+
+def _pinned(cp, n: int) -> np.ndarray:
+    return np.frombuffer(cp.cuda.alloc_pinned_memory(4 * n), np.float32, n)
+
+
+def test_host_write_to_pinned_memory_before_its_copy_is_known_done_raises(cp):
+    """An asynchronous copy from pinned memory reads the host bytes when the device gets to
+    it: writing them before the host knows the copy done is a race the emulator reports
+    when it learns the copy done (here: the event recorded after it)."""
+    stream = cp.cuda.Stream()
+    host, dev = _pinned(cp, 64), cp.zeros(64, np.float32)
+    host[:] = 1.0
+    dev.set(host, stream=stream)
+    ev = cp.cuda.Event()
+    ev.record(stream)
+    host[:] = 2.0  # too early
+    with pytest.raises(RuntimeError, match="pending"):
+        ev.synchronize()
+    # the same, waited for first: fine, and the device holds what was sent
+    host[:] = 3.0
+    dev.set(host, stream=stream)
+    ev.record(stream)
+    ev.synchronize()
+    host[:] = 4.0
+    stream.synchronize()
+    assert (cp.asnumpy(dev) == 3.0).all()
+
+
+def test_copies_from_pageable_memory_or_without_a_stream_do_not_pend(cp):
+    stream = cp.cuda.Stream()
+    dev = cp.zeros(8, np.float32)
+    pageable = np.ones(8, np.float32)
+    dev.set(pageable, stream=stream)  # staged by the driver before it returns
+    pageable[:] = 5.0
+    host = _pinned(cp, 8)
+    dev.set(host)  # no stream: synchronous
+    host[:] = 6.0
+    cp.cuda.Device().synchronize()  # nothing pending: no error
+    ev = cp.cuda.Event()
+    ev.synchronize()  # never recorded: done at once

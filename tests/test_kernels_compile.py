@@ -274,9 +274,13 @@ def test_tiles_cover_every_query_row_once(gc):
 def test_split_kv_only_for_small_grids_with_long_ranges():
     one_decode = gpu.pa_tiles(np.array([0, 1]), np.array([6000]), 4)
     assert gpu.pa_splits(one_decode, 0, 1, 1, 1, 4, 256, 132) > 1
-    assert gpu.pa_splits(one_decode, 512, 1, 1, 1, 4, 256, 132) == 1  # window: short range
-    short = gpu.pa_tiles(np.array([0, 1]), np.array([100]), 4)
+    assert gpu.pa_splits(one_decode, 128, 1, 1, 1, 4, 256, 132) == 1  # window: short range
+    short = gpu.pa_tiles(np.array([0, 1]), np.array([127]), 4)  # 128 keys: one split
     assert gpu.pa_splits(short, 0, 1, 1, 1, 4, 256, 132) == 1
+    # a decode token at 1K of context on 8 KV heads: splits of >= PA_SPLIT_KEYS (64) keys
+    d1k = gpu.pa_tiles(np.array([0, 1]), np.array([1023]), 2)
+    assert gpu.pa_splits(d1k, 0, 8, 1, 1, 16, 128, 132) == 16
+    assert gpu.pa_splits(d1k, 0, 8, 1, 1, 16, 128, 32) == 8  # 2 CTAs per SM at most
     prefill = gpu.pa_tiles(np.array([0, 4096]), np.array([0]), 4)
     assert gpu.pa_splits(prefill, 0, 1, 1, 4096, 4, 256, 132) == 1  # 1024 tiles fill the GPU
 

@@ -309,7 +309,8 @@ def test_decode_graphs_split_kv_and_window_group(tmp_path):
     from kvshare.model import gpu_graphs  # noqa: PLC0415
     from kvshare.model.loader import load_model  # noqa: PLC0415
 
-    for arch, split, prompt in (("qwen3", False, 515), ("gemma3", True, 20)):
+    # qwen3: the longest span goes 191 -> 194 keys, 3 -> 4 splits of >= 64 keys
+    for arch, split, prompt in (("qwen3", False, 187), ("gemma3", True, 20)):
         path = tmp_path / f"{arch}.gguf"
         write_model(path, arch)
         gpu = load_model(path, "cuda")
@@ -318,8 +319,49 @@ def test_decode_graphs_split_kv_and_window_group(tmp_path):
         r = gpu_graphs.runner(gpu)
         assert not r.failures and r.replays >= 3
         assert np.array_equal(graph, eager), arch
-        if not split:  # the last step's attention was cut in splits (> 512 keys, few CTAs)
+        if not split:  # the last step's attention was cut in splits (> 128 keys, few CTAs)
             assert int(r.inputs[gpu_graphs.StepShape.decode(2)].h["splits"].max()) > 1
+
+
+def test_decode_graphs_stage_after_the_last_copy(pair):
+    """Steps of one shape issued back to back, the host waiting for none of them (logits left
+    on the device, as for a step launched ahead): each staging of the shape's inputs waits
+    for the last step's copy of them (pinned memory, read when the device gets to the copy;
+    the emulator raises where the host wrote them first), and every step computes what the
+    eager steps compute."""
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+
+    _, gpu = pair
+    eager = _decode_run(gpu, False, 2, 20, 5)
+    bs, n_seq, prompt, steps = 16, 2, 20, 5
+    per = -(-(prompt + 3 * n_seq + steps) // bs)
+    nb = per * n_seq + 1
+    cache = gpu.new_cache(nb, bs)
+    perm = np.random.default_rng(0).permutation(nb)
+    tables = [perm[i * per : (i + 1) * per] for i in range(n_seq)]
+    lens = [prompt + 3 * i for i in range(n_seq)]
+    rng = np.random.default_rng(1)
+    gpu.cuda_graphs = True
+    for i in range(n_seq):
+        gpu.forward([SeqChunk(rng.integers(0, VOCAB, lens[i]), 0, tables[i], logits="none")],
+                    cache)
+    r = gpu_graphs.runner(gpu)
+    replays = r.replays
+    feed = rng.integers(0, VOCAB, (steps, n_seq))
+    gpu.logits_on_device = True
+    try:
+        kept = []
+        for t in range(steps):
+            lg = gpu.forward([SeqChunk(feed[t, i : i + 1], lens[i] + t, tables[i])
+                              for i in range(n_seq)], cache)
+            # a copy on the device (the next replay overwrites the graph's logits)
+            kept.append(gpu.backend.xp.concatenate(lg))
+        gpu.backend.synchronize()
+    finally:
+        gpu.logits_on_device = False
+        gpu.cuda_graphs = None
+    assert r.replays - replays == steps - 1  # (the first step of the new cache captures)
+    np.testing.assert_array_equal(np.stack([gpu.backend.to_host(k) for k in kept]), eager)
 
 
 def test_decode_graphs_belong_to_their_cache(pair):

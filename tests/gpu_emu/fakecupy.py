@@ -19,6 +19,14 @@ sources and `kvshare.ops.gpu` without a GPU (see docs/gpu.md, "Verification"):
   recorded pointer belongs to an allocation freed since the capture raises too (on a GPU it
   would write freed memory).
 
+- page-locked host memory (`cuda.alloc_pinned_memory`) and asynchronous host-to-device copies
+  from it (`ndarray.set(arr, stream=s)`): the copy is done at once, as the device would do it
+  when its turn comes, and stays pending until the host knows it done (an event recorded
+  after it synchronized or queried done, a stream or device synchronize, a blocking read of
+  device memory). A pending copy whose host bytes changed before then raises (on a GPU the
+  copy might have read the new bytes): the host wrote a staging buffer the device may not
+  have read yet.
+
 `KVSHARE_EMU_ORDER=reverse` (or `shuffle`, seeded by `KVSHARE_EMU_SEED`) resumes a block's
 fibers in reverse thread order (a new random order each pass) instead of thread order: a
 kernel that reads what another of its threads wrote without a barrier between gets the old
@@ -170,14 +178,20 @@ class ndarray(np.ndarray):
         np.ndarray.fill(self, value)
 
     def set(self, arr, stream=None):
-        """Host-to-device copy (CuPy's ndarray.set)."""
+        """Host-to-device copy (CuPy's ndarray.set); asynchronous from pinned memory on a
+        given stream (`_pending_copy`)."""
         _no_capture("host-to-device copy (ndarray.set)")
         COUNTS["h2d"] += 1
-        np.ndarray.__setitem__(self, Ellipsis, np.asarray(arr))
+        src = np.asarray(arr)
+        if stream is not None:
+            _pending_copy(src)
+        np.ndarray.__setitem__(self, Ellipsis, src)
 
     def get(self, stream=None):
         _no_capture("device-to-host copy (ndarray.get)")
         COUNTS["d2h"] += 1
+        if stream is None:
+            _retire_copies()
         return np.array(self.view(np.ndarray))
 
     def __int__(self):
@@ -235,6 +249,8 @@ def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
     if isinstance(a, ndarray):
         _no_capture("device-to-host copy (asnumpy)")
         COUNTS["d2h"] += 1
+        if blocking:
+            _retire_copies()
     if out is not None:   # (blocking=False: an asynchronous copy; here it is done at once)
         np.copyto(out, np.asarray(a).view(np.ndarray))
         return out
@@ -263,7 +279,9 @@ class Device:
                   "ComputeCapabilityMajor": 9, "ComputeCapabilityMinor": 0}
     def __enter__(self): return self
     def __exit__(self, *a): return False
-    def synchronize(self): _no_capture("Device.synchronize")
+    def synchronize(self):
+        _no_capture("Device.synchronize")
+        _retire_copies()
 cuda.Device = Device
 cuda.device = types.SimpleNamespace(get_cublas_handle=lambda: 1)
 runtime.streamCaptureModeGlobal, runtime.streamCaptureModeThreadLocal = 0, 1
@@ -304,9 +322,10 @@ class Stream:
         _STREAMS[-1:] = [self]; return self
     @property
     def done(self):
-        _no_capture("Stream.done (a query)"); return True
+        _no_capture("Stream.done (a query)"); _retire_copies(); return True
     def synchronize(self):
         _no_capture("Stream.synchronize")
+        _retire_copies()
     def begin_capture(self, mode=None):
         global _CAPTURE
         if self.ptr in (0, 1):
@@ -328,12 +347,73 @@ cuda.Stream = Stream
 cuda.get_current_stream = lambda device_id=-1: _STREAMS[-1]
 
 class Event:
-    def __init__(self, block=False, disable_timing=False, interprocess=False): pass
-    def record(self, stream=None): pass
-    def synchronize(self): _no_capture("Event.synchronize")
+    """An event: what was issued before its `record` is done once the host synchronizes it
+    or finds it done (the asynchronous copies issued before it are then known complete)."""
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self._seq = None
+    def record(self, stream=None):
+        self._seq = _COPY_SEQ[0]
+    def synchronize(self):
+        _no_capture("Event.synchronize")
+        if self._seq is not None:   # (an event never recorded is done at once)
+            _retire_copies(self._seq)
+    @property
+    def done(self):
+        _no_capture("Event.done (a query)")
+        if self._seq is not None:
+            _retire_copies(self._seq)
+        return True
 cuda.Event = Event
-# page-locked host memory (the target of an asynchronous device-to-host copy): a buffer
-cuda.alloc_pinned_memory = lambda nbytes: bytearray(int(nbytes))
+
+# page-locked host memory: a buffer whose address range is remembered, so that a copy from it
+# on a stream is asynchronous (`_pending_copy`)
+_PINNED = []   # (start, end, weakref to the buffer)
+class _PinnedBuffer(bytearray):
+    pass
+def alloc_pinned_memory(nbytes):
+    import weakref
+    buf = _PinnedBuffer(int(nbytes))
+    if len(buf):
+        start = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+        _PINNED[:] = [e for e in _PINNED if e[2]() is not None]
+        _PINNED.append((start, start + len(buf), weakref.ref(buf)))
+    return buf
+cuda.alloc_pinned_memory = alloc_pinned_memory
+
+_COPY_SEQ = [0]    # asynchronous copies issued so far
+_PENDING = []      # (seq, host address, bytes of the source when issued, weakref to the buffer)
+
+def _pending_copy(src):
+    """Record an asynchronous copy from host array `src` when it lies in pinned memory
+    (from pageable memory the driver stages the bytes before returning: nothing pends)."""
+    if not src.flags.c_contiguous or src.nbytes == 0:
+        return
+    addr = src.__array_interface__["data"][0]
+    for start, end, ref in _PINNED:
+        buf = ref()
+        if buf is not None and start <= addr and addr + src.nbytes <= end:
+            _COPY_SEQ[0] += 1
+            _PENDING.append((_COPY_SEQ[0], addr, ctypes.string_at(addr, src.nbytes), ref))
+            return
+
+def _retire_copies(upto=None):
+    """The pending copies issued up to `upto` (all: None) are known complete: each one's host
+    bytes must still be what they were when it was issued."""
+    keep = []
+    for entry in _PENDING:
+        seq, addr, snap, ref = entry
+        if upto is not None and seq > upto:
+            keep.append(entry)
+            continue
+        if ref() is None:
+            raise RuntimeError("pinned host memory freed while an asynchronous copy from it "
+                               "was pending")
+        if ctypes.string_at(addr, len(snap)) != snap:
+            _PENDING[:] = keep
+            raise RuntimeError(f"the host wrote {len(snap)} bytes of pinned memory at "
+                               f"{addr:#x} while an asynchronous copy from them was pending "
+                               "(the device may read the new bytes): wait for the copy first")
+    _PENDING[:] = keep
 cuda.get_elapsed_time = lambda a, b: 0.0
 
 graph = types.ModuleType("fakecupy.cuda.graph")

@@ -260,15 +260,20 @@ sample_rows(const unsigned long long* rows, float* scores, int V,
     const int n_top = ip[IP_N_TOP];
     const int e0 = ip[IP_EDIT_START], e1 = ip[IP_EDIT_END];
 
-    // 1. the raw row: finite?, raw max, masked scores, masked argmax, allowed count
+    // 1. the raw row: finite?, raw max, masked scores, masked argmax, allowed count. A greedy
+    // row without edits needs no scores row (only the argmax), so it writes none; the loop is
+    // unrolled so that each thread has several of its loads in flight at once (a row of a
+    // large vocabulary is hundreds of loads per thread, one CTA per row)
+    const bool keep_scores = !greedy || e1 > e0;
     float nonfinite = 0.0f, allowed_n = 0.0f, rmax = kvs_neg_inf(), bv = kvs_neg_inf();
     int bi = -1;
+#pragma unroll 4
     for (int i = t; i < V; i += SMP_THREADS) {
         float x = logits[i];
         if (!smp_finite(x)) nonfinite = 1.0f;
         rmax = fmaxf(rmax, x);
         bool ok = smp_allowed(mask, words, i);
-        srow[i] = ok ? x : kvs_neg_inf();
+        if (keep_scores) srow[i] = ok ? x : kvs_neg_inf();
         if (ok) {
             allowed_n += 1.0f;
             if (bi < 0 || x > bv) { bv = x; bi = i; }

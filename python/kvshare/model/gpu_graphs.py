@@ -159,7 +159,14 @@ def model_applies(model: Any) -> bool:
 
 class StepInputs:
     """The device buffer of a shape's step inputs and its host staging copy: one uint8
-    buffer, typed views at 256-byte aligned offsets (`fields`)."""
+    buffer, typed views at 256-byte aligned offsets (`fields`).
+
+    The staging copy is page-locked host memory, so `send` is an asynchronous copy on the
+    step's stream: the host goes on (the next step's scheduling, or a step launched ahead)
+    while the device finishes earlier work, where a copy from pageable memory may wait for
+    the stream. The device reads the staging bytes only when the copy's turn comes, so the
+    host must not write them before then: `wait_sent` (called before every staging) waits for
+    the last copy, normally long done."""
 
     def __init__(self, shape: StepShape, width: int, split: bool, n_launch: int):
         cp = rt.cupy_module()
@@ -180,17 +187,28 @@ class StepInputs:
             lay.append((name, off, shp, dt, n))
             off += -(-n // 256) * 256
         self.nbytes = off
-        self.host = np.zeros(off, np.uint8)
+        self.host = np.frombuffer(cp.cuda.alloc_pinned_memory(off), np.uint8, off)
+        self.host.fill(0)
         self.dev = cp.zeros(off, np.uint8)
+        self.sent: Any = None  # an event recorded after the last `send`'s copy
         self.h: dict[str, np.ndarray] = {}
         self.d: dict[str, Any] = {}
         for name, o, shp, dt, n in lay:
             self.h[name] = self.host[o : o + n].view(dt).reshape(shp)
             self.d[name] = self.dev[o : o + n].view(dt).reshape(shp)
 
-    def send(self) -> None:
-        """The staging copy to the device (on the current stream)."""
-        self.dev.set(self.host)
+    def send(self, stream: Any) -> None:
+        """The staging copy to the device, asynchronously on `stream`."""
+        self.dev.set(self.host, stream=stream)
+        if self.sent is None:
+            self.sent = rt.cupy_module().cuda.Event(disable_timing=True)
+        self.sent.record(stream)
+
+    def wait_sent(self) -> None:
+        """Wait until the last `send`'s copy has read the staging bytes (before writing
+        them again)."""
+        if self.sent is not None:
+            self.sent.synchronize()
 
 
 class _Graph:
@@ -295,7 +313,7 @@ class StepGraphs:
         n_tok = len(plan.tokens)
         entry = self.graphs.get(shape)
         with self.stream:
-            inp.send()
+            inp.send(self.stream)
             if token_feed is not None:
                 # ordered after the sampling that wrote them (a blocking stream waits for
                 # the default stream's earlier work)
@@ -321,6 +339,7 @@ class StepGraphs:
         width = inp.h["tables0"].shape[1]
         n_sm = rt.device_attr("MultiProcessorCount")
         nb_of = {0: cache.n_blocks, 1: cache.n_win_blocks}
+        inp.wait_sent()
         h = inp.h
         h["tokens"][:n_tok] = plan.tokens
         h["tokens"][n_tok:] = plan.tokens[0]
@@ -421,6 +440,8 @@ class StepGraphs:
         # the graphs hold this cache's addresses: another cache object (even one that got the
         # same id and addresses after this one was freed) gets its own
         if self._cache_key is None or self._cache_key() is not cache:
+            for inp in self.inputs.values():
+                inp.wait_sent()  # (its pinned memory goes back to CuPy's pool)
             self.graphs.clear()
             self.inputs.clear()
             self._cache_key = weakref.ref(cache)

@@ -53,6 +53,12 @@ PA_THREADS = 128  # paged_attention.cu: PA_NW * 32
 PA_ROWS = 16  # PA_NW * PA_RPW: (token, head) rows per CTA
 PA_BN = 32  # keys per tile
 PA_MAXD = 512  # largest head_dim of the generic kernels
+# Split-KV: the fewest keys of a split (2 key tiles). A split's CTA walks its keys one tile at
+# a time, each tile a gather from the cache that waits for the device's memory: a decode
+# token over 1,024 keys on 8 KV heads is 32 CTAs of 8 tiles each at 256 keys a split, 128
+# CTAs of 2 tiles at 64. The price per split is its partial output (one row per head) and
+# one more term in `paged_attn_combine`'s merge.
+PA_SPLIT_KEYS = 2 * PA_BN
 PA_SPECIALISED_HD = (64, 128, 256)
 # paged_attention_mma.cu: the tensor-core kernels for prefill chunks
 PM_THREADS = 128  # PM_NW * 32
@@ -188,9 +194,9 @@ def pa_tiles(q_starts: np.ndarray, start_positions: np.ndarray, group_chunk: int
 def pa_splits(tiles: np.ndarray, window: int, n_kv: int, n_gchunks: int, n_tok: int,
               n_head: int, hd: int, n_sm: int) -> int:
     """Split-KV factor: 1 unless the grid (tiles x KV heads x head chunks) cannot fill the
-    GPU's `n_sm` multiprocessors and some tile's key range exceeds 512 keys; then enough
-    splits for about two CTAs per multiprocessor, each split at least 256 keys long, at most
-    64, with the partial results under 256 MB."""
+    GPU's `n_sm` multiprocessors and some tile's key range exceeds 2 * PA_SPLIT_KEYS keys;
+    then enough splits for about two CTAs per multiprocessor, each split at least
+    PA_SPLIT_KEYS keys long, at most 64, with the partial results under 256 MB."""
     if len(tiles) == 0:
         return 1
     pos0 = tiles[:, 3].astype(np.int64)
@@ -198,9 +204,9 @@ def pa_splits(tiles: np.ndarray, window: int, n_kv: int, n_gchunks: int, n_tok: 
     kb = np.maximum(0, pos0 - window + 1) if window else np.zeros_like(pos0)
     max_span = int((ke - kb).max())
     n_ctas = len(tiles) * n_kv * n_gchunks
-    if n_ctas >= n_sm or max_span <= 2 * 256:
+    if n_ctas >= n_sm or max_span <= 2 * PA_SPLIT_KEYS:
         return 1
-    n_splits = min(-(-2 * n_sm // n_ctas), -(-max_span // 256), 64)
+    n_splits = min(-(-2 * n_sm // n_ctas), -(-max_span // PA_SPLIT_KEYS), 64)
     while n_splits > 1 and n_splits * n_tok * n_head * hd * 4 > (256 << 20):
         n_splits //= 2
     return max(1, n_splits)
