@@ -247,7 +247,7 @@ def test_moe_launch_constants_match_the_cuda_source():
     # GmRows<M, NW>::R: gmv as bmv (2 for M = 1, else 4), gmvglu 2
     assert "(NW == 2 || M == 1) ? 2 : 4" in src
     rows = {(m, nw): 2 if (nw == 2 or m == 1) else 4 for m in gpu_moe.GM_M for nw in (1, 2)}
-    assert rows == gpu_moe.GM_ROWS_PER_WARP
+    assert rows == gpu_moe.GM_ROWS_PER_CTA
     assert set(gpu_moe.ACTIVATIONS) == {"silu", "gelu_tanh", "swiglu_oai"}
 
 

@@ -163,6 +163,23 @@ def test_mixed_gate_up_types_and_decode():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gq,dq,d", [(Q.Q4_K, Q.Q6_K, 2560), (Q.Q8_0, Q.Q4_0, 2336)],
+                         ids=["q4_k", "q8_0"])
+def test_long_rows_split_across_warps(gq, dq, d):
+    # rows over which a CTA's 4 warps (GM_WARPS) pass more than twice: 320 chunks of 8 (2560)
+    # or 292 (2336), so the M = 1 loop, unrolled by 2, runs its pair and its remainder;
+    # decode (tiles of 1 pair) and a few tokens (tiles of up to 4)
+    assert gpu_moe.GM_WARPS == 4
+    rng = np.random.default_rng(int(gq))
+    E, ff = 4, d
+    gu, down, gud, dd = make_layer(rng, E, d, ff, gq, gq, dq, fused=True)
+    router = rng.standard_normal((E, d)).astype(np.float32)
+    for n in (1, 3):
+        h = rng.standard_normal((n, d)).astype(np.float32)
+        check(h, router, gu, down, gud, dd, Routing(n_expert=E, k=2))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fused", [False, True])
 def test_all_tokens_on_two_experts(fused):
     # every token on experts 3 and 5 (the others idle): 37 pairs each, tiles 16 + 16 + 5

@@ -7,10 +7,13 @@
 // The host sorts the pairs (index t * k + j) by expert into `pairs` and cuts each expert's run
 // into tiles of at most M pairs: tile i is tiles[3 i .. 3 i + 2] = (expert, first position in
 // `pairs`, count); an idle expert has no tile. Grid: (n_tiles, row blocks); a 128-thread CTA
-// (4 warps) takes one tile, and warp w of row block b the output rows [R (4 b + w), + R), then
-// grid-strides along y. As in bmv_<type>_m<M>, each lane decodes 8 consecutive weights of
-// each of its rows at a time and applies them to the tile's m activation rows, so an expert's
-// weights are read once per tile; float32 accumulation, then a warp reduce-scatter.
+// (4 warps) takes one tile and the output rows [R b, R b + R) of row block b, then
+// grid-strides along y. As in bmv_<type>_m<M>, the 4 warps split each row's chunks (warp v
+// takes chunks v * 32 + lane, stepping by 128: an expert has few rows, so a warp walking a
+// whole row alone would keep few loads in flight), each lane decodes 8 consecutive weights of
+// each row at a time and applies them to the tile's m activation rows, so an expert's weights
+// are read once per tile; float32 accumulation, a warp reduce-scatter, then the 4 warps' sums
+// added in shared memory in warp order.
 //
 //   gmv_<type>_m<M>     y[p, col0 + i] = (sum_j x[p / x_div, j] W_e[row_off + i, j]
 //                       + bias[e, i]) * pw[p] (bias, pw optional), for the pairs p of each
@@ -54,7 +57,7 @@ struct BkMXFP4 {
     }
 };
 
-// Output rows per warp: gmv as bmv (2 for M = 1, else 4); gmvglu 2 (each is a gate and an up
+// Output rows per CTA: gmv as bmv (2 for M = 1, else 4); gmvglu 2 (each is a gate and an up
 // row, so 4 weight rows either way but M = 1).
 template <int M, int NW> struct GmRows { static constexpr int R = (NW == 2 || M == 1) ? 2 : 4; };
 
@@ -73,7 +76,9 @@ __device__ __forceinline__ void gm_impl(
 {
     constexpr int R = GmRows<M, NW>::R;
     constexpr int SH = M >= 16 ? 1 : (M >= 4 ? 3 : 5);
+    __shared__ float part[GM_WARPS][NW][R][M];  // each warp's row sums
     const int lane = threadIdx.x & (KVS_WARP - 1);
+    const int wid = threadIdx.x >> 5;
     const int e = tiles[3 * blockIdx.x];
     const int p0 = tiles[3 * blockIdx.x + 1];
     const int m = tiles[3 * blockIdx.x + 2];
@@ -86,8 +91,7 @@ __device__ __forceinline__ void gm_impl(
     const u8* we[NW];
     we[0] = w0 + ((i64)e * expert_rows + row_off0) * row_bytes;
     if constexpr (NW == 2) we[1] = w1 + ((i64)e * expert_rows + row_off1) * row_bytes;
-    for (i64 row0 = ((i64)blockIdx.y * GM_WARPS + (threadIdx.x >> 5)) * R; row0 < n_rows;
-         row0 += (i64)gridDim.y * GM_WARPS * R) {
+    for (i64 row0 = (i64)blockIdx.y * R; row0 < n_rows; row0 += (i64)gridDim.y * R) {
         const u8* wr[NW][R];
 #pragma unroll
         for (int h = 0; h < NW; ++h)
@@ -101,7 +105,8 @@ __device__ __forceinline__ void gm_impl(
             for (int i = 0; i < R; ++i)
 #pragma unroll
                 for (int r = 0; r < M; ++r) acc[h][i][r] = 0.f;
-        for (int c = lane; c < n_chunks; c += KVS_WARP) {
+#pragma unroll (M == 1 ? 2 : 1)
+        for (int c = wid * KVS_WARP + lane; c < n_chunks; c += GM_WARPS * KVS_WARP) {
             const int el = c << 3;
             const int blk = el / B::QK;
             float q[NW][R][8], d[NW][R], mn[NW][R];
@@ -130,28 +135,39 @@ __device__ __forceinline__ void gm_impl(
                 }
             }
         }
-        const int r = lane >> SH;
-        const bool writer = (lane & ((1 << SH) - 1)) == 0 && r < m;
-        const int p = pairs[p0 + (r < m ? r : 0)];
+        const bool writer = (lane & ((1 << SH) - 1)) == 0;  // lane L: activation row L >> SH
 #pragma unroll
-        for (int i = 0; i < R; ++i) {
+        for (int h = 0; h < NW; ++h)
+#pragma unroll
+            for (int i = 0; i < R; ++i) {
+                const float v = bk_reduce<M>(acc[h][i], lane);  // (every lane shuffles)
+                if (writer) part[wid][h][i][lane >> SH] = v;
+            }
+        __syncthreads();
+        for (int t = threadIdx.x; t < R * M; t += blockDim.x) {
+            const int i = t / M, r = t % M;
             const i64 row = row0 + i;
-            const float s0 = bk_reduce<M>(acc[0][i], lane);
-            if constexpr (NW == 2) {
-                const float s1 = bk_reduce<M>(acc[1][i], lane);
-                if (writer && row < n_rows) {
-                    const float g = s0 + (has_bias ? bias0[(i64)e * bias_stride + row] : 0.f);
-                    const float u = s1 + (has_bias ? bias1[(i64)e * bias_stride + row] : 0.f);
-                    y[(i64)p * y_stride + col0 + row] = bk_act(g, u, act);
+            if (r < m && row < n_rows) {
+                float s[NW];
+#pragma unroll
+                for (int h = 0; h < NW; ++h) {
+                    s[h] = part[0][h][i][r];
+#pragma unroll
+                    for (int v = 1; v < GM_WARPS; ++v) s[h] += part[v][h][i][r];
                 }
-            } else {
-                if (writer && row < n_rows) {
-                    float v = s0 + (has_bias ? bias0[(i64)e * bias_stride + row] : 0.f);
+                const int p = pairs[p0 + r];
+                if constexpr (NW == 2) {
+                    const float g = s[0] + (has_bias ? bias0[(i64)e * bias_stride + row] : 0.f);
+                    const float u = s[1] + (has_bias ? bias1[(i64)e * bias_stride + row] : 0.f);
+                    y[(i64)p * y_stride + col0 + row] = bk_act(g, u, act);
+                } else {
+                    float v = s[0] + (has_bias ? bias0[(i64)e * bias_stride + row] : 0.f);
                     if (has_pw) v *= pw[p];
                     y[(i64)p * y_stride + col0 + row] = v;
                 }
             }
         }
+        __syncthreads();  // `part` is written again for the next rows
     }
 }
 

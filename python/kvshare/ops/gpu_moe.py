@@ -47,8 +47,9 @@ from kvshare.ops.gpu_runtime import ELEMWISE_THREADS
 MXFP4 = 39
 EXPERT_TYPES: dict[int, tuple[str, int, int]] = {**BLOCK_TYPES, MXFP4: ("mxfp4", 32, 17)}
 GM_M = (1, 4, 16)  # pairs per tile of the kernels (gmv_<type>_m<M>, gmvglu_<type>_m<M>)
-GM_WARPS = 4  # 128-thread CTAs
-GM_ROWS_PER_WARP = {(1, 1): 2, (4, 1): 4, (16, 1): 4, (1, 2): 2, (4, 2): 2, (16, 2): 2}
+GM_WARPS = 4  # 128-thread CTAs, the warps splitting each row (moe_blocks.cu GM_WARPS)
+# output rows per CTA of (M, NW): moe_blocks.cu's GmRows<M, NW>::R
+GM_ROWS_PER_CTA = {(1, 1): 2, (4, 1): 4, (16, 1): 4, (1, 2): 2, (4, 2): 2, (16, 2): 2}
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
 
 ENTRY_POINTS: tuple[str, ...] = (
@@ -206,8 +207,8 @@ def _bias_view(b: Any, expect: tuple[int, int]) -> Any:
 
 
 def _launch(kind: str, tag: str, mt: int, n_rows: int, n_tiles: int, args: tuple) -> None:
-    r = GM_ROWS_PER_WARP[(mt, 2 if kind == "gmvglu" else 1)]
-    gy = max(1, min(65535, -(-n_rows // (GM_WARPS * r))))
+    r = GM_ROWS_PER_CTA[(mt, 2 if kind == "gmvglu" else 1)]
+    gy = max(1, min(65535, -(-n_rows // r)))
     rt.kernel("moe_blocks", f"{kind}_{tag}_m{mt}")((n_tiles, gy, 1), (32 * GM_WARPS, 1, 1), args)
 
 
