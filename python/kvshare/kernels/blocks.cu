@@ -392,6 +392,36 @@ __device__ __forceinline__ float bk_reduce(float (&acc)[M], int lane) {
     return acc[0];
 }
 
+// A CTA's row sums when its W warps split the rows' chunks (bmv, moe_blocks.cu's gmv): each
+// warp reduces its lanes' sums acc[h][i][.] (bk_reduce) into part[warp][h][i][activation
+// row], then the barrier; `bk_cta_sums` adds a row's W warp sums in warp order (a fixed order:
+// the same bits every run). Every thread of the CTA must call `bk_warp_sums`.
+template <int M, int NW, int R, int W>
+__device__ __forceinline__ void bk_warp_sums(float (&acc)[NW][R][M], float (&part)[W][NW][R][M],
+                                             int lane, int wid) {
+    constexpr int SH = M >= 32 ? 0 : (M >= 16 ? 1 : (M >= 8 ? 2 : (M >= 4 ? 3 : (M >= 2 ? 4 : 5))));
+    const bool writer = (lane & ((1 << SH) - 1)) == 0;  // lane L: activation row L >> SH
+#pragma unroll
+    for (int h = 0; h < NW; ++h)
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            const float v = bk_reduce<M>(acc[h][i], lane);  // (every lane shuffles)
+            if (writer) part[wid][h][i][lane >> SH] = v;
+        }
+    __syncthreads();
+}
+
+template <int M, int NW, int R, int W>
+__device__ __forceinline__ void bk_cta_sums(const float (&part)[W][NW][R][M], int i, int r,
+                                            float (&s)[NW]) {
+#pragma unroll
+    for (int h = 0; h < NW; ++h) {
+        s[h] = part[0][h][i][r];
+#pragma unroll
+        for (int v = 1; v < W; ++v) s[h] += part[v][h][i][r];
+    }
+}
+
 // NW = 1 (bmv): y[r, col0 + i] (+)= sum_j x[r, j] W[i, j] (+ bias[col0 + i]) per `flags`.
 // NW = 2 (bmvglu): y[r, i] = bk_act(sum_j x[r, j] G[i, j], sum_j x[r, j] U[i, j], act), with G
 // the rows of w and U those of w_up (same type and shape); flags, bias and col0 unused.
@@ -472,27 +502,13 @@ __device__ __forceinline__ void bmv_impl(
                 }
             }
         }
-        constexpr int SH = M >= 32 ? 0 : (M >= 16 ? 1 : (M >= 8 ? 2 : (M >= 4 ? 3 : (M >= 2 ? 4 : 5))));
-        const bool writer = (lane & ((1 << SH) - 1)) == 0;  // lane L: activation row L >> SH
-#pragma unroll
-        for (int h = 0; h < NW; ++h)
-#pragma unroll
-            for (int i = 0; i < R; ++i) {
-                const float v = bk_reduce<M>(acc[h][i], lane);  // (every lane shuffles)
-                if (writer) part[wid][h][i][lane >> SH] = v;
-            }
-        __syncthreads();
+        bk_warp_sums(acc, part, lane, wid);
         for (int t = threadIdx.x; t < R * M; t += blockDim.x) {
             const int i = t / M, r = t % M;
             const i64 row = row0 + i;
             if (r < m && row < n_rows) {
                 float s[NW];
-#pragma unroll
-                for (int h = 0; h < NW; ++h) {
-                    s[h] = part[0][h][i][r];
-#pragma unroll
-                    for (int v = 1; v < BK_MV_WARPS; ++v) s[h] += part[v][h][i][r];
-                }
+                bk_cta_sums(part, i, r, s);
                 if constexpr (NW == 2) {
                     y[r * y_stride + row] = bk_act(s[0], s[1], act);
                 } else {

@@ -29,7 +29,8 @@
 //
 // act: blocks.cu's bk_act: 0 SwiGLU (ops.activation.swiglu), 1 GEGLU with tanh GELU
 // (geglu_tanh), 2 gpt-oss's swiglu_oai (the gate clamped to <= 7, the up value to [-7, 7],
-// x sigmoid(1.702 x) (y + 1)). The warp reduction is blocks.cu's bk_reduce (bmv's).
+// x sigmoid(1.702 x) (y + 1)). The reductions are blocks.cu's bk_warp_sums and bk_cta_sums
+// (bmv's).
 
 #define GM_WARPS 4
 // MXFP4 (gpt-oss's experts; a format of these kernels only, blocks.cu has no decoder for it):
@@ -75,7 +76,6 @@ __device__ __forceinline__ void gm_impl(
     int has_bias, const float* __restrict__ pw, int has_pw, int act)
 {
     constexpr int R = GmRows<M, NW>::R;
-    constexpr int SH = M >= 16 ? 1 : (M >= 4 ? 3 : 5);
     __shared__ float part[GM_WARPS][NW][R][M];  // each warp's row sums
     const int lane = threadIdx.x & (KVS_WARP - 1);
     const int wid = threadIdx.x >> 5;
@@ -135,26 +135,13 @@ __device__ __forceinline__ void gm_impl(
                 }
             }
         }
-        const bool writer = (lane & ((1 << SH) - 1)) == 0;  // lane L: activation row L >> SH
-#pragma unroll
-        for (int h = 0; h < NW; ++h)
-#pragma unroll
-            for (int i = 0; i < R; ++i) {
-                const float v = bk_reduce<M>(acc[h][i], lane);  // (every lane shuffles)
-                if (writer) part[wid][h][i][lane >> SH] = v;
-            }
-        __syncthreads();
+        bk_warp_sums(acc, part, lane, wid);
         for (int t = threadIdx.x; t < R * M; t += blockDim.x) {
             const int i = t / M, r = t % M;
             const i64 row = row0 + i;
             if (r < m && row < n_rows) {
                 float s[NW];
-#pragma unroll
-                for (int h = 0; h < NW; ++h) {
-                    s[h] = part[0][h][i][r];
-#pragma unroll
-                    for (int v = 1; v < GM_WARPS; ++v) s[h] += part[v][h][i][r];
-                }
+                bk_cta_sums(part, i, r, s);
                 const int p = pairs[p0 + r];
                 if constexpr (NW == 2) {
                     const float g = s[0] + (has_bias ? bias0[(i64)e * bias_stride + row] : 0.f);
