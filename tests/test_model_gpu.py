@@ -252,11 +252,9 @@ def _emulated() -> bool:
     return hasattr(sys.modules.get("cupy"), "CaptureError")
 
 
-def _decode_run(model, graphs, n_seq, prompt, steps, split=False, seed=0):
-    """Prefill n_seq sequences (prompt + 3 s tokens each, shuffled block ids), then `steps`
-    decode steps of all of them together on fixed tokens: stacked logits `[steps, n_seq,
-    vocab]`."""
-    model.cuda_graphs = graphs
+def _decode_setup(model, n_seq, prompt, steps, split=False, seed=0):
+    """Prefill n_seq sequences (prompt + 3 s tokens each, shuffled block ids) in a new cache:
+    the cache and `chunks(t)`, decode step t's chunks (all the sequences, fixed tokens)."""
     bs = 16
     per = -(-(prompt + 3 * n_seq + steps) // bs)
     nb = per * n_seq + 1
@@ -270,12 +268,19 @@ def _decode_run(model, graphs, n_seq, prompt, steps, split=False, seed=0):
         model.forward([SeqChunk(rng.integers(0, VOCAB, lens[i]), 0, tables[i], logits="none",
                                 win_block_table=wins[i])], cache)
     feed = rng.integers(0, VOCAB, (steps, n_seq))
-    out = []
-    for t in range(steps):
-        lg = model.forward([SeqChunk(feed[t, i : i + 1], lens[i] + t, tables[i],
-                                     win_block_table=wins[i]) for i in range(n_seq)], cache)
-        out.append(np.concatenate(lg))
-    return np.stack(out)
+
+    def chunks(t):
+        return [SeqChunk(feed[t, i : i + 1], lens[i] + t, tables[i], win_block_table=wins[i])
+                for i in range(n_seq)]
+
+    return cache, chunks
+
+
+def _decode_run(model, graphs, n_seq, prompt, steps, split=False, seed=0):
+    """`_decode_setup`, then `steps` decode steps: stacked logits `[steps, n_seq, vocab]`."""
+    model.cuda_graphs = graphs
+    cache, chunks = _decode_setup(model, n_seq, prompt, steps, split, seed)
+    return np.stack([np.concatenate(model.forward(chunks(t), cache)) for t in range(steps)])
 
 
 @pytest.mark.parametrize("n_seq", [1, 3, 4, 5])
@@ -332,30 +337,16 @@ def test_decode_graphs_stage_after_the_last_copy(pair):
     from kvshare.model import gpu_graphs  # noqa: PLC0415
 
     _, gpu = pair
-    eager = _decode_run(gpu, False, 2, 20, 5)
-    bs, n_seq, prompt, steps = 16, 2, 20, 5
-    per = -(-(prompt + 3 * n_seq + steps) // bs)
-    nb = per * n_seq + 1
-    cache = gpu.new_cache(nb, bs)
-    perm = np.random.default_rng(0).permutation(nb)
-    tables = [perm[i * per : (i + 1) * per] for i in range(n_seq)]
-    lens = [prompt + 3 * i for i in range(n_seq)]
-    rng = np.random.default_rng(1)
+    steps = 5
+    eager = _decode_run(gpu, False, 2, 20, steps)
     gpu.cuda_graphs = True
-    for i in range(n_seq):
-        gpu.forward([SeqChunk(rng.integers(0, VOCAB, lens[i]), 0, tables[i], logits="none")],
-                    cache)
+    cache, chunks = _decode_setup(gpu, 2, 20, steps)
     r = gpu_graphs.runner(gpu)
     replays = r.replays
-    feed = rng.integers(0, VOCAB, (steps, n_seq))
     gpu.logits_on_device = True
     try:
-        kept = []
-        for t in range(steps):
-            lg = gpu.forward([SeqChunk(feed[t, i : i + 1], lens[i] + t, tables[i])
-                              for i in range(n_seq)], cache)
-            # a copy on the device (the next replay overwrites the graph's logits)
-            kept.append(gpu.backend.xp.concatenate(lg))
+        # copies on the device (the next replay overwrites the graph's logits)
+        kept = [gpu.backend.xp.concatenate(gpu.forward(chunks(t), cache)) for t in range(steps)]
         gpu.backend.synchronize()
     finally:
         gpu.logits_on_device = False
