@@ -365,11 +365,24 @@ class Event:
         return True
 cuda.Event = Event
 
+def _plumbing(fn):
+    """Count a call's time as the emulator's own bookkeeping (`COUNTS["emu_s"]`), not
+    kvshare's: what a GPU's driver would not spend."""
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            COUNTS["emu_s"] += time.perf_counter() - t0
+    timed.__name__, timed.__doc__ = fn.__name__, fn.__doc__
+    return timed
+
 # page-locked host memory: a buffer whose address range is remembered, so that a copy from it
 # on a stream is asynchronous (`_pending_copy`)
 _PINNED = []   # (start, end, weakref to the buffer)
 class _PinnedBuffer(bytearray):
     pass
+@_plumbing
 def alloc_pinned_memory(nbytes):
     import weakref
     buf = _PinnedBuffer(int(nbytes))
@@ -383,6 +396,7 @@ cuda.alloc_pinned_memory = alloc_pinned_memory
 _COPY_SEQ = [0]    # asynchronous copies issued so far
 _PENDING = []      # (seq, host address, bytes of the source when issued, weakref to the buffer)
 
+@_plumbing
 def _pending_copy(src):
     """Record an asynchronous copy from host array `src` when it lies in pinned memory
     (from pageable memory the driver stages the bytes before returning: nothing pends)."""
@@ -396,6 +410,7 @@ def _pending_copy(src):
             _PENDING.append((_COPY_SEQ[0], addr, ctypes.string_at(addr, src.nbytes), ref))
             return
 
+@_plumbing
 def _retire_copies(upto=None):
     """The pending copies issued up to `upto` (all: None) are known complete: each one's host
     bytes must still be what they were when it was issued."""
