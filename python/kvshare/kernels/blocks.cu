@@ -422,6 +422,79 @@ __device__ __forceinline__ void bk_cta_sums(const float (&part)[W][NW][R][M], in
     }
 }
 
+// One block of R output rows for a CTA of W warps (bmv, moe_blocks.cu's gmv): rows row0 + i
+// (i < R) of the NW weights at wbase[h] (rows of row_bytes bytes; rows past n_rows read the
+// last row, their results dropped) times the activation rows xrow(r), r < m (m >= 1; xrow
+// returns a float32 row, 16-byte aligned). Warp v takes chunks v * 32 + lane, stepping by 32 W;
+// each lane decodes 8 consecutive weights of each row at a time and applies them to the m
+// activation rows, so the weights are read once. Ends with bk_warp_sums: the warps' row sums
+// in `part`, after the barrier.
+template <typename B, int M, int NW, int R, int W, typename XRow>
+__device__ __forceinline__ void bk_block_sums(const u8* const (&wbase)[NW], i64 row_bytes,
+                                              i64 row0, int n_rows, int k, XRow xrow, int m,
+                                              int lane, int wid, float (&part)[W][NW][R][M]) {
+    const int n_chunks = k >> 3;
+    const u8* wr[NW][R];
+#pragma unroll
+    for (int h = 0; h < NW; ++h)
+#pragma unroll
+        for (int i = 0; i < R; ++i)
+            wr[h][i] = wbase[h] + (row0 + i < n_rows ? row0 + i : (i64)n_rows - 1) * row_bytes;
+    float acc[NW][R][M];
+#pragma unroll
+    for (int h = 0; h < NW; ++h)
+#pragma unroll
+        for (int i = 0; i < R; ++i)
+#pragma unroll
+            for (int r = 0; r < M; ++r) acc[h][i][r] = 0.f;
+#pragma unroll (M == 1 ? 2 : 1)
+    for (int c = wid * KVS_WARP + lane; c < n_chunks; c += W * KVS_WARP) {
+        const int e = c << 3;
+        const int blk = e / B::QK;
+        // M = 1: the activations first, so that their loads and the weights' are all in
+        // flight together (m >= 1, so row 0 needs no check)
+        float4 a1, b1;
+        if constexpr (M == 1) {
+            const float4* xp = reinterpret_cast<const float4*>(xrow(0) + e);
+            a1 = xp[0];
+            b1 = xp[1];
+        }
+        float q[NW][R][8], d[NW][R], mn[NW][R];
+#pragma unroll
+        for (int h = 0; h < NW; ++h)
+#pragma unroll
+            for (int i = 0; i < R; ++i)
+                B::dec(wr[h][i] + (i64)blk * B::BYTES, e - blk * B::QK, q[h][i], d[h][i], mn[h][i]);
+#pragma unroll
+        for (int r = 0; r < M; ++r) {
+            if (M == 1 || r < m) {
+                float4 a, b;
+                if constexpr (M == 1) {
+                    a = a1;
+                    b = b1;
+                } else {
+                    const float4* xp = reinterpret_cast<const float4*>(xrow(r) + e);
+                    a = xp[0];
+                    b = xp[1];
+                }
+                float sx = 0.f;
+                if constexpr (B::HAS_MIN) sx = (a.x + a.y) + (a.z + a.w) + (b.x + b.y) + (b.z + b.w);
+#pragma unroll
+                for (int h = 0; h < NW; ++h)
+#pragma unroll
+                    for (int i = 0; i < R; ++i) {
+                        const float* qq = q[h][i];
+                        const float sq = qq[0] * a.x + qq[1] * a.y + qq[2] * a.z + qq[3] * a.w
+                                       + qq[4] * b.x + qq[5] * b.y + qq[6] * b.z + qq[7] * b.w;
+                        if constexpr (B::HAS_MIN) acc[h][i][r] += d[h][i] * sq - mn[h][i] * sx;
+                        else acc[h][i][r] += d[h][i] * sq;
+                    }
+            }
+        }
+    }
+    bk_warp_sums(acc, part, lane, wid);
+}
+
 // NW = 1 (bmv): y[r, col0 + i] (+)= sum_j x[r, j] W[i, j] (+ bias[col0 + i]) per `flags`.
 // NW = 2 (bmvglu): y[r, i] = bk_act(sum_j x[r, j] G[i, j], sum_j x[r, j] U[i, j], act), with G
 // the rows of w and U those of w_up (same type and shape); flags, bias and col0 unused.
@@ -441,68 +514,13 @@ __device__ __forceinline__ void bmv_impl(
     __shared__ float part[BK_MV_WARPS][NW][R][M];
     const int lane = threadIdx.x & (KVS_WARP - 1);
     const int wid = threadIdx.x >> 5;
-    const int n_chunks = k >> 3;
+    const u8* wb[NW];
+    wb[0] = w;
+    if constexpr (NW == 2) wb[1] = w_up;
+    const auto xrow = [=](int r) { return x + r * x_stride; };
     for (i64 row0 = (i64)blockIdx.x * R; row0 < n_rows; row0 += (i64)gridDim.x * R) {
-        const u8* wr[NW][R];
-#pragma unroll
-        for (int h = 0; h < NW; ++h)
-#pragma unroll
-            for (int i = 0; i < R; ++i)  // rows past the end read the last row (results dropped)
-                wr[h][i] = (h == 0 ? w : w_up)
-                         + (row0 + i < n_rows ? row0 + i : (i64)n_rows - 1) * row_bytes;
-        float acc[NW][R][M];
-#pragma unroll
-        for (int h = 0; h < NW; ++h)
-#pragma unroll
-            for (int i = 0; i < R; ++i)
-#pragma unroll
-                for (int r = 0; r < M; ++r) acc[h][i][r] = 0.f;
-#pragma unroll (M == 1 ? 2 : 1)
-        for (int c = wid * KVS_WARP + lane; c < n_chunks; c += BK_MV_WARPS * KVS_WARP) {
-            const int e = c << 3;
-            const int blk = e / B::QK;
-            // M = 1: the activations first, so that their loads and the weights' are all in
-            // flight together (m >= 1, so row 0 needs no check)
-            float4 a1, b1;
-            if constexpr (M == 1) {
-                const float4* xp = reinterpret_cast<const float4*>(x + e);
-                a1 = xp[0];
-                b1 = xp[1];
-            }
-            float q[NW][R][8], d[NW][R], mn[NW][R];
-#pragma unroll
-            for (int h = 0; h < NW; ++h)
-#pragma unroll
-                for (int i = 0; i < R; ++i)
-                    B::dec(wr[h][i] + (i64)blk * B::BYTES, e - blk * B::QK, q[h][i], d[h][i], mn[h][i]);
-#pragma unroll
-            for (int r = 0; r < M; ++r) {
-                if (M == 1 || r < m) {
-                    float4 a, b;
-                    if constexpr (M == 1) {
-                        a = a1;
-                        b = b1;
-                    } else {
-                        const float4* xp = reinterpret_cast<const float4*>(x + r * x_stride + e);
-                        a = xp[0];
-                        b = xp[1];
-                    }
-                    float sx = 0.f;
-                    if constexpr (B::HAS_MIN) sx = (a.x + a.y) + (a.z + a.w) + (b.x + b.y) + (b.z + b.w);
-#pragma unroll
-                    for (int h = 0; h < NW; ++h)
-#pragma unroll
-                        for (int i = 0; i < R; ++i) {
-                            const float* qq = q[h][i];
-                            const float sq = qq[0] * a.x + qq[1] * a.y + qq[2] * a.z + qq[3] * a.w
-                                           + qq[4] * b.x + qq[5] * b.y + qq[6] * b.z + qq[7] * b.w;
-                            if constexpr (B::HAS_MIN) acc[h][i][r] += d[h][i] * sq - mn[h][i] * sx;
-                            else acc[h][i][r] += d[h][i] * sq;
-                        }
-                }
-            }
-        }
-        bk_warp_sums(acc, part, lane, wid);
+        bk_block_sums<B, M, NW, R, BK_MV_WARPS>(wb, row_bytes, row0, n_rows, k, xrow, m, lane,
+                                                wid, part);
         for (int t = threadIdx.x; t < R * M; t += blockDim.x) {
             const int i = t / M, r = t % M;
             const i64 row = row0 + i;

@@ -29,8 +29,8 @@
 //
 // act: blocks.cu's bk_act: 0 SwiGLU (ops.activation.swiglu), 1 GEGLU with tanh GELU
 // (geglu_tanh), 2 gpt-oss's swiglu_oai (the gate clamped to <= 7, the up value to [-7, 7],
-// x sigmoid(1.702 x) (y + 1)). The reductions are blocks.cu's bk_warp_sums and bk_cta_sums
-// (bmv's).
+// x sigmoid(1.702 x) (y + 1)). A row block's sums are blocks.cu's bk_block_sums and
+// bk_cta_sums (bmv's).
 
 #define GM_WARPS 4
 // MXFP4 (gpt-oss's experts; a format of these kernels only, blocks.cu has no decoder for it):
@@ -82,7 +82,6 @@ __device__ __forceinline__ void gm_impl(
     const int e = tiles[3 * blockIdx.x];
     const int p0 = tiles[3 * blockIdx.x + 1];
     const int m = tiles[3 * blockIdx.x + 2];
-    const int n_chunks = k >> 3;
     // the tile's activation rows (rows past m point at the first one; their sums are dropped)
     const float* xr[M];
 #pragma unroll
@@ -91,51 +90,10 @@ __device__ __forceinline__ void gm_impl(
     const u8* we[NW];
     we[0] = w0 + ((i64)e * expert_rows + row_off0) * row_bytes;
     if constexpr (NW == 2) we[1] = w1 + ((i64)e * expert_rows + row_off1) * row_bytes;
+    const auto xrow = [&](int r) { return xr[r]; };
     for (i64 row0 = (i64)blockIdx.y * R; row0 < n_rows; row0 += (i64)gridDim.y * R) {
-        const u8* wr[NW][R];
-#pragma unroll
-        for (int h = 0; h < NW; ++h)
-#pragma unroll
-            for (int i = 0; i < R; ++i)  // rows past the end read the last row (results dropped)
-                wr[h][i] = we[h] + (row0 + i < n_rows ? row0 + i : (i64)n_rows - 1) * row_bytes;
-        float acc[NW][R][M];
-#pragma unroll
-        for (int h = 0; h < NW; ++h)
-#pragma unroll
-            for (int i = 0; i < R; ++i)
-#pragma unroll
-                for (int r = 0; r < M; ++r) acc[h][i][r] = 0.f;
-#pragma unroll (M == 1 ? 2 : 1)
-        for (int c = wid * KVS_WARP + lane; c < n_chunks; c += GM_WARPS * KVS_WARP) {
-            const int el = c << 3;
-            const int blk = el / B::QK;
-            float q[NW][R][8], d[NW][R], mn[NW][R];
-#pragma unroll
-            for (int h = 0; h < NW; ++h)
-#pragma unroll
-                for (int i = 0; i < R; ++i)
-                    B::dec(wr[h][i] + (i64)blk * B::BYTES, el - blk * B::QK, q[h][i], d[h][i], mn[h][i]);
-#pragma unroll
-            for (int r = 0; r < M; ++r) {
-                if (r < m) {
-                    const float4* xp = reinterpret_cast<const float4*>(xr[r] + el);
-                    const float4 a = xp[0], b = xp[1];
-                    float sx = 0.f;
-                    if constexpr (B::HAS_MIN) sx = (a.x + a.y) + (a.z + a.w) + (b.x + b.y) + (b.z + b.w);
-#pragma unroll
-                    for (int h = 0; h < NW; ++h)
-#pragma unroll
-                        for (int i = 0; i < R; ++i) {
-                            const float* qq = q[h][i];
-                            const float sq = qq[0] * a.x + qq[1] * a.y + qq[2] * a.z + qq[3] * a.w
-                                           + qq[4] * b.x + qq[5] * b.y + qq[6] * b.z + qq[7] * b.w;
-                            if constexpr (B::HAS_MIN) acc[h][i][r] += d[h][i] * sq - mn[h][i] * sx;
-                            else acc[h][i][r] += d[h][i] * sq;
-                        }
-                }
-            }
-        }
-        bk_warp_sums(acc, part, lane, wid);
+        bk_block_sums<B, M, NW, R, GM_WARPS>(we, row_bytes, row0, n_rows, k, xrow, m, lane, wid,
+                                             part);
         for (int t = threadIdx.x; t < R * M; t += blockDim.x) {
             const int i = t / M, r = t % M;
             const i64 row = row0 + i;
