@@ -1,5 +1,6 @@
 """The host side of the GPU path, measured without a GPU: per decode step (CUDA graphs on and
-off, batch 1 / 8 / 32) and per prefill forward (128 and 1,024 tokens, graphs on and off),
+off, batch 1 / 8 / 32) and per prefill forward (128 and 1,024 tokens, graphs on and off; a
+new 128-token shape's first step, eager, and its second, captured),
 the launches the host issues (kernels, cuBLAS GEMMs, graph launches), its host-to-device
 copies and device-to-host reads, and the host's wall time per step with the device's work
 taken out.
@@ -108,6 +109,40 @@ def prefill_cost(emu, model, n: int, graphs: bool, reps: int = 5) -> dict:
         model.cuda_graphs = None
 
 
+def new_shape_cost(emu, model, n: int, reps: int = 5) -> tuple[dict, dict]:
+    """A prefill shape's first two steps, graphs on: the first runs eager on the shape's
+    inputs (measuring its workspace), the second is captured and replayed. Each run is on a
+    new cache with the runner's sightings forgotten, so that both steps are a new shape's;
+    the medians over `reps` runs (after one unmeasured)."""
+    import numpy as np  # noqa: PLC0415
+
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+    from kvshare.model.batch import SeqChunk  # noqa: PLC0415
+
+    toks = np.arange(n, dtype=np.int32) % 1000
+    nb = -(-n // 16) + 1
+    table = np.arange(nb)
+    model.cuda_graphs = True
+    steps: list[list[dict]] = [[], []]
+    try:
+        runner = gpu_graphs.runner(model)
+        for rep in range(reps + 1):
+            cache = model.new_cache(nb, 16)
+            runner.sightings.clear()
+            for i in range(2):
+                m = _measure(emu, lambda c=cache: model.forward(
+                    [SeqChunk(toks, 0, table, logits="last")], c), warm=0, reps=1)
+                if rep:
+                    steps[i].append(m)
+    finally:
+        model.cuda_graphs = None
+
+    def median(ms: list[dict]) -> dict:
+        return {k: sorted(m[k] for m in ms)[len(ms) // 2] for k in ms[0]}
+
+    return median(steps[0]), median(steps[1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF (default: a random 1.5b-shaped qwen3)")
@@ -140,6 +175,9 @@ def main() -> None:
         for n in (128, 1024):
             rows[f"prefill {n} graphs {'on' if graphs else 'off'}"] = prefill_cost(
                 emu, model, n, graphs)
+    # a later turn's prompt is a new prefill shape more often than not: its first steps
+    rows["prefill 128 new shape 1"], rows["prefill 128 new shape 2"] = new_shape_cost(
+        emu, model, 128)
     result = {"model": Path(path).name if args.model else f"random qwen3 1.5b, {n_layers} layers",
               "n_layers": n_layers, "gpu_weights": os.environ["KVSHARE_GPU_WEIGHTS"],
               "rows": rows}

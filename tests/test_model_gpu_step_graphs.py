@@ -141,6 +141,91 @@ def test_graphs_can_be_turned_off_or_kept_to_decode(gpu, monkeypatch):
     assert r.captures == before[0] + 2
 
 
+def test_a_prefill_shape_is_captured_at_once_when_it_comes_again(tmp_path):
+    """A shape with a prefill chunk: its first step runs eager on the shape's inputs and
+    measures its workspace; its second is captured at once and replayed for the step (no
+    eager run before the capture). A larger shape grows the workspace (dropping the graphs):
+    the first shape is then captured at once again. Logits and KV as the eager steps'."""
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+    from kvshare.model.loader import load_model  # noqa: PLC0415
+
+    path = tmp_path / "qwen3.gguf"
+    write_model(path, "qwen3")
+    model = load_model(path, "cuda")  # (a runner of its own: an empty workspace)
+    # (position, tokens, logits): 5, 6, 7 tokens the 8-token bucket; 200 tokens wanting every
+    # row's logits the 256-token bucket, whose workspace is larger
+    script = [(0, 5, "last"), (5, 6, "last"), (11, 200, "all"), (211, 200, "all"),
+              (411, 7, "last")]
+
+    def run(graphs):
+        model.cuda_graphs = graphs
+        cache = model.new_cache(27, 16, kv_dtype="f16")
+        r = gpu_graphs.runner(model)
+        out, seen = [], []
+        for p, n, lg in script:
+            out.append(model.forward([SeqChunk(_tokens(n, seed=p), p, np.arange(27),
+                                               logits=lg)], cache))
+            if r is not None:
+                seen.append((r.captures, r.replays, r.ws.nbytes))
+        kv = [np.asarray(a.get() if hasattr(a, "get") else a)
+              for L in model.layers for a in cache.layer_kv(L.attn_index)]
+        return out, kv, seen, r
+
+    try:
+        eager, kv_eager, _, _ = run(False)
+        graph, kv_graph, seen, r = run(True)
+    finally:
+        model.cuda_graphs = None
+    assert not r.failures, r.failures
+    (c1, r1, w1), (c2, r2, _), (c3, r3, w3), (c4, r4, _), (c5, r5, _) = seen
+    assert (c1, r1) == (0, 0) and w1 > 0  # eager, measured
+    assert (c2, r2) == (1, 1)  # captured at once, replayed
+    assert (c3, r3) == (1, 1) and w3 > w1  # eager, measured: a larger workspace
+    assert (c4, r4) == (2, 2)
+    assert (c5, r5) == (3, 3)  # the first shape's graph was dropped: captured at once again
+    _assert_same_steps(graph, kv_graph, eager, kv_eager)
+
+
+def test_a_failed_capture_leaves_its_shape_eager(tmp_path, monkeypatch):
+    """A capture that raises leaves its shape eager, with one warning, and the step still
+    computes the eager step's logits and KV: a prefill shape captured at once (its step
+    runs eager after the failed capture) and a decode shape captured after its eager run."""
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+    from kvshare.model.loader import load_model  # noqa: PLC0415
+
+    path = tmp_path / "qwen3.gguf"
+    write_model(path, "qwen3")
+    model = load_model(path, "cuda")
+    script = [(0, 5), (5, 6), (11, 1), (12, 1), (13, 7)]  # prefill shape x2, decode x2, prefill
+
+    def run(graphs):
+        model.cuda_graphs = graphs
+        cache = model.new_cache(8, 16, kv_dtype="f16")
+        out = [model.forward([SeqChunk(_tokens(n, seed=p), p, np.arange(8))], cache)
+               for p, n in script]
+        kv = [np.asarray(a.get() if hasattr(a, "get") else a)
+              for L in model.layers for a in cache.layer_kv(L.attn_index)]
+        return out, kv, gpu_graphs.runner(model)
+
+    class _Refused:
+        def __enter__(self):
+            raise RuntimeError("capture refused")
+
+        def __exit__(self, *exc):
+            return False
+
+    try:
+        eager, kv_eager, _ = run(False)
+        monkeypatch.setattr(gpu_graphs.rt, "capturing", _Refused)
+        with pytest.warns(RuntimeWarning, match="capture refused") as warned:
+            graph, kv_graph, r = run(True)
+    finally:
+        model.cuda_graphs = None
+    assert len(warned) == 1 and len(r.failures) == 2 and r.captures == 0 and not r.graphs
+    assert {s.tokens for s in r.failures} == {8, 1}
+    _assert_same_steps(graph, kv_graph, eager, kv_eager)
+
+
 def test_steps_with_many_logit_rows_stay_eager(gpu, monkeypatch):
     """A graph's logits stay in the workspace: a step with more than MAX_LOGIT_ROWS logit rows
     (a prompt's logits row by row) runs eager, never sighted or captured."""

@@ -32,11 +32,14 @@ How (`StepGraphs`):
   host code branches on device values (the attention split count, which follows the context
   length, is a device input: `gpu.StaticAttention`).
 - A shape with a prefill chunk runs eager the first time it comes (chunk lengths vary: a
-  shape that never comes again is not worth a capture). A shape's first captured step runs
-  the step's code eagerly (it measures the workspace and warms NVRTC, cuBLAS and the launch
-  attributes; its logits are that step's), then captures it on the runner's stream; later
-  steps of that shape replay it. Another KV cache object or a
-  larger workspace drops the graphs; they are captured again when next used.
+  shape that never comes again is not worth a capture), and is captured the second time; a
+  decode shape is captured at its first step. A shape's eager run is the step's code on its
+  inputs, measuring its workspace (`peaks`; it also warms NVRTC, cuBLAS and the launch
+  attributes). A shape whose workspace is known and fits is captured at once on the runner's
+  stream and replayed for the step; otherwise the step first runs eager (its logits are that
+  step's) and is captured after. Later steps of that shape replay it. Another KV cache
+  object or a larger workspace drops the graphs; they are captured again when next used
+  (after a larger workspace, at once: the shapes' needs are known).
 - The step calls the model's own `_project_qkv` and `_output_and_mlp` and the same GPU ops
   as `DecoderModel.forward`, in the same order, and its attention tiles are the eager
   step's: the logits and the KV equal the eager step's, bit for bit where the eager step has
@@ -246,6 +249,8 @@ class StepGraphs:
         self.failures: dict[StepShape, str] = {}
         self._bounds: dict[StepShape, AttnBounds] = {}
         self.sightings: Counter[StepShape] = Counter()  # eager steps of prefill shapes
+        # each shape's workspace bytes, measured by an eager run of it on this cache
+        self.peaks: dict[StepShape, int] = {}
         self.replays = 0
         self.captures = 0
         self._cache_key: Any = None
@@ -297,11 +302,13 @@ class StepGraphs:
         shape = self.step_shape(chunks, cache, plan)
         if shape is None:
             return None
-        if plan.max_seq_rows > 1 and self.sightings[shape] < PREFILL_SIGHTINGS - 1:
-            # a shape with a prefill chunk is captured when it comes again: chunk lengths
-            # vary, and a capture costs the host about one more eager step
+        # a shape with a prefill chunk is captured when it comes again (chunk lengths vary,
+        # and a capture costs the host about one more eager step); its first step runs eager
+        # on the shape's inputs, which measures its workspace, so that the second captures
+        # at once
+        sighting = plan.max_seq_rows > 1 and self.sightings[shape] < PREFILL_SIGHTINGS - 1
+        if sighting:
             self.sightings[shape] += 1
-            return None
         self._check_cache(cache)
         launches = self._launches(cache)
         inp = self.inputs.get(shape)
@@ -318,7 +325,9 @@ class StepGraphs:
                 # ordered after the sampling that wrote them (a blocking stream waits for
                 # the default stream's earlier work)
                 inp.d["tokens"][:n_tok] = token_feed[:n_tok]
-            if entry is None:
+            if entry is None and sighting:
+                logits = self._measured_run(shape, cache, inp, launches)
+            elif entry is None:
                 logits = self._first_step(shape, cache, inp, launches)
             else:
                 entry.graph.launch(stream=self.stream)
@@ -444,6 +453,7 @@ class StepGraphs:
                 inp.wait_sent()  # (its pinned memory goes back to CuPy's pool)
             self.graphs.clear()
             self.inputs.clear()
+            self.peaks.clear()
             self._cache_key = weakref.ref(cache)
         if self.stream is None:
             # a blocking stream: ordered after the eager steps' work on the default stream
@@ -514,18 +524,32 @@ class StepGraphs:
             hn = rms_norm(x, model.output_norm, cfg.norm_eps, backend=be)
             return linear(hn, model.output, backend=be)
 
-    def _first_step(self, shape: StepShape, cache: Any, inp: StepInputs,
-                    launches: list[tuple[int, int]]) -> Any:
-        """Run the shape's step eagerly (this step's logits), then capture it."""
+    def _measured_run(self, shape: StepShape, cache: Any, inp: StepInputs,
+                      launches: list[tuple[int, int]]) -> Any:
+        """Run the shape's step eagerly (ordinary allocations, the workspace's offsets
+        counted): its logits, and the shape's workspace need in `peaks` (a larger workspace
+        reserved, and the graphs holding the old one's addresses dropped, where it did not
+        fit)."""
         ws = self.ws
-        buf, ws.buf = ws.buf, None  # measure: ordinary allocations, offsets counted
+        buf, ws.buf = ws.buf, None
         try:
             logits = self._run(shape, cache, inp, launches)
         finally:
             ws.buf = buf
+        self.peaks[shape] = ws.peak
         if ws.peak > ws.nbytes:
             self.graphs.clear()  # they hold the old buffer's addresses
             ws.reserve(2 * ws.peak)
+        return logits
+
+    def _first_step(self, shape: StepShape, cache: Any, inp: StepInputs,
+                    launches: list[tuple[int, int]]) -> Any:
+        """Capture the shape's step and replay it for this step, where an eager run of the
+        shape has measured its workspace and it fits; otherwise run the step eagerly (this
+        step's logits), then capture it."""
+        need = self.peaks.get(shape)
+        at_once = need is not None and need <= self.ws.nbytes
+        logits = None if at_once else self._measured_run(shape, cache, inp, launches)
         st = self.stream
         entry = _Graph()
         entry.inputs = inp
@@ -542,9 +566,14 @@ class StepGraphs:
                               f"such steps stay eager ({type(exc).__name__}: {exc})",
                               RuntimeWarning, stacklevel=3)
             self.failures[shape] = f"{type(exc).__name__}: {exc}"
-            return logits
+            # (captured work does not run: a step captured at once has not run yet)
+            return self._measured_run(shape, cache, inp, launches) if at_once else logits
         self.graphs[shape] = entry
         self.captures += 1
+        if at_once:
+            entry.graph.launch(stream=st)
+            self.replays += 1
+            logits = entry.logits
         return logits
 
 

@@ -8,6 +8,7 @@ imports nothing GPU-related at import time (CuPy comes from `kvshare.backend` on
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections import OrderedDict
@@ -248,20 +249,20 @@ class Workspace:
         self.peak = 0
 
     def take(self, shape: Any, dtype: Any) -> Any:
-        cp = cupy_module()
-        shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        # (a step takes hundreds of arrays: this is kept to a few Python operations)
+        shape = (int(shape),) if not isinstance(shape, (tuple, list)) else tuple(shape)
         dt = np.dtype(dtype)
-        n = dt.itemsize
-        for s in shape:
-            n *= s
+        n = dt.itemsize * math.prod(shape)
         off = self.off
-        self.off += -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
-        self.peak = max(self.peak, self.off)
-        if self.buf is None:
-            return cp.empty(shape, dt)
-        if self.off > self.nbytes:
-            raise MemoryError(f"workspace of {self.nbytes} bytes exhausted (needs {self.off})")
-        return self.buf[off : off + n].view(dt).reshape(shape)
+        self.off = end = off + -(-n // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+        if end > self.peak:
+            self.peak = end
+        buf = self.buf
+        if buf is None:
+            return cupy_module().empty(shape, dt)
+        if end > buf.nbytes:
+            raise MemoryError(f"workspace of {buf.nbytes} bytes exhausted (needs {end})")
+        return buf[off : off + n].view(dt).reshape(shape)
 
     def mark(self) -> int:
         return self.off
