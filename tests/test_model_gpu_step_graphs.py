@@ -28,6 +28,22 @@ def gpu(request, tmp_path_factory):
     return load_model(path, "cuda")
 
 
+@pytest.fixture
+def fresh_qwen3(tmp_path):
+    """A tiny qwen3 GPU model of its own (its graph runner starts with an empty workspace)."""
+    from kvshare.model.loader import load_model  # noqa: PLC0415
+
+    path = tmp_path / "qwen3.gguf"
+    write_model(path, "qwen3")
+    return load_model(path, "cuda")
+
+
+def _cache_kv(model, cache):
+    """Host copies of every attention layer's K and V arrays."""
+    return [np.asarray(a.get() if hasattr(a, "get") else a)
+            for L in model.layers for a in cache.layer_kv(L.attn_index)]
+
+
 def _mixed_run(model, graphs, kv_dtype=None, cache=None):
     """A script of steps as the engine makes them: prefill chunks that want the last row's
     logits, every row's, or none; decode rows beside a prefill chunk; a chunk long enough
@@ -59,9 +75,7 @@ def _mixed_run(model, graphs, kv_dtype=None, cache=None):
     out = []
     for step in script:
         out.append(model.forward(step, cache))
-    kv = [np.asarray(a.get() if hasattr(a, "get") else a)
-          for i in range(len(model.layers)) for a in cache.layer_kv(model.layers[i].attn_index)]
-    return out, kv, cache
+    return out, _cache_kv(model, cache), cache
 
 
 def _assert_same_steps(graph, kv_graph, eager, kv_eager):
@@ -141,17 +155,14 @@ def test_graphs_can_be_turned_off_or_kept_to_decode(gpu, monkeypatch):
     assert r.captures == before[0] + 2
 
 
-def test_a_prefill_shape_is_captured_at_once_when_it_comes_again(tmp_path):
+def test_a_prefill_shape_is_captured_at_once_when_it_comes_again(fresh_qwen3):
     """A shape with a prefill chunk: its first step runs eager on the shape's inputs and
     measures its workspace; its second is captured at once and replayed for the step (no
     eager run before the capture). A larger shape grows the workspace (dropping the graphs):
     the first shape is then captured at once again. Logits and KV as the eager steps'."""
     from kvshare.model import gpu_graphs  # noqa: PLC0415
-    from kvshare.model.loader import load_model  # noqa: PLC0415
 
-    path = tmp_path / "qwen3.gguf"
-    write_model(path, "qwen3")
-    model = load_model(path, "cuda")  # (a runner of its own: an empty workspace)
+    model = fresh_qwen3
     # (position, tokens, logits): 5, 6, 7 tokens the 8-token bucket; 200 tokens wanting every
     # row's logits the 256-token bucket, whose workspace is larger
     script = [(0, 5, "last"), (5, 6, "last"), (11, 200, "all"), (211, 200, "all"),
@@ -167,9 +178,7 @@ def test_a_prefill_shape_is_captured_at_once_when_it_comes_again(tmp_path):
                                                logits=lg)], cache))
             if r is not None:
                 seen.append((r.captures, r.replays, r.ws.nbytes))
-        kv = [np.asarray(a.get() if hasattr(a, "get") else a)
-              for L in model.layers for a in cache.layer_kv(L.attn_index)]
-        return out, kv, seen, r
+        return out, _cache_kv(model, cache), seen, r
 
     try:
         eager, kv_eager, _, _ = run(False)
@@ -186,25 +195,21 @@ def test_a_prefill_shape_is_captured_at_once_when_it_comes_again(tmp_path):
     _assert_same_steps(graph, kv_graph, eager, kv_eager)
 
 
-def test_a_failed_capture_leaves_its_shape_eager(tmp_path, monkeypatch):
+def test_a_failed_capture_leaves_its_shape_eager(fresh_qwen3, monkeypatch):
     """A capture that raises leaves its shape eager, with one warning, and the step still
     computes the eager step's logits and KV: a prefill shape captured at once (its step
     runs eager after the failed capture) and a decode shape captured after its eager run."""
     from kvshare.model import gpu_graphs  # noqa: PLC0415
-    from kvshare.model.loader import load_model  # noqa: PLC0415
 
-    path = tmp_path / "qwen3.gguf"
-    write_model(path, "qwen3")
-    model = load_model(path, "cuda")
-    script = [(0, 5), (5, 6), (11, 1), (12, 1), (13, 7)]  # prefill shape x2, decode x2, prefill
+    model = fresh_qwen3
+    # a prefill shape twice, a decode shape twice, the prefill shape again
+    script = [[(0, _tokens(n, seed=p), p, "last")]
+              for p, n in ((0, 5), (5, 6), (11, 1), (12, 1), (13, 7))]
 
     def run(graphs):
         model.cuda_graphs = graphs
-        cache = model.new_cache(8, 16, kv_dtype="f16")
-        out = [model.forward([SeqChunk(_tokens(n, seed=p), p, np.arange(8))], cache)
-               for p, n in script]
-        kv = [np.asarray(a.get() if hasattr(a, "get") else a)
-              for L in model.layers for a in cache.layer_kv(L.attn_index)]
+        out, kv = _run_script(model, script, [np.arange(8)],
+                              model.new_cache(8, 16, kv_dtype="f16"))
         return out, kv, gpu_graphs.runner(model)
 
     class _Refused:
@@ -279,9 +284,7 @@ def _run_script(model, script, tables, cache):
     for step in script:
         out.append(model.forward([SeqChunk(t, p, tables[s], logits=lg)
                                   for s, t, p, lg in step], cache))
-    kv = [np.asarray(a.get() if hasattr(a, "get") else a)
-          for L in model.layers for a in cache.layer_kv(L.attn_index)]
-    return out, kv
+    return out, _cache_kv(model, cache)
 
 
 # the emulator runs every kernel thread by thread (about a second a step of these models):
