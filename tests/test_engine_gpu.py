@@ -87,3 +87,42 @@ def test_greedy_tokens_with_cuda_graphs_equal_eager():
             assert r is not None and not r.failures and r.replays > 0
     assert got[True] == got[False]
     assert all(len(t) == 12 for t in got[True])
+
+
+def test_a_started_engine_captures_the_agent_shapes_before_its_first_request():
+    """The engine's thread captures the step graphs an agent server meets first
+    (`Model.warm_up`) before it takes a request; the greedy replies are the eager engine's."""
+    from kvshare.engine.api import TokenEvent  # noqa: PLC0415
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+    from kvshare.model.base import make_plan  # noqa: PLC0415
+
+    got = {}
+    for graphs in (False, True):
+        model = load_model(MODEL, device="cuda")
+        model.cuda_graphs = graphs
+        tok = Tokenizer.from_gguf(MODEL)
+        cfg = EngineConfig(kv_blocks=128, block_size=16, device="cuda", prefill_chunk=64)
+        eng = Engine(model, tok, ChatTemplate.from_gguf(MODEL, tok),
+                     bytes.fromhex(model.fingerprint), cfg)
+        eng.start()
+        try:
+            handles = []
+            for q in ("Name three colours.", "Count to five."):
+                prompt = eng.tokenize(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")
+                handles.append(eng.submit(GenerationRequest(
+                    prompt_tokens=prompt, max_tokens=6, ignore_eos=True,
+                    sampling=SamplingParams(temperature=0.0))))
+            got[graphs] = [[e.token_id for e in h.events(timeout=120)
+                            if isinstance(e, TokenEvent) and e.token_id >= 0] for h in handles]
+        finally:
+            eng.shutdown()
+        r = gpu_graphs.runner(model)
+        if not graphs:
+            assert r is None
+            continue
+        steps = gpu_graphs.warm_up_steps(eng.kv, cfg.parallel, cfg.prefill_chunk)
+        shapes = {r.step_shape(s, eng.kv, make_plan(s, eng.kv.block_size, model.config))
+                  for s in steps}
+        assert len(shapes) == 7 and shapes <= set(r.graphs) and not r.failures
+        assert r.replays > 0
+    assert got[True] == got[False] and all(len(t) == 6 for t in got[True])

@@ -231,6 +231,57 @@ def test_a_failed_capture_leaves_its_shape_eager(fresh_qwen3, monkeypatch):
     _assert_same_steps(graph, kv_graph, eager, kv_eager)
 
 
+def test_warm_up_captures_an_agent_servers_first_steps(fresh_qwen3):
+    """`Model.warm_up` captures the step shapes an agent server meets first, writing no KV;
+    then a turn's prompt chunk (alone, or beside the other sessions' decode rows: the same
+    shape, its sequences and logit rows padded to `PREFILL_MIN_SEQS`), decode batches and a
+    long prompt's middle chunk all replay those graphs, with no capture and no eager step,
+    and compute the eager steps' logits and KV."""
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+
+    model = fresh_qwen3
+    seqs, per = 4, 8
+    tables = list(np.random.default_rng(5).permutation(seqs * per + 1).reshape(-1)[: seqs * per]
+                  .reshape(seqs, per))
+    script = [
+        [(0, _tokens(40, seed=1), 0, "last")],  # a turn's prompt chunk, alone
+        [(0, _tokens(1, seed=2), 40, "last"), (1, _tokens(30, seed=3), 0, "last")],
+        [(0, _tokens(1, seed=4), 41, "last"), (1, _tokens(1, seed=5), 30, "last")],
+        [(0, _tokens(1, seed=6), 42, "last"), (1, _tokens(1, seed=7), 31, "last"),
+         (2, _tokens(1, seed=8), 0, "last")],
+        # the first step's shape again: a 40-token chunk beside three decode rows
+        [(0, _tokens(1, seed=9), 43, "last"), (1, _tokens(1, seed=10), 32, "last"),
+         (2, _tokens(1, seed=11), 1, "last"), (3, _tokens(40, seed=12), 0, "last")],
+        [(3, _tokens(64, seed=13), 40, "none")],  # a long prompt's middle chunk
+    ]
+
+    def cache():
+        return model.new_cache(seqs * per + 1, 16, kv_dtype="f16")
+
+    try:
+        model.cuda_graphs = False
+        assert model.warm_up(cache(), 4, 64) == 0  # graphs off: nothing to capture
+        eager, kv_eager = _run_script(model, script, tables, cache())
+        model.cuda_graphs = True
+        c = cache()
+        zeros = _cache_kv(model, c)
+        assert not any(a.any() for a in zeros)
+        n = model.warm_up(c, 4, 64)
+        r = gpu_graphs.runner(model)
+        warmed = set(r.graphs)
+        kv_warm = _cache_kv(model, c)
+        graph, kv_graph = _run_script(model, script, tables, c)
+    finally:
+        model.cuda_graphs = None
+    # decode batches 1, 2, 4; last chunks of 32, 64 and 128 tokens (64 + 3 decode rows);
+    # the middle chunk of 64
+    assert n == 7 == r.captures == len(warmed) and not r.failures
+    assert not any(a.any() for a in kv_warm)  # no KV written
+    assert r.captures == 7 and r.replays == len(script) and set(r.graphs) == warmed
+    assert {(s.seqs, s.rows) for s in warmed if s.prefill} == {(4, 4), (4, 0)}
+    _assert_same_steps(graph, kv_graph, eager, kv_eager)
+
+
 def test_steps_with_many_logit_rows_stay_eager(gpu, monkeypatch):
     """A graph's logits stay in the workspace: a step with more than MAX_LOGIT_ROWS logit rows
     (a prompt's logits row by row) runs eager, never sighted or captured."""

@@ -386,6 +386,7 @@ class Engine:
 
     # ---- the engine thread ------------------------------------------------------------
     def _run(self) -> None:
+        self._warm_up()
         while not self._stopping:
             try:
                 self._drain_inbox()
@@ -408,6 +409,19 @@ class Engine:
             finally:
                 self._step_started = None
         self._emit_deferred()
+
+    def _warm_up(self) -> None:
+        """The model's start-up work on this engine's cache (on the engine thread, which runs
+        every later step: a captured graph holds that thread's library handles); requests
+        queue meanwhile. A failure costs speed only: steps are prepared as they come."""
+        t0 = time.perf_counter()
+        try:
+            n = self.model.warm_up(self.kv, self.config.parallel, self.config.prefill_chunk)
+        except Exception:  # noqa: BLE001 - serving goes on, eagerly where it must
+            log.exception("preparing the model's steps at start failed")
+            return
+        if n:
+            log.info("captured %d step graphs in %.2f s", n, time.perf_counter() - t0)
 
     def stalled_for(self) -> float:
         """Seconds the current step has been running (0 between steps): /health reports an

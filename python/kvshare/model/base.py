@@ -138,6 +138,12 @@ class Model(ABC):
         """Whether `forward_fed` may launch steps (a GPU model with decode graphs)."""
         return False
 
+    def warm_up(self, cache: KVArrays, parallel: int, prefill_chunk: int) -> int:
+        """Prepare the steps a server meets first on `cache` before its first request (a GPU
+        model: capture their CUDA graphs, `DecoderModel.warm_up`). Returns how many step
+        shapes were prepared; 0: nothing to do."""
+        return 0
+
     def forward_fed(self, chunks: Sequence[SeqChunk], cache: KVArrays, token_feed: Any
                     ) -> list[Any] | None:
         """A decode step fed its input tokens on the device (`DecoderModel.forward_fed`), or
@@ -359,6 +365,16 @@ class DecoderModel(Model):
 
     def fed_steps_apply(self) -> bool:
         return self.backend.is_gpu and gpu_graphs.runner(self) is not None
+
+    def warm_up(self, cache: KVArrays, parallel: int, prefill_chunk: int) -> int:
+        """Capture the CUDA graphs of the step shapes an agent server meets first (decode
+        batches up to `parallel`, a turn's last prompt chunk up to `prefill_chunk` tokens
+        beside the other sessions' decode rows, a long prompt's middle chunk:
+        `gpu_graphs.warm_up_steps`), so that those steps replay a graph from the first one."""
+        graphs = gpu_graphs.runner(self) if self.backend.is_gpu else None
+        if graphs is None:
+            return 0
+        return graphs.warm_up(cache, gpu_graphs.warm_up_steps(cache, parallel, prefill_chunk))
 
     def forward_fed(self, chunks: Sequence[SeqChunk], cache: KVArrays, token_feed: Any
                     ) -> list[Any] | None:

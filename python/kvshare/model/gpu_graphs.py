@@ -11,11 +11,13 @@ CUDA graph replays all of a step's launches with one call.
 
 How (`StepGraphs`):
 - A step is captured per `StepShape`: its token rows, sequences and logit rows each padded
-  to a bucket (powers of two up to 64, then multiples of 64: `bucket_of`), whether the last
-  layer keeps only the rows whose logits are wanted (`gather`), and whether attention runs
-  on the tensor-core kernels (`mma`, decided as the eager step decides it). Padding token
-  rows are copies of row 0 that write no KV (slot -1); padding sequences and logit rows
-  repeat the first; their logits are dropped.
+  to a bucket (powers of two up to 64, then multiples of 64: `bucket_of`; a step with a
+  prefill chunk pads its sequences and logit rows to at least `PREFILL_MIN_SEQS`, so that a
+  turn's prompt chunk is one shape however many decode rows run beside it), whether the
+  last layer keeps only the rows whose logits are wanted (`gather`), and whether attention
+  runs on the tensor-core kernels (`mma`, decided as the eager step decides it). Padding
+  token rows are copies of row 0 that write no KV (slot -1); padding sequences and logit
+  rows repeat the first; their logits are dropped.
 - Every input that changes between steps lives in one device buffer (`StepInputs`): token
   ids, positions, KV slots, block tables (`width` entries per sequence, -1 padded; the
   window group's too in a split cache), the attention tiles (`pa_tiles` of the step's
@@ -40,6 +42,11 @@ How (`StepGraphs`):
   step's) and is captured after. Later steps of that shape replay it. Another KV cache
   object or a larger workspace drops the graphs; they are captured again when next used
   (after a larger workspace, at once: the shapes' needs are known).
+- A server captures the shapes it meets first before its first request (`warm_up`, the
+  steps of `warm_up_steps`: decode batches up to its `--parallel`, a turn's last prompt
+  chunk of 32 tokens and every multiple of 64 up to its prefill chunk beside decode rows,
+  a long prompt's middle chunk), so an agent's next turn replays a graph from the start.
+  Each shape's measuring run writes no KV (slots -1) and reads only block 0.
 - The step calls the model's own `_project_qkv` and `_output_and_mlp` and the same GPU ops
   as `DecoderModel.forward`, in the same order, and its attention tiles are the eager
   step's: the logits and the KV equal the eager step's, bit for bit where the eager step has
@@ -79,6 +86,12 @@ FINE_FROM = 64  # buckets are powers of two up to here, then multiples of it
 # a shape with a prefill chunk is captured at its second step (the first runs eager); a
 # decode shape at its first
 PREFILL_SIGHTINGS = 2
+# a step with a prefill chunk pads its sequences and its kept logit rows to at least this
+# many: an agent's next turn is one prefill chunk beside the other sessions' decode rows, and
+# without the floor each count of those rows would be a shape of its own, captured again.
+# Padding sequences and logit rows cost the device next to nothing (no tiles of their own;
+# a few one-token attention rows and logit rows, read with the same weights).
+PREFILL_MIN_SEQS = 4
 
 
 PREFILL_ENV = "KVSHARE_CUDA_GRAPHS_PREFILL"
@@ -118,19 +131,22 @@ def bucket_floor(b: int) -> int:
 class StepShape(NamedTuple):
     """What a captured step is specialised to: its padded token rows, sequences and logit
     rows, whether the last layer keeps only the logit rows (`gather`: some token wants no
-    logits, as in a prefill chunk), and whether attention runs on the tensor-core kernels
-    (`mma`: some chunk brings `gpu.PM_MIN_TOKENS` tokens, as the eager step decides)."""
+    logits, as in a prefill chunk), whether attention runs on the tensor-core kernels
+    (`mma`: some chunk brings `gpu.PM_MIN_TOKENS` tokens, as the eager step decides), and
+    whether some chunk brings more than one token (`prefill`: its sequences and kept rows
+    are padded to at least `PREFILL_MIN_SEQS`)."""
 
     tokens: int
     seqs: int
     rows: int  # 0: no logits wanted (the step only writes KV)
     gather: bool
     mma: bool
+    prefill: bool = False
 
     @classmethod
     def decode(cls, b: int) -> StepShape:
         """The shape of a step of b decode rows that all want logits."""
-        return cls(b, b, b, False, False)
+        return cls(b, b, b, False, False, False)
 
 
 class AttnBounds(NamedTuple):
@@ -286,8 +302,10 @@ class StepGraphs:
             kc, vc = cache.layer_kv(self.model.layers[0].attn_index)
             mma = gpu.mma_fits(kc, vc, self.model.config.head_dim)
         t = bucket_of(n_tok)
-        shape = StepShape(t, bucket_of(len(chunks)), bucket_of(n_rows) if gather else
-                          (t if n_rows else 0), gather, mma)
+        least = PREFILL_MIN_SEQS if prefill else 1
+        shape = StepShape(t, max(bucket_of(len(chunks)), least),
+                          max(bucket_of(n_rows), least) if gather else (t if n_rows else 0),
+                          gather, mma, prefill)
         return None if shape in self.failures else shape
 
     # -- the step --------------------------------------------------------------------------
@@ -306,7 +324,7 @@ class StepGraphs:
         # and a capture costs the host about one more eager step); its first step runs eager
         # on the shape's inputs, which measures its workspace, so that the second captures
         # at once
-        sighting = plan.max_seq_rows > 1 and self.sightings[shape] < PREFILL_SIGHTINGS - 1
+        sighting = shape.prefill and self.sightings[shape] < PREFILL_SIGHTINGS - 1
         if sighting:
             self.sightings[shape] += 1
         self._check_cache(cache)
@@ -426,21 +444,30 @@ class StepGraphs:
             cta_rows = gpu.PM_ROWS if shape.mma else gpu.PA_ROWS
             gc, n_gchunks = gpu.group_chunk(H, K, cta_rows)
             fma_gc, fma_chunks = gpu.group_chunk(H, K)
-            ms = 1 if shape.mma else self._max_splits(shape.tokens, shape.seqs, gc, n_gchunks)
-            rms = (self._max_splits(shape.rows, shape.rows, fma_gc, fma_chunks)
+            # a prefill shape's sequences and kept rows may be fewer than their bucket's
+            # floor, down to one (`PREFILL_MIN_SEQS`)
+            least = PREFILL_MIN_SEQS if shape.prefill else 1
+            ms = 1 if shape.mma else self._max_splits(shape.tokens, shape.seqs, gc,
+                                                      n_gchunks, least)
+            rms = (self._max_splits(shape.rows, shape.rows, fma_gc, fma_chunks, least)
                    if shape.gather else 0)
             b = self._bounds[shape] = AttnBounds(cta_rows, gc, n_gchunks, ms, fma_gc,
                                                  fma_chunks, rms)
         return b
 
-    def _max_splits(self, tokens: int, seqs: int, gc: int, n_gchunks: int) -> int:
+    def _max_splits(self, tokens: int, seqs: int, gc: int, n_gchunks: int,
+                    least: int = 1) -> int:
         """The most splits `pa_splits` gives a step padded to `tokens` rows and `seqs`
         sequences (the FMA kernels; its fewest tiles: the fewest real sequences, or the
-        fewest real tokens in tiles of `PA_ROWS // gc`)."""
+        fewest real tokens in tiles of `PA_ROWS // gc`). `least`: the floor the shape pads
+        its sequences and rows to (one real one may fill a bucket up to it)."""
         from kvshare.ops import gpu  # noqa: PLC0415
 
+        def floor(b: int) -> int:
+            return 1 if b <= least else bucket_floor(b)
+
         bm = max(1, gpu.PA_ROWS // gc)
-        tiles = max(bucket_floor(seqs), -(-bucket_floor(tokens) // bm))
+        tiles = max(floor(seqs), -(-floor(tokens) // bm))
         ctas = tiles * self.model.config.n_head_kv * n_gchunks
         n_sm = rt.device_attr("MultiProcessorCount")
         return 1 if ctas >= n_sm else min(64, -(-2 * n_sm // ctas))
@@ -550,6 +577,20 @@ class StepGraphs:
         need = self.peaks.get(shape)
         at_once = need is not None and need <= self.ws.nbytes
         logits = None if at_once else self._measured_run(shape, cache, inp, launches)
+        entry = self._capture(shape, cache, inp, launches, stacklevel=4)
+        if entry is None:
+            # (captured work does not run: a step captured at once has not run yet)
+            return self._measured_run(shape, cache, inp, launches) if at_once else logits
+        if at_once:
+            entry.graph.launch(stream=self.stream)
+            self.replays += 1
+            logits = entry.logits
+        return logits
+
+    def _capture(self, shape: StepShape, cache: Any, inp: StepInputs,
+                 launches: list[tuple[int, int]], stacklevel: int = 3) -> _Graph | None:
+        """Capture the shape's step on the runner's stream (nothing runs) and keep it; None
+        where the capture raised (the shape then stays eager; the first failure warns)."""
         st = self.stream
         entry = _Graph()
         entry.inputs = inp
@@ -560,21 +601,82 @@ class StepGraphs:
                     entry.logits = self._run(shape, cache, inp, launches)
             finally:
                 entry.graph = st.end_capture()
-        except Exception as exc:  # noqa: BLE001 - the shape stays eager, the step is done
+        except Exception as exc:  # noqa: BLE001 - the shape stays eager
             if not self.failures:
                 warnings.warn(f"CUDA graph capture of a step of shape {tuple(shape)} failed; "
                               f"such steps stay eager ({type(exc).__name__}: {exc})",
-                              RuntimeWarning, stacklevel=3)
+                              RuntimeWarning, stacklevel=stacklevel)
             self.failures[shape] = f"{type(exc).__name__}: {exc}"
-            # (captured work does not run: a step captured at once has not run yet)
-            return self._measured_run(shape, cache, inp, launches) if at_once else logits
+            return None
         self.graphs[shape] = entry
         self.captures += 1
-        if at_once:
-            entry.graph.launch(stream=st)
-            self.replays += 1
-            logits = entry.logits
-        return logits
+        return entry
+
+    # -- before the first request ------------------------------------------------------------
+    def warm_up(self, cache: Any, steps: Sequence[Sequence[SeqChunk]]) -> int:
+        """Capture the graphs of these steps' shapes now (a server's start: an agent's turn
+        then replays a graph instead of paying the host an eager step and a capture). Each
+        shape runs once eagerly to measure its workspace, then all are captured (the
+        workspace sized for the largest first, so no capture is dropped by a later one's
+        growth). The steps write no KV (their slots are -1) and their logits are dropped;
+        the blocks their tables name are only read. Returns the shapes captured."""
+        from kvshare.model.base import make_plan  # noqa: PLC0415
+
+        self._check_cache(cache)
+        launches = self._launches(cache)
+        todo: list[StepShape] = []
+        for chunks in steps:
+            plan = make_plan(chunks, cache.block_size, self.model.config)
+            shape = self.step_shape(chunks, cache, plan)
+            if shape is None or shape in self.graphs or shape in todo:
+                continue
+            inp = self.inputs.get(shape)
+            if inp is None:
+                inp = self.inputs[shape] = StepInputs(shape, self._width(cache), cache.split,
+                                                      len(launches))
+            if not self._stage(shape, chunks, cache, plan, inp, launches):
+                continue
+            for g in (0, 1) if cache.split else (0,):
+                inp.h[f"slots{g}"][:] = -1  # a warm-up step writes no KV
+            with self.stream:
+                inp.send(self.stream)
+                self._measured_run(shape, cache, inp, launches)
+            todo.append(shape)
+        n = 0
+        with self.stream:
+            for shape in todo:
+                if shape not in self.graphs and shape not in self.failures:
+                    n += self._capture(shape, cache, self.inputs[shape], launches) is not None
+        self.stream.synchronize()
+        return n
+
+
+def warm_up_steps(cache: Any, parallel: int, prefill_chunk: int) -> list[list[SeqChunk]]:
+    """The steps an agent server meets first, one per shape: decode steps of every batch
+    bucket up to `parallel`; a prompt's last chunk (its logits wanted, other sessions'
+    decode rows beside it) of 32 tokens and of every `FINE_FROM` multiple up to
+    `prefill_chunk` and `prefill_chunk` plus those decode rows; a long prompt's middle
+    chunk (`prefill_chunk` tokens, no logits). Token 0 at positions from 0, every table
+    naming block 0 (only read: `StepGraphs.warm_up` writes no KV)."""
+    bs = cache.block_size
+    win = cache.split
+
+    def chunk(n: int, logits: str) -> SeqChunk:
+        table = np.zeros(-(-n // bs), np.int32)
+        return SeqChunk(np.zeros(n, np.int32), 0, table, logits,
+                        win_block_table=table if win else None)
+
+    steps: list[list[SeqChunk]] = []
+    b = 1
+    while b <= bucket_of(parallel):
+        steps.append([chunk(1, "last") for _ in range(b)])
+        b = bucket_of(b + 1)
+    top = min(prefill_chunk + max(parallel - 1, 0), MAX_TOKENS)
+    sizes = sorted({32, *range(FINE_FROM, top + 1, FINE_FROM), bucket_of(top)})
+    steps += [[chunk(t, "last")] for t in sizes if 1 < t <= MAX_TOKENS]
+    if 1 < prefill_chunk <= MAX_TOKENS:
+        steps.append([chunk(prefill_chunk, "none")])
+    return steps
 
 
 def runner(model: Any) -> StepGraphs | None:
