@@ -37,8 +37,15 @@ class Backend:
                 return self.xp.asarray(a, dtype=dtype)
         return np.asarray(a, dtype=dtype)
 
-    def to_host(self, a: Any) -> np.ndarray:
-        """`a` as a NumPy array (copied from the device when it lives there)."""
+    def to_host(self, a: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """`a` as a NumPy array (copied from the device when it lives there). With `out`
+        (C-contiguous, `a`'s shape and dtype): copied into `out`, one device-to-host copy on
+        a GPU, and `out` returned."""
+        if out is not None:
+            if self.is_gpu:
+                return self.xp.asnumpy(a, out=out)
+            np.copyto(out, a)
+            return out
         if self.is_gpu and not isinstance(a, np.ndarray):
             return self.xp.asnumpy(a)
         return np.asarray(a)

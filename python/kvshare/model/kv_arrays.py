@@ -72,6 +72,13 @@ def kv_row_bytes(head_dim: int, kv_dtype: Any) -> int:
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
+# Bulk block moves on the GPU (`read_blocks`, `write_blocks`) go through device scratch: a read
+# gathers its blocks and copies them block-major, a write copies them over before scattering
+# them. Moving at most this many bytes of blocks per chunk bounds that scratch (about twice
+# this) whatever the prefix, while each transfer stays tens of MiB: a 6K-token prefix of a
+# Qwen3-1.7B-shaped f16 model (~690 MB, 375 blocks of 1.8 MB) moves in 11 chunks of 36 blocks.
+BULK_CHUNK_BYTES = 64 << 20
+
 
 class KVArrays:
     def __init__(self, config: ModelConfig, n_blocks: int, block_size: int = 16, *,
@@ -239,11 +246,23 @@ class KVArrays:
 
     def read_blocks(self, blocks: list[int], group: int = 0) -> np.ndarray:
         """Host copies of several blocks as one contiguous array `[len(blocks), *block_shape]`
-        (one copy per block; the tiers' save payload)."""
+        (the tiers' save payload), equal to `read_block` of each; every id is checked before
+        anything is copied. On the GPU each chunk of `BULK_CHUNK_BYTES` costs one gather, one
+        block-major copy and one device-to-host copy: a copy per block would be a synchronous
+        transfer per block on the engine thread."""
+        ids = np.array([self._check(b, group) for b in blocks], dtype=np.intp)
         arr = self.win_group(group)
-        out = np.empty((len(blocks), *self.group_block_shape(group)), dtype=self.kv_dtype)
-        for i, block in enumerate(blocks):
-            out[i] = self.backend.to_host(arr[:, :, self._check(block, group)])
+        if not self.backend.is_gpu:
+            # one gather straight into block-major order: a copy per block took ~4% longer
+            # (375 blocks of a 28-layer f16 pool: 190 ms, 184 ms gathered)
+            return np.ascontiguousarray(np.moveaxis(arr, 2, 0)[ids])
+        xp = self.backend.xp
+        out = np.empty((len(ids), *self.group_block_shape(group)), dtype=self.kv_dtype)
+        step = self._chunk_blocks(group)
+        for i in range(0, len(ids), step):
+            gathered = arr.take(self.backend.asarray(ids[i:i + step]), axis=2)
+            self.backend.to_host(xp.ascontiguousarray(xp.moveaxis(gathered, 2, 0)),
+                                 out=out[i:i + step])
         return out
 
     def write_block(self, block: int, data: np.ndarray, group: int = 0) -> None:
@@ -254,6 +273,35 @@ class KVArrays:
         if tuple(data.shape) != want:
             raise ValueError(f"block data shape {data.shape} != {want}")
         self.win_group(group)[:, :, block] = self.backend.asarray(data, dtype=self.kv_dtype)
+
+    def write_blocks(self, blocks: list[int], data: np.ndarray, group: int = 0) -> None:
+        """Overwrite blocks `blocks[i]` with `data[i]` (`data` shaped like `read_blocks`'
+        result), as `write_block` of each in order would: of a repeated id the last data
+        stays. Ids and shape are checked before anything is written. On the GPU each chunk of
+        `BULK_CHUNK_BYTES` is one host-to-device copy and one scatter."""
+        ids = [self._check(b, group) for b in blocks]
+        data = np.asarray(data)
+        want = (len(ids), *self.group_block_shape(group))
+        if tuple(data.shape) != want:
+            raise ValueError(f"blocks data shape {data.shape} != {want}")
+        last = {b: i for i, b in enumerate(ids)}
+        if len(last) < len(ids):  # a scatter leaves which of a repeated id's writes wins open
+            ids, data = list(last), data[list(last.values())]
+        idx = np.array(ids, dtype=np.intp)
+        arr = self.win_group(group)
+        if not self.backend.is_gpu:
+            arr[:, :, idx] = np.moveaxis(data, 0, 2)
+            return
+        step = self._chunk_blocks(group)
+        for i in range(0, len(idx), step):
+            chunk = self.backend.asarray(data[i:i + step], dtype=self.kv_dtype)
+            arr[:, :, self.backend.asarray(idx[i:i + step])] = self.backend.xp.moveaxis(
+                chunk, 0, 2)
+
+    def _chunk_blocks(self, group: int) -> int:
+        """Blocks of `group` per chunk of a bulk move on the GPU (`BULK_CHUNK_BYTES`)."""
+        block = self.win_block_nbytes if group == 1 else self.block_nbytes
+        return max(1, BULK_CHUNK_BYTES // block)
 
     # --- recurrent state (hybrid models) ---------------------------------------------------
     def copy_state(self, src_slot: int, dst_slot: int) -> None:

@@ -193,31 +193,38 @@ class SlidingWindowManager(LayerGroupManager):
     def _restore_window(self, seq: Sequence, keys: list[bytes], r: range,
                         have: list) -> list[int] | None:
         """Window blocks `r`: the pool's (acquired) or read from a tier into fresh blocks
-        registered under their chain keys. None (nothing held) if one cannot be had."""
+        (one bulk write) registered under their chain keys. None (nothing held) if one cannot
+        be had."""
         bs, kv = self.block_size, self.ctx.kv
-        got: list[int] = []
+        read = [i for i, h in enumerate(have) if h is None]
+        data = np.empty((len(read), *kv.win_block_shape), dtype=kv.kv_dtype)
+        for row, i in enumerate(read):
+            if not self.ctx.tiers.read_window_block(keys[r[i]], data[row]):
+                return None
+        # the pool's blocks are held before any allocation, which could evict a cached one
+        got = [h for h in have if h is not None]
+        self.pool.acquire(got)
+        ids = list(have)
         try:
-            for j, h in zip(r, have):
-                if h is not None:
-                    self.pool.acquire([h])
-                    got.append(h)
-                    continue
-                data = np.empty(kv.win_block_shape, dtype=kv.kv_dtype)
-                if not self.ctx.tiers.read_window_block(keys[j], data):
-                    raise LookupError("window block missing")
-                block = self.pool.allocate(self.keys.parent(seq, j))
-                got.append(block)
-                kv.write_block(block, data, group=WINDOW_GROUP)
-                self.pool.append_tokens(block, seq.tokens[j * bs:(j + 1) * bs])
-                other = self.pool.register(block, keys[j])
-                if other != block:  # registered meanwhile: share that one
-                    self.pool.acquire([other])
-                    self.pool.release([block])
-                    got[-1] = other
-        except (LookupError, _core.OutOfBlocks):
+            for i in read:
+                ids[i] = self.pool.allocate(self.keys.parent(seq, r[i]))
+                got.append(ids[i])
+            kv.write_blocks([ids[i] for i in read], data, group=WINDOW_GROUP)
+        except _core.OutOfBlocks:
             self.cancel(got)
             return None
-        return got
+        except BaseException:
+            self.cancel(got)
+            raise
+        for i in read:
+            j = r[i]
+            self.pool.append_tokens(ids[i], seq.tokens[j * bs:(j + 1) * bs])
+            other = self.pool.register(ids[i], keys[j])
+            if other != ids[i]:  # registered meanwhile: share that one
+                self.pool.acquire([other])
+                self.pool.release([ids[i]])
+                ids[i] = other
+        return ids
 
     # ---- compute -----------------------------------------------------------------------
     def allocate(self, seq: Sequence, end: int) -> list[int] | None:

@@ -62,7 +62,7 @@ class Fetcher(Protocol):
 log = logging.getLogger("kvshare.tiers")
 
 # Blocks per tier read: reused staging buffers of this many blocks (bounded memory, and each
-# chunk's blocks go straight from it into the pool: one copy per block after the read).
+# chunk goes straight from it into the pool: one bulk write after the read).
 CHUNK_BLOCKS = 64
 # Disk restores are pipelined: up to this many chunk reads are in flight (on DISK_READERS
 # threads; the store releases the GIL and its lock while reading and verifying) while the
@@ -246,24 +246,28 @@ class TierManager:
 
     def _install(self, tokens, keys, j0: int, blocks: np.ndarray, root: bytes,
                  split=None) -> list[int]:
+        """Blocks `blocks[i]` (chain position j0 + i) into fresh pool blocks, registered: as
+        many leading ones as the pool has room for, written with one bulk write. A failed
+        write releases them all (the restore ends here; the rest is recomputed)."""
         bs = self.block_size
         ids: list[int] = []
-        for i, data in enumerate(blocks):
-            j = j0 + i
+        for j in range(j0, j0 + len(blocks)):
             parent = split[1] if split and j == split[0] else (keys[j - 1] if j > 0 else root)
             try:
-                block = self.pool.allocate(parent)
+                ids.append(self.pool.allocate(parent))
             except _core.OutOfBlocks:
                 break
-            try:
-                self.kv.write_block(block, data)
-            except Exception:  # noqa: BLE001 - the restore ends here; the rest is recomputed
-                log.exception("writing a restored block into the pool failed")
-                self.pool.release([block])
-                break
+        if not ids:
+            return ids
+        try:
+            self.kv.write_blocks(ids, blocks[:len(ids)])
+        except Exception:  # noqa: BLE001 - the restore ends here; the rest is recomputed
+            log.exception("writing restored blocks into the pool failed")
+            self.pool.release(ids)
+            return []
+        for j, block in enumerate(ids, j0):
             self.pool.append_tokens(block, tokens[j * bs:(j + 1) * bs])
             self.pool.register(block, keys[j])
-            ids.append(block)
         return ids
 
     def _read_ram(self, keys: list[bytes], staging: np.ndarray) -> int:
@@ -361,8 +365,11 @@ class TierManager:
     def _save_ram(self, keys: list[bytes], block_table: list[int], n: int) -> None:
         """Copy the first `n` blocks to RAM (those it lacks)."""
         keys = keys[:n]
-        self._put_ram(keys, self._ram_missing(keys),
-                      lambda j: self.kv.read_block(block_table[j]))
+        missing = self._ram_missing(keys)
+        # one bulk read of every missing block, though the puts may stop early (OverBudget)
+        host = self.kv.read_blocks([block_table[j] for j in missing])
+        row = {j: i for i, j in enumerate(missing)}
+        self._put_ram(keys, missing, lambda j: host[row[j]])
 
     def _ram_missing(self, keys: list[bytes]) -> list[int]:
         ram = self.ram

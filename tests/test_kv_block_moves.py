@@ -1,0 +1,364 @@
+"""Bulk block moves of the KV pool (`KVArrays.read_blocks` / `write_blocks`) against the
+per-block ones (`read_block` / `write_block`), bit for bit, in both groups of a split cache;
+and the tiers' use of them: a RAM save reads its missing blocks with one bulk read, a restore
+installs each chunk with one bulk write.
+
+The `gpu` tests run on a CUDA device, and in CI on the CPU emulator (tests/gpu_emu): there a
+bulk read is also held to one device-to-host copy per chunk (`BULK_CHUNK_BYTES`), not one per
+block."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from kvshare import _core
+from kvshare.backend import CPU, Backend
+from kvshare.engine.cache.tiers import TierManager
+from kvshare.model import kv_arrays
+from kvshare.model.config import ATTENTION, ModelConfig
+from kvshare.model.kv_arrays import KVArrays
+
+BS = 4
+N_BLOCKS, N_WIN_BLOCKS = 12, 7
+# repeated and out-of-order ids, per group (group 1: the window layers' own, smaller pool)
+IDS = {0: [5, 1, 5, 0, 11, 3, 1], 1: [6, 2, 2, 0, 4, 6]}
+
+
+def config() -> ModelConfig:
+    """Four attention layers, the middle two sliding-window ones (a split cache's group 1)."""
+    return ModelConfig(arch="test", n_layers=4, n_embd=64, n_head=4, n_head_kv=2, head_dim=32,
+                       head_dim_v=32, n_ff=128, vocab_size=100, norm_eps=1e-6,
+                       context_length=1024, rope_base=1e4, rope_base_swa=1e4, sliding_window=8,
+                       layer_kinds=(ATTENTION,) * 4, layer_windows=(0, 8, 8, 0))
+
+
+def random_pool(backend: Backend = CPU, kv_dtype="f32", seed: int = 0,
+                n_blocks: int = N_BLOCKS) -> KVArrays:
+    """A split pool whose every byte is random (NaN payloads included: moves must copy bits)."""
+    kv = KVArrays(config(), n_blocks, BS, kv_dtype=kv_dtype, backend=backend,
+                  n_win_blocks=N_WIN_BLOCKS)
+    assert kv.split and kv.kv.shape[0] == 2 and kv.kv_win.shape[0] == 2
+    rng = np.random.default_rng(seed)
+    for g in (0, 1):
+        arr = kv.win_group(g)
+        arr[...] = backend.asarray(random_bytes(rng, arr.shape, arr.dtype))
+    return kv
+
+
+def random_bytes(rng, shape, dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape)) * dtype.itemsize
+    return rng.integers(0, 256, n, dtype=np.uint8).view(dtype).reshape(shape)
+
+
+def contents(kv: KVArrays) -> list[np.ndarray]:
+    """Both groups' bytes, copied to the host."""
+    return [np.array(kv.backend.to_host(kv.win_group(g))).view(np.uint8) for g in (0, 1)]
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def check_bulk_moves(backend: Backend, kv_dtype) -> None:
+    """read_blocks equals read_block of each, write_blocks equals write_block of each in
+    order (repeated ids: the last data stays), per group, the other group untouched."""
+    kv = random_pool(backend, kv_dtype)
+    for g in (0, 1):
+        got = kv.read_blocks(IDS[g], group=g)
+        assert got.shape == (len(IDS[g]), *kv.group_block_shape(g))
+        assert got.dtype == kv.kv_dtype and got.flags.c_contiguous
+        want = np.stack([kv.read_block(b, group=g) for b in IDS[g]])
+        np.testing.assert_array_equal(bits(got), bits(want))
+        assert kv.read_blocks([], group=g).shape == (0, *kv.group_block_shape(g))
+
+        data = random_bytes(np.random.default_rng(10 + g), got.shape, kv.kv_dtype)
+        bulk, one_by_one = random_pool(backend, kv_dtype), random_pool(backend, kv_dtype)
+        bulk.write_blocks(IDS[g], data, group=g)
+        for b, d in zip(IDS[g], data):
+            one_by_one.write_block(b, d, group=g)
+        for a, b in zip(contents(bulk), contents(one_by_one)):
+            np.testing.assert_array_equal(a, b)
+        assert not np.array_equal(contents(bulk)[g], contents(kv)[g]), "nothing written"
+        np.testing.assert_array_equal(contents(bulk)[1 - g], contents(kv)[1 - g])
+        bulk.write_blocks([], data[:0], group=g)
+
+
+def check_bad_input_moves_nothing(backend: Backend) -> None:
+    """A bad id anywhere in the list (or data of the wrong shape) raises before any block is
+    written or read."""
+    kv = random_pool(backend)
+    before = contents(kv)
+    for g, n in ((0, N_BLOCKS), (1, N_WIN_BLOCKS)):
+        data = np.zeros((3, *kv.group_block_shape(g)), dtype=kv.kv_dtype)
+        for ids in ([1, 2, n], [1, -1, 2]):
+            with pytest.raises(IndexError, match="out of range"):
+                kv.write_blocks(ids, data, group=g)
+            with pytest.raises(IndexError, match="out of range"):
+                kv.read_blocks(ids, group=g)
+        with pytest.raises(ValueError, match="shape"):
+            kv.write_blocks([1, 2], data, group=g)
+    with pytest.raises(IndexError):  # a valid id of group 0 is not one of group 1
+        kv.write_blocks([0, N_WIN_BLOCKS], np.zeros((2, *kv.win_block_shape), kv.kv_dtype),
+                        group=1)
+    for a, b in zip(contents(kv), before):
+        np.testing.assert_array_equal(a, b)
+
+
+# ---- CPU ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
+def test_bulk_moves_equal_per_block_moves(kv_dtype):
+    check_bulk_moves(CPU, kv_dtype)
+
+
+def test_bulk_moves_check_every_id_before_moving_anything():
+    check_bad_input_moves_nothing(CPU)
+
+
+def test_read_blocks_copies_out_of_the_pool():
+    kv = random_pool()
+    got = kv.read_blocks([3, 3])
+    before = contents(kv)
+    got[...] = 0
+    np.testing.assert_array_equal(contents(kv)[0], before[0])
+
+
+# ---- tiers ----------------------------------------------------------------------------------
+
+ROOT = b"\x01" * 32
+
+
+class Counting:
+    """Wraps a KVArrays' per-block and bulk moves, recording their calls."""
+
+    def __init__(self, kv: KVArrays, monkeypatch):
+        self.calls: list[tuple[str, list[int]]] = []
+        for name in ("read_block", "read_blocks", "write_block", "write_blocks"):
+            monkeypatch.setattr(kv, name, self._wrap(name, getattr(kv, name)))
+
+    def _wrap(self, name, f):
+        def counted(blocks, *a, **k):
+            self.calls.append((name, [blocks] if np.ndim(blocks) == 0 else list(blocks)))
+            return f(blocks, *a, **k)
+        return counted
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+
+def computed_chain(pool, kv: KVArrays, n: int) -> tuple[list[int], list[bytes], list[int]]:
+    """n full blocks of one sequence in the pool, registered: (tokens, keys, block table)."""
+    tokens = list(range(100, 100 + n * BS))
+    keys = _core.hash_blocks(ROOT, tokens, BS)
+    table = []
+    for j in range(n):
+        block = pool.allocate(keys[j - 1] if j else ROOT)
+        pool.append_tokens(block, tokens[j * BS:(j + 1) * BS])
+        pool.register(block, keys[j])
+        table.append(block)
+    return tokens, keys, table
+
+
+def test_a_ram_save_reads_its_missing_blocks_at_once(monkeypatch):
+    kv = random_pool()
+    pool = _core.BlockPool(N_BLOCKS, BS)
+    _, keys, table = computed_chain(pool, kv, 6)
+    ram = _core.RamTier(1 << 20)
+    ram.put_block(keys[2], kv.read_block(table[2]))  # held already: not read again
+    tiers = TierManager(pool, kv, BS, ram, None)
+    moves = Counting(kv, monkeypatch)
+    assert tiers.pin_prefix(keys, table, 6) == 6
+    assert moves.calls == [("read_blocks", [table[j] for j in (0, 1, 3, 4, 5)])]
+    for j in range(6):
+        assert ram.get_block(keys[j]) == kv.read_block(table[j]).tobytes()
+
+
+@pytest.mark.parametrize("budget_blocks", [0.5, 3])
+def test_a_ram_save_keeps_the_blocks_per_block_reads_kept(budget_blocks):
+    """Under a budget (3 blocks: the puts evict; half a block: the first put is over budget
+    and ends the save) the same blocks end up in RAM as with a read per put."""
+    kv = random_pool()
+    pool = _core.BlockPool(N_BLOCKS, BS)
+    _, keys, table = computed_chain(pool, kv, 6)
+    budget = int(budget_blocks * kv.block_nbytes)
+    ram, ref = _core.RamTier(budget), _core.RamTier(budget)
+    TierManager(pool, kv, BS, ram, None)._save_ram(keys, table, 6)
+    ref_tiers = TierManager(pool, kv, BS, ref, None)
+    ref_tiers._put_ram(keys, ref_tiers._ram_missing(keys), lambda j: kv.read_block(table[j]))
+    held = [ram.get_block(k) for k in keys]
+    assert held == [ref.get_block(k) for k in keys]
+    assert sum(h is not None for h in held) == (3 if budget_blocks == 3 else 0)
+
+
+def restore_setup(monkeypatch, n: int, free: int | None = None):
+    """A chain of n blocks saved to RAM and gone from the pool; `free`: blocks left free (the
+    rest held elsewhere). (tiers, kv, tokens, keys, the saved bytes, the moves' counter)."""
+    kv = random_pool()
+    pool = _core.BlockPool(N_BLOCKS, BS)
+    tokens, keys, table = computed_chain(pool, kv, n)
+    tiers = TierManager(pool, kv, BS, _core.RamTier(1 << 20), None)
+    assert tiers.pin_prefix(keys, table, n) == n
+    saved = kv.read_blocks(table)
+    pool.release(table)
+    pool.evict_all_cached()
+    for _ in range(N_BLOCKS - (N_BLOCKS if free is None else free)):
+        pool.allocate(ROOT)
+    kv.win_group(0)[...] = 0
+    return tiers, kv, tokens, keys, saved, Counting(kv, monkeypatch)
+
+
+@pytest.mark.parametrize("chunk_blocks", [64, 2])
+def test_a_restore_installs_each_chunk_with_one_bulk_write(monkeypatch, chunk_blocks):
+    import kvshare.engine.cache.tiers as T
+
+    monkeypatch.setattr(T, "CHUNK_BLOCKS", chunk_blocks)
+    tiers, kv, tokens, keys, saved, moves = restore_setup(monkeypatch, 5)
+    ids = tiers.restore(tokens, keys, 0, ROOT)
+    assert len(ids) == 5
+    assert moves.names() == ["write_blocks"] * -(-5 // chunk_blocks)
+    assert [b for _, blocks in moves.calls for b in blocks] == ids
+    np.testing.assert_array_equal(bits(kv.read_blocks(ids)), bits(saved))
+    assert [tiers.pool.lookup(k) for k in keys] == ids
+    assert [tiers.pool.tokens(b) for b in ids] == [tokens[j * BS:(j + 1) * BS] for j in range(5)]
+    tiers.pool.check_invariants()
+
+
+def test_a_restore_short_of_blocks_keeps_those_it_installed(monkeypatch):
+    tiers, kv, tokens, keys, saved, moves = restore_setup(monkeypatch, 5, free=3)
+    ids = tiers.restore(tokens, keys, 0, ROOT)
+    assert len(ids) == 3 and moves.names() == ["write_blocks"]
+    np.testing.assert_array_equal(bits(kv.read_blocks(ids)), bits(saved[:3]))
+    assert [tiers.pool.lookup(k) for k in keys] == ids + [None, None]
+    assert tiers.pool.available() == 0
+    tiers.pool.check_invariants()
+
+
+def test_a_failed_restore_write_releases_its_blocks(monkeypatch):
+    tiers, kv, tokens, keys, _, moves = restore_setup(monkeypatch, 5)
+
+    def fail(blocks, data, group=0):
+        raise RuntimeError("device out of memory")
+
+    monkeypatch.setattr(kv, "write_blocks", fail)
+    assert tiers.restore(tokens, keys, 0, ROOT) == []
+    assert tiers.pool.stats()["used"] == 0 and tiers.pool.available() == N_BLOCKS
+    assert [tiers.pool.lookup(k) for k in keys] == [None] * 5
+    tiers.pool.check_invariants()
+
+
+# ---- GPU (a device, or the CPU emulator) ------------------------------------------------------
+
+def gpu() -> Backend:
+    from kvshare.backend import get_backend  # noqa: PLC0415
+
+    return get_backend("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+def test_gpu_bulk_moves_equal_per_block_moves(kv_dtype):
+    check_bulk_moves(gpu(), kv_dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_bulk_moves_check_every_id_before_moving_anything():
+    check_bad_input_moves_nothing(gpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [0, 1])
+def test_gpu_bulk_read_copies_to_the_host_once_per_chunk(monkeypatch, group):
+    """A chunk budget of 3 blocks: 7 blocks come back in 3 device-to-host copies (a copy per
+    block would be 7), equal to one unchunked read; chunked writes equal an unchunked one."""
+    kv = random_pool(gpu(), "f16")
+    ids = [4, 0, 6, 1, 1, 5, 2]
+    unchunked = kv.read_blocks(ids, group=group)
+    data = random_bytes(np.random.default_rng(3), unchunked.shape, kv.kv_dtype)
+    whole = random_pool(gpu(), "f16")
+    whole.write_blocks(ids[:-1], data[:-1], group=group)
+
+    monkeypatch.setattr(kv_arrays, "BULK_CHUNK_BYTES",
+                        3 * kv.block_nbytes if group == 0 else 3 * kv.win_block_nbytes)
+    to_host = Backend.to_host
+    copies: list[tuple[int, ...]] = []
+
+    def counted(self, a, out=None):
+        copies.append(tuple(a.shape))
+        return to_host(self, a, out=out)
+
+    monkeypatch.setattr(Backend, "to_host", counted)
+    cupy = sys.modules["cupy"]
+    d2h = cupy.COUNTS["d2h"] if hasattr(cupy, "COUNTS") else None  # the emulator's count
+    got = kv.read_blocks(ids, group=group)
+    assert [c[0] for c in copies] == [3, 3, 1]
+    if d2h is not None:
+        assert cupy.COUNTS["d2h"] - d2h == 3
+    np.testing.assert_array_equal(bits(got), bits(unchunked))
+
+    chunked = random_pool(gpu(), "f16")
+    chunked.write_blocks(ids[:-1], data[:-1], group=group)  # 5 distinct ids: chunks of 3 and 2
+    for a, b in zip(contents(chunked), contents(whole)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_serves_an_evicted_conversation_from_the_ram_tier():
+    """End to end on the device: a conversation saved to RAM (bulk reads), pushed out of the
+    pool and restored (bulk writes) is back in the pool bit for bit, and continues with the
+    greedy tokens of a cold run."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from kvshare.engine.api import GenerationRequest, SamplingParams  # noqa: PLC0415
+    from kvshare.engine.engine import Engine, EngineConfig  # noqa: PLC0415
+    from kvshare.model.chat_template import ChatTemplate  # noqa: PLC0415
+    from kvshare.model.loader import load_model  # noqa: PLC0415
+    from kvshare.model.tokenizer import Tokenizer  # noqa: PLC0415
+
+    path = Path(__file__).parent / "data" / "models" / "tiny-qwen3-chat.gguf"
+
+    def engine(**kw) -> Engine:
+        model = load_model(path, device="cuda")
+        tok = Tokenizer.from_gguf(path)
+        return Engine(model, tok, ChatTemplate.from_gguf(path, tok),
+                      bytes.fromhex(model.fingerprint),
+                      EngineConfig(kv_blocks=24, block_size=16, device="cuda",
+                                   cache_min_tokens=32, **kw))
+
+    def run(eng: Engine, ids: list[int], n: int = 6) -> list[int]:
+        h = eng.submit(GenerationRequest(prompt_tokens=list(ids), max_tokens=n,
+                                         ignore_eos=True,
+                                         sampling=SamplingParams(temperature=0.0)))
+        eng.run_until_idle()
+        tokens, _ = h.result(timeout=0)
+        return [t.token_id for t in tokens if t.token_id >= 0]
+
+    def chat(eng: Engine, system: str, user: str) -> list[int]:
+        return eng.tokenize(f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n"
+                            f"{user}<|im_end|>\n<|im_start|>assistant\n")
+
+    system = "You are the build assistant of a large project; answer briefly. " * 4
+    cold = engine(cache_ram_mib=0, slot_attach=False)
+    first = chat(cold, system, "Describe the build.")
+    reply = run(cold, first)
+    second = first + reply + cold.tokenize("<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n"
+                                           "<|im_start|>assistant\n")
+    want = run(cold, second)
+
+    eng = engine(cache_ram_mib=64)
+    assert run(eng, first) == reply
+    keys = _core.hash_blocks(eng.cache.root_key(None), first, 16)
+    computed = eng.kv.read_blocks(eng.pool.match_prefix(keys)[0])
+    assert len(computed) == len(keys) >= 8
+    for i in range(3):  # other conversations take the pool's blocks
+        run(eng, chat(eng, f"Unrelated system prompt number {i}. " * 8, "Hi."), 2)
+    assert eng.pool.match_prefix(keys)[0] == [], "the first conversation should be out of the pool"
+    assert run(eng, second) == want
+    restored = eng.kv.read_blocks(eng.pool.match_prefix(keys)[0])
+    np.testing.assert_array_equal(bits(restored), bits(computed))
+    ram = eng.snapshot()["tiers"]["ram"]
+    assert ram["restores"] >= 1 and ram["blocks_served"] >= len(first) // 16
+    eng.pool.check_invariants()
