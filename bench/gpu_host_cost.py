@@ -1,6 +1,7 @@
 """The host side of the GPU path, measured without a GPU: per decode step (CUDA graphs on and
 off, batch 1 / 8 / 32) and per prefill forward (128 and 1,024 tokens, graphs on and off; a
-new 128-token shape's first step, eager, and its second, captured),
+new 128-token shape's first step, eager, and its second, captured; an engine's start, which
+captures the shapes an agent server meets first, and a 128-token turn's first step after it),
 the launches the host issues (kernels, cuBLAS GEMMs, graph launches), its host-to-device
 copies and device-to-host reads, and the host's wall time per step with the device's work
 taken out.
@@ -143,6 +144,37 @@ def new_shape_cost(emu, model, n: int, reps: int = 5) -> tuple[dict, dict]:
     return median(steps[0]), median(steps[1])
 
 
+def warm_up_cost(emu, model, n: int, reps: int = 3) -> tuple[dict, dict]:
+    """An engine's start with the server's defaults (`Model.warm_up`: 4 sequences, 512-token
+    prefill chunks) on a new cache, then a new `n`-token turn's first step on it (a shape the
+    start captured: a replay); the medians over `reps` runs (after one unmeasured)."""
+    import numpy as np  # noqa: PLC0415
+
+    from kvshare.model.batch import SeqChunk  # noqa: PLC0415
+
+    toks = np.arange(n, dtype=np.int32) % 1000
+    nb = 64  # the warm-up's longest step is 576 tokens
+    table = np.arange(-(-n // 16) + 1)
+    model.cuda_graphs = True
+    steps: list[list[dict]] = [[], []]
+    try:
+        for rep in range(reps + 1):
+            cache = model.new_cache(nb, 16)
+            m0 = _measure(emu, lambda c=cache: model.warm_up(c, 4, 512), warm=0, reps=1)
+            m1 = _measure(emu, lambda c=cache: model.forward(
+                [SeqChunk(toks, 0, table, logits="last")], c), warm=0, reps=1)
+            if rep:
+                steps[0].append(m0)
+                steps[1].append(m1)
+    finally:
+        model.cuda_graphs = None
+
+    def median(ms: list[dict]) -> dict:
+        return {k: sorted(m[k] for m in ms)[len(ms) // 2] for k in ms[0]}
+
+    return median(steps[0]), median(steps[1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF (default: a random 1.5b-shaped qwen3)")
@@ -178,6 +210,8 @@ def main() -> None:
     # a later turn's prompt is a new prefill shape more often than not: its first steps
     rows["prefill 128 new shape 1"], rows["prefill 128 new shape 2"] = new_shape_cost(
         emu, model, 128)
+    # the engine's start captures the shapes a later turn meets first: its first step replays
+    rows["start: warm-up"], rows["warmed 128 graphs on"] = warm_up_cost(emu, model, 128)
     result = {"model": Path(path).name if args.model else f"random qwen3 1.5b, {n_layers} layers",
               "n_layers": n_layers, "gpu_weights": os.environ["KVSHARE_GPU_WEIGHTS"],
               "rows": rows}
