@@ -282,6 +282,40 @@ def test_warm_up_captures_an_agent_servers_first_steps(fresh_qwen3):
     _assert_same_steps(graph, kv_graph, eager, kv_eager)
 
 
+def test_warm_up_covers_an_agent_turns_steps(fresh_qwen3):
+    """With the server's defaults (4 sequences, 512-token prefill chunks) the warmed shapes are
+    every shape an agent fleet's steps take: a turn's last prompt chunk of 17 to 512 tokens
+    beside 0 to 3 other sessions' decode rows, a long prompt's 512-token middle chunks, and
+    decode batches of 1 to 4 (the shapes only: nothing runs)."""
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+    from kvshare.model.base import make_plan  # noqa: PLC0415
+
+    model = fresh_qwen3
+    cache = model.new_cache(80, 16, kv_dtype="f16")
+    model.cuda_graphs = True
+    try:
+        r = gpu_graphs.runner(model)
+
+        def shape(step):
+            return r.step_shape(step, cache, make_plan(step, 16, model.config))
+
+        warmed = {shape(s) for s in gpu_graphs.warm_up_steps(cache, 4, 512)}
+        table = np.zeros(40, np.int32)
+
+        def chunk(n, pos=600, logits="last"):
+            return SeqChunk(np.zeros(n, np.int32), pos, table, logits=logits)
+
+        steps = [[chunk(1) for _ in range(d)] for d in range(1, 5)]
+        steps += [[chunk(512, 0, "none")], [chunk(512, 0, "none"), chunk(1)]]
+        steps += [[chunk(n, 0)] + [chunk(1) for _ in range(d)]
+                  for n in (17, 31, 32, 33, 64, 65, 100, 191, 200, 256, 450, 510, 512)
+                  for d in range(4)]
+        missing = [(sum(c.n for c in st), len(st)) for st in steps if shape(st) not in warmed]
+    finally:
+        model.cuda_graphs = None
+    assert len(warmed) == 14 and not missing, missing
+
+
 def test_steps_with_many_logit_rows_stay_eager(gpu, monkeypatch):
     """A graph's logits stay in the workspace: a step with more than MAX_LOGIT_ROWS logit rows
     (a prompt's logits row by row) runs eager, never sighted or captured."""
