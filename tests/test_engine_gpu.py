@@ -123,6 +123,6 @@ def test_a_started_engine_captures_the_agent_shapes_before_its_first_request():
         steps = gpu_graphs.warm_up_steps(eng.kv, cfg.parallel, cfg.prefill_chunk)
         shapes = {r.step_shape(s, eng.kv, make_plan(s, eng.kv.block_size, model.config))
                   for s in steps}
-        assert len(shapes) == 7 and shapes <= set(r.graphs) and not r.failures
+        assert len(shapes) == 10 and shapes <= set(r.graphs) and not r.failures
         assert r.replays > 0
     assert got[True] == got[False] and all(len(t) == 6 for t in got[True])

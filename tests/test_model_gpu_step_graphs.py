@@ -233,7 +233,7 @@ def test_a_failed_capture_leaves_its_shape_eager(fresh_qwen3, monkeypatch):
 
 def test_warm_up_captures_an_agent_servers_first_steps(fresh_qwen3):
     """`Model.warm_up` captures the step shapes an agent server meets first, writing no KV;
-    then a turn's prompt chunk (alone, or beside the other sessions' decode rows: the same
+    then a turn's prompt chunk (alone, or beside 1 to 3 other sessions' decode rows: one
     shape, its sequences and logit rows padded to `PREFILL_MIN_SEQS`), decode batches and a
     long prompt's middle chunk all replay those graphs, with no capture and no eager step,
     and compute the eager steps' logits and KV."""
@@ -246,13 +246,14 @@ def test_warm_up_captures_an_agent_servers_first_steps(fresh_qwen3):
     script = [
         [(0, _tokens(40, seed=1), 0, "last")],  # a turn's prompt chunk, alone
         [(0, _tokens(1, seed=2), 40, "last"), (1, _tokens(30, seed=3), 0, "last")],
-        [(0, _tokens(1, seed=4), 41, "last"), (1, _tokens(1, seed=5), 30, "last")],
-        [(0, _tokens(1, seed=6), 42, "last"), (1, _tokens(1, seed=7), 31, "last"),
+        [(1, _tokens(30, seed=21), 30, "last")],  # the second step's tokens, alone
+        [(0, _tokens(1, seed=4), 41, "last"), (1, _tokens(1, seed=5), 60, "last")],
+        [(0, _tokens(1, seed=6), 42, "last"), (1, _tokens(1, seed=7), 61, "last"),
          (2, _tokens(1, seed=8), 0, "last")],
-        # the first step's shape again: a 40-token chunk beside three decode rows
-        [(0, _tokens(1, seed=9), 43, "last"), (1, _tokens(1, seed=10), 32, "last"),
-         (2, _tokens(1, seed=11), 1, "last"), (3, _tokens(40, seed=12), 0, "last")],
-        [(3, _tokens(64, seed=13), 40, "none")],  # a long prompt's middle chunk
+        # the second step's shape again: a 29-token chunk beside three decode rows
+        [(0, _tokens(1, seed=9), 43, "last"), (1, _tokens(1, seed=10), 62, "last"),
+         (2, _tokens(1, seed=11), 1, "last"), (3, _tokens(29, seed=12), 0, "last")],
+        [(3, _tokens(64, seed=13), 29, "none")],  # a long prompt's middle chunk
     ]
 
     def cache():
@@ -273,12 +274,12 @@ def test_warm_up_captures_an_agent_servers_first_steps(fresh_qwen3):
         graph, kv_graph = _run_script(model, script, tables, c)
     finally:
         model.cuda_graphs = None
-    # decode batches 1, 2, 4; last chunks of 32, 64 and 128 tokens (64 + 3 decode rows);
-    # the middle chunk of 64
-    assert n == 7 == r.captures == len(warmed) and not r.failures
+    # decode batches 1, 2, 4; last chunks of 32, 64 and 128 tokens (64 + 3 decode rows),
+    # alone and beside decode rows; the middle chunk of 64
+    assert n == 10 == r.captures == len(warmed) and not r.failures
     assert not any(a.any() for a in kv_warm)  # no KV written
-    assert r.captures == 7 and r.replays == len(script) and set(r.graphs) == warmed
-    assert {(s.seqs, s.rows) for s in warmed if s.prefill} == {(4, 4), (4, 0)}
+    assert r.captures == 10 and r.replays == len(script) and set(r.graphs) == warmed
+    assert {(s.seqs, s.rows) for s in warmed if s.prefill} == {(4, 1), (4, 4), (4, 0)}
     _assert_same_steps(graph, kv_graph, eager, kv_eager)
 
 
@@ -313,7 +314,7 @@ def test_warm_up_covers_an_agent_turns_steps(fresh_qwen3):
         missing = [(sum(c.n for c in st), len(st)) for st in steps if shape(st) not in warmed]
     finally:
         model.cuda_graphs = None
-    assert len(warmed) == 14 and not missing, missing
+    assert len(warmed) == 24 and not missing, missing
 
 
 def test_steps_with_many_logit_rows_stay_eager(gpu, monkeypatch):

@@ -114,20 +114,39 @@ def grouped_only(gaps: list):
     routing call appends its rows' selection gaps to `gaps`."""
     from kvshare.model import moe as model_moe  # noqa: PLC0415
 
-    route, per_expert = moe_routing.route, model_moe.moe_ffn
+    from kvshare.ops import gpu_moe  # noqa: PLC0415
+    from kvshare.ops import gpu_runtime as rt  # noqa: PLC0415
+
+    route, route_dev, per_expert = moe_routing.route, gpu_moe.route_device, model_moe.moe_ffn
 
     def recording(logits, routing, **kw):
         gaps.append(selection_gap(logits, routing, kw.get("selection_bias")))
         return route(logits, routing, **kw)
 
+    def recording_dev(logits, routing, selection_bias=None):
+        sb = None if selection_bias is None else rt.host(selection_bias, np.float32)
+        gaps.append(selection_gap(rt.host(logits, np.float32), routing, sb))
+        return route_dev(logits, routing, selection_bias)
+
     def refused(*a, **kw):
         raise AssertionError("a MoE layer took the per-expert path")
 
-    moe_routing.route, model_moe.moe_ffn = recording, refused
+    moe_routing.route, gpu_moe.route_device, model_moe.moe_ffn = recording, recording_dev, refused
     try:
         yield
     finally:
-        moe_routing.route, model_moe.moe_ffn = route, per_expert
+        moe_routing.route, gpu_moe.route_device, model_moe.moe_ffn = route, route_dev, per_expert
+
+
+@contextlib.contextmanager
+def eager(m):
+    """The model's steps without CUDA graphs."""
+    old = m.cuda_graphs
+    m.cuda_graphs = False
+    try:
+        yield
+    finally:
+        m.cuda_graphs = old
 
 
 def run(m, tokens, schedule, kv="f16"):
@@ -140,7 +159,8 @@ def run(m, tokens, schedule, kv="f16"):
     n_moe = len(moe_layers(m))
     for size in schedule:
         gaps: list = []
-        with grouped_only(gaps):
+        # eager steps (each layer's routing recorded; a replayed graph routes unseen)
+        with grouped_only(gaps), eager(m):
             lg = m.forward([SeqChunk(tokens[i : i + size], i, table, logits="all",
                                      state_slot=slot)], cache)[0]
         out.append(np.asarray(lg))
@@ -263,9 +283,10 @@ def test_per_expert_path_equals_the_grouped_kernels():
         for f in layers:
             f.stacked_gate_up = f.stacked_down = None
         cache = m.new_cache(2, BS, kv_dtype="f32")
-        per_expert = np.concatenate([np.asarray(m.forward(
-            [SeqChunk(toks[a : a + 4], a, np.arange(1), logits="all")], cache)[0])
-            for a in range(0, 16, 4)])
+        with eager(m):  # (the per-expert loop routes on the host: no graph takes it)
+            per_expert = np.concatenate([np.asarray(m.forward(
+                [SeqChunk(toks[a : a + 4], a, np.arange(1), logits="all")], cache)[0])
+                for a in range(0, 16, 4)])
     finally:
         for f, (gu, d) in zip(layers, stacks):
             f.stacked_gate_up, f.stacked_down = gu, d
@@ -397,3 +418,55 @@ def test_engine_decode_on_the_gpu_equals_the_cpu(name):
     for (_, lp_g, top_g), (_, lp_c, top_c) in zip(gpu, cpu):
         assert lp_g == pytest.approx(lp_c, abs=LOGPROB_TOL)
         assert top_g == pytest.approx(top_c, abs=LOGPROB_TOL)
+
+
+# --- steps as CUDA graphs ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_moe_steps_as_cuda_graphs_equal_eager(mode, monkeypatch):
+    """tiny-qwen3moe's steps as CUDA graphs (each MoE layer routed, its pairs sorted and cut
+    into tiles on the device: nothing comes back to the host mid-step): a prefill chunk, decode
+    rows, a chunk beside a decode row, each shape captured at its first step, then the same
+    steps again (replays): the eager steps' logits and KV, bit for bit on the emulator."""
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+    from kvshare.ops import gpu_moe  # noqa: PLC0415
+
+    monkeypatch.setattr(gpu_graphs, "PREFILL_SIGHTINGS", 1)
+    m = gpu_model("tiny-qwen3moe", mode)
+    assert all(f.graph_ready() for f in moe_layers(m))
+    toks = reference("tiny-qwen3moe")["tokens"]
+    tables = [np.arange(0, 4), np.arange(4, 8)]
+    script = [[(0, 0, 20, "last")], [(0, 20, 1, "last")], [(0, 21, 1, "last"), (1, 0, 9, "last")],
+              [(0, 22, 1, "last"), (1, 9, 1, "last")]]
+
+    def run_script(cache, base):
+        out = []
+        for step in script:
+            chunks = [SeqChunk(toks[base + s * 30 + p : base + s * 30 + p + n], p, tables[s],
+                               logits=lg) for s, p, n, lg in step]
+            out.append([np.asarray(x.get() if hasattr(x, "get") else x)
+                        for x in m.forward(chunks, cache)])
+        kv = [np.asarray(a.get()) for L in m.layers for a in cache.layer_kv(L.attn_index)]
+        return out, kv
+
+    try:
+        m.cuda_graphs = False
+        eager = run_script(m.new_cache(8, BS), 0)
+        m.cuda_graphs = True
+        r = gpu_graphs.runner(m)
+        assert r is not None
+        cache = m.new_cache(8, BS)
+        first = run_script(cache, 0)
+        captured, replays = r.captures, r.replays
+        again = run_script(cache, 0)
+    finally:
+        m.cuda_graphs = None
+    assert not r.failures and captured >= 3 and r.captures == captured
+    assert r.replays - replays == len(script)
+    for got, kv in (first, again):
+        for a, b in zip(got, eager[0]):
+            for x, y in zip(a, b):
+                np.testing.assert_array_equal(x, y)
+        for a, b in zip(kv, eager[1]):
+            np.testing.assert_array_equal(a, b)
+    assert gpu_moe.device_routing(moe_layers(m)[0].routing)

@@ -324,3 +324,103 @@ def test_tiny_gpt_oss_mxfp4_layer():
     for n in (1, 6):
         h = rng.standard_normal((n, gu.k)).astype(np.float32)
         check(h, router, gu, down, gud, list(dn), routing, "swiglu_oai", **kw)
+
+
+# --- routing and planning on the device ----------------------------------------------------------
+
+def _route_case(rng, n, E, ties):
+    logits = rng.standard_normal((n, E)).astype(np.float32)
+    if ties:  # exact ties between experts, the lower one first
+        logits[:, E // 2 :] = logits[:, : E - E // 2]
+    return logits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gating,norm,scale,E,k,sel", [
+    ("softmax", True, 0.0, 8, 2, False), ("softmax", False, 2.5, 160, 8, False),
+    ("sigmoid", True, 1.0, 128, 8, True), ("softmax_weight", False, 0.0, 32, 4, False),
+    ("softmax", True, 0.0, 64, 1, False), ("sigmoid", False, 0.5, 40, 3, True)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_device_routing_equals_the_host_routing(gating, norm, scale, E, k, sel, ties):
+    """`route_device` (moe_route_f32) picks the experts `ops.moe_routing.route` picks, in its
+    slot order (ties: the lower expert), with its weights to float32 rounding of exp."""
+    import cupy as cp
+
+    from kvshare.ops.moe_routing import route
+
+    rng = np.random.default_rng(E * 10 + k)
+    routing = Routing(n_expert=E, k=k, gating=gating, norm=norm, scale=scale)
+    bias = rng.uniform(-0.3, 0.3, E).astype(np.float32) if sel else None
+    for n in (1, 7):
+        logits = _route_case(rng, n, E, ties)
+        ids_h, w_h = route(logits, routing, selection_bias=bias)
+        ids_d, w_d = gpu_moe.route_device(cp.asarray(logits), routing, bias)
+        assert ids_d.dtype == np.int32 and w_d.dtype == np.float32
+        np.testing.assert_array_equal(cp.asnumpy(ids_d), ids_h)
+        np.testing.assert_allclose(cp.asnumpy(w_d), w_h, rtol=3e-6, atol=0)
+
+
+@pytest.mark.gpu
+def test_device_routing_of_non_finite_logits_stays_in_range():
+    """NaN logits (a warm-up step's garbage, a broken model) still give k distinct experts in
+    range: the products never read past the experts."""
+    import cupy as cp
+
+    routing = Routing(n_expert=40, k=4)
+    logits = np.full((3, 40), np.nan, np.float32)
+    logits[1, 5] = np.inf
+    ids, _ = gpu_moe.route_device(cp.asarray(logits), routing)
+    ids = cp.asnumpy(ids)
+    assert ((ids >= 0) & (ids < 40)).all()
+    assert all(len(set(r)) == 4 for r in ids.tolist())
+    with pytest.raises(ValueError, match="at most"):
+        gpu_moe.route_device(cp.zeros((1, 600), np.float32), Routing(n_expert=600, k=2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,E", [(1, 2, 8), (1, 8, 128), (3, 2, 8), (5, 4, 6), (40, 4, 6),
+                                   (17, 8, 64)])
+def test_device_plan_equals_the_host_plan(n, k, E):
+    """`plan_device` (moe_sort_pairs): the host plan's pair order (by expert, token order
+    kept), each expert's run cut into tiles of M = `tile_rows(n)` pairs in expert order, then
+    empty tiles up to `max_tiles`."""
+    import cupy as cp
+
+    rng = np.random.default_rng(n * 1000 + k * 10 + E)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(n)]).astype(np.int32)
+    mt = gpu_moe.tile_rows(n)
+    pairs, tiles, nt = gpu_moe.plan_device(cp.asarray(ids), E, mt)
+    pairs_h, _, _ = gpu_moe.plan(ids, E)
+    np.testing.assert_array_equal(cp.asnumpy(pairs), pairs_h)
+    counts = np.bincount(ids.reshape(-1), minlength=E)
+    assert counts.max() <= mt or mt == gpu_moe.GM_M[-1]
+    want, start = [], 0
+    for e in range(E):
+        for i in range(0, counts[e], mt):
+            want.append([e, start + i, min(mt, counts[e] - i)])
+        start += counts[e]
+    tiles = cp.asnumpy(tiles)
+    assert nt == gpu_moe.max_tiles(n * k, E, mt) >= len(want)
+    assert tiles[: len(want)].tolist() == want and not tiles[len(want) :, 2].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 3, 20])
+def test_a_layer_routed_on_the_device_equals_the_host_routing(n, monkeypatch):
+    """A device router's layer routed on the device (the default: device plan, empty tiles
+    past the last) against the same layer routed on the host ($KVSHARE_GPU_MOE_ROUTING=host)
+    and the float64 oracle."""
+    import cupy as cp
+
+    rng = np.random.default_rng(n)
+    E, d, ff = 12, 64, 64
+    gu, down, gud, dd = make_layer(rng, E, d, ff, Q.Q4_0, Q.Q4_0, Q.Q8_0)
+    h = rng.standard_normal((n, d)).astype(np.float32)
+    router = rng.standard_normal((E, d)).astype(np.float32)
+    routing = Routing(n_expert=E, k=3)
+    y_dev = cp.asnumpy(gpu_moe.moe_ffn(cp.asarray(h), cp.asarray(router), gu, down, routing))
+    monkeypatch.setenv(gpu_moe.ROUTING_ENV, "host")
+    y_host = cp.asnumpy(gpu_moe.moe_ffn(cp.asarray(h), cp.asarray(router), gu, down, routing))
+    ref = moe_ffn_reference(h, router, gud, dd, routing)
+    assert np.abs(y_dev - ref).max() / np.abs(ref).max() <= TOL
+    np.testing.assert_allclose(y_dev, y_host, rtol=0, atol=1e-5 * np.abs(ref).max())

@@ -117,6 +117,24 @@ static inline float __shfl_xor_sync(unsigned, float v, int o) {
     emu_yield_wait(2);
     return r;
 }
+// the other shuffles (any type of up to 8 bytes): every lane posts its value, then reads lane src's
+static unsigned long long emu_warp_slots64[1024];
+template <typename T> static inline T emu_shfl_from(T v, int src) {
+    static_assert(sizeof(T) <= 8, "a shuffled value is at most 8 bytes");
+    int t = threadIdx.x;
+    unsigned long long b = 0;
+    std::memcpy(&b, &v, sizeof(T));
+    emu_warp_slots64[t] = b;
+    emu_yield_wait(2);
+    unsigned long long r = emu_warp_slots64[(t & ~31) | (src & 31)];
+    emu_yield_wait(2);
+    T out;
+    std::memcpy(&out, &r, sizeof(T));
+    return out;
+}
+static inline int __shfl_xor_sync(unsigned, int v, int o) { return emu_shfl_from(v, (threadIdx.x & 31) ^ o); }
+static inline double __shfl_xor_sync(unsigned, double v, int o) { return emu_shfl_from(v, (threadIdx.x & 31) ^ o); }
+template <typename T> static inline T __shfl_sync(unsigned, T v, int src) { return emu_shfl_from(v, src); }
 
 // mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 of one warp (kvs_mma_16816 in
 // kernels/paged_attention_mma.cu, whose comment gives the fragment layout): every lane posts

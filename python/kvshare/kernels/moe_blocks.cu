@@ -4,9 +4,10 @@
 // row_bytes]` raw blocks, decoded by blocks.cu's Bk* formats), and one launch computes one
 // matrix product for every (token, slot) pair of the batch, whatever expert it was routed to.
 //
-// The host sorts the pairs (index t * k + j) by expert into `pairs` and cuts each expert's run
-// into tiles of at most M pairs: tile i is tiles[3 i .. 3 i + 2] = (expert, first position in
-// `pairs`, count); an idle expert has no tile. Grid: (n_tiles, row blocks); a 128-thread CTA
+// The pairs (index t * k + j) are sorted by expert into `pairs` and each expert's run is cut
+// into tiles of at most M pairs (on the host, or on the device: moe_sort_pairs below): tile
+// i is tiles[3 i .. 3 i + 2] = (expert, first position in `pairs`, count); an idle expert has
+// no tile, and a tile of count 0 (past the last) does nothing. Grid: (n_tiles, row blocks); a 128-thread CTA
 // (4 warps) takes one tile and the output rows [R b, R b + R) of row block b, then
 // grid-strides along y. As in bmv_<type>_m<M>, the 4 warps split each row's chunks (warp v
 // takes chunks v * 32 + lane, stepping by 128: an expert has few rows, so a warp walking a
@@ -82,6 +83,7 @@ __device__ __forceinline__ void gm_impl(
     const int e = tiles[3 * blockIdx.x];
     const int p0 = tiles[3 * blockIdx.x + 1];
     const int m = tiles[3 * blockIdx.x + 2];
+    if (m == 0) return;  // a tile past the last (moe_sort_pairs): the whole CTA leaves
     // the tile's activation rows (rows past m point at the first one; their sums are dropped)
     const float* xr[M];
 #pragma unroll
@@ -282,3 +284,157 @@ extern "C" __global__ void gmv_mxfp4_m16(GM_ARGS) { GM(BkMXFP4, 16, 1); }
 extern "C" __global__ void gmvglu_mxfp4_m1(GM_ARGS) { GM(BkMXFP4, 1, 2); }
 extern "C" __global__ void gmvglu_mxfp4_m4(GM_ARGS) { GM(BkMXFP4, 4, 2); }
 extern "C" __global__ void gmvglu_mxfp4_m16(GM_ARGS) { GM(BkMXFP4, 16, 2); }
+
+// ---- routing and the pairs' order on the device ------------------------------------------
+// A step captured as a CUDA graph cannot bring the router's logits back to the host, so the
+// routing (ops.moe_routing.route) and the sort of the pairs by expert (gpu_moe.plan) also run
+// here, into the `pairs` and `tiles` the products above read.
+//
+//   moe_route_f32   ids[t, j], w[t, j] (slot j = the j-th most probable expert) of each token t
+//                   from its router logits, as `route`: probabilities by `gating` (0 softmax:
+//                   exp(x - max) times float32(1 / the float64 sum); 1 sigmoid; 2 the logits,
+//                   softmax of the selected after), plus the selection bias to pick, the k
+//                   largest (ties: the lower expert; NaN ranks as -inf), the unbiased
+//                   probabilities as weights, divided by max(float32(their float64 sum),
+//                   2^-14) when `norm`, times `scale` unless it is 0 or 1. One warp a token;
+//                   lane l holds experts l, l + 32, ... (at most MOE_MAX_EXPERTS).
+//   moe_sort_pairs  pairs = the pair indices t k + j sorted by expert, token order kept, and
+//                   tiles (expert, first position, count <= mt) over each active expert's run,
+//                   in expert order; the tiles past the last, up to max_tiles, get count 0 (the
+//                   products launch max_tiles CTAs, the count is only known on the device, and
+//                   an empty tile returns at once). One CTA.
+
+#define MOE_MAX_EXPERTS 512
+#define MOE_ROUTE_WARPS 4
+#define MOE_SORT_THREADS 256
+
+__device__ __forceinline__ double moe_warp_sum_f64(double v) {
+#pragma unroll
+    for (int o = KVS_WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(KVS_FULL_MASK, v, o);
+    return v;
+}
+
+extern "C" __global__ void moe_route_f32(
+    const float* __restrict__ logits, i64 n, int n_expert, int k, int gating, int norm,
+    float scale, const float* __restrict__ sel, int has_sel, int* __restrict__ ids,
+    float* __restrict__ w)
+{
+    constexpr int PER = MOE_MAX_EXPERTS / KVS_WARP;
+    const float NEG_INF = __int_as_float((int)0xff800000u);
+    const int lane = threadIdx.x & (KVS_WARP - 1);
+    const i64 t = (i64)blockIdx.x * MOE_ROUTE_WARPS + (threadIdx.x >> 5);
+    if (t >= n) return;  // whole warps: every lane of a warp has the same t
+    const float* row = logits + t * n_expert;
+    float p[PER];
+    float mx = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int e = lane + KVS_WARP * j;
+        p[j] = e < n_expert ? row[e] : NEG_INF;
+        mx = fmaxf(mx, p[j]);
+    }
+    if (gating == 0) {
+        mx = kvs_warp_max(mx);
+        double s = 0.0;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int e = lane + KVS_WARP * j;
+            p[j] = e < n_expert ? expf(p[j] - mx) : 0.f;
+            s += (double)p[j];
+        }
+        const float inv = (float)(1.0 / moe_warp_sum_f64(s));
+#pragma unroll
+        for (int j = 0; j < PER; ++j) p[j] *= inv;
+    } else if (gating == 1) {
+#pragma unroll
+        for (int j = 0; j < PER; ++j) p[j] = 1.0f / (1.0f + expf(-p[j]));
+    }
+    // the k largest scores: each round every lane offers its best unchosen expert, the warp
+    // keeps the largest (the lower expert of equal ones), its lane marks it chosen
+    unsigned chosen = 0;
+    int my_id = 0;
+    float my_w = 0.f;
+    for (int r = 0; r < k; ++r) {
+        float bv = NEG_INF;
+        int bi = -1;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int e = lane + KVS_WARP * j;
+            if (e < n_expert && !((chosen >> j) & 1u)) {
+                float v = has_sel ? p[j] + sel[e] : p[j];
+                if (v != v) v = NEG_INF;
+                if (bi < 0 || v > bv) { bv = v; bi = e; }
+            }
+        }
+#pragma unroll
+        for (int o = KVS_WARP / 2; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(KVS_FULL_MASK, bv, o);
+            const int oi = __shfl_xor_sync(KVS_FULL_MASK, bi, o);
+            if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+        }
+        float pv = 0.f;  // the owner lane's probability of bi (a uniform j: no divergence)
+#pragma unroll
+        for (int j = 0; j < PER; ++j) if (j == (bi >> 5)) pv = p[j];
+        pv = __shfl_sync(KVS_FULL_MASK, pv, bi & (KVS_WARP - 1));
+        if ((bi & (KVS_WARP - 1)) == lane) chosen |= 1u << (bi >> 5);
+        if (lane == r) { my_id = bi; my_w = pv; }
+    }
+    const bool mine = lane < k;
+    if (gating == 2) {  // softmax of the selected logits
+        const float m2 = kvs_warp_max(mine ? my_w : NEG_INF);
+        my_w = mine ? expf(my_w - m2) : 0.f;
+        const float inv = (float)(1.0 / moe_warp_sum_f64((double)my_w));
+        my_w *= inv;
+    }
+    if (norm) {
+        float s = (float)moe_warp_sum_f64(mine ? (double)my_w : 0.0);
+        s = fmaxf(s, 6.103515625e-5f);
+        my_w = my_w / s;
+    }
+    if (scale != 0.f && scale != 1.f) my_w *= scale;
+    if (mine) {
+        ids[t * k + lane] = my_id;
+        w[t * k + lane] = my_w;
+    }
+}
+
+extern "C" __global__ void moe_sort_pairs(
+    const int* __restrict__ ids, int n_pairs, int n_expert, int mt, int max_tiles,
+    int* __restrict__ pairs, int* __restrict__ tiles)
+{
+    __shared__ int count[MOE_MAX_EXPERTS];
+    __shared__ int start[MOE_MAX_EXPERTS];
+    __shared__ int tile0[MOE_MAX_EXPERTS + 1];
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) count[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) atomicAdd(&count[ids[p]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int s = 0, nt = 0;
+        for (int e = 0; e < n_expert; ++e) {
+            start[e] = s;
+            tile0[e] = nt;
+            s += count[e];
+            nt += (count[e] + mt - 1) / mt;
+        }
+        tile0[n_expert] = nt;
+    }
+    __syncthreads();
+    // one thread an expert: its pairs in token order, then its tiles
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+        int c = start[e];
+        for (int p = 0; p < n_pairs; ++p)
+            if (ids[p] == e) pairs[c++] = p;
+        for (int i = 0; i * mt < count[e]; ++i) {
+            int* tl = tiles + 3 * (tile0[e] + i);
+            tl[0] = e;
+            tl[1] = start[e] + i * mt;
+            tl[2] = min(mt, count[e] - i * mt);
+        }
+    }
+    for (int i = tile0[n_expert] + threadIdx.x; i < max_tiles; i += blockDim.x) {
+        tiles[3 * i] = 0;
+        tiles[3 * i + 1] = 0;
+        tiles[3 * i + 2] = 0;
+    }
+}

@@ -360,8 +360,9 @@ class DecoderModel(Model):
                      "_attention_rows", "_logits"):
             if getattr(cls, name) is not getattr(DecoderModel, name):
                 return False
-        return all(type(L) is AttentionLayer and L.moe is None and L.sinks is None
-                   for L in self.layers)
+        # (AttentionLayer's subclasses only type its fields: gpt-oss's, qwen3moe's)
+        return all(isinstance(L, AttentionLayer) and L.sinks is None
+                   and (L.moe is None or L.moe.graph_ready()) for L in self.layers)
 
     def fed_steps_apply(self) -> bool:
         return self.backend.is_gpu and gpu_graphs.runner(self) is not None

@@ -17,7 +17,7 @@ decode rows and prefill tiles, f32, f16 and q8_0 pools) on the CPU, and the GPU 
 attention (kernels/paged_attention.cu: the sink joins the merged denominator in
 `paged_attn_combine`) on a GPU, where the experts take the grouped kernels
 (`ops.gpu_moe`, MXFP4 blocks or f16 by `KVSHARE_GPU_WEIGHTS`). Decode steps stay eager on a
-GPU (`model.gpu_graphs` captures only layers without experts or sinks).
+GPU (`model.gpu_graphs` captures no layer with attention sinks).
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ CUDA graph replays all of a step's launches with one call.
 How (`StepGraphs`):
 - A step is captured per `StepShape`: its token rows, sequences and logit rows each padded
   to a bucket (powers of two up to 64, then multiples of 64: `bucket_of`; a step with a
-  prefill chunk pads its sequences and logit rows to at least `PREFILL_MIN_SEQS`, so that a
-  turn's prompt chunk is one shape however many decode rows run beside it), whether the
+  prefill chunk pads its sequences, and its kept logit rows where more than one, to at
+  least `PREFILL_MIN_SEQS`, so that a turn's prompt chunk is one of two shapes, alone or
+  beside 1 to 3 decode rows), whether the
   last layer keeps only the rows whose logits are wanted (`gather`), and whether attention
   runs on the tensor-core kernels (`mma`, decided as the eager step decides it). Padding
   token rows are copies of row 0 that write no KV (slot -1); padding sequences and logit
@@ -44,8 +45,9 @@ How (`StepGraphs`):
   (after a larger workspace, at once: the shapes' needs are known).
 - A server captures the shapes it meets first before its first request (`warm_up`, the
   steps of `warm_up_steps`: decode batches up to its `--parallel`, a turn's last prompt
-  chunk of 32 tokens and every multiple of 64 up to its prefill chunk beside decode rows,
-  a long prompt's middle chunk), so an agent's next turn replays a graph from the start.
+  chunk of 32 tokens and every multiple of 64 up to its prefill chunk, alone and beside
+  decode rows, a long prompt's middle chunk), so an agent's next turn replays a graph from
+  the start.
   Each shape's measuring run writes no KV (slots -1) and reads only block 0.
 - The step calls the model's own `_project_qkv` and `_output_and_mlp` and the same GPU ops
   as `DecoderModel.forward`, in the same order, and its attention tiles are the eager
@@ -57,8 +59,8 @@ How (`StepGraphs`):
 Where graphs do not apply the step stays eager: more than `MAX_TOKENS` tokens or
 `MAX_LOGIT_ROWS` logit rows, a block table longer than `width`, a step whose attention needs
 more splits than its shape's grid has, models whose layers are not all plain attention layers
-(MoE layers route on the host; hybrid recurrent layers; attention sinks), and architectures
-that override the layer methods.
+(hybrid recurrent layers; attention sinks; MoE layers that route on the host or have a
+shared expert: `MoeFFN.graph_ready`), and architectures that override the layer methods.
 `KVSHARE_CUDA_GRAPHS=0` (`kvshare serve --no-cuda-graphs`), or `model.cuda_graphs = False`,
 turns graphs off; `KVSHARE_CUDA_GRAPHS_PREFILL=0` keeps them to decode steps (every chunk
 one token).
@@ -86,11 +88,12 @@ FINE_FROM = 64  # buckets are powers of two up to here, then multiples of it
 # a shape with a prefill chunk is captured at its second step (the first runs eager); a
 # decode shape at its first
 PREFILL_SIGHTINGS = 2
-# a step with a prefill chunk pads its sequences and its kept logit rows to at least this
-# many: an agent's next turn is one prefill chunk beside the other sessions' decode rows, and
-# without the floor each count of those rows would be a shape of its own, captured again.
-# Padding sequences and logit rows cost the device next to nothing (no tiles of their own;
-# a few one-token attention rows and logit rows, read with the same weights).
+# a step with a prefill chunk pads its sequences, and its kept logit rows where more than
+# one, to at least this many: an agent's next turn is one prefill chunk beside the other
+# sessions' decode rows, and without the floor each count of those rows would be a shape of
+# its own, captured again. Padding sequences and logit rows cost the device next to nothing
+# (no tiles of their own; a few one-token attention rows and logit rows, read with the same
+# weights). A single kept row stays one (`step_shape`).
 PREFILL_MIN_SEQS = 4
 
 
@@ -303,9 +306,11 @@ class StepGraphs:
             mma = gpu.mma_fits(kc, vc, self.model.config.head_dim)
         t = bucket_of(n_tok)
         least = PREFILL_MIN_SEQS if prefill else 1
-        shape = StepShape(t, max(bucket_of(len(chunks)), least),
-                          max(bucket_of(n_rows), least) if gather else (t if n_rows else 0),
-                          gather, mma, prefill)
+        # one kept row stays one: the mat-vec kernels order a row's sums by how many rows
+        # they take (1, 4 or 16), and the eager step takes one
+        rows = (1 if n_rows == 1 else max(bucket_of(n_rows), least)) if gather else (
+            t if n_rows else 0)
+        shape = StepShape(t, max(bucket_of(len(chunks)), least), rows, gather, mma, prefill)
         return None if shape in self.failures else shape
 
     # -- the step --------------------------------------------------------------------------
@@ -653,11 +658,11 @@ class StepGraphs:
 
 def warm_up_steps(cache: Any, parallel: int, prefill_chunk: int) -> list[list[SeqChunk]]:
     """The steps an agent server meets first, one per shape: decode steps of every batch
-    bucket up to `parallel`; a prompt's last chunk (its logits wanted, other sessions'
-    decode rows beside it) of 32 tokens and of every `FINE_FROM` multiple up to
-    `prefill_chunk` and `prefill_chunk` plus those decode rows; a long prompt's middle
-    chunk (`prefill_chunk` tokens, no logits). Token 0 at positions from 0, every table
-    naming block 0 (only read: `StepGraphs.warm_up` writes no KV)."""
+    bucket up to `parallel`; a prompt's last chunk (its logits wanted), alone and beside
+    another session's decode row, of 32 tokens and of every `FINE_FROM` multiple up to
+    `prefill_chunk` plus `parallel - 1` decode rows; a long prompt's middle chunk
+    (`prefill_chunk` tokens, no logits). Token 0 at positions from 0, every table naming
+    block 0 (only read: `StepGraphs.warm_up` writes no KV)."""
     bs = cache.block_size
     win = cache.split
 
@@ -673,7 +678,9 @@ def warm_up_steps(cache: Any, parallel: int, prefill_chunk: int) -> list[list[Se
         b = bucket_of(b + 1)
     top = min(prefill_chunk + max(parallel - 1, 0), MAX_TOKENS)
     sizes = sorted({32, *range(FINE_FROM, top + 1, FINE_FROM), bucket_of(top)})
-    steps += [[chunk(t, "last")] for t in sizes if 1 < t <= MAX_TOKENS]
+    for t in sizes:
+        if 2 < t <= MAX_TOKENS:
+            steps += [[chunk(t, "last")], [chunk(t - 1, "last"), chunk(1, "last")]]
     if 1 < prefill_chunk <= MAX_TOKENS:
         steps.append([chunk(prefill_chunk, "none")])
     return steps

@@ -141,6 +141,23 @@ class MoeFFN:
             y += s
         return y
 
+    def graph_ready(self) -> bool:
+        """Whether a step of this layer can be a CUDA graph (`model.gpu_graphs`): the grouped
+        GPU kernels with the router on the device and routed there (`gpu_moe.device_routing`),
+        and no shared expert (its gate is CuPy arithmetic outside the step's workspace)."""
+        if not getattr(self.backend, "is_gpu", False) or self.shared_gate_up is not None:
+            return False
+        if not (getattr(self.stacked_gate_up, "on_gpu", False)
+                and getattr(self.stacked_down, "on_gpu", False)
+                and self.activation in GROUPED_ACTIVATIONS):
+            return False
+        from kvshare.ops import gpu_moe  # noqa: PLC0415
+        from kvshare.ops import gpu_runtime as rt  # noqa: PLC0415
+
+        if isinstance(self.router, np.ndarray) and not rt.is_device(self.router):
+            return False  # a host router: its logits are computed on the host
+        return gpu_moe.device_routing(self.routing)
+
     @property
     def n_ff_exp(self) -> int:
         return int(self.down[0].shape[1]) if self.down else int(self.stacked_down.k)

@@ -9,11 +9,16 @@ and nothing is dequantized.
 
 `moe_ffn(h, router, gate_up, down, routing, ...)` runs a layer's experts for a batch:
 
-1. routing on the host: the router's logits `[N, n_expert]` are copied back and `ops.moe.route`
-   picks the experts and weights, exactly as on the CPU (a host router is applied on the host);
-2. the (token, slot) pairs sorted by expert and cut into tiles of at most M pairs (M = 1, 4
-   or 16, the smallest that holds the busiest expert's pairs, up to 16), uploaded with the
-   routing weights (three small arrays);
+1. routing on the device (`route_device`, kernel `moe_route_f32`: `ops.moe_routing.route`'s
+   arithmetic, one warp a token), nothing copied back, so a step with MoE layers can be a
+   CUDA graph; a host router (or `KVSHARE_GPU_MOE_ROUTING=host`) routes on the host: the
+   router's logits `[N, n_expert]` are copied back and `route` picks the experts and weights,
+   exactly as on the CPU;
+2. the (token, slot) pairs sorted by expert and cut into tiles of at most M pairs: on the
+   device (`plan_device`, kernel `moe_sort_pairs`; M = 1, 4 or 16, the smallest that holds N
+   tokens' pairs of one expert, and `max_tiles` CTAs, the tiles past the last empty), or on
+   the host after a host routing (`plan`: M the smallest that holds the busiest expert's
+   pairs, uploaded with the routing weights);
 3. gate|up and the gated activation in one launch, `gmvglu_<type>_m<M>`, when gate and up
    have one type; otherwise one `gmv_<type>_m<M>` per part into `[pairs, 2 n_ff]` and
    `moe_glu_f32`;
@@ -21,7 +26,8 @@ and nothing is dequantized.
    (`gmv_<type>_m<M>`) into `[pairs, n_embd]`;
 5. `moe_combine_f32`: each token's k slots added in slot order -> `[N, n_embd]`.
 
-So a layer is 3 launches (4 with mixed gate/up types) for any number of active experts,
+So a layer is 3 launches (4 with mixed gate/up types) plus the two routing kernels for any
+number of active experts,
 where the per-expert path (`ops.moe.moe_ffn` on dense device experts) makes ~3 per active
 expert plus gathers. Numerics: float32 accumulation in the kernels' order, the activations of
 activation.cu (`silu`, `gelu_tanh`) and gpt-oss's `swiglu_oai` in float32.
@@ -55,8 +61,25 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
 ENTRY_POINTS: tuple[str, ...] = (
     *(f"{kind}_{tag}_m{m}" for tag, _, _ in EXPERT_TYPES.values()
       for kind in ("gmv", "gmvglu") for m in GM_M),
-    "moe_glu_f32", "moe_combine_f32")
+    "moe_glu_f32", "moe_combine_f32", "moe_route_f32", "moe_sort_pairs")
 rt.declare_entry_points("moe_blocks", ENTRY_POINTS)
+# the device routing's limits (moe_blocks.cu MOE_MAX_EXPERTS; a lane keeps one slot of k)
+MAX_EXPERTS = 512
+MAX_K = 32
+ROUTE_WARPS = 4  # tokens per CTA of moe_route_f32 (MOE_ROUTE_WARPS)
+SORT_THREADS = 256  # moe_sort_pairs' one CTA (MOE_SORT_THREADS)
+GATING_CODES = {"softmax": 0, "sigmoid": 1, "softmax_weight": 2}
+ROUTING_ENV = "KVSHARE_GPU_MOE_ROUTING"
+
+
+def device_routing(routing: Any) -> bool:
+    """Whether a layer with this `Routing` routes on the device: within the kernels' limits
+    and not turned off ($KVSHARE_GPU_MOE_ROUTING=host)."""
+    import os  # noqa: PLC0415
+
+    if os.environ.get(ROUTING_ENV, "device").strip().lower() == "host":
+        return False
+    return routing.n_expert <= MAX_EXPERTS and routing.k <= MAX_K
 
 
 def supports(qtypes: Sequence[int], k: int) -> bool:
@@ -186,14 +209,78 @@ def plan(ids: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.ndarray, int]:
     return pairs, tiles, mt
 
 
+def tile_rows(n: int) -> int:
+    """M of a device plan for N tokens: the smallest of `GM_M` that holds one expert's pairs
+    of N tokens (a token picks an expert once), at most the largest."""
+    return next((v for v in GM_M if v >= n), GM_M[-1])
+
+
+def max_tiles(n_pairs: int, n_expert: int, mt: int) -> int:
+    """The most tiles of at most `mt` pairs the pairs of `n_expert` experts can need: each
+    active expert's run is cut alone, so at most ceil(pairs / mt) plus one per active expert
+    (and never more than the pairs)."""
+    return max(1, min(n_pairs, -(-n_pairs // mt) + min(n_expert, n_pairs)))
+
+
+def route_device(logits: Any, routing: Any, selection_bias: Any = None) -> tuple[Any, Any]:
+    """`ops.moe_routing.route` on the device: `(ids int32 [N, k], weights f32 [N, k])` device
+    arrays for device f32 router logits `[N, n_expert]` (`selection_bias`: `[n_expert]`, host
+    or device)."""
+    if not (routing.n_expert <= MAX_EXPERTS and routing.k <= MAX_K):
+        raise ValueError(f"device routing takes at most {MAX_EXPERTS} experts and {MAX_K} per "
+                         f"token, not {routing.n_expert} and {routing.k}")
+    logits = rt.as_rows(logits)
+    n = int(logits.shape[0])
+    if tuple(logits.shape) != (n, routing.n_expert):
+        raise ValueError(f"router logits must be [N, {routing.n_expert}], got "
+                         f"{tuple(logits.shape)}")
+    if logits.dtype != np.float32 or not logits.flags.c_contiguous:
+        c = rt.empty(logits.shape, np.float32)
+        c[...] = logits
+        logits = c
+    ids = rt.empty((n, routing.k), np.int32)
+    w = rt.empty((n, routing.k), np.float32)
+    if n == 0:
+        return ids, w
+    sel = None
+    if selection_bias is not None:
+        sel = (selection_bias if rt.is_device(selection_bias)
+               else rt.upload(selection_bias, np.float32)).reshape(-1)
+        if sel.dtype != np.float32 or sel.size != routing.n_expert:
+            raise ValueError(f"selection bias must be {routing.n_expert} float32 values")
+    rt.kernel("moe_blocks", "moe_route_f32")(
+        (-(-n // ROUTE_WARPS), 1, 1), (32 * ROUTE_WARPS, 1, 1),
+        (logits, np.int64(n), np.int32(routing.n_expert), np.int32(routing.k),
+         np.int32(GATING_CODES[routing.gating]), np.int32(bool(routing.norm)),
+         np.float32(routing.scale), sel if sel is not None else logits,
+         np.int32(sel is not None), ids, w))
+    return ids, w
+
+
+def plan_device(ids: Any, n_expert: int, mt: int) -> tuple[Any, Any, int]:
+    """`plan` on the device for device int32 expert ids `[N, k]`: `(pairs, tiles, n_tiles)`
+    with `n_tiles = max_tiles(...)` rows of tiles, the ones past the last of count 0."""
+    if n_expert > MAX_EXPERTS:
+        raise ValueError(f"the device plan takes at most {MAX_EXPERTS} experts")
+    n_pairs = int(ids.size)
+    nt = max_tiles(n_pairs, n_expert, mt)
+    pairs = rt.empty((max(n_pairs, 1),), np.int32)
+    tiles = rt.empty((nt, 3), np.int32)
+    rt.kernel("moe_blocks", "moe_sort_pairs")(
+        (1, 1, 1), (SORT_THREADS, 1, 1),
+        (ids, np.int32(n_pairs), np.int32(n_expert), np.int32(mt), np.int32(nt), pairs, tiles))
+    return pairs, tiles, nt
+
+
 def _aligned_rows(x: Any) -> Any:
     """x (float32 rows, unit column stride) itself when its rows can be read as float4, else
     an aligned contiguous copy."""
-    cp = cupy_module()
     if (x.data.ptr % 16 == 0 and (x.shape[0] <= 1 or x.strides[0] % 16 == 0)
             and (x.shape[1] <= 1 or x.strides[1] == 4)):
         return x
-    return cp.array(x, dtype=np.float32)
+    c = rt.empty(x.shape, np.float32)
+    c[...] = x
+    return c
 
 
 def _bias_view(b: Any, expect: tuple[int, int]) -> Any:
@@ -216,14 +303,15 @@ def experts(h: Any, ids: np.ndarray, weights: np.ndarray, gate_up: GpuStackedExp
             down: GpuStackedExperts, activation: str = "silu", *, gate_up_bias: Any = None,
             down_bias: Any = None) -> Any:
     """The experts' weighted output `[N, n_embd]` (float32, on the device) for device rows
-    `h [N, n_embd]` routed to host `ids [N, k]` with host `weights [N, k]`."""
-    cp = cupy_module()
+    `h [N, n_embd]` routed to `ids [N, k]` with `weights [N, k]`: host arrays (a host plan,
+    uploaded), or device int32 / float32 arrays (`route_device`: a device plan)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"the grouped GPU kernels have no activation {activation!r}")
     act = np.int32(ACTIVATIONS[activation])
     h = _aligned_rows(rt.as_rows(h))
     n, d_in = (int(s) for s in h.shape)
-    ids = np.asarray(ids).reshape(n, -1)
+    on_device = rt.is_device(ids)
+    ids = ids.reshape(n, -1) if on_device else np.asarray(ids).reshape(n, -1)
     kk = int(ids.shape[1])
     n_expert = gate_up.n_expert
     ff = gate_up.rows // 2
@@ -231,17 +319,23 @@ def experts(h: Any, ids: np.ndarray, weights: np.ndarray, gate_up: GpuStackedExp
         raise ValueError(f"experts gate|up {gate_up} and down {down} do not fit rows of "
                          f"{d_in} values")
     d_out = down.rows
-    out = cp.empty((n, d_out), np.float32)
+    out = rt.empty((n, d_out), np.float32)
     if n == 0 or d_out == 0:
         return out
-    pairs_h, tiles_h, mt = plan(ids, n_expert)
-    n_pairs, n_tiles = n * kk, int(tiles_h.shape[0])
-    pairs, tiles = rt.upload(pairs_h, np.int32), rt.upload(tiles_h, np.int32)
-    pw = cp.asarray(np.ascontiguousarray(weights, np.float32).reshape(-1))
+    n_pairs = n * kk
+    if on_device:
+        mt = tile_rows(n)
+        pairs, tiles, n_tiles = plan_device(ids, n_expert, mt)
+        pw = weights.reshape(-1)
+    else:
+        pairs_h, tiles_h, mt = plan(ids, n_expert)
+        n_tiles = int(tiles_h.shape[0])
+        pairs, tiles = rt.upload(pairs_h, np.int32), rt.upload(tiles_h, np.int32)
+        pw = rt.upload(np.ascontiguousarray(weights, np.float32).reshape(-1), np.float32)
     gub = _bias_view(gate_up_bias, (n_expert, 2 * ff))
     db = _bias_view(down_bias, (n_expert, d_out))
     i32, i64 = np.int32, np.int64
-    a = cp.empty((n_pairs, ff), np.float32)
+    a = rt.empty((n_pairs, ff), np.float32)
     gp = gate_up.parts
     if len(gp) == 1 or (len(gp) == 2 and gp[0][1] == gp[1][1] and gp[0][2] == gp[1][2] == ff):
         # one type: gate rows and up rows from one part (fused tensor: rows [0, ff) and
@@ -255,7 +349,7 @@ def experts(h: Any, ids: np.ndarray, weights: np.ndarray, gate_up: GpuStackedExp
             h, i64(rt.estrides(h)[0]), i32(kk), pairs, tiles, a, i64(ff), i64(0),
             b0, b1, i64(2 * ff), i32(gub is not None), a, i32(0), act))
     else:
-        gu = cp.empty((n_pairs, 2 * ff), np.float32)
+        gu = rt.empty((n_pairs, 2 * ff), np.float32)
         col = 0
         for w, q, r in gp:
             b = gub[:, col:] if gub is not None else gu
@@ -268,7 +362,7 @@ def experts(h: Any, ids: np.ndarray, weights: np.ndarray, gate_up: GpuStackedExp
         rt.kernel("moe_blocks", "moe_glu_f32")(
             rt.grid(n_pairs * ff), (ELEMWISE_THREADS, 1, 1),
             (gu, a, i64(n_pairs), i64(ff), act))
-    y = cp.empty((n_pairs, d_out), np.float32)
+    y = rt.empty((n_pairs, d_out), np.float32)
     col = 0
     for w, q, r in down.parts:
         b = db[:, col:] if db is not None else y
@@ -293,7 +387,12 @@ def moe_ffn(h: Any, router: Any, gate_up: GpuStackedExperts, down: GpuStackedExp
     from kvshare.ops.moe_routing import route  # noqa: PLC0415
 
     h = rt.as_rows(h)
-    if rt.is_device(router) or not isinstance(router, np.ndarray):
+    device_router = rt.is_device(router) or not isinstance(router, np.ndarray)
+    if device_router and device_routing(routing):
+        ids, w = route_device(gpu.linear(h, router, router_bias), routing, selection_bias)
+        return experts(h, ids, w, gate_up, down, activation, gate_up_bias=gate_up_bias,
+                       down_bias=down_bias)
+    if device_router:
         logits = rt.host(gpu.linear(h, router, router_bias), np.float32)
     else:
         logits = np.asarray(rt.host(h, np.float32) @ router.T, np.float32)

@@ -175,8 +175,9 @@ OPTIONS: list[Option] = [
      "device when one is usable, else on the CPU; kvshare puts every layer on one device "
      "(--device, when given, wins)"),
     ("--cuda-graphs", TOGGLE, True,
-     "with --device cuda: steps of dense models of up to 1,024 tokens (decode, prefill, "
-     "mixed) replayed as CUDA graphs (--no-cuda-graphs: every step launched op by op)"),
+     "with --device cuda: steps of up to 1,024 tokens (decode, prefill, mixed) of "
+     "attention models, dense or MoE, replayed as CUDA graphs, the common shapes captured at "
+     "start (--no-cuda-graphs: every step launched op by op)"),
     ("--flash-attn", flag_types.flash_attn, "auto",
      "accepted: on, off or auto; kvshare's attention is always tiled (flash-style)"),
     ("--backend-sampling", None, False,
