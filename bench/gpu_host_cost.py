@@ -207,11 +207,13 @@ def main() -> None:
         for n in (128, 1024):
             rows[f"prefill {n} graphs {'on' if graphs else 'off'}"] = prefill_cost(
                 emu, model, n, graphs)
-    # a later turn's prompt is a new prefill shape more often than not: its first steps
-    rows["prefill 128 new shape 1"], rows["prefill 128 new shape 2"] = new_shape_cost(
-        emu, model, 128)
-    # the engine's start captures the shapes a later turn meets first: its first step replays
-    rows["start: warm-up"], rows["warmed 128 graphs on"] = warm_up_cost(emu, model, 128)
+    if model.step_graphs_apply():  # (a model whose steps stay eager has no such rows)
+        # a later turn's prompt is a new prefill shape more often than not: its first steps
+        rows["prefill 128 new shape 1"], rows["prefill 128 new shape 2"] = new_shape_cost(
+            emu, model, 128)
+        # the engine's start captures the shapes a later turn meets first: its first step
+        # replays
+        rows["start: warm-up"], rows["warmed 128 graphs on"] = warm_up_cost(emu, model, 128)
     result = {"model": Path(path).name if args.model else f"random qwen3 1.5b, {n_layers} layers",
               "n_layers": n_layers, "gpu_weights": os.environ["KVSHARE_GPU_WEIGHTS"],
               "rows": rows}
