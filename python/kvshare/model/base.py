@@ -375,7 +375,9 @@ class DecoderModel(Model):
         graphs = gpu_graphs.runner(self) if self.backend.is_gpu else None
         if graphs is None:
             return 0
-        return graphs.warm_up(cache, gpu_graphs.warm_up_steps(cache, parallel, prefill_chunk))
+        steps = gpu_graphs.warm_up_steps(cache, parallel, prefill_chunk)
+        return graphs.warm_up(cache, [(s, make_plan(s, cache.block_size, self.config))
+                                      for s in steps])
 
     def forward_fed(self, chunks: Sequence[SeqChunk], cache: KVArrays, token_feed: Any
                     ) -> list[Any] | None:

@@ -618,20 +618,18 @@ class StepGraphs:
         return entry
 
     # -- before the first request ------------------------------------------------------------
-    def warm_up(self, cache: Any, steps: Sequence[Sequence[SeqChunk]]) -> int:
+    def warm_up(self, cache: Any, steps: Sequence[tuple[Sequence[SeqChunk], Any]]) -> int:
         """Capture the graphs of these steps' shapes now (a server's start: an agent's turn
         then replays a graph instead of paying the host an eager step and a capture). Each
         shape runs once eagerly to measure its workspace, then all are captured (the
         workspace sized for the largest first, so no capture is dropped by a later one's
-        growth). The steps write no KV (their slots are -1) and their logits are dropped;
-        the blocks their tables name are only read. Returns the shapes captured."""
-        from kvshare.model.base import make_plan  # noqa: PLC0415
-
+        growth). `steps`: each step's chunks and `base.BatchPlan`. The steps write no KV
+        (their slots are -1) and their logits are dropped; the blocks their tables name are
+        only read. Returns the shapes captured."""
         self._check_cache(cache)
         launches = self._launches(cache)
         todo: list[StepShape] = []
-        for chunks in steps:
-            plan = make_plan(chunks, cache.block_size, self.model.config)
+        for chunks, plan in steps:
             shape = self.step_shape(chunks, cache, plan)
             if shape is None or shape in self.graphs or shape in todo:
                 continue
