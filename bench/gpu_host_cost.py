@@ -110,6 +110,11 @@ def prefill_cost(emu, model, n: int, graphs: bool, reps: int = 5) -> dict:
         model.cuda_graphs = None
 
 
+def _median(ms: list[dict]) -> dict:
+    """Per key, the median of the runs' figures."""
+    return {k: sorted(m[k] for m in ms)[len(ms) // 2] for k in ms[0]}
+
+
 def new_shape_cost(emu, model, n: int, reps: int = 5) -> tuple[dict, dict]:
     """A prefill shape's first two steps, graphs on: the first runs eager on the shape's
     inputs (measuring its workspace), the second is captured and replayed. Each run is on a
@@ -138,10 +143,7 @@ def new_shape_cost(emu, model, n: int, reps: int = 5) -> tuple[dict, dict]:
     finally:
         model.cuda_graphs = None
 
-    def median(ms: list[dict]) -> dict:
-        return {k: sorted(m[k] for m in ms)[len(ms) // 2] for k in ms[0]}
-
-    return median(steps[0]), median(steps[1])
+    return _median(steps[0]), _median(steps[1])
 
 
 def warm_up_cost(emu, model, n: int, reps: int = 3) -> tuple[dict, dict]:
@@ -169,10 +171,7 @@ def warm_up_cost(emu, model, n: int, reps: int = 3) -> tuple[dict, dict]:
     finally:
         model.cuda_graphs = None
 
-    def median(ms: list[dict]) -> dict:
-        return {k: sorted(m[k] for m in ms)[len(ms) // 2] for k in ms[0]}
-
-    return median(steps[0]), median(steps[1])
+    return _median(steps[0]), _median(steps[1])
 
 
 def main() -> None:

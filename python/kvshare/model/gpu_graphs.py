@@ -334,10 +334,7 @@ class StepGraphs:
             self.sightings[shape] += 1
         self._check_cache(cache)
         launches = self._launches(cache)
-        inp = self.inputs.get(shape)
-        if inp is None:
-            inp = self.inputs[shape] = StepInputs(shape, self._width(cache), cache.split,
-                                                  len(launches))
+        inp = self._inputs(shape, cache, launches)
         if not self._stage(shape, chunks, cache, plan, inp, launches):
             return None
         n_tok = len(plan.tokens)
@@ -357,6 +354,15 @@ class StepGraphs:
                 self.replays += 1
                 logits = entry.logits
         return self._split_logits(logits, chunks, len(plan.logit_rows))
+
+    def _inputs(self, shape: StepShape, cache: Any, launches: list[tuple[int, int]]
+                ) -> StepInputs:
+        """The shape's `StepInputs` (made at its first step)."""
+        inp = self.inputs.get(shape)
+        if inp is None:
+            inp = self.inputs[shape] = StepInputs(shape, self._width(cache), cache.split,
+                                                  len(launches))
+        return inp
 
     def _stage(self, shape: StepShape, chunks: Sequence[SeqChunk], cache: Any, plan: Any,
                inp: StepInputs, launches: list[tuple[int, int]]) -> bool:
@@ -633,10 +639,7 @@ class StepGraphs:
             shape = self.step_shape(chunks, cache, plan)
             if shape is None or shape in self.graphs or shape in todo:
                 continue
-            inp = self.inputs.get(shape)
-            if inp is None:
-                inp = self.inputs[shape] = StepInputs(shape, self._width(cache), cache.split,
-                                                      len(launches))
+            inp = self._inputs(shape, cache, launches)
             if not self._stage(shape, chunks, cache, plan, inp, launches):
                 continue
             for g in (0, 1) if cache.split else (0,):

@@ -120,9 +120,7 @@ class MoeFFN:
         from kvshare.ops.linear import linear  # noqa: PLC0415
 
         be = self.backend
-        grouped = (self.stacked_gate_up is not None and self.stacked_down is not None
-                   and self.activation in GROUPED_ACTIVATIONS)
-        if grouped:
+        if self._grouped():
             y = moe_ffn_grouped(h, self.router, self.stacked_gate_up, self.stacked_down,
                                 self.routing, self.activation, router_bias=self.router_bias,
                                 selection_bias=self.selection_bias,
@@ -141,22 +139,23 @@ class MoeFFN:
             y += s
         return y
 
+    def _grouped(self) -> bool:
+        """Whether `__call__` takes the grouped kernels (`moe_ffn_grouped`)."""
+        return (self.stacked_gate_up is not None and self.stacked_down is not None
+                and self.activation in GROUPED_ACTIVATIONS)
+
     def graph_ready(self) -> bool:
         """Whether a step of this layer can be a CUDA graph (`model.gpu_graphs`): the grouped
         GPU kernels with the router on the device and routed there (`gpu_moe.device_routing`),
         and no shared expert (its gate is CuPy arithmetic outside the step's workspace)."""
         if not getattr(self.backend, "is_gpu", False) or self.shared_gate_up is not None:
             return False
-        if not (getattr(self.stacked_gate_up, "on_gpu", False)
-                and getattr(self.stacked_down, "on_gpu", False)
-                and self.activation in GROUPED_ACTIVATIONS):
+        if not (self._grouped() and getattr(self.stacked_gate_up, "on_gpu", False)
+                and getattr(self.stacked_down, "on_gpu", False)):
             return False
         from kvshare.ops import gpu_moe  # noqa: PLC0415
-        from kvshare.ops import gpu_runtime as rt  # noqa: PLC0415
 
-        if isinstance(self.router, np.ndarray) and not rt.is_device(self.router):
-            return False  # a host router: its logits are computed on the host
-        return gpu_moe.device_routing(self.routing)
+        return gpu_moe.device_router(self.router) and gpu_moe.device_routing(self.routing)
 
     @property
     def n_ff_exp(self) -> int:

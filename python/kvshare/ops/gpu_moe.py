@@ -39,6 +39,7 @@ per-expert `GpuBlockWeight`). Nothing GPU-related is imported before first use.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -72,14 +73,22 @@ GATING_CODES = {"softmax": 0, "sigmoid": 1, "softmax_weight": 2}
 ROUTING_ENV = "KVSHARE_GPU_MOE_ROUTING"
 
 
+def _within_limits(routing: Any) -> bool:
+    return routing.n_expert <= MAX_EXPERTS and routing.k <= MAX_K
+
+
 def device_routing(routing: Any) -> bool:
     """Whether a layer with this `Routing` routes on the device: within the kernels' limits
     and not turned off ($KVSHARE_GPU_MOE_ROUTING=host)."""
-    import os  # noqa: PLC0415
-
     if os.environ.get(ROUTING_ENV, "device").strip().lower() == "host":
         return False
-    return routing.n_expert <= MAX_EXPERTS and routing.k <= MAX_K
+    return _within_limits(routing)
+
+
+def device_router(router: Any) -> bool:
+    """Whether `router` is a device weight (`gpu.linear` takes it), not a host f32 array whose
+    logits are computed on the host."""
+    return rt.is_device(router) or not isinstance(router, np.ndarray)
 
 
 def supports(qtypes: Sequence[int], k: int) -> bool:
@@ -226,7 +235,7 @@ def route_device(logits: Any, routing: Any, selection_bias: Any = None) -> tuple
     """`ops.moe_routing.route` on the device: `(ids int32 [N, k], weights f32 [N, k])` device
     arrays for device f32 router logits `[N, n_expert]` (`selection_bias`: `[n_expert]`, host
     or device)."""
-    if not (routing.n_expert <= MAX_EXPERTS and routing.k <= MAX_K):
+    if not _within_limits(routing):
         raise ValueError(f"device routing takes at most {MAX_EXPERTS} experts and {MAX_K} per "
                          f"token, not {routing.n_expert} and {routing.k}")
     logits = rt.as_rows(logits)
@@ -387,12 +396,12 @@ def moe_ffn(h: Any, router: Any, gate_up: GpuStackedExperts, down: GpuStackedExp
     from kvshare.ops.moe_routing import route  # noqa: PLC0415
 
     h = rt.as_rows(h)
-    device_router = rt.is_device(router) or not isinstance(router, np.ndarray)
-    if device_router and device_routing(routing):
+    on_device = device_router(router)
+    if on_device and device_routing(routing):
         ids, w = route_device(gpu.linear(h, router, router_bias), routing, selection_bias)
         return experts(h, ids, w, gate_up, down, activation, gate_up_bias=gate_up_bias,
                        down_bias=down_bias)
-    if device_router:
+    if on_device:
         logits = rt.host(gpu.linear(h, router, router_bias), np.float32)
     else:
         logits = np.asarray(rt.host(h, np.float32) @ router.T, np.float32)
