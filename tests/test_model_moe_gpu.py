@@ -470,3 +470,56 @@ def test_moe_steps_as_cuda_graphs_equal_eager(mode, monkeypatch):
         for a, b in zip(kv, eager[1]):
             np.testing.assert_array_equal(a, b)
     assert gpu_moe.device_routing(moe_layers(m)[0].routing)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gpt_oss_steps_as_cuda_graphs_equal_eager(mode, monkeypatch):
+    """tiny-gpt-oss's steps as CUDA graphs: YaRN rope tables from the positions buffer, the
+    attention sinks in the combine, window-128 layers (a sequence past its window), MXFP4
+    experts routed on the device. A prompt prefilled eagerly to position 136, then decode
+    rows, a chunk beside a decode row, each shape captured at its first step, then the same
+    steps again (replays): the eager steps' logits and KV, bit for bit on the emulator."""
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+
+    monkeypatch.setattr(gpu_graphs, "PREFILL_SIGHTINGS", 1)
+    m = gpu_model("tiny-gpt-oss", mode)
+    assert m.step_graphs_apply() and m.yarn is not None
+    assert any(L.window for L in m.layers) and all(L.sinks is not None for L in m.layers)
+    toks = reference("tiny-gpt-oss", "tools_long")["tokens"]
+    tables = [np.arange(0, 10), np.arange(10, 12)]
+    n0 = 136  # past the window of 128
+    script = [[(0, n0, 1, "last")], [(0, n0 + 1, 1, "last"), (1, 0, 9, "last")],
+              [(0, n0 + 2, 1, "last"), (1, 9, 1, "last")], [(1, 10, 6, "all")]]
+
+    def run_script(cache):
+        with eager(m):  # the same KV for both runs to start from
+            m.forward([SeqChunk(toks[:n0], 0, tables[0], logits="none")], cache)
+        out = []
+        for step in script:
+            chunks = [SeqChunk(toks[s * 200 + p : s * 200 + p + n], p, tables[s], logits=lg)
+                      for s, p, n, lg in step]
+            out.append([np.asarray(x.get() if hasattr(x, "get") else x)
+                        for x in m.forward(chunks, cache)])
+        kv = [np.asarray(a.get()) for L in m.layers for a in cache.layer_kv(L.attn_index)]
+        return out, kv
+
+    try:
+        m.cuda_graphs = False
+        want = run_script(m.new_cache(12, BS))
+        m.cuda_graphs = True
+        r = gpu_graphs.runner(m)
+        assert r is not None
+        cache = m.new_cache(12, BS)  # (the graphs hold its addresses)
+        first = run_script(cache)
+        captured, replays = r.captures, r.replays
+        again = run_script(cache)
+    finally:
+        m.cuda_graphs = None
+    assert not r.failures and captured >= 4
+    assert r.replays - replays == len(script)
+    for got, kv in (first, again):
+        for a, b in zip(got, want[0]):
+            for x, y in zip(a, b):
+                np.testing.assert_array_equal(x, y)
+        for a, b in zip(kv, want[1]):
+            np.testing.assert_array_equal(a, b)

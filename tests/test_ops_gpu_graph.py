@@ -239,3 +239,46 @@ def test_rope_tables_from_device_positions(cp):
                 assert g.shape == w.shape and g.dtype == np.float32
                 # float64 angles on both sides; cos/sin may differ in their last float64 bit
                 np.testing.assert_allclose(g, w, rtol=0, atol=2 ** -24)
+
+
+def test_yarn_rope_tables_from_device_positions(cp):
+    """gpt-oss's YaRN tables on the device (`rope_cos_sin_yarn_f32`), from host and device
+    positions, equal the host op's (`rope_yarn.yarn_cos_sin`) to one float32 ulp of the
+    scaled values; with ext_factor 0 and with the ramp; and a capture takes them."""
+    from kvshare.ops.rope_yarn import Yarn, mscale, yarn_cos_sin  # noqa: PLC0415
+
+    be = get_backend("cuda")
+    pos = np.array([0, 1, 17, 130, 4095, 32767, 131071], np.int64)
+    for n_rot, base, y in ((64, 150000.0, Yarn(0.03125, 4096)),
+                           (32, 10000.0, Yarn(0.25, 2048, ext_factor=0.0, attn_factor=0.8)),
+                           (48, 5e5, Yarn(0.125, 8192, beta_fast=16.0, beta_slow=2.0))):
+        want = yarn_cos_sin(pos, n_rot, base, y)
+        ulp = 2.0 ** -24 * float(mscale(y)) * 2
+        for p in (pos, cp.asarray(pos)):
+            got = yarn_cos_sin(p, n_rot, base, y, backend=be)
+            for g, w in zip(got, want):
+                g = be.to_host(g)
+                assert g.shape == w.shape == (len(pos), n_rot // 2) and g.dtype == np.float32
+                np.testing.assert_allclose(g, w, rtol=0, atol=ulp)
+        # the ramp mixes the angles: the tables are not plain rope's at either frequency
+        plain = rope_cos_sin(pos, n_rot, base, 1.0)[0] * float(mscale(y))
+        assert not np.allclose(want[0], plain, atol=1e-3)
+    # captured: the tables come from the positions buffer at replay
+    from kvshare.ops import gpu_runtime as rt  # noqa: PLC0415
+
+    y = Yarn(0.03125, 4096)
+    yarn_cos_sin(pos, 64, 150000.0, y, backend=be)  # the constants uploaded before capture
+    d_pos = cp.asarray(pos)
+    st = cp.cuda.Stream(non_blocking=False)
+    ws = rt.Workspace()
+    ws.reserve(1 << 20)
+    with st, rt.using(ws):
+        st.begin_capture()
+        with rt.capturing():
+            out = yarn_cos_sin(d_pos, 64, 150000.0, y, backend=be)
+        graph = st.end_capture()
+    d_pos[...] = cp.asarray(pos[::-1].copy())
+    graph.launch(stream=st)
+    st.synchronize()
+    want = yarn_cos_sin(pos[::-1].copy(), 64, 150000.0, y)
+    np.testing.assert_allclose(be.to_host(out[0]), want[0], rtol=0, atol=2.0 ** -23)

@@ -50,3 +50,27 @@ extern "C" __global__ void rope_cos_sin_f32(
         sin_t[idx] = (float)sin(theta);
     }
 }
+
+// YaRN-scaled angles' cos and sin (the GPU twin of kvshare.ops.rope_yarn.yarn_cos_sin), from
+// positions on the device as rope_cos_sin_f32 takes them:
+//   theta_e = positions[t] * inv_freq[i],  theta_i = theta_e * freq_scale,
+//   theta = theta_i * keep[i] + theta_e * mix[i],  cos_t / sin_t = float32(cos / sin * mscale)
+// in float64 with the NumPy op's roundings (keep = 1 - mix, mix = the ramp times ext_factor,
+// computed on the host; ext_factor 0 passes keep 1, mix 0: theta = theta_i exactly).
+extern "C" __global__ void rope_cos_sin_yarn_f32(
+    const i64* __restrict__ positions, const double* __restrict__ inv_freq,
+    const double* __restrict__ keep, const double* __restrict__ mix, double freq_scale,
+    double mscale, float* __restrict__ cos_t, float* __restrict__ sin_t, int n_tok, int half)
+{
+    const i64 total = (i64)n_tok * half;
+    for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
+         idx += (i64)gridDim.x * blockDim.x) {
+        const i64 t = idx / half;
+        const int i = (int)(idx - t * half);
+        const double te = __dmul_rn((double)positions[t], inv_freq[i]);
+        const double ti = __dmul_rn(te, freq_scale);
+        const double theta = __dadd_rn(__dmul_rn(ti, keep[i]), __dmul_rn(te, mix[i]));
+        cos_t[idx] = (float)__dmul_rn(cos(theta), mscale);
+        sin_t[idx] = (float)__dmul_rn(sin(theta), mscale);
+    }
+}

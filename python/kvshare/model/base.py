@@ -360,8 +360,9 @@ class DecoderModel(Model):
                      "_attention_rows", "_logits"):
             if getattr(cls, name) is not getattr(DecoderModel, name):
                 return False
-        # (AttentionLayer's subclasses only type its fields: gpt-oss's, qwen3moe's)
-        return all(isinstance(L, AttentionLayer) and L.sinks is None
+        # (AttentionLayer's subclasses only type its fields: gpt-oss's, qwen3moe's; a
+        # `_rope_tables` override computes its tables on the device, as the graph calls it)
+        return all(isinstance(L, AttentionLayer)
                    and (L.moe is None or L.moe.graph_ready()) for L in self.layers)
 
     def fed_steps_apply(self) -> bool:
@@ -456,9 +457,15 @@ class DecoderModel(Model):
             if len(plan.positions) == 1 and not self.backend.is_gpu:
                 plan.rope[key] = self._rope_row(int(plan.positions[0]), key)
             else:
-                plan.rope[key] = rope_cos_sin(plan.positions, self.config.n_rot, base, scale,
-                                              self.rope_freq_factors, backend=self.backend)
+                plan.rope[key] = self._rope_tables(plan.positions, base, scale)
         return plan.rope[key]
+
+    def _rope_tables(self, positions: Any, base: float, scale: float) -> tuple[Any, Any]:
+        """cos and sin `[N, n_rot // 2]` of the rope key (base, scale) at `positions` (host
+        positions, or on a GPU a device array: a captured step's positions buffer, so a
+        model's override must compute them on the device too)."""
+        return rope_cos_sin(positions, self.config.n_rot, base, scale, self.rope_freq_factors,
+                            backend=self.backend)
 
     def _rope_row(self, pos: int, key: tuple[float, float]) -> tuple[Any, Any]:
         """`rope_cos_sin` of one position, cut from a table of `ROPE_BLOCK` positions kept
@@ -469,9 +476,7 @@ class DecoderModel(Model):
         cached = self._rope_blocks.get(key)
         if cached is None or cached[0] != blk:
             first = blk * ROPE_BLOCK
-            cached = (blk, *rope_cos_sin(np.arange(first, first + ROPE_BLOCK),
-                                         self.config.n_rot, key[0], key[1],
-                                         self.rope_freq_factors))
+            cached = (blk, *self._rope_tables(np.arange(first, first + ROPE_BLOCK), *key))
             self._rope_blocks[key] = cached
         i = pos % ROPE_BLOCK
         return cached[1][i : i + 1], cached[2][i : i + 1]

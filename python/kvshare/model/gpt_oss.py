@@ -16,8 +16,9 @@ Attention with sinks runs the compiled kernel of `ops.attention` (`_core.paged_a
 decode rows and prefill tiles, f32, f16 and q8_0 pools) on the CPU, and the GPU paged
 attention (kernels/paged_attention.cu: the sink joins the merged denominator in
 `paged_attn_combine`) on a GPU, where the experts take the grouped kernels
-(`ops.gpu_moe`, MXFP4 blocks or f16 by `KVSHARE_GPU_WEIGHTS`). Decode steps stay eager on a
-GPU (`model.gpu_graphs` captures no layer with attention sinks).
+(`ops.gpu_moe`, MXFP4 blocks or f16 by `KVSHARE_GPU_WEIGHTS`, routed on the device). Its
+steps are CUDA graphs there (`model.gpu_graphs`): the YaRN tables come from the step's device
+positions (`_rope_tables`, `ops.gpu.rope_cos_sin_yarn`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvshare.backend import CPU, Backend
-from kvshare.model.base import AttentionLayer, BatchPlan, DecoderModel, load_decoder
+from kvshare.model.base import AttentionLayer, DecoderModel, load_decoder
 from kvshare.model.config import ModelConfig
 from kvshare.model.moe import load_moe
 from kvshare.model.qwen3moe import _WithoutDenseFFN
@@ -88,11 +89,7 @@ class GptOssModel(DecoderModel):
                 "sinks": sinks, "bo": bo, "moe": load_moe(loader, config, L.index, "swiglu_oai")}))
         self.layers = layers
 
-    def _rope(self, plan: BatchPlan, base: float, scale: float) -> tuple[Any, Any]:
+    def _rope_tables(self, positions: Any, base: float, scale: float) -> tuple[Any, Any]:
         if self.yarn is None:
-            return super()._rope(plan, base, scale)
-        key = ("yarn", base)
-        if key not in plan.rope:
-            plan.rope[key] = yarn_cos_sin(plan.positions, self.config.n_rot, base, self.yarn,
-                                          backend=self.backend)
-        return plan.rope[key]
+            return super()._rope_tables(positions, base, scale)
+        return yarn_cos_sin(positions, self.config.n_rot, base, self.yarn, backend=self.backend)

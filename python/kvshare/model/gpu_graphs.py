@@ -59,8 +59,9 @@ How (`StepGraphs`):
 Where graphs do not apply the step stays eager: more than `MAX_TOKENS` tokens or
 `MAX_LOGIT_ROWS` logit rows, a block table longer than `width`, a step whose attention needs
 more splits than its shape's grid has, models whose layers are not all plain attention layers
-(hybrid recurrent layers; attention sinks; MoE layers that route on the host or have a
-shared expert: `MoeFFN.graph_ready`), and architectures that override the layer methods.
+(hybrid recurrent layers; MoE layers that route on the host or have a shared expert:
+`MoeFFN.graph_ready`), and architectures that override the layer methods (a model's own
+rope tables, `_rope_tables`, are computed on the device: gpt-oss's YaRN tables).
 `KVSHARE_CUDA_GRAPHS=0` (`kvshare serve --no-cuda-graphs`), or `model.cuda_graphs = False`,
 turns graphs off; `KVSHARE_CUDA_GRAPHS_PREFILL=0` keeps them to decode steps (every chunk
 one token).
@@ -525,7 +526,6 @@ class StepGraphs:
         from kvshare.ops.embedding import embedding  # noqa: PLC0415
         from kvshare.ops.linear import linear  # noqa: PLC0415
         from kvshare.ops.norm import rms_norm  # noqa: PLC0415
-        from kvshare.ops.rope import rope_cos_sin  # noqa: PLC0415
 
         model, cfg, be = self.model, self.model.config, self.model.backend
         statics = self._statics(shape, inp, launches, last=False)
@@ -534,8 +534,8 @@ class StepGraphs:
         self.ws.reset()
         with rt.using(self.ws):
             x = embedding(model.tok_embd, d["tokens"], cfg.embed_scale, backend=be)
-            ropes = {key: rope_cos_sin(d["positions"], cfg.n_rot, key[0], key[1],
-                                       model.rope_freq_factors, backend=be)
+            # (the model's tables: gpt-oss's are YaRN-scaled)
+            ropes = {key: model._rope_tables(d["positions"], *key)  # noqa: SLF001
                      for key in self.rope_keys}
             mark = self.ws.mark()
             n_layers = len(model.layers)
@@ -555,7 +555,7 @@ class StepGraphs:
                     x = gpu.gather_rows(x, d["rows"])
                     static = rstatics[(g, int(L.window))]
                 attn = gpu.paged_attention(q, kc, vc, None, None, None, scale=cfg.q_scale,
-                                           window=L.window, static=static)
+                                           window=L.window, static=static, sinks=L.sinks)
                 model._output_and_mlp(L, x, attn.reshape(attn.shape[0], -1))  # noqa: SLF001
                 if not last:
                     self.ws.release(mark)

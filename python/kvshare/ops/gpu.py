@@ -34,7 +34,7 @@ _OWN_ENTRY_POINTS: dict[str, tuple[str, ...]] = {
                              for hd in ("hd64", "hd128", "hd256", "hdx")) + ("paged_attn_combine",),
     "paged_attention_mma": tuple(f"paged_attn_mma_f16_hd{hd}" for hd in (64, 80, 96, 112, 128)),
     "kv_write": ("kv_write_f16", "kv_write_f32"),
-    "rope": ("rope_f32", "rope_cos_sin_f32"),
+    "rope": ("rope_f32", "rope_cos_sin_f32", "rope_cos_sin_yarn_f32"),
     "qkv_rope": ("qkv_rope_write_f16", "qkv_rope_write_f32"),
     "rms_norm": ("rms_norm_f32",),
     "activation": ("geglu_tanh_f32", "swiglu_f32"),
@@ -510,6 +510,40 @@ def rope_cos_sin(positions: Any, n_rot: int, base: float, scale: float = 1.0,
         rt.kernel("rope", "rope_cos_sin_f32")(
             rt.grid(n * half), (ELEMWISE_THREADS, 1, 1),
             (pos, inv, np.float64(scale), cos, sin, np.int32(n), np.int32(half)))
+    return cos, sin
+
+
+_yarn_cache: dict = {}
+
+
+def rope_cos_sin_yarn(positions: Any, inv_freq: np.ndarray, keep: np.ndarray, mix: np.ndarray,
+                      freq_scale: float, mscale: float) -> tuple[Any, Any]:
+    """GPU twin of `kvshare.ops.rope_yarn.yarn_cos_sin` (one `rope_cos_sin_yarn_f32` launch):
+    float32 cos and sin `[N, n_rot // 2]` of YaRN-scaled angles, from integer positions (a
+    device array as it is: a captured step's positions buffer). The per-pair constants are
+    the host op's (`rope_yarn.pair_factors`, float64 `[n_rot // 2]`), uploaded once per
+    content; float64 as the host forms them, so a value may differ from the host op's by one
+    float32 ulp where CUDA's float64 cos / sin differ in the last bit, rarely."""
+    consts = [np.ascontiguousarray(a, np.float64) for a in (inv_freq, keep, mix)]
+    key = (rt.device_id(), *(a.tobytes() for a in consts))
+    dev = _yarn_cache.get(key)
+    if dev is None:
+        if rt.is_capturing():
+            raise RuntimeError("rope_cos_sin_yarn: the model's frequencies were not uploaded "
+                               "before the graph capture")
+        cp = cupy_module()
+        dev = _yarn_cache[key] = tuple(cp.asarray(a) for a in consts)
+    inv, keep_d, mix_d = dev
+    pos = rt.upload(positions, np.int64).reshape(-1)
+    half = int(inv.size)
+    n = int(pos.size)
+    cos = rt.empty((n, half), np.float32)
+    sin = rt.empty((n, half), np.float32)
+    if n and half:
+        rt.kernel("rope", "rope_cos_sin_yarn_f32")(
+            rt.grid(n * half), (ELEMWISE_THREADS, 1, 1),
+            (pos, inv, keep_d, mix_d, np.float64(freq_scale), np.float64(mscale), cos, sin,
+             np.int32(n), np.int32(half)))
     return cos, sin
 
 

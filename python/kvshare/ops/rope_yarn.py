@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvshare.backend import CPU, Backend
+from kvshare.ops._dispatch import gpu_op
 
 
 @dataclass(frozen=True)
@@ -58,24 +59,35 @@ def mscale(y: Yarn) -> np.float32:
     return np.float32(m)
 
 
-def yarn_cos_sin(positions: Any, n_rot: int, base: float, y: Yarn, *,
-                 backend: Backend = CPU) -> tuple[Any, Any]:
-    """cos and sin tables, each float32 `[N, n_rot // 2]`, for integer `positions` `[N]`
-    (module docstring)."""
-    pos = np.asarray(backend.to_host(positions), dtype=np.float64)
+def pair_factors(n_rot: int, base: float, y: Yarn) -> tuple[np.ndarray, np.ndarray,
+                                                             np.ndarray, float, float]:
+    """The per-pair constants of the tables, float64 `[n_rot // 2]` each: (inv_freq, keep,
+    mix, freq_scale, mscale), where `theta = theta_e * freq_scale * keep + theta_e * mix`
+    (keep = 1 - mix; ext_factor 0: keep 1, mix 0)."""
     i0 = np.arange(0, n_rot, 2, dtype=np.float64)
     inv = base ** (-i0 / n_rot)
-    theta_e = pos[:, None] * inv[None, :]
-    theta_i = theta_e * float(np.float32(y.freq_scale))
-    theta = theta_i
+    mix = np.zeros_like(inv)
     if y.ext_factor != 0.0:
         low, high = corr_dims(n_rot, y.n_ctx_orig, base, y.beta_fast, y.beta_slow)
         ramp = 1.0 - np.clip((i0 / 2 - low) / max(0.001, high - low), 0.0, 1.0)
-        mix = (ramp * y.ext_factor)[None, :]
-        theta = theta_i * (1.0 - mix) + theta_e * mix
-    m = float(mscale(y))
+        mix = ramp * y.ext_factor
+    return inv, 1.0 - mix, mix, float(np.float32(y.freq_scale)), float(mscale(y))
+
+
+def yarn_cos_sin(positions: Any, n_rot: int, base: float, y: Yarn, *,
+                 backend: Backend = CPU) -> tuple[Any, Any]:
+    """cos and sin tables, each float32 `[N, n_rot // 2]`, for integer `positions` `[N]`
+    (module docstring). On the GPU they are computed there, from device positions too (a
+    captured step's: `kvshare.ops.gpu.rope_cos_sin_yarn`, the same float64 roundings)."""
+    inv, keep, mix, fs, m = pair_factors(n_rot, base, y)
+    if backend.is_gpu:
+        return gpu_op("rope_cos_sin_yarn")(positions, inv, keep, mix, fs, m)
+    pos = np.asarray(backend.to_host(positions), dtype=np.float64)
+    theta_e = pos[:, None] * inv[None, :]
+    theta_i = theta_e * fs
+    theta = theta_i
+    if y.ext_factor != 0.0:
+        theta = theta_i * keep[None, :] + theta_e * mix[None, :]
     cos = (np.cos(theta) * m).astype(np.float32)
     sin = (np.sin(theta) * m).astype(np.float32)
-    if backend.is_gpu:
-        return backend.asarray(cos), backend.asarray(sin)
     return cos, sin
