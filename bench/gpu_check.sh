@@ -22,7 +22,9 @@
 #                  About 4-5 minutes after the machine is up.
 #   TESTS_ONLY=1   pytest -m gpu (ops, block weights, graphs, models, engine) with CUDA graphs
 #                  on, then again with KVSHARE_CUDA_GRAPHS=0: the two pytest rows and Q2_K.
-#   MOE_ONLY=1     the grouped MoE kernels' tests and bench/moe_gpu_bench.py (MoE row).
+#   MOE_ONLY=1     the grouped MoE kernels' tests and bench/moe_gpu_bench.py (MoE row), then
+#                  a random gpt-oss-20b (scripts/make_random_gguf.py --arch gpt-oss, ~11 GiB
+#                  written here) decoding at 1 and 8 sequences, graphs on and off (its row).
 #   GRAPHS_ONLY=1  the CUDA-graph tests, the Q2_K block tests and tests/test_kernels_sass.py,
 #                  then decode ms/step at batch 1/4/8 with graphs on and off.
 #   EXTRAS_ONLY=1  the NVRTC compile test with the device's CuPy (compile row), the
@@ -194,7 +196,8 @@ PYTEST=("$PY" -m pytest -p no:cacheprovider -rs --tb=short --durations=10
 
 if [ "$CPU" = 1 ]; then
     Q15=$WORK/qwen3-tiny-rand.gguf
-    MAKE=(--size tiny --tokenizer-from tests/data/models/tiny-qwen3-chat.gguf)
+    TOK=tests/data/models/tiny-qwen3-chat.gguf
+    MAKE=(--size tiny --tokenizer-from "$TOK")
     CTX=128; FLEET=(--quick)
 else
     if [ -f "$VOCAB" ]; then TOK=$VOCAB; else TOK=tests/data/models/tiny-qwen3-chat.gguf; fi
@@ -293,7 +296,8 @@ test_steps() {
                  tests/test_model_gpu.py tests/test_engine_gpu.py tests/test_ops_gpu_fused.py
                  tests/test_ops_gpu_mmvq.py tests/test_sampling_gpu.py tests/test_engine_overlap.py
                  tests/test_ops_gpu_attention_mma.py tests/test_engine_step_ahead.py
-                 tests/test_model_gpu_step_graphs.py tests/test_gpu_kernel_profile.py)
+                 tests/test_model_gpu_step_graphs.py tests/test_gpu_kernel_profile.py
+                 tests/test_ops_gpu_gated_delta.py)
     step pytest_graphs_on 260 "${PYTEST[@]}" -m gpu --junitxml="$WORK/pytest_graphs_on.xml" \
         "${files[@]}" || RC=1
     summ pytest_graphs_on
@@ -311,8 +315,25 @@ moe_steps() {
         tests/test_ops_gpu_moe.py tests/test_model_moe_gpu.py || RC=1
     summ pytest_moe
     table
-    step moe_gpu_bench 90 $PY bench/moe_gpu_bench.py --out "$WORK/moe_gpu_bench.json" || RC=1
-    grep -E 'model:|moe step' "$WORK/moe_gpu_bench.log" | tee -a "$OUT/summary.txt"
+    if [ "$CPU" != 1 ]; then  # (a GPU-only bench: not in the CPU dry run)
+        step moe_gpu_bench 90 $PY bench/moe_gpu_bench.py --out "$WORK/moe_gpu_bench.json" || RC=1
+        grep -E 'model:|moe step' "$WORK/moe_gpu_bench.log" | tee -a "$OUT/summary.txt"
+        table
+    fi
+    # a whole agent MoE model: a random gpt-oss-20b (its 24 layers, MXFP4 experts, Q8_0
+    # attention; ~11 GiB, written here) decoding at 1 and 8 sequences, CUDA graphs on and off
+    local oss=/tmp/kvshare-gpt-oss-20b-rand.gguf osize=20b
+    [ "$CPU" = 1 ] && { oss=$WORK/gpt-oss-tiny-rand.gguf; osize=tiny; }
+    if [ ! -f "$oss" ]; then
+        step make_gpt_oss 120 $PY scripts/make_random_gguf.py --arch gpt-oss --size "$osize" \
+            --tokenizer-from "$TOK" --out "$oss" || RC=1
+        grep -E '^wrote' "$WORK/make_gpt_oss.log" | tee -a "$OUT/summary.txt"
+    fi
+    KVSHARE_GPU_WEIGHTS=blocks step gpu_bench_gpt_oss 150 $PY bench/gpu_bench.py --device "$DEV" \
+        --model "$oss" --decode-only --batches 1,8 --ctx "$CTX" --graphs both \
+        --out "$WORK/gpu_bench_gpt_oss.json" || RC=1
+    grep -E '^(model|weights|decode)' "$WORK/gpu_bench_gpt_oss.log" | sed 's/^/[gpt-oss] /' |
+        tee -a "$OUT/summary.txt"
 }
 
 # decode steps as CUDA graphs: their tests, the Q2_K block tests and the machine-code check,

@@ -19,7 +19,8 @@ the device and the device sampler picks greedy tokens (`ops.gpu_sampling`).
 Default model: a random qwen3 GGUF of Qwen3-1.7B's layer shapes (`scripts/make_random_gguf.py
 --size 1.5b --layers N`, the vocabulary of `--tokenizer-from` when given), block weights
 (`KVSHARE_GPU_WEIGHTS=blocks`, issue 40's setting). Per-layer figures scale to the full
-model's 28 layers: the table shows both the measured step and that estimate.
+model's layers (`--full-layers`, 28 by default): the table shows both the measured step and
+that estimate.
 """
 
 from __future__ import annotations
@@ -181,8 +182,13 @@ def main() -> None:
     ap.add_argument("--tokenizer-from", default=None,
                     help="GGUF whose vocabulary the default model takes (e.g. "
                          ".whl/ggml-vocab-qwen2.gguf from gpu_check.sh --prepare)")
+    ap.add_argument("--full-layers", type=int, default=FULL_LAYERS,
+                    help="the full model's layers, which the per-layer figures scale to "
+                         f"(default {FULL_LAYERS}: Qwen3-1.7B; 48 for Qwen3-30B-A3B, 24 for "
+                         "gpt-oss-20b)")
     ap.add_argument("--out", default=None, help="write the JSON here")
     args = ap.parse_args()
+    full = args.full_layers
     emu = _emulator()
     from kvshare.model.loader import load_model  # noqa: PLC0415
 
@@ -216,7 +222,8 @@ def main() -> None:
     result = {"model": Path(path).name if args.model else f"random qwen3 1.5b, {n_layers} layers",
               "n_layers": n_layers, "gpu_weights": os.environ["KVSHARE_GPU_WEIGHTS"],
               "rows": rows}
-    if n_layers < FULL_LAYERS:
+    result["full_layers"] = full
+    if n_layers < full:
         # the eager rows grow with the layers (the graph and sampling part does not: the
         # graphs-on row of the same batch); a prefill is all layers, near enough
         for name, r in rows.items():
@@ -225,15 +232,16 @@ def main() -> None:
             fixed = rows[name.replace("off", "on")] if "graphs off" in name else None
             for k in ("kvshare_us", "kernel"):
                 f = fixed[k] if fixed is not None else 0.0
-                r[f"{k}_x{FULL_LAYERS}"] = f + (r[k] - f) * FULL_LAYERS / n_layers
+                r[f"{k}_x{full}"] = f + (r[k] - f) * full / n_layers
     print(f"host side of the GPU path on the no-op emulator ({result['model']}, "
           f"{result['gpu_weights']} weights), per step. kvshare us: the host's time less the "
-          f"emulator's launch plumbing; x{FULL_LAYERS}: scaled to {FULL_LAYERS} layers")
-    print(f"{'path':<24} {'kvshare us':>10} {'x28':>7} {'kernels':>8} {'x28':>6} {'gemms':>6} "
+          f"emulator's launch plumbing; x{full}: scaled to {full} layers")
+    xf = f"x{full}"
+    print(f"{'path':<24} {'kvshare us':>10} {xf:>7} {'kernels':>8} {xf:>6} {'gemms':>6} "
           f"{'elemwise':>8} {'graphs':>6} {'h2d':>5} {'d2h':>5}")
     for name, r in rows.items():
-        x_us = r.get(f"kvshare_us_x{FULL_LAYERS}", r["kvshare_us"])
-        x_k = r.get(f"kernel_x{FULL_LAYERS}", r["kernel"])
+        x_us = r.get(f"kvshare_us_x{full}", r["kvshare_us"])
+        x_k = r.get(f"kernel_x{full}", r["kernel"])
         print(f"{name:<24} {r['kvshare_us']:10.0f} {x_us:7.0f} {r['kernel']:8.1f} {x_k:6.0f} "
               f"{r['gemm']:6.1f} {r['elementwise']:8.1f} {r['graph']:6.1f} {r['h2d']:5.1f} "
               f"{r['d2h']:5.1f}")

@@ -404,13 +404,44 @@ def engine_row(d: Path) -> Row:
     return row
 
 
+def gpt_oss_row(d: Path) -> Row:
+    """A random gpt-oss-20b's decode (MOE_ONLY=1: gpu_bench.py on it): shown, no target."""
+    row = Row("gpt_oss_decode", "random gpt-oss-20b decode, 1 / 8 sequences (tok/s, graphs "
+              "on; eager)", "(no target)")
+    b = load_json(d / "gpu_bench_gpt_oss.json")
+    dec = (b or {}).get("decode")
+    if not dec:
+        return unmeasured(row, d, "gpu_bench_gpt_oss", "moe", "gpu_bench_gpt_oss.json")
+    eager = b.get("decode_eager") or {}
+    parts = []
+    for key in sorted(dec, key=int):
+        e = dec[key]
+        part = f"batch {key}: {e['tokens_per_s']:,.0f}"
+        if not e.get("cuda_graphs"):
+            part += " (no graph)"
+        if key in eager:
+            part += f"; eager {eager[key]['tokens_per_s']:,.0f}"
+        parts.append(part)
+    bad = []
+    if not str(b.get("device", "")).startswith("cuda"):
+        bad.append(f"device {b.get('device')}")
+    if (b.get("n_layers"), b.get("n_embd")) != (24, 2880):
+        bad.append(f"{b.get('n_layers')} layers, {b.get('n_embd')} wide: not gpt-oss-20b's shape")
+    row.status = "invalid" if bad else "info"
+    row.measured = "; ".join(parts)
+    row.source = (f"gpu_bench_gpt_oss.json ({b.get('gpu_weights')} weights, vocab "
+                  f"{b.get('vocab')})")
+    row.notes += bad
+    return row
+
+
 def build(d: Path) -> list[Row]:
     rows = [*bench_rows(d), *fleet_rows(d)]
     notes = triage_notes(d)
     for r in rows:
         if r.status != "not run":
             r.notes += notes
-    return [*rows, engine_row(d), *test_rows(d), matvec_row(d)]
+    return [*rows, engine_row(d), *test_rows(d), matvec_row(d), gpt_oss_row(d)]
 
 
 # ----------------------------------------------------------------------------- output

@@ -8,6 +8,8 @@ work on models larger than the ones the tests ship, and the tiny test models.
     python scripts/make_random_gguf.py --arch qwen3moe --size test \\
         --out tests/data/models/tiny-qwen3moe.gguf \\
         --tokenizer-from tests/data/models/tiny-qwen35.gguf
+    python scripts/make_random_gguf.py --arch gpt-oss --size 20b --out /tmp/gpt-oss-20b-rand.gguf \\
+        --tokenizer-from /path/to/gpt-oss-20b-mxfp4.gguf
 
 `--arch qwen3moe` (Qwen3 MoE: the qwen3 layer with a mixture of experts, `expert_count`,
 `expert_used_count`, `expert_feed_forward_length`; tensors `ffn_gate_inp` (the router, F32 as
@@ -18,6 +20,22 @@ written tensor by tensor, it needs the disk but not the memory), `--size tiny` a
 hidden-256 one in the same Q4_K_M mix, `--size test` the test model
 `tests/data/models/tiny-qwen3moe.gguf` (below; `tiny-qwen3moe-q8.gguf` is the same with
 `--expert-types q8_0,q4_0,q5_0 --seed 1`).
+
+`--arch gpt-oss` (llama.cpp's `openai-moe` graph, kvshare's `model/gpt_oss.py`): `--size 20b`
+is gpt-oss-20b's shape (hidden 2880, 24 layers, 64 query heads and 8 KV heads of 64, 32
+experts of FFN 2880, 4 per token, 128-token windows on the even layers (`sliding_window`, the
+loader's default pattern 2), YaRN rope (`rope.scaling.type` yarn, factor 32 over an original
+context of 4096; llama.cpp's default beta_fast 32 / beta_slow 1, which the file does not
+carry), base 150000, RMS eps 1e-5, context 131072, untied output head), in the formats of
+ggml-org's MXFP4 release (gpt-oss-20b-mxfp4.gguf, file type MXFP4_MOE): the experts
+`ffn_{gate,up,down}_exps` MXFP4, the embedding, attention matrices and output head Q8_0, the
+router `ffn_gate_inp`, the norms (`attn_norm`, `post_attention_norm`, `output_norm`), the
+per-head `attn_sinks` and every bias (q/k/v/output, router, each expert's) F32; 459 tensors,
+11.27 GiB (12.1 GB) of tensor data at o200k's 201088 tokens, as the real file's. Written tensor
+by tensor, the largest (the embedding and the output head, 615 MB each at 201088 tokens) a
+chunk of blocks at a time. `--size tiny`: 2 layers, hidden 256, 8 query heads and 2 KV heads
+of 64, 8 experts of FFN 256, 2 per token, the same formats, windows and rope. Biases are
+normal values of std 0.02, sinks of std 0.5.
 
 `--size 1.5b` is Qwen3-1.7B's shape: hidden 2048, 28 layers, 16 query heads, 8 KV heads, head
 size 128, FFN 6144, per-head q/k RMSNorm, rope theta 1e6, RMS eps 1e-6, context 40960, output
@@ -34,18 +52,21 @@ The `test` sizes are the shipped test models: hidden 64, F32 attention, embeddin
 the experts in block formats (`TEST_EXPERT_TYPES`, quantized with gguf-py from normal values
 of the same std), norms 1.0.
 
-The blocks are random but valid: random quant bytes (nibbles, Q6_K high bits), random 6-bit
-sub-block scales and mins (Q4_K) or int8 scales (Q6_K), and f16 super-block scales `d` / `dmin`
-picked so that each matrix's elements have a standard deviation of about 0.02 and a mean of
-about 0 (finite activations through every layer). Norm weights are 1.0. The generator is
-seeded: the same arguments write the same bytes. Tensors are generated and written one at a
-time (the largest, the embedding, is ~255 MB at 151936 x 2048 Q6_K).
+The blocks are random but valid: random quant bytes (nibbles, Q6_K high bits, Q8_0's int8
+values, MXFP4's E2M1 codes), random 6-bit sub-block scales and mins (Q4_K) or int8 scales
+(Q6_K), and f16 (super-)block scales `d` / `dmin` (MXFP4: E8M0 exponents 119 or 120) picked so
+that each matrix's elements have a standard deviation of about 0.02 and a mean of about 0
+(finite activations through every layer). Norm weights are 1.0; a router (F32 outside the
+`test` sizes too) normal of std 2/sqrt(fan-in). The generator is seeded: the same arguments
+write the same bytes. Tensors are generated and written one at a time (Qwen3-1.7B's largest,
+the embedding, is ~255 MB at 151936 x 2048 Q6_K).
 
 The tokenizer (`tokenizer.*` metadata: vocabulary, merges, special ids, chat template) is copied
 from a real GGUF (`--tokenizer-from`; default: the packaged Gemma 3 270M that
 `kvshare.model.loader.default_model_path()` returns); the embedding has one row per token of
 that vocabulary. For Qwen3-1.7B's exact vocabulary (151936 tokens) pass a Qwen2/Qwen3 tokenizer
-GGUF, e.g. llama.cpp's `models/ggml-vocab-qwen2.gguf`.
+GGUF, e.g. llama.cpp's `models/ggml-vocab-qwen2.gguf`; for gpt-oss-20b's (o200k, 201088
+tokens) a gpt-oss GGUF.
 """
 
 from __future__ import annotations
@@ -59,11 +80,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import (GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFReader, GGUFValueType,
+                  GGUFWriter, RopeScalingType)
 
 LLAMA_FTYPE_MOSTLY_F32 = 0
 LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
+LLAMA_FTYPE_MOSTLY_MXFP4_MOE = 38  # gpt-oss's MXFP4 release (ggml-org/gpt-oss-20b-GGUF)
+FILE_TYPES = {"q4_k_m": LLAMA_FTYPE_MOSTLY_Q4_K_M, "mxfp4": LLAMA_FTYPE_MOSTLY_MXFP4_MOE,
+              "test": LLAMA_FTYPE_MOSTLY_F32}
 TARGET_STD = 0.02  # standard deviation of a weight matrix's elements
+SINK_STD = 0.5  # gpt-oss's attention sinks (one logit per head): normal values of this std
+GGUF_ALIGNMENT = 32  # GGUFWriter's default: each tensor's data starts on this boundary
+CHUNK_BLOCKS = 1 << 20  # Q8_0 / MXFP4 tensors are generated this many blocks at a time
 
 
 @dataclass(frozen=True)
@@ -81,7 +109,11 @@ class Shape:
     n_expert: int = 0  # mixture of experts: experts per layer, used per token, their FFN size
     n_expert_used: int = 0
     n_ff_exp: int = 0
-    mix: str = "q4_k_m"  # block formats: llama.cpp's Q4_K_M mix, or "test" (module docstring)
+    mix: str = "q4_k_m"  # block formats: llama.cpp's Q4_K_M mix, "mxfp4" (gpt-oss's MXFP4
+    # release) or "test" (module docstring)
+    sliding_window: int = 0  # gpt-oss: the window of the sliding-window layers (even ones)
+    yarn_factor: float = 0.0  # YaRN rope scaling: factor over an original context (0: none)
+    yarn_orig_ctx: int = 0
 
 
 SIZES: dict[str, dict[str, Shape]] = {
@@ -102,6 +134,20 @@ SIZES: dict[str, dict[str, Shape]] = {
         "tiny": Shape(2, 256, 4, 2, 64, 768, 4096, n_expert=8, n_expert_used=2, n_ff_exp=256),
         "test": Shape(4, 64, 2, 1, 32, 128, 32768, rope_base=1e7, n_expert=16, n_expert_used=4,
                       n_ff_exp=32, mix="test"),
+    },
+    "gpt-oss": {
+        # gpt-oss-20b (config.json: hidden_size 2880, num_hidden_layers 24,
+        # num_attention_heads 64, num_key_value_heads 8, head_dim 64, num_local_experts 32,
+        # num_experts_per_tok 4, intermediate_size 2880, sliding_window 128, layer_types
+        # sliding/full alternating from sliding, rope_theta 150000, rope_scaling yarn factor 32
+        # over original_max_position_embeddings 4096, max_position_embeddings 131072,
+        # rms_norm_eps 1e-5, tie_word_embeddings false)
+        "20b": Shape(24, 2880, 64, 8, 64, 2880, 131072, rope_base=150000.0, rms_eps=1e-5,
+                     tied=False, n_expert=32, n_expert_used=4, n_ff_exp=2880, mix="mxfp4",
+                     sliding_window=128, yarn_factor=32.0, yarn_orig_ctx=4096),
+        "tiny": Shape(2, 256, 8, 2, 64, 256, 131072, rope_base=150000.0, rms_eps=1e-5,
+                      tied=False, n_expert=8, n_expert_used=2, n_ff_exp=256, mix="mxfp4",
+                      sliding_window=128, yarn_factor=32.0, yarn_orig_ctx=4096),
     },
 }
 ARCHS = tuple(SIZES)
@@ -125,6 +171,8 @@ def tensor_plan(arch: str, s: Shape, vocab: int, expert_types: tuple[Q, Q, Q] | 
     tensor, in llama.cpp's order."""
     if arch not in SIZES:
         raise ValueError(f"architecture {arch!r} is not supported (one of {', '.join(ARCHS)})")
+    if arch == "gpt-oss":
+        return _gpt_oss_plan(s, vocab)
     H, K, D, E, F = s.n_head, s.n_head_kv, s.head_dim, s.n_embd, s.n_ff
     test = s.mix == "test"
     q4k = Q.F32 if test else Q.Q4_K
@@ -170,6 +218,56 @@ def tensor_plan(arch: str, s: Shape, vocab: int, expert_types: tuple[Q, Q, Q] | 
     return plan
 
 
+def _gpt_oss_plan(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...], Q]]:
+    """gpt-oss's tensors as llama.cpp's `openai-moe` graph and kvshare's loader read them, in
+    the formats of ggml-org's MXFP4 release: every matrix Q8_0 (embedding, attention, output
+    head) but the experts, MXFP4; the router, norms, sinks and biases F32."""
+    H, K, D, E = s.n_head, s.n_head_kv, s.head_dim, s.n_embd
+    X, FX = s.n_expert, s.n_ff_exp
+    plan: list[tuple[str, tuple[int, ...], Q]] = [("token_embd.weight", (vocab, E), Q.Q8_0)]
+    for il in range(s.n_layers):
+        p = f"blk.{il}."
+        plan += [
+            (p + "attn_norm.weight", (E,), Q.F32),
+            (p + "attn_q.weight", (H * D, E), Q.Q8_0),
+            (p + "attn_q.bias", (H * D,), Q.F32),
+            (p + "attn_k.weight", (K * D, E), Q.Q8_0),
+            (p + "attn_k.bias", (K * D,), Q.F32),
+            (p + "attn_v.weight", (K * D, E), Q.Q8_0),
+            (p + "attn_v.bias", (K * D,), Q.F32),
+            (p + "attn_output.weight", (E, H * D), Q.Q8_0),
+            (p + "attn_output.bias", (E,), Q.F32),
+            (p + "attn_sinks.weight", (H,), Q.F32),
+            (p + "post_attention_norm.weight", (E,), Q.F32),
+            (p + "ffn_gate_inp.weight", (X, E), Q.F32),
+            (p + "ffn_gate_inp.bias", (X,), Q.F32),
+            (p + "ffn_gate_exps.weight", (X, FX, E), Q.MXFP4),
+            (p + "ffn_gate_exps.bias", (X, FX), Q.F32),
+            (p + "ffn_up_exps.weight", (X, FX, E), Q.MXFP4),
+            (p + "ffn_up_exps.bias", (X, FX), Q.F32),
+            (p + "ffn_down_exps.weight", (X, E, FX), Q.MXFP4),
+            (p + "ffn_down_exps.bias", (X, E), Q.F32),
+        ]
+    plan += [("output_norm.weight", (E,), Q.F32), ("output.weight", (vocab, E), Q.Q8_0)]
+    return plan
+
+
+def tensor_nbytes(shape: tuple[int, ...], qtype: Q) -> int:
+    """The bytes of a tensor of numpy `shape` in block format `qtype`."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    *lead, cols = shape
+    if cols % block:
+        raise ValueError(f"row length {cols} is not a multiple of {qtype.name}'s {block}")
+    return int(np.prod(lead, dtype=np.int64)) * (cols // block) * type_size
+
+
+def plan_bytes(plan: list[tuple[str, tuple[int, ...], Q]]) -> int:
+    """The tensor data bytes of a plan as the file holds them (each tensor padded to
+    GGUF_ALIGNMENT): the file's size less its header and metadata."""
+    return sum(-(-tensor_nbytes(shape, q) // GGUF_ALIGNMENT) * GGUF_ALIGNMENT
+               for _, shape, q in plan)
+
+
 def _f16_bytes(values: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(values.astype(np.float16)).view(np.uint8).reshape(-1, 2)
 
@@ -194,6 +292,16 @@ def random_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator) -> np.ndarr
         b[:, 192:208] = rng.integers(-32, 33, (n_blocks, 16), dtype=np.int8).view(np.uint8)
         d = TARGET_STD / (16.0 * 18.5) * jitter
         b[:, 208:210] = _f16_bytes(d)
+    elif qtype == Q.Q8_0:
+        # d f16, qs i8[32]: x = d * q, q uniform in -128..127 (std 73.9, mean -0.5)
+        d = TARGET_STD / 73.9 * jitter
+        b[:, 0:2] = _f16_bytes(d)
+    elif qtype == Q.MXFP4:
+        # e u8 (E8M0), qs u8[16] (32 4-bit E2M1 codes): x = kv[q] * 2^(e - 128) (ggml's
+        # kvalues_mxfp4, the E2M1 values doubled, and GGML_E8M0_TO_FP32_HALF), q uniform in
+        # 0..15: kv mean 0, std sqrt(274 / 8) = 5.85. e = 120 gives an element std of 0.023,
+        # 119 half that; half the blocks each: ~0.018
+        b[:, 0] = rng.integers(119, 121, n_blocks, dtype=np.uint8)
     else:
         raise ValueError(f"no random block generator for {qtype.name}")
     return b
@@ -202,6 +310,11 @@ def random_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator) -> np.ndarr
 def tensor_data(name: str, shape: tuple[int, ...], qtype: Q, seed: int, index: int) -> np.ndarray:
     """The stored bytes (or f32 values) of one tensor; its own seeded stream, so each tensor is
     the same whatever else is generated."""
+    if name.endswith(".bias") or name.endswith(".attn_sinks.weight"):
+        # gpt-oss's biases (std TARGET_STD) and attention sinks (SINK_STD), f32
+        std = SINK_STD if "attn_sinks" in name else TARGET_STD
+        rng = np.random.default_rng([seed, index])
+        return (rng.standard_normal(shape) * std).astype(np.float32)
     if len(shape) == 1:
         return np.ones(shape, np.float32)  # norm weights
     block, type_size = GGML_QUANT_SIZES[qtype]
@@ -213,8 +326,16 @@ def tensor_data(name: str, shape: tuple[int, ...], qtype: Q, seed: int, index: i
     if qtype in (Q.Q4_K, Q.Q6_K):
         blocks = random_blocks(qtype, rows * cols // block, rng)
         return blocks.reshape(*lead, cols // block * type_size)
-    # the test mix: normal values of std 1/sqrt(fan-in) (a router twice that), stored as f32
-    # or quantized by gguf-py
+    if qtype in (Q.Q8_0, Q.MXFP4):
+        # a chunk at a time: a tensor's bytes and no more (gpt-oss-20b's Q8_0 embedding and
+        # output head are 615 MB at o200k's 201088 tokens)
+        n = rows * cols // block
+        blocks = np.empty((n, type_size), np.uint8)
+        for i in range(0, n, CHUNK_BLOCKS):
+            blocks[i : i + CHUNK_BLOCKS] = random_blocks(qtype, min(CHUNK_BLOCKS, n - i), rng)
+        return blocks.reshape(*lead, cols // block * type_size)
+    # the test mix (and every mix's F32 router): normal values of std 1/sqrt(fan-in) (a
+    # router twice that), stored as f32 or quantized by gguf-py
     std = (2.0 if "ffn_gate_inp" in name else 1.0) / np.sqrt(cols)
     values = (rng.standard_normal((rows, cols)) * std).astype(np.float32)
     if qtype == Q.F32:
@@ -278,7 +399,7 @@ def write(out: str | os.PathLike, arch: str = "qwen3", size: str = "1.5b",
 
     w = GGUFWriter(str(out), arch)
     w.add_name(f"random {arch} {size} (kvshare scripts/make_random_gguf.py, seed {seed})")
-    w.add_file_type(LLAMA_FTYPE_MOSTLY_Q4_K_M if s.mix == "q4_k_m" else LLAMA_FTYPE_MOSTLY_F32)
+    w.add_file_type(FILE_TYPES[s.mix])
     w.add_quantization_version(2)
     w.add_block_count(s.n_layers)
     w.add_context_length(s.context_length)
@@ -294,19 +415,24 @@ def write(out: str | os.PathLike, arch: str = "qwen3", size: str = "1.5b",
         w.add_expert_count(s.n_expert)
         w.add_expert_used_count(s.n_expert_used)
         w.add_expert_feed_forward_length(s.n_ff_exp)
+    if s.sliding_window:
+        w.add_sliding_window(s.sliding_window)
+    if s.yarn_factor:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(s.yarn_factor)
+        w.add_rope_scaling_orig_ctx_len(s.yarn_orig_ctx)
     for key, val, vtype, sub in tok:
         w.add_key_value(key, val, vtype, sub_type=sub)
 
     by_type: dict[str, int] = {}
     params = 0
     for name, shape, qtype in plan:
+        nbytes = tensor_nbytes(shape, qtype)
         if qtype == Q.F32:
-            w.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
-            nbytes = int(np.prod(shape)) * 4
+            w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes)
         else:
             block, type_size = GGML_QUANT_SIZES[qtype]
             *lead, cols = shape
-            nbytes = int(np.prod(lead)) * cols // block * type_size
             w.add_tensor_info(name, (*lead, cols // block * type_size), np.dtype(np.uint8),
                               nbytes, raw_dtype=qtype)
         by_type[qtype.name] = by_type.get(qtype.name, 0) + nbytes
@@ -329,7 +455,11 @@ def write(out: str | os.PathLike, arch: str = "qwen3", size: str = "1.5b",
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", default="qwen3", choices=ARCHS)
+    ap.add_argument("--arch", default="qwen3", choices=ARCHS,
+                    help="qwen3 (Q4_K_M mix), qwen3moe (Q4_K_M mix; `test`: the test "
+                         "models' F32 / expert formats), gpt-oss (MXFP4 experts, Q8_0 "
+                         "embedding / attention / output head, F32 router, norms, sinks, "
+                         "biases)")
     ap.add_argument("--size", default="1.5b", choices=ALL_SIZES,
                     help="per architecture: " + "; ".join(
                         f"{a}: {', '.join(sz)}" for a, sz in SIZES.items()))
@@ -340,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=None,
                     help="write only this many of the size's layers (e.g. Qwen3-30B-A3B's "
-                         "layer shapes with --size 30b-a3b --layers 2)")
+                         "layer shapes with --arch qwen3moe --size 30b-a3b --layers 2, "
+                         "gpt-oss-20b's with --arch gpt-oss --size 20b --layers 2)")
     ap.add_argument("--expert-types", default=None,
                     help="a test size's expert formats, gate,up,down (e.g. q8_0,q4_0,q5_0)")
     args = ap.parse_args(argv)

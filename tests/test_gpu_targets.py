@@ -155,6 +155,8 @@ def test_every_target_met_passes_and_the_table_says_so(tmp_path, junit):
     assert rows["pytest_moe"].status == "not run"
     assert "MOE_ONLY=1" in rows["pytest_moe"].source
     assert rows["matvec"].status == "not run"
+    assert rows["gpt_oss_decode"].status == "not run"
+    assert "MOE_ONLY=1" in rows["gpt_oss_decode"].source
     assert rows["engine_decode"].status == "info"
     assert rows["engine_decode"].measured == ("batch 1: 900 / 700 (30 of 32 steps ahead); "
                                               "batch 32: 9,000 / 7,100 (30 of 32 steps ahead)")
@@ -166,7 +168,7 @@ def test_every_target_met_passes_and_the_table_says_so(tmp_path, junit):
     assert lines[1].split()[:5] == ["figure", "target", "measured", "status", "source"]
     b1 = next(ln for ln in lines if ln.startswith("decode, 1 sequence"))
     assert ">= 500" in b1 and " 610 " in b1 and re.search(r"\s{2}pass\s{2}", b1)
-    assert lines[-1] == "12 pass, 3 not run"
+    assert lines[-1] == "12 pass, 4 not run"
     saved = json.loads((out / "targets.json").read_text())
     assert [r["id"] for r in saved["rows"]] == [r.id for r in gt.build(tmp_path)]
     # the measurements come back inside targets.json
@@ -322,3 +324,28 @@ def test_triage_without_failures_switches_nothing(tmp_path, junit):
     assert gt.triage(tmp_path / "absent.xml") == {"failed": {}, "switches": []}
     rows = _rows(_write(tmp_path))
     assert not any("measured with" in n for n in rows["decode_b1"].notes)
+
+
+def test_gpt_oss_row_shows_the_decode_rates_and_refuses_another_shape(tmp_path):
+    """MOE_ONLY=1's random gpt-oss-20b decode: an info row with graphs-on and eager rates;
+    a CPU or other-shaped run is invalid; a failed bench step is a FAIL."""
+    oss = {"model": "kvshare-gpt-oss-20b-rand.gguf", "device": "cuda", "gpu_weights": "blocks",
+           "n_layers": 24, "n_embd": 2880, "vocab": 151936,
+           "decode": {"1": _decode(210.0), "8": _decode(900.0)},
+           "decode_eager": {"1": _decode(40.0, graphs=False), "8": _decode(150.0, graphs=False)}}
+    (tmp_path / "gpu_bench_gpt_oss.json").write_text(json.dumps(oss))
+    row = _rows(tmp_path)["gpt_oss_decode"]
+    assert row.status == "info"
+    assert row.measured == "batch 1: 210; eager 40; batch 8: 900; eager 150"
+    assert "vocab 151936" in row.source
+    small = {**oss, "device": "cpu", "n_layers": 2, "n_embd": 256,
+             "decode": {"1": _decode(1300.0, graphs=False)}}
+    (tmp_path / "gpu_bench_gpt_oss.json").write_text(json.dumps(small))
+    row = _rows(tmp_path)["gpt_oss_decode"]
+    assert row.status == "invalid" and row.measured == "batch 1: 1,300 (no graph); eager 40"
+    assert any("device cpu" in n for n in row.notes)
+    assert any("not gpt-oss-20b's shape" in n for n in row.notes)
+    (tmp_path / "gpu_bench_gpt_oss.json").unlink()
+    (tmp_path / "step_gpu_bench_gpt_oss.json").write_text(json.dumps({"rc": 1, "seconds": 3}))
+    row = _rows(tmp_path)["gpt_oss_decode"]
+    assert row.status == "FAIL" and "failed (rc 1)" in row.measured

@@ -1,6 +1,9 @@
 """scripts/make_random_gguf.py: the tiny qwen3 size is written with llama.cpp's Q4_K_M mix of
 block formats, is byte-identical for a seed, loads in kvshare with its copied tokenizer and
-chat template, and computes finite logits."""
+chat template, and computes finite logits. The tiny gpt-oss size has the tensors, metadata
+and formats of gpt-oss's MXFP4 GGUFs (the shipped tiny-gpt-oss.gguf's names and keys; Q8_0
+matrices, MXFP4 experts), loads as a GptOssModel and computes finite logits; the 20b plan is
+gpt-oss-20b-mxfp4.gguf's 459 tensors and 11.27 GiB."""
 
 from __future__ import annotations
 
@@ -15,11 +18,13 @@ from gguf import GGMLQuantizationType as Q, quants
 from kvshare.model.batch import SeqChunk
 from kvshare.model.chat_template import ChatTemplate
 from kvshare.model.gguf_file import GGUFFile
+from kvshare.model.gpt_oss import GptOssModel
 from kvshare.model.loader import block_formats, load_model
 from kvshare.model.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "tests" / "data" / "models" / "tiny-qwen3-chat.gguf"
+TINY_GPT_OSS = ROOT / "tests" / "data" / "models" / "tiny-gpt-oss.gguf"
 
 
 def _script():
@@ -143,3 +148,180 @@ def test_loads_and_computes_finite_logits(tiny):
 def test_cli_rejects_unknown_size(gen, tmp_path):
     with pytest.raises(SystemExit):
         gen.main(["--size", "70b", "--out", str(tmp_path / "x.gguf")])
+
+
+# ----------------------------------------------------------------------------- gpt-oss
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_tiny(gen, tmp_path_factory):
+    path = tmp_path_factory.mktemp("rand") / "gpt-oss-tiny.gguf"
+    info = gen.write(path, "gpt-oss", "tiny", TOKENIZER, seed=0)
+    return path, info
+
+
+def _read(path):
+    gf = GGUFFile(path)
+    try:
+        return (dict(gf.metadata), {n: ti.qtype for n, ti in gf.tensors.items()},
+                {n: ti.numpy_shape for n, ti in gf.tensors.items()})
+    finally:
+        gf.close()
+
+
+def test_gpt_oss_tiny_tensors_and_metadata(gpt_oss_tiny):
+    path, info = gpt_oss_tiny
+    md, t, shapes = _read(path)
+    vocab = len(md["tokenizer.ggml.tokens"])
+    assert vocab == info["vocab"] == 367
+    assert md["general.architecture"] == "gpt-oss"
+    assert md["general.file_type"] == 38  # LLAMA_FTYPE_MOSTLY_MXFP4_MOE
+    p = "gpt-oss."
+    assert md[p + "block_count"] == 2 and md[p + "embedding_length"] == 256
+    assert md[p + "attention.head_count"] == 8 and md[p + "attention.head_count_kv"] == 2
+    assert md[p + "attention.key_length"] == md[p + "attention.value_length"] == 64
+    assert md[p + "attention.sliding_window"] == 128
+    assert md[p + "rope.scaling.type"] == "yarn"
+    assert md[p + "rope.scaling.factor"] == pytest.approx(32.0)
+    assert md[p + "rope.scaling.original_context_length"] == 4096
+    assert md[p + "rope.freq_base"] == pytest.approx(150000.0)
+    assert md[p + "attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)
+    assert (md[p + "expert_count"], md[p + "expert_used_count"],
+            md[p + "expert_feed_forward_length"]) == (8, 2, 256)
+    # the names and keys of the shipped gpt-oss test model (scripts/make_tiny_gpt_oss.py,
+    # which also writes rope.dimension_count, absent from gpt-oss's GGUFs: head_dim is it)
+    ref_md, ref_t, _ = _read(TINY_GPT_OSS)
+    assert set(t) == {n for n in ref_t if not n.startswith(("blk.2.", "blk.3."))}
+    assert ({k for k in md if k.startswith(p)}
+            == {k for k in ref_md if k.startswith(p)} - {p + "rope.dimension_count"})
+    assert len(t) == info["tensors"] == 2 * 19 + 3
+    # formats: ggml-org's MXFP4 release
+    assert t["token_embd.weight"] == t["output.weight"] == Q.Q8_0
+    assert shapes["token_embd.weight"] == shapes["output.weight"] == (vocab, 256)
+    for il in range(2):
+        b = f"blk.{il}."
+        for n in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            assert t[b + n + ".weight"] == Q.Q8_0, n
+        for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+            assert t[b + n + ".weight"] == Q.MXFP4, n
+        for n in ("attn_q.bias", "attn_k.bias", "attn_v.bias", "attn_output.bias",
+                  "attn_sinks.weight", "attn_norm.weight", "post_attention_norm.weight",
+                  "ffn_gate_inp.weight", "ffn_gate_inp.bias", "ffn_gate_exps.bias",
+                  "ffn_up_exps.bias", "ffn_down_exps.bias"):
+            assert t[b + n] == Q.F32, n
+    assert shapes["blk.0.attn_q.weight"] == (8 * 64, 256)
+    assert shapes["blk.0.attn_k.weight"] == shapes["blk.0.attn_v.weight"] == (2 * 64, 256)
+    assert shapes["blk.0.attn_output.weight"] == (256, 8 * 64)
+    assert shapes["blk.0.attn_sinks.weight"] == (8,)
+    assert shapes["blk.1.ffn_gate_inp.weight"] == (8, 256)
+    assert shapes["blk.1.ffn_gate_exps.weight"] == shapes["blk.1.ffn_up_exps.weight"] == (
+        8, 256, 256)
+    assert shapes["blk.1.ffn_down_exps.weight"] == (8, 256, 256)
+    assert shapes["blk.1.ffn_up_exps.bias"] == shapes["blk.1.ffn_down_exps.bias"] == (8, 256)
+
+
+def test_gpt_oss_blocks_are_valid_and_small(gpt_oss_tiny):
+    """Every Q8_0 / MXFP4 matrix dequantizes (gguf's reference) to finite values of std near
+    0.02 and mean near 0; norms are 1, biases small, sinks and the router finite."""
+    path, _ = gpt_oss_tiny
+    gf = GGUFFile(path)
+    try:
+        seen = set()
+        for name, ti in gf.tensors.items():
+            x = np.array(quants.dequantize(np.array(gf.raw(name)), ti.qtype), np.float32)
+            assert np.isfinite(x).all(), name
+            seen.add(ti.qtype)
+            if ti.qtype in (Q.Q8_0, Q.MXFP4):
+                assert 0.01 < float(x.std()) < 0.04, name
+                assert abs(float(x.mean())) < 0.005, name
+            elif name.endswith("norm.weight"):
+                assert (x == 1.0).all(), name
+            elif name.endswith(".bias"):
+                assert 0.01 < float(x.std()) < 0.04, name
+            elif "attn_sinks" in name:
+                assert 0.0 < float(x.std()) < 2.0, name
+            else:
+                assert "ffn_gate_inp" in name, name
+                assert 0.05 < float(x.std()) < 0.25, name  # 2 / sqrt(256)
+        assert seen == {Q.Q8_0, Q.MXFP4, Q.F32}
+    finally:
+        gf.close()
+
+
+def test_gpt_oss_deterministic(gen, gpt_oss_tiny, tmp_path):
+    path, _ = gpt_oss_tiny
+    again = tmp_path / "again.gguf"
+    gen.write(again, "gpt-oss", "tiny", TOKENIZER, seed=0)
+    assert again.read_bytes() == Path(path).read_bytes()
+    other = tmp_path / "other.gguf"
+    gen.write(other, "gpt-oss", "tiny", TOKENIZER, seed=1)
+    assert other.read_bytes() != Path(path).read_bytes()
+
+
+def test_gpt_oss_loads_and_computes_finite_logits(gpt_oss_tiny):
+    path, info = gpt_oss_tiny
+    assert Path(path).stat().st_size == info["file_bytes"] < 3 * 2**20
+    model = load_model(path, "cpu")
+    assert isinstance(model, GptOssModel)
+    cfg = model.config
+    assert (cfg.arch, cfg.n_layers, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim,
+            cfg.vocab_size) == ("gpt-oss", 2, 256, 8, 2, 64, 367)
+    assert cfg.layer_windows == (128, 0) and cfg.sliding_window == 128
+    assert cfg.activation == "swiglu_oai" and not cfg.tied_embeddings
+    assert cfg.rope_base == pytest.approx(150000.0)
+    assert cfg.extra["expert_count"] == 8 and cfg.extra["expert_used_count"] == 2
+    yarn = cfg.extra["yarn"]
+    assert yarn["freq_scale"] == pytest.approx(1 / 32) and yarn["n_ctx_orig"] == 4096
+    assert model.yarn is not None
+    for layer in model.layers:
+        assert layer.sinks.shape == (8,) and layer.bo.shape == (256,)
+        assert layer.moe.routing.n_expert == 8 and layer.moe.routing.k == 2
+    ids = list(range(3, 23))
+    cache = model.new_cache(8, 16)
+    (logits,) = model.forward([SeqChunk(ids, 0, np.arange(2), logits="all")], cache)
+    assert logits.shape == (len(ids), 367)
+    assert np.isfinite(logits).all()
+    assert float(logits.std()) > 1e-3  # not degenerate
+    (last,) = model.forward([SeqChunk([int(logits[-1].argmax())], len(ids), np.arange(2))],
+                            cache)
+    assert last.shape == (1, 367) and np.isfinite(last).all()
+
+
+def test_gpt_oss_20b_plan_matches_the_mxfp4_release(gen):
+    """gpt-oss-20b's plan at o200k's 201088 tokens: gpt-oss-20b-mxfp4.gguf's 459 tensors,
+    20.91 B parameters and 11.27 GiB of tensor data (llama.cpp's `model size`), computed
+    from the plan without writing it."""
+    s = gen.SIZES["gpt-oss"]["20b"]
+    assert (s.n_layers, s.n_embd, s.n_head, s.n_head_kv, s.head_dim, s.n_expert,
+            s.n_expert_used, s.n_ff_exp, s.sliding_window, s.context_length) == (
+        24, 2880, 64, 8, 64, 32, 4, 2880, 128, 131072)
+    assert (s.yarn_factor, s.yarn_orig_ctx, s.rope_base, s.rms_eps, s.tied) == (
+        32.0, 4096, 150000.0, 1e-5, False)
+    plan = gen.tensor_plan("gpt-oss", s, 201088)
+    assert len(plan) == 459 == 24 * 19 + 3
+    shapes = {n: shape for n, shape, _ in plan}
+    types = {n: q for n, _, q in plan}
+    assert shapes["token_embd.weight"] == shapes["output.weight"] == (201088, 2880)
+    assert shapes["blk.23.attn_q.weight"] == (4096, 2880)
+    assert shapes["blk.23.attn_k.weight"] == shapes["blk.23.attn_v.weight"] == (512, 2880)
+    assert shapes["blk.23.attn_output.weight"] == (2880, 4096)
+    assert shapes["blk.23.attn_sinks.weight"] == (64,)
+    assert shapes["blk.23.ffn_gate_inp.weight"] == (32, 2880)
+    for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+        assert shapes[f"blk.23.{n}.weight"] == (32, 2880, 2880)
+        assert types[f"blk.23.{n}.weight"] == Q.MXFP4
+    assert shapes["blk.23.ffn_down_exps.bias"] == (32, 2880)
+    count = {q: sum(t == q for t in types.values()) for q in set(types.values())}
+    assert count == {Q.MXFP4: 72, Q.Q8_0: 4 * 24 + 2, Q.F32: 12 * 24 + 1}
+    params = sum(int(np.prod(shape)) for shape in shapes.values())
+    assert params / 1e9 == pytest.approx(20.91, abs=0.005)
+    nbytes = gen.plan_bytes(plan)
+    assert nbytes / 2**30 == pytest.approx(11.27, abs=0.01)
+    experts = sum(gen.tensor_nbytes(shapes[n], q) for n, q in types.items() if q == Q.MXFP4)
+    assert experts == 72 * 32 * 2880 * (2880 // 32) * 17  # 17 bytes per 32 elements
+
+
+def test_cli_gpt_oss_sizes(gen, tmp_path):
+    with pytest.raises(SystemExit):  # a qwen3 size is not a gpt-oss size
+        gen.main(["--arch", "gpt-oss", "--size", "1.5b", "--out", str(tmp_path / "x.gguf")])
+    assert not (tmp_path / "x.gguf").exists()
