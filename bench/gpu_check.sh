@@ -296,8 +296,7 @@ test_steps() {
                  tests/test_model_gpu.py tests/test_engine_gpu.py tests/test_ops_gpu_fused.py
                  tests/test_ops_gpu_mmvq.py tests/test_sampling_gpu.py tests/test_engine_overlap.py
                  tests/test_ops_gpu_attention_mma.py tests/test_engine_step_ahead.py
-                 tests/test_model_gpu_step_graphs.py tests/test_gpu_kernel_profile.py
-                 tests/test_ops_gpu_gated_delta.py)
+                 tests/test_model_gpu_step_graphs.py tests/test_gpu_kernel_profile.py)
     step pytest_graphs_on 260 "${PYTEST[@]}" -m gpu --junitxml="$WORK/pytest_graphs_on.xml" \
         "${files[@]}" || RC=1
     summ pytest_graphs_on
@@ -307,19 +306,17 @@ test_steps() {
     summ pytest_graphs_off
 }
 
-# MoE: the grouped expert kernels' tests (block types, ragged loads, an idle expert, the tiny
-# MoE models, tiny-gpt-oss's sinks included, against llama.cpp's logits in both GPU weight
-# modes), then a MoE layer's step time, grouped vs the per-expert paths
+# MoE and hybrids: the grouped expert kernels' tests (block types, ragged loads, an idle
+# expert, the tiny MoE models, tiny-gpt-oss's sinks and graphs included, against llama.cpp's
+# logits in both GPU weight modes), the hybrids' recurrent kernels and models (qwen35, lfm2),
+# then a random gpt-oss-20b's decode and a MoE layer's step time, grouped vs per-expert
 moe_steps() {
     step pytest_moe 210 "${PYTEST[@]}" -m gpu --junitxml="$WORK/pytest_moe.xml" \
-        tests/test_ops_gpu_moe.py tests/test_model_moe_gpu.py || RC=1
+        tests/test_ops_gpu_moe.py tests/test_model_moe_gpu.py tests/test_ops_gpu_gated_delta.py \
+        tests/test_ops_gpu_short_conv.py tests/test_model_hybrid.py tests/test_ops_hybrid.py ||
+        RC=1
     summ pytest_moe
     table
-    if [ "$CPU" != 1 ]; then  # (a GPU-only bench: not in the CPU dry run)
-        step moe_gpu_bench 90 $PY bench/moe_gpu_bench.py --out "$WORK/moe_gpu_bench.json" || RC=1
-        grep -E 'model:|moe step' "$WORK/moe_gpu_bench.log" | tee -a "$OUT/summary.txt"
-        table
-    fi
     # a whole agent MoE model: a random gpt-oss-20b (its 24 layers, MXFP4 experts, Q8_0
     # attention; ~11 GiB, written here) decoding at 1 and 8 sequences, CUDA graphs on and off
     local oss=/tmp/kvshare-gpt-oss-20b-rand.gguf osize=20b
@@ -334,6 +331,11 @@ moe_steps() {
         --out "$WORK/gpu_bench_gpt_oss.json" || RC=1
     grep -E '^(model|weights|decode)' "$WORK/gpu_bench_gpt_oss.log" | sed 's/^/[gpt-oss] /' |
         tee -a "$OUT/summary.txt"
+    table
+    if [ "$CPU" != 1 ]; then  # (a GPU-only bench: not in the CPU dry run)
+        step moe_gpu_bench 90 $PY bench/moe_gpu_bench.py --out "$WORK/moe_gpu_bench.json" || RC=1
+        grep -E 'model:|moe step' "$WORK/moe_gpu_bench.log" | tee -a "$OUT/summary.txt"
+    fi
 }
 
 # decode steps as CUDA graphs: their tests, the Q2_K block tests and the machine-code check,

@@ -58,10 +58,21 @@ class ShortConvLayer(HybridRecurrentLayer):
         for r0, r1, slot in prefill:
             causal_conv1d(bx[r0:r1], self.conv_w, states[slot, self.rec_index], backend=be,
                           out=y[r0:r1])
-        if len(dec_slots):
-            rows = be.asarray(dec_rows) if be.is_gpu else dec_rows
+        if len(dec_slots) and be.is_gpu:
+            # one kernel on the cache's states at the rows' slots, shifted in place: no
+            # gather / scatter (kernels/short_conv.cu)
+            from kvshare.ops import gpu_hybrid  # noqa: PLC0415 - GPU path only
+
+            if len(dec_slots) == n:  # a decode step: rows 0..n-1, written straight into y
+                gpu_hybrid.causal_conv1d_step_slots(bx, self.conv_w, states, dec_slots,
+                                                    self.rec_index, out=y)
+            else:
+                rows = be.asarray(dec_rows)  # a mixed batch: its decode rows
+                y[rows] = gpu_hybrid.causal_conv1d_step_slots(bx[rows], self.conv_w, states,
+                                                              dec_slots, self.rec_index)
+        elif len(dec_slots):
             st, view = gather_states(states, dec_slots, self.rec_index, xp)
-            y[rows] = causal_conv1d_step(bx[rows], self.conv_w, st, backend=be)
+            y[dec_rows] = causal_conv1d_step(bx[dec_rows], self.conv_w, st, backend=be)
             scatter_states(states, dec_slots, self.rec_index, st, view, xp)
         y *= bcx[:, E : 2 * E]
         x += linear(y, self.out_proj, backend=be)

@@ -97,8 +97,20 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
         for r0, r1, slot in prefill:
             causal_conv1d(qkv_in[r0:r1], self.conv_w, conv_states[slot, self.rec_index],
                           backend=be, out=qkv[r0:r1])
-        if len(dec_slots):
-            rows = be.asarray(dec_rows) if be.is_gpu else dec_rows
+        # the decode rows as an index (on the GPU only a mixed batch indexes them)
+        rows = be.asarray(dec_rows) if be.is_gpu and 0 < len(dec_slots) < n else dec_rows
+        if len(dec_slots) and be.is_gpu:
+            # one kernel on the cache's conv states at the rows' slots, shifted in place: no
+            # gather / scatter (kernels/short_conv.cu)
+            from kvshare.ops import gpu_hybrid  # noqa: PLC0415 - GPU path only
+
+            if len(dec_slots) == n:  # a decode step: rows 0..n-1, written straight into qkv
+                gpu_hybrid.causal_conv1d_step_slots(qkv_in, self.conv_w, conv_states,
+                                                    dec_slots, self.rec_index, out=qkv)
+            else:
+                qkv[rows] = gpu_hybrid.causal_conv1d_step_slots(
+                    qkv_in[rows], self.conv_w, conv_states, dec_slots, self.rec_index)
+        elif len(dec_slots):
             st, view = gather_states(conv_states, dec_slots, self.rec_index, xp)
             qkv[rows] = causal_conv1d_step(qkv_in[rows], self.conv_w, st, backend=be)
             scatter_states(conv_states, dec_slots, self.rec_index, st, view, xp)
@@ -112,7 +124,19 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
             o[r0:r1] = gated_delta_chunked(q[r0:r1], k[r0:r1], v[r0:r1], g[r0:r1],
                                            beta[r0:r1], ssm_states[slot, self.rec_index],
                                            scale=scale, backend=be)
-        if len(dec_slots):
+        if len(dec_slots) and be.is_gpu:
+            # one kernel on the cache's states at the rows' slots, updated in place: no
+            # gather / scatter (kernels/gated_delta.cu)
+            from kvshare.ops import gpu_hybrid  # noqa: PLC0415 - GPU path only
+
+            if len(dec_slots) == n:  # a decode step: rows 0..n-1, written straight into o
+                gpu_hybrid.gated_delta_step_slots(q, k, v, g, beta, ssm_states, dec_slots,
+                                                  self.rec_index, scale=scale, out=o)
+            else:
+                o[rows] = gpu_hybrid.gated_delta_step_slots(
+                    q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_states, dec_slots,
+                    self.rec_index, scale=scale)
+        elif len(dec_slots):
             st, view = gather_states(ssm_states, dec_slots, self.rec_index, xp)
             o[rows] = gated_delta_step(q[rows], k[rows], v[rows], g[rows], beta[rows], st,
                                        scale=scale, backend=be)

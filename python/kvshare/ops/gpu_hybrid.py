@@ -7,17 +7,28 @@ module) with CuPy as the module: cuBLAS batched GEMMs for the chunkwise delta ru
 triangular systems of every chunk and head in one batch of forward-substitution steps; one
 small loop over chunks for the state), CuPy element-wise kernels elsewhere. Same signatures as the NumPy ops less `backend`, same
 contracts (states updated in place). Nothing GPU-related is imported before first use.
+
+`gated_delta_step_slots` is the decode step as one kernel (kernels/gated_delta.cu) on the
+cache's state array itself: each row's state is read and updated in place at its slot, so the
+decode rows need no gather / scatter of their states (and a padding row, slot < 0, touches
+nothing: the step can be a CUDA graph's). `step_impl`'s arithmetic in float32, the sums in a
+fixed order. `causal_conv1d_step_slots` is the conv's decode step likewise
+(kernels/short_conv.cu), `conv_step_impl`'s arithmetic in its order: the same bits.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from kvshare.backend import cupy_module
+from kvshare.ops import gpu_runtime as rt
 from kvshare.ops.gated_delta_xp import CHUNK, chunked_impl, step_impl
 from kvshare.ops.short_conv_xp import conv_impl, conv_step_impl
 
-__all__ = ["causal_conv1d", "causal_conv1d_step", "gated_delta_chunked", "gated_delta_step"]
+__all__ = ["causal_conv1d", "causal_conv1d_step", "causal_conv1d_step_slots",
+           "gated_delta_chunked", "gated_delta_step", "gated_delta_step_slots"]
 
 
 def _f32(cp: Any, a: Any) -> Any:
@@ -46,3 +57,152 @@ def gated_delta_step(q: Any, k: Any, v: Any, g: Any, beta: Any, states: Any, *,
                      scale: float) -> Any:
     cp = cupy_module()
     return step_impl(cp, *(_f32(cp, a) for a in (q, k, v, g, beta)), states, scale=scale)
+
+
+# --- the decode step as one kernel, on the cache's states by slot (kernels/gated_delta.cu) ----
+
+GD_ENTRY_POINTS: tuple[str, ...] = ("gated_delta_step_f32",)
+rt.declare_entry_points("gated_delta", GD_ENTRY_POINTS)
+GD_WARPS = 4  # warps of a CTA, splitting Dk (gated_delta.cu GD_WARPS)
+GD_COLS = 32  # Dv columns of a CTA, a lane each (GD_COLS)
+
+
+def _rows_f32(cp: Any, a: Any, ndim: int, what: str, unit_last: bool = True) -> Any:
+    """`a` as a float32 device array of `ndim` dims, with unit last stride when `unit_last`
+    (a copy only when needed)."""
+    if not (isinstance(a, cp.ndarray) and a.dtype == cp.float32 and a.ndim == ndim
+            and (not unit_last or a.shape[-1] <= 1 or a.strides[-1] == 4)):
+        a = cp.ascontiguousarray(cp.asarray(a), dtype=cp.float32)
+    if a.ndim != ndim:
+        raise ValueError(f"{what} must have {ndim} dimensions, got shape {tuple(a.shape)}")
+    return a
+
+
+def _device_slots(cp: Any, slots: Any, n_slots: int) -> Any:
+    """int32 device slots from a device array (used as is: not checked) or a host sequence
+    (checked: below n_slots, the non-negative ones distinct; uploaded through `rt.upload`'s
+    cache)."""
+    if isinstance(slots, cp.ndarray):
+        return cp.ascontiguousarray(slots.reshape(-1), dtype=cp.int32)
+    h = np.asarray(slots, np.int64).reshape(-1)
+    live = h[h >= 0]
+    if live.size and int(live.max()) >= n_slots:
+        raise IndexError(f"state slot {int(live.max())} out of range [0, {n_slots})")
+    if np.unique(live).size != live.size:
+        raise ValueError(f"state slots of one step must be distinct, got {h.tolist()}")
+    return rt.upload(h, np.int32)
+
+
+def gated_delta_step_slots(q: Any, k: Any, v: Any, g: Any, beta: Any, states_all: Any,
+                           slots: Any, rec_index: int, *, scale: float,
+                           out: Any | None = None) -> Any:
+    """`gated_delta_step` for B rows whose states stay in the cache: row b's state is
+    `states_all[slots[b], rec_index]` (`states_all`: the cache's float32 array of this state
+    kind, `[n_slots, n_rec, H_v, Dk, Dv]`, `KVArrays.states[SSM]`), read and updated in place
+    by one launch (kernels/gated_delta.cu), no gather or scatter. q, k `[B, H_k, Dk]`, v
+    `[B, H_v, Dv]`, g, beta `[B, H_v]` (views with any row and head strides are read as they
+    are). `slots`: a host sequence (checked) or an int32 device array (not checked: what a
+    CUDA graph passes); a slot < 0 is a padding row: its output is zeros, no state is
+    touched. The slots must be distinct. Returns o `[B, H_v, Dv]` (`rt.empty`), or writes it
+    into `out` (float32, that shape, unit last stride) and returns `out`."""
+    cp = cupy_module()
+    q = _rows_f32(cp, q, 3, "q")
+    k = _rows_f32(cp, k, 3, "k")
+    v = _rows_f32(cp, v, 3, "v")
+    g = _rows_f32(cp, g, 2, "g", unit_last=False)
+    beta = _rows_f32(cp, beta, 2, "beta", unit_last=False)
+    B, Hk, Dk = (int(s) for s in q.shape)
+    H, Dv = int(v.shape[1]), int(v.shape[2])
+    if tuple(k.shape) != (B, Hk, Dk) or int(v.shape[0]) != B:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
+                         "expected q, k [B, H_k, Dk] and v [B, H_v, Dv]")
+    if tuple(g.shape) != (B, H) or tuple(beta.shape) != (B, H):
+        raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be {(B, H)}")
+    if Hk == 0 or H % Hk:
+        raise ValueError(f"{H} value heads are not a multiple of {Hk} key heads")
+    st = states_all
+    if not (isinstance(st, cp.ndarray) and st.dtype == cp.float32 and st.ndim == 5
+            and tuple(st.shape[2:]) == (H, Dk, Dv) and (Dv <= 1 or st.strides[-1] == 4)):
+        raise ValueError(f"states must be a float32 device array [n_slots, n_rec, {H}, {Dk}, "
+                         f"{Dv}] with unit last stride, got "
+                         f"{getattr(st, 'dtype', type(st))} {tuple(getattr(st, 'shape', ()))}")
+    n_slots, n_rec = int(st.shape[0]), int(st.shape[1])
+    if not 0 <= int(rec_index) < n_rec:
+        raise IndexError(f"recurrent layer {rec_index} out of range [0, {n_rec})")
+    d_slots = _device_slots(cp, slots, n_slots)
+    if int(d_slots.size) != B:
+        raise ValueError(f"{int(d_slots.size)} slots for {B} rows")
+    if out is None:
+        out = rt.empty((B, H, Dv), np.float32)
+    elif not (isinstance(out, cp.ndarray) and out.dtype == cp.float32
+              and tuple(out.shape) == (B, H, Dv) and (Dv <= 1 or out.strides[-1] == 4)):
+        raise ValueError(f"out must be a float32 device array {(B, H, Dv)} with unit last "
+                         "stride")
+    if B == 0 or H == 0 or Dv == 0:
+        return out
+    ss = rt.estrides(st)
+    layer = st[:, int(rec_index)]  # a view: the kernel's base pointer is layer rec_index's
+    qs, ks, vs, gs, bs, os_ = (rt.estrides(a) for a in (q, k, v, g, beta, out))
+    rt.kernel("gated_delta", "gated_delta_step_f32")(
+        (B * H, -(-Dv // GD_COLS), 1), (32 * GD_WARPS, 1, 1),
+        (q, np.int64(qs[0]), np.int64(qs[1]), k, np.int64(ks[0]), np.int64(ks[1]),
+         v, np.int64(vs[0]), np.int64(vs[1]), g, np.int64(gs[0]), np.int64(gs[1]),
+         beta, np.int64(bs[0]), np.int64(bs[1]),
+         layer, np.int64(ss[0]), np.int64(ss[2]), np.int64(ss[3]),
+         d_slots, np.int32(H), np.int32(Hk), np.int32(Dk), np.int32(Dv), np.float32(scale),
+         out, np.int64(os_[0]), np.int64(os_[1])))
+    return out
+
+
+# --- the conv's decode step as one kernel, on the cache's states by slot (kernels/short_conv.cu)
+
+SC_ENTRY_POINTS: tuple[str, ...] = ("causal_conv1d_step_f32",)
+rt.declare_entry_points("short_conv", SC_ENTRY_POINTS)
+
+
+def causal_conv1d_step_slots(x: Any, weight: Any, states_all: Any, slots: Any, rec_index: int,
+                             *, out: Any | None = None) -> Any:
+    """`causal_conv1d_step` for B rows whose conv states stay in the cache: row b's state is
+    `states_all[slots[b], rec_index]` (`states_all`: the cache's float32 array of this state
+    kind, `[n_slots, n_rec, K-1, C]`, `KVArrays.states[CONV]`), read, shifted and updated in
+    place by one launch (kernels/short_conv.cu), no gather or scatter; `conv_step_impl`'s
+    arithmetic in its order, so the same bits. x `[B, C]` (a view with any row stride is read
+    as it is), weight `[C, K]` (K >= 2). `slots`: a host sequence (checked) or an int32 device
+    array (not checked: what a CUDA graph passes); a slot < 0 is a padding row: its output is
+    zeros, no state is touched. The slots must be distinct. Returns `[B, C]` (`rt.empty`), or
+    writes it into `out` (float32, that shape, unit last stride) and returns `out`."""
+    cp = cupy_module()
+    x = _rows_f32(cp, x, 2, "x")
+    weight = _rows_f32(cp, weight, 2, "weight", unit_last=False)
+    B, C = (int(s) for s in x.shape)
+    K = int(weight.shape[1])
+    if int(weight.shape[0]) != C or K < 2:
+        raise ValueError(f"weight {tuple(weight.shape)}: expected [{C}, K] with K >= 2")
+    st = states_all
+    if not (isinstance(st, cp.ndarray) and st.dtype == cp.float32 and st.ndim == 4
+            and tuple(st.shape[2:]) == (K - 1, C) and (C <= 1 or st.strides[-1] == 4)):
+        raise ValueError(f"states must be a float32 device array [n_slots, n_rec, {K - 1}, "
+                         f"{C}] with unit last stride, got "
+                         f"{getattr(st, 'dtype', type(st))} {tuple(getattr(st, 'shape', ()))}")
+    n_slots, n_rec = int(st.shape[0]), int(st.shape[1])
+    if not 0 <= int(rec_index) < n_rec:
+        raise IndexError(f"recurrent layer {rec_index} out of range [0, {n_rec})")
+    d_slots = _device_slots(cp, slots, n_slots)
+    if int(d_slots.size) != B:
+        raise ValueError(f"{int(d_slots.size)} slots for {B} rows")
+    if out is None:
+        out = rt.empty((B, C), np.float32)
+    elif not (isinstance(out, cp.ndarray) and out.dtype == cp.float32
+              and tuple(out.shape) == (B, C) and (C <= 1 or out.strides[-1] == 4)):
+        raise ValueError(f"out must be a float32 device array {(B, C)} with unit last stride")
+    if B == 0 or C == 0:
+        return out
+    ss = rt.estrides(st)
+    layer = st[:, int(rec_index)]  # a view: the kernel's base pointer is layer rec_index's
+    xs, ws, os_ = (rt.estrides(a) for a in (x, weight, out))
+    rt.kernel("short_conv", "causal_conv1d_step_f32")(
+        rt.grid(B * C), (rt.ELEMWISE_THREADS, 1, 1),
+        (x, np.int64(xs[0]), weight, np.int64(ws[0]), np.int64(ws[1]),
+         layer, np.int64(ss[0]), np.int64(ss[2]), d_slots, np.int32(B), np.int32(C),
+         np.int32(K), out, np.int64(os_[0])))
+    return out
