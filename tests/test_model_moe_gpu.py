@@ -524,3 +524,65 @@ def test_gpt_oss_steps_as_cuda_graphs_equal_eager(mode, monkeypatch):
                 np.testing.assert_array_equal(x, y)
         for a, b in zip(kv, want[1]):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", ("tiny-lfm2", "tiny-lfm2moe"))
+def test_lfm2_decode_steps_as_cuda_graphs_equal_eager(name):
+    """An lfm2 hybrid's decode steps as CUDA graphs (its short-conv layers' decode step,
+    `ShortConvLayer.decode_step`, on the cache's conv states by the slots in the step's
+    input buffer; the experts routed on the device): two sequences prefilled eagerly (steps
+    with a prompt chunk stay eager for a hybrid), then decode steps of one and two rows,
+    captured at their first step and replayed; the whole script again on the same cache
+    (its prompts zero the states): the eager run's logits, KV and recurrent states, bit for
+    bit on the emulator; the padding row of a bucket touches no state."""
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+
+    m = gpu_model(name, "f16")
+    assert m.step_graphs_apply()
+    toks = reference(name)["tokens"]
+    tables = [np.arange(0, 3), np.arange(3, 6), np.arange(6, 8)]
+    script = [[(0, 0, 12, "last")], [(1, 0, 7, "last")], [(2, 0, 5, "last")],
+              [(0, 12, 1, "last")], [(0, 13, 1, "last"), (1, 7, 1, "last")],
+              [(0, 14, 1, "last"), (1, 8, 1, "last")],
+              [(0, 15, 1, "last"), (1, 9, 1, "last"), (2, 5, 1, "last")],  # a padding row
+              [(1, 10, 1, "last")], [(0, 16, 1, "last"), (1, 11, 1, "last"), (2, 6, 1, "last")]]
+
+    def run_script(cache):
+        out = []
+        for step in script:
+            chunks = [SeqChunk(toks[s * 20 + p : s * 20 + p + n], p, tables[s], logits=lg,
+                               state_slot=s + 1) for s, p, n, lg in step]
+            out.append([np.asarray(x.get() if hasattr(x, "get") else x)
+                        for x in m.forward(chunks, cache)])
+        kv = [np.asarray(a.get()) for L in m.layers if L.kind == "attention"
+              for a in cache.layer_kv(L.attn_index)]
+        kv += [np.asarray(a.get()) for a in cache.states]
+        return out, kv
+
+    try:
+        m.cuda_graphs = False
+        want = run_script(m.new_cache(10, BS, n_state_slots=4))
+        m.cuda_graphs = True
+        r = gpu_graphs.runner(m)
+        assert r is not None
+        cache = m.new_cache(10, BS, n_state_slots=4)
+        first = run_script(cache)
+        captured, replays = r.captures, r.replays
+        again = run_script(cache)
+    finally:
+        m.cuda_graphs = None
+    # decode steps of 1, 2 and 3 rows (a graph of 4); a shape whose workspace outgrew the
+    # others' is captured again
+    assert not r.failures and captured >= 3
+    assert set(r.graphs) == {gpu_graphs.StepShape.decode(b) for b in (1, 2, 4)}
+    assert r.replays - replays == 6  # every decode step of the second run is a graph's
+    for got, kv in (first, again):
+        for a, b in zip(got, want[0]):
+            for x, y in zip(a, b):
+                np.testing.assert_array_equal(x, y)
+        for a, b in zip(kv, want[1]):
+            np.testing.assert_array_equal(a, b)
+    # slot 0 was never a sequence's: still zero in the graphs' run (its padding row's slot
+    # is -1); the sequences' slots hold states
+    for st in kv[-len(cache.states):]:
+        assert not st[0].any() and st[1:].any(axis=tuple(range(1, st.ndim))).all()

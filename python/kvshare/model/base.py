@@ -352,18 +352,35 @@ class DecoderModel(Model):
         # rope key -> (block number, cos, sin) of ROPE_BLOCK positions (`_rope_row`)
         self._rope_blocks: dict[tuple[float, float], tuple[int, np.ndarray, np.ndarray]] = {}
 
+    # the methods whose work a captured step repeats (`gpu_graphs.StepGraphs._run`): a class
+    # that overrides one computes its steps its own way, and they stay eager
+    _GRAPH_METHODS = ("forward", "_rope", "_project_qkv", "_output_and_mlp", "_attention_layer",
+                      "_attention_rows", "_logits")
+
     def step_graphs_apply(self) -> bool:
-        """Whether steps can be CUDA graphs (`model.gpu_graphs`): every layer a plain
-        attention layer and the forward pass this class's."""
+        """Whether steps can be CUDA graphs (`model.gpu_graphs`): every layer graph-ready
+        (`_layer_graph_ready`) and the forward pass this class's."""
+        return self._graph_methods_kept(DecoderModel.forward) and all(
+            self._layer_graph_ready(L) for L in self.layers)
+
+    def _graph_methods_kept(self, forward: Any) -> bool:
+        """Whether the class keeps `_GRAPH_METHODS` as DecoderModel has them (`forward`: as
+        given)."""
         cls = type(self)
-        for name in ("forward", "_rope", "_project_qkv", "_output_and_mlp", "_attention_layer",
-                     "_attention_rows", "_logits"):
-            if getattr(cls, name) is not getattr(DecoderModel, name):
-                return False
-        # (AttentionLayer's subclasses only type its fields: gpt-oss's, qwen3moe's; a
-        # `_rope_tables` override computes its tables on the device, as the graph calls it)
-        return all(isinstance(L, AttentionLayer)
-                   and (L.moe is None or L.moe.graph_ready()) for L in self.layers)
+        return all(getattr(cls, name) is (forward if name == "forward"
+                                          else getattr(DecoderModel, name))
+                   for name in self._GRAPH_METHODS)
+
+    @staticmethod
+    def _layer_graph_ready(L: Any) -> bool:
+        """An attention layer whose experts (if any) are graph-ready, or a recurrent layer
+        whose decode step is (`decode_graph_ready`: hybrids' graphs are decode steps only).
+        (AttentionLayer's subclasses only type its fields: gpt-oss's, qwen3moe's; a
+        `_rope_tables` override computes its tables on the device, as the graph calls it.)"""
+        if isinstance(L, AttentionLayer):
+            return L.moe is None or L.moe.graph_ready()
+        ready = getattr(L, "decode_graph_ready", None)
+        return bool(ready is not None and ready())
 
     def fed_steps_apply(self) -> bool:
         return self.backend.is_gpu and gpu_graphs.runner(self) is not None

@@ -1,5 +1,5 @@
-"""Steps of a dense `DecoderModel` on the GPU as CUDA graphs: decode steps, prefill chunks
-and mixed steps of up to `MAX_TOKENS` tokens.
+"""Steps of a `DecoderModel` on the GPU as CUDA graphs: decode steps, prefill chunks and
+mixed steps of up to `MAX_TOKENS` tokens (a hybrid's decode steps: see below).
 
 A GPU step is a few hundred kernel launches (per layer: norms, the fused Q/K/V product, q/k
 norms and rope, the KV write, attention, the output product, the gated MLP, residual adds),
@@ -56,12 +56,21 @@ How (`StepGraphs`):
   tests/test_ops_gpu_graph.py the parts; on a GPU, cuBLAS may pick another algorithm for a
   padded row count).
 
+A hybrid model (recurrent layers beside attention ones: `HybridModel.step_graphs_apply`)
+has its decode steps captured (every chunk one token, every row's logits wanted); a step
+with a prompt chunk stays eager (its layers run the chunked recurrences). A recurrent layer's
+part of the step is its `decode_step` (the same code its eager decode step runs), on the
+recurrent states at each row's slot: one more input, `state_slots` (-1 for a padding row,
+which reads and writes no state). lfm2 and lfm2moe have such layers; qwen35's gated delta
+and gated attention layers do not yet (`decode_graph_ready`), so its steps stay eager.
+
 Where graphs do not apply the step stays eager: more than `MAX_TOKENS` tokens or
 `MAX_LOGIT_ROWS` logit rows, a block table longer than `width`, a step whose attention needs
-more splits than its shape's grid has, models whose layers are not all plain attention layers
-(hybrid recurrent layers; MoE layers that route on the host or have a shared expert:
-`MoeFFN.graph_ready`), and architectures that override the layer methods (a model's own
-rope tables, `_rope_tables`, are computed on the device: gpt-oss's YaRN tables).
+more splits than its shape's grid has, models with a layer that is not graph-ready
+(`DecoderModel._layer_graph_ready`: MoE layers that route on the host or have a shared
+expert, `MoeFFN.graph_ready`; recurrent layers without a graph-ready `decode_step`), and
+architectures that override the layer methods (a model's own rope tables, `_rope_tables`,
+are computed on the device: gpt-oss's YaRN tables).
 `KVSHARE_CUDA_GRAPHS=0` (`kvshare serve --no-cuda-graphs`), or `model.cuda_graphs = False`,
 turns graphs off; `KVSHARE_CUDA_GRAPHS_PREFILL=0` keeps them to decode steps (every chunk
 one token).
@@ -78,6 +87,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from kvshare.model.batch import SeqChunk, split_logits
+from kvshare.model.config import ATTENTION
 from kvshare.ops import gpu_runtime as rt
 
 ENV = "KVSHARE_CUDA_GRAPHS"
@@ -191,12 +201,15 @@ class StepInputs:
     host must not write them before then: `wait_sent` (called before every staging) waits for
     the last copy, normally long done."""
 
-    def __init__(self, shape: StepShape, width: int, split: bool, n_launch: int):
+    def __init__(self, shape: StepShape, width: int, split: bool, n_launch: int,
+                 recurrent: bool = False):
         cp = rt.cupy_module()
         t, s, r = shape.tokens, shape.seqs, shape.rows
         groups = (0, 1) if split else (0,)
         spec = [("tokens", (t,), np.int32), ("positions", (t,), np.int64),
                 ("tiles", (t, 4), np.int32), ("splits", (n_launch,), np.int32)]
+        if recurrent:  # a hybrid's decode step: each row's recurrent-state slot (-1: padding)
+            spec.append(("state_slots", (s,), np.int32))
         spec += [(f"slots{g}", (t,), np.int64) for g in groups]
         spec += [(f"tables{g}", (s, width), np.int32) for g in groups]
         if shape.gather:
@@ -274,8 +287,13 @@ class StepGraphs:
         self.replays = 0
         self.captures = 0
         self._cache_key: Any = None
-        self.rope_keys = list(dict.fromkeys((L.rope_base, L.rope_scale) for L in model.layers))
-        self.windows = sorted({int(L.window) for L in model.layers})
+        attn = [L for L in model.layers if L.kind == ATTENTION]
+        self.rope_keys = list(dict.fromkeys((L.rope_base, L.rope_scale) for L in attn))
+        # a hybrid model (recurrent layers): only its decode steps are graphs, each row's
+        # state slot an input of the step
+        self.recurrent = bool(model.config.n_recurrent_layers)
+        self.attn_layer = attn[0] if attn else None
+        self.windows = sorted({int(L.window) for L in attn})
 
     # -- which steps ---------------------------------------------------------------------
     def _width(self, cache: Any) -> int:
@@ -292,7 +310,7 @@ class StepGraphs:
         if cache.kv_dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
             return None
         prefill = plan.max_seq_rows > 1
-        if prefill and not prefill_by_env():
+        if prefill and (self.recurrent or not prefill_by_env()):
             return None
         width = self._width(cache)
         if any(-(-c.end_pos // cache.block_size) > width for c in chunks):
@@ -301,9 +319,11 @@ class StepGraphs:
         if n_rows > MAX_LOGIT_ROWS:
             return None
         gather = 0 < n_rows < n_tok
+        if gather and self.recurrent:
+            return None
         mma = False
-        if plan.max_seq_rows >= gpu.PM_MIN_TOKENS:
-            kc, vc = cache.layer_kv(self.model.layers[0].attn_index)
+        if plan.max_seq_rows >= gpu.PM_MIN_TOKENS and self.attn_layer is not None:
+            kc, vc = cache.layer_kv(self.attn_layer.attn_index)
             mma = gpu.mma_fits(kc, vc, self.model.config.head_dim)
         t = bucket_of(n_tok)
         least = PREFILL_MIN_SEQS if prefill else 1
@@ -362,7 +382,7 @@ class StepGraphs:
         inp = self.inputs.get(shape)
         if inp is None:
             inp = self.inputs[shape] = StepInputs(shape, self._width(cache), cache.split,
-                                                  len(launches))
+                                                  len(launches), self.recurrent)
         return inp
 
     def _stage(self, shape: StepShape, chunks: Sequence[SeqChunk], cache: Any, plan: Any,
@@ -384,6 +404,10 @@ class StepGraphs:
         h["tokens"][n_tok:] = plan.tokens[0]
         h["positions"][:n_tok] = plan.positions
         h["positions"][n_tok:] = plan.positions[0]
+        if self.recurrent:
+            h["state_slots"][:n_seq] = [-1 if c.state_slot is None else c.state_slot
+                                        for c in chunks]
+            h["state_slots"][n_seq:] = -1
         real = gpu.pa_tiles(plan.q_starts, plan.start_positions, b.gc, b.cta_rows)
         _fill_tiles(h["tiles"], real, n_tok, int(plan.positions[0]))
         gather = shape.gather
@@ -443,7 +467,7 @@ class StepGraphs:
     def _launches(self, cache: Any) -> list[tuple[int, int]]:
         """(layer group, window) of each distinct attention launch of a step."""
         return list(dict.fromkeys((cache.group_of(L.attn_index), int(L.window))
-                                  for L in self.model.layers))
+                                  for L in self.model.layers if L.kind == ATTENTION))
 
     def bounds(self, shape: StepShape) -> AttnBounds:
         """The shape's `AttnBounds` (computed once per shape)."""
@@ -541,6 +565,13 @@ class StepGraphs:
             n_layers = len(model.layers)
             for il, L in enumerate(model.layers):
                 last = il == n_layers - 1
+                if L.kind != ATTENTION:  # a hybrid's recurrent layer (decode steps only)
+                    L.decode_step(x, d["state_slots"], cache)
+                    if last and shape.rows == 0:
+                        return None
+                    if not last:
+                        self.ws.release(mark)
+                    continue
                 cos, sin = ropes[(L.rope_base, L.rope_scale)]
                 kc, vc = cache.layer_kv(L.attn_index)
                 g = cache.group_of(L.attn_index)
@@ -644,6 +675,8 @@ class StepGraphs:
                 continue
             for g in (0, 1) if cache.split else (0,):
                 inp.h[f"slots{g}"][:] = -1  # a warm-up step writes no KV
+            if self.recurrent:
+                inp.h["state_slots"][:] = -1  # nor recurrent states
             with self.stream:
                 inp.send(self.stream)
                 self._measured_run(shape, cache, inp, launches)

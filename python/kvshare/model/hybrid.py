@@ -49,6 +49,27 @@ class HybridModel(DecoderModel):
         """Bytes of one sequence's recurrent state (one slot: every kind, every layer)."""
         return sum(int(np.prod(s)) * 4 for s in self.state_shapes())
 
+    def step_graphs_apply(self) -> bool:
+        """Whether decode steps can be CUDA graphs (`model.gpu_graphs`; steps with a prompt
+        chunk stay eager): every recurrent layer's decode step graph-ready
+        (`decode_graph_ready`), the attention layers as `DecoderModel`'s, and the forward
+        pass this class's (which checks the chunks' state slots and zeroes a new sequence's
+        states, then runs `DecoderModel.forward`)."""
+        return self._graph_methods_kept(HybridModel.forward) and all(
+            self._layer_graph_ready(L) for L in self.layers)
+
+    def forward_fed(self, chunks: Sequence[SeqChunk], cache: KVArrays, token_feed: Any
+                    ) -> list[Any] | None:
+        """As `DecoderModel.forward_fed`, for chunks that continue their sequences in
+        distinct state slots (`forward`'s checks; a sequence's first token, whose states
+        `forward` zeroes, is not a step launched ahead)."""
+        slots = [c.state_slot for c in chunks]
+        if (not cache.states or any(c.start_pos == 0 for c in chunks)
+                or any(s is None or not 0 <= s < cache.n_state_slots for s in slots)
+                or len(set(slots)) < len(slots)):
+            return None
+        return super().forward_fed(chunks, cache, token_feed)
+
     def forward(self, chunks: Sequence[SeqChunk], cache: KVArrays) -> list[np.ndarray | None]:
         if not cache.states or cache.n_state_slots < 1:
             raise ValueError(f"{self.arch} has recurrent layers: the cache needs state slots "

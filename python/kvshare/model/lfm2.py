@@ -15,6 +15,10 @@ grouped-query attention scaled by 1/sqrt(head_dim), `attn_output`), run by
 
 State per slot (`state_shapes()`): `conv [n_rec, L-1, n_embd]` (the last L-1 values of B*X,
 oldest first).
+
+On a GPU a decode step's short-conv layers run `ShortConvLayer.decode_step` (the conv step
+one kernel on the cache's states by slot, its arrays from the step's workspace), which a
+CUDA graph of the step captures as it is (`model.gpu_graphs`).
 """
 
 from __future__ import annotations
@@ -49,27 +53,26 @@ class ShortConvLayer(HybridRecurrentLayer):
         xp = be.xp
         E = m.config.n_embd
         n = x.shape[0]
+        dec_rows, dec_slots, prefill = split_batch(plan)
+        if be.is_gpu and not prefill:
+            # a decode step: the same work a CUDA graph of it replays
+            return self.decode_step(x, dec_slots, cache)
         h = rms_norm(x, self.attn_norm, m.config.norm_eps, backend=be)
         bcx = linear(h, self.in_proj, backend=be)  # [n, 3E]: B | C | X
         bx = bcx[:, :E] * bcx[:, 2 * E :]
         states = cache.states[CONV]
-        dec_rows, dec_slots, prefill = split_batch(plan)
         y = xp.empty((n, E), np.float32)
         for r0, r1, slot in prefill:
             causal_conv1d(bx[r0:r1], self.conv_w, states[slot, self.rec_index], backend=be,
                           out=y[r0:r1])
         if len(dec_slots) and be.is_gpu:
-            # one kernel on the cache's states at the rows' slots, shifted in place: no
-            # gather / scatter (kernels/short_conv.cu)
+            # a mixed batch's decode rows: one kernel on the cache's states at the rows'
+            # slots, shifted in place (kernels/short_conv.cu)
             from kvshare.ops import gpu_hybrid  # noqa: PLC0415 - GPU path only
 
-            if len(dec_slots) == n:  # a decode step: rows 0..n-1, written straight into y
-                gpu_hybrid.causal_conv1d_step_slots(bx, self.conv_w, states, dec_slots,
-                                                    self.rec_index, out=y)
-            else:
-                rows = be.asarray(dec_rows)  # a mixed batch: its decode rows
-                y[rows] = gpu_hybrid.causal_conv1d_step_slots(bx[rows], self.conv_w, states,
-                                                              dec_slots, self.rec_index)
+            rows = be.asarray(dec_rows)
+            y[rows] = gpu_hybrid.causal_conv1d_step_slots(bx[rows], self.conv_w, states,
+                                                          dec_slots, self.rec_index)
         elif len(dec_slots):
             st, view = gather_states(states, dec_slots, self.rec_index, xp)
             y[dec_rows] = causal_conv1d_step(bx[dec_rows], self.conv_w, st, backend=be)
@@ -77,6 +80,39 @@ class ShortConvLayer(HybridRecurrentLayer):
         y *= bcx[:, E : 2 * E]
         x += linear(y, self.out_proj, backend=be)
         return m.ffn(x, self.ffn_norm, self.w_gate_up, self.w_down)
+
+    def decode_step(self, x: Any, slots: Any, cache: KVArrays) -> Any:
+        """The layer on a GPU decode step's rows x (every row one token; row i's state at
+        `slots[i]`: a host list, or a CUDA graph's device int32 buffer, where a padding row
+        has -1), x updated in place and returned. Its arrays come from the step's workspace
+        (`rt.empty`) and its ops take no host values, so a graph captures it as it is."""
+        from kvshare.ops import gpu_hybrid  # noqa: PLC0415 - GPU path only
+        from kvshare.ops import gpu_runtime as rt  # noqa: PLC0415
+
+        m = self.model
+        be = m.backend
+        cp = be.xp
+        E = m.config.n_embd
+        n = x.shape[0]
+        h = rms_norm(x, self.attn_norm, m.config.norm_eps, backend=be)
+        bcx = linear(h, self.in_proj, backend=be)  # [n, 3E]: B | C | X
+        bx = rt.empty((n, E), np.float32)
+        cp.multiply(bcx[:, :E], bcx[:, 2 * E :], out=bx)
+        y = rt.empty((n, E), np.float32)
+        gpu_hybrid.causal_conv1d_step_slots(bx, self.conv_w, cache.states[CONV], slots,
+                                            self.rec_index, out=y)
+        cp.multiply(y, bcx[:, E : 2 * E], out=y)
+        x += linear(y, self.out_proj, backend=be)
+        return m.ffn(x, self.ffn_norm, self.w_gate_up, self.w_down)
+
+    def decode_graph_ready(self) -> bool:
+        """Whether `decode_step` can be captured: on a GPU, with a dense FFN or experts
+        that are graph-ready (`MoeFFN.graph_ready`)."""
+        if not self.model.backend.is_gpu:
+            return False
+        ffn = self.w_gate_up
+        ready = getattr(ffn, "graph_ready", None)
+        return ready is None or bool(ready())
 
 
 class Lfm2Model(HybridModel):
