@@ -72,15 +72,16 @@ def decode_cost(emu, model, batch: int, graphs: bool, steps: int = 40) -> dict:
 
     model.cuda_graphs = graphs
     nbs = 16
-    cache = model.new_cache(nbs * batch, 16)
+    cache = _new_cache(model, nbs * batch, batch)
     tables = [np.arange(i * nbs, (i + 1) * nbs) for i in range(batch)]
     model.logits_on_device = True
     nxt = np.zeros(batch, np.int32)
     pos = [64]
+    slot = _slot_of(model)
 
     def step():
-        outs = model.forward([SeqChunk(nxt[i : i + 1], pos[0], tables[i]) for i in range(batch)],
-                             cache)
+        outs = model.forward([SeqChunk(nxt[i : i + 1], pos[0], tables[i], state_slot=slot(i))
+                              for i in range(batch)], cache)
         gpu_sampling.sample_rows([gpu_sampling.RowSpec(logits=o[0], greedy=True) for o in outs])
         pos[0] += 1
 
@@ -98,17 +99,30 @@ def prefill_cost(emu, model, n: int, graphs: bool, reps: int = 5) -> dict:
 
     toks = np.arange(n, dtype=np.int32) % 1000
     nb = -(-n // 16) + 1
-    cache = model.new_cache(nb, 16)
+    cache = _new_cache(model, nb, 1)
     table = np.arange(nb)
     model.cuda_graphs = graphs
 
     def fwd():
-        model.forward([SeqChunk(toks, 0, table, logits="last")], cache)
+        model.forward([SeqChunk(toks, 0, table, logits="last", state_slot=_slot_of(model)(0))],
+                      cache)
 
     try:
         return _measure(emu, fwd, warm=2, reps=reps)  # the warm runs capture the graph
     finally:
         model.cuda_graphs = None
+
+
+def _new_cache(model, n_blocks: int, n_seqs: int):
+    """A cache of `n_blocks` 16-token blocks, with a recurrent-state slot per sequence for a
+    hybrid model."""
+    slots = n_seqs if model.config.n_recurrent_layers else 0
+    return model.new_cache(n_blocks, 16, n_state_slots=slots)
+
+
+def _slot_of(model):
+    """Sequence i's state slot: i for a hybrid model, None otherwise."""
+    return (lambda i: i) if model.config.n_recurrent_layers else (lambda i: None)
 
 
 def _median(ms: list[dict]) -> dict:
@@ -208,11 +222,14 @@ def main() -> None:
         for b in (1, 8, 32):
             rows[f"decode b{b} graphs {'on' if graphs else 'off'}"] = decode_cost(
                 emu, model, b, graphs)
-    for graphs in (True, False):
+    # (a hybrid's prefill steps stay eager: only its graphs-off rows)
+    for graphs in (False,) if model.config.n_recurrent_layers else (True, False):
         for n in (128, 1024):
             rows[f"prefill {n} graphs {'on' if graphs else 'off'}"] = prefill_cost(
                 emu, model, n, graphs)
-    if model.step_graphs_apply():  # (a model whose steps stay eager has no such rows)
+    # (a model whose steps stay eager has no such rows, nor a hybrid, whose steps with a
+    # prompt chunk stay eager)
+    if model.step_graphs_apply() and not model.config.n_recurrent_layers:
         # a later turn's prompt is a new prefill shape more often than not: its first steps
         rows["prefill 128 new shape 1"], rows["prefill 128 new shape 2"] = new_shape_cost(
             emu, model, 128)
@@ -229,7 +246,7 @@ def main() -> None:
         for name, r in rows.items():
             if "graphs on" in name:
                 continue
-            fixed = rows[name.replace("off", "on")] if "graphs off" in name else None
+            fixed = rows.get(name.replace("off", "on")) if "graphs off" in name else None
             for k in ("kvshare_us", "kernel"):
                 f = fixed[k] if fixed is not None else 0.0
                 r[f"{k}_x{full}"] = f + (r[k] - f) * full / n_layers

@@ -10,6 +10,8 @@ work on models larger than the ones the tests ship, and the tiny test models.
         --tokenizer-from tests/data/models/tiny-qwen35.gguf
     python scripts/make_random_gguf.py --arch gpt-oss --size 20b --out /tmp/gpt-oss-20b-rand.gguf \\
         --tokenizer-from /path/to/gpt-oss-20b-mxfp4.gguf
+    python scripts/make_random_gguf.py --arch lfm2moe --size 8b-a1b \\
+        --out /tmp/lfm2-8b-a1b-rand.gguf --tokenizer-from /path/to/LFM2-8B-A1B-Q4_K_M.gguf
 
 `--arch qwen3moe` (Qwen3 MoE: the qwen3 layer with a mixture of experts, `expert_count`,
 `expert_used_count`, `expert_feed_forward_length`; tensors `ffn_gate_inp` (the router, F32 as
@@ -37,6 +39,29 @@ chunk of blocks at a time. `--size tiny`: 2 layers, hidden 256, 8 query heads an
 of 64, 8 experts of FFN 256, 2 per token, the same formats, windows and rope. Biases are
 normal values of std 0.02, sinks of std 0.5.
 
+`--arch lfm2moe` (LFM2 MoE, llama.cpp's `lfm2moe` graph, kvshare's `model/lfm2moe.py`): the
+lfm2 hybrid of short-convolution layers (`shortconv.in_proj [3 n_embd, n_embd]`,
+`shortconv.conv [n_embd, l_cache]` (GGUF order [l_cache, n_embd]), `shortconv.out_proj`) and
+attention layers (the qwen3 layer: q/k per-head RMSNorm), marked by the per-layer
+`attention.head_count_kv` array (0 for a short-conv layer; no `key_length`: the head size is
+n_embd / head_count), a dense SwiGLU FFN in the `leading_dense_block_count` first layers and
+experts in the others (router `ffn_gate_inp`, selection bias `exp_probs_b.bias`, stacked
+`ffn_{gate,up,down}_exps`; `expert_gating_func` 2, sigmoid), the final norm stored as
+`token_embd_norm`, the output head tied to the embedding, `vocab_size` and
+`shortconv.l_cache` in the metadata: the names and keys of the shipped
+`tests/data/models/tiny-lfm2moe.gguf`. `--size 8b-a1b` is LFM2-8B-A1B's shape (hidden 2048,
+24 layers, attention at 2, 6, 10, 14, 18 and 21, short conv elsewhere with a kernel of 3,
+32 query heads and 8 KV heads of 64, dense FFN 7168 in the first 2 layers, 32 experts of FFN
+1792, 4 per token, rope base 1e6, RMS eps 1e-5, context 128000) in the Q4_K_M mix below
+(attn_v's `use_more_bits` counts the attention layers only, as llama.cpp's `i_attention_wv`
+does: Q6_K in layers 10 and 21; the short-conv projections Q4_K, the conv kernel, router and
+selection bias F32): 256 tensors, 8.34 B parameters, 5.04 GB (4.70 GiB) of tensor data at
+its 65536 tokens (LFM2-8B-A1B-Q4_K_M.gguf is listed at about 5.0 GB). `--size tiny`: 4
+layers, attention at 1 and 3, hidden 256, 4 query heads and 2 KV heads of 64, dense FFN 768
+in layer 0, 8 experts of FFN 256 (Q4_K rows are multiples of 256), 2 per token: the shipped
+tiny-lfm2moe.gguf's layout. llama.cpp's Q4_K_M gives a model of exactly 8 experts attn_v
+Q8_0 and attn_output Q5_K; the tiny sizes (qwen3moe's too) keep the general rule.
+
 `--size 1.5b` is Qwen3-1.7B's shape: hidden 2048, 28 layers, 16 query heads, 8 KV heads, head
 size 128, FFN 6144, per-head q/k RMSNorm, rope theta 1e6, RMS eps 1e-6, context 40960, output
 head tied to the token embeddings (Qwen3-1.7B has no `output.weight`). `--size tiny`: 2 layers,
@@ -57,7 +82,8 @@ values, MXFP4's E2M1 codes), random 6-bit sub-block scales and mins (Q4_K) or in
 (Q6_K), and f16 (super-)block scales `d` / `dmin` (MXFP4: E8M0 exponents 119 or 120) picked so
 that each matrix's elements have a standard deviation of about 0.02 and a mean of about 0
 (finite activations through every layer). Norm weights are 1.0; a router (F32 outside the
-`test` sizes too) normal of std 2/sqrt(fan-in). The generator is seeded: the same arguments
+`test` sizes too) normal of std 2/sqrt(fan-in), lfm2moe's conv kernel normal of std
+1/sqrt(l_cache) and its selection bias of std 0.02. The generator is seeded: the same arguments
 write the same bytes. Tensors are generated and written one at a time (Qwen3-1.7B's largest,
 the embedding, is ~255 MB at 151936 x 2048 Q6_K).
 
@@ -80,8 +106,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import (GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFReader, GGUFValueType,
-                  GGUFWriter, RopeScalingType)
+from gguf import (GGML_QUANT_SIZES, ExpertGatingFuncType, GGMLQuantizationType as Q,
+                  GGUFReader, GGUFValueType, GGUFWriter, RopeScalingType)
 
 LLAMA_FTYPE_MOSTLY_F32 = 0
 LLAMA_FTYPE_MOSTLY_Q4_K_M = 15
@@ -92,6 +118,7 @@ TARGET_STD = 0.02  # standard deviation of a weight matrix's elements
 SINK_STD = 0.5  # gpt-oss's attention sinks (one logit per head): normal values of this std
 GGUF_ALIGNMENT = 32  # GGUFWriter's default: each tensor's data starts on this boundary
 CHUNK_BLOCKS = 1 << 20  # Q8_0 / MXFP4 tensors are generated this many blocks at a time
+GATING_SIGMOID = ExpertGatingFuncType.SIGMOID  # llama.cpp's expert_gating_func 2
 
 
 @dataclass(frozen=True)
@@ -114,6 +141,14 @@ class Shape:
     sliding_window: int = 0  # gpt-oss: the window of the sliding-window layers (even ones)
     yarn_factor: float = 0.0  # YaRN rope scaling: factor over an original context (0: none)
     yarn_orig_ctx: int = 0
+    # lfm2moe: the attention layers (the others short-conv ones), the short convolution's
+    # kernel size (`shortconv.l_cache`), the leading layers with a dense FFN
+    # (`leading_dense_block_count`) and the experts' gating function (`expert_gating_func`,
+    # llama.cpp's llama_expert_gating_func_type: 2 sigmoid)
+    attn_layers: tuple[int, ...] = ()
+    conv_l_cache: int = 0
+    n_dense_lead: int = 0
+    gating_func: ExpertGatingFuncType | None = None
 
 
 SIZES: dict[str, dict[str, Shape]] = {
@@ -149,6 +184,20 @@ SIZES: dict[str, dict[str, Shape]] = {
                       tied=False, n_expert=8, n_expert_used=2, n_ff_exp=256, mix="mxfp4",
                       sliding_window=128, yarn_factor=32.0, yarn_orig_ctx=4096),
     },
+    "lfm2moe": {
+        # LFM2-8B-A1B (config.json: hidden_size 2048, num_hidden_layers 24,
+        # num_attention_heads 32, num_key_value_heads 8, layer_types full_attention at 2, 6,
+        # 10, 14, 18, 21 and conv elsewhere, conv_L_cache 3, intermediate_size 7168,
+        # num_dense_layers 2, num_experts 32, num_experts_per_tok 4, moe_intermediate_size
+        # 1792, norm_topk_prob true, use_expert_bias true, sigmoid routing, rope_theta 1e6,
+        # max_position_embeddings 128000, norm_eps 1e-5, tied embeddings)
+        "8b-a1b": Shape(24, 2048, 32, 8, 64, 7168, 128000, rms_eps=1e-5, n_expert=32,
+                        n_expert_used=4, n_ff_exp=1792, attn_layers=(2, 6, 10, 14, 18, 21),
+                        conv_l_cache=3, n_dense_lead=2, gating_func=GATING_SIGMOID),
+        "tiny": Shape(4, 256, 4, 2, 64, 768, 128000, rms_eps=1e-5, n_expert=8,
+                      n_expert_used=2, n_ff_exp=256, attn_layers=(1, 3), conv_l_cache=3,
+                      n_dense_lead=1, gating_func=GATING_SIGMOID),
+    },
 }
 ARCHS = tuple(SIZES)
 ALL_SIZES = sorted({s for sizes in SIZES.values() for s in sizes})
@@ -173,6 +222,8 @@ def tensor_plan(arch: str, s: Shape, vocab: int, expert_types: tuple[Q, Q, Q] | 
         raise ValueError(f"architecture {arch!r} is not supported (one of {', '.join(ARCHS)})")
     if arch == "gpt-oss":
         return _gpt_oss_plan(s, vocab)
+    if arch == "lfm2moe":
+        return _lfm2moe_plan(s, vocab)
     H, K, D, E, F = s.n_head, s.n_head_kv, s.head_dim, s.n_embd, s.n_ff
     test = s.mix == "test"
     q4k = Q.F32 if test else Q.Q4_K
@@ -252,6 +303,62 @@ def _gpt_oss_plan(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...], Q]]:
     return plan
 
 
+def _lfm2moe_plan(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...], Q]]:
+    """LFM2 MoE's tensors as llama.cpp's `lfm2moe` graph and kvshare's loader read them (the
+    order of the shipped tiny-lfm2moe.gguf), in llama.cpp's Q4_K_M mix: Q4_K matrices; Q6_K
+    the tied embedding, and attn_v and ffn_down(_exps) where `use_more_bits` picks (attn_v
+    by the layer's index among the attention layers, as llama.cpp's i_attention_wv counts:
+    the 6 of LFM2-8B-A1B give Q6_K in its 3rd and 6th); F32 the norms (the final one
+    `token_embd_norm`), the short-conv kernel `shortconv.conv.weight` (numpy [n_embd,
+    l_cache], GGUF [l_cache, n_embd]: llama.cpp does not quantize it), the router
+    `ffn_gate_inp` and the selection bias `exp_probs_b.bias`."""
+    H, K, D, E, F = s.n_head, s.n_head_kv, s.head_dim, s.n_embd, s.n_ff
+    X, FX = s.n_expert, s.n_ff_exp
+    attn = [il for il in range(s.n_layers) if il in s.attn_layers]
+
+    def q6k(more: bool) -> Q:
+        return Q.Q6_K if more else Q.Q4_K
+
+    plan: list[tuple[str, tuple[int, ...], Q]] = [
+        ("token_embd.weight", (vocab, E), q6k(True)),  # tied: quantized as the output head
+        ("token_embd_norm.weight", (E,), Q.F32)]
+    for il in range(s.n_layers):
+        p = f"blk.{il}."
+        more = use_more_bits(il, s.n_layers)
+        plan += [(p + "attn_norm.weight", (E,), Q.F32), (p + "ffn_norm.weight", (E,), Q.F32)]
+        if il in attn:
+            plan += [
+                (p + "attn_q.weight", (H * D, E), Q.Q4_K),
+                (p + "attn_k.weight", (K * D, E), Q.Q4_K),
+                (p + "attn_v.weight", (K * D, E),
+                 q6k(use_more_bits(attn.index(il), len(attn)))),
+                (p + "attn_output.weight", (E, H * D), Q.Q4_K),
+                (p + "attn_q_norm.weight", (D,), Q.F32),
+                (p + "attn_k_norm.weight", (D,), Q.F32),
+            ]
+        else:
+            plan += [
+                (p + "shortconv.conv.weight", (E, s.conv_l_cache), Q.F32),
+                (p + "shortconv.in_proj.weight", (3 * E, E), Q.Q4_K),
+                (p + "shortconv.out_proj.weight", (E, E), Q.Q4_K),
+            ]
+        if il < s.n_dense_lead:
+            plan += [
+                (p + "ffn_gate.weight", (F, E), Q.Q4_K),
+                (p + "ffn_up.weight", (F, E), Q.Q4_K),
+                (p + "ffn_down.weight", (E, F), q6k(more)),
+            ]
+        else:
+            plan += [
+                (p + "ffn_gate_inp.weight", (X, E), Q.F32),
+                (p + "exp_probs_b.bias", (X,), Q.F32),
+                (p + "ffn_gate_exps.weight", (X, FX, E), Q.Q4_K),
+                (p + "ffn_up_exps.weight", (X, FX, E), Q.Q4_K),
+                (p + "ffn_down_exps.weight", (X, E, FX), q6k(more)),
+            ]
+    return plan
+
+
 def tensor_nbytes(shape: tuple[int, ...], qtype: Q) -> int:
     """The bytes of a tensor of numpy `shape` in block format `qtype`."""
     block, type_size = GGML_QUANT_SIZES[qtype]
@@ -311,7 +418,8 @@ def tensor_data(name: str, shape: tuple[int, ...], qtype: Q, seed: int, index: i
     """The stored bytes (or f32 values) of one tensor; its own seeded stream, so each tensor is
     the same whatever else is generated."""
     if name.endswith(".bias") or name.endswith(".attn_sinks.weight"):
-        # gpt-oss's biases (std TARGET_STD) and attention sinks (SINK_STD), f32
+        # gpt-oss's biases (std TARGET_STD) and attention sinks (SINK_STD), lfm2moe's expert
+        # selection bias `exp_probs_b` (TARGET_STD), f32
         std = SINK_STD if "attn_sinks" in name else TARGET_STD
         rng = np.random.default_rng([seed, index])
         return (rng.standard_normal(shape) * std).astype(np.float32)
@@ -334,8 +442,9 @@ def tensor_data(name: str, shape: tuple[int, ...], qtype: Q, seed: int, index: i
         for i in range(0, n, CHUNK_BLOCKS):
             blocks[i : i + CHUNK_BLOCKS] = random_blocks(qtype, min(CHUNK_BLOCKS, n - i), rng)
         return blocks.reshape(*lead, cols // block * type_size)
-    # the test mix (and every mix's F32 router): normal values of std 1/sqrt(fan-in) (a
-    # router twice that), stored as f32 or quantized by gguf-py
+    # the test mix (and every mix's F32 router, lfm2moe's F32 short-conv kernel [n_embd,
+    # l_cache]): normal values of std 1/sqrt(fan-in) (a router twice that), stored as f32 or
+    # quantized by gguf-py
     std = (2.0 if "ffn_gate_inp" in name else 1.0) / np.sqrt(cols)
     values = (rng.standard_normal((rows, cols)) * std).astype(np.float32)
     if qtype == Q.F32:
@@ -406,15 +515,27 @@ def write(out: str | os.PathLike, arch: str = "qwen3", size: str = "1.5b",
     w.add_embedding_length(s.n_embd)
     w.add_feed_forward_length(s.n_ff)
     w.add_head_count(s.n_head)
-    w.add_head_count_kv(s.n_head_kv)
-    w.add_key_length(s.head_dim)
-    w.add_value_length(s.head_dim)
+    if arch == "lfm2moe":
+        # per layer: the KV heads of an attention layer, 0 for a short-conv one; no
+        # key_length (llama.cpp's converter writes none: head size n_embd / head_count)
+        w.add_head_count_kv([s.n_head_kv if il in s.attn_layers else 0
+                             for il in range(s.n_layers)])
+        w.add_vocab_size(vocab)
+        w.add_shortconv_l_cache(s.conv_l_cache)
+    else:
+        w.add_head_count_kv(s.n_head_kv)
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
     w.add_rope_freq_base(s.rope_base)
     w.add_layer_norm_rms_eps(s.rms_eps)
     if s.n_expert:
         w.add_expert_count(s.n_expert)
         w.add_expert_used_count(s.n_expert_used)
         w.add_expert_feed_forward_length(s.n_ff_exp)
+    if s.n_dense_lead:
+        w.add_leading_dense_block_count(min(s.n_dense_lead, s.n_layers))
+    if s.gating_func is not None:
+        w.add_expert_gating_func(s.gating_func)
     if s.sliding_window:
         w.add_sliding_window(s.sliding_window)
     if s.yarn_factor:
@@ -459,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="qwen3 (Q4_K_M mix), qwen3moe (Q4_K_M mix; `test`: the test "
                          "models' F32 / expert formats), gpt-oss (MXFP4 experts, Q8_0 "
                          "embedding / attention / output head, F32 router, norms, sinks, "
-                         "biases)")
+                         "biases), lfm2moe (LFM2 MoE: short-conv and attention layers, "
+                         "leading dense FFN, sigmoid-routed experts; Q4_K_M mix, F32 conv "
+                         "kernel, router, selection bias)")
     ap.add_argument("--size", default="1.5b", choices=ALL_SIZES,
                     help="per architecture: " + "; ".join(
                         f"{a}: {', '.join(sz)}" for a, sz in SIZES.items()))
@@ -471,7 +594,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=None,
                     help="write only this many of the size's layers (e.g. Qwen3-30B-A3B's "
                          "layer shapes with --arch qwen3moe --size 30b-a3b --layers 2, "
-                         "gpt-oss-20b's with --arch gpt-oss --size 20b --layers 2)")
+                         "gpt-oss-20b's with --arch gpt-oss --size 20b --layers 2; lfm2moe: "
+                         "the first layers with their kinds, e.g. --size 8b-a1b --layers 3 "
+                         "for two dense short-conv layers and an attention + experts one)")
     ap.add_argument("--expert-types", default=None,
                     help="a test size's expert formats, gate,up,down (e.g. q8_0,q4_0,q5_0)")
     args = ap.parse_args(argv)

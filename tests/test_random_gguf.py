@@ -3,7 +3,10 @@ block formats, is byte-identical for a seed, loads in kvshare with its copied to
 chat template, and computes finite logits. The tiny gpt-oss size has the tensors, metadata
 and formats of gpt-oss's MXFP4 GGUFs (the shipped tiny-gpt-oss.gguf's names and keys; Q8_0
 matrices, MXFP4 experts), loads as a GptOssModel and computes finite logits; the 20b plan is
-gpt-oss-20b-mxfp4.gguf's 459 tensors and 11.27 GiB."""
+gpt-oss-20b-mxfp4.gguf's 459 tensors and 11.27 GiB. The tiny lfm2moe size has the shipped
+tiny-lfm2moe.gguf's tensor names and metadata keys (the per-layer head_count_kv array, 0 for
+the short-conv layers), in the Q4_K_M mix, loads as an Lfm2MoeModel and computes finite
+logits; the 8b-a1b plan has LFM2-8B-A1B's 256 tensors and 5.04 GB (its Q4_K_M file: ~5.0 GB)."""
 
 from __future__ import annotations
 
@@ -19,12 +22,14 @@ from kvshare.model.batch import SeqChunk
 from kvshare.model.chat_template import ChatTemplate
 from kvshare.model.gguf_file import GGUFFile
 from kvshare.model.gpt_oss import GptOssModel
+from kvshare.model.lfm2moe import Lfm2MoeModel
 from kvshare.model.loader import block_formats, load_model
 from kvshare.model.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "tests" / "data" / "models" / "tiny-qwen3-chat.gguf"
 TINY_GPT_OSS = ROOT / "tests" / "data" / "models" / "tiny-gpt-oss.gguf"
+TINY_LFM2MOE = ROOT / "tests" / "data" / "models" / "tiny-lfm2moe.gguf"
 
 
 def _script():
@@ -324,4 +329,178 @@ def test_gpt_oss_20b_plan_matches_the_mxfp4_release(gen):
 def test_cli_gpt_oss_sizes(gen, tmp_path):
     with pytest.raises(SystemExit):  # a qwen3 size is not a gpt-oss size
         gen.main(["--arch", "gpt-oss", "--size", "1.5b", "--out", str(tmp_path / "x.gguf")])
+    assert not (tmp_path / "x.gguf").exists()
+
+
+# ----------------------------------------------------------------------------- lfm2moe
+
+
+@pytest.fixture(scope="module")
+def lfm2moe_tiny(gen, tmp_path_factory):
+    path = tmp_path_factory.mktemp("rand") / "lfm2moe-tiny.gguf"
+    info = gen.write(path, "lfm2moe", "tiny", TOKENIZER, seed=0)
+    return path, info
+
+
+def test_lfm2moe_tiny_tensors_and_metadata(lfm2moe_tiny):
+    path, info = lfm2moe_tiny
+    md, t, shapes = _read(path)
+    vocab = len(md["tokenizer.ggml.tokens"])
+    assert vocab == info["vocab"] == 367
+    assert md["general.architecture"] == "lfm2moe"
+    assert md["general.file_type"] == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    p = "lfm2moe."
+    assert md[p + "block_count"] == 4 and md[p + "embedding_length"] == 256
+    assert md[p + "feed_forward_length"] == 768 and md[p + "vocab_size"] == 367
+    assert md[p + "attention.head_count"] == 4
+    assert list(md[p + "attention.head_count_kv"]) == [0, 2, 0, 2]  # 0: short-conv layers
+    assert md[p + "shortconv.l_cache"] == 3
+    assert (md[p + "expert_count"], md[p + "expert_used_count"],
+            md[p + "expert_feed_forward_length"], md[p + "leading_dense_block_count"],
+            md[p + "expert_gating_func"]) == (8, 2, 256, 1, 2)  # 2: sigmoid
+    assert md[p + "rope.freq_base"] == pytest.approx(1e6)
+    assert md[p + "attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)
+    # the names and keys of the shipped test model (scripts/make_tiny_lfm2moe.py: the same
+    # layer layout, short-conv 0 and 2, attention 1 and 3, one leading dense layer)
+    ref_md, ref_t, ref_shapes = _read(TINY_LFM2MOE)
+    assert set(t) == set(ref_t)
+    assert list(t) == list(ref_t)  # and their order
+    assert {k for k in md if k.startswith(p)} == {k for k in ref_md if k.startswith(p)}
+    assert len(t) == info["tensors"] == 46
+    for name, shape in ref_shapes.items():  # the same dims, scaled to hidden 256
+        assert len(shapes[name]) == len(shape), name
+    # formats: llama.cpp's Q4_K_M mix
+    assert t["token_embd.weight"] == Q.Q6_K and "output.weight" not in t  # tied
+    assert shapes["token_embd.weight"] == (vocab, 256)
+    assert t["token_embd_norm.weight"] == Q.F32
+    for il in (0, 2):
+        b = f"blk.{il}."
+        assert t[b + "shortconv.conv.weight"] == Q.F32
+        assert shapes[b + "shortconv.conv.weight"] == (256, 3)  # GGUF [3, 256]
+        assert t[b + "shortconv.in_proj.weight"] == t[b + "shortconv.out_proj.weight"] == Q.Q4_K
+        assert shapes[b + "shortconv.in_proj.weight"] == (3 * 256, 256)
+    for il in (1, 3):  # attn_v: Q6_K where use_more_bits(attention index, 2 attention layers)
+        b = f"blk.{il}."
+        for n in ("attn_q", "attn_k", "attn_output"):
+            assert t[b + n + ".weight"] == Q.Q4_K, n
+        assert t[b + "attn_v.weight"] == (Q.Q6_K if il == 3 else Q.Q4_K)
+        assert shapes[b + "attn_k.weight"] == shapes[b + "attn_v.weight"] == (2 * 64, 256)
+        assert shapes[b + "attn_q_norm.weight"] == (64,)
+    assert t["blk.0.ffn_gate.weight"] == t["blk.0.ffn_up.weight"] == Q.Q4_K
+    assert t["blk.0.ffn_down.weight"] == Q.Q4_K  # use_more_bits(0, 4) is false
+    assert shapes["blk.0.ffn_down.weight"] == (256, 768)
+    for il in (1, 2, 3):
+        b = f"blk.{il}."
+        assert t[b + "ffn_gate_inp.weight"] == t[b + "exp_probs_b.bias"] == Q.F32
+        assert shapes[b + "ffn_gate_inp.weight"] == (8, 256)
+        assert shapes[b + "exp_probs_b.bias"] == (8,)
+        assert t[b + "ffn_gate_exps.weight"] == t[b + "ffn_up_exps.weight"] == Q.Q4_K
+        # use_more_bits(il, 4 layers): 2 and 3
+        assert t[b + "ffn_down_exps.weight"] == (Q.Q6_K if il in (2, 3) else Q.Q4_K)
+        assert shapes[b + "ffn_up_exps.weight"] == (8, 256, 256)
+        assert shapes[b + "ffn_down_exps.weight"] == (8, 256, 256)
+    for name, q in t.items():
+        if len(shapes[name]) == 1:
+            assert q == Q.F32, name
+
+
+def test_lfm2moe_blocks_are_valid_and_small(lfm2moe_tiny):
+    path, _ = lfm2moe_tiny
+    gf = GGUFFile(path)
+    try:
+        for name, ti in gf.tensors.items():
+            x = np.array(quants.dequantize(np.array(gf.raw(name)), ti.qtype), np.float32)
+            assert np.isfinite(x).all(), name
+            if ti.qtype in (Q.Q4_K, Q.Q6_K):
+                assert 0.01 < float(x.std()) < 0.04, name
+                assert abs(float(x.mean())) < 0.005, name
+            elif name.endswith("norm.weight"):
+                assert (x == 1.0).all(), name
+            elif name.endswith("exp_probs_b.bias"):
+                assert 0.005 < float(x.std()) < 0.05, name
+            elif "shortconv.conv" in name:
+                assert 0.3 < float(x.std()) < 0.9, name  # 1 / sqrt(3)
+            else:
+                assert "ffn_gate_inp" in name, name
+                assert 0.05 < float(x.std()) < 0.25, name  # 2 / sqrt(256)
+    finally:
+        gf.close()
+
+
+def test_lfm2moe_deterministic(gen, lfm2moe_tiny, tmp_path):
+    path, _ = lfm2moe_tiny
+    again = tmp_path / "again.gguf"
+    gen.write(again, "lfm2moe", "tiny", TOKENIZER, seed=0)
+    assert again.read_bytes() == Path(path).read_bytes()
+
+
+def test_lfm2moe_loads_and_computes_finite_logits(lfm2moe_tiny):
+    path, info = lfm2moe_tiny
+    assert Path(path).stat().st_size == info["file_bytes"] < 4 * 2**20
+    model = load_model(path, "cpu")
+    assert isinstance(model, Lfm2MoeModel)
+    cfg = model.config
+    assert (cfg.arch, cfg.n_layers, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim,
+            cfg.n_ff, cfg.vocab_size) == ("lfm2moe", 4, 256, 4, 2, 64, 768, 367)
+    assert cfg.layer_kinds == ("recurrent", "attention", "recurrent", "attention")
+    assert cfg.norm_eps == pytest.approx(1e-5) and cfg.rope_base == pytest.approx(1e6)
+    ex = cfg.extra
+    assert (ex["expert_count"], ex["expert_used_count"], ex["expert_feed_forward_length"],
+            ex["leading_dense_block_count"], ex["expert_gating_func"],
+            ex["shortconv.l_cache"]) == (8, 2, 256, 1, 2, 3)
+    assert model.state_shapes() == [(2, 2, 256)]  # 2 short-conv layers, L - 1 = 2 rows
+    ids = list(range(3, 19))
+    cache = model.new_cache(8, 16, n_state_slots=1)
+    (logits,) = model.forward([SeqChunk(ids, 0, np.arange(2), logits="all", state_slot=0)],
+                              cache)
+    assert logits.shape == (len(ids), 367)
+    assert np.isfinite(logits).all()
+    assert float(logits.std()) > 1e-3  # not degenerate
+    (last,) = model.forward([SeqChunk([int(logits[-1].argmax())], len(ids), np.arange(2),
+                                      state_slot=0)], cache)
+    assert last.shape == (1, 367) and np.isfinite(last).all()
+
+
+def test_lfm2moe_8b_a1b_plan_matches_the_q4_k_m_release(gen):
+    """LFM2-8B-A1B's plan at its 65536 tokens: 256 tensors, 8.34 B parameters and 5.04 GB
+    (4.70 GiB) of tensor data (LFM2-8B-A1B-Q4_K_M.gguf is listed at about 5.0 GB), computed
+    from the plan without writing it."""
+    s = gen.SIZES["lfm2moe"]["8b-a1b"]
+    assert (s.n_layers, s.n_embd, s.n_head, s.n_head_kv, s.head_dim, s.n_ff, s.n_expert,
+            s.n_expert_used, s.n_ff_exp, s.n_dense_lead, s.conv_l_cache) == (
+        24, 2048, 32, 8, 64, 7168, 32, 4, 1792, 2, 3)
+    assert s.attn_layers == (2, 6, 10, 14, 18, 21)
+    assert (s.rope_base, s.rms_eps, s.tied, s.context_length, int(s.gating_func)) == (
+        1e6, 1e-5, True, 128000, 2)
+    plan = gen.tensor_plan("lfm2moe", s, 65536)
+    # embedding + its norm; per layer 2 norms, attention 6 / short conv 3, dense FFN 3 /
+    # experts 5
+    assert len(plan) == 256 == 2 + 24 * 2 + 6 * 6 + 18 * 3 + 2 * 3 + 22 * 5
+    shapes = {n: shape for n, shape, _ in plan}
+    types = {n: q for n, _, q in plan}
+    assert shapes["token_embd.weight"] == (65536, 2048) and "output.weight" not in shapes
+    assert shapes["blk.21.attn_k.weight"] == (512, 2048)
+    assert shapes["blk.23.shortconv.conv.weight"] == (2048, 3)
+    assert shapes["blk.23.shortconv.in_proj.weight"] == (6144, 2048)
+    assert shapes["blk.1.ffn_down.weight"] == (2048, 7168) and "blk.2.ffn_down.weight" not in shapes
+    assert shapes["blk.2.ffn_gate_exps.weight"] == (32, 1792, 2048)
+    assert shapes["blk.2.ffn_down_exps.weight"] == (32, 2048, 1792)
+    q6 = sorted(n for n, q in types.items() if q == Q.Q6_K)
+    # attn_v: the 3rd and 6th attention layers (use_more_bits over 6); ffn_down(_exps):
+    # use_more_bits over 24 layers
+    assert q6 == sorted(["token_embd.weight", "blk.10.attn_v.weight", "blk.21.attn_v.weight",
+                         "blk.0.ffn_down.weight", "blk.1.ffn_down.weight"]
+                        + [f"blk.{il}.ffn_down_exps.weight"
+                           for il in (2, 5, 8, 11, 14, 17, 20, 21, 22, 23)])
+    count = {q: sum(t == q for t in types.values()) for q in set(types.values())}
+    assert count == {Q.Q6_K: 15, Q.Q4_K: 118, Q.F32: 123}
+    params = sum(int(np.prod(shape)) for shape in shapes.values())
+    assert params / 1e9 == pytest.approx(8.34, abs=0.005)
+    nbytes = gen.plan_bytes(plan)
+    assert nbytes / 1e9 == pytest.approx(5.04, abs=0.01)
+
+
+def test_cli_lfm2moe_sizes(gen, tmp_path):
+    with pytest.raises(SystemExit):  # a qwen3 size is not an lfm2moe size
+        gen.main(["--arch", "lfm2moe", "--size", "1.5b", "--out", str(tmp_path / "x.gguf")])
     assert not (tmp_path / "x.gguf").exists()
