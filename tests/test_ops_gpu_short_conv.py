@@ -215,6 +215,7 @@ def test_model_gpu_decode_conv_states_in_place(monkeypatch, name, module):
 
     mod = importlib.import_module(f"kvshare.model.{module}")
     m = load_model(MODELS / f"{name}.gguf", "cuda")
+    m.cuda_graphs = False  # the eager steps' calls (a graph's are recorded once, at capture)
     n_rec = m.config.n_recurrent_layers
     calls, gathered = [], []
     real_step, real_gather = gpu_hybrid.causal_conv1d_step_slots, mod.gather_states

@@ -93,6 +93,24 @@ def _device_slots(cp: Any, slots: Any, n_slots: int) -> Any:
     return rt.upload(h, np.int32)
 
 
+def _slots_and_out(cp: Any, states_all: Any, rec_index: int, slots: Any, out: Any,
+                   shape: tuple[int, ...]) -> tuple[Any, Any]:
+    """A decode op's checked layer index, its device slots (one per row: `shape[0]`) and
+    its output: `out` checked (float32, `shape`, unit last stride), or a new `rt.empty`."""
+    n_slots, n_rec = int(states_all.shape[0]), int(states_all.shape[1])
+    if not 0 <= int(rec_index) < n_rec:
+        raise IndexError(f"recurrent layer {rec_index} out of range [0, {n_rec})")
+    d_slots = _device_slots(cp, slots, n_slots)
+    if int(d_slots.size) != shape[0]:
+        raise ValueError(f"{int(d_slots.size)} slots for {shape[0]} rows")
+    if out is None:
+        return d_slots, rt.empty(shape, np.float32)
+    if not (isinstance(out, cp.ndarray) and out.dtype == cp.float32
+            and tuple(out.shape) == shape and (shape[-1] <= 1 or out.strides[-1] == 4)):
+        raise ValueError(f"out must be a float32 device array {shape} with unit last stride")
+    return d_slots, out
+
+
 def gated_delta_step_slots(q: Any, k: Any, v: Any, g: Any, beta: Any, states_all: Any,
                            slots: Any, rec_index: int, *, scale: float,
                            out: Any | None = None) -> Any:
@@ -126,18 +144,7 @@ def gated_delta_step_slots(q: Any, k: Any, v: Any, g: Any, beta: Any, states_all
         raise ValueError(f"states must be a float32 device array [n_slots, n_rec, {H}, {Dk}, "
                          f"{Dv}] with unit last stride, got "
                          f"{getattr(st, 'dtype', type(st))} {tuple(getattr(st, 'shape', ()))}")
-    n_slots, n_rec = int(st.shape[0]), int(st.shape[1])
-    if not 0 <= int(rec_index) < n_rec:
-        raise IndexError(f"recurrent layer {rec_index} out of range [0, {n_rec})")
-    d_slots = _device_slots(cp, slots, n_slots)
-    if int(d_slots.size) != B:
-        raise ValueError(f"{int(d_slots.size)} slots for {B} rows")
-    if out is None:
-        out = rt.empty((B, H, Dv), np.float32)
-    elif not (isinstance(out, cp.ndarray) and out.dtype == cp.float32
-              and tuple(out.shape) == (B, H, Dv) and (Dv <= 1 or out.strides[-1] == 4)):
-        raise ValueError(f"out must be a float32 device array {(B, H, Dv)} with unit last "
-                         "stride")
+    d_slots, out = _slots_and_out(cp, st, rec_index, slots, out, (B, H, Dv))
     if B == 0 or H == 0 or Dv == 0:
         return out
     ss = rt.estrides(st)
@@ -184,17 +191,7 @@ def causal_conv1d_step_slots(x: Any, weight: Any, states_all: Any, slots: Any, r
         raise ValueError(f"states must be a float32 device array [n_slots, n_rec, {K - 1}, "
                          f"{C}] with unit last stride, got "
                          f"{getattr(st, 'dtype', type(st))} {tuple(getattr(st, 'shape', ()))}")
-    n_slots, n_rec = int(st.shape[0]), int(st.shape[1])
-    if not 0 <= int(rec_index) < n_rec:
-        raise IndexError(f"recurrent layer {rec_index} out of range [0, {n_rec})")
-    d_slots = _device_slots(cp, slots, n_slots)
-    if int(d_slots.size) != B:
-        raise ValueError(f"{int(d_slots.size)} slots for {B} rows")
-    if out is None:
-        out = rt.empty((B, C), np.float32)
-    elif not (isinstance(out, cp.ndarray) and out.dtype == cp.float32
-              and tuple(out.shape) == (B, C) and (C <= 1 or out.strides[-1] == 4)):
-        raise ValueError(f"out must be a float32 device array {(B, C)} with unit last stride")
+    d_slots, out = _slots_and_out(cp, st, rec_index, slots, out, (B, C))
     if B == 0 or C == 0:
         return out
     ss = rt.estrides(st)
