@@ -313,7 +313,8 @@ test_steps() {
 moe_steps() {
     step pytest_moe 210 "${PYTEST[@]}" -m gpu --junitxml="$WORK/pytest_moe.xml" \
         tests/test_ops_gpu_moe.py tests/test_model_moe_gpu.py tests/test_ops_gpu_gated_delta.py \
-        tests/test_ops_gpu_short_conv.py tests/test_model_hybrid.py tests/test_ops_hybrid.py ||
+        tests/test_ops_gpu_short_conv.py tests/test_ops_gpu_gdn_decode.py tests/test_model_hybrid.py \
+        tests/test_ops_hybrid.py ||
         RC=1
     summ pytest_moe
     table

@@ -84,6 +84,10 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
         n = x.shape[0]
         kd, vd = Hk * Dk, Hv * Dv
         conv_dim = 2 * kd + vd
+        dec_rows, dec_slots, prefill = split_batch(plan)
+        if be.is_gpu and not prefill:
+            # a decode step: the same work a CUDA graph of it replays
+            return self.decode_step(x, dec_slots, cache)
         h = rms_norm(x, self.attn_norm, eps, backend=be)
         proj = linear(h, self.w_in, backend=be)  # [n, conv_dim + vd + 2 Hv]: qkv | z | b | a
         z = proj[:, conv_dim : conv_dim + vd]
@@ -92,24 +96,18 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
         g *= self.ssm_a
         qkv_in = proj[:, :conv_dim]
         conv_states, ssm_states = cache.states[CONV], cache.states[SSM]
-        dec_rows, dec_slots, prefill = split_batch(plan)
         qkv = xp.empty((n, conv_dim), np.float32)
         for r0, r1, slot in prefill:
             causal_conv1d(qkv_in[r0:r1], self.conv_w, conv_states[slot, self.rec_index],
                           backend=be, out=qkv[r0:r1])
-        # the decode rows as an index (on the GPU only a mixed batch indexes them)
-        rows = be.asarray(dec_rows) if be.is_gpu and 0 < len(dec_slots) < n else dec_rows
+        # a mixed batch's decode rows (on the GPU: one kernel on the cache's conv states at
+        # the rows' slots, shifted in place, kernels/short_conv.cu; no gather / scatter)
+        rows = be.asarray(dec_rows) if be.is_gpu and len(dec_slots) else dec_rows
         if len(dec_slots) and be.is_gpu:
-            # one kernel on the cache's conv states at the rows' slots, shifted in place: no
-            # gather / scatter (kernels/short_conv.cu)
             from kvshare.ops import gpu_hybrid  # noqa: PLC0415 - GPU path only
 
-            if len(dec_slots) == n:  # a decode step: rows 0..n-1, written straight into qkv
-                gpu_hybrid.causal_conv1d_step_slots(qkv_in, self.conv_w, conv_states,
-                                                    dec_slots, self.rec_index, out=qkv)
-            else:
-                qkv[rows] = gpu_hybrid.causal_conv1d_step_slots(
-                    qkv_in[rows], self.conv_w, conv_states, dec_slots, self.rec_index)
+            qkv[rows] = gpu_hybrid.causal_conv1d_step_slots(
+                qkv_in[rows], self.conv_w, conv_states, dec_slots, self.rec_index)
         elif len(dec_slots):
             st, view = gather_states(conv_states, dec_slots, self.rec_index, xp)
             qkv[rows] = causal_conv1d_step(qkv_in[rows], self.conv_w, st, backend=be)
@@ -125,17 +123,11 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
                                            beta[r0:r1], ssm_states[slot, self.rec_index],
                                            scale=scale, backend=be)
         if len(dec_slots) and be.is_gpu:
-            # one kernel on the cache's states at the rows' slots, updated in place: no
-            # gather / scatter (kernels/gated_delta.cu)
-            from kvshare.ops import gpu_hybrid  # noqa: PLC0415 - GPU path only
-
-            if len(dec_slots) == n:  # a decode step: rows 0..n-1, written straight into o
-                gpu_hybrid.gated_delta_step_slots(q, k, v, g, beta, ssm_states, dec_slots,
-                                                  self.rec_index, scale=scale, out=o)
-            else:
-                o[rows] = gpu_hybrid.gated_delta_step_slots(
-                    q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_states, dec_slots,
-                    self.rec_index, scale=scale)
+            # (one kernel on the cache's states at the rows' slots, updated in place:
+            # kernels/gated_delta.cu)
+            o[rows] = gpu_hybrid.gated_delta_step_slots(
+                q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_states, dec_slots,
+                self.rec_index, scale=scale)
         elif len(dec_slots):
             st, view = gather_states(ssm_states, dec_slots, self.rec_index, xp)
             o[rows] = gated_delta_step(q[rows], k[rows], v[rows], g[rows], beta[rows], st,
@@ -144,6 +136,44 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
         rms_norm(o, self.ssm_norm, eps, backend=be, out=o)
         o *= silu(z, xp).reshape(n, Hv, Dv)
         x += linear(o.reshape(n, vd), self.ssm_out, backend=be)
+        return m.ffn(x, self.ffn_norm, self.w_gate_up, self.w_down)
+
+    def decode_step(self, x: Any, slots: Any, cache: KVArrays) -> Any:
+        """The layer on a GPU decode step's rows x (every row one token; row i's state at
+        `slots[i]`: a host list, or a CUDA graph's device int32 buffer, where a padding row
+        has -1), x updated in place and returned. The conv and delta-rule steps are one
+        kernel each on the cache's states at the slots (kernels/short_conv.cu,
+        gated_delta.cu), the gates, silu + q/k l2 norms and the output gate one kernel each
+        (kernels/gdn_decode.cu); its arrays come from the step's workspace (`rt.empty`) and
+        its ops take no host values, so a graph captures it as it is."""
+        from kvshare.ops import gpu_hybrid  # noqa: PLC0415 - GPU path only
+        from kvshare.ops import gpu_runtime as rt  # noqa: PLC0415
+
+        m = self.model
+        cfg, be = m.config, m.backend
+        eps = cfg.norm_eps
+        Hk, Hv, Dk, Dv = m.n_k_heads, m.n_v_heads, m.d_k, m.d_v
+        n = x.shape[0]
+        kd, vd = Hk * Dk, Hv * Dv
+        conv_dim = 2 * kd + vd
+        h = rms_norm(x, self.attn_norm, eps, backend=be)
+        proj = linear(h, self.w_in, backend=be)  # [n, conv_dim + vd + 2 Hv]: qkv | z | b | a
+        beta, g = gpu_hybrid.gdn_gates(proj[:, conv_dim + vd : conv_dim + vd + Hv],
+                                       proj[:, conv_dim + vd + Hv :], self.dt_bias, self.ssm_a)
+        qkv = rt.empty((n, conv_dim), np.float32)
+        gpu_hybrid.causal_conv1d_step_slots(proj[:, :conv_dim], self.conv_w, cache.states[CONV],
+                                            slots, self.rec_index, out=qkv)
+        gpu_hybrid.silu_l2norm_qk(qkv, Hk, Dk, eps)
+        q = qkv[:, :kd].reshape(n, Hk, Dk)
+        k = qkv[:, kd : 2 * kd].reshape(n, Hk, Dk)
+        v = qkv[:, 2 * kd :].reshape(n, Hv, Dv)
+        o = rt.empty((n, Hv, Dv), np.float32)
+        gpu_hybrid.gated_delta_step_slots(q, k, v, g, beta, cache.states[SSM], slots,
+                                          self.rec_index, scale=1.0 / float(np.sqrt(Dk)), out=o)
+        rms_norm(o, self.ssm_norm, eps, backend=be, out=o)
+        o2 = o.reshape(n, vd)
+        gpu_hybrid.mul_silu(o2, proj[:, conv_dim : conv_dim + vd])
+        x += linear(o2, self.ssm_out, backend=be)
         return m.ffn(x, self.ffn_norm, self.w_gate_up, self.w_down)
 
 

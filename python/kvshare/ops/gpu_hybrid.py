@@ -93,6 +93,17 @@ def _device_slots(cp: Any, slots: Any, n_slots: int) -> Any:
     return rt.upload(h, np.int32)
 
 
+def _gdn_out(cp: Any, out: Any, shape: tuple[int, ...], what: str) -> Any:
+    """`out` checked (float32 device array of `shape`, unit last stride), or a new
+    `rt.empty`."""
+    if out is None:
+        return rt.empty(shape, np.float32)
+    if not (isinstance(out, cp.ndarray) and out.dtype == cp.float32
+            and tuple(out.shape) == shape and (shape[-1] <= 1 or out.strides[-1] == 4)):
+        raise ValueError(f"{what} must be a float32 device array {shape} with unit last stride")
+    return out
+
+
 def _slots_and_out(cp: Any, states_all: Any, rec_index: int, slots: Any, out: Any,
                    shape: tuple[int, ...]) -> tuple[Any, Any]:
     """A decode op's checked layer index, its device slots (one per row: `shape[0]`) and
@@ -103,12 +114,7 @@ def _slots_and_out(cp: Any, states_all: Any, rec_index: int, slots: Any, out: An
     d_slots = _device_slots(cp, slots, n_slots)
     if int(d_slots.size) != shape[0]:
         raise ValueError(f"{int(d_slots.size)} slots for {shape[0]} rows")
-    if out is None:
-        return d_slots, rt.empty(shape, np.float32)
-    if not (isinstance(out, cp.ndarray) and out.dtype == cp.float32
-            and tuple(out.shape) == shape and (shape[-1] <= 1 or out.strides[-1] == 4)):
-        raise ValueError(f"out must be a float32 device array {shape} with unit last stride")
-    return d_slots, out
+    return d_slots, _gdn_out(cp, out, shape, "out")
 
 
 def gated_delta_step_slots(q: Any, k: Any, v: Any, g: Any, beta: Any, states_all: Any,
@@ -203,3 +209,95 @@ def causal_conv1d_step_slots(x: Any, weight: Any, states_all: Any, slots: Any, r
          layer, np.int64(ss[0]), np.int64(ss[2]), d_slots, np.int32(B), np.int32(C),
          np.int32(K), out, np.int64(os_[0])))
     return out
+
+
+# --- the element-wise parts of qwen35's delta-net decode step (kernels/gdn_decode.cu) ----------
+
+GDN_ENTRY_POINTS: tuple[str, ...] = ("gdn_gates_f32", "silu_l2norm_qk_f32", "mul_silu_f32")
+rt.declare_entry_points("gdn_decode", GDN_ENTRY_POINTS)
+GDN_NORM_WARPS = 4  # warps of a norm CTA, one (row, head) each (gdn_decode.cu NORM_WARPS)
+
+
+def _device_rows(cp: Any, a: Any, what: str) -> Any:
+    """`a`: a float32 device array of 2 dims with unit last stride (used in place: not
+    copied)."""
+    if not (isinstance(a, cp.ndarray) and a.dtype == cp.float32 and a.ndim == 2
+            and (a.shape[-1] <= 1 or a.size == 0 or a.strides[-1] == 4)):
+        raise ValueError(f"{what} must be a float32 device array [n, d] with unit last "
+                         f"stride, got {getattr(a, 'dtype', type(a))} "
+                         f"{tuple(getattr(a, 'shape', ()))}")
+    return a
+
+
+def gdn_gates(proj_b: Any, proj_a: Any, dt_bias: Any, ssm_a: Any, *, beta_out: Any | None = None,
+              g_out: Any | None = None) -> tuple[Any, Any]:
+    """qwen35's delta-net gates of n rows and H value heads in one launch
+    (kernels/gdn_decode.cu): `beta = sigmoid(b)`, `g = softplus(a + dt_bias) * ssm_a`
+    (`kvshare.model.hybrid`'s formulas, float32, within a few ulp of NumPy's). proj_b,
+    proj_a `[n, H]` (views of the fused projection with any row stride are read as they
+    are), dt_bias, ssm_a `[H]`. Returns `(beta, g)`, each `[n, H]` (`rt.empty`), or written
+    into `beta_out` / `g_out` (float32, that shape, unit last stride)."""
+    cp = cupy_module()
+    b = _rows_f32(cp, proj_b, 2, "proj_b")
+    a = _rows_f32(cp, proj_a, 2, "proj_a")
+    n, H = (int(s) for s in b.shape)
+    if tuple(a.shape) != (n, H):
+        raise ValueError(f"proj_b {tuple(b.shape)} and proj_a {tuple(a.shape)} differ")
+    dt = _rows_f32(cp, dt_bias, 1, "dt_bias")
+    sa = _rows_f32(cp, ssm_a, 1, "ssm_a")
+    if int(dt.shape[0]) != H or int(sa.shape[0]) != H:
+        raise ValueError(f"dt_bias {tuple(dt.shape)} and ssm_a {tuple(sa.shape)} must be ({H},)")
+    beta = _gdn_out(cp, beta_out, (n, H), "beta_out")
+    g = _gdn_out(cp, g_out, (n, H), "g_out")
+    if n == 0 or H == 0:
+        return beta, g
+    rt.kernel("gdn_decode", "gdn_gates_f32")(
+        rt.grid(n * H), (rt.ELEMWISE_THREADS, 1, 1),
+        (b, np.int64(rt.estrides(b)[0]), a, np.int64(rt.estrides(a)[0]), dt, sa, np.int32(n),
+         np.int32(H), beta, np.int64(rt.estrides(beta)[0]), g, np.int64(rt.estrides(g)[0])))
+    return beta, g
+
+
+def silu_l2norm_qk(qkv: Any, Hk: int, Dk: int, eps: float) -> Any:
+    """In place on qwen35's conv output `qkv [n, C]` (a float32 device array with unit last
+    stride, any row stride; channels q [Hk Dk] | k [Hk Dk] | v): `silu` on every value, then
+    each q and k head divided by `max(||head||, eps)` of its silu'd values (ggml_l2_norm), one
+    launch (kernels/gdn_decode.cu: a warp per (row, head), the squares summed in a fixed
+    order). Returns qkv."""
+    cp = cupy_module()
+    qkv = _device_rows(cp, qkv, "qkv")
+    n, C = (int(s) for s in qkv.shape)
+    Hk, Dk = int(Hk), int(Dk)
+    if Hk < 0 or Dk < 0 or 2 * Hk * Dk > C:
+        raise ValueError(f"2 * {Hk} heads of {Dk} exceed the {C} channels of qkv")
+    if n == 0 or C == 0:
+        return qkv
+    vd = C - 2 * Hk * Dk  # v's channels
+    n_norm = -(-(n * 2 * Hk) // GDN_NORM_WARPS) if Dk else 0
+    n_v = rt.grid(n * vd)[0] if vd else 0
+    if n_norm + n_v == 0:
+        return qkv
+    rt.kernel("gdn_decode", "silu_l2norm_qk_f32")(
+        (n_norm + n_v, 1, 1), (32 * GDN_NORM_WARPS, 1, 1),
+        (qkv, np.int64(rt.estrides(qkv)[0]), np.int32(n), np.int32(C), np.int32(Hk),
+         np.int32(Dk), np.float32(eps), np.int32(n_norm)))
+    return qkv
+
+
+def mul_silu(o: Any, z: Any) -> Any:
+    """In place: `o *= silu(z)` (qwen35's output gate), one launch (kernels/gdn_decode.cu).
+    o, z `[n, d]` float32 device arrays with unit last stride (any row stride: z a view of
+    the fused projection). Returns o."""
+    cp = cupy_module()
+    o = _device_rows(cp, o, "o")
+    z = _rows_f32(cp, z, 2, "z")
+    if tuple(z.shape) != tuple(o.shape):
+        raise ValueError(f"z {tuple(z.shape)} must have o's shape {tuple(o.shape)}")
+    n, d = (int(s) for s in o.shape)
+    if n == 0 or d == 0:
+        return o
+    rt.kernel("gdn_decode", "mul_silu_f32")(
+        rt.grid(n * d), (rt.ELEMWISE_THREADS, 1, 1),
+        (o, np.int64(rt.estrides(o)[0]), z, np.int64(rt.estrides(z)[0]), np.int32(n),
+         np.int32(d)))
+    return o
