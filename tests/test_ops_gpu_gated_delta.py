@@ -216,6 +216,7 @@ def test_qwen35_gpu_decode_steps_states_in_place(monkeypatch):
     from kvshare.model.loader import load_model
 
     m = load_model(MODELS / "tiny-qwen35.gguf", "cuda")
+    m.cuda_graphs = False  # the eager steps' calls (a graph's are recorded once, at capture)
     n_rec = m.config.n_recurrent_layers
     calls, gathered = [], []
     real_step, real_gather = gpu_hybrid.gated_delta_step_slots, qwen35.gather_states

@@ -363,12 +363,13 @@ class DecoderModel(Model):
         return self._graph_methods_kept(DecoderModel.forward) and all(
             self._layer_graph_ready(L) for L in self.layers)
 
-    def _graph_methods_kept(self, forward: Any) -> bool:
-        """Whether the class keeps `_GRAPH_METHODS` as DecoderModel has them (`forward`: as
-        given)."""
+    def _graph_methods_kept(self, forward: Any, attention_layer: Any = None) -> bool:
+        """Whether the class keeps `_GRAPH_METHODS` as DecoderModel has them (`forward`, and
+        `_attention_layer` where given: as given)."""
         cls = type(self)
-        return all(getattr(cls, name) is (forward if name == "forward"
-                                          else getattr(DecoderModel, name))
+        own = {"forward": forward,
+               "_attention_layer": attention_layer or DecoderModel._attention_layer}
+        return all(getattr(cls, name) is own.get(name, getattr(DecoderModel, name))
                    for name in self._GRAPH_METHODS)
 
     @staticmethod

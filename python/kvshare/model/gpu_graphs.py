@@ -61,8 +61,10 @@ has its decode steps captured (every chunk one token, every row's logits wanted)
 with a prompt chunk stays eager (its layers run the chunked recurrences). A recurrent layer's
 part of the step is its `decode_step` (the same code its eager decode step runs), on the
 recurrent states at each row's slot: one more input, `state_slots` (-1 for a padding row,
-which reads and writes no state). lfm2 and lfm2moe have such layers; qwen35's gated delta
-and gated attention layers do not yet (`decode_graph_ready`), so its steps stay eager.
+which reads and writes no state). A hybrid's own attention layer takes the model's
+`decode_attention_step` (qwen35's gated attention), given the step's static attention. lfm2,
+lfm2moe and qwen35 have such steps; qwen35moe's shared experts are not graph-ready
+(`MoeFFN.graph_ready`), so its steps stay eager.
 
 Where graphs do not apply the step stays eager: more than `MAX_TOKENS` tokens or
 `MAX_LOGIT_ROWS` logit rows, a block table longer than `width`, a step whose attention needs
@@ -563,6 +565,7 @@ class StepGraphs:
                      for key in self.rope_keys}
             mark = self.ws.mark()
             n_layers = len(model.layers)
+            attention_step = getattr(model, "decode_attention_step", None)
             for il, L in enumerate(model.layers):
                 last = il == n_layers - 1
                 if L.kind != ATTENTION:  # a hybrid's recurrent layer (decode steps only)
@@ -575,6 +578,19 @@ class StepGraphs:
                 cos, sin = ropes[(L.rope_base, L.rope_scale)]
                 kc, vc = cache.layer_kv(L.attn_index)
                 g = cache.group_of(L.attn_index)
+                if attention_step is not None:
+                    # a hybrid's own attention layer (qwen35's gated one; decode steps, no
+                    # rows gathered): its step with the graph's static attention
+                    static = statics[(g, int(L.window))]
+                    attention_step(L, x, cos, sin, d[f"slots{g}"], kc, vc,
+                                   lambda q, L=L, kc=kc, vc=vc, st=static: gpu.paged_attention(
+                                       q, kc, vc, None, None, None, scale=cfg.q_scale,
+                                       window=L.window, static=st, sinks=L.sinks))
+                    if last and shape.rows == 0:
+                        return None
+                    if not last:
+                        self.ws.release(mark)
+                    continue
                 # the model's own layer code: the eager step's kernels, in its order
                 q = model._project_qkv(L, x, cos, sin, d[f"slots{g}"], kc, vc)  # noqa: SLF001
                 if last and shape.rows == 0:

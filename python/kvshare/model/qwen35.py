@@ -24,6 +24,11 @@ times sigmoid(gate); `attn_output`.
 
 State per slot (`state_shapes()`): `conv [n_rec, K-1, conv_dim]` (the last K-1 qkv
 projections, oldest first) and `ssm [n_rec, H_v, Dk, Dv]` (the delta-rule matrices).
+
+On a GPU a decode step runs `GatedDeltaNetLayer.decode_step` and `decode_attention_step`
+(the states updated in place by slot, every array from the step's workspace), which a CUDA
+graph of the step captures as they are (`model.gpu_graphs`; qwen35moe's shared experts keep
+its steps eager).
 """
 
 from __future__ import annotations
@@ -65,7 +70,10 @@ class GatedAttentionLayer:
     ffn_norm: Any  # post_attention_norm
     w_gate_up: Any
     w_down: Any
+    rope_base: float = 10000.0  # the model's (the loader sets them): what a step graph keys
+    rope_scale: float = 1.0  # its rope tables by
     window: int = 0
+    sinks: Any = None
     kind: str = ATTENTION
 
 
@@ -138,6 +146,11 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
         x += linear(o.reshape(n, vd), self.ssm_out, backend=be)
         return m.ffn(x, self.ffn_norm, self.w_gate_up, self.w_down)
 
+    def decode_graph_ready(self) -> bool:
+        """Whether `decode_step` can be captured: on a GPU, with a dense FFN or experts that
+        are graph-ready (`MoeFFN.graph_ready`: qwen35moe's shared experts are not)."""
+        return self.model.backend.is_gpu and _ffn_graph_ready(self.w_gate_up)
+
     def decode_step(self, x: Any, slots: Any, cache: KVArrays) -> Any:
         """The layer on a GPU decode step's rows x (every row one token; row i's state at
         `slots[i]`: a host list, or a CUDA graph's device int32 buffer, where a padding row
@@ -209,11 +222,64 @@ class Qwen35Model(HybridModel):
         r = self.config.n_recurrent_layers
         return [(r, self.d_conv - 1, self.conv_dim), (r, self.n_v_heads, self.d_k, self.d_v)]
 
+    def step_graphs_apply(self) -> bool:
+        """Decode steps as CUDA graphs (`HybridModel.step_graphs_apply`), this class's gated
+        attention layers taking `decode_attention_step` there as its eager decode steps do."""
+        return self._graph_methods_kept(HybridModel.forward, Qwen35Model._attention_layer) and all(
+            _ffn_graph_ready(L.w_gate_up) if isinstance(L, GatedAttentionLayer)
+            else self._layer_graph_ready(L) for L in self.layers)
+
+    def decode_attention_step(self, L: Any, x: Any, cos: Any, sin: Any, slots: Any, kc: Any,
+                              vc: Any, attend: Any) -> Any:
+        """A GPU decode step's gated attention layer on rows x (every row one token, every
+        row's logits wanted), x updated in place and returned: the step a CUDA graph
+        captures (`model.gpu_graphs`), which the eager decode step runs too. `slots`: the
+        rows' KV slots (host, or a graph's device buffer); `attend(q)`: the step's paged
+        attention of q (eager: the plan's tables; a graph: its static inputs). Its arrays
+        come from the step's workspace: the gate's sigmoid is formed in one (`hybrid.sigmoid`'s
+        operations, with `out=`)."""
+        from kvshare.ops import gpu_runtime as rt  # noqa: PLC0415 - GPU path only
+
+        cfg, be = self.config, self.backend
+        xp = be.xp
+        eps = cfg.norm_eps
+        H, K, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        n = x.shape[0]
+        h = rms_norm(x, L.attn_norm, eps, backend=be)
+        qkv = linear(h, L.wqkv, backend=be)
+        qg = qkv[:, : 2 * H * D].reshape(n, H, 2 * D)
+        q = rms_norm(qg[:, :, :D], L.q_norm, eps, backend=be)
+        k = rms_norm(qkv[:, 2 * H * D : (2 * H + K) * D].reshape(n, K, D), L.k_norm, eps,
+                     backend=be)
+        v = qkv[:, (2 * H + K) * D :].reshape(n, K, D)
+        apply_rope(q, cos, sin, cfg.rope_style, backend=be)
+        apply_rope(k, cos, sin, cfg.rope_style, backend=be)
+        write_kv(kc, vc, slots, k, v, backend=be)
+        attn = attend(q)
+        gate = rt.empty((n, H, D), np.float32)
+        xp.negative(qg[:, :, D:], out=gate)
+        xp.exp(gate, out=gate)
+        gate += 1.0
+        xp.reciprocal(gate, out=gate)
+        attn *= gate
+        x += linear(attn.reshape(n, H * D), L.wo, backend=be)
+        return self.ffn(x, L.ffn_norm, L.w_gate_up, L.w_down)
+
     def _attention_layer(self, L: Any, x: Any, plan: BatchPlan, cache: KVArrays,
                          last: bool) -> Any:
         if not isinstance(L, GatedAttentionLayer):
             return super()._attention_layer(L, x, plan, cache, last)
         cfg, be = self.config, self.backend
+        if (be.is_gpu and plan.max_seq_rows == 1
+                and (not last or plan.logit_rows.size == x.shape[0])):
+            # a decode step whose rows all go on: the work a CUDA graph of it replays
+            kc, vc = cache.layer_kv(L.attn_index)
+            cos, sin = self._rope(plan, L.rope_base, L.rope_scale)
+            return self.decode_attention_step(
+                L, x, cos, sin, plan.slots, kc, vc,
+                lambda q: paged_attention(q, kc, vc, plan.block_tables, plan.q_starts,
+                                          plan.start_positions, scale=cfg.q_scale, backend=be,
+                                          mask_cache=plan.masks))
         xp = be.xp
         eps = cfg.norm_eps
         H, K, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
@@ -250,6 +316,12 @@ class Qwen35Model(HybridModel):
         attn *= sigmoid(gate, xp)
         x += linear(attn.reshape(n, H * D), L.wo, backend=be)
         return self.ffn(x, L.ffn_norm, L.w_gate_up, L.w_down)
+
+
+def _ffn_graph_ready(ffn: Any) -> bool:
+    """A dense FFN, or experts that are graph-ready (`MoeFFN.graph_ready`)."""
+    ready = getattr(ffn, "graph_ready", None)
+    return ready is None or bool(ready())
 
 
 def load_ffn(ld: Any, p: str) -> tuple[Any, Any]:
@@ -292,7 +364,7 @@ def _load(model: Qwen35Model, ld: Any) -> None:
                 wo=ld.matrix([p + "attn_output.weight"]),
                 q_norm=ld.get(p + "attn_q_norm.weight"), k_norm=ld.get(p + "attn_k_norm.weight"),
                 ffn_norm=ld.get(p + "post_attention_norm.weight"), w_gate_up=gate_up,
-                w_down=down))
+                w_down=down, rope_base=cfg.rope_base, rope_scale=cfg.rope_scale))
             continue
         names = [p + "attn_qkv.weight", p + "attn_gate.weight", p + "ssm_beta.weight",
                  p + "ssm_alpha.weight"]
