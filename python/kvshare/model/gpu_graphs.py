@@ -63,8 +63,7 @@ part of the step is its `decode_step` (the same code its eager decode step runs)
 recurrent states at each row's slot: one more input, `state_slots` (-1 for a padding row,
 which reads and writes no state). A hybrid's own attention layer takes the model's
 `decode_attention_step` (qwen35's gated attention), given the step's static attention. lfm2,
-lfm2moe and qwen35 have such steps; qwen35moe's shared experts are not graph-ready
-(`MoeFFN.graph_ready`), so its steps stay eager.
+lfm2moe, qwen35 and qwen35moe have such steps.
 
 Where graphs do not apply the step stays eager: more than `MAX_TOKENS` tokens or
 `MAX_LOGIT_ROWS` logit rows, a block table longer than `width`, a step whose attention needs
@@ -247,6 +246,17 @@ class StepInputs:
         them again)."""
         if self.sent is not None:
             self.sent.synchronize()
+
+    def __del__(self) -> None:
+        # the staging memory goes back to CuPy's page-locked pool with this object, and the
+        # pool hands it out again: the last send's copy must have read it first (a model
+        # dropped after a step launched ahead that nobody waited for). Not while a capture
+        # runs (a wait there would break it).
+        try:
+            if not rt.is_capturing():
+                self.wait_sent()
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown, a device gone
+            pass
 
 
 class _Graph:

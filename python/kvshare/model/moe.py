@@ -134,8 +134,15 @@ class MoeFFN:
             s = linear(glu(linear(h, self.shared_gate_up, backend=be), "silu", backend=be),
                        self.shared_down, backend=be)
             if self.shared_gate is not None:
+                # s *= 1 / (1 + exp(-g)), formed in g's own array (on a GPU, one from the
+                # step's workspace: a CUDA graph's step allocates nothing else)
                 g = linear(h, self.shared_gate, backend=be)
-                s *= 1.0 / (1.0 + be.xp.exp(-g))
+                xp = be.xp
+                xp.negative(g, out=g)
+                xp.exp(g, out=g)
+                g += 1.0
+                xp.reciprocal(g, out=g)
+                s *= g
             y += s
         return y
 
@@ -146,9 +153,9 @@ class MoeFFN:
 
     def graph_ready(self) -> bool:
         """Whether a step of this layer can be a CUDA graph (`model.gpu_graphs`): the grouped
-        GPU kernels with the router on the device and routed there (`gpu_moe.device_routing`),
-        and no shared expert (its gate is CuPy arithmetic outside the step's workspace)."""
-        if not getattr(self.backend, "is_gpu", False) or self.shared_gate_up is not None:
+        GPU kernels with the router on the device and routed there (`gpu_moe.device_routing`);
+        a shared expert's products and gate take their arrays from the step's workspace."""
+        if not getattr(self.backend, "is_gpu", False):
             return False
         if not (self._grouped() and getattr(self.stacked_gate_up, "on_gpu", False)
                 and getattr(self.stacked_down, "on_gpu", False)):

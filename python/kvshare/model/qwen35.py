@@ -27,8 +27,8 @@ projections, oldest first) and `ssm [n_rec, H_v, Dk, Dv]` (the delta-rule matric
 
 On a GPU a decode step runs `GatedDeltaNetLayer.decode_step` and `decode_attention_step`
 (the states updated in place by slot, every array from the step's workspace), which a CUDA
-graph of the step captures as they are (`model.gpu_graphs`; qwen35moe's shared experts keep
-its steps eager).
+graph of the step captures as they are (`model.gpu_graphs`; qwen35moe's too: its shared
+expert's gate is formed in the workspace).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
 
     def decode_graph_ready(self) -> bool:
         """Whether `decode_step` can be captured: on a GPU, with a dense FFN or experts that
-        are graph-ready (`MoeFFN.graph_ready`: qwen35moe's shared experts are not)."""
+        are graph-ready (`MoeFFN.graph_ready`)."""
         return self.model.backend.is_gpu and _ffn_graph_ready(self.w_gate_up)
 
     def decode_step(self, x: Any, slots: Any, cache: KVArrays) -> Any:
