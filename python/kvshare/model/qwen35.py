@@ -229,19 +229,11 @@ class Qwen35Model(HybridModel):
             _ffn_graph_ready(L.w_gate_up) if isinstance(L, GatedAttentionLayer)
             else self._layer_graph_ready(L) for L in self.layers)
 
-    def decode_attention_step(self, L: Any, x: Any, cos: Any, sin: Any, slots: Any, kc: Any,
-                              vc: Any, attend: Any) -> Any:
-        """A GPU decode step's gated attention layer on rows x (every row one token, every
-        row's logits wanted), x updated in place and returned: the step a CUDA graph
-        captures (`model.gpu_graphs`), which the eager decode step runs too. `slots`: the
-        rows' KV slots (host, or a graph's device buffer); `attend(q)`: the step's paged
-        attention of q (eager: the plan's tables; a graph: its static inputs). Its arrays
-        come from the step's workspace: the gate's sigmoid is formed in one (`hybrid.sigmoid`'s
-        operations, with `out=`)."""
-        from kvshare.ops import gpu_runtime as rt  # noqa: PLC0415 - GPU path only
-
+    def _gated_qkv(self, L: GatedAttentionLayer, x: Any, cos: Any, sin: Any, slots: Any,
+                   kc: Any, vc: Any) -> tuple[Any, Any]:
+        """Norm, the q|gate / k / v projection, q/k norms and rope of rows x; stores their K
+        and V at `slots`; returns (q `[n, H, D]`, the gate's view `[n, H, D]`)."""
         cfg, be = self.config, self.backend
-        xp = be.xp
         eps = cfg.norm_eps
         H, K, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         n = x.shape[0]
@@ -255,9 +247,27 @@ class Qwen35Model(HybridModel):
         apply_rope(q, cos, sin, cfg.rope_style, backend=be)
         apply_rope(k, cos, sin, cfg.rope_style, backend=be)
         write_kv(kc, vc, slots, k, v, backend=be)
+        return q, qg[:, :, D:]
+
+    def decode_attention_step(self, L: Any, x: Any, cos: Any, sin: Any, slots: Any, kc: Any,
+                              vc: Any, attend: Any) -> Any:
+        """A GPU decode step's gated attention layer on rows x (every row one token, every
+        row's logits wanted), x updated in place and returned: the step a CUDA graph
+        captures (`model.gpu_graphs`), which the eager decode step runs too. `slots`: the
+        rows' KV slots (host, or a graph's device buffer); `attend(q)`: the step's paged
+        attention of q (eager: the plan's tables; a graph: its static inputs). Its arrays
+        come from the step's workspace: the gate's sigmoid is formed in one (`hybrid.sigmoid`'s
+        operations, with `out=`)."""
+        from kvshare.ops import gpu_runtime as rt  # noqa: PLC0415 - GPU path only
+
+        cfg, be = self.config, self.backend
+        xp = be.xp
+        H, D = cfg.n_head, cfg.head_dim
+        n = x.shape[0]
+        q, gate_in = self._gated_qkv(L, x, cos, sin, slots, kc, vc)
         attn = attend(q)
         gate = rt.empty((n, H, D), np.float32)
-        xp.negative(qg[:, :, D:], out=gate)
+        xp.negative(gate_in, out=gate)
         xp.exp(gate, out=gate)
         gate += 1.0
         xp.reciprocal(gate, out=gate)
@@ -281,22 +291,11 @@ class Qwen35Model(HybridModel):
                                           plan.start_positions, scale=cfg.q_scale, backend=be,
                                           mask_cache=plan.masks))
         xp = be.xp
-        eps = cfg.norm_eps
-        H, K, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        H, D = cfg.n_head, cfg.head_dim
         n = x.shape[0]
-        h = rms_norm(x, L.attn_norm, eps, backend=be)
-        qkv = linear(h, L.wqkv, backend=be)
-        qg = qkv[:, : 2 * H * D].reshape(n, H, 2 * D)
-        q = rms_norm(qg[:, :, :D], L.q_norm, eps, backend=be)
-        k = rms_norm(qkv[:, 2 * H * D : (2 * H + K) * D].reshape(n, K, D), L.k_norm, eps,
-                     backend=be)
-        v = qkv[:, (2 * H + K) * D :].reshape(n, K, D)
         cos, sin = self._rope(plan, cfg.rope_base, cfg.rope_scale)
-        apply_rope(q, cos, sin, cfg.rope_style, backend=be)
-        apply_rope(k, cos, sin, cfg.rope_style, backend=be)
         kc, vc = cache.layer_kv(L.attn_index)
-        write_kv(kc, vc, plan.slots, k, v, backend=be)
-        gate = qg[:, :, D:]
+        q, gate = self._gated_qkv(L, x, cos, sin, plan.slots, kc, vc)
         if last:
             if plan.logit_rows.size == 0:
                 return None
