@@ -305,7 +305,6 @@ class StepGraphs:
         # state slot an input of the step
         self.recurrent = bool(model.config.n_recurrent_layers)
         self.attn_layer = attn[0] if attn else None
-        self.windows = sorted({int(L.window) for L in attn})
 
     # -- which steps ---------------------------------------------------------------------
     def _width(self, cache: Any) -> int:
@@ -580,40 +579,36 @@ class StepGraphs:
                 last = il == n_layers - 1
                 if L.kind != ATTENTION:  # a hybrid's recurrent layer (decode steps only)
                     L.decode_step(x, d["state_slots"], cache)
-                    if last and shape.rows == 0:
-                        return None
-                    if not last:
-                        self.ws.release(mark)
-                    continue
-                cos, sin = ropes[(L.rope_base, L.rope_scale)]
-                kc, vc = cache.layer_kv(L.attn_index)
-                g = cache.group_of(L.attn_index)
-                if attention_step is not None:
+                elif attention_step is not None:
                     # a hybrid's own attention layer (qwen35's gated one; decode steps, no
                     # rows gathered): its step with the graph's static attention
+                    g = cache.group_of(L.attn_index)
+                    kc, vc = cache.layer_kv(L.attn_index)
                     static = statics[(g, int(L.window))]
-                    attention_step(L, x, cos, sin, d[f"slots{g}"], kc, vc,
+                    attention_step(L, x, *ropes[(L.rope_base, L.rope_scale)], d[f"slots{g}"],
+                                   kc, vc,
                                    lambda q, L=L, kc=kc, vc=vc, st=static: gpu.paged_attention(
                                        q, kc, vc, None, None, None, scale=cfg.q_scale,
                                        window=L.window, static=st, sinks=L.sinks))
+                else:
+                    cos, sin = ropes[(L.rope_base, L.rope_scale)]
+                    kc, vc = cache.layer_kv(L.attn_index)
+                    g = cache.group_of(L.attn_index)
+                    # the model's own layer code: the eager step's kernels, in its order
+                    q = model._project_qkv(L, x, cos, sin, d[f"slots{g}"], kc, vc)  # noqa: SLF001
                     if last and shape.rows == 0:
-                        return None
-                    if not last:
-                        self.ws.release(mark)
-                    continue
-                # the model's own layer code: the eager step's kernels, in its order
-                q = model._project_qkv(L, x, cos, sin, d[f"slots{g}"], kc, vc)  # noqa: SLF001
+                        return None  # every layer has stored its K/V: nothing more is read
+                    static = statics[(g, int(L.window))]
+                    if last and shape.gather:
+                        # only the rows whose logits are wanted (`DecoderModel._attention_rows`)
+                        q = gpu.gather_rows(q, d["rows"])
+                        x = gpu.gather_rows(x, d["rows"])
+                        static = rstatics[(g, int(L.window))]
+                    attn = gpu.paged_attention(q, kc, vc, None, None, None, scale=cfg.q_scale,
+                                               window=L.window, static=static, sinks=L.sinks)
+                    model._output_and_mlp(L, x, attn.reshape(attn.shape[0], -1))  # noqa: SLF001
                 if last and shape.rows == 0:
-                    return None  # every layer has stored its K/V: nothing more is read
-                static = statics[(g, int(L.window))]
-                if last and shape.gather:
-                    # only the rows whose logits are wanted (`DecoderModel._attention_rows`)
-                    q = gpu.gather_rows(q, d["rows"])
-                    x = gpu.gather_rows(x, d["rows"])
-                    static = rstatics[(g, int(L.window))]
-                attn = gpu.paged_attention(q, kc, vc, None, None, None, scale=cfg.q_scale,
-                                           window=L.window, static=static, sinks=L.sinks)
-                model._output_and_mlp(L, x, attn.reshape(attn.shape[0], -1))  # noqa: SLF001
+                    return None  # (a hybrid's last layer has stored its state: nothing read)
                 if not last:
                     self.ws.release(mark)
             hn = rms_norm(x, model.output_norm, cfg.norm_eps, backend=be)

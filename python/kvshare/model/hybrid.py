@@ -63,14 +63,25 @@ class HybridModel(DecoderModel):
         """As `DecoderModel.forward_fed`, for chunks that continue their sequences in
         distinct state slots (`forward`'s checks; a sequence's first token, whose states
         `forward` zeroes, is not a step launched ahead)."""
-        slots = [c.state_slot for c in chunks]
-        if (not cache.states or any(c.start_pos == 0 for c in chunks)
-                or any(s is None or not 0 <= s < cache.n_state_slots for s in slots)
-                or len(set(slots)) < len(slots)):
+        if any(c.start_pos == 0 for c in chunks):
+            return None
+        try:
+            self._check_slots(chunks, cache)
+        except (ValueError, IndexError):
             return None
         return super().forward_fed(chunks, cache, token_feed)
 
     def forward(self, chunks: Sequence[SeqChunk], cache: KVArrays) -> list[np.ndarray | None]:
+        self._check_slots(chunks, cache)
+        for c in chunks:
+            if c.start_pos == 0:  # a sequence's first chunk starts from a zero state
+                for arr in cache.states:
+                    arr[c.state_slot] = 0
+        return super().forward(chunks, cache)
+
+    def _check_slots(self, chunks: Sequence[SeqChunk], cache: KVArrays) -> None:
+        """The cache has state slots and every chunk its own one, in range (ValueError,
+        IndexError)."""
         if not cache.states or cache.n_state_slots < 1:
             raise ValueError(f"{self.arch} has recurrent layers: the cache needs state slots "
                              "(new_cache(..., n_state_slots=k))")
@@ -84,11 +95,6 @@ class HybridModel(DecoderModel):
             if s in seen:
                 raise ValueError(f"state slot {s} used by two chunks of one forward call")
             seen.add(s)
-        for c in chunks:
-            if c.start_pos == 0:  # a sequence's first chunk starts from a zero state
-                for arr in cache.states:
-                    arr[c.state_slot] = 0
-        return super().forward(chunks, cache)
 
     # shared by the layers of the subclasses ---------------------------------------------
     def ffn(self, x: Any, norm: Any, w_gate_up: Any, w_down: Any) -> Any:
@@ -99,6 +105,13 @@ class HybridModel(DecoderModel):
         a = glu(gu, "silu", backend=be)
         x += linear(a, w_down, backend=be)
         return x
+
+
+def ffn_graph_ready(ffn: Any) -> bool:
+    """A recurrent layer's FFN can be in a CUDA graph: dense, or experts that are graph-ready
+    (`MoeFFN.graph_ready`)."""
+    ready = getattr(ffn, "graph_ready", None)
+    return ready is None or bool(ready())
 
 
 class HybridRecurrentLayer(RecurrentLayer):

@@ -31,8 +31,8 @@ from kvshare.backend import CPU, Backend
 from kvshare.model.base import BatchPlan, load_attention_layer
 from kvshare.model.kv_arrays import KVArrays
 from kvshare.model.config import ATTENTION, ModelConfig
-from kvshare.model.hybrid import HybridModel, HybridRecurrentLayer, gather_states, \
-    scatter_states, split_batch
+from kvshare.model.hybrid import HybridModel, HybridRecurrentLayer, ffn_graph_ready, \
+    gather_states, scatter_states, split_batch
 from kvshare.model.qwen35 import load_embeddings, load_ffn
 from kvshare.ops.linear import linear
 from kvshare.ops.norm import rms_norm
@@ -108,11 +108,7 @@ class ShortConvLayer(HybridRecurrentLayer):
     def decode_graph_ready(self) -> bool:
         """Whether `decode_step` can be captured: on a GPU, with a dense FFN or experts
         that are graph-ready (`MoeFFN.graph_ready`)."""
-        if not self.model.backend.is_gpu:
-            return False
-        ffn = self.w_gate_up
-        ready = getattr(ffn, "graph_ready", None)
-        return ready is None or bool(ready())
+        return self.model.backend.is_gpu and ffn_graph_ready(self.w_gate_up)
 
 
 class Lfm2Model(HybridModel):

@@ -42,9 +42,9 @@ from kvshare.backend import CPU, Backend
 from kvshare.model.base import BatchPlan
 from kvshare.model.kv_arrays import KVArrays
 from kvshare.model.config import ATTENTION, ModelConfig
-from kvshare.model.hybrid import (HybridModel, HybridRecurrentLayer, gather_states,
-                                  l2_norm_heads, scatter_states, sigmoid, silu, softplus,
-                                  split_batch)
+from kvshare.model.hybrid import (HybridModel, HybridRecurrentLayer, ffn_graph_ready,
+                                  gather_states, l2_norm_heads, scatter_states, sigmoid, silu,
+                                  softplus, split_batch)
 from kvshare.ops.attention import paged_attention, write_kv
 from kvshare.ops.embedding import embedding  # noqa: F401 - re-exported for symmetry
 from kvshare.ops.gated_delta import gated_delta_chunked, gated_delta_step
@@ -149,7 +149,7 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
     def decode_graph_ready(self) -> bool:
         """Whether `decode_step` can be captured: on a GPU, with a dense FFN or experts that
         are graph-ready (`MoeFFN.graph_ready`)."""
-        return self.model.backend.is_gpu and _ffn_graph_ready(self.w_gate_up)
+        return self.model.backend.is_gpu and ffn_graph_ready(self.w_gate_up)
 
     def decode_step(self, x: Any, slots: Any, cache: KVArrays) -> Any:
         """The layer on a GPU decode step's rows x (every row one token; row i's state at
@@ -226,7 +226,7 @@ class Qwen35Model(HybridModel):
         """Decode steps as CUDA graphs (`HybridModel.step_graphs_apply`), this class's gated
         attention layers taking `decode_attention_step` there as its eager decode steps do."""
         return self._graph_methods_kept(HybridModel.forward, Qwen35Model._attention_layer) and all(
-            _ffn_graph_ready(L.w_gate_up) if isinstance(L, GatedAttentionLayer)
+            ffn_graph_ready(L.w_gate_up) if isinstance(L, GatedAttentionLayer)
             else self._layer_graph_ready(L) for L in self.layers)
 
     def _gated_qkv(self, L: GatedAttentionLayer, x: Any, cos: Any, sin: Any, slots: Any,
@@ -315,12 +315,6 @@ class Qwen35Model(HybridModel):
         attn *= sigmoid(gate, xp)
         x += linear(attn.reshape(n, H * D), L.wo, backend=be)
         return self.ffn(x, L.ffn_norm, L.w_gate_up, L.w_down)
-
-
-def _ffn_graph_ready(ffn: Any) -> bool:
-    """A dense FFN, or experts that are graph-ready (`MoeFFN.graph_ready`)."""
-    ready = getattr(ffn, "graph_ready", None)
-    return ready is None or bool(ready())
 
 
 def load_ffn(ld: Any, p: str) -> tuple[Any, Any]:
