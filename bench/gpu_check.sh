@@ -20,7 +20,7 @@
 #                  at 1 and 32 sequences and of a 1K prefill chunk
 #                  (bench/gpu_kernel_profile.py), bench/gpu_matvec_bench.py where it exists.
 #                  About 4-5 minutes after the machine is up.
-#   TESTS_ONLY=1   pytest -m gpu (ops, block weights, graphs, models, engine) with CUDA graphs
+#   TESTS_ONLY=1   pytest -m gpu (ops, block weights, graphs, models, engine, the server) with CUDA graphs
 #                  on, then again with KVSHARE_CUDA_GRAPHS=0: the two pytest rows and Q2_K.
 #   MOE_ONLY=1     the grouped MoE kernels' tests and bench/moe_gpu_bench.py (MoE row), then
 #                  a random gpt-oss-20b (scripts/make_random_gguf.py --arch gpt-oss, ~11 GiB
@@ -297,11 +297,13 @@ test_steps() {
                  tests/test_ops_gpu_mmvq.py tests/test_sampling_gpu.py tests/test_engine_overlap.py
                  tests/test_ops_gpu_attention_mma.py tests/test_engine_step_ahead.py
                  tests/test_model_gpu_step_graphs.py tests/test_gpu_kernel_profile.py)
-    step pytest_graphs_on 260 "${PYTEST[@]}" -m gpu --junitxml="$WORK/pytest_graphs_on.xml" \
-        "${files[@]}" || RC=1
+    # tests/test_server_gpu.py (kvshare serve --device cuda over HTTP against the CPU's
+    # replies) starts its servers with graphs on and off itself: in the first run only
+    step pytest_graphs_on 300 "${PYTEST[@]}" -m gpu --junitxml="$WORK/pytest_graphs_on.xml" \
+        "${files[@]}" tests/test_server_gpu.py || RC=1
     summ pytest_graphs_on
     table
-    KVSHARE_CUDA_GRAPHS=0 step pytest_graphs_off 260 "${PYTEST[@]}" -m gpu \
+    KVSHARE_CUDA_GRAPHS=0 step pytest_graphs_off 220 "${PYTEST[@]}" -m gpu \
         --junitxml="$WORK/pytest_graphs_off.xml" "${files[@]}" || RC=1
     summ pytest_graphs_off
 }

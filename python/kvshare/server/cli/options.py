@@ -176,8 +176,9 @@ OPTIONS: list[Option] = [
      "(--device, when given, wins)"),
     ("--cuda-graphs", TOGGLE, True,
      "with --device cuda: steps of up to 1,024 tokens (decode, prefill, mixed) of "
-     "attention models, dense or MoE, replayed as CUDA graphs, the common shapes captured at "
-     "start (--no-cuda-graphs: every step launched op by op)"),
+     "attention models, dense or MoE, and the decode steps of hybrids (qwen35, lfm2), "
+     "replayed as CUDA graphs, the common shapes captured at start (--no-cuda-graphs: every "
+     "step launched op by op)"),
     ("--flash-attn", flag_types.flash_attn, "auto",
      "accepted: on, off or auto; kvshare's attention is always tiled (flash-style)"),
     ("--backend-sampling", None, False,
