@@ -30,6 +30,14 @@ On a GPU (issue 40's figures; KVSHARE_* variables reach the server only through 
     python bench/agent_fleet.py --model q15.gguf --server-args "--device cuda" \
         --server-env KVSHARE_GPU_WEIGHTS=blocks --out agent_fleet.json
 
+The host's side of that fleet without a GPU: the same server on the CPU emulator of CuPy with
+no kernel run (token 0 sampled every step), on a random 1.5b-shaped GGUF cut to a few layers
+(its steps are CUDA graphs: one launch each, whatever the layer count):
+
+    python bench/agent_fleet.py --model q15_4layers.gguf --server-args "--device cuda" \
+        --server-launcher tests/gpu_emu/kvshare_emu.py --server-env KVSHARE_EMU_NOOP=1 \
+        --server-env KVSHARE_GPU_WEIGHTS=blocks --out bench/out/agent_fleet_gpu_host.json
+
 Writes bench/out/agent_fleet.json (or --out).
 """
 
@@ -392,6 +400,11 @@ def main() -> None:
     ap.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
                     help="an environment variable for `kvshare serve` (repeatable; KVSHARE_* "
                          "variables are not inherited), e.g. KVSHARE_GPU_WEIGHTS=blocks")
+    ap.add_argument("--server-launcher", default=None, metavar="SCRIPT",
+                    help="a Python script run in place of kvshare's command line: "
+                         "tests/gpu_emu/kvshare_emu.py serves `--device cuda` on the CPU "
+                         "emulator (with --server-env KVSHARE_EMU_NOOP=1: the fleet's host "
+                         "side, no kernel run)")
     ap.add_argument("--out", default=None, help="JSON file (default bench/out/agent_fleet.json)")
     ap.add_argument("--peer-url", default=None, help="an already-running llama-server")
     ap.add_argument("--no-kvshare", action="store_true", help="run the peer only")
@@ -414,7 +427,7 @@ def main() -> None:
         log = Path(tempfile.mkdtemp(prefix="kvshare-agent-fleet-")) / "server.log"
         print(f"starting kvshare serve {' '.join(serve_args)} (log {log})", flush=True)
         env = dict(kv.split("=", 1) for kv in args.server_env)
-        server = ServeProcess(serve_args, log, env=env)
+        server = ServeProcess(serve_args, log, env=env, launcher=args.server_launcher)
         results["config"]["kvshare_serve_args"] = serve_args
         results["kvshare_banner"] = next((ln for ln in server.log().splitlines()
                                           if "kvshare: serving" in ln), None)

@@ -21,13 +21,16 @@ SERVING = re.compile(r"kvshare: serving \S+ at (http://[^\s]+) ")
 class ServeProcess:
     def __init__(self, args: list[str], log_path: Path | str, *, log_level: str = "warning",
                  startup_timeout: float = 600.0, client_timeout: float = 600.0,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, launcher: str | None = None):
         self.log_path = Path(log_path)
         # the benches measure Gemma 3 270M (llama.cpp's side-by-side numbers and the issues'
         # targets are on it) unless told otherwise; `kvshare serve`'s own default is the
         # chat-tuned SmolLM2
         model = [] if "--model" in args else ["--model", "gemma3-270m"]
-        cmd = [sys.executable, "-m", "kvshare.server.cli", "serve", "--host", "127.0.0.1",
+        # `launcher`: a script run in place of kvshare's command line module, e.g.
+        # tests/gpu_emu/kvshare_emu.py (the same command line on the CPU emulator of CuPy)
+        entry = [launcher] if launcher else ["-m", "kvshare.server.cli"]
+        cmd = [sys.executable, *entry, "serve", "--host", "127.0.0.1",
                "--port", "0", "--log-level", log_level, *model, *args]
         # `env`: variables the caller sets on purpose (e.g. KVSHARE_GPU_WEIGHTS, which has no
         # flag), on top of the environment less the inherited KVSHARE_* ones

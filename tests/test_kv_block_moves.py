@@ -171,8 +171,42 @@ def test_a_ram_save_reads_its_missing_blocks_at_once(monkeypatch):
     ram.put_block(keys[2], kv.read_block(table[2]))  # held already: not read again
     tiers = TierManager(pool, kv, BS, ram, None)
     moves = Counting(kv, monkeypatch)
-    assert tiers.pin_prefix(keys, table, 6) == 6
+    tiers.pin_prefix(keys, table, 6)
     assert moves.calls == [("read_blocks", [table[j] for j in (0, 1, 3, 4, 5)])]
+    tiers.flush()  # the puts and pins run on the saver thread
+    assert all(ram.is_pinned(k) for k in keys)
+    for j in range(6):
+        assert ram.get_block(keys[j]) == kv.read_block(table[j]).tobytes()
+
+
+def test_a_prefix_pin_leaves_its_puts_and_pins_to_the_saver_thread(monkeypatch):
+    """`pin_prefix` copies the blocks RAM lacks out of the pool on the calling thread (the
+    engine's) and returns; the RAM puts and the pins run on the saver thread. A second pin
+    of the chain while the first one's puts are still queued reads nothing again."""
+    import threading  # noqa: PLC0415
+
+    kv = random_pool()
+    pool = _core.BlockPool(N_BLOCKS, BS)
+    _, keys, table = computed_chain(pool, kv, 6)
+    ram = _core.RamTier(1 << 20)
+    tiers = TierManager(pool, kv, BS, ram, None)
+    gate, threads, put = threading.Event(), [], tiers._put_ram
+
+    def gated_put(*a):
+        assert gate.wait(10)
+        threads.append(threading.current_thread().name)
+        return put(*a)
+
+    monkeypatch.setattr(tiers, "_put_ram", gated_put)
+    moves = Counting(kv, monkeypatch)
+    tiers.pin_prefix(keys, table, 6)
+    tiers.pin_prefix(keys, table, 6)  # another session of the same agent prefix
+    assert ram.match_prefix(keys) == 0  # nothing put yet: the saver waits at the gate
+    assert moves.calls == [("read_blocks", table[:6])]
+    gate.set()
+    tiers.flush()
+    assert threads and all(t.startswith("kvshare-save") for t in threads), threads
+    assert all(ram.is_pinned(k) for k in keys)
     for j in range(6):
         assert ram.get_block(keys[j]) == kv.read_block(table[j]).tobytes()
 
@@ -186,7 +220,9 @@ def test_a_ram_save_keeps_the_blocks_per_block_reads_kept(budget_blocks):
     _, keys, table = computed_chain(pool, kv, 6)
     budget = int(budget_blocks * kv.block_nbytes)
     ram, ref = _core.RamTier(budget), _core.RamTier(budget)
-    TierManager(pool, kv, BS, ram, None)._save_ram(keys, table, 6)
+    tiers = TierManager(pool, kv, BS, ram, None)
+    tiers._save_ram_later(keys, table, 6)
+    tiers.flush()
     ref_tiers = TierManager(pool, kv, BS, ref, None)
     ref_tiers._put_ram(keys, ref_tiers._ram_missing(keys), lambda j: kv.read_block(table[j]))
     held = [ram.get_block(k) for k in keys]
@@ -201,7 +237,9 @@ def restore_setup(monkeypatch, n: int, free: int | None = None):
     pool = _core.BlockPool(N_BLOCKS, BS)
     tokens, keys, table = computed_chain(pool, kv, n)
     tiers = TierManager(pool, kv, BS, _core.RamTier(1 << 20), None)
-    assert tiers.pin_prefix(keys, table, n) == n
+    tiers.pin_prefix(keys, table, n)
+    tiers.flush()
+    assert tiers.ram.match_prefix(keys) == n
     saved = kv.read_blocks(table)
     pool.release(table)
     pool.evict_all_cached()

@@ -25,7 +25,10 @@ sources and `kvshare.ops.gpu` without a GPU (see docs/gpu.md, "Verification"):
   after it synchronized or queried done, a stream or device synchronize, a blocking read of
   device memory). A pending copy whose host bytes changed before then raises (on a GPU the
   copy might have read the new bytes): the host wrote a staging buffer the device may not
-  have read yet.
+  have read yet. Asynchronous device-to-host copies into it (`asnumpy(a, out=pinned,
+  blocking=False)`, `a.get(stream=s, out=pinned, blocking=False)`) land only when the host
+  knows them done: until then the host buffer holds poison (a read too early gets 0xFF
+  bytes), and a device source freed before then raises.
 
 `KVSHARE_EMU_ORDER=reverse` (or `shuffle`, seeded by `KVSHARE_EMU_SEED`) resumes a block's
 fibers in reverse thread order (a new random order each pass) instead of thread order: a
@@ -187,7 +190,9 @@ class ndarray(np.ndarray):
             _pending_copy(src)
         np.ndarray.__setitem__(self, Ellipsis, src)
 
-    def get(self, stream=None):
+    def get(self, stream=None, order="C", out=None, blocking=True):
+        if out is not None:
+            return asnumpy(self, stream, order, out, blocking=blocking)
         _no_capture("device-to-host copy (ndarray.get)")
         COUNTS["d2h"] += 1
         if stream is None:
@@ -231,7 +236,9 @@ def ascontiguousarray(a, dtype=None): return _dev(np.ascontiguousarray(a, dtype=
 def empty(shape, dtype=np.float32):
     if NOOP:   # a memory pool's allocation on a GPU: not kvshare's time
         t0 = time.perf_counter()
-        a = _dev(np.empty(shape, dtype))
+        # zeros, not garbage: a no-op step's sampled tokens read back as token 0 with status
+        # ok (a served request runs to its end), its logits as zeros (finite)
+        a = _dev(np.zeros(shape, dtype))
         COUNTS["emu_s"] += time.perf_counter() - t0
         return a
     a = np.empty(shape, dtype)
@@ -251,7 +258,9 @@ def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
         COUNTS["d2h"] += 1
         if blocking:
             _retire_copies()
-    if out is not None:   # (blocking=False: an asynchronous copy; here it is done at once)
+        elif out is not None and _pending_read(a, out):
+            return out
+    if out is not None:
         np.copyto(out, np.asarray(a).view(np.ndarray))
         return out
     return np.array(np.asarray(a).view(np.ndarray))
@@ -411,14 +420,47 @@ def _pending_copy(src):
             return
 
 @_plumbing
+def _pending_read(src, out):
+    """A device-to-host copy of device array `src` into `out` without waiting: into pinned
+    memory it is asynchronous, so `out` holds poison (0xFF bytes: NaN in floats, -1 in ints)
+    until the host knows the copy done (`_retire_copies`), and the device bytes are read then:
+    a host that reads `out` before waiting for the copy reads poison, and one that frees or
+    reuses `src` before then is caught or copies the new bytes, as a GPU might. False where
+    `out` is pageable (the driver copies before returning: nothing pends)."""
+    if not out.flags.c_contiguous or out.nbytes == 0 or src.shape != out.shape:
+        return False
+    addr = out.__array_interface__["data"][0]
+    for start, end, ref in _PINNED:
+        if ref() is not None and start <= addr and addr + out.nbytes <= end:
+            break
+    else:
+        return False
+    owner = _owner(src.__array_interface__["data"][0]) if src.size else None
+    read = _by_address(src)
+    _COPY_SEQ[0] += 1
+    _PENDING.append((_COPY_SEQ[0], addr, (out, read, owner), ref))
+    out.view(np.uint8).reshape(-1).fill(0xFF)
+    return True
+
+@_plumbing
 def _retire_copies(upto=None):
     """The pending copies issued up to `upto` (all: None) are known complete: each one's host
-    bytes must still be what they were when it was issued."""
+    bytes must still be what they were when it was issued; a device-to-host copy lands."""
     keep = []
     for entry in _PENDING:
         seq, addr, snap, ref = entry
         if upto is not None and seq > upto:
             keep.append(entry)
+            continue
+        if isinstance(snap, tuple):   # a device-to-host copy (`_pending_read`)
+            out, read, owner = snap
+            if ref() is None:
+                raise RuntimeError("pinned host memory freed while an asynchronous copy into "
+                                   "it was pending")
+            if owner is not None and owner() is None:
+                raise RuntimeError("device memory freed while an asynchronous copy from it "
+                                   "was pending")
+            np.copyto(out, read())
             continue
         if ref() is None:
             raise RuntimeError("pinned host memory freed while an asynchronous copy from it "
@@ -544,9 +586,9 @@ LAUNCHES = []
 # took (launch marshalling, allocations, array operations: what a GPU would not spend).
 COUNTS = {"h2d": 0, "d2h": 0, "kernel": 0, "gemm": 0, "graph": 0, "elementwise": 0,
           "emu_s": 0.0}
-# KVSHARE_EMU_NOOP=1: kernels and GEMMs are checked and recorded but not run, and `empty` does
-# not poison; results are garbage. For measuring the host side of the GPU path
-# (bench/gpu_host_cost.py), never for tests.
+# KVSHARE_EMU_NOOP=1: kernels and GEMMs are checked and recorded but not run, and `empty`
+# returns zeros; results are meaningless. For measuring the host side of the GPU path
+# (bench/gpu_host_cost.py, a no-op server's fleet), never for tests.
 NOOP = os.environ.get("KVSHARE_EMU_NOOP") == "1"
 
 # a static shared declaration: `__shared__ [__align__(n)] TYPE NAME[...]...;`

@@ -301,5 +301,6 @@ def check_request(req: GenerationRequest, info: ModelInfo) -> None:
     if not 1 <= req.n <= info.max_n:
         raise RequestRejected(f"n must be between 1 and {info.max_n}, got {req.n}")
     vocab = info.vocab_size
-    if any((t < 0 or t >= vocab) for t in req.prompt_tokens):
+    # min and max: a long prompt scanned in C (a generator over 6K ids was ~0.2 ms a request)
+    if min(req.prompt_tokens) < 0 or max(req.prompt_tokens) >= vocab:
         raise RequestRejected(f"prompt token ids must be in [0, {vocab})", "invalid_token_id")

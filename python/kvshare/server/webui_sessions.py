@@ -12,18 +12,19 @@ text, unless the operator asks for prompt text (`keep_tokens`).
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
-from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from kvshare import _core
 from kvshare.engine.api import FinishEvent, GenerationRequest, TokenEvent
 
 from .request_log import RequestObserver
 
+# the chains' root: the view's digests are its own, never the cache's keys
+WEBUI_ROOT = b"kvshare/webui/v1"
 # Sessions remembered after they end (the view's "recent" list and the tree's finished leaves).
 MAX_SESSIONS = 256
 # A finished session leaves the view this many seconds after it ended.
@@ -38,18 +39,17 @@ def block_chain(tokens: list[int], block_size: int, salt: bytes | None,
     """One digest per full KV block of `tokens`, each over its parent's digest and its own
     tokens: equal digests mean an equal prefix under an equal salt. Blocks wholly inside the
     public prefix chain from an unsalted root and the rest from the salt, as the cache's chain
-    keys do (`BlockKeys.chain`), so tenants meet only in public blocks."""
-    out: list[bytes] = []
-    parent = b"kvshare/webui/v1"
-    public_blocks = public_tokens // block_size if salt is not None else 0
-    ids = array("i", tokens)
-    for i in range(len(tokens) // block_size):
-        if i == public_blocks and salt is not None:
-            parent = hashlib.blake2b(parent + salt, digest_size=12).digest()
-        run = ids[i * block_size:(i + 1) * block_size].tobytes()
-        parent = hashlib.blake2b(parent + run, digest_size=12).digest()
-        out.append(parent)
-    return out
+    keys do (`BlockKeys.chain`), so tenants meet only in public blocks. Hashed in the Rust
+    core (`hash_blocks`, as the cache's keys): on the event loop, for every request."""
+    n = len(tokens) // block_size
+    root = _core.root_key(WEBUI_ROOT, "webui", block_size, None)
+    if salt is None:
+        return _core.hash_blocks(root, tokens, block_size)
+    public_blocks = min(public_tokens // block_size, n)
+    out = _core.hash_blocks(root, tokens[:public_blocks * block_size], block_size)
+    salted = _core.root_key(out[-1] if out else root, "webui", block_size, salt)
+    return out + _core.hash_blocks(salted, tokens[public_blocks * block_size:n * block_size],
+                                   block_size)
 
 
 @dataclass

@@ -190,8 +190,7 @@ class RecurrentStateManager(LayerGroupManager):
         if (n and ck.position == n and self.ctx.tiers_on() and tiers.ram is not None
                 and seq.request.cache_store):
             self.keys.ensure(seq, n)
-            tiers.pin_prefix(seq.block_keys, seq.block_table, n // self.block_size)
-            tiers.pin_checkpoint(seq.block_keys, ck)
+            tiers.pin_prefix(seq.block_keys, seq.block_table, n // self.block_size, ck)
 
     def _checkpoint_reply(self, seq: Sequence) -> None:
         """With tiers: keep a checkpoint at the reply's latest block boundary (the previous

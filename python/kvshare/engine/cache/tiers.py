@@ -27,7 +27,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
@@ -112,6 +112,9 @@ class TierManager:
         self._readers: ThreadPoolExecutor | None = None
         self._saver: ThreadPoolExecutor | None = None
         self._saves: deque[tuple[Future, bool]] = deque()  # (job, writes to disk)
+        # keys read out of the pool whose RAM put a queued saver job makes (engine thread
+        # adds, the job removes: set operations are atomic under the GIL)
+        self._ram_pending: set[bytes] = set()
         # the admitting sequence's blocks fetched ahead from Redis (`reading`): the engine
         # thread's remote reads go here, never to the network
         self._reads: FetchedBlocks | None = None
@@ -302,8 +305,16 @@ class TierManager:
         host = self.kv.read_blocks(block_table[first:n_full]) if first < n_full else None
         n_prefix = min(prefix_tokens // self.block_size, n_full)
         to_disk = self.disk is not None and stored < n_full
-        self._submit_save(lambda: self._save_job(keys, first, host, ram_missing, stored,
-                                                 n_prefix, remote_from, to_ram), to_disk)
+        pending = self._mark_pending(keys, ram_missing) if host is not None else []
+
+        def job() -> None:
+            try:
+                self._save_job(keys, first, host, ram_missing, stored, n_prefix, remote_from,
+                               to_ram)
+            finally:
+                self._ram_pending.difference_update(pending)
+
+        self._submit_save(job, to_disk)
 
     def _remote_from(self, keys: list[bytes], n_full: int) -> int:
         """The first block the shared tier may lack (n_full: nothing to send)."""
@@ -353,28 +364,62 @@ class TierManager:
         # read-only (called from other threads): list() of a deque is atomic under the GIL
         return sum(1 for fut, to_disk in list(self._saves) if to_disk and not fut.done())
 
-    def pin_prefix(self, keys: list[bytes], block_table: list[int], n_blocks: int) -> int:
+    def pin_prefix(self, keys: list[bytes], block_table: list[int], n_blocks: int,
+                   checkpoint=None) -> None:
         """Copy the first `n_blocks` blocks to RAM (what is missing) and pin them as a prefix
-        entry. Returns how many leading blocks are pinned."""
+        entry, with a hybrid's `checkpoint` at their end (`pin_checkpoint`); the puts and
+        pins run on the saver thread (`_save_ram_later`)."""
         n = min(n_blocks, len(keys), len(block_table))
-        if self.ram is None or n == 0:
-            return 0
-        self._save_ram(keys, block_table, n)
-        return int(self.ram.pin_blocks(keys[:n]))
+        ram = self.ram
+        if ram is None or n == 0:
+            return
+        keys = list(keys[:n])
 
-    def _save_ram(self, keys: list[bytes], block_table: list[int], n: int) -> None:
-        """Copy the first `n` blocks to RAM (those it lacks)."""
-        keys = keys[:n]
+        def pin() -> None:
+            ram.pin_blocks(keys)
+            if checkpoint is not None:
+                self.pin_checkpoint(keys, checkpoint)
+
+        self._save_ram_later(keys, block_table, n, pin)
+
+    def _save_ram_later(self, keys: list[bytes], block_table: list[int], n: int,
+                        then: Callable[[], None] | None = None) -> None:
+        """Copy the first `n` blocks RAM lacks out of the pool now, in one bulk read; put them
+        in RAM, then run `then`, on the saver thread, as a finished sequence's save does
+        (`flush` waits for it): the puts of a long agent prefix (~690 MB for 6K tokens of a
+        Qwen3-1.7B-shaped model) held up every session's next step on the engine thread."""
+        assert self.ram is not None
+        keys = list(keys[:n])
         missing = self._ram_missing(keys)
-        # one bulk read of every missing block, though the puts may stop early (OverBudget)
-        host = self.kv.read_blocks([block_table[j] for j in missing])
-        row = {j: i for i, j in enumerate(missing)}
-        self._put_ram(keys, missing, lambda j: host[row[j]])
+        host = self.kv.read_blocks([block_table[j] for j in missing]) if missing else None
+        pending = self._mark_pending(keys, missing)
+
+        def job() -> None:
+            try:
+                if host is not None:
+                    row = {j: i for i, j in enumerate(missing)}
+                    self._put_ram(keys, missing, lambda j: host[row[j]])
+            finally:
+                self._ram_pending.difference_update(pending)
+            if then is not None:
+                then()
+
+        self._submit_save(job, False)
+
+    def _mark_pending(self, keys: list[bytes], missing: list[int]) -> list[bytes]:
+        """Blocks `missing` of `keys`, read out of the pool for a RAM put that a saver job
+        makes later: until it has, later saves and pins do not read them again (the sessions
+        of one agent prefix pin it one after another)."""
+        pending = [keys[j] for j in missing]
+        self._ram_pending.update(pending)
+        return pending
 
     def _ram_missing(self, keys: list[bytes]) -> list[int]:
-        ram = self.ram
+        """Indexes of the `keys` RAM neither holds nor has a put of queued (`_mark_pending`)."""
+        ram, pending = self.ram, self._ram_pending
         assert ram is not None
-        return [j for j, key in enumerate(keys) if not ram.contains_block(key)]
+        return [j for j, key in enumerate(keys)
+                if not ram.contains_block(key) and key not in pending]
 
     def _put_ram(self, keys: list[bytes], missing: list[int], block_of) -> None:
         """Put blocks `missing` (indexes into `keys`; `block_of(j)` is block j's data) into
@@ -408,14 +453,19 @@ class TierManager:
         if not cks:
             return
         n = cks[-1].position // bs
-        if self.ram is not None and self.finished_to_ram:
-            self._save_ram(keys, block_table, n)
-            for c in cks:
-                with contextlib.suppress(_core.OverBudget):
-                    self.ram.put_checkpoint(c)
+        ram = self.ram
+        if ram is not None and self.finished_to_ram:
             prefix = next((c for c in cks if prefix_tokens and c.position == prefix_tokens), None)
-            if prefix is not None:
-                self.pin_checkpoint(keys, prefix)
+            ram_keys = list(keys[:n])
+
+            def checkpoints() -> None:
+                for c in cks:
+                    with contextlib.suppress(_core.OverBudget):
+                        ram.put_checkpoint(c)
+                if prefix is not None:
+                    self.pin_checkpoint(ram_keys, prefix)
+
+            self._save_ram_later(ram_keys, block_table, n, checkpoints)
         if self.remote is not None and n * bs >= self.remote_min_tokens:
             rf = self.remote.first_unknown(list(keys[:n]))
             blocks = self.kv.read_blocks(block_table[rf:n]) if rf < n else None
