@@ -20,8 +20,9 @@
 #                  at 1 and 32 sequences and of a 1K prefill chunk
 #                  (bench/gpu_kernel_profile.py), bench/gpu_matvec_bench.py where it exists.
 #                  About 4-5 minutes after the machine is up.
-#   TESTS_ONLY=1   pytest -m gpu (ops, block weights, graphs, models, engine, the server) with CUDA graphs
-#                  on, then again with KVSHARE_CUDA_GRAPHS=0: the two pytest rows and Q2_K.
+#   TESTS_ONLY=1   pytest -m gpu (ops, block weights, graphs, models, engine) with CUDA graphs
+#                  on, then again with KVSHARE_CUDA_GRAPHS=0: the two pytest rows and Q2_K;
+#                  then tests/test_server_gpu.py (kvshare serve --device cuda over HTTP).
 #   MOE_ONLY=1     the grouped MoE kernels' tests and bench/moe_gpu_bench.py (MoE row), then
 #                  a random gpt-oss-20b (scripts/make_random_gguf.py --arch gpt-oss, ~11 GiB
 #                  written here) decoding at 1 and 8 sequences, graphs on and off (its row).
@@ -297,15 +298,19 @@ test_steps() {
                  tests/test_ops_gpu_mmvq.py tests/test_sampling_gpu.py tests/test_engine_overlap.py
                  tests/test_ops_gpu_attention_mma.py tests/test_engine_step_ahead.py
                  tests/test_model_gpu_step_graphs.py tests/test_gpu_kernel_profile.py)
-    # tests/test_server_gpu.py (kvshare serve --device cuda over HTTP against the CPU's
-    # replies) starts its servers with graphs on and off itself: in the first run only
-    step pytest_graphs_on 300 "${PYTEST[@]}" -m gpu --junitxml="$WORK/pytest_graphs_on.xml" \
-        "${files[@]}" tests/test_server_gpu.py || RC=1
+    step pytest_graphs_on 260 "${PYTEST[@]}" -m gpu --junitxml="$WORK/pytest_graphs_on.xml" \
+        "${files[@]}" || RC=1
     summ pytest_graphs_on
     table
     KVSHARE_CUDA_GRAPHS=0 step pytest_graphs_off 220 "${PYTEST[@]}" -m gpu \
         --junitxml="$WORK/pytest_graphs_off.xml" "${files[@]}" || RC=1
     summ pytest_graphs_off
+    table
+    # kvshare serve --device cuda over HTTP against the CPU server's replies (its servers run
+    # graphs on and off themselves; 20 server starts over four tiny models): in summary.txt
+    step pytest_server 150 "${PYTEST[@]}" -m gpu --junitxml="$WORK/pytest_server.xml" \
+        tests/test_server_gpu.py || RC=1
+    summ pytest_server
 }
 
 # MoE and hybrids: the grouped expert kernels' tests (block types, ragged loads, an idle
