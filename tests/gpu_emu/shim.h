@@ -19,6 +19,7 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 // static __shared__ arrays: a function-local static is one object for all the fibers (threads)
 // of a block, as shared memory is; fakecupy follows each declaration with

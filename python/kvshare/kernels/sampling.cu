@@ -152,8 +152,10 @@ __device__ void smp_argmax(SmpShared& sh, float& v, int& i) {
 }
 
 // numpy's float32 pairwise sum (np.add.reduce of a contiguous array) of a[0..n), one thread:
-// the same additions in the same order, so the same bits.
-__device__ float smp_np_sum_block(const float* a, int n) {
+// the same additions in the same order, so the same bits. Not inlined: `smp_np_sum`'s
+// recursion below would inline 64 copies of it, which took NVRTC ~57 s (1.3 s as a call; one
+// call per leaf of one row's sum, no stack frame, no spills).
+__device__ __noinline__ float smp_np_sum_block(const float* a, int n) {
     if (n < 8) {
         float r = 0.0f;
         for (int i = 0; i < n; ++i) r = __fadd_rn(r, a[i]);
