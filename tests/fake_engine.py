@@ -124,6 +124,9 @@ class FakeEngine:
     def stalled_for(self) -> float:
         return 0.0
 
+    def warming_up(self) -> bool:
+        return False
+
     def compile_grammar(self, kind: str, source: str) -> object:
         raise NotImplementedError("the fake engine has no grammar compiler")
 

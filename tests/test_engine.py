@@ -5,6 +5,8 @@ Drives `Engine.step()` on the test's thread (`run_until_idle`) so interleavings 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvshare.engine.api import FinishEvent, GenerationRequest, SamplingParams
@@ -262,3 +264,37 @@ def test_concurrent_prompts_get_their_first_tokens_one_step_after_another(parts)
     assert all(not h._sync.empty() for h in handles)
     eng.run_until_idle()
     assert_idle(eng)
+
+
+def test_warming_up_from_start_until_the_models_start_up_work_is_done(parts, monkeypatch):
+    """A GPU model's engine says it is warming up (/health: loading) from `start` until the
+    model's start-up work ends, and requests queue meanwhile; a CPU model's never does."""
+    import threading  # noqa: PLC0415
+    import types  # noqa: PLC0415
+
+    eng = make_engine(parts)
+    eng.start()
+    assert not eng.warming_up()  # a CPU model: nothing to prepare
+    eng.shutdown()
+
+    eng = make_engine(parts)
+    gate, entered = threading.Event(), threading.Event()
+
+    def warm_up(*a):
+        entered.set()
+        assert gate.wait(10)
+        return 0
+
+    monkeypatch.setattr(eng, "model", types.SimpleNamespace(
+        **{k: getattr(eng.model, k) for k in ("config",)}, backend=types.SimpleNamespace(
+            is_gpu=True), warm_up=warm_up))
+    eng.start()
+    assert eng.warming_up()
+    assert entered.wait(10)
+    assert eng.warming_up()  # still preparing
+    gate.set()
+    deadline = time.monotonic() + 10
+    while eng.warming_up() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not eng.warming_up()
+    eng.shutdown()

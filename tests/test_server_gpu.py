@@ -190,6 +190,8 @@ def test_greedy_replies_equal_the_cpu_servers(servers, kind):
     server's (`assert_same_reply`); streamed, the same text and finish reason."""
     _, started = servers
     cpu, gpu = started("cpu"), started(kind)
+    # /health said ok only once the start-up capture was done (before: "Loading model")
+    assert ("captured" in gpu.log()) == (kind == "cuda"), gpu.log()
     for messages in PROMPTS:
         want, got = chat(cpu, messages), chat(gpu, messages)
         assert_same_reply(got, want)

@@ -246,6 +246,18 @@ def test_engine_error_status_cause_and_retry_after(client, engine, monkeypatch):
     assert r.headers["Retry-After"] == "5" and err["message"] == "the server is busy"
 
 
+def test_health_says_loading_while_the_engine_warms_up(client, engine):
+    """While the engine prepares a GPU model's steps, /health answers as llama-server does
+    while its model loads: a 503 with a "Loading model" error object."""
+    engine.warming_up = lambda: True
+    r = client.get("/health")
+    assert r.status_code == 503
+    assert r.json() == {"status": "loading model", "error": {
+        "code": 503, "message": "Loading model", "type": "unavailable_error"}}
+    engine.warming_up = lambda: False
+    assert client.get("/health").json() == {"status": "ok"}
+
+
 def test_health_reports_a_stalled_engine(client, engine):
     engine.stalled_for = lambda: 0.5
     assert client.get("/health").json() == {"status": "ok"}

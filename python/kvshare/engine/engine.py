@@ -179,6 +179,7 @@ class Engine:
         self._cancels: deque[str] = deque()
         self._wake = threading.Event()
         self._stopping = False
+        self._warming = False  # `warming_up`
         self._thread: threading.Thread | None = None
         self._handles: dict[str, RequestHandle] = {}
         self._open_choices: dict[str, int] = {}  # request id -> choices not finished yet
@@ -218,8 +219,16 @@ class Engine:
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         if self._thread is None:
+            # a GPU model prepares its steps first (kernels compiled, CUDA graphs captured:
+            # up to a minute on a fresh machine); a CPU model has nothing to prepare
+            self._warming = bool(getattr(self.model.backend, "is_gpu", False))
             self._thread = threading.Thread(target=self._run, name="kvshare-engine", daemon=True)
             self._thread.start()
+
+    def warming_up(self) -> bool:
+        """True from `start` until the model's start-up work is done (`_warm_up`): requests
+        queue meanwhile, so /health says the model is loading."""
+        return self._warming
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Let in-flight requests finish for up to `timeout` seconds, then cancel the rest."""
@@ -386,7 +395,10 @@ class Engine:
 
     # ---- the engine thread ------------------------------------------------------------
     def _run(self) -> None:
-        self._warm_up()
+        try:
+            self._warm_up()
+        finally:
+            self._warming = False
         while not self._stopping:
             try:
                 self._drain_inbox()

@@ -49,12 +49,18 @@ class ServerEndpoints:
                     "chat_template_polyfills": list(info.template_polyfills)}}]})
 
     async def health(self, request: Request) -> Response:
-        """llama-server's /health ({"status": "ok"}; a 503 carries its error object), with
-        kvshare's reasons to be unhealthy (shutting down, an engine step that hangs) and the
+        """llama-server's /health ({"status": "ok"}; a 503 carries its error object: while the
+        engine prepares a GPU model's steps, "Loading model"), with kvshare's reasons to be
+        unhealthy (shutting down, an engine step that hangs) and the
         remote tier's state (`tiers.remote.state`: `ok` or `degraded`)."""
         if self.pipeline.shutting_down:
             return JSONResponse({"status": "shutting down", "error": error_object(
                 503, "The server is shutting down")}, status_code=503)
+        if self.engine.warming_up():
+            # as llama-server answers while its model loads: a router or a readiness probe
+            # waits, where a request would queue behind the start-up work
+            return JSONResponse({"status": "loading model", "error": error_object(
+                503, "Loading model")}, status_code=503)
         stalled = self.engine.stalled_for()
         if stalled > STALL_LIMIT_S:  # one step should take well under a second or two
             return JSONResponse({"status": "engine stalled", "step_seconds": round(stalled, 1),

@@ -331,6 +331,10 @@ class SleepingEngine:
         engine = self._engine
         return 0.0 if engine is None else engine.stalled_for()
 
+    def warming_up(self) -> bool:
+        engine = self._engine
+        return engine is not None and engine.warming_up()
+
     # ---- what needs the model -----------------------------------------------------------
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         return self._call(lambda e: e.tokenize(text, add_special, parse_special))
