@@ -221,7 +221,7 @@ def test_a_ram_save_keeps_the_blocks_per_block_reads_kept(budget_blocks):
     budget = int(budget_blocks * kv.block_nbytes)
     ram, ref = _core.RamTier(budget), _core.RamTier(budget)
     tiers = TierManager(pool, kv, BS, ram, None)
-    tiers._save_ram_later(keys, table, 6)
+    tiers._save_ram_later(keys, table)
     tiers.flush()
     ref_tiers = TierManager(pool, kv, BS, ref, None)
     ref_tiers._put_ram(keys, ref_tiers._ram_missing(keys), lambda j: kv.read_block(table[j]))

@@ -27,7 +27,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
@@ -112,8 +112,8 @@ class TierManager:
         self._readers: ThreadPoolExecutor | None = None
         self._saver: ThreadPoolExecutor | None = None
         self._saves: deque[tuple[Future, bool]] = deque()  # (job, writes to disk)
-        # keys read out of the pool whose RAM put a queued saver job makes (engine thread
-        # adds, the job removes: set operations are atomic under the GIL)
+        # keys read out of the pool whose RAM put a queued saver job makes (`_submit_save`:
+        # the engine thread adds, the job removes; set operations are atomic under the GIL)
         self._ram_pending: set[bytes] = set()
         # the admitting sequence's blocks fetched ahead from Redis (`reading`): the engine
         # thread's remote reads go here, never to the network
@@ -305,16 +305,9 @@ class TierManager:
         host = self.kv.read_blocks(block_table[first:n_full]) if first < n_full else None
         n_prefix = min(prefix_tokens // self.block_size, n_full)
         to_disk = self.disk is not None and stored < n_full
-        pending = self._mark_pending(keys, ram_missing) if host is not None else []
-
-        def job() -> None:
-            try:
-                self._save_job(keys, first, host, ram_missing, stored, n_prefix, remote_from,
-                               to_ram)
-            finally:
-                self._ram_pending.difference_update(pending)
-
-        self._submit_save(job, to_disk)
+        self._submit_save(lambda: self._save_job(keys, first, host, ram_missing, stored,
+                                                 n_prefix, remote_from, to_ram), to_disk,
+                          [keys[j] for j in ram_missing] if host is not None else [])
 
     def _remote_from(self, keys: list[bytes], n_full: int) -> int:
         """The first block the shared tier may lack (n_full: nothing to send)."""
@@ -341,12 +334,27 @@ class TierManager:
             self.disk.submit(keys, payload, self.kv.block_nbytes, n_full * self.block_size,
                              None, stored)
 
-    def _submit_save(self, job, to_disk: bool) -> None:
+    def _submit_save(self, job: Callable[[], None], to_disk: bool,
+                     ram_puts: Sequence[bytes] = ()) -> None:
+        """Run `job` on the saver thread. `ram_puts`: the keys of the blocks it puts in RAM,
+        read out of the pool already: until it has run, later saves and pins do not read
+        them again (`_ram_missing`; the sessions of one agent prefix pin it one after
+        another)."""
         if self._saver is None:
             self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvshare-save")
         while len(self._saves) >= MAX_PENDING_SAVES:
             self._wait(self._saves.popleft()[0])
-        self._saves.append((self._saver.submit(job), to_disk))
+        run = job
+        if ram_puts:
+            self._ram_pending.update(ram_puts)
+
+            def run() -> None:
+                try:
+                    job()
+                finally:
+                    self._ram_pending.difference_update(ram_puts)
+
+        self._saves.append((self._saver.submit(run), to_disk))
 
     @staticmethod
     def _wait(fut: Future) -> None:
@@ -380,42 +388,29 @@ class TierManager:
             if checkpoint is not None:
                 self.pin_checkpoint(keys, checkpoint)
 
-        self._save_ram_later(keys, block_table, n, pin)
+        self._save_ram_later(keys, block_table, pin)
 
-    def _save_ram_later(self, keys: list[bytes], block_table: list[int], n: int,
+    def _save_ram_later(self, keys: list[bytes], block_table: list[int],
                         then: Callable[[], None] | None = None) -> None:
-        """Copy the first `n` blocks RAM lacks out of the pool now, in one bulk read; put them
-        in RAM, then run `then`, on the saver thread, as a finished sequence's save does
-        (`flush` waits for it): the puts of a long agent prefix (~690 MB for 6K tokens of a
-        Qwen3-1.7B-shaped model) held up every session's next step on the engine thread."""
-        assert self.ram is not None
-        keys = list(keys[:n])
+        """Copy the blocks of `keys` (a chain's first ones) that RAM lacks out of the pool now,
+        in one bulk read; put them in RAM, then run `then`, on the saver thread, as a finished
+        sequence's save does (`flush` waits for it): the puts of a long agent prefix (~690 MB
+        for 6K tokens of a Qwen3-1.7B-shaped model) held up every session's next step on the
+        engine thread."""
         missing = self._ram_missing(keys)
         host = self.kv.read_blocks([block_table[j] for j in missing]) if missing else None
-        pending = self._mark_pending(keys, missing)
 
         def job() -> None:
-            try:
-                if host is not None:
-                    row = {j: i for i, j in enumerate(missing)}
-                    self._put_ram(keys, missing, lambda j: host[row[j]])
-            finally:
-                self._ram_pending.difference_update(pending)
+            if host is not None:
+                row = {j: i for i, j in enumerate(missing)}
+                self._put_ram(keys, missing, lambda j: host[row[j]])
             if then is not None:
                 then()
 
-        self._submit_save(job, False)
-
-    def _mark_pending(self, keys: list[bytes], missing: list[int]) -> list[bytes]:
-        """Blocks `missing` of `keys`, read out of the pool for a RAM put that a saver job
-        makes later: until it has, later saves and pins do not read them again (the sessions
-        of one agent prefix pin it one after another)."""
-        pending = [keys[j] for j in missing]
-        self._ram_pending.update(pending)
-        return pending
+        self._submit_save(job, False, [keys[j] for j in missing])
 
     def _ram_missing(self, keys: list[bytes]) -> list[int]:
-        """Indexes of the `keys` RAM neither holds nor has a put of queued (`_mark_pending`)."""
+        """Indexes of the `keys` RAM neither holds nor has a put of queued (`_submit_save`)."""
         ram, pending = self.ram, self._ram_pending
         assert ram is not None
         return [j for j, key in enumerate(keys)
@@ -465,7 +460,7 @@ class TierManager:
                 if prefix is not None:
                     self.pin_checkpoint(ram_keys, prefix)
 
-            self._save_ram_later(ram_keys, block_table, n, checkpoints)
+            self._save_ram_later(ram_keys, block_table, checkpoints)
         if self.remote is not None and n * bs >= self.remote_min_tokens:
             rf = self.remote.first_unknown(list(keys[:n]))
             blocks = self.kv.read_blocks(block_table[rf:n]) if rf < n else None
