@@ -286,8 +286,7 @@ def test_warming_up_from_start_until_the_models_start_up_work_is_done(parts, mon
         return 0
 
     monkeypatch.setattr(eng, "model", types.SimpleNamespace(
-        **{k: getattr(eng.model, k) for k in ("config",)}, backend=types.SimpleNamespace(
-            is_gpu=True), warm_up=warm_up))
+        config=eng.model.config, backend=types.SimpleNamespace(is_gpu=True), warm_up=warm_up))
     eng.start()
     assert eng.warming_up()
     assert entered.wait(10)

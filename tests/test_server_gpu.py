@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -62,22 +62,20 @@ SYSTEM = ("You are a coding agent. Tools: read_file(path), write_file(path, text
           "run(cmd). Answer briefly. ") * 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# the server's banner once it listens (on the port the OS gave it: --port 0)
+SERVING = re.compile(r"kvshare: serving \S+ at (http://[^\s]+) ")
 
 
 class Serve:
-    """One `kvshare serve` process on a free loopback port, healthy when constructed."""
+    """One `kvshare serve` process on a loopback port of the OS's choosing, healthy when
+    constructed."""
 
     def __init__(self, name: str, device: str, *args: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = ""
         launch = [sys.executable, str(EMU_LAUNCHER)] if device == "cuda" and EMU else \
             [sys.executable, "-m", "kvshare.server.cli"]
         cmd = [*launch, "serve", "--model", str(MODELS / f"{name}.gguf"), "--host",
-               "127.0.0.1", "--port", str(self.port), "--device", device, *COMMON, *args]
+               "127.0.0.1", "--port", "0", "--device", device, *COMMON, *args]
         env = {k: v for k, v in os.environ.items()
                if not k.startswith("KVSHARE_") or k.startswith(("KVSHARE_EMU_", "KVSHARE_GPU_"))}
         with tempfile.NamedTemporaryFile("w+", prefix=f"kvshare-{name}-{device}-",
@@ -88,8 +86,11 @@ class Serve:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{cmd} exited with {self.proc.returncode}:\n{self.log()}")
+            if not self.url:
+                m = SERVING.search(self.logpath.read_text(errors="replace"))
+                self.url = m.group(1) if m else ""
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if self.url and httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

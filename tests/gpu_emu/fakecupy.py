@@ -405,19 +405,26 @@ cuda.alloc_pinned_memory = alloc_pinned_memory
 _COPY_SEQ = [0]    # asynchronous copies issued so far
 _PENDING = []      # (seq, host address, bytes of the source when issued, weakref to the buffer)
 
+def _pinned_ref(host):
+    """The weakref of the live pinned buffer holding C-contiguous host array `host` wholly,
+    or None (pageable memory, or nothing to copy)."""
+    if not host.flags.c_contiguous or host.nbytes == 0:
+        return None
+    addr = host.__array_interface__["data"][0]
+    for start, end, ref in _PINNED:
+        if ref() is not None and start <= addr and addr + host.nbytes <= end:
+            return ref
+    return None
+
 @_plumbing
 def _pending_copy(src):
     """Record an asynchronous copy from host array `src` when it lies in pinned memory
     (from pageable memory the driver stages the bytes before returning: nothing pends)."""
-    if not src.flags.c_contiguous or src.nbytes == 0:
-        return
-    addr = src.__array_interface__["data"][0]
-    for start, end, ref in _PINNED:
-        buf = ref()
-        if buf is not None and start <= addr and addr + src.nbytes <= end:
-            _COPY_SEQ[0] += 1
-            _PENDING.append((_COPY_SEQ[0], addr, ctypes.string_at(addr, src.nbytes), ref))
-            return
+    ref = _pinned_ref(src)
+    if ref is not None:
+        addr = src.__array_interface__["data"][0]
+        _COPY_SEQ[0] += 1
+        _PENDING.append((_COPY_SEQ[0], addr, ctypes.string_at(addr, src.nbytes), ref))
 
 @_plumbing
 def _pending_read(src, out):
@@ -427,14 +434,10 @@ def _pending_read(src, out):
     a host that reads `out` before waiting for the copy reads poison, and one that frees or
     reuses `src` before then is caught or copies the new bytes, as a GPU might. False where
     `out` is pageable (the driver copies before returning: nothing pends)."""
-    if not out.flags.c_contiguous or out.nbytes == 0 or src.shape != out.shape:
+    ref = _pinned_ref(out)
+    if ref is None or src.shape != out.shape:
         return False
     addr = out.__array_interface__["data"][0]
-    for start, end, ref in _PINNED:
-        if ref() is not None and start <= addr and addr + out.nbytes <= end:
-            break
-    else:
-        return False
     owner = _owner(src.__array_interface__["data"][0]) if src.size else None
     read = _by_address(src)
     _COPY_SEQ[0] += 1

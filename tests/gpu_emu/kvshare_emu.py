@@ -6,9 +6,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import fakecupy  # noqa: E402
-
-fakecupy.install()
+import emu_plugin  # noqa: E402, F401 - installs fakecupy as `cupy`, as pytest's -p emu_plugin
 
 from kvshare.server.cli import main  # noqa: E402
 
