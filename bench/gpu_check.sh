@@ -40,8 +40,9 @@
 # logs.txt (each step's log, its last lines), env.txt. The steps write under $WORK
 # (/tmp/kvshare-gpu-check). Without $OUT: bench/out/gpu_check.
 #
-#   bench/gpu_check.sh --prepare   on the CPU machine, before a device run: fetches the pure-
-#                                  Python wheels the device image lacks (gguf), nvdisasm, and
+#   bench/gpu_check.sh --prepare   on the CPU machine, before a device run: fetches the
+#                                  wheels the device image lacks (bench/device_wheels.txt:
+#                                  gguf, the server, the openai SDK), nvdisasm, and
 #                                  the Qwen2 tokenizer GGUF into .whl/ (git-excluded) and
 #                                  prints what the run must carry.
 #
@@ -72,9 +73,16 @@ if [ "${1:-}" = "--prepare" ]; then
     set -e
     grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
     mkdir -p .whl
-    GGUF_VER=$(python3 -c 'import importlib.metadata as m; print(m.version("gguf"))')
+    rm -f .whl/*.whl  # one version of each package: two stop the device's install
+    # the packages bench/device_wheels.txt names, at the versions installed here (CI's)
+    python3 -c 'import importlib.metadata as m, sys
+for line in open(sys.argv[1]):
+    name = line.split("#")[0].strip()
+    if name:
+        print(f"{name}=={m.version(name)}")' bench/device_wheels.txt > .whl/requirements.txt
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-        --implementation cp --platform manylinux2014_x86_64 -d .whl "gguf==$GGUF_VER"
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d .whl -r .whl/requirements.txt
     # nvdisasm (4 MB) for tests/test_kernels_sass.py: the device compiler's machine code
     python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
         -d .whl "nvidia-cuda-nvdisasm>=13,<14"
@@ -87,6 +95,17 @@ n = len(GGUFReader(sys.argv[1]).fields["tokenizer.ggml.tokens"].data)
 print(sys.argv[1], "vocabulary", n); assert n == 151936, n' "$VOCAB"
     fi
     ls -la .whl python/kvshare/_core*.so
+    # the device tool sends the working tree and the carried paths, 64 MiB in all
+    python3 -c 'import os, subprocess, sys
+files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                       capture_output=True, check=True).stdout.split(b"\0")
+tree = sum(os.path.getsize(f) for f in files if f and os.path.isfile(f))
+carry = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(".whl") for f in fs)
+carry += os.path.getsize("python/kvshare/_core.abi3.so")
+total = (tree + carry) / 2**20
+print(f"working tree {tree / 2**20:.1f} MiB + carried {carry / 2**20:.1f} MiB = {total:.1f} MiB"
+      " of the 64 MiB a device call takes")
+sys.exit(total > 64)'
     echo
     echo 'device run: carry [".whl", "python/kvshare/_core.abi3.so"], command:'
     echo '  bash bench/gpu_check.sh     (or TESTS_ONLY=1 / MOE_ONLY=1 / GRAPHS_ONLY=1 / EXTRAS_ONLY=1)'
@@ -125,9 +144,15 @@ WHLS=()
 for w in .whl/*.whl; do
     [ -f "$w" ] && [[ $w != *nvdisasm* ]] && WHLS+=("$w")
 done
-if [ ${#WHLS[@]} -gt 0 ] && [ "$CPU" != 1 ]; then
+# (a CPU dry run installs them too where $PY is the image's Python, 3.12: a venv holding only
+# the image's packages then stands in for the device's environment; docs/gpu.md "Verification")
+PY312=$($PY -c 'import sys; print(int(sys.version_info[:2] == (3, 12)))')
+if [ ${#WHLS[@]} -gt 0 ] && { [ "$CPU" != 1 ] || [ "$PY312" = 1 ]; }; then
+    rm -rf /tmp/kvshare-site
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/kvshare-site "${WHLS[@]}" && export PYTHONPATH=/tmp/kvshare-site${PYTHONPATH:+:$PYTHONPATH}
+        --target /tmp/kvshare-site "${WHLS[@]}" > "$WORK/wheels.log" 2>&1 &&
+        export PYTHONPATH=/tmp/kvshare-site${PYTHONPATH:+:$PYTHONPATH} ||
+        log "the carried wheels did not install: $(tail -1 "$WORK/wheels.log")"
 fi
 # nvdisasm unpacked apart (not on PYTHONPATH: its `nvidia` package would hide the device's)
 for w in .whl/nvidia_cuda_nvdisasm*.whl; do
@@ -142,7 +167,9 @@ elif ! $PY -c 'import kvshare._core' 2>/dev/null; then
     log "no carried extension: pip install -e .[gpu,test] (needs a network and Rust)"
     timeout 300 $PY -m pip install -q -e ".[gpu,test]" > "$WORK/pip.log" 2>&1 || log "pip install failed (see pip.log)"
 fi
-IMPORTS='import kvshare, kvshare.model.loader, gguf'
+# the server (Starlette, Hypercorn) for the fleet and tests/test_server_gpu.py (openai): not in
+# the device image, carried as wheels (bench/device_wheels.txt)
+IMPORTS='import kvshare, kvshare.model.loader, kvshare.server.launcher, gguf, openai'
 [ "$CPU" = 1 ] || IMPORTS="$IMPORTS, cupy"
 if ! $PY -c "$IMPORTS" > "$WORK/import.log" 2>&1; then
     log "kvshare cannot be imported here: $(tail -1 "$WORK/import.log")"
