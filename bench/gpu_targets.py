@@ -49,7 +49,7 @@ CTX = 1024
 # the gpu_check.sh mode that fills each group of rows
 MODE_OF = {"bench": "default run", "fleet": "default run", "q2k": "default run",
            "kernels": "default run",
-           "tests": "TESTS_ONLY=1 run", "matvec": "default run", "moe": "MOE_ONLY=1 run",
+           "tests": "TESTS_ONLY=1 run or the default run's end", "matvec": "default run", "moe": "MOE_ONLY=1 run",
            "compile": "EXTRAS_ONLY=1 run"}
 
 
