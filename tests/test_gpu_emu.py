@@ -168,3 +168,59 @@ def test_copies_from_pageable_memory_or_without_a_stream_do_not_pend(cp):
     cp.cuda.Device().synchronize()  # nothing pending: no error
     ev = cp.cuda.Event()
     ev.synchronize()  # never recorded: done at once
+
+
+@pytest.fixture
+def api(cp):
+    if cp.API is None:
+        pytest.skip("no CuPy installed: the emulator's API checks are off")
+    return cp.API
+
+
+def test_names_and_keywords_cupy_lacks_raise(cp, api):
+    """What NumPy underneath would run and CuPy refuses: a function CuPy lacks, a keyword
+    its function or ufunc does not take; what CuPy has runs."""
+    a = cp.zeros(4, np.float32)
+    assert "insert" not in api["numpy"] and "concatenate" in api["numpy"]
+    with pytest.raises(AttributeError, match="insert"):
+        cp.insert(a, 0, 1.0)
+    with pytest.raises(TypeError, match="dtype"):
+        cp.clip(a, 0, 1, dtype=np.float32)
+    with pytest.raises(TypeError, match="where"):
+        cp.exp(a, where=a > 0)
+    with pytest.raises(TypeError, match="where"):
+        np.exp(a, out=cp.empty(4, np.float32), where=a > 0)
+    assert cp.concatenate([a, a], dtype=np.float32).shape == (8,)
+    assert cp.clip(a, 0, 1).dtype == np.float32 and cp.exp(a).dtype == np.float32
+
+
+def test_numpy_functions_on_device_arrays_follow_cupy(cp, api):
+    """numpy.<f>(device array) runs cupy.<f> on a GPU: raises where CuPy has no <f> or <f>
+    takes no such keyword."""
+    a = cp.zeros(4, np.float32)
+    assert float(np.sum(a)) == 0.0 and np.concatenate([a, a]).shape == (8,)
+    with pytest.raises(AttributeError, match="insert"):
+        np.insert(a, 0, 1.0)
+    with pytest.raises(TypeError, match="dtype"):
+        np.clip(a, 0, 1, dtype=np.float32)
+
+
+def test_host_arrays_beside_device_arrays_raise(cp, api):
+    """CuPy refuses a host numpy.ndarray in an operation with a device array ("Unsupported
+    type"), either side, as an operand or as the output; scalars are fine."""
+    dev, host = cp.zeros(4, np.float32), np.ones(4, np.float32)
+    for op in (lambda: dev + host, lambda: host * dev, lambda: np.add(dev, 1, out=host),
+               lambda: cp.maximum(dev, host)):
+        with pytest.raises(TypeError, match="host array"):
+            op()
+    assert float((dev + np.float32(2))[0]) == 2.0 and float((dev * 3)[1]) == 0.0
+
+
+def test_array_attributes_and_defaults_follow_cupy(cp, api):
+    a = cp.zeros(4, np.float32)
+    for name in ("ctypes", "setflags", "resize"):
+        assert name not in api["ndarray"]
+        with pytest.raises(AttributeError, match=name):
+            getattr(a, name)
+    assert a.reshape(2, 2).T.copy().shape == (2, 2)  # what CuPy's arrays have works
+    assert cp.zeros(2).dtype == np.float64 and cp.empty(2).dtype == np.float64

@@ -54,6 +54,97 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUILD = os.path.join(tempfile.gettempdir(), "kvshare-gpu-emu"); os.makedirs(BUILD, exist_ok=True)
 
+# ---- the real CuPy's API, which the stand-in holds kvshare to ----
+# NumPy accepts what CuPy refuses: a function CuPy lacks, a keyword its function does not take,
+# a host array beside a device one in an operation. Each would pass here and fail on a GPU,
+# so the names, keywords and operand rules below are read off the installed CuPy (in a
+# subprocess: this module takes its name), cached per version. Without CuPy installed the
+# checks are off, unless KVSHARE_EMU_CUPY_API=require (CI) makes that an error.
+_API_SCRIPT = r"""
+import inspect, json, sys
+import cupy
+def spec(f):
+    if type(f).__name__ == "ufunc":
+        return {"kind": "ufunc"}
+    if not callable(f) or isinstance(f, type):
+        return {"kind": "other"}
+    try:
+        ps = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):
+        return {"kind": "function", "params": None}
+    if any(p.kind is p.VAR_KEYWORD for p in ps):
+        return {"kind": "function", "params": None}
+    return {"kind": "function", "params": [p.name for p in ps if p.kind is not p.VAR_POSITIONAL]}
+api = {"version": cupy.__version__,
+       "numpy": {n: spec(getattr(cupy, n)) for n in dir(cupy) if not n.startswith("_")},
+       "numpy.linalg": {n: spec(getattr(cupy.linalg, n)) for n in dir(cupy.linalg)
+                        if not n.startswith("_")},
+       "ndarray": sorted(dir(cupy.ndarray))}
+json.dump(api, sys.stdout)
+"""
+
+_VERSION_SCRIPT = r"""
+import importlib.metadata as m
+for d in ("cupy-cuda12x", "cupy-cuda13x", "cupy"):
+    try:
+        print(d, m.version(d)); break
+    except m.PackageNotFoundError:
+        pass
+"""
+
+def _load_api():
+    import json
+    mode = os.environ.get("KVSHARE_EMU_CUPY_API", "on")
+    if mode == "off":
+        return None
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    try:
+        ver = subprocess.run([sys.executable, "-c", _VERSION_SCRIPT], env=env,
+                             capture_output=True, text=True).stdout.strip()
+    except OSError:
+        ver = ""
+    path = os.path.join(BUILD, f"cupy_api_{ver.replace(' ', '_') or 'none'}.json")
+    if ver and os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    r = subprocess.run([sys.executable, "-c", _API_SCRIPT], env=env, capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        if mode == "require":
+            raise RuntimeError("KVSHARE_EMU_CUPY_API=require: the real CuPy's API could not be "
+                               "read: " + (r.stderr.strip().splitlines() or ["?"])[-1])
+        return None
+    api = json.loads(r.stdout)
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(api, f)
+    os.replace(tmp, path)
+    return api
+
+API = _load_api()
+
+def _check_call(namespace, name, kwargs):
+    """Raise as CuPy would where `cupy.<name>` (of `namespace`, "numpy" or "numpy.linalg")
+    does not exist or does not take one of `kwargs`."""
+    if API is None:
+        return
+    spec = API.get(namespace, {}).get(name)
+    where = "cupy" if namespace == "numpy" else "cupy.linalg"
+    if spec is None:
+        raise AttributeError(f"{where} has no {name!r} (CuPy {API['version']}): NumPy's runs "
+                             f"here, a GPU raises")
+    if spec["kind"] == "ufunc":
+        bad = set(kwargs) - _UFUNC_KW
+    elif spec["kind"] == "function" and spec["params"] is not None:
+        bad = set(kwargs) - set(spec["params"])
+    else:
+        return
+    if bad:
+        raise TypeError(f"{where}.{name} takes no {', '.join(sorted(bad))} (CuPy "
+                        f"{API['version']}): NumPy's takes it, a GPU raises")
+
+_UFUNC_KW = {"out", "dtype", "casting"}   # what CuPy's ufunc.__call__ takes
+
 class _Mem:
     def __init__(self, ptr): self.ptr = ptr
 
@@ -137,6 +228,13 @@ class ndarray(np.ndarray):
             COUNTS["emu_s"] += time.perf_counter() - t0
 
     def _ufunc(self, ufunc, method, *inputs, out=None, **kw):
+        for a in (*inputs, *(out or ())):
+            if type(a) is np.ndarray:
+                raise TypeError(f"{ufunc.__name__}: a host array (numpy.ndarray) beside a device "
+                                f"one: CuPy raises TypeError (Unsupported type)")
+        if method == "__call__" and API is not None and set(kw) - _UFUNC_KW:
+            raise TypeError(f"cupy.{ufunc.__name__} takes no "
+                            f"{', '.join(sorted(set(kw) - _UFUNC_KW))}: a GPU raises")
         args = tuple(_base(a) for a in inputs)
         outs = tuple(_base(o) for o in out) if out is not None else None
         if _capturing_here(f"{ufunc.__name__}.{method}"):
@@ -159,6 +257,12 @@ class ndarray(np.ndarray):
         if isinstance(r, tuple):
             return tuple(_dev(x) if isinstance(x, np.ndarray) else x for x in r)
         return _dev(r) if isinstance(r, np.ndarray) else r
+
+    def __array_function__(self, func, types, args, kwargs):
+        # numpy.<func>(device array): CuPy runs cupy.<func> instead, where it exists
+        if func.__module__ in ("numpy", "numpy.linalg"):
+            _check_call(func.__module__, func.__name__, kwargs)
+        return super().__array_function__(func, types, args, kwargs)
 
     def __setitem__(self, key, value):
         if _capturing_here("array assignment"):
@@ -219,6 +323,15 @@ class ndarray(np.ndarray):
         _no_capture("tolist() of a device array (a device-to-host read)")
         return self.view(np.ndarray).tolist()
 
+def _not_in_cupy(name):
+    def missing(self):
+        raise AttributeError(f"'cupy.ndarray' object has no attribute {name!r}")
+    return property(missing)
+if API is not None:   # NumPy's array attributes CuPy's lack (ctypes, resize, setflags, ...)
+    for _name in set(dir(np.ndarray)) - set(API["ndarray"]) - set(vars(ndarray)):
+        if not _name.startswith("__"):
+            setattr(ndarray, _name, _not_in_cupy(_name))
+
 def _dev(a):
     if isinstance(a, ndarray):
         return a
@@ -233,7 +346,7 @@ def asarray(a, dtype=None):
     return _dev(np.array(a, dtype=dtype, copy=True))
 def array(a, dtype=None): return _dev(np.array(a, dtype=dtype, copy=True))
 def ascontiguousarray(a, dtype=None): return _dev(np.ascontiguousarray(a, dtype=dtype))
-def empty(shape, dtype=np.float32):
+def empty(shape, dtype=float):
     if NOOP:   # a memory pool's allocation on a GPU: not kvshare's time
         t0 = time.perf_counter()
         # zeros, not garbage: a no-op step's sampled tokens read back as token 0 with status
@@ -245,8 +358,8 @@ def empty(shape, dtype=np.float32):
     if a.dtype.kind == "f": a.fill(np.nan)   # uninitialised device memory: poison
     elif a.dtype == np.uint8: a.fill(0xFF)   # (raw buffers, e.g. a workspace: NaN bytes)
     return _dev(a)
-def zeros(shape, dtype=np.float32): return _dev(np.zeros(shape, dtype))
-def full(shape, v, dtype=np.float32): return _dev(np.full(shape, v, dtype))
+def zeros(shape, dtype=float): return _dev(np.zeros(shape, dtype))
+def full(shape, v, dtype=None): return _dev(np.full(shape, v, dtype))
 def matmul(a, b, out=None):
     if out is not None:
         return np.matmul(a, b, out=out)   # through ndarray.__array_ufunc__ (captured)
@@ -267,10 +380,13 @@ def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
 def __getattr__(name):
     # NumPy for the rest of CuPy's array API (exp, negative, multiply, arange, ...): ufuncs
     # keep the device subclass of their inputs; new arrays become device arrays
+    if API is not None and name not in API["numpy"] and not name.startswith("__"):
+        raise AttributeError(f"module 'cupy' has no attribute {name!r} (CuPy {API['version']})")
     f = getattr(np, name)
     if not callable(f) or isinstance(f, type):
         return f
     def on_device(*a, **k):
+        _check_call("numpy", name, k)
         r = f(*a, **k)
         return _dev(r) if type(r) is np.ndarray else r
     return on_device
