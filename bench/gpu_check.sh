@@ -189,6 +189,7 @@ fi
 
 # --- steps -----------------------------------------------------------------------------------
 RC=0
+TRIAGED=()  # the switches the default run's triage exported for its figures
 # step NAME TIMEOUT CMD...: runs CMD under `timeout` (shortened to what the deadline leaves),
 # its output in $WORK/NAME.log, {"rc", "seconds"} in $WORK/step_NAME.json for the table
 step() {
@@ -264,6 +265,7 @@ target_steps() {
         export "${sw?}"
         fleet_env+=(--server-env "$sw")
     done
+    TRIAGED=("${switches[@]}")
     [ ${#switches[@]} -gt 0 ] &&
         log "triage: ${switches[*]} for the figures below (those kernels failed their tests)"
     table
@@ -448,6 +450,7 @@ else
     # call that follows after the machine went idle (30 s) starts a fresh one, minutes of the
     # session's device time
     if [ $(( DEADLINE - ($(date +%s) - T0) )) -ge 150 ]; then
+        for sw in "${TRIAGED[@]}"; do unset "${sw%%=*}"; done  # the tests run as shipped
         test_steps
     else
         log "tests: not run in this call (the deadline leaves under 150 s): TESTS_ONLY=1 runs them"
