@@ -12,8 +12,8 @@ import asyncio
 import importlib
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,10 +34,9 @@ CTX = 1024
 SERVER_ARGS = ["--model", "gemma3-270m", "--parallel", "4", "--kv-unified-per-slot", str(CTX)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# the server's start-up line; it binds --port 0 and says which port the OS gave it (a free
+# port picked here, closed and then bound by the server could be taken in between)
+SERVING = re.compile(r"kvshare: serving \S+ at (http://[^\s]+) ")
 
 
 class ServerProcess:
@@ -49,10 +48,8 @@ class ServerProcess:
     def start(self) -> None:
         # Fail fast, with the real error, when the engine is not there yet.
         importlib.import_module("kvshare.engine.engine")
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "kvshare.server.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(self.port), *SERVER_ARGS, *self.extra]
+               "--port", "0", *SERVER_ARGS, *self.extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSHARE_")}
         # the server writes the log through its own copy of the descriptor
         with tempfile.NamedTemporaryFile("w+", prefix="kvshare-server-", suffix=".log",
@@ -61,9 +58,16 @@ class ServerProcess:
                                          env=env)
         self.logpath = Path(logfile.name)
         deadline = time.time() + STARTUP_TIMEOUT
+        self.url = ""
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            if not self.url:
+                m = SERVING.search(self.logpath.read_text(errors="replace"))
+                if m is None:
+                    time.sleep(0.1)
+                    continue
+                self.url = m.group(1)
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     self.model = httpx.get(self.url + "/v1/models").json()["data"][0]["id"]
