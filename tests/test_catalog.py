@@ -13,7 +13,6 @@ import dataclasses
 import hashlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -28,6 +27,7 @@ import pytest
 from kvshare.model import catalog, store
 from kvshare.server import cli
 from kvshare.server.cli.preflight import kv_dtype_problem
+from tier_helpers import served_url
 
 SMOL = "smollm2-135m-instruct"
 
@@ -394,22 +394,19 @@ def test_q8_0_kv_is_refused_on_the_gpu_only_one_line_exit_2():
 
 # --------------------------------------------------------------------------- end to end
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Server:
     def __init__(self, *args: str, log: Path):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         with open(log, "w") as out:  # the server writes through its own copy of the descriptor
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvshare.server.cli", "serve", "--port", str(self.port),
+                [sys.executable, "-m", "kvshare.server.cli", "serve", "--port", "0",
                  "--parallel", "1", "--ctx-size", "1024", "--cache-ram", "0", *args],
                 stdout=out, stderr=subprocess.STDOUT, env=_env())
+        try:
+            self.url = served_url(self.proc, log, 600)
+        except AssertionError:
+            self.stop()
+            raise
         deadline = time.time() + 600
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import re
-import socket
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -21,7 +20,8 @@ import pytest
 from kvshare.server import cli
 from kvshare.server.cli.config import ctx_per_sequence
 from kvshare.server.cli.preflight import choose_device
-from tier_helpers import ROOT, TINY_MODEL, _clean_env, stop_server, wait_healthy
+from tier_helpers import (ROOT, TINY_MODEL, _clean_env, served_url, stop_server,
+                          wait_healthy)
 
 # --------------------------------------------------------------------------- parsing
 
@@ -157,23 +157,16 @@ def test_offline_refuses_a_model_not_in_the_store(model, words, tmp_path, capsys
 
 # --------------------------------------------------------------------------- real servers
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def _kvshare(argv: list[str], log: Path) -> Iterator[httpx.Client]:
-    """`python -m kvshare.server.cli ARGV` (flags only: a llama-server command line), until
-    /health answers; stopped with SIGTERM afterwards."""
-    port = int(argv[argv.index("--port") + 1])
+    """`python -m kvshare.server.cli ARGV` (flags only: a llama-server command line, with
+    `--port 0`), until /health answers; stopped with SIGTERM afterwards."""
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "kvshare.server.cli", *argv],
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=_clean_env(), cwd=ROOT)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
+        with httpx.Client(base_url=served_url(proc, log), timeout=120) as c:
             wait_healthy(c, proc, log)
             yield c
     finally:
@@ -197,8 +190,7 @@ def test_issue_command_line_greedy_chunked_total_ctx(tmp_path):
     """`-m M --temp 0 --seed 42 -b 32 -ub 32 -fa on -ngl 0 --no-jinja --offline -np 2 -c 1024
     --verbose`: n_ctx 512 a slot, unsampled requests greedy, prompts computed 32 tokens a
     step, debug logging."""
-    port = _free_port()
-    argv = ["-m", str(TINY_MODEL), "--port", str(port), "--temp", "0", "--seed", "42",
+    argv = ["-m", str(TINY_MODEL), "--port", "0", "--temp", "0", "--seed", "42",
             "-b", "32", "-ub", "32", "-fa", "on", "-ngl", "0", "--no-jinja", "--offline",
             "-np", "2", "-c", "1024", "--verbose"]
     log = tmp_path / "server.log"
@@ -231,8 +223,7 @@ def test_issue_command_line_greedy_chunked_total_ctx(tmp_path):
 def test_server_tests_command_line_seed_reproducible(tmp_path):
     """tools/server/tests' preset flags (long names, `--temp 0.8 --seed 42`), plus `-ngl 99`
     and `--kv-unified`: unseeded sampled requests repeat exactly; n_ctx per slot is -c."""
-    port = _free_port()
-    argv = ["--host", "127.0.0.1", "--port", str(port), "--temp", "0.8", "--seed", "42",
+    argv = ["--host", "127.0.0.1", "--port", "0", "--temp", "0.8", "--seed", "42",
             "--model", str(TINY_MODEL), "--batch-size", "32", "--ubatch-size", "32",
             "--ctx-size", "512", "--parallel", "2", "--n-predict", "16", "--no-jinja",
             "--offline", "--slots", "--metrics", "--no-webui", "-c", "512", "-np", "2",
@@ -257,8 +248,7 @@ def test_ctx_over_slots_on_a_real_server(tmp_path):
     report it; a 300-token prompt is refused with llama-server's exceed_context_size_error.
     With `--kv-unified` each slot has all 512 and the same prompt is served."""
     prompt = [100 + i % 50 for i in range(300)]
-    port = _free_port()
-    base = ["-m", str(TINY_MODEL), "--port", str(port), "--offline", "--no-webui",
+    base = ["-m", str(TINY_MODEL), "--port", "0", "--offline", "--no-webui",
             "--cache-ram", "0", "-c", "512", "-np", "2"]
     with _kvshare(base, tmp_path / "split.log") as c:
         props = c.get("/props").json()

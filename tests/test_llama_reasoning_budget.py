@@ -8,7 +8,6 @@ prompt opens `<think>`, so counting starts with the reply)."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -23,7 +22,7 @@ from kvshare.engine.reasoning_budget import (COUNTING, DONE, FORCING, IDLE, WAIT
                                              ReasoningBudget, utf8_is_complete)
 from kvshare.server import cli
 from kvshare.server.errors import APIError
-from tier_helpers import ROOT, TINY_MODEL, _clean_env, wait_healthy
+from tier_helpers import ROOT, TINY_MODEL, _clean_env, served_url, wait_healthy
 
 START, END, MSG = (1, 2), (3, 4), (9,)
 
@@ -123,16 +122,9 @@ QWQ = ROOT / "tests" / "data" / "templates" / "thinking" / "Qwen-QwQ-32B.jinja"
 MSGS = [{"role": "user", "content": "What is 2+2?"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def _kvshare(extra: list[str], log: Path) -> Iterator[httpx.Client]:
-    port = _free_port()
-    argv = ["-m", str(TINY_MODEL), "--port", str(port), "--offline", "--no-webui",
+    argv = ["-m", str(TINY_MODEL), "--port", "0", "--offline", "--no-webui",
             "--cache-ram", "0", "-c", "2048", "--temp", "0", "--chat-template-file", str(QWQ),
             *extra]
     with open(log, "wb") as out:
@@ -140,7 +132,7 @@ def _kvshare(extra: list[str], log: Path) -> Iterator[httpx.Client]:
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=_clean_env(), cwd=ROOT)
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
+        with httpx.Client(base_url=served_url(proc, log), timeout=120) as c:
             wait_healthy(c, proc, log)
             yield c
     finally:

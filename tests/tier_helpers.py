@@ -35,6 +35,21 @@ STARTUP_TIMEOUT = float(os.environ.get("KVSHARE_TEST_STARTUP_TIMEOUT", "120"))
 _SERVING = re.compile(r"kvshare: serving \S+ at (http://[^\s]+) ")
 
 
+def served_url(proc: subprocess.Popen, log: Path, seconds: float = 120) -> str:
+    """The URL a server started with `--port 0` says it serves at (its start-up line in
+    `log`): the OS picks the port as the server binds it, where a free port picked by the
+    test, closed and then passed could be taken in between. The server exiting or the time
+    running out fails with its log."""
+    deadline = time.monotonic() + seconds
+    while True:
+        m = _SERVING.search(log.read_text(errors="replace"))
+        if m:
+            return m.group(1)
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+
+
 def wait_healthy(c: Any, proc: subprocess.Popen, log: Path,
                  seconds: float = 120) -> None:
     """Poll /health through `c` until 200; the server exiting or the time running out fails
