@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -33,6 +32,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
+from tier_helpers import served_url
 
 pytestmark = pytest.mark.gpu
 
@@ -62,16 +63,11 @@ SYSTEM = ("You are a coding agent. Tools: read_file(path), write_file(path, text
           "run(cmd). Answer briefly. ") * 2
 
 
-# the server's banner once it listens (on the port the OS gave it: --port 0)
-SERVING = re.compile(r"kvshare: serving \S+ at (http://[^\s]+) ")
-
-
 class Serve:
     """One `kvshare serve` process on a loopback port of the OS's choosing, healthy when
     constructed."""
 
     def __init__(self, name: str, device: str, *args: str):
-        self.url = ""
         launch = [sys.executable, str(EMU_LAUNCHER)] if device == "cuda" and EMU else \
             [sys.executable, "-m", "kvshare.server.cli"]
         cmd = [*launch, "serve", "--model", str(MODELS / f"{name}.gguf"), "--host",
@@ -83,14 +79,16 @@ class Serve:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.logpath = Path(log.name)
         deadline = time.time() + STARTUP_TIMEOUT
+        try:  # (--port 0: the port the OS gave it, from its start-up line)
+            self.url = served_url(self.proc, self.logpath, STARTUP_TIMEOUT)
+        except AssertionError:
+            self.stop()
+            raise
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{cmd} exited with {self.proc.returncode}:\n{self.log()}")
-            if not self.url:
-                m = SERVING.search(self.logpath.read_text(errors="replace"))
-                self.url = m.group(1) if m else ""
             try:
-                if self.url and httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

@@ -12,7 +12,6 @@ import asyncio
 import importlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -26,6 +25,8 @@ import httpx
 import numpy as np
 import pytest
 
+from tier_helpers import served_url
+
 DATA = Path(__file__).parent / "data"
 STARTUP_TIMEOUT = float(os.environ.get("KVSHARE_TEST_STARTUP_TIMEOUT", "600"))
 REQUEST_TIMEOUT = 600.0
@@ -34,9 +35,6 @@ CTX = 1024
 SERVER_ARGS = ["--model", "gemma3-270m", "--parallel", "4", "--kv-unified-per-slot", str(CTX)]
 
 
-# the server's start-up line; it binds --port 0 and says which port the OS gave it (a free
-# port picked here, closed and then bound by the server could be taken in between)
-SERVING = re.compile(r"kvshare: serving \S+ at (http://[^\s]+) ")
 
 
 class ServerProcess:
@@ -58,16 +56,14 @@ class ServerProcess:
                                          env=env)
         self.logpath = Path(logfile.name)
         deadline = time.time() + STARTUP_TIMEOUT
-        self.url = ""
+        try:  # (--port 0: the port the OS gave it, from its start-up line)
+            self.url = served_url(self.proc, self.logpath, STARTUP_TIMEOUT)
+        except AssertionError:
+            self.kill()
+            raise
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            if not self.url:
-                m = SERVING.search(self.logpath.read_text(errors="replace"))
-                if m is None:
-                    time.sleep(0.1)
-                    continue
-                self.url = m.group(1)
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     self.model = httpx.get(self.url + "/v1/models").json()["data"][0]["id"]

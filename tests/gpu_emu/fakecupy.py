@@ -83,14 +83,16 @@ api = {"version": cupy.__version__,
 json.dump(api, sys.stdout)
 """
 
-_VERSION_SCRIPT = r"""
-import importlib.metadata as m
-for d in ("cupy-cuda12x", "cupy-cuda13x", "cupy"):
-    try:
-        print(d, m.version(d)); break
-    except m.PackageNotFoundError:
-        pass
-"""
+def _cupy_dist():
+    """The installed CuPy distribution and version ("cupy-cuda12x_14.2.0"), from its metadata
+    (nothing imported), or "" without one: the cache key of its API."""
+    import importlib.metadata as m
+    for d in ("cupy-cuda12x", "cupy-cuda13x", "cupy"):
+        try:
+            return f"{d}_{m.version(d)}"
+        except m.PackageNotFoundError:
+            pass
+    return ""
 
 def _load_api():
     import json
@@ -98,12 +100,8 @@ def _load_api():
     if mode == "off":
         return None
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    try:
-        ver = subprocess.run([sys.executable, "-c", _VERSION_SCRIPT], env=env,
-                             capture_output=True, text=True).stdout.strip()
-    except OSError:
-        ver = ""
-    path = os.path.join(BUILD, f"cupy_api_{ver.replace(' ', '_') or 'none'}.json")
+    ver = _cupy_dist()
+    path = os.path.join(BUILD, f"cupy_api_{ver or 'none'}.json")
     if ver and os.path.exists(path):
         with open(path) as f:
             return json.load(f)
