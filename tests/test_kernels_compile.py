@@ -62,10 +62,12 @@ PTX_ARCH, CUBIN_ARCHS = _archs()
 _CUPY_OPTIONS = ("--device-as-default-execution-space",)
 
 
-def compile_module(name: str, arch: str, extra: tuple[str, ...] = ()) -> tuple[bytes, str]:
-    """Compile module `name` for `arch` ("compute_NN": PTX, "sm_NN": cubin); returns the
-    output and NVRTC's log. Raises AssertionError with the log on a compile error."""
-    prog = NVRTC.createProgram(kernels.source(name), f"{name}.cu", [], [])
+def compile_module(name: str, arch: str, extra: tuple[str, ...] = (),
+                   part: str | None = None) -> tuple[bytes, str]:
+    """Compile module `name` (its part `part`, when given) for `arch` ("compute_NN": PTX,
+    "sm_NN": cubin); returns the output and NVRTC's log. Raises AssertionError with the log
+    on a compile error."""
+    prog = NVRTC.createProgram(kernels.source(name, part), f"{name}.cu", [], [])
     try:
         opts = [*kernels.NVRTC_OPTIONS, *_CUPY_OPTIONS, f"-arch={arch}", *extra]
         try:
@@ -238,6 +240,51 @@ def test_moe_blocks_reuses_the_block_decoders_without_their_kernels():
     assert not re.search(r'^extern\s+"C"[^\n]*\b(bmv|bdq|bemb)_', src, re.M)
     assert set(kernels.entry_points("moe_blocks")) == set(gpu_moe.ENTRY_POINTS)
     assert all(kernels.uses(m) is None for m in MODULES if m != "moe_blocks")
+
+
+SPLIT = [m for m in MODULES if kernels.parts(m) != (None,)]
+
+
+def test_modules_by_type_compile_in_parts_that_cover_their_kernels():
+    assert set(SPLIT) == {"blocks", "moe_blocks", "mmvq"}
+    assert kernels.parts("rope") == (None,) and kernels.entry_part("rope", "rope_f32") is None
+    for name in SPLIT:
+        parts = kernels.parts(name)
+        assert {"q4_k", "q6_k", "q8_0"} <= set(parts)
+        whole = kernels.source(name)
+        untyped = set(kernels.entry_points(name, "")) if "" in parts else set()
+        seen: list[str] = []
+        for part in parts:
+            src = kernels.source(name, part)
+            # only kernel lines are blanked: every line number holds
+            assert src.count("\n") == whole.count("\n") and len(src) < len(whole)
+            assert all(a == b or not a for a, b in zip(src.split("\n"), whole.split("\n")))
+            own = set(kernels.entry_points(name, part)) - untyped
+            assert all(kernels.entry_part(name, e) == part for e in own)
+            assert part == "" or own, f"{name} part {part!r} defines no kernel of its type"
+            seen += own
+        # each typed kernel in exactly one part; the untyped ones in every part, launched from ""
+        assert sorted(seen + sorted(untyped)) == sorted(kernels.entry_points(name))
+        assert all(kernels.entry_part(name, e) == "" for e in untyped)
+    assert kernels.entry_part("blocks", "bmvglu_iq4_xs_m16") == "iq4_xs"
+    assert kernels.entry_part("mmvq", "quantize_q8_1") == ""
+    with pytest.raises(KeyError, match="no part 'q9_k'"):
+        kernels.source("blocks", "q9_k")
+    with pytest.raises(KeyError, match="no part"):
+        kernels.source("rope", "q4_k")
+
+
+@needs_nvrtc
+@pytest.mark.skipif(NVRTC is not None and PTX_ARCH is None,
+                    reason="this NVRTC supports no arch >= 75")
+@pytest.mark.parametrize("name,part", [("blocks", "q4_k"), ("moe_blocks", "mxfp4"),
+                                       ("moe_blocks", ""), ("mmvq", "q6_k")])
+def test_a_part_compiles_to_its_kernels_only(name, part):
+    out, log = compile_module(name, PTX_ARCH, part=part)
+    ptx = out.decode() if isinstance(out, bytes) else out
+    entries = set(re.findall(r"\.entry\s+([A-Za-z_][A-Za-z0-9_]*)\s*\(", ptx))
+    assert entries == set(kernels.entry_points(name, part))
+    assert not log.strip()
 
 
 def test_moe_launch_constants_match_the_cuda_source():

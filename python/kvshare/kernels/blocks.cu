@@ -606,6 +606,9 @@ __device__ __forceinline__ void bemb_impl(const u8* __restrict__ w, i64 row_byte
 // The entry points, written out (kvshare.kernels.entry_points and the compile test read the
 // `extern "C"` declarations from this text): bmv_<type>_m{1,4,16}, bmvglu_<type>_m{1,4,16},
 // bdq_<type>, bemb_<type>.
+// Each type's kernels are one line each, so the module compiles in parts, one per block
+// type, at the part's first launch (kvshare.kernels.parts):
+// parts by type: bmv bmvglu bdq bemb
 #define BMV_ARGS const u8* __restrict__ w, i64 row_bytes, int n_rows, int k,                       \
     const float* __restrict__ x, i64 x_stride, int m, float* __restrict__ y, i64 y_stride,       \
     i64 col0, const float* __restrict__ bias, int flags

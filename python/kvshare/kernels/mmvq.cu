@@ -442,6 +442,9 @@ __device__ __forceinline__ void mmvq_impl(
 
 // The entry points, written out (kvshare.kernels.entry_points and the compile test read the
 // `extern "C"` declarations from this text): mmvq_<type>_m{1,2,4,8}.
+// Each type's kernels are one line each, so the module compiles in parts, one per block
+// type, at the part's first launch (kvshare.kernels.parts):
+// parts by type: mmvq
 #define MQ_ARGS const u8* __restrict__ w, i64 row_bytes, int n_rows, int k,                        \
     const u8* __restrict__ xq, i64 xq_stride, int m, float* __restrict__ y, i64 y_stride,         \
     i64 col0, const float* __restrict__ bias, int flags

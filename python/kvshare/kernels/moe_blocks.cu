@@ -148,6 +148,9 @@ extern "C" __global__ void moe_combine_f32(const float* __restrict__ y, float* _
 
 // The entry points, written out (kvshare.kernels.entry_points and the compile test read the
 // `extern "C"` declarations from this text): gmv_<type>_m{1,4,16}, gmvglu_<type>_m{1,4,16}.
+// Each type's kernels are one line each, so the module compiles in parts, one per block
+// type, at the part's first launch (kvshare.kernels.parts):
+// parts by type: gmv gmvglu
 #define GM_ARGS const u8* __restrict__ w0, const u8* __restrict__ w1, i64 row_bytes,             \
     i64 expert_rows, i64 row_off0, i64 row_off1, int n_rows, int k,                              \
     const float* __restrict__ x, i64 x_stride, int x_div, const int* __restrict__ pairs,         \
