@@ -35,8 +35,6 @@ CTX = 1024
 SERVER_ARGS = ["--model", "gemma3-270m", "--parallel", "4", "--kv-unified-per-slot", str(CTX)]
 
 
-
-
 class ServerProcess:
     def __init__(self, *extra: str):
         self.extra = list(extra)

@@ -99,12 +99,12 @@ def _load_api():
     mode = os.environ.get("KVSHARE_EMU_CUPY_API", "on")
     if mode == "off":
         return None
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     ver = _cupy_dist()
     path = os.path.join(BUILD, f"cupy_api_{ver or 'none'}.json")
     if ver and os.path.exists(path):
         with open(path) as f:
             return json.load(f)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     r = subprocess.run([sys.executable, "-c", _API_SCRIPT], env=env, capture_output=True,
                        text=True)
     if r.returncode != 0:

@@ -95,12 +95,21 @@ def _part_families(name: str) -> tuple[str, ...]:
     return tuple(m.group(1).split()) if m else ()
 
 
+def _typed_name(families: tuple[str, ...]) -> str:
+    # a typed kernel's name, `<family>_<type>[_m<M>]`; its one group: the type
+    return rf"(?:{'|'.join(map(re.escape, families))})_([a-z0-9_]+?)(?:_m[0-9]+)?"
+
+
 @lru_cache(maxsize=None)
 def _typed_line_re(families: tuple[str, ...]) -> re.Pattern[str]:
-    # a one-line kernel definition `<family>_<type>[_m<M>](...) { ... }`; group 1: the type
-    fam = "|".join(map(re.escape, families))
+    # a typed kernel's one-line definition `extern "C" ... <name>(...) { ... }`
     return re.compile(r'^extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?'
-                      rf"(?:{fam})_([a-z0-9_]+?)(?:_m[0-9]+)?\s*\(.*\}}[ \t]*$", re.M)
+                      rf"{_typed_name(families)}\s*\(.*\}}[ \t]*$", re.M)
+
+
+@lru_cache(maxsize=None)
+def _typed_name_re(families: tuple[str, ...]) -> re.Pattern[str]:
+    return re.compile(_typed_name(families))
 
 
 def entry_part(name: str, entry: str) -> str | None:
@@ -109,8 +118,7 @@ def entry_part(name: str, entry: str) -> str | None:
     families = _part_families(name)
     if not families:
         return None
-    m = re.fullmatch(rf"(?:{'|'.join(map(re.escape, families))})_([a-z0-9_]+?)(?:_m[0-9]+)?",
-                     entry)
+    m = _typed_name_re(families).fullmatch(entry)
     return m.group(1) if m else ""
 
 
