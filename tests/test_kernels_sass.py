@@ -1,38 +1,47 @@
-"""The machine code of the f16 tile kernels (`bdq_<type>` in kernels/blocks.cu), read back with
-nvdisasm: every f16 pair the kernel packs must reach its store.
+"""The device compiler's machine code, read back with nvdisasm: every f16 pair a kernel packs
+must reach its use; and, with the device's NVRTC, every module compiles without spills.
 
 ptxas of CUDA 13.0 compiled the old two-64-bit-store form of `bdq_q2_k` for sm_90 into code
 that packed elements 2 and 3 of each chunk into a register it then overwrote, storing
 (h3, 0) in their place: 21% of the elements wrong on an H200, while the PTX, every other
 type and the CPU emulator (which compiles the CUDA source with g++) were right. Only the
-device compiler's output shows such a bug, so this test reads it: a packing instruction
-(`PRMT`, `F2FP...PACK_AB`) whose result is overwritten, unread, in the same basic block.
+device compiler's output shows such a bug, so this file reads it: a packing instruction
+(`PRMT`, `F2FP...PACK_AB`) whose result is overwritten, unread, in the same basic block, in
+the f16 tile kernels (`bdq_<type>`, where it happened) and in every other kernel.
 
-Needs NVRTC (CuPy's, or the library in $KVSHARE_NVRTC_LIB, e.g. CUDA 13's libnvrtc.so.13) and
-nvdisasm ($KVSHARE_NVDISASM or on PATH; pip: nvidia-cuda-nvdisasm); skips without them. A
-CUDA 13 NVRTC makes cubins that only a CUDA 13 nvdisasm reads.
+Needs NVRTC (CuPy's, or the library in $KVSHARE_NVRTC_LIB: the device image's CUDA 13.0
+`libnvrtc.so.13`, pip `nvidia-cuda-nvrtc==13.0.88`, which `.ci/run` installs) and nvdisasm
+($KVSHARE_NVDISASM or on PATH; pip `nvidia-cuda-nvdisasm`); skips without them. A CUDA 13
+NVRTC makes cubins that only a CUDA 13 nvdisasm reads. The spill check runs with
+$KVSHARE_NVRTC_LIB only: `tests/test_kernels_compile.py` makes it with CuPy's NVRTC.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from kvshare import kernels
 
 ARCH = "sm_90"
+MODULES = kernels.module_names()
 
 
 def _nvdisasm() -> str | None:
     return os.environ.get("KVSHARE_NVDISASM") or shutil.which("nvdisasm")
 
 
-def _cubin(name: str) -> bytes:
+@functools.lru_cache(maxsize=None)
+def _compiled(name: str) -> tuple[bytes, str]:
+    """Module `name` compiled whole for sm_90 with ptxas's resource report: (cubin, log)."""
+    verbose = "-Xptxas=-v"
     lib_path = os.environ.get("KVSHARE_NVRTC_LIB")
     if lib_path is None:
         import sys  # noqa: PLC0415
@@ -42,22 +51,47 @@ def _cubin(name: str) -> bytes:
 
         if NVRTC is None:
             pytest.skip("NVRTC cannot be loaded")
-        out, _ = compile_module(name, ARCH)
-        return out
+        out, log = compile_module(name, ARCH, (verbose,))
+        return out, log
+    # NVRTC opens its builtins library by name: load the one beside it first, so no
+    # LD_LIBRARY_PATH is needed
+    for builtins in sorted(Path(lib_path).parent.glob("libnvrtc-builtins.so.*")):
+        ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
     lib = ctypes.CDLL(lib_path)
     prog = ctypes.c_void_p()
     src = kernels.source(name).encode()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, f"{name}.cu".encode(), 0, None,
                                   None) == 0
     opts = [o.encode() for o in (*kernels.NVRTC_OPTIONS, "--device-as-default-execution-space",
-                                 f"-arch={ARCH}")]
-    assert lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) == 0
-    n = ctypes.c_size_t()
-    lib.nvrtcGetCUBINSize(prog, ctypes.byref(n))
-    buf = ctypes.create_string_buffer(n.value)
-    lib.nvrtcGetCUBIN(prog, buf)
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return buf.raw
+                                 f"-arch={ARCH}", verbose)]
+    try:
+        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        n = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+        buf = ctypes.create_string_buffer(n.value)
+        lib.nvrtcGetProgramLog(prog, buf)
+        log = buf.value.decode(errors="replace")
+        assert rc == 0, f"{name}.cu does not compile with {lib_path} (NVRTC error {rc}):\n{log}"
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(n))
+        buf = ctypes.create_string_buffer(n.value)
+        lib.nvrtcGetCUBIN(prog, buf)
+        return buf.raw, log
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _kernels_sass(name: str, tmp_path) -> dict[str, str]:
+    """Each kernel's disassembly in module `name`, by kernel name."""
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not found ($KVSHARE_NVDISASM, PATH)")
+    path = tmp_path / f"{name}.cubin"
+    path.write_bytes(_compiled(name)[0])
+    r = subprocess.run([tool, "-c", str(path)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"nvdisasm cannot read this NVRTC's cubin: {r.stderr.strip()[:200]}")
+    sections = re.split(r"(?m)^\.text\.", r.stdout)[1:]
+    return {s.split(":", 1)[0]: ".text." + s for s in sections}
 
 
 _INSN = re.compile(r"/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*);")
@@ -66,6 +100,12 @@ _REG = re.compile(r"\bR(\d+)\b")
 
 def _width(op: str) -> int:
     return 4 if ".128" in op else 2 if ".64" in op or ".WIDE" in op else 1
+
+
+# Matrix instructions name a fragment by its first register: HMMA.16816's A and accumulators
+# are 4 registers, its B 2. Each operand is taken as 4 (reading more than it does can hide a
+# dead pack, never invent one).
+_FRAGMENT_OPS = ("HMMA", "IMMA", "DMMA", "BMMA", "HGMMA")
 
 
 def dead_packs(sass: str) -> list[str]:
@@ -84,9 +124,9 @@ def dead_packs(sass: str) -> list[str]:
         stores = op.startswith(("ST", "RED", "ATOM", "BRA", "EXIT", "CALL", "RET"))
         dst = None if stores or not regs or not ops.strip().startswith("R") else regs[0][0]
         srcs = regs if dst is None else regs[1:]
-        w = _width(op)
+        w = 4 if op.startswith(_FRAGMENT_OPS) else _width(op)
         for r, _ in srcs:
-            for k in range(w if stores else 1):
+            for k in range(w if stores or w == 4 else 1):
                 pending.pop(r + k, None)
         if op.startswith(("BRA", "EXIT", "CALL", "RET", "BSYNC", "WARPSYNC")):
             pending.clear()
@@ -132,16 +172,32 @@ def test_dead_pack_detector_finds_the_q2_k_miscompile():
 
 
 def test_f16_tile_kernels_store_every_packed_pair(tmp_path):
-    tool = _nvdisasm()
-    if tool is None:
-        pytest.skip("nvdisasm not found ($KVSHARE_NVDISASM, PATH)")
-    path = tmp_path / "blocks.cubin"
-    path.write_bytes(_cubin("blocks"))
-    r = subprocess.run([tool, "-c", str(path)], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"nvdisasm cannot read this NVRTC's cubin: {r.stderr.strip()[:200]}")
-    sections = re.split(r"(?m)^\.text\.", r.stdout)
-    bdq = {s.split(":", 1)[0]: s for s in sections if s.startswith("bdq_")}
+    bdq = {k: v for k, v in _kernels_sass("blocks", tmp_path).items() if k.startswith("bdq_")}
     assert len(bdq) >= 15, sorted(bdq)
-    bad = {name: dead_packs(".text." + text) for name, text in bdq.items()}
+    bad = {name: dead_packs(text) for name, text in bdq.items()}
     assert not any(bad.values()), {k: v for k, v in bad.items() if v}
+
+
+@pytest.mark.parametrize("name", [m for m in MODULES if m != "blocks"])
+def test_no_kernel_overwrites_a_pair_unread(name, tmp_path):
+    """The same check on every kernel of the other modules (their f16 K/V tiles, fragments,
+    staged outputs): the bug was the compiler's, not the kernel's."""
+    sass = _kernels_sass(name, tmp_path)
+    missing = set(kernels.entry_points(name)) - set(sass)
+    assert not missing, f"no machine code read for {sorted(missing)}"
+    bad = {k: dead_packs(v) for k, v in sass.items()}
+    assert not any(bad.values()), {k: v[:3] for k, v in bad.items() if v}
+
+
+@pytest.mark.skipif("KVSHARE_NVRTC_LIB" not in os.environ,
+                    reason="$KVSHARE_NVRTC_LIB unset: tests/test_kernels_compile.py checks "
+                           "CuPy's NVRTC")
+@pytest.mark.parametrize("name", MODULES)
+def test_device_nvrtc_compiles_without_spills(name):
+    """The device image's compiler, not only the one CuPy's wheel brings: a newer ptxas may
+    allocate registers differently (CUDA 13.5's spills in `paged_attn_*_hd128`, 13.0's do
+    not)."""
+    _, log = _compiled(name)
+    spills = [line for line in log.splitlines() if re.search(r"[1-9]\d* bytes spill", line)]
+    assert "bytes spill stores" in log, f"no ptxas resource report for {name}.cu:\n{log[:2000]}"
+    assert not spills, f"{name}.cu spills registers:\n{log}"
