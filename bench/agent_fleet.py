@@ -222,6 +222,8 @@ def one_turn(client: httpx.Client, messages: list[dict], max_tokens: int,
             if data == "[DONE]":
                 break
             chunk = json.loads(data)
+            if "id" not in rec and chunk.get("id"):
+                rec["id"] = chunk["id"]
             if chunk.get("usage"):
                 usage = chunk["usage"]
             if chunk.get("timings"):
@@ -304,6 +306,38 @@ def run_fleet(url: str, prompts: dict, args: argparse.Namespace) -> dict:
     return summarize(records, wall, prompts["prefix_tokens"])
 
 
+def request_log_times(log: str) -> dict[str, dict]:
+    """kvshare's request log lines (`kvshare.server.requests`, logged at --log-level info)
+    by response id: prepare_ms, ttft_ms, prompt_ms."""
+    out: dict[str, dict] = {}
+    for line in log.splitlines():
+        _, sep, js = line.partition("kvshare.server.requests: ")
+        if sep:
+            with contextlib.suppress(ValueError):
+                d = json.loads(js)
+                out[d["id"]] = d
+    return out
+
+
+def ttft_split(run: dict, times: dict[str, dict]) -> dict | None:
+    """Where the later turns' TTFT went (ms, median and max over the turns), from the
+    server's request log: before the engine (arrival to hand-over: body, parse, render,
+    tokenize), in the engine (hand-over to first token: queued behind other steps, then the
+    prompt), and the rest (the client's TTFT less both: HTTP in, SSE out, the client)."""
+    rows = [(r, times[r["id"]]) for r in run["records"]
+            if r["turn"] > 0 and "error" not in r and r.get("id") in times
+            and "prepare_ms" in times[r["id"]] and "ttft_ms" in times[r["id"]]]
+    if not rows:
+        return None
+    return {
+        "n": len(rows),
+        "before_engine_ms": _stats([t["prepare_ms"] for _, t in rows]),
+        "engine_ms": _stats([t["ttft_ms"] for _, t in rows]),
+        "engine_prompt_ms": _stats([t["prompt_ms"] for _, t in rows]),
+        "rest_ms": _stats([1e3 * r["ttft_s"] - t["prepare_ms"] - t["ttft_ms"] for r, t in rows]),
+    }
+
+
 def _stats(xs: list[float]) -> dict:
     return {"median": statistics.median(xs) if xs else None, "max": max(xs) if xs else None,
             "n": len(xs)}
@@ -345,6 +379,10 @@ def _f(x: float | None, fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _med_max(st: dict) -> str:
+    return f"{_f(st['median'], '.1f')}/{_f(st['max'], '.1f')}"
+
+
 def report(results: dict) -> None:
     runs = results["runs"]
     if results.get("kvshare_banner"):
@@ -368,6 +406,13 @@ def report(results: dict) -> None:
             f"{'-' if v['cached_tokens'] is None else v['cached_tokens']}/{v['prompt_tokens']}"
             for t, v in r["per_turn"].items())
         print(f"  {name}: {turns}")
+        sp = r.get("later_ttft_split")
+        if sp:
+            print(f"  {name}: later turns' TTFT, med/max ms: before the engine "
+                  f"{_med_max(sp['before_engine_ms'])} (body, parse, render, tokenize); in the "
+                  f"engine {_med_max(sp['engine_ms'])} (of which the prompt "
+                  f"{_med_max(sp['engine_prompt_ms'])}); the rest {_med_max(sp['rest_ms'])} "
+                  f"(HTTP, SSE, the client)")
         if r["errors"]:
             print(f"  {name}: {len(r['errors'])} failed turn(s): {r['errors'][0]['error']}")
         if r["empty_replies"]:
@@ -427,7 +472,9 @@ def main() -> None:
         log = Path(tempfile.mkdtemp(prefix="kvshare-agent-fleet-")) / "server.log"
         print(f"starting kvshare serve {' '.join(serve_args)} (log {log})", flush=True)
         env = dict(kv.split("=", 1) for kv in args.server_env)
-        server = ServeProcess(serve_args, log, env=env, launcher=args.server_launcher)
+        # at info, the server logs a line per request: the later turns' TTFT split
+        server = ServeProcess(serve_args, log, env=env, launcher=args.server_launcher,
+                              log_level="info")
         results["config"]["kvshare_serve_args"] = serve_args
         results["kvshare_banner"] = next((ln for ln in server.log().splitlines()
                                           if "kvshare: serving" in ln), None)
@@ -442,7 +489,8 @@ def main() -> None:
               f"{prompts['user_tokens']}", flush=True)
         if server:
             print("kvshare: running the fleet...", flush=True)
-            results["runs"]["kvshare"] = run_fleet(server.url, prompts, args)
+            results["runs"]["kvshare"] = run = run_fleet(server.url, prompts, args)
+            run["later_ttft_split"] = ttft_split(run, request_log_times(server.log()))
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 results["runs"]["kvshare"]["server_cache"] = server.client.get("/cache").json()
     finally:

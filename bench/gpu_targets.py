@@ -251,6 +251,11 @@ def fleet_rows(d: Path) -> list[Row]:
     else:
         judge(rows[0], ttft * 1e3, "<=", 30, ".1f", list(bad))
         rows[0].source += f", later max {run['later_ttft']['max'] * 1e3:.1f} ms"
+        split = run.get("later_ttft_split")
+        if split:  # where it went, medians: the server before the engine, the engine, the rest
+            rows[0].source += (f"; before the engine {split['before_engine_ms']['median']:.1f}"
+                               f", engine {split['engine_ms']['median']:.1f}, rest "
+                               f"{split['rest_ms']['median']:.1f} ms")
     judge(rows[1], float(run["wall_s"]), "<=", 1.5, ".2f", list(bad))
     return rows
 

@@ -81,7 +81,11 @@ FLEET = {
         "later_ttft": _stats([0.018, 0.019, 0.021, 0.022, 0.024, 0.025, 0.026, 0.028]),
         "per_turn": {}, "later_cached_fraction": 0.95, "turn1_max_cached": 0,
         "completion_tokens": 384, "empty_replies": 0, "errors": [], "records": [],
-        "prefix_tokens": 5989}},
+        "prefix_tokens": 5989,
+        "later_ttft_split": {"n": 8, "before_engine_ms": _stats([2.0, 3.0]),
+                             "engine_ms": _stats([12.0, 14.0]),
+                             "engine_prompt_ms": _stats([8.0, 9.0]),
+                             "rest_ms": _stats([6.0, 7.0])}}},
     "prompts": {"counted_by": "http://127.0.0.1:1/tokenize", "prefix_tokens": 5989},
 }
 
@@ -149,6 +153,8 @@ def test_every_target_met_passes_and_the_table_says_so(tmp_path, junit):
     assert rows["decode_b1"].measured == "610"
     assert rows["decode_b32"].value == 7200.0
     assert rows["fleet_ttft"].measured == "24.0"  # the later-turn median, in ms
+    # where it went (the fleet's split of the server's request log), medians
+    assert "before the engine 3.0, engine 14.0, rest 7.0 ms" in rows["fleet_ttft"].source
     assert rows["weights_memory"].measured == "1.009"
     assert rows["pytest_graphs_on"].measured.startswith("3 passed, 0 failed, 0 errors, 1 skipped")
     # the rows filled by other modes
@@ -349,3 +355,42 @@ def test_gpt_oss_row_shows_the_decode_rates_and_refuses_another_shape(tmp_path):
     (tmp_path / "step_gpu_bench_gpt_oss.json").write_text(json.dumps({"rc": 1, "seconds": 3}))
     row = _rows(tmp_path)["gpt_oss_decode"]
     assert row.status == "FAIL" and "failed (rc 1)" in row.measured
+
+
+def test_fleet_splits_a_later_turns_ttft_by_the_servers_request_log():
+    """bench/agent_fleet.py's split of a later turn's TTFT: the server's request log line (as
+    `RequestRecord.as_log` writes it) joined to the client's record by response id."""
+    from kvshare.engine.api import FinishEvent, Timings
+    from kvshare.server.request_log import RequestRecord
+
+    sys.path.insert(0, str(_PATH.parent))
+    spec = importlib.util.spec_from_file_location("agent_fleet", _PATH.parent / "agent_fleet.py")
+    fleet = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fleet)
+
+    lines = ["kvshare: serving tiny at http://127.0.0.1:1", "not json: kvshare.server.requests: {"]
+    for i, (prepare, ttft, prompt) in enumerate(((2.0, 10.0, 6.0), (4.0, 20.0, 8.0))):
+        rec = RequestRecord(id=f"chatcmpl-{i}", endpoint="chat", t0=100.0)
+        rec.submitted_at = 100.0 + prepare / 1e3
+        rec.finish = FinishEvent(reason="length", prompt_tokens=10, completion_tokens=2,
+                                 timings=Timings(prompt_n=5, cache_n=5, prompt_ms=prompt,
+                                                 predicted_n=2, predicted_ms=1.0),
+                                 time_to_first_token_s=ttft / 1e3)
+        lines.append("2026-01-01 12:00:00,000 INFO kvshare.server.requests: "
+                     + json.dumps(rec.as_log(), separators=(",", ":")))
+    times = fleet.request_log_times("\n".join(lines))
+    assert set(times) == {"chatcmpl-0", "chatcmpl-1"}
+    run = {"records": [
+        {"turn": 0, "id": "chatcmpl-9", "ttft_s": 0.5},  # a first turn: not counted
+        {"turn": 1, "id": "chatcmpl-0", "ttft_s": 0.015},
+        {"turn": 2, "id": "chatcmpl-1", "ttft_s": 0.031},
+        {"turn": 2, "id": "chatcmpl-7", "ttft_s": 0.02},  # no log line: left out
+    ]}
+    split = fleet.ttft_split(run, times)
+    assert split["n"] == 2
+    assert split["before_engine_ms"] == {"median": 3.0, "max": 4.0, "n": 2}
+    assert split["engine_ms"]["max"] == 20.0 and split["engine_prompt_ms"]["median"] == 7.0
+    # the client's TTFT less the server's two parts: 15 - 2 - 10 and 31 - 4 - 20
+    assert split["rest_ms"]["median"] == pytest.approx(5.0)
+    assert split["rest_ms"]["max"] == pytest.approx(7.0)
+    assert fleet.ttft_split({"records": run["records"][:1]}, times) is None

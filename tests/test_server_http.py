@@ -596,10 +596,12 @@ def test_request_log_line(client, caplog):
     assert len(lines) == 2
     ok, bad = lines
     for k in ("id", "endpoint", "status", "prompt_tokens", "cache_n", "prompt_n",
-              "completion_tokens", "ttft_ms", "duration_ms"):
+              "completion_tokens", "ttft_ms", "prepare_ms", "duration_ms"):
         assert k in ok, k
     assert ok["status"] == 200 and ok["completion_tokens"] == len(REPLY)
-    assert bad["status"] == 400 and "error" in bad
+    # the server's time before the engine, within the request's
+    assert 0 < ok["prepare_ms"] <= ok["duration_ms"]
+    assert bad["status"] == 400 and "error" in bad and "prepare_ms" not in bad
 
 
 # --------------------------------------------------------------------------- real server

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import replace
 from typing import AsyncIterator, Callable
@@ -215,6 +216,7 @@ class GenerationPipeline:
             else:
                 prepared = await self.prepare(request, api, rid, req, ctx.tenant, rec)
                 handle = self.submit(prepared.greq, "messages" if req.chat else "prompt")
+            rec.submitted_at = time.perf_counter()
             self.active[rid] = handle
             self.slots.acquire(rid, prepared.greq, req.slot_params, req.id_slot, ctx.tenant)
             if req.opts.stream:

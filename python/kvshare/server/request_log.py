@@ -25,6 +25,9 @@ class RequestRecord:
     id: str
     endpoint: str
     t0: float = field(default_factory=time.perf_counter)
+    # when the prepared request reached the engine (perf_counter): t0 to it is the server's
+    # own time before the engine (body, parse, render, tokenize, grammar)
+    submitted_at: float | None = None
     stream: bool = False
     status: int = 200
     prompt_tokens: int | None = None
@@ -50,6 +53,8 @@ class RequestRecord:
                      prompt_ms=round(f.timings.prompt_ms, 2),
                      restore_ms=round(f.timings.restore_ms, 2),
                      predicted_ms=round(f.timings.predicted_ms, 2))
+        if self.submitted_at is not None:
+            d["prepare_ms"] = round((self.submitted_at - self.t0) * 1e3, 2)
         d["duration_ms"] = round((time.perf_counter() - self.t0) * 1e3, 2)
         if self.error:
             d["error"] = self.error
