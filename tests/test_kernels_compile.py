@@ -350,3 +350,40 @@ def test_block_table_check_matches_the_numpy_op():
     gpu._check_tables(bt_ok, qs, sp, 16, 4, 0)
     with pytest.raises(IndexError):
         gpu._check_tables(bt_ok, qs, sp, 16, 3, 0)  # block id 3 >= n_blocks
+
+
+def test_weights_name_the_parts_their_kernels_are_in(monkeypatch):
+    """What `gpu_runtime.kernel_units` compiles ahead for a GPU model: a block weight's types
+    (and with the 8-bit-activation mat-vec, mmvq's parts and its quantizer's), stacked
+    experts' types and the routing part, then every module without parts, whole: each a part
+    `kernels.parts` has. (Host arrays stand in for the device bytes: no device is needed.)"""
+    from gguf import GGMLQuantizationType as Q
+
+    from kvshare.ops import gpu_blocks, gpu_moe, gpu_runtime
+
+    k = 256
+    w = gpu_blocks.GpuBlockWeight([
+        gpu_blocks.BlockPart(np.zeros((4, gpu_blocks.row_bytes(Q.Q4_K, k)), np.uint8), Q.Q4_K,
+                             4, k, 0),
+        gpu_blocks.BlockPart(np.zeros((2, gpu_blocks.row_bytes(Q.Q6_K, k)), np.uint8), Q.Q6_K,
+                             2, k, 4)])
+    experts = gpu_moe.GpuStackedExperts(
+        [(np.zeros((3 * 2, 17 * k // 32), np.uint8), gpu_moe.MXFP4, 2)], 3, k)
+    monkeypatch.delenv("KVSHARE_GPU_MATVEC", raising=False)
+    assert w.kernel_parts() == {("blocks", "q4_k"), ("blocks", "q6_k")}
+    monkeypatch.setenv("KVSHARE_GPU_MATVEC", "q8")
+    assert w.kernel_parts() == {("blocks", "q4_k"), ("blocks", "q6_k"), ("mmvq", "q4_k"),
+                                ("mmvq", "q6_k"), ("mmvq", "")}
+    assert experts.kernel_parts() == {("moe_blocks", "mxfp4"), ("moe_blocks", "")}
+
+    class Layer:  # weights as a model holds them: attributes, lists, a dict
+        def __init__(self):
+            self.wq, self.ffn = w, {"experts": [experts]}
+            self.norm = np.ones(k, np.float32)
+
+    units = gpu_runtime.kernel_units([None, Layer(), [Layer()]])
+    typed = [u for u in units if u[1] is not None]
+    assert set(typed) == w.kernel_parts() | experts.kernel_parts() and len(typed) == 7
+    assert units[len(typed):] == [(m, None) for m in MODULES if kernels.parts(m) == (None,)]
+    for module, part in units:
+        assert part in kernels.parts(module), (module, part)

@@ -409,3 +409,51 @@ def test_random_step_scripts_equal_eager(gpu, seed, n_steps, monkeypatch):
     assert r.replays - replays >= len(script) // 2
     for graph, kv_graph in runs:
         _assert_same_steps(graph, kv_graph, eager, kv_eager)
+
+
+@pytest.mark.parametrize("weights", ["blocks", "f16"])
+def test_warm_up_compiles_the_kernels_its_steps_launch_ahead(tmp_path, monkeypatch, weights):
+    """`Model.warm_up` first compiles the kernel units the model may launch
+    (`gpu_runtime.kernel_units`: its block weights' types, every module without parts) in
+    threads (`kernels.compile_parallel`); the steps it then captures load no other unit, so
+    none waits for a compile on the engine's thread."""
+    import threading  # noqa: PLC0415
+
+    import cupy as cp  # noqa: PLC0415
+
+    from kvshare import kernels  # noqa: PLC0415
+    from kvshare.model.loader import load_model  # noqa: PLC0415
+    from kvshare.ops import gpu_runtime as rt  # noqa: PLC0415
+
+    monkeypatch.setenv("KVSHARE_GPU_WEIGHTS", weights)
+    path = tmp_path / "qwen3.gguf"
+    write_model(path, "qwen3")
+    model = load_model(path, "cuda")
+    units = rt.kernel_units([model.tok_embd, model.output, model.layers])
+    typed = {u for u in units if u[1] is not None}
+    if weights == "blocks":  # the tiny file's block types, each a part of blocks.cu
+        assert typed and {m for m, _ in typed} == {"blocks"}
+        assert all(p in kernels.parts("blocks") for _, p in typed)
+    else:  # f16 copies: no kernel of a block type
+        assert not typed
+
+    # every unit compiled afresh: first by a compile-ahead thread, then nothing new
+    monkeypatch.setattr(kernels, "_modules", {})
+    monkeypatch.setattr(rt, "_kernel_cache", {})
+    loaded, built_by = [], {}
+    load, compile_ = kernels.load_module, cp.RawModule.compile
+
+    def recording_load(name, part=None):
+        loaded.append((name, part))
+        return load(name, part)
+
+    def recording_compile(self, log_stream=None):
+        built_by.setdefault(id(self), threading.current_thread().name)
+        return compile_(self, log_stream)
+
+    monkeypatch.setattr(kernels, "load_module", recording_load)
+    monkeypatch.setattr(cp.RawModule, "compile", recording_compile)
+    assert model.warm_up(model.new_cache(33, 16, kv_dtype="f16"), 2, 64) > 0
+    assert set(loaded) <= set(units), f"compiled at first launch: {set(loaded) - set(units)}"
+    assert len(built_by) == len(units)
+    assert all(name.startswith("kvshare-nvrtc") for name in built_by.values()), built_by

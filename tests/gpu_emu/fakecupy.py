@@ -48,7 +48,7 @@ Not a test module: `PYTHONPATH=tests/gpu_emu python -m pytest -p emu_plugin test
 installs it as `cupy` (the `gpu` tests then run instead of skipping). Needs g++ >= 12
 (`_Float16`) on x86-64 Linux.
 """
-import ctypes, hashlib, os, re, subprocess, sys, tempfile, time, types
+import ctypes, hashlib, os, re, subprocess, sys, tempfile, threading, time, types
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -772,12 +772,17 @@ extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned g
 }
 '''
     full = '#include "shim.h"\n' + src + reg
+    # a name of this build's own, renamed into place: builds of one source at once (threads,
+    # processes) never load a half-written object
+    tmp = f"{so}.{os.getpid()}.{threading.get_ident()}"
     cpp = so[:-3] + ".cpp"
-    with open(cpp, "w") as f: f.write(full)
+    with open(tmp, "w") as f: f.write(full)
+    os.replace(tmp, cpp)   # (the same text whoever writes it)
     r = subprocess.run(["g++", "-std=c++17", "-O2", "-g", "-fPIC", "-shared", "-Wno-unknown-pragmas",
-                        *san, "-I", HERE, cpp, "-o", so], capture_output=True, text=True)
+                        *san, "-I", HERE, cpp, "-o", tmp], capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(r.stderr[-6000:])
+    os.replace(tmp, so)
     return so
 
 class RawKernel:
@@ -834,10 +839,19 @@ class RawKernel:
         run()
 
 class RawModule:
+    """cupy.RawModule: built (g++, `_build`) at `compile()` or at the first `get_function`, as
+    CuPy compiles at first use; threads may build different modules at once."""
     def __init__(self, code=None, options=(), **kw):
-        self.lib = ctypes.CDLL(_build(code))
-        self.lib.emu_launch.restype = ctypes.c_int
+        self.code, self.lib = code, None
+        self._lock = threading.Lock()
+    def compile(self, log_stream=None):
+        with self._lock:
+            if self.lib is None:
+                lib = ctypes.CDLL(_build(self.code))
+                lib.emu_launch.restype = ctypes.c_int
+                self.lib = lib
     def get_function(self, name):
+        self.compile()
         return RawKernel(self.lib, name)
 
 def install():

@@ -16,6 +16,8 @@ implement `RecurrentLayer.forward`; this module only defines its contract.
 
 from __future__ import annotations
 
+import logging
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +36,8 @@ from kvshare.ops.linear import linear, linear_add, linear_glu
 from kvshare.ops.norm import rms_norm
 from kvshare.ops.parallel import ROWS, split_rows
 from kvshare.ops.rope import qkv_rope_write, rope_cos_sin
+
+log = logging.getLogger("kvshare.model")
 
 
 @dataclass(frozen=True)
@@ -391,12 +395,32 @@ class DecoderModel(Model):
         batches up to `parallel`, a turn's last prompt chunk up to `prefill_chunk` tokens
         beside the other sessions' decode rows, a long prompt's middle chunk:
         `gpu_graphs.warm_up_steps`), so that those steps replay a graph from the first one."""
+        if self.backend.is_gpu:
+            self._compile_kernels()
         graphs = gpu_graphs.runner(self) if self.backend.is_gpu else None
         if graphs is None:
             return 0
         steps = gpu_graphs.warm_up_steps(cache, parallel, prefill_chunk)
         return graphs.warm_up(cache, [(s, make_plan(s, cache.block_size, self.config))
                                       for s in steps])
+
+    def _compile_kernels(self) -> None:
+        """Compile the kernels this GPU model may launch at once, in threads, before its first
+        steps (`kernels.compile_parallel`): otherwise each compiles at its first launch, one
+        after another (a fresh start, before CuPy's disk cache has them). A failure costs
+        only that: each kernel then compiles at its first launch, as before."""
+        from kvshare import kernels  # noqa: PLC0415
+        from kvshare.ops import gpu_runtime  # noqa: PLC0415
+
+        t0 = time.perf_counter()
+        try:
+            n = kernels.compile_parallel(gpu_runtime.kernel_units(
+                [self.tok_embd, self.output, self.layers]))
+        except Exception:  # noqa: BLE001 - the lazy path compiles (or reports) them again
+            log.warning("compiling the kernels ahead failed; each compiles at its first launch",
+                        exc_info=True)
+            return
+        log.info("%d kernel modules ready in %.2f s", n, time.perf_counter() - t0)
 
     def forward_fed(self, chunks: Sequence[SeqChunk], cache: KVArrays, token_feed: Any
                     ) -> list[Any] | None:

@@ -218,6 +218,16 @@ class GpuBlockWeight:
     def __repr__(self) -> str:
         return f"GpuBlockWeight(shape={self.shape}, parts={list(self.parts)})"
 
+    def kernel_parts(self) -> set[tuple[str, str]]:
+        """The kernel units (`kvshare.kernels.parts`) its products launch: blocks.cu's part of
+        each part's type and, with `KVSHARE_GPU_MATVEC=q8`, mmvq.cu's (and its quantizer's)."""
+        units = {("blocks", p.tag) for p in self.parts}
+        if gpu_mmvq.matvec_design() == "q8":
+            units |= {("mmvq", gpu_mmvq.MMVQ_TYPES[p.qtype]) for p in self.parts
+                      if gpu_mmvq.supports(p)}
+            units.add(("mmvq", ""))
+        return units
+
     def dequantize_f16(self, r0: int = 0, r1: int | None = None) -> Any:
         """Rows `[r0, r1)` as a new f16 CuPy array `[r1 - r0, k]` (the values bdq_ gives
         the large-batch GEMM)."""

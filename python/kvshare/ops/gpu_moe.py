@@ -187,6 +187,11 @@ class GpuStackedExperts:
     def nbytes(self) -> int:
         return sum(int(d.nbytes) for d, _, _ in self.parts)
 
+    def kernel_parts(self) -> set[tuple[str, str]]:
+        """The kernel units (`kvshare.kernels.parts`) its layer launches: moe_blocks.cu's part
+        of each expert type, and its part of no type (routing, pair sort, GLU, combine)."""
+        return {("moe_blocks", EXPERT_TYPES[q][0]) for q in self.qtypes} | {("moe_blocks", "")}
+
     def __repr__(self) -> str:
         tags = [EXPERT_TYPES[q][0] for q in self.qtypes]
         return (f"GpuStackedExperts(n_expert={self.n_expert}, rows={self.rows}, k={self.k}, "

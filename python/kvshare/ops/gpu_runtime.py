@@ -70,6 +70,37 @@ def declare_entry_points(module: str, entries: tuple[str, ...]) -> None:
     ENTRY_POINTS[module] = tuple(dict.fromkeys((*ENTRY_POINTS.get(module, ()), *entries)))
 
 
+def kernel_units(roots: Any) -> list[tuple[str, str | None]]:
+    """What a GPU model may launch, as kernel units (`(module, part)`) for
+    `kernels.compile_parallel`: the parts its weights name (`kernel_parts()` of each weight
+    reachable from `roots` through lists, tuples, dicts and attributes: a `GpuBlockWeight`'s
+    block types, `GpuStackedExperts`' expert types), then every module that has no parts,
+    whole (a few of which a model may never launch: they cost a thread's time, not the
+    start's, where there are cores to spare)."""
+    typed: set[tuple[str, str | None]] = set()
+    seen: set[int] = set()
+    stack: list[tuple[Any, int]] = [(roots, 0)]
+    while stack:
+        obj, depth = stack.pop()
+        if id(obj) in seen or depth > 6:
+            continue
+        seen.add(id(obj))
+        if hasattr(type(obj), "kernel_parts"):
+            typed |= obj.kernel_parts()
+            continue
+        if isinstance(obj, (list, tuple)):
+            kids: Any = obj
+        elif isinstance(obj, dict):
+            kids = obj.values()
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+            kids = vars(obj).values()
+        else:
+            continue
+        stack.extend((k, depth + 1) for k in kids)
+    whole = [(name, None) for name in kernels.module_names() if kernels.parts(name) == (None,)]
+    return sorted(typed, key=lambda u: (u[0], u[1] or "")) + whole
+
+
 def device_id() -> int:
     return int(cupy_module().cuda.runtime.getDevice())
 
