@@ -429,7 +429,7 @@ def test_warm_up_compiles_the_kernels_its_steps_launch_ahead(tmp_path, monkeypat
     path = tmp_path / "qwen3.gguf"
     write_model(path, "qwen3")
     model = load_model(path, "cuda")
-    units = rt.kernel_units([model.tok_embd, model.output, model.layers])
+    units = model.kernel_units()
     typed = {u for u in units if u[1] is not None}
     if weights == "blocks":  # the tiny file's block types, each a part of blocks.cu
         assert typed and {m for m, _ in typed} == {"blocks"}

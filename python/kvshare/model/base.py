@@ -404,18 +404,23 @@ class DecoderModel(Model):
         return graphs.warm_up(cache, [(s, make_plan(s, cache.block_size, self.config))
                                       for s in steps])
 
+    def kernel_units(self) -> list[tuple[str, str | None]]:
+        """The GPU kernel units (`(module, part)`) this model may launch: its weights' parts,
+        then every module without parts (`gpu_runtime.kernel_units`)."""
+        from kvshare.ops import gpu_runtime  # noqa: PLC0415
+
+        return gpu_runtime.kernel_units([self.tok_embd, self.output, self.layers])
+
     def _compile_kernels(self) -> None:
         """Compile the kernels this GPU model may launch at once, in threads, before its first
         steps (`kernels.compile_parallel`): otherwise each compiles at its first launch, one
         after another (a fresh start, before CuPy's disk cache has them). A failure costs
         only that: each kernel then compiles at its first launch, as before."""
         from kvshare import kernels  # noqa: PLC0415
-        from kvshare.ops import gpu_runtime  # noqa: PLC0415
 
         t0 = time.perf_counter()
         try:
-            n = kernels.compile_parallel(gpu_runtime.kernel_units(
-                [self.tok_embd, self.output, self.layers]))
+            n = kernels.compile_parallel(self.kernel_units())
         except Exception:  # noqa: BLE001 - the lazy path compiles (or reports) them again
             log.warning("compiling the kernels ahead failed; each compiles at its first launch",
                         exc_info=True)

@@ -77,7 +77,7 @@ def kernel_units(roots: Any) -> list[tuple[str, str | None]]:
     block types, `GpuStackedExperts`' expert types), then every module that has no parts,
     whole (a few of which a model may never launch: they cost a thread's time, not the
     start's, where there are cores to spare)."""
-    typed: set[tuple[str, str | None]] = set()
+    typed: set[tuple[str, str]] = set()
     seen: set[int] = set()
     stack: list[tuple[Any, int]] = [(roots, 0)]
     while stack:
@@ -97,8 +97,9 @@ def kernel_units(roots: Any) -> list[tuple[str, str | None]]:
         else:
             continue
         stack.extend((k, depth + 1) for k in kids)
-    whole = [(name, None) for name in kernels.module_names() if kernels.parts(name) == (None,)]
-    return sorted(typed, key=lambda u: (u[0], u[1] or "")) + whole
+    whole: list[tuple[str, str | None]] = [
+        (name, None) for name in kernels.module_names() if kernels.parts(name) == (None,)]
+    return [*sorted(typed), *whole]
 
 
 def device_id() -> int:
