@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tier_helpers import TINY_MODEL, _clean_env
+from tier_helpers import TINY_MODEL, _clean_env, keepalive_limits
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUTER_LINES = [e for e in json.loads(
@@ -88,7 +88,7 @@ class Router:
             self.proc.kill()
             pytest.fail("the router did not start:\n" + self.log.read_text())
         self.url = self.lines[-1].split(" at ", 1)[1].split()[0]
-        self.client = httpx.Client(base_url=self.url, timeout=120)
+        self.client = httpx.Client(base_url=self.url, timeout=120, limits=keepalive_limits(args))
 
     def models(self, **headers: str) -> dict[str, dict]:
         r = self.client.get("/models", headers=headers)

@@ -78,6 +78,20 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
+def keepalive_limits(args) -> Any:
+    """An httpx client's pool for a server started with `args`. The server closes a keep-alive
+    connection idle for --body-timeout (30 s by default); a pooled connection reused just as
+    the server closes it fails with "Server disconnected without sending a response" (seen in
+    CI after a ~30 s gap between two requests, and with --body-timeout 1 after a 1 s wait):
+    idle connections are dropped well before the server drops them."""
+    import httpx  # noqa: PLC0415
+
+    body_timeout = 30.0
+    if "--body-timeout" in args:
+        body_timeout = float(args[list(args).index("--body-timeout") + 1])
+    return httpx.Limits(keepalive_expiry=body_timeout / 3)
+
+
 def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("KVSHARE_")}
 
@@ -292,15 +306,8 @@ class Server:
                 self.kill9()
                 raise RuntimeError(f"server not up after {STARTUP_TIMEOUT} s:\n{self.log()}")
             time.sleep(0.01)
-        # The server closes a keep-alive connection idle for --body-timeout (30 s by default).
-        # A pooled connection reused just as the server closes it fails with "Server
-        # disconnected without sending a response" (seen once in CI, after a ~30 s gap
-        # between two requests): drop idle connections well before the server does.
-        body_timeout = 30.0
-        if "--body-timeout" in args:
-            body_timeout = float(args[list(args).index("--body-timeout") + 1])
         self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(300.0, connect=5.0),
-                                   limits=httpx.Limits(keepalive_expiry=body_timeout / 3))
+                                   limits=keepalive_limits(args))
         while True:
             try:
                 if self.client.get("/health").status_code == 200:
