@@ -21,8 +21,9 @@
 #                  (bench/gpu_kernel_profile.py), bench/gpu_matvec_bench.py where it exists;
 #                  then, where the deadline leaves 150 s, what TESTS_ONLY=1 runs. About 4-5
 #                  minutes after the machine is up before the tests.
-#   TESTS_ONLY=1   pytest -m gpu (ops, block weights, graphs, models, engine) with CUDA graphs
-#                  on, and again with KVSHARE_CUDA_GRAPHS=0: the two pytest rows and Q2_K;
+#   TESTS_ONLY=1   pytest -m gpu (ops, block weights, graphs, models, engine, KV block moves)
+#                  with CUDA graphs on, and again with KVSHARE_CUDA_GRAPHS=0: the two pytest
+#                  rows and Q2_K;
 #                  and tests/test_server_gpu.py (kvshare serve --device cuda over HTTP); the
 #                  three at once, the first two in 4 processes each (pytest-xdist) where
 #                  the image has it.
@@ -311,6 +312,12 @@ target_steps() {
         --ctx "$CTX" --graphs on --out "$WORK/gpu_bench_rows32.json" || RC=1
     grep -E '^decode' "$WORK/gpu_bench_rows32.log" | sed 's/^/[mat-vec to 32 rows] /' |
         tee -a "$OUT/summary.txt"
+    # what pinning an agent prefix costs the engine thread: a gather, the device-to-host copy
+    # on the saver thread, against the whole read on the engine thread (info rows)
+    step prefix_pin 60 $PY bench/prefix_pin_cost.py --device "$DEV" --repeats 3 \
+        --out "$WORK/prefix_pin_cost.json" || RC=1
+    grep -E '^ +[0-9]' "$WORK/prefix_pin.log" | sed 's/^/[prefix pin] /' |
+        tee -a "$OUT/summary.txt"
     table
     # bmv vs mmvq kernel timing (a GPU-only bench: not in the CPU dry run); --out where the
     # bench takes it, so that its JSON comes back inside targets.json
@@ -333,7 +340,8 @@ test_steps() {
                  tests/test_model_gpu.py tests/test_engine_gpu.py tests/test_ops_gpu_fused.py
                  tests/test_ops_gpu_mmvq.py tests/test_sampling_gpu.py tests/test_engine_overlap.py
                  tests/test_ops_gpu_attention_mma.py tests/test_engine_step_ahead.py
-                 tests/test_model_gpu_step_graphs.py tests/test_gpu_kernel_profile.py)
+                 tests/test_model_gpu_step_graphs.py tests/test_gpu_kernel_profile.py
+                 tests/test_kv_block_moves.py)
     local xd=() on off srv
     # (whole files to a process: a file's tests keep their order and module fixtures)
     $PY -c 'import xdist' 2>/dev/null && xd=(-n 4 --dist loadfile)

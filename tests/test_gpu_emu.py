@@ -12,7 +12,11 @@
   UndefinedBehaviorSanitizer's report; aligned, it runs;
 - asynchronous copies from pinned memory: the host writing the bytes of a copy it has not
   yet waited for raises when the copy is known done (on a GPU the device may read the new
-  bytes); waited for first, or from pageable memory, it does not.
+  bytes); waited for first, or from pageable memory, it does not;
+- threads: while one thread captures, another thread's copy on a non-blocking stream and its
+  wait for an event go ahead (CuPy captures in relaxed mode), where its copy on the legacy
+  default stream, which would join the capture, raises; a blocking copy on a non-blocking
+  stream leaves another stream's asynchronous copy pending, as a GPU does.
 
 Runs only on the emulator (`PYTHONPATH=tests/gpu_emu pytest -p emu_plugin`; CI's emulator
 step): a GPU gives no control over its scheduling, so elsewhere it skips.
@@ -168,6 +172,48 @@ def test_copies_from_pageable_memory_or_without_a_stream_do_not_pend(cp):
     cp.cuda.Device().synchronize()  # nothing pending: no error
     ev = cp.cuda.Event()
     ev.synchronize()  # never recorded: done at once
+
+
+def test_another_threads_copy_during_a_capture_is_refused_only_on_the_legacy_stream(cp):
+    import threading  # noqa: PLC0415
+
+    dev, ev = cp.arange(8, dtype=np.float32), cp.cuda.Event()
+    ev.record()
+    capturing, copier = cp.cuda.Stream(), cp.cuda.Stream(non_blocking=True)
+    results: dict[str, object] = {}
+
+    def other_thread() -> None:
+        for name, stream in (("off", copier), ("legacy", None)):
+            try:
+                ev.synchronize()
+                results[name] = cp.asnumpy(dev, stream=stream).tolist()
+            except cp.CaptureError as exc:
+                results[name] = exc
+
+    capturing.begin_capture()
+    try:
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        with pytest.raises(cp.CaptureError):  # the capturing thread's own copy
+            cp.asnumpy(dev, stream=copier)
+    finally:
+        capturing.end_capture()
+    assert results["off"] == list(range(8))
+    assert isinstance(results["legacy"], cp.CaptureError)
+
+
+def test_a_copy_on_a_non_blocking_stream_leaves_other_copies_pending(cp):
+    """A blocking copy on a non-blocking stream waits for that stream only: an asynchronous
+    copy into pinned memory issued elsewhere has not landed (its bytes are poison) until the
+    host knows it done."""
+    src, other = cp.full(4, 7.0, dtype=np.float32), cp.ones(4, dtype=np.float32)
+    back = _pinned(cp, 4)
+    cp.asnumpy(src, out=back, blocking=False)
+    assert cp.asnumpy(other, stream=cp.cuda.Stream(non_blocking=True)).tolist() == [1.0] * 4
+    assert np.isnan(back).all()
+    cp.asnumpy(other)  # on the legacy stream: joins every stream's work
+    assert back.tolist() == [7.0] * 4
 
 
 @pytest.fixture

@@ -1,7 +1,9 @@
 """Bulk block moves of the KV pool (`KVArrays.read_blocks` / `write_blocks`) against the
 per-block ones (`read_block` / `write_block`), bit for bit, in both groups of a split cache;
-and the tiers' use of them: a RAM save reads its missing blocks with one bulk read, a restore
-installs each chunk with one bulk write.
+a read left to another thread (`read_blocks_later`) returns the pool as it was when asked;
+and the tiers' use of them: a RAM save reads its missing blocks with one bulk read (on a GPU
+its device-to-host copy on the saver thread), a restore installs each chunk with one bulk
+write.
 
 The `gpu` tests run on a CUDA device, and in CI on the CPU emulator (tests/gpu_emu): there a
 bulk read is also held to one device-to-host copy per chunk (`BULK_CHUNK_BYTES`), not one per
@@ -127,6 +129,28 @@ def test_read_blocks_copies_out_of_the_pool():
     np.testing.assert_array_equal(contents(kv)[0], before[0])
 
 
+def check_later_read(backend: Backend) -> None:
+    """A later read returns the blocks as they were when it was asked, whatever is written
+    to the pool before its result is taken, in both groups; its device copies are released."""
+    kv = random_pool(backend, "f16")
+    for g in (0, 1):
+        want = kv.read_blocks(IDS[g], group=g)
+        read = kv.read_blocks_later(IDS[g], group=g)
+        kv.win_group(g)[...] = 0
+        got = read()
+        assert got.shape == want.shape and got.dtype == want.dtype and got.flags.c_contiguous
+        np.testing.assert_array_equal(bits(got), bits(want))
+        assert kv.later_bytes == 0
+        assert kv.read_blocks_later([], group=g)().shape == (0, *kv.group_block_shape(g))
+    with pytest.raises(IndexError, match="out of range"):
+        kv.read_blocks_later([1, N_BLOCKS])
+    assert kv.later_bytes == 0
+
+
+def test_a_later_read_returns_the_pool_as_it_was():
+    check_later_read(CPU)
+
+
 # ---- tiers ----------------------------------------------------------------------------------
 
 ROOT = b"\x01" * 32
@@ -137,7 +161,8 @@ class Counting:
 
     def __init__(self, kv: KVArrays, monkeypatch):
         self.calls: list[tuple[str, list[int]]] = []
-        for name in ("read_block", "read_blocks", "write_block", "write_blocks"):
+        for name in ("read_block", "read_blocks", "read_blocks_later", "write_block",
+                     "write_blocks"):
             monkeypatch.setattr(kv, name, self._wrap(name, getattr(kv, name)))
 
     def _wrap(self, name, f):
@@ -172,7 +197,8 @@ def test_a_ram_save_reads_its_missing_blocks_at_once(monkeypatch):
     tiers = TierManager(pool, kv, BS, ram, None)
     moves = Counting(kv, monkeypatch)
     tiers.pin_prefix(keys, table, 6)
-    assert moves.calls == [("read_blocks", [table[j] for j in (0, 1, 3, 4, 5)])]
+    missing = [table[j] for j in (0, 1, 3, 4, 5)]
+    assert moves.calls == [("read_blocks_later", missing), ("read_blocks", missing)]
     tiers.flush()  # the puts and pins run on the saver thread
     assert all(ram.is_pinned(k) for k in keys)
     for j in range(6):
@@ -202,7 +228,7 @@ def test_a_prefix_pin_leaves_its_puts_and_pins_to_the_saver_thread(monkeypatch):
     tiers.pin_prefix(keys, table, 6)
     tiers.pin_prefix(keys, table, 6)  # another session of the same agent prefix
     assert ram.match_prefix(keys) == 0  # nothing put yet: the saver waits at the gate
-    assert moves.calls == [("read_blocks", table[:6])]
+    assert moves.calls == [("read_blocks_later", table[:6]), ("read_blocks", table[:6])]
     gate.set()
     tiers.flush()
     assert threads and all(t.startswith("kvshare-save") for t in threads), threads
@@ -341,6 +367,102 @@ def test_gpu_bulk_read_copies_to_the_host_once_per_chunk(monkeypatch, group):
     chunked.write_blocks(ids[:-1], data[:-1], group=group)  # 5 distinct ids: chunks of 3 and 2
     for a, b in zip(contents(chunked), contents(whole)):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_later_read_returns_the_pool_as_it_was():
+    check_later_read(gpu())
+
+
+class HostCopies:
+    """Records each `cupy.asnumpy` call: (thread name, the stream it was given)."""
+
+    def __init__(self, monkeypatch):
+        import threading  # noqa: PLC0415
+
+        cupy = sys.modules["cupy"]
+        asnumpy = cupy.asnumpy
+        self.calls: list[tuple[str, object]] = []
+
+        def recorded(a, stream=None, *args, **kw):
+            self.calls.append((threading.current_thread().name, stream))
+            return asnumpy(a, stream, *args, **kw)
+
+        monkeypatch.setattr(cupy, "asnumpy", recorded)
+
+
+@pytest.mark.gpu
+def test_gpu_later_read_leaves_the_copy_to_the_host_to_its_caller(monkeypatch):
+    """Asking copies nothing to the host: the caller of the result does, on a non-blocking
+    stream of the pool's own; until then the read holds its device copy's bytes."""
+    import threading  # noqa: PLC0415
+
+    kv = random_pool(gpu(), "f16")
+    want = kv.read_blocks(IDS[0])
+    copies = HostCopies(monkeypatch)
+    read = kv.read_blocks_later(IDS[0])
+    assert copies.calls == [] and kv.later_bytes == len(IDS[0]) * kv.block_nbytes
+    kv.win_group(0)[...] = 0
+    got: list[np.ndarray] = []
+    t = threading.Thread(target=lambda: got.append(read()), name="saver")
+    t.start()
+    t.join()
+    assert len(copies.calls) == 1 and copies.calls[0][0] == "saver"
+    # (CuPy's Stream keeps no flag: the pool's copy stream, made non-blocking, not the legacy)
+    assert copies.calls[0][1] is kv._copy_stream and kv._copy_stream.ptr != 0
+    np.testing.assert_array_equal(bits(got[0]), bits(want))
+    assert kv.later_bytes == 0
+    with pytest.raises(RuntimeError, match="once"):
+        read()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("why", ["over the budget", "out of device memory"])
+def test_gpu_later_read_past_its_budget_reads_now(monkeypatch, why):
+    """Past `LATER_READ_MAX_BYTES` of device copies held (or where the gather's copy cannot
+    be allocated) the blocks are read at once, and the result returns them."""
+    kv = random_pool(gpu(), "f16")
+    want = kv.read_blocks(IDS[0])
+    if why == "over the budget":
+        monkeypatch.setattr(kv_arrays, "LATER_READ_MAX_BYTES", 2 * kv.block_nbytes)
+        held = kv.read_blocks_later(IDS[0][:2])  # within it: held until taken
+        assert kv.later_bytes == 2 * kv.block_nbytes
+    else:
+        def no_memory(*a):
+            raise MemoryError("out of memory allocating 14,336 bytes")
+
+        monkeypatch.setattr(kv, "_gather_later", no_memory)
+    copies = HostCopies(monkeypatch)
+    read = kv.read_blocks_later(IDS[0])
+    assert copies.calls and all(stream is None for _, stream in copies.calls)
+    kv.win_group(0)[...] = 0
+    np.testing.assert_array_equal(bits(read()), bits(want))
+    if why == "over the budget":
+        np.testing.assert_array_equal(bits(held()), bits(want[:2]))
+    assert kv.later_bytes == 0
+
+
+@pytest.mark.gpu
+def test_gpu_prefix_pin_copies_nothing_to_the_host_on_the_engine_thread(monkeypatch):
+    """A prefix pin on the device gathers its blocks and returns: the device-to-host copy
+    runs in the saver's job, and RAM then holds the blocks as they were pinned."""
+    kv = random_pool(gpu(), "f16")
+    pool = _core.BlockPool(N_BLOCKS, BS)
+    _, keys, table = computed_chain(pool, kv, 6)
+    want = kv.read_blocks(table)
+    ram = _core.RamTier(1 << 20)
+    tiers = TierManager(pool, kv, BS, ram, None)
+    jobs: list = []
+    monkeypatch.setattr(tiers, "_submit_save", lambda job, *a: jobs.append(job))
+    copies = HostCopies(monkeypatch)
+    tiers.pin_prefix(keys, table, 6)
+    assert copies.calls == [] and len(jobs) == 1
+    kv.win_group(0)[...] = 0
+    jobs[0]()
+    assert len(copies.calls) == 1
+    assert all(ram.is_pinned(k) for k in keys)
+    for j in range(6):
+        assert ram.get_block(keys[j]) == want[j].tobytes()
 
 
 @pytest.mark.gpu

@@ -175,19 +175,35 @@ def _owner(ptr):
             return ref
     return None
 
-def _no_capture(what):
-    if _CAPTURE is not None:
+def _no_capture(what, elsewhere_ok=False):
+    """Raise where a capture forbids `what`. CuPy captures in relaxed mode, so another
+    thread's synchronous call is refused only where it implicitly joins the capturing
+    stream's work; `elsewhere_ok`: the call allows that in a thread other than the capturing
+    one (an event's wait, or a copy on a non-blocking stream)."""
+    if _CAPTURE is not None and not (elsewhere_ok and threading.get_ident() != _CAPTURE.thread):
         raise CaptureError(f"{what} during stream capture")
+
+def _off_stream(stream):
+    """True for a copy issued on a given non-blocking stream: it joins no other stream's work
+    (neither the legacy default stream nor a capture)."""
+    return stream is not None and getattr(stream, "non_blocking", False)
 
 def _capturing_here(what):
     """True when the current stream captures (the op is to be recorded); raises when another
     stream captures (work on another stream during capture)."""
     if _CAPTURE is None:
         return False
+    _same_thread(what)
     if cuda.get_current_stream() is not _CAPTURE.stream:
         raise CaptureError(f"{what} on stream {cuda.get_current_stream().ptr} while stream "
                            f"{_CAPTURE.stream.ptr} captures")
     return True
+
+def _same_thread(what):
+    """Work issued from another thread while one captures is not modelled here (the
+    current-stream stack is one for all threads): refuse it rather than record it."""
+    if threading.get_ident() != _CAPTURE.thread:
+        raise CaptureError(f"{what} from another thread during a capture (not emulated)")
 
 def _base(a):
     return a.view(np.ndarray) if isinstance(a, ndarray) else a
@@ -365,9 +381,11 @@ def matmul(a, b, out=None):
     return _dev(np.matmul(_base(a), _base(b)))
 def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
     if isinstance(a, ndarray):
-        _no_capture("device-to-host copy (asnumpy)")
+        _no_capture("device-to-host copy (asnumpy)", elsewhere_ok=_off_stream(stream))
         COUNTS["d2h"] += 1
-        if blocking:
+        if blocking and not _off_stream(stream):
+            # (on a non-blocking stream the copy waits for that stream's work only: others'
+            # copies stay pending)
             _retire_copies()
         elif out is not None and _pending_read(a, out):
             return out
@@ -456,6 +474,7 @@ class Stream:
         if _CAPTURE is not None:
             raise CaptureError("a stream is already capturing")
         _CAPTURE = _Capture(self)
+        _CAPTURE.thread = threading.get_ident()
     def end_capture(self):
         global _CAPTURE
         if _CAPTURE is None or _CAPTURE.stream is not self:
@@ -477,7 +496,7 @@ class Event:
     def record(self, stream=None):
         self._seq = _COPY_SEQ[0]
     def synchronize(self):
-        _no_capture("Event.synchronize")
+        _no_capture("Event.synchronize", elsewhere_ok=True)
         if self._seq is not None:   # (an event never recorded is done at once)
             _retire_copies(self._seq)
     @property
@@ -518,6 +537,14 @@ cuda.alloc_pinned_memory = alloc_pinned_memory
 
 _COPY_SEQ = [0]    # asynchronous copies issued so far
 _PENDING = []      # (seq, host address, bytes of the source when issued, weakref to the buffer)
+_COPY_LOCK = threading.RLock()   # the list above, as threads issue and retire copies
+
+def _copies_locked(fn):
+    def locked(*a, **k):
+        with _COPY_LOCK:
+            return fn(*a, **k)
+    locked.__name__, locked.__doc__ = fn.__name__, fn.__doc__
+    return locked
 
 def _pinned_ref(host):
     """The weakref of the live pinned buffer holding C-contiguous host array `host` wholly,
@@ -531,6 +558,7 @@ def _pinned_ref(host):
     return None
 
 @_plumbing
+@_copies_locked
 def _pending_copy(src):
     """Record an asynchronous copy from host array `src` when it lies in pinned memory
     (from pageable memory the driver stages the bytes before returning: nothing pends)."""
@@ -541,6 +569,7 @@ def _pending_copy(src):
         _PENDING.append((_COPY_SEQ[0], addr, ctypes.string_at(addr, src.nbytes), ref))
 
 @_plumbing
+@_copies_locked
 def _pending_read(src, out):
     """A device-to-host copy of device array `src` into `out` without waiting: into pinned
     memory it is asynchronous, so `out` holds poison (0xFF bytes: NaN in floats, -1 in ints)
@@ -560,6 +589,7 @@ def _pending_read(src, out):
     return True
 
 @_plumbing
+@_copies_locked
 def _retire_copies(upto=None):
     """The pending copies issued up to `upto` (all: None) are known complete: each one's host
     bytes must still be what they were when it was issued; a device-to-host copy lands."""
@@ -826,6 +856,7 @@ class RawKernel:
                                      ctypes.c_ulong(shared_mem), argv)
             assert rc == 0, f"unknown kernel {self.name}"
         if _CAPTURE is not None:
+            _same_thread(f"launch of {self.name}")
             on = stream if stream is not None else cuda.get_current_stream()
             if on is not _CAPTURE.stream:
                 raise CaptureError(f"{self.name} launched on stream {on.ptr} while stream "

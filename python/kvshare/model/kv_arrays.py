@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import mmap
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -80,6 +81,13 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 # Qwen3-1.7B-shaped f16 model (~690 MB, 375 blocks of 1.8 MB) moves in 11 chunks of 36 blocks.
 BULK_CHUNK_BYTES = 64 << 20
 
+# A read left to the saver thread (`read_blocks_later`) holds a device copy of its blocks until
+# that thread has them on the host. At most this many bytes of such copies are held at once
+# (a 6K-token prefix of a Qwen3-1.7B-shaped f16 model is ~690 MB); a read past it goes
+# through the chunked `read_blocks` at once, as a read whose copy the device cannot allocate
+# does.
+LATER_READ_MAX_BYTES = 1 << 30
+
 
 class KVArrays:
     def __init__(self, config: ModelConfig, n_blocks: int, block_size: int = 16, *,
@@ -125,6 +133,11 @@ class KVArrays:
         self.kv_win, self._win_mapping = (self._alloc((counts[1], 2, self.n_win_blocks, *tail))
                                           if self.split else (None, None))
         self.n_state_slots = int(n_state_slots)
+        # reads left to another thread (`read_blocks_later`): the bytes of device copies they
+        # hold, and the stream their device-to-host copies run on
+        self._later_lock = threading.Lock()
+        self.later_bytes = 0
+        self._copy_stream: Any = None
         self.states: list[Any] = [
             xp.zeros((self.n_state_slots, *shape), dtype=np.float32)
             for shape in (state_shapes or [])
@@ -267,6 +280,70 @@ class KVArrays:
             self.backend.to_host(xp.ascontiguousarray(xp.moveaxis(gathered, 2, 0)),
                                  out=out[i:i + step])
         return out
+
+    def read_blocks_later(self, blocks: list[int],
+                          group: int = 0) -> Callable[[], np.ndarray]:
+        """`read_blocks` in two halves: what the pool holds now, for another thread (the
+        tiers' saver) to bring to the host. Returns a function that returns what `read_blocks`
+        would have returned at this call, whatever steps write the pool meanwhile; call it
+        once. On the GPU this call only gathers the blocks into one device array, block-major,
+        on the current stream (after the steps that wrote them, before any that reuse them)
+        and records an event; the function waits for the event, copies the array to the host
+        on a non-blocking stream of its own (the device's copy engine, beside the steps the
+        engine launches meanwhile) and frees it. The engine thread then spends a gather's
+        launch on a prefix entry instead of its synchronous copies (~690 MB for a 6K-token
+        prefix of a Qwen3-1.7B-shaped f16 model). On the CPU, past `LATER_READ_MAX_BYTES` of
+        device copies held, or where the device cannot allocate the copy, the blocks are read
+        now (`read_blocks`) and the function returns them."""
+        ids = np.array([self._check(b, group) for b in blocks], dtype=np.intp)
+        nbytes = len(ids) * (self.win_block_nbytes if group == 1 else self.block_nbytes)
+        backend = self.backend
+        if backend.is_gpu and len(ids):
+            with self._later_lock:
+                fits = self.later_bytes + nbytes <= LATER_READ_MAX_BYTES
+                if fits:
+                    self.later_bytes += nbytes
+            if fits:
+                try:
+                    return self._gather_later(ids, group, nbytes)
+                except BaseException as exc:
+                    self._release_later(nbytes)
+                    if not isinstance(exc, MemoryError):  # (CuPy's OutOfMemoryError is one)
+                        raise
+        host = self.read_blocks(list(ids), group)
+        return lambda: host
+
+    def _gather_later(self, ids: np.ndarray, group: int, nbytes: int) -> Callable[[], np.ndarray]:
+        xp, dev = self.backend.xp, self.backend.device_id
+        arr = self.win_group(group)
+        with xp.cuda.Device(dev):
+            if self._copy_stream is None:
+                self._copy_stream = xp.cuda.Stream(non_blocking=True)
+            gathered = xp.moveaxis(arr, 2, 0)[self.backend.asarray(ids)]
+            done = xp.cuda.Event(disable_timing=True)
+            done.record()
+        copy_stream = self._copy_stream
+        held = [gathered]
+
+        def result() -> np.ndarray:
+            if not held:
+                raise RuntimeError("the result of a later read is taken once")
+            dev_copy = held.pop()
+            try:
+                with xp.cuda.Device(dev):
+                    done.synchronize()
+                    host = np.empty(dev_copy.shape, dtype=self.kv_dtype)
+                    xp.asnumpy(dev_copy, stream=copy_stream, out=host)
+                    del dev_copy
+                return host
+            finally:
+                self._release_later(nbytes)
+
+        return result
+
+    def _release_later(self, nbytes: int) -> None:
+        with self._later_lock:
+            self.later_bytes -= nbytes
 
     def write_block(self, block: int, data: np.ndarray, group: int = 0) -> None:
         """Overwrite one block with `data` shaped like `read_block`'s result."""

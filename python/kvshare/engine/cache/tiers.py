@@ -302,12 +302,13 @@ class TierManager:
         stored = self.disk.stored_prefix(keys) if self.disk is not None else n_full
         remote_from = self._remote_from(keys, n_full)
         first = min(ram_missing[0] if ram_missing else n_full, stored, remote_from)
-        host = self.kv.read_blocks(block_table[first:n_full]) if first < n_full else None
+        read = (self.kv.read_blocks_later(block_table[first:n_full]) if first < n_full
+                else None)
         n_prefix = min(prefix_tokens // self.block_size, n_full)
         to_disk = self.disk is not None and stored < n_full
-        self._submit_save(lambda: self._save_job(keys, first, host, ram_missing, stored,
+        self._submit_save(lambda: self._save_job(keys, first, read, ram_missing, stored,
                                                  n_prefix, remote_from, to_ram), to_disk,
-                          [keys[j] for j in ram_missing] if host is not None else [])
+                          [keys[j] for j in ram_missing] if read is not None else [])
 
     def _remote_from(self, keys: list[bytes], n_full: int) -> int:
         """The first block the shared tier may lack (n_full: nothing to send)."""
@@ -315,14 +316,15 @@ class TierManager:
             return n_full
         return self.remote.first_unknown(keys)
 
-    def _save_job(self, keys: list[bytes], first: int, host: np.ndarray | None,
-                  ram_missing: list[int], stored: int, n_prefix: int,
-                  remote_from: int | None = None, to_ram: bool = True) -> None:
+    def _save_job(self, keys: list[bytes], first: int,
+                  read: Callable[[], np.ndarray] | None, ram_missing: list[int], stored: int,
+                  n_prefix: int, remote_from: int | None = None, to_ram: bool = True) -> None:
         n_full = len(keys)
-        if host is None:  # every tier holds all of it already
+        if read is None:  # every tier holds all of it already
             if self.ram is not None and to_ram and n_prefix:
                 self.ram.pin_blocks(keys[:n_prefix])
             return
+        host = read()
         if self.remote is not None and remote_from is not None and remote_from < n_full:
             self.remote.submit(keys[remote_from:], host[remote_from - first:])
         if self.ram is not None and to_ram:
@@ -392,16 +394,18 @@ class TierManager:
 
     def _save_ram_later(self, keys: list[bytes], block_table: list[int],
                         then: Callable[[], None] | None = None) -> None:
-        """Copy the blocks of `keys` (a chain's first ones) that RAM lacks out of the pool now,
-        in one bulk read; put them in RAM, then run `then`, on the saver thread, as a finished
-        sequence's save does (`flush` waits for it): the puts of a long agent prefix (~690 MB
-        for 6K tokens of a Qwen3-1.7B-shaped model) held up every session's next step on the
-        engine thread."""
+        """Take the blocks of `keys` (a chain's first ones) that RAM lacks out of the pool now,
+        in one bulk read (`read_blocks_later`: on a GPU the device-to-host copy is the saver
+        thread's); put them in RAM, then run `then`, on the saver thread, as a finished
+        sequence's save does (`flush` waits for it): the copies and puts of a long agent
+        prefix (~690 MB for 6K tokens of a Qwen3-1.7B-shaped model) held up every session's
+        next step on the engine thread."""
         missing = self._ram_missing(keys)
-        host = self.kv.read_blocks([block_table[j] for j in missing]) if missing else None
+        read = self.kv.read_blocks_later([block_table[j] for j in missing]) if missing else None
 
         def job() -> None:
-            if host is not None:
+            if read is not None:
+                host = read()
                 row = {j: i for i, j in enumerate(missing)}
                 self._put_ram(keys, missing, lambda j: host[row[j]])
             if then is not None:
