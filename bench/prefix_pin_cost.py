@@ -1,4 +1,5 @@
-"""What pinning an agent prefix in the RAM tier costs the engine thread.
+"""What pinning an agent prefix in the RAM tier, and restoring it from there, costs the
+engine thread.
 
 When a prompt's prefix entry (tool schemas + system prompt, up to the first user message) is
 computed, the cache copies its KV blocks to the RAM tier and pins them there
@@ -9,13 +10,16 @@ pinned blocks (`flush`: the puts on the saver thread too, what the engine thread
 making them itself),
 on a CPU pool of Qwen3-1.7B's KV shapes (28 layers, 8 KV heads of 128, f16; 1.75 MiB a
 16-token block), for a 6K-token prefix (375 blocks, ~690 MB) and a 1K one, into an empty RAM
-tier.
+tier; then the same blocks, gone from the pool, restored from RAM (`TierManager.restore`:
+on the calling thread, and until the device holds them).
 
 On a GPU (`--device cuda`) the engine thread only gathers the blocks into a device copy, and
-the saver thread copies that to the host (`KVArrays.read_blocks_later`); each size is also
-run with the whole read on the calling thread (`read_blocks`: a gather and one
-device-to-host copy per 64 MiB chunk, as when the device copy would pass
-`LATER_READ_MAX_BYTES`), the rows `read now`.
+the saver thread copies that to the host (`KVArrays.read_blocks_later`), and a restore's
+chunks go through page-locked staging with asynchronous copies (`KVArrays.staging_buffer`);
+each size is also run the way both went before, the rows `sync`: the whole read on the
+calling thread (`read_blocks`: a gather and one device-to-host copy per 64 MiB chunk, as when
+the device copy would pass `LATER_READ_MAX_BYTES`) and pageable staging with synchronous
+copies (`STAGING_PINNED = False`).
 
     python bench/prefix_pin_cost.py --out bench/out/prefix_pin_cost.json
     python bench/prefix_pin_cost.py --device cuda --out bench/out/prefix_pin_cost_gpu.json
@@ -49,15 +53,17 @@ def qwen3_1_7b_kv() -> ModelConfig:
                        sliding_window=0, layer_kinds=(ATTENTION,) * 28, layer_windows=(0,) * 28)
 
 
-def run(kv: KVArrays, n_blocks: int) -> tuple[float, float]:
-    """(seconds on the calling thread, seconds until the pins are in place) for one pin of
-    blocks 0..n_blocks-1 into a fresh RAM tier."""
+def run(kv: KVArrays, n_blocks: int) -> tuple[float, float, float, float]:
+    """Seconds of one pin of blocks 0..n_blocks-1 into a fresh RAM tier (on the calling
+    thread, until the pins are in place) and of their restore from it (on the calling thread,
+    until the device holds them)."""
     pool = _core.BlockPool(kv.n_blocks, BS)
     tokens = list(range(n_blocks * BS))
-    keys = _core.hash_blocks(_core.root_key(b"bench", "f16", BS, None), tokens, BS)
+    root = _core.root_key(b"bench", "f16", BS, None)
+    keys = _core.hash_blocks(root, tokens, BS)
     table = []
     for j in range(n_blocks):
-        b = pool.allocate(keys[j - 1] if j else _core.root_key(b"bench", "f16", BS, None))
+        b = pool.allocate(keys[j - 1] if j else root)
         pool.append_tokens(b, tokens[j * BS:(j + 1) * BS])
         pool.register(b, keys[j])
         table.append(b)
@@ -71,7 +77,16 @@ def run(kv: KVArrays, n_blocks: int) -> tuple[float, float]:
     t2 = time.perf_counter()
     assert all(ram.is_pinned(k) for k in keys), "the prefix was not pinned"
     assert kv.later_bytes == 0
-    return t1 - t0, t2 - t0
+    pool.release(table)
+    pool.evict_all_cached()
+    t3 = time.perf_counter()
+    ids = tiers.restore(tokens, keys, 0, root)
+    t4 = time.perf_counter()
+    kv.backend.synchronize()
+    t5 = time.perf_counter()
+    assert len(ids) == n_blocks, "the prefix was not restored"
+    pool.release(ids)
+    return t1 - t0, t2 - t0, t4 - t3, t5 - t3
 
 
 def main() -> None:
@@ -86,27 +101,33 @@ def main() -> None:
     backend = get_backend(args.device)
     kv = KVArrays(qwen3_1_7b_kv(), n_max + 1, BS, kv_dtype="f16", backend=backend)
     kv.kv[...] = 1.0  # touched: the pool's pages exist, as a serving pool's do
-    # on a GPU: the device-to-host copy on the saver thread, then all on the calling thread
-    modes = ["later", "now"] if backend.is_gpu else ["now"]
+    # on a GPU: the copies off the engine thread (async), then as they were (sync)
+    modes = ["async", "sync"] if backend.is_gpu else ["sync"]
     later_max = kv_arrays.LATER_READ_MAX_BYTES
     rows = []
-    print(f"{'prefix tokens':>14} {'blocks':>7} {'MB':>7} {'read':>6} {'engine thread ms':>17} "
-          f"{'until pinned ms':>16}")
+    print(f"{'prefix tokens':>14} {'blocks':>7} {'MB':>7} {'copies':>7} {'pin: engine ms':>15} "
+          f"{'until pinned ms':>16} {'restore: engine ms':>19} {'until restored ms':>18}")
     for tokens in sizes:
         n = tokens // BS
         for mode in modes:
-            kv_arrays.LATER_READ_MAX_BYTES = later_max if mode == "later" else 0
+            kv_arrays.LATER_READ_MAX_BYTES = later_max if mode == "async" else 0
+            kv_arrays.STAGING_PINNED = mode == "async"
+            kv.backend.synchronize()
+            kv._staging.clear()  # (the staging of the other mode)
+            kv._staging_done.clear()
             runs = [run(kv, n) for _ in range(args.repeats)]
-            call = statistics.median(r[0] for r in runs)
-            done = statistics.median(r[1] for r in runs)
+            med = [statistics.median(r[i] for r in runs) * 1e3 for i in range(4)]
             mb = n * kv.block_nbytes / 1e6
-            rows.append({"prefix_tokens": tokens, "blocks": n, "mb": round(mb, 1), "read": mode,
-                         "engine_thread_ms": round(call * 1e3, 2),
-                         "until_pinned_ms": round(done * 1e3, 2),
-                         "runs": [[round(a * 1e3, 2), round(b * 1e3, 2)] for a, b in runs]})
-            print(f"{tokens:>14} {n:>7} {mb:>7.0f} {mode:>6} {call * 1e3:>17.1f} "
-                  f"{done * 1e3:>16.1f}")
+            rows.append({"prefix_tokens": tokens, "blocks": n, "mb": round(mb, 1),
+                         "copies": mode, "pin_engine_thread_ms": round(med[0], 2),
+                         "until_pinned_ms": round(med[1], 2),
+                         "restore_engine_thread_ms": round(med[2], 2),
+                         "until_restored_ms": round(med[3], 2),
+                         "runs": [[round(x * 1e3, 2) for x in r] for r in runs]})
+            print(f"{tokens:>14} {n:>7} {mb:>7.0f} {mode:>7} {med[0]:>15.1f} {med[1]:>16.1f} "
+                  f"{med[2]:>19.1f} {med[3]:>18.1f}")
     kv_arrays.LATER_READ_MAX_BYTES = later_max
+    kv_arrays.STAGING_PINNED = True
     name = "prefix_pin_cost.json" if not backend.is_gpu else "prefix_pin_cost_gpu.json"
     out = Path(args.out) if args.out else Path(__file__).parent / "out" / name
     out.parent.mkdir(parents=True, exist_ok=True)

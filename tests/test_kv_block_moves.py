@@ -369,6 +369,61 @@ def test_gpu_bulk_read_copies_to_the_host_once_per_chunk(monkeypatch, group):
         np.testing.assert_array_equal(a, b)
 
 
+def pending_copies() -> int | None:
+    """Asynchronous copies the emulator holds pending (None on a device)."""
+    cupy = sys.modules["cupy"]
+    return len(cupy._PENDING) if hasattr(cupy, "_PENDING") else None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [0, 1])
+def test_gpu_write_from_a_staging_buffer_equals_a_write_from_pageable_memory(group):
+    """A write from a staging buffer (page-locked: asynchronous copies) leaves the pool as
+    the same write from pageable memory does, also when the buffer is refilled and written
+    again at once (its next `staging_buffer` waits for the first write's copies)."""
+    ids = [4, 0, 6, 1, 5, 2]
+    shape = (len(ids), *random_pool().group_block_shape(group))
+    want, got = random_pool(gpu(), "f16"), random_pool(gpu(), "f16")
+    for seed in (5, 6):
+        data = random_bytes(np.random.default_rng(seed), shape, want.kv_dtype)
+        want.write_blocks(ids, data, group=group)
+        buf = got.staging_buffer(0, data.nbytes)
+        staged = buf[:data.nbytes].view(got.kv_dtype).reshape(shape)
+        staged[...] = data
+        got.write_blocks(ids, staged, group=group)
+        if pending_copies() is not None:
+            assert pending_copies() > 0, "a staged write waited for its copies"
+    for a, b in zip(contents(got), contents(want)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_restore_through_a_ring_of_staging_buffers(monkeypatch):
+    """Chunks of 2 blocks: a 5-block restore fills the ring's 2 slots and reuses the first
+    (after the device read it), twice over; the pool then holds the saved bytes."""
+    import kvshare.engine.cache.tiers as T  # noqa: PLC0415
+
+    monkeypatch.setattr(T, "CHUNK_BLOCKS", 2)
+    kv = random_pool(gpu(), "f16")
+    pool = _core.BlockPool(N_BLOCKS, BS)
+    tokens, keys, table = computed_chain(pool, kv, 5)
+    saved = kv.read_blocks(table)
+    tiers = TierManager(pool, kv, BS, _core.RamTier(1 << 20), None)
+    tiers.pin_prefix(keys, table, 5)
+    tiers.flush()
+    for _ in range(2):
+        pool.release(table)
+        pool.evict_all_cached()
+        kv.win_group(0)[...] = 0
+        table = tiers.restore(tokens, keys, 0, ROOT)
+        assert len(table) == 5
+        if pending_copies() is not None:
+            assert pending_copies() > 0, "the restore waited for its last copies"
+        np.testing.assert_array_equal(bits(kv.read_blocks(table)), bits(saved))
+    assert len(kv._staging) == 2
+    pool.check_invariants()
+
+
 @pytest.mark.gpu
 def test_gpu_later_read_returns_the_pool_as_it_was():
     check_later_read(gpu())

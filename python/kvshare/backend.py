@@ -46,7 +46,7 @@ class Backend:
                 return self.xp.asnumpy(a, out=out)
             np.copyto(out, a)
             return out
-        if self.is_gpu and not isinstance(a, np.ndarray):
+        if self.is_gpu and isinstance(a, self.xp.ndarray):
             return self.xp.asnumpy(a)
         return np.asarray(a)
 

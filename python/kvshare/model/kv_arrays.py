@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import mmap
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -88,6 +89,18 @@ BULK_CHUNK_BYTES = 64 << 20
 # does.
 LATER_READ_MAX_BYTES = 1 << 30
 
+# Staging buffers (`staging_buffer`) on a GPU are page-locked, and writes from them
+# asynchronous. False: pageable buffers and synchronous writes, as for any host array
+# (bench/prefix_pin_cost.py's baseline rows).
+STAGING_PINNED = True
+
+
+def _wait_for_staged_copies(done: list[Any], _buffers: list[np.ndarray]) -> None:
+    """(A pool's finalizer; `_buffers` is held until the copies are done.)"""
+    for event in done:
+        if event is not None:
+            event.synchronize()
+
 
 class KVArrays:
     def __init__(self, config: ModelConfig, n_blocks: int, block_size: int = 16, *,
@@ -138,6 +151,15 @@ class KVArrays:
         self._later_lock = threading.Lock()
         self.later_bytes = 0
         self._copy_stream: Any = None
+        # host staging buffers (`staging_buffer`), and on a GPU the event recorded after the
+        # last write from each (None: nothing in flight)
+        self._staging: list[np.ndarray] = []
+        self._staging_done: list[Any] = []
+        # a pool dropped with copies from its staging in flight waits for them first: its
+        # page-locked buffers would otherwise go back to CuPy's pool (and to a new owner)
+        # while the device still reads them
+        weakref.finalize(self, _wait_for_staged_copies, self._staging_done,
+                         self._staging).atexit = False
         self.states: list[Any] = [
             xp.zeros((self.n_state_slots, *shape), dtype=np.float32)
             for shape in (state_shapes or [])
@@ -354,11 +376,59 @@ class KVArrays:
             raise ValueError(f"block data shape {data.shape} != {want}")
         self.win_group(group)[:, :, block] = self.backend.asarray(data, dtype=self.kv_dtype)
 
+    # --- host staging of bulk writes ------------------------------------------------------
+    @property
+    def staging_writes_async(self) -> bool:
+        """True where `write_blocks` from a staging buffer returns before the buffer has been
+        read (a GPU): a ring of them lets the next chunk be filled while this one is copied."""
+        return self.backend.is_gpu and STAGING_PINNED
+
+    def staging_buffer(self, slot: int, nbytes: int) -> np.ndarray:
+        """Host buffer `slot` (uint8, at least `nbytes`; reused by later calls) for filling
+        with blocks to `write_blocks`: page-locked on a GPU, where a write from it is one
+        asynchronous host-to-device copy (no staging by the driver, and the engine thread does
+        not wait for it). Returned once the device has read what the last write from it sent,
+        so the caller may overwrite it."""
+        while len(self._staging) <= slot:
+            self._staging.append(np.empty(0, np.uint8))
+            self._staging_done.append(None)
+        if self._staging[slot].nbytes < nbytes:
+            self._wait_staging(slot)
+            if self.staging_writes_async:
+                xp = self.backend.xp
+                with xp.cuda.Device(self.backend.device_id):
+                    mem = xp.cuda.alloc_pinned_memory(nbytes)
+                self._staging[slot] = np.frombuffer(mem, np.uint8, nbytes)
+            else:
+                self._staging[slot] = np.empty(nbytes, np.uint8)
+        self._wait_staging(slot)
+        return self._staging[slot]
+
+    def _wait_staging(self, slot: int) -> None:
+        done = self._staging_done[slot]
+        if done is not None:
+            done.synchronize()
+            self._staging_done[slot] = None
+
+    def _staging_slot_of(self, data: np.ndarray) -> int | None:
+        """The staging buffer that C-contiguous `data` lies in wholly, or None."""
+        if not data.flags.c_contiguous or not data.nbytes:
+            return None
+        lo = data.__array_interface__["data"][0]
+        for slot, buf in enumerate(self._staging):
+            start = buf.__array_interface__["data"][0]
+            if start <= lo and lo + data.nbytes <= start + buf.nbytes:
+                return slot
+        return None
+
     def write_blocks(self, blocks: list[int], data: np.ndarray, group: int = 0) -> None:
         """Overwrite blocks `blocks[i]` with `data[i]` (`data` shaped like `read_blocks`'
         result), as `write_block` of each in order would: of a repeated id the last data
         stays. Ids and shape are checked before anything is written. On the GPU each chunk of
-        `BULK_CHUNK_BYTES` is one host-to-device copy and one scatter."""
+        `BULK_CHUNK_BYTES` is one host-to-device copy and one scatter; from a staging buffer
+        (`staging_buffer`) the copies are asynchronous on the current stream (the scatters
+        after them, every later step after those) and the call returns without waiting: the
+        buffer's next `staging_buffer` waits for them."""
         ids = [self._check(b, group) for b in blocks]
         data = np.asarray(data)
         want = (len(ids), *self.group_block_shape(group))
@@ -373,10 +443,25 @@ class KVArrays:
             arr[:, :, idx] = np.moveaxis(data, 0, 2)
             return
         step = self._chunk_blocks(group)
+        xp = self.backend.xp
+        slot = (self._staging_slot_of(data)
+                if self.staging_writes_async and data.dtype == self.kv_dtype else None)
         for i in range(0, len(idx), step):
-            chunk = self.backend.asarray(data[i:i + step], dtype=self.kv_dtype)
-            arr[:, :, self.backend.asarray(idx[i:i + step])] = self.backend.xp.moveaxis(
-                chunk, 0, 2)
+            # the ids first: an upload from pageable memory waits for the work queued before
+            # it, which is then the earlier chunks', not this one's copy
+            ids_dev = self.backend.asarray(idx[i:i + step])
+            if slot is None:
+                chunk = self.backend.asarray(data[i:i + step], dtype=self.kv_dtype)
+            else:
+                with xp.cuda.Device(self.backend.device_id):
+                    chunk = xp.empty(data[i:i + step].shape, dtype=self.kv_dtype)
+                    chunk.set(data[i:i + step], stream=xp.cuda.get_current_stream())
+            arr[:, :, ids_dev] = xp.moveaxis(chunk, 0, 2)
+        if slot is not None:
+            with xp.cuda.Device(self.backend.device_id):
+                done = xp.cuda.Event(disable_timing=True)
+                done.record()
+            self._staging_done[slot] = done
 
     def _chunk_blocks(self, group: int) -> int:
         """Blocks of `group` per chunk of a bulk move on the GPU (`BULK_CHUNK_BYTES`)."""

@@ -108,7 +108,6 @@ class TierManager:
         self.ram_counters = TierCounters()
         self.disk_counters = TierCounters()
         self.remote_counters = TierCounters()
-        self._staging: list[np.ndarray] = []  # reused chunk buffers (restore)
         self._readers: ThreadPoolExecutor | None = None
         self._saver: ThreadPoolExecutor | None = None
         self._saves: deque[tuple[Future, bool]] = deque()  # (job, writes to disk)
@@ -186,11 +185,11 @@ class TierManager:
             c.tokens_served += n_blocks * self.block_size
 
     def _staging_blocks(self, slot: int, n: int) -> np.ndarray:
-        """`n` blocks of reused staging buffer `slot`, shaped `[n, *block_shape]`."""
+        """`n` blocks of reused staging buffer `slot` (the pool's: page-locked on a GPU, and
+        handed out once the device has read the last chunk written from it), shaped
+        `[n, *block_shape]`."""
         nbytes = self.kv.block_nbytes
-        while len(self._staging) <= slot:
-            self._staging.append(np.empty(CHUNK_BLOCKS * nbytes, dtype=np.uint8))
-        buf = self._staging[slot][: n * nbytes]
+        buf = self.kv.staging_buffer(slot, CHUNK_BLOCKS * nbytes)[: n * nbytes]
         return buf.view(self.kv.kv_dtype).reshape(n, *self.kv.block_shape)
 
     def _restore_chunks(self, read, tokens, keys, start, n, root, counters,
@@ -205,10 +204,14 @@ class TierManager:
         starts = list(range(start, start + n, CHUNK_BLOCKS))
         chunks = [keys[c0:min(c0 + CHUNK_BLOCKS, start + n)] for c0 in starts]
         ahead: dict[int, tuple[np.ndarray, Future]] = {}
+        # where a chunk's install returns before the device has read its staging (a GPU), one
+        # more slot: the next chunk is read while this one is copied
+        ring = depth + (2 if self.kv.staging_writes_async else 1)
 
         def fetch(i: int) -> None:
-            # ring slot i % (depth + 1): that of chunk i - 1 - depth, already installed
-            staging = self._staging_blocks(i % (depth + 1), len(chunks[i]))
+            # ring slot i % ring: that of chunk i - ring, already installed (its copy to the
+            # device waited for by `_staging_blocks`)
+            staging = self._staging_blocks(i % ring, len(chunks[i]))
             if depth:
                 if self._readers is None:
                     self._readers = ThreadPoolExecutor(DISK_READERS,
