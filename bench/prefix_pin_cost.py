@@ -18,8 +18,9 @@ the saver thread copies that to the host (`KVArrays.read_blocks_later`), and a r
 chunks go through page-locked staging with asynchronous copies (`KVArrays.staging_buffer`);
 each size is also run the way both went before, the rows `sync`: the whole read on the
 calling thread (`read_blocks`: a gather and one device-to-host copy per 64 MiB chunk, as when
-the device copy would pass `LATER_READ_MAX_BYTES`) and pageable staging with synchronous
-copies (`STAGING_PINNED = False`).
+the device copy would pass `LATER_READ_MAX_BYTES`) and pageable staging
+(`STAGING_PINNED = False`: CuPy copies each chunk into a page-locked buffer of its own before
+the transfer).
 
     python bench/prefix_pin_cost.py --out bench/out/prefix_pin_cost.json
     python bench/prefix_pin_cost.py --device cuda --out bench/out/prefix_pin_cost_gpu.json

@@ -398,6 +398,61 @@ def test_gpu_write_from_a_staging_buffer_equals_a_write_from_pageable_memory(gro
 
 
 @pytest.mark.gpu
+def test_gpu_staged_write_that_fails_midway_still_guards_its_buffer(monkeypatch):
+    """Chunks of one block: where the second chunk's upload raises, the first chunk's copy
+    was queued from the staging buffer, so the buffer's next `staging_buffer` still waits
+    for it (the event is recorded on the way out)."""
+    kv = random_pool(gpu(), "f16")
+    monkeypatch.setattr(kv_arrays, "BULK_CHUNK_BYTES", kv.block_nbytes)
+    shape = (3, *kv.block_shape)
+    buf = kv.staging_buffer(0, 3 * kv.block_nbytes)
+    staged = buf.view(kv.kv_dtype).reshape(shape)
+    staged[...] = random_bytes(np.random.default_rng(7), shape, kv.kv_dtype)
+    asarray, calls = Backend.asarray, []
+
+    def failing(self, a, dtype=None):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("out of memory")
+        return asarray(self, a, dtype)
+
+    monkeypatch.setattr(Backend, "asarray", failing)
+    with pytest.raises(MemoryError):
+        kv.write_blocks([1, 2, 3], staged)
+    monkeypatch.setattr(Backend, "asarray", asarray)
+    assert kv._staging_done[0] is not None
+
+
+@pytest.mark.gpu
+def test_gpu_staging_without_page_locked_memory_writes_synchronously(monkeypatch):
+    """Where the host refuses page-locked memory the staging is pageable and a restore
+    still lands, its writes synchronous (nothing pending)."""
+    import kvshare.engine.cache.tiers as T  # noqa: PLC0415
+
+    def refused(nbytes):
+        raise RuntimeError("cudaErrorMemoryAllocation: out of memory")
+
+    monkeypatch.setattr(sys.modules["cupy"].cuda, "alloc_pinned_memory", refused)
+    monkeypatch.setattr(T, "CHUNK_BLOCKS", 2)
+    kv = random_pool(gpu(), "f16")
+    pool = _core.BlockPool(N_BLOCKS, BS)
+    tokens, keys, table = computed_chain(pool, kv, 5)
+    saved = kv.read_blocks(table)
+    tiers = TierManager(pool, kv, BS, _core.RamTier(1 << 20), None)
+    tiers.pin_prefix(keys, table, 5)
+    tiers.flush()
+    pool.release(table)
+    pool.evict_all_cached()
+    kv.win_group(0)[...] = 0
+    before = pending_copies()
+    table = tiers.restore(tokens, keys, 0, ROOT)
+    if before is not None:
+        assert pending_copies() == before
+    assert not any(kv._staging_pinned) and all(d is None for d in kv._staging_done)
+    np.testing.assert_array_equal(bits(kv.read_blocks(table)), bits(saved))
+
+
+@pytest.mark.gpu
 def test_gpu_restore_through_a_ring_of_staging_buffers(monkeypatch):
     """Chunks of 2 blocks: a 5-block restore fills the ring's 2 slots and reuses the first
     (after the device read it), twice over; the pool then holds the saved bytes."""
@@ -472,21 +527,26 @@ def test_gpu_later_read_leaves_the_copy_to_the_host_to_its_caller(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("why", ["over the budget", "out of device memory"])
+@pytest.mark.parametrize("why", ["over the budget", "out of device memory",
+                                 "short of device headroom"])
 def test_gpu_later_read_past_its_budget_reads_now(monkeypatch, why):
-    """Past `LATER_READ_MAX_BYTES` of device copies held (or where the gather's copy cannot
-    be allocated) the blocks are read at once, and the result returns them."""
+    """Past `LATER_READ_MAX_BYTES` of device copies held, where the gather's copy cannot be
+    allocated, or where it would take over half of what the device can still allocate, the
+    blocks are read at once, and the result returns them."""
     kv = random_pool(gpu(), "f16")
     want = kv.read_blocks(IDS[0])
     if why == "over the budget":
         monkeypatch.setattr(kv_arrays, "LATER_READ_MAX_BYTES", 2 * kv.block_nbytes)
         held = kv.read_blocks_later(IDS[0][:2])  # within it: held until taken
         assert kv.later_bytes == 2 * kv.block_nbytes
-    else:
+    elif why == "out of device memory":
         def no_memory(*a):
             raise MemoryError("out of memory allocating 14,336 bytes")
 
         monkeypatch.setattr(kv, "_gather_later", no_memory)
+    else:
+        assert kv._device_headroom() > 2 * len(IDS[0]) * kv.block_nbytes
+        monkeypatch.setattr(kv, "_device_headroom", lambda: len(IDS[0]) * kv.block_nbytes)
     copies = HostCopies(monkeypatch)
     read = kv.read_blocks_later(IDS[0])
     assert copies.calls and all(stream is None for _, stream in copies.calls)
@@ -494,6 +554,20 @@ def test_gpu_later_read_past_its_budget_reads_now(monkeypatch, why):
     np.testing.assert_array_equal(bits(read()), bits(want))
     if why == "over the budget":
         np.testing.assert_array_equal(bits(held()), bits(want[:2]))
+    assert kv.later_bytes == 0
+
+
+@pytest.mark.gpu
+def test_gpu_later_read_never_taken_gives_its_budget_back():
+    """A read whose save was dropped (its result never taken) gives its bytes back when it
+    is collected: later reads are not pushed onto the engine thread by a leaked count."""
+    import gc  # noqa: PLC0415
+
+    kv = random_pool(gpu(), "f16")
+    read = kv.read_blocks_later(IDS[0])
+    assert kv.later_bytes == len(IDS[0]) * kv.block_nbytes
+    del read
+    gc.collect()
     assert kv.later_bytes == 0
 
 

@@ -383,10 +383,11 @@ def asnumpy(a, stream=None, order="C", out=None, *, blocking=True):
     if isinstance(a, ndarray):
         _no_capture("device-to-host copy (asnumpy)", elsewhere_ok=_off_stream(stream))
         COUNTS["d2h"] += 1
-        if blocking and not _off_stream(stream):
+        if blocking:
             # (on a non-blocking stream the copy waits for that stream's work only: others'
             # copies stay pending)
-            _retire_copies()
+            if not _off_stream(stream):
+                _retire_copies()
         elif out is not None and _pending_read(a, out):
             return out
     if out is not None:
@@ -411,9 +412,17 @@ float16, float32, int32, int64 = np.float16, np.float32, np.int32, np.int64
 # ---- cuda ----
 cuda = types.ModuleType("fakecupy.cuda")
 runtime = types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1,
+                                memGetInfo=lambda: (MEM_FREE[0], 141 << 30),
                                 deviceGetAttribute=lambda code, dev: {16: 132, 97: 232448,
                                                                       75: 9, 76: 0}[code])
 cuda.runtime = runtime
+MEM_FREE = [120 << 30]   # what memGetInfo reports free (a test may lower it)
+class _MemoryPool:
+    """cupy.get_default_memory_pool(): nothing held free (NumPy allocates directly)."""
+    def free_bytes(self): return 0
+    def used_bytes(self): return 0
+_POOL = _MemoryPool()
+def get_default_memory_pool(): return _POOL
 class Device:
     def __init__(self, i=0): self.id = i
     attributes = {"MultiProcessorCount": 132, "MaxSharedMemoryPerBlockOptin": 232448,

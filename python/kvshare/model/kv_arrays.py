@@ -25,6 +25,7 @@ recurrent-state tensor kind, each shaped `[n_state_slots, ...]`; attention-only 
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import threading
@@ -37,6 +38,8 @@ import numpy as np
 from kvshare.backend import CPU, Backend
 from kvshare.model.config import ModelConfig
 from kvshare.ops import kv_q8_0 as q8
+
+log = logging.getLogger(__name__)
 
 
 _DTYPE_NAMES = {"f32": np.float32, "float32": np.float32, "f16": np.float16,
@@ -89,9 +92,9 @@ BULK_CHUNK_BYTES = 64 << 20
 # does.
 LATER_READ_MAX_BYTES = 1 << 30
 
-# Staging buffers (`staging_buffer`) on a GPU are page-locked, and writes from them
-# asynchronous. False: pageable buffers and synchronous writes, as for any host array
-# (bench/prefix_pin_cost.py's baseline rows).
+# Staging buffers (`staging_buffer`) on a GPU are page-locked, and the device copies straight
+# from them. False: pageable buffers, written as any host array is (CuPy copies each chunk
+# into a page-locked buffer of its own first; bench/prefix_pin_cost.py's baseline rows).
 STAGING_PINNED = True
 
 
@@ -155,6 +158,8 @@ class KVArrays:
         # last write from each (None: nothing in flight)
         self._staging: list[np.ndarray] = []
         self._staging_done: list[Any] = []
+        self._staging_pinned: list[bool] = []
+        self._staging_failed = False
         # a pool dropped with copies from its staging in flight waits for them first: its
         # page-locked buffers would otherwise go back to CuPy's pool (and to a new owner)
         # while the device still reads them
@@ -316,13 +321,17 @@ class KVArrays:
         launch on a prefix entry instead of its synchronous copies (~690 MB for a 6K-token
         prefix of a Qwen3-1.7B-shaped f16 model). On the CPU, past `LATER_READ_MAX_BYTES` of
         device copies held, or where the device cannot allocate the copy, the blocks are read
-        now (`read_blocks`) and the function returns them."""
+        now (`read_blocks`) and the function returns them; so too where the copy would take
+        more than half of what the device can still allocate (the steps' own allocations
+        come first)."""
         ids = np.array([self._check(b, group) for b in blocks], dtype=np.intp)
         nbytes = len(ids) * (self.win_block_nbytes if group == 1 else self.block_nbytes)
         backend = self.backend
         if backend.is_gpu and len(ids):
+            headroom = self._device_headroom()
             with self._later_lock:
-                fits = self.later_bytes + nbytes <= LATER_READ_MAX_BYTES
+                fits = (self.later_bytes + nbytes <= LATER_READ_MAX_BYTES
+                        and (headroom is None or 2 * nbytes <= headroom))
                 if fits:
                     self.later_bytes += nbytes
             if fits:
@@ -359,9 +368,23 @@ class KVArrays:
                     del dev_copy
                 return host
             finally:
-                self._release_later(nbytes)
+                release()
 
+        # the budget comes back once: when the result is taken, or when a read never taken
+        # (its save dropped) is collected with its device copy
+        release = weakref.finalize(result, self._release_later, nbytes)
         return result
+
+    def _device_headroom(self) -> int | None:
+        """Bytes the device could still allocate: the driver's free memory and what CuPy's
+        pool holds free (None where that cannot be read)."""
+        xp = self.backend.xp
+        try:
+            with xp.cuda.Device(self.backend.device_id):
+                free, _ = xp.cuda.runtime.memGetInfo()
+                return int(free) + int(xp.get_default_memory_pool().free_bytes())
+        except Exception:  # noqa: BLE001 - no figure: the byte budget alone decides
+            return None
 
     def _release_later(self, nbytes: int) -> None:
         with self._later_lock:
@@ -386,23 +409,34 @@ class KVArrays:
     def staging_buffer(self, slot: int, nbytes: int) -> np.ndarray:
         """Host buffer `slot` (uint8, at least `nbytes`; reused by later calls) for filling
         with blocks to `write_blocks`: page-locked on a GPU, where a write from it is one
-        asynchronous host-to-device copy (no staging by the driver, and the engine thread does
-        not wait for it). Returned once the device has read what the last write from it sent,
-        so the caller may overwrite it."""
+        asynchronous host-to-device copy straight from it (from pageable memory CuPy would
+        first copy the bytes into a page-locked buffer of its own). Returned once the device
+        has read what the last write from it sent, so the caller may overwrite it."""
         while len(self._staging) <= slot:
             self._staging.append(np.empty(0, np.uint8))
             self._staging_done.append(None)
+            self._staging_pinned.append(False)
         if self._staging[slot].nbytes < nbytes:
             self._wait_staging(slot)
-            if self.staging_writes_async:
-                xp = self.backend.xp
-                with xp.cuda.Device(self.backend.device_id):
-                    mem = xp.cuda.alloc_pinned_memory(nbytes)
-                self._staging[slot] = np.frombuffer(mem, np.uint8, nbytes)
-            else:
-                self._staging[slot] = np.empty(nbytes, np.uint8)
+            self._staging[slot], self._staging_pinned[slot] = self._new_staging(nbytes)
         self._wait_staging(slot)
         return self._staging[slot]
+
+    def _new_staging(self, nbytes: int) -> tuple[np.ndarray, bool]:
+        """A staging buffer of `nbytes`, and whether it is page-locked: on a GPU unless the
+        host refuses to lock that much (writes from it are then as from any host array)."""
+        if self.staging_writes_async:
+            xp = self.backend.xp
+            try:
+                with xp.cuda.Device(self.backend.device_id):
+                    mem = xp.cuda.alloc_pinned_memory(nbytes)
+                return np.frombuffer(mem, np.uint8, nbytes), True
+            except Exception as exc:  # noqa: BLE001 - CUDARuntimeError: out of page-locked memory
+                if not self._staging_failed:
+                    log.warning("no page-locked staging (%s: %s): restores copy from pageable "
+                                "memory", type(exc).__name__, exc)
+                self._staging_failed = True
+        return np.empty(nbytes, np.uint8), False
 
     def _wait_staging(self, slot: int) -> None:
         done = self._staging_done[slot]
@@ -411,14 +445,14 @@ class KVArrays:
             self._staging_done[slot] = None
 
     def _staging_slot_of(self, data: np.ndarray) -> int | None:
-        """The staging buffer that C-contiguous `data` lies in wholly, or None."""
+        """The page-locked staging buffer that C-contiguous `data` lies in wholly, or None."""
         if not data.flags.c_contiguous or not data.nbytes:
             return None
         lo = data.__array_interface__["data"][0]
         for slot, buf in enumerate(self._staging):
             start = buf.__array_interface__["data"][0]
             if start <= lo and lo + data.nbytes <= start + buf.nbytes:
-                return slot
+                return slot if self._staging_pinned[slot] else None
         return None
 
     def write_blocks(self, blocks: list[int], data: np.ndarray, group: int = 0) -> None:
@@ -446,22 +480,25 @@ class KVArrays:
         xp = self.backend.xp
         slot = (self._staging_slot_of(data)
                 if self.staging_writes_async and data.dtype == self.kv_dtype else None)
-        for i in range(0, len(idx), step):
-            # the ids first: an upload from pageable memory waits for the work queued before
-            # it, which is then the earlier chunks', not this one's copy
-            ids_dev = self.backend.asarray(idx[i:i + step])
-            if slot is None:
-                chunk = self.backend.asarray(data[i:i + step], dtype=self.kv_dtype)
-            else:
+        queued = False
+        try:
+            for i in range(0, len(idx), step):
+                ids_dev = self.backend.asarray(idx[i:i + step])
+                if slot is None:
+                    # (CuPy copies pageable data into a page-locked buffer of its own first)
+                    chunk = self.backend.asarray(data[i:i + step], dtype=self.kv_dtype)
+                else:
+                    with xp.cuda.Device(self.backend.device_id):
+                        chunk = xp.empty(data[i:i + step].shape, dtype=self.kv_dtype)
+                        chunk.set(data[i:i + step], stream=xp.cuda.get_current_stream())
+                        queued = True
+                arr[:, :, ids_dev] = xp.moveaxis(chunk, 0, 2)
+        finally:
+            if queued:  # (also where a later chunk raised: the copies queued still read it)
                 with xp.cuda.Device(self.backend.device_id):
-                    chunk = xp.empty(data[i:i + step].shape, dtype=self.kv_dtype)
-                    chunk.set(data[i:i + step], stream=xp.cuda.get_current_stream())
-            arr[:, :, ids_dev] = xp.moveaxis(chunk, 0, 2)
-        if slot is not None:
-            with xp.cuda.Device(self.backend.device_id):
-                done = xp.cuda.Event(disable_timing=True)
-                done.record()
-            self._staging_done[slot] = done
+                    done = xp.cuda.Event(disable_timing=True)
+                    done.record()
+                self._staging_done[slot] = done
 
     def _chunk_blocks(self, group: int) -> int:
         """Blocks of `group` per chunk of a bulk move on the GPU (`BULK_CHUNK_BYTES`)."""

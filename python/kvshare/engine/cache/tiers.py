@@ -67,12 +67,14 @@ CHUNK_BLOCKS = 64
 # Disk restores are pipelined: up to this many chunk reads are in flight (on DISK_READERS
 # threads; the store releases the GIL and its lock while reading and verifying) while the
 # engine thread installs the chunk before them, so the device's queue stays busy and the
-# pool writes hide behind the reads. Staging memory: DISK_DEPTH + 1 chunks (RAM restores use
-# the first).
+# pool writes hide behind the reads. Staging memory (the pool's, `KVArrays.staging_buffer`):
+# DISK_DEPTH + 1 chunks, one more on a GPU, whose writes return before the device has read
+# them (RAM restores use the first one, two on a GPU).
 DISK_READERS = 2
 DISK_DEPTH = 2
 # Saves run on a background thread: the engine thread only copies the blocks out of the pool
-# (they may be reused once it moves on), the RAM puts, pins and the disk writer's submit (which
+# (they may be reused once it moves on; on a GPU into device memory, the copy to the host the
+# saver's: `KVArrays.read_blocks_later`), the RAM puts, pins and the disk writer's submit (which
 # copies and checksums the payload) happen off it. Measured on Gemma 270M: a new 2K-token
 # conversation's save held the engine (and every other session's next step) 0.17-0.35 s,
 # ~4x that at 8K. At most this many saves wait; beyond, the engine waits for the oldest.
