@@ -423,24 +423,31 @@ def test_gpu_staged_write_that_fails_midway_still_guards_its_buffer(monkeypatch)
     assert kv._staging_done[0] is not None
 
 
+def pinned_gpu_chain(monkeypatch, n: int = 5):
+    """On the device, with restore chunks of 2 blocks: a pool holding a chain of n blocks,
+    pinned in a RAM tier. (kv, pool, tiers, tokens, keys, block table, the blocks' bytes)."""
+    import kvshare.engine.cache.tiers as T  # noqa: PLC0415
+
+    monkeypatch.setattr(T, "CHUNK_BLOCKS", 2)
+    kv = random_pool(gpu(), "f16")
+    pool = _core.BlockPool(N_BLOCKS, BS)
+    tokens, keys, table = computed_chain(pool, kv, n)
+    saved = kv.read_blocks(table)
+    tiers = TierManager(pool, kv, BS, _core.RamTier(1 << 20), None)
+    tiers.pin_prefix(keys, table, n)
+    tiers.flush()
+    return kv, pool, tiers, tokens, keys, table, saved
+
+
 @pytest.mark.gpu
 def test_gpu_staging_without_page_locked_memory_writes_synchronously(monkeypatch):
     """Where the host refuses page-locked memory the staging is pageable and a restore
     still lands, its writes synchronous (nothing pending)."""
-    import kvshare.engine.cache.tiers as T  # noqa: PLC0415
-
     def refused(nbytes):
         raise RuntimeError("cudaErrorMemoryAllocation: out of memory")
 
     monkeypatch.setattr(sys.modules["cupy"].cuda, "alloc_pinned_memory", refused)
-    monkeypatch.setattr(T, "CHUNK_BLOCKS", 2)
-    kv = random_pool(gpu(), "f16")
-    pool = _core.BlockPool(N_BLOCKS, BS)
-    tokens, keys, table = computed_chain(pool, kv, 5)
-    saved = kv.read_blocks(table)
-    tiers = TierManager(pool, kv, BS, _core.RamTier(1 << 20), None)
-    tiers.pin_prefix(keys, table, 5)
-    tiers.flush()
+    kv, pool, tiers, tokens, keys, table, saved = pinned_gpu_chain(monkeypatch)
     pool.release(table)
     pool.evict_all_cached()
     kv.win_group(0)[...] = 0
@@ -456,16 +463,7 @@ def test_gpu_staging_without_page_locked_memory_writes_synchronously(monkeypatch
 def test_gpu_restore_through_a_ring_of_staging_buffers(monkeypatch):
     """Chunks of 2 blocks: a 5-block restore fills the ring's 2 slots and reuses the first
     (after the device read it), twice over; the pool then holds the saved bytes."""
-    import kvshare.engine.cache.tiers as T  # noqa: PLC0415
-
-    monkeypatch.setattr(T, "CHUNK_BLOCKS", 2)
-    kv = random_pool(gpu(), "f16")
-    pool = _core.BlockPool(N_BLOCKS, BS)
-    tokens, keys, table = computed_chain(pool, kv, 5)
-    saved = kv.read_blocks(table)
-    tiers = TierManager(pool, kv, BS, _core.RamTier(1 << 20), None)
-    tiers.pin_prefix(keys, table, 5)
-    tiers.flush()
+    kv, pool, tiers, tokens, keys, table, saved = pinned_gpu_chain(monkeypatch)
     for _ in range(2):
         pool.release(table)
         pool.evict_all_cached()
