@@ -423,13 +423,13 @@ def test_gpu_staged_write_that_fails_midway_still_guards_its_buffer(monkeypatch)
     assert kv._staging_done[0] is not None
 
 
-def pinned_gpu_chain(monkeypatch, n: int = 5):
-    """On the device, with restore chunks of 2 blocks: a pool holding a chain of n blocks,
-    pinned in a RAM tier. (kv, pool, tiers, tokens, keys, block table, the blocks' bytes)."""
+def pinned_gpu_chain(monkeypatch, n: int = 5, chunk_blocks: int = 2, kv=None):
+    """On the device, with restore chunks of `chunk_blocks`: a pool holding a chain of n
+    blocks, pinned in a RAM tier. (kv, pool, tiers, tokens, keys, block table, their bytes)."""
     import kvshare.engine.cache.tiers as T  # noqa: PLC0415
 
-    monkeypatch.setattr(T, "CHUNK_BLOCKS", 2)
-    kv = random_pool(gpu(), "f16")
+    monkeypatch.setattr(T, "CHUNK_BLOCKS", chunk_blocks)
+    kv = kv if kv is not None else random_pool(gpu(), "f16")
     pool = _core.BlockPool(N_BLOCKS, BS)
     tokens, keys, table = computed_chain(pool, kv, n)
     saved = kv.read_blocks(table)
@@ -456,6 +456,25 @@ def test_gpu_staging_without_page_locked_memory_writes_synchronously(monkeypatch
     if before is not None:
         assert pending_copies() == before
     assert not any(kv._staging_pinned) and all(d is None for d in kv._staging_done)
+    np.testing.assert_array_equal(bits(kv.read_blocks(table)), bits(saved))
+
+
+@pytest.mark.gpu
+def test_gpu_restore_chunks_stay_within_the_bulk_chunk(monkeypatch):
+    """Page-locked staging holds at most `BULK_CHUNK_BYTES` of blocks a slot (here 3 of
+    them): a 7-block restore goes in chunks of 3, 3 and 1, where pageable staging (the CPU)
+    takes `CHUNK_BLOCKS` at once."""
+    kv = random_pool(gpu(), "f16")
+    monkeypatch.setattr(kv_arrays, "BULK_CHUNK_BYTES", 3 * kv.block_nbytes)
+    assert kv.staging_chunk_blocks(64) == 3 and random_pool().staging_chunk_blocks(64) == 64
+    kv, pool, tiers, tokens, keys, table, saved = pinned_gpu_chain(monkeypatch, 7, 64, kv)
+    pool.release(table)
+    pool.evict_all_cached()
+    kv.win_group(0)[...] = 0
+    moves = Counting(kv, monkeypatch)
+    table = tiers.restore(tokens, keys, 0, ROOT)
+    assert [len(blocks) for _, blocks in moves.calls] == [3, 3, 1]
+    assert kv._staging and all(b.nbytes == 3 * kv.block_nbytes for b in kv._staging)
     np.testing.assert_array_equal(bits(kv.read_blocks(table)), bits(saved))
 
 

@@ -406,6 +406,15 @@ class KVArrays:
         read (a GPU): a ring of them lets the next chunk be filled while this one is copied."""
         return self.backend.is_gpu and STAGING_PINNED
 
+    def staging_chunk_blocks(self, most: int) -> int:
+        """Blocks of group 0 to stage per chunk: `most`, and where staging is page-locked at
+        most `BULK_CHUNK_BYTES` of them, so that the page-locked memory a pool holds is a few
+        of those whatever its block size (a ring of 4 chunks of 64 blocks of a 64-layer model
+        would be about 1 GB)."""
+        if not self.staging_writes_async:
+            return most
+        return max(1, min(most, BULK_CHUNK_BYTES // self.block_nbytes))
+
     def staging_buffer(self, slot: int, nbytes: int) -> np.ndarray:
         """Host buffer `slot` (uint8, at least `nbytes`; reused by later calls) for filling
         with blocks to `write_blocks`: page-locked on a GPU, where a write from it is one

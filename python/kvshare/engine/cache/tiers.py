@@ -191,8 +191,13 @@ class TierManager:
         handed out once the device has read the last chunk written from it), shaped
         `[n, *block_shape]`."""
         nbytes = self.kv.block_nbytes
-        buf = self.kv.staging_buffer(slot, CHUNK_BLOCKS * nbytes)[: n * nbytes]
+        buf = self.kv.staging_buffer(slot, self._chunk_blocks() * nbytes)[: n * nbytes]
         return buf.view(self.kv.kv_dtype).reshape(n, *self.kv.block_shape)
+
+    def _chunk_blocks(self) -> int:
+        """Blocks per restore chunk: `CHUNK_BLOCKS`, fewer where the pool's staging is
+        page-locked (`KVArrays.staging_chunk_blocks`)."""
+        return self.kv.staging_chunk_blocks(CHUNK_BLOCKS)
 
     def _restore_chunks(self, read, tokens, keys, start, n, root, counters,
                         depth: int = 0, split=None) -> list[int]:
@@ -203,8 +208,9 @@ class TierManager:
         first short or corrupt read or a full pool; reads still in flight then are waited for
         and dropped. A read that fails in any way (corrupt, unreadable: the store has removed
         the entry) ends the restore there: the rest is recomputed."""
-        starts = list(range(start, start + n, CHUNK_BLOCKS))
-        chunks = [keys[c0:min(c0 + CHUNK_BLOCKS, start + n)] for c0 in starts]
+        size = self._chunk_blocks()
+        starts = list(range(start, start + n, size))
+        chunks = [keys[c0:min(c0 + size, start + n)] for c0 in starts]
         ahead: dict[int, tuple[np.ndarray, Future]] = {}
         # where a chunk's install returns before the device has read its staging (a GPU), one
         # more slot: the next chunk is read while this one is copied
