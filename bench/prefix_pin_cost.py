@@ -113,9 +113,7 @@ def main() -> None:
         for mode in modes:
             kv_arrays.LATER_READ_MAX_BYTES = later_max if mode == "async" else 0
             kv_arrays.STAGING_PINNED = mode == "async"
-            kv.backend.synchronize()
-            kv._staging.clear()  # (the staging of the other mode)
-            kv._staging_done.clear()
+            kv.release_staging()  # (the other mode's)
             runs = [run(kv, n) for _ in range(args.repeats)]
             med = [statistics.median(r[i] for r in runs) * 1e3 for i in range(4)]
             mb = n * kv.block_nbytes / 1e6

@@ -412,15 +412,13 @@ float16, float32, int32, int64 = np.float16, np.float32, np.int32, np.int64
 # ---- cuda ----
 cuda = types.ModuleType("fakecupy.cuda")
 runtime = types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1,
-                                memGetInfo=lambda: (MEM_FREE[0], 141 << 30),
+                                memGetInfo=lambda: (120 << 30, 141 << 30),
                                 deviceGetAttribute=lambda code, dev: {16: 132, 97: 232448,
                                                                       75: 9, 76: 0}[code])
 cuda.runtime = runtime
-MEM_FREE = [120 << 30]   # what memGetInfo reports free (a test may lower it)
 class _MemoryPool:
     """cupy.get_default_memory_pool(): nothing held free (NumPy allocates directly)."""
     def free_bytes(self): return 0
-    def used_bytes(self): return 0
 _POOL = _MemoryPool()
 def get_default_memory_pool(): return _POOL
 class Device:

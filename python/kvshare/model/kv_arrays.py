@@ -319,11 +319,11 @@ class KVArrays:
         on a non-blocking stream of its own (the device's copy engine, beside the steps the
         engine launches meanwhile) and frees it. The engine thread then spends a gather's
         launch on a prefix entry instead of its synchronous copies (~690 MB for a 6K-token
-        prefix of a Qwen3-1.7B-shaped f16 model). On the CPU, past `LATER_READ_MAX_BYTES` of
-        device copies held, or where the device cannot allocate the copy, the blocks are read
-        now (`read_blocks`) and the function returns them; so too where the copy would take
-        more than half of what the device can still allocate (the steps' own allocations
-        come first)."""
+        prefix of a Qwen3-1.7B-shaped f16 model). On the CPU the blocks are read now
+        (`read_blocks`) and the function returns them; so too on the GPU past
+        `LATER_READ_MAX_BYTES` of device copies held, where the copy would take more than half
+        of what the device can still allocate (the steps' own allocations come first), or
+        where the device cannot allocate it."""
         ids = np.array([self._check(b, group) for b in blocks], dtype=np.intp)
         nbytes = len(ids) * (self.win_block_nbytes if group == 1 else self.block_nbytes)
         backend = self.backend
@@ -425,11 +425,18 @@ class KVArrays:
             self._staging.append(np.empty(0, np.uint8))
             self._staging_done.append(None)
             self._staging_pinned.append(False)
-        if self._staging[slot].nbytes < nbytes:
-            self._wait_staging(slot)
-            self._staging[slot], self._staging_pinned[slot] = self._new_staging(nbytes)
         self._wait_staging(slot)
+        if self._staging[slot].nbytes < nbytes:
+            self._staging[slot], self._staging_pinned[slot] = self._new_staging(nbytes)
         return self._staging[slot]
+
+    def release_staging(self) -> None:
+        """Wait for the writes from the staging buffers, then drop the buffers (the next
+        `staging_buffer` makes new ones, as `STAGING_PINNED` then says)."""
+        for slot in range(len(self._staging)):
+            self._wait_staging(slot)
+        for kept in (self._staging, self._staging_done, self._staging_pinned):
+            kept.clear()
 
     def _new_staging(self, nbytes: int) -> tuple[np.ndarray, bool]:
         """A staging buffer of `nbytes`, and whether it is page-locked: on a GPU unless the
