@@ -27,9 +27,11 @@
 #                  and tests/test_server_gpu.py (kvshare serve --device cuda over HTTP); the
 #                  three at once, the first two in 4 processes each (pytest-xdist) where
 #                  the image has it.
-#   MOE_ONLY=1     the grouped MoE kernels' tests and bench/moe_gpu_bench.py (MoE row), then
-#                  a random gpt-oss-20b (scripts/make_random_gguf.py --arch gpt-oss, ~11 GiB
-#                  written here) decoding at 1 and 8 sequences, graphs on and off (its row).
+#   MOE_ONLY=1     the grouped MoE kernels' and the hybrids' tests, then a random gpt-oss-20b
+#                  (scripts/make_random_gguf.py --arch gpt-oss, ~11 GiB written here)
+#                  decoding at 1 and 8 sequences, graphs on and off (its row),
+#                  bench/moe_gpu_bench.py (MoE row) and a delta-net layer's prompt chunk
+#                  (bench/hybrid_prefill_gpu_host_cost.py --device cuda: [hybrid prefill]).
 #   GRAPHS_ONLY=1  the CUDA-graph tests, the Q2_K block tests and tests/test_kernels_sass.py,
 #                  then decode ms/step at batch 1/4/8 with graphs on and off.
 #   EXTRAS_ONLY=1  the NVRTC compile test with the device's CuPy (compile row), the
@@ -394,6 +396,12 @@ moe_steps() {
     if [ "$CPU" != 1 ]; then  # (a GPU-only bench: not in the CPU dry run)
         step moe_gpu_bench 90 $PY bench/moe_gpu_bench.py --out "$WORK/moe_gpu_bench.json" || RC=1
         grep -E 'model:|moe step' "$WORK/moe_gpu_bench.log" | tee -a "$OUT/summary.txt"
+        # a hybrid's recurrent layer on a prompt chunk (Qwen3-Next's delta-net heads): the
+        # chunkwise array code against the scan and conv sequence kernels
+        step hybrid_prefill 60 $PY bench/hybrid_prefill_gpu_host_cost.py --device cuda \
+            --out "$WORK/hybrid_prefill.json" || RC=1
+        grep -E '^(heads|\| [0-9])' "$WORK/hybrid_prefill.log" | sed 's/^/[hybrid prefill] /' |
+            tee -a "$OUT/summary.txt"
     fi
 }
 

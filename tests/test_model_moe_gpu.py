@@ -528,7 +528,7 @@ def test_gpt_oss_steps_as_cuda_graphs_equal_eager(mode, monkeypatch):
 
 @pytest.mark.parametrize("name", ("tiny-lfm2", "tiny-lfm2moe", "tiny-qwen35", "tiny-qwen35moe"))
 def test_hybrid_decode_steps_as_cuda_graphs_equal_eager(name):
-    """A hybrid's decode steps as CUDA graphs (its recurrent layers' `decode_step` on the
+    """A hybrid's decode steps as CUDA graphs (its recurrent layers' `gpu_step` on the
     cache's states by the slots in the step's input buffer: lfm2's short conv, qwen35's
     delta net; qwen35's gated attention through `decode_attention_step`; the experts routed
     on the device, qwen35moe's shared expert and its gate from the workspace): three sequences prefilled eagerly (steps with a prompt chunk stay

@@ -3,7 +3,7 @@
 (`kvshare.model.hybrid`'s `sigmoid`, `silu`, `softplus`, `l2_norm_heads`) within float32
 rounding: strided views of a fused projection, large |a| (both softplus branches and the
 x > 20 cut), heads whose norm is below eps, head sizes below and above a warp's 32 lanes;
-their argument checks; and `GatedDeltaNetLayer.decode_step` (the GPU decode step of
+their argument checks; and `GatedDeltaNetLayer.gpu_step` (the GPU decode step of
 tiny-qwen35's delta-net layers) allocating nothing outside the step's workspace: captured
 as a CUDA graph with device slots (a padding row among them) under the CPU emulator, whose
 capture refuses any allocation, host value or device read, its replay gives the eager
@@ -200,7 +200,7 @@ def test_mul_silu_checks(cp):
 # --- qwen35's decode step: captured, it allocates nothing outside the workspace ------------
 
 def test_qwen35_decode_step_is_capturable(cp):
-    """A delta-net layer's `decode_step` under a stream capture (emulator: any allocation
+    """A delta-net layer's `gpu_step` under a stream capture (emulator: any allocation
     outside the workspace, host array or device read raises `CaptureError`) with device
     slots (a padding row among them): nothing runs at capture, and the replay gives the
     eager step's x and states (conv and SSM, every slot and layer) bit for bit."""
@@ -226,7 +226,7 @@ def test_qwen35_decode_step_is_capturable(cp):
 
     def step(x):
         for L in layers:
-            x = L.decode_step(x, slots, cache)
+            x = L.gpu_step(x, slots, cache)
         return x
 
     ws = rt.Workspace()

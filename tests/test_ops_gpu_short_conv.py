@@ -6,7 +6,9 @@ NumPy's order), the other slots and the other layers of the state array untouche
 padding rows (slot < 0) giving zeros and touching nothing; K = 2, 3, 4, C not a multiple of a
 CTA's threads, strided inputs (a view of a fused projection), device and host slots, and
 lfm2's and qwen35's decode on the GPU taking it on `cache.states[CONV]` with no gather or
-scatter of that state. Marked `gpu`: skipped without a CUDA device; runs on the CPU emulator
+scatter of that state. The conv over a step's sequences of rows (`causal_conv1d_seq_slots`:
+prompt chunks beside decode rows) against NumPy's `conv_impl` on each sequence, bit for bit
+(outputs and states). Marked `gpu`: skipped without a CUDA device; runs on the CPU emulator
 (tests/gpu_emu).
 """
 
@@ -159,6 +161,99 @@ def test_step_slots_checks():
     assert np.array_equal(bits(before), bits(cp.asnumpy(st)))  # the refused calls touched nothing
 
 
+# --- over sequences of rows (causal_conv1d_seq_slots): a step with prompt chunks ---------------
+
+def run_seq_case(spans: list[tuple[int, int]], C: int, K: int, *, seed: int, n_rec: int = 2,
+                 rec: int = 1, strided: bool = False) -> None:
+    """`spans`: (rows, slot) per sequence, in row order. The reference: NumPy's
+    `conv_impl` on each sequence's rows and its slot's state (CPU prefill's op)."""
+    import cupy as cp
+
+    from kvshare.ops.short_conv_xp import conv_impl
+
+    rng = np.random.default_rng(seed)
+    B = sum(n for n, _ in spans)
+    n_slots = max([sl for _, sl in spans] + [0]) + 2
+    x = rng.standard_normal((B, C)).astype(np.float32)
+    w = rng.standard_normal((C, K)).astype(np.float32)
+    states = rng.standard_normal((n_slots, n_rec, K - 1, C)).astype(np.float32)
+    want, o_ref = states.copy(), np.zeros((B, C), np.float32)
+    rows, r = [], 0
+    for n, sl in spans:
+        rows.append((r, r + n, sl))
+        if sl >= 0 and n:
+            st = want[sl, rec].copy()
+            o_ref[r : r + n] = conv_impl(np, x[r : r + n], w, st)
+            want[sl, rec] = st
+        r += n
+    d_states = cp.asarray(states)
+    if strided:
+        fused = cp.asarray(np.concatenate([np.ones((B, 3), np.float32), x], axis=1))
+        dx = fused[:, 3:]
+    else:
+        dx = cp.asarray(x)
+    o = cp.asnumpy(gpu_hybrid.causal_conv1d_seq_slots(
+        dx, cp.asarray(w), d_states, gpu_hybrid.seq_rows(rows, B, n_slots), rec))
+    assert np.array_equal(bits(o), bits(o_ref)), "outputs differ from NumPy's conv"
+    assert np.array_equal(bits(cp.asnumpy(d_states)), bits(want)), \
+        "states differ from NumPy's (or a state of another slot or layer changed)"
+
+
+@pytest.mark.parametrize("K", [2, 3, 4])
+def test_seq_slots_match_numpy(K):
+    """Sequences of 1 row (a decode row), fewer rows than the state holds (K - 1), exactly
+    K - 1, longer; a padding sequence; an empty one; out of slot order."""
+    run_seq_case([(1, 2), (2, 0), (K - 1, 5), (9, 1), (3, -1), (0, 3), (17, 4)], C=37, K=K,
+                 seed=K)
+
+
+def test_seq_slots_strided_and_wide():
+    run_seq_case([(5, 1), (1, 0)], C=300, K=4, seed=9, strided=True)
+
+
+def test_seq_one_row_sequences_equal_the_step_kernel():
+    """A step of decode rows through the sequence kernels is the decode kernel's, bit for
+    bit (outputs and states)."""
+    import cupy as cp
+
+    rng = np.random.default_rng(4)
+    C, K = 40, 4
+    x = cp.asarray(rng.standard_normal((3, C)).astype(np.float32))
+    w = cp.asarray(rng.standard_normal((C, K)).astype(np.float32))
+    st = rng.standard_normal((4, 1, K - 1, C)).astype(np.float32)
+    a, b = cp.asarray(st), cp.asarray(st)
+    o1 = gpu_hybrid.causal_conv1d_step_slots(x, w, a, [2, 0, 3], 0)
+    o2 = gpu_hybrid.causal_conv1d_seq_slots(
+        x, w, b, gpu_hybrid.seq_rows([(0, 1, 2), (1, 2, 0), (2, 3, 3)], 3, 4), 0)
+    assert np.array_equal(bits(cp.asnumpy(o1)), bits(cp.asnumpy(o2)))
+    assert np.array_equal(bits(cp.asnumpy(a)), bits(cp.asnumpy(b)))
+
+
+def test_seq_rows_checks():
+    import cupy as cp
+
+    with pytest.raises(ValueError, match="overlap"):
+        gpu_hybrid.seq_rows([(0, 3, 0), (2, 4, 1)], 4, 2)
+    with pytest.raises(ValueError, match="in no sequence"):
+        gpu_hybrid.seq_rows([(0, 2, 0), (3, 4, 1)], 4, 2)
+    with pytest.raises(ValueError, match="outside"):
+        gpu_hybrid.seq_rows([(0, 5, 0)], 4, 2)
+    with pytest.raises(IndexError):
+        gpu_hybrid.seq_rows([(0, 4, 2)], 4, 2)
+    with pytest.raises(ValueError, match="distinct"):
+        gpu_hybrid.seq_rows([(0, 2, 1), (2, 4, 1)], 4, 2)
+    rows = gpu_hybrid.seq_rows([(0, 2, 1), (2, 4, -1)], 4, 2)  # two padding slots are fine
+    assert rows.n_seq == 2 and rows.n_rows == 4
+    assert cp.asnumpy(rows.row_seq).tolist() == [0, 0, 1, 1]
+    x = cp.zeros((4, 8), np.float32)
+    w = cp.zeros((8, 3), np.float32)
+    st = cp.zeros((2, 1, 2, 8), np.float32)
+    with pytest.raises(ValueError):  # rows of another step
+        gpu_hybrid.causal_conv1d_seq_slots(x[:3], w, st, rows, 0)
+    with pytest.raises(IndexError):
+        gpu_hybrid.causal_conv1d_seq_slots(x, w, st, rows, 1)
+
+
 # --- lfm2's and qwen35's decode on the GPU -----------------------------------------------------
 
 def _old_step_slots(x, weight, states_all, slots, rec_index, *, out=None):
@@ -206,9 +301,10 @@ def _run(m):
 
 @pytest.mark.parametrize("name,module", [("tiny-lfm2", "lfm2"), ("tiny-qwen35", "qwen35")])
 def test_model_gpu_decode_conv_states_in_place(monkeypatch, name, module):
-    """On the GPU every decode row's conv step is the slots kernel on `cache.states[CONV]`
-    (never gathered), and the logits and states match the former gather / CuPy step /
-    scatter path (the same conv bits; the rest within the GPU path's float32 reordering)."""
+    """On the GPU every decode step's conv is the slots kernel on `cache.states[CONV]`,
+    every step with a prompt chunk the sequence kernels (never gathered), and the logits and
+    states match the former gather / CuPy step / scatter path of the decode steps (the same
+    conv bits; the rest within the GPU path's float32 reordering)."""
     import importlib
 
     from kvshare.model.loader import load_model
@@ -217,26 +313,36 @@ def test_model_gpu_decode_conv_states_in_place(monkeypatch, name, module):
     m = load_model(MODELS / f"{name}.gguf", "cuda")
     m.cuda_graphs = False  # the eager steps' calls (a graph's are recorded once, at capture)
     n_rec = m.config.n_recurrent_layers
-    calls, gathered = [], []
+    calls, gathered, seq_calls = [], [], []
     real_step, real_gather = gpu_hybrid.causal_conv1d_step_slots, mod.gather_states
+    real_seq = gpu_hybrid.causal_conv1d_seq_slots
 
     def recording(x, weight, states_all, slots, rec_index, **kw):
         calls.append((list(slots), rec_index, kw.get("out") is not None))
         return real_step(x, weight, states_all, slots, rec_index, **kw)
+
+    def recording_seq(x, weight, states_all, rows, rec_index, **kw):
+        spans = list(zip(*(rows.row0.get().tolist(), rows.count.get().tolist(),
+                           rows.slots.get().tolist())))
+        seq_calls.append(spans)
+        return real_seq(x, weight, states_all, rows, rec_index, **kw)
 
     def gather(arr, slots, rec_index, xp):
         gathered.append(arr)
         return real_gather(arr, slots, rec_index, xp)
 
     monkeypatch.setattr(gpu_hybrid, "causal_conv1d_step_slots", recording)
+    monkeypatch.setattr(gpu_hybrid, "causal_conv1d_seq_slots", recording_seq)
     monkeypatch.setattr(mod, "gather_states", gather)
     new_logits, new_states = _run(m)
-    conv = mod.CONV
-    assert all(a.shape[2:] != new_states[conv].shape[2:] for a in gathered), \
-        "the conv states were gathered"
-    assert [c[0] for c in calls] == ([[3, 1, 0]] * n_rec + [[1, 3]] * n_rec + [[0]] * n_rec)
-    assert [c[2] for c in calls] == [True] * n_rec + [False] * n_rec + [True] * n_rec
+    assert not gathered, "the states were gathered"
+    # decode steps take the decode kernel; the prompts and the step with a prompt chunk
+    # beside two decode rows the sequence kernels, every chunk one sequence on its slot
+    assert [c[0] for c in calls] == [[3, 1, 0]] * n_rec + [[0]] * n_rec
+    assert all(c[2] for c in calls)
     assert sorted({c[1] for c in calls}) == list(range(n_rec))
+    assert seq_calls == ([[(0, 9, 3)]] * n_rec + [[(0, 5, 1)]] * n_rec + [[(0, 7, 0)]] * n_rec
+                         + [[(0, 1, 1), (1, 6, 2), (7, 1, 3)]] * n_rec)
 
     monkeypatch.setattr(gpu_hybrid, "causal_conv1d_step_slots", _old_step_slots)
     old_logits, old_states = _run(m)

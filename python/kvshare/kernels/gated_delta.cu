@@ -145,3 +145,142 @@ extern "C" __global__ void __launch_bounds__(128) gated_delta_step_f32(
         gd_step<false>(qr, kr, S, st_k, j, col_ok, i0, n_rows, eg, vj, bt, scale, orow, part,
                        lane, wid);
 }
+
+// The gated delta rule over whole sequences of rows (kvshare.ops.gpu_hybrid.gated_delta_seq_slots):
+// a step's prompt chunks and decode rows in one launch, each sequence's rows in order on its
+// state at its slot, read once and written once (a decode row is a sequence of one row). As
+// llama.cpp's gated_delta_net_cuda, a sequential scan with the state in registers: the
+// chunkwise form's triangular solves and small GEMMs cost a few hundred launches a layer and
+// chunk, where a token of the scan costs two barriers. Per token, the arithmetic of
+// gated_delta_step_f32 above in its order, so a sequence's outputs and final state are those
+// of its rows sent one decode step at a time, bit for bit.
+//
+// Layouts as gated_delta_step_f32's, with rows r of q, k, v, g, beta, o, and per sequence s:
+//   seq_row0 int32 [n_seq]  its first row; its rows are seq_row0[s] .. + seq_len[s] - 1
+//   seq_len  int32 [n_seq]  its row count (0: nothing)
+//   slots    int32 [n_seq]  its state slot; < 0: a padding sequence, whose rows get zeros and
+//                           whose slot is never read or written. Distinct where >= 0.
+//
+// Grid: (n_seq * H, ceil(Dv / GD_COLS)); the CTA's warps and lanes as gated_delta_step_f32's.
+// The rows' q and k (the value head's key head), v (the CTA's columns), exp(g) and beta go
+// through shared memory a tile of `tile` tokens at a time (coalesced loads; the per-token
+// reads are shared-memory broadcasts). tile * Dk <= GD_QK_TILE (the host picks it).
+
+#define GD_TILE 16
+#define GD_QK_TILE 2048
+
+extern "C" __global__ void __launch_bounds__(128) gated_delta_seq_f32(
+    const float* __restrict__ q, i64 q_sb, i64 q_sh,
+    const float* __restrict__ k, i64 k_sb, i64 k_sh,
+    const float* __restrict__ v, i64 v_sb, i64 v_sh,
+    const float* __restrict__ g, i64 g_sb, i64 g_sh,
+    const float* __restrict__ beta, i64 b_sb, i64 b_sh,
+    float* states, i64 st_slot, i64 st_h, i64 st_k,
+    const int* __restrict__ seq_row0, const int* __restrict__ seq_len,
+    const int* __restrict__ slots, int H, int Hk, int Dk, int Dv, float scale, int tile,
+    float* __restrict__ o, i64 o_sb, i64 o_sh)
+{
+    __shared__ float part[2][GD_WARPS][GD_COLS];
+    __shared__ float qs[GD_QK_TILE];
+    __shared__ float ks[GD_QK_TILE];
+    __shared__ float vs[GD_TILE][GD_COLS];
+    __shared__ float egs[GD_TILE];
+    __shared__ float bts[GD_TILE];
+    const int lane = threadIdx.x & (KVS_WARP - 1);
+    const int wid = threadIdx.x >> 5;
+    const int s = blockIdx.x / H, h = blockIdx.x - (blockIdx.x / H) * H;
+    const int j0 = blockIdx.y * GD_COLS;
+    const int j = j0 + lane;
+    const bool col_ok = j < Dv;
+    const int row0 = seq_row0[s], n = seq_len[s], slot = slots[s];
+    if (n <= 0) return;
+    if (slot < 0) {  // a padding sequence
+        if (wid == 0 && col_ok)
+            for (int t = 0; t < n; ++t) o[(i64)(row0 + t) * o_sb + (i64)h * o_sh + j] = 0.f;
+        return;
+    }
+    const int kh = h % Hk;
+    float* S = states + (i64)slot * st_slot + (i64)h * st_h;
+    const int R = (Dk + GD_WARPS - 1) / GD_WARPS;
+    const int i0 = min(Dk, wid * R);
+    const int n_rows = min(Dk, i0 + R) - i0;
+    const bool reg = R <= GD_REG;
+    float sr[GD_REG];  // the thread's rows of its column, across all tokens (when reg)
+    if (reg && col_ok) {
+#pragma unroll
+        for (int r = 0; r < GD_REG; ++r)
+            if (r < n_rows) sr[r] = S[(i64)(i0 + r) * st_k + j];
+    }
+    for (int t0 = 0; t0 < n; t0 += tile) {
+        const int tn = min(tile, n - t0);
+        // (every read of the previous tile came before its last token's second barrier,
+        // which every thread has passed: the tile may be overwritten)
+        for (int idx = threadIdx.x; idx < tn * Dk; idx += blockDim.x) {
+            const int t = idx / Dk, i = idx - (idx / Dk) * Dk;
+            const i64 row = row0 + t0 + t;
+            qs[idx] = q[row * q_sb + (i64)kh * q_sh + i];
+            ks[idx] = k[row * k_sb + (i64)kh * k_sh + i];
+        }
+        for (int idx = threadIdx.x; idx < tn * GD_COLS; idx += blockDim.x) {
+            const int t = idx / GD_COLS, c = idx - (idx / GD_COLS) * GD_COLS;
+            const i64 row = row0 + t0 + t;
+            vs[t][c] = (j0 + c < Dv) ? v[row * v_sb + (i64)h * v_sh + j0 + c] : 0.f;
+        }
+        if (threadIdx.x < tn) {
+            const i64 row = row0 + t0 + threadIdx.x;
+            egs[threadIdx.x] = expf(g[row * g_sb + (i64)h * g_sh]);
+            bts[threadIdx.x] = beta[row * b_sb + (i64)h * b_sh];
+        }
+        __syncthreads();
+        for (int t = 0; t < tn; ++t) {
+            const float* qr = qs + t * Dk;
+            const float* kr = ks + t * Dk;
+            const float eg = egs[t], bt = bts[t], vj = vs[t][lane];
+            float* orow = o + (i64)(row0 + t0 + t) * o_sb + (i64)h * o_sh;
+            if (!reg) {  // S in global memory, as gated_delta_step_f32 without registers
+                gd_step<false>(qr, kr, S, st_k, j, col_ok, i0, n_rows, eg, vj, bt, scale, orow,
+                               part, lane, wid);
+                continue;
+            }
+            float acc = 0.f;
+            if (col_ok) {
+#pragma unroll
+                for (int r = 0; r < GD_REG; ++r) {
+                    if (r < n_rows) {
+                        sr[r] = sr[r] * eg;
+                        acc += kr[i0 + r] * sr[r];
+                    }
+                }
+            }
+            part[0][wid][lane] = acc;
+            __syncthreads();
+            float kv = part[0][0][lane];
+#pragma unroll
+            for (int w = 1; w < GD_WARPS; ++w) kv += part[0][w][lane];
+            const float delta = (vj - kv) * bt;
+            acc = 0.f;
+            if (col_ok) {
+#pragma unroll
+                for (int r = 0; r < GD_REG; ++r) {
+                    if (r < n_rows) {
+                        sr[r] = __fadd_rn(sr[r], __fmul_rn(kr[i0 + r], delta));
+                        acc += qr[i0 + r] * sr[r];
+                    }
+                }
+            }
+            part[1][wid][lane] = acc;
+            __syncthreads();
+            if (wid == 0 && col_ok) {
+                float ov = part[1][0][lane];
+#pragma unroll
+                for (int w = 1; w < GD_WARPS; ++w) ov += part[1][w][lane];
+                orow[j] = ov * scale;
+            }
+        }
+    }
+    if (reg && col_ok) {
+#pragma unroll
+        for (int r = 0; r < GD_REG; ++r)
+            if (r < n_rows) S[(i64)(i0 + r) * st_k + j] = sr[r];
+    }
+}

@@ -1,6 +1,6 @@
 // The element-wise parts of qwen35's gated delta net decode step
 // (kvshare.ops.gpu_hybrid.gdn_gates / silu_l2norm_qk / mul_silu; model/qwen35.py
-// GatedDeltaNetLayer.decode_step), each one launch that takes no host values but sizes and
+// GatedDeltaNetLayer.gpu_step), each one launch that takes no host values but sizes and
 // strides and writes only its outputs, so a CUDA graph of the step holds them as they are.
 // The formulas of kvshare.model.hybrid's NumPy helpers, in float32:
 //

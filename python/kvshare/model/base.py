@@ -179,6 +179,9 @@ class BatchPlan:
     win_slots: np.ndarray | None = None
     fused: bool = False  # the attention layers take `model.fused` (CPU decode steps)
     max_seq_rows: int = 0  # most rows of one sequence in the step
+    # a hybrid's GPU step with a prompt chunk: its rows as sequences for the recurrent
+    # layers' sequence kernels (`hybrid.plan_seq_rows`, made by the first layer)
+    seq_rows: Any = None
 
     def group(self, g: int) -> tuple[np.ndarray, np.ndarray]:
         """(block tables, KV slots) of layer group `g` (KVArrays.group_of)."""

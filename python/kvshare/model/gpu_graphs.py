@@ -59,7 +59,7 @@ How (`StepGraphs`):
 A hybrid model (recurrent layers beside attention ones: `HybridModel.step_graphs_apply`)
 has its decode steps captured (every chunk one token, every row's logits wanted); a step
 with a prompt chunk stays eager (its layers run the chunked recurrences). A recurrent layer's
-part of the step is its `decode_step` (the same code its eager decode step runs), on the
+part of the step is its `gpu_step` (the same code its eager decode step runs), on the
 recurrent states at each row's slot: one more input, `state_slots` (-1 for a padding row,
 which reads and writes no state). A hybrid's own attention layer takes the model's
 `decode_attention_step` (qwen35's gated attention), given the step's static attention. lfm2,
@@ -69,7 +69,7 @@ Where graphs do not apply the step stays eager: more than `MAX_TOKENS` tokens or
 `MAX_LOGIT_ROWS` logit rows, a block table longer than `width`, a step whose attention needs
 more splits than its shape's grid has, models with a layer that is not graph-ready
 (`DecoderModel._layer_graph_ready`: MoE layers that route on the host or have a shared
-expert, `MoeFFN.graph_ready`; recurrent layers without a graph-ready `decode_step`), and
+expert, `MoeFFN.graph_ready`; recurrent layers without a graph-ready `gpu_step`), and
 architectures that override the layer methods (a model's own rope tables, `_rope_tables`,
 are computed on the device: gpt-oss's YaRN tables).
 `KVSHARE_CUDA_GRAPHS=0` (`kvshare serve --no-cuda-graphs`), or `model.cuda_graphs = False`,
@@ -578,7 +578,7 @@ class StepGraphs:
             for il, L in enumerate(model.layers):
                 last = il == n_layers - 1
                 if L.kind != ATTENTION:  # a hybrid's recurrent layer (decode steps only)
-                    L.decode_step(x, d["state_slots"], cache)
+                    L.gpu_step(x, d["state_slots"], cache)
                 elif attention_step is not None:
                     # a hybrid's own attention layer (qwen35's gated one; decode steps, no
                     # rows gathered): its step with the graph's static attention

@@ -13,10 +13,13 @@ zeroes its slot first. Any other chunk continues from what its slot holds, so re
 position p after `write_state(slot, snapshot_at_p)` (with the KV of positions < p in the
 chunk's blocks) is exactly a cold run from p.
 
-Batch split. Within a recurrent layer, decode tokens (chunks of one token) of all sequences
-are advanced together (states gathered from their slots, stepped, written back); each prefill
-chunk runs the chunked (vectorised) form of its layer's recurrence on its own slot's state in
-place.
+Batch split. On the CPU, within a recurrent layer, decode tokens (chunks of one token) of
+all sequences are advanced together (states gathered from their slots, stepped, written
+back); each prefill chunk runs the chunked (vectorised) form of its layer's recurrence on its
+own slot's state in place. On a GPU a layer's step is one kernel per recurrence over the
+cache's states at the chunks' slots: the decode kernels for a step of decode tokens (which a
+CUDA graph captures), the sequence kernels for a step with a prompt chunk (`plan_seq_rows`:
+every chunk's rows in order, as llama.cpp's scan), with no per-chunk loop on the host.
 """
 
 from __future__ import annotations
@@ -136,6 +139,21 @@ def split_batch(plan: BatchPlan) -> tuple[np.ndarray, list[int], list[tuple[int,
         else:
             pre.append((r0, r0 + c.n, int(c.state_slot)))
     return np.asarray(rows, np.int64), slots, pre
+
+
+def plan_seq_rows(plan: BatchPlan, cache: KVArrays) -> Any:
+    """A GPU step's rows as sequences (`gpu_hybrid.SeqRows`: each chunk's rows and state
+    slot, a decode token a sequence of one row), for the recurrent layers' sequence kernels;
+    made and uploaded once per forward call (kept in `plan.seq_rows`)."""
+    if plan.seq_rows is None:
+        from kvshare.ops import gpu_hybrid  # noqa: PLC0415 - GPU path only
+
+        spans = [(int(plan.q_starts[s]), int(plan.q_starts[s]) + c.n,
+                  -1 if c.state_slot is None else int(c.state_slot))  # (forward checked them)
+                 for s, c in enumerate(plan.chunks)]
+        plan.seq_rows = gpu_hybrid.seq_rows(spans, int(plan.q_starts[-1]),
+                                            cache.n_state_slots)
+    return plan.seq_rows
 
 
 def gather_states(arr: Any, slots: list[int], rec_index: int, xp: Any = np

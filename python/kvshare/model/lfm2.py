@@ -16,7 +16,7 @@ grouped-query attention scaled by 1/sqrt(head_dim), `attn_output`), run by
 State per slot (`state_shapes()`): `conv [n_rec, L-1, n_embd]` (the last L-1 values of B*X,
 oldest first).
 
-On a GPU a decode step's short-conv layers run `ShortConvLayer.decode_step` (the conv step
+On a GPU a decode step's short-conv layers run `ShortConvLayer.gpu_step` (the conv step
 one kernel on the cache's states by slot, its arrays from the step's workspace), which a
 CUDA graph of the step captures as it is (`model.gpu_graphs`).
 """
@@ -32,7 +32,7 @@ from kvshare.model.base import BatchPlan, load_attention_layer
 from kvshare.model.kv_arrays import KVArrays
 from kvshare.model.config import ATTENTION, ModelConfig
 from kvshare.model.hybrid import HybridModel, HybridRecurrentLayer, ffn_graph_ready, \
-    gather_states, scatter_states, split_batch
+    gather_states, plan_seq_rows, scatter_states, split_batch
 from kvshare.model.qwen35 import load_embeddings, load_ffn
 from kvshare.ops.linear import linear
 from kvshare.ops.norm import rms_norm
@@ -54,9 +54,11 @@ class ShortConvLayer(HybridRecurrentLayer):
         E = m.config.n_embd
         n = x.shape[0]
         dec_rows, dec_slots, prefill = split_batch(plan)
-        if be.is_gpu and not prefill:
-            # a decode step: the same work a CUDA graph of it replays
-            return self.decode_step(x, dec_slots, cache)
+        if be.is_gpu:
+            # one conv kernel over the chunks' states in place: a decode step's (what a CUDA
+            # graph of it replays) or, with a prompt chunk, the sequence kernels'
+            return self.gpu_step(x, plan_seq_rows(plan, cache) if prefill else dec_slots,
+                                    cache)
         h = rms_norm(x, self.attn_norm, m.config.norm_eps, backend=be)
         bcx = linear(h, self.in_proj, backend=be)  # [n, 3E]: B | C | X
         bx = bcx[:, :E] * bcx[:, 2 * E :]
@@ -65,15 +67,7 @@ class ShortConvLayer(HybridRecurrentLayer):
         for r0, r1, slot in prefill:
             causal_conv1d(bx[r0:r1], self.conv_w, states[slot, self.rec_index], backend=be,
                           out=y[r0:r1])
-        if len(dec_slots) and be.is_gpu:
-            # a mixed batch's decode rows: one kernel on the cache's states at the rows'
-            # slots, shifted in place (kernels/short_conv.cu)
-            from kvshare.ops import gpu_hybrid  # noqa: PLC0415 - GPU path only
-
-            rows = be.asarray(dec_rows)
-            y[rows] = gpu_hybrid.causal_conv1d_step_slots(bx[rows], self.conv_w, states,
-                                                          dec_slots, self.rec_index)
-        elif len(dec_slots):
+        if len(dec_slots):
             st, view = gather_states(states, dec_slots, self.rec_index, xp)
             y[dec_rows] = causal_conv1d_step(bx[dec_rows], self.conv_w, st, backend=be)
             scatter_states(states, dec_slots, self.rec_index, st, view, xp)
@@ -81,11 +75,13 @@ class ShortConvLayer(HybridRecurrentLayer):
         x += linear(y, self.out_proj, backend=be)
         return m.ffn(x, self.ffn_norm, self.w_gate_up, self.w_down)
 
-    def decode_step(self, x: Any, slots: Any, cache: KVArrays) -> Any:
-        """The layer on a GPU decode step's rows x (every row one token; row i's state at
-        `slots[i]`: a host list, or a CUDA graph's device int32 buffer, where a padding row
-        has -1), x updated in place and returned. Its arrays come from the step's workspace
-        (`rt.empty`) and its ops take no host values, so a graph captures it as it is."""
+    def gpu_step(self, x: Any, slots: Any, cache: KVArrays) -> Any:
+        """The layer on a GPU step's rows x, x updated in place and returned. `slots`: for a
+        decode step (every row one token), row i's state slot (a host list, or a CUDA
+        graph's device int32 buffer, where a padding row has -1); for a step with a prompt
+        chunk, its rows as sequences (`gpu_hybrid.SeqRows`: `hybrid.plan_seq_rows`, the
+        conv's sequence kernels). Its arrays come from the step's workspace (`rt.empty`) and
+        its ops take no host values, so a graph captures a decode step as it is."""
         from kvshare.ops import gpu_hybrid  # noqa: PLC0415 - GPU path only
         from kvshare.ops import gpu_runtime as rt  # noqa: PLC0415
 
@@ -99,14 +95,15 @@ class ShortConvLayer(HybridRecurrentLayer):
         bx = rt.empty((n, E), np.float32)
         cp.multiply(bcx[:, :E], bcx[:, 2 * E :], out=bx)
         y = rt.empty((n, E), np.float32)
-        gpu_hybrid.causal_conv1d_step_slots(bx, self.conv_w, cache.states[CONV], slots,
-                                            self.rec_index, out=y)
+        conv = (gpu_hybrid.causal_conv1d_seq_slots if isinstance(slots, gpu_hybrid.SeqRows)
+                else gpu_hybrid.causal_conv1d_step_slots)
+        conv(bx, self.conv_w, cache.states[CONV], slots, self.rec_index, out=y)
         cp.multiply(y, bcx[:, E : 2 * E], out=y)
         x += linear(y, self.out_proj, backend=be)
         return m.ffn(x, self.ffn_norm, self.w_gate_up, self.w_down)
 
     def decode_graph_ready(self) -> bool:
-        """Whether `decode_step` can be captured: on a GPU, with a dense FFN or experts
+        """Whether `gpu_step` can be captured: on a GPU, with a dense FFN or experts
         that are graph-ready (`MoeFFN.graph_ready`)."""
         return self.model.backend.is_gpu and ffn_graph_ready(self.w_gate_up)
 

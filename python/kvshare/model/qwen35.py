@@ -25,7 +25,7 @@ times sigmoid(gate); `attn_output`.
 State per slot (`state_shapes()`): `conv [n_rec, K-1, conv_dim]` (the last K-1 qkv
 projections, oldest first) and `ssm [n_rec, H_v, Dk, Dv]` (the delta-rule matrices).
 
-On a GPU a decode step runs `GatedDeltaNetLayer.decode_step` and `decode_attention_step`
+On a GPU a decode step runs `GatedDeltaNetLayer.gpu_step` and `decode_attention_step`
 (the states updated in place by slot, every array from the step's workspace), which a CUDA
 graph of the step captures as they are (`model.gpu_graphs`; qwen35moe's too: its shared
 expert's gate is formed in the workspace).
@@ -43,8 +43,8 @@ from kvshare.model.base import BatchPlan
 from kvshare.model.kv_arrays import KVArrays
 from kvshare.model.config import ATTENTION, ModelConfig
 from kvshare.model.hybrid import (HybridModel, HybridRecurrentLayer, ffn_graph_ready,
-                                  gather_states, l2_norm_heads, scatter_states, sigmoid, silu,
-                                  softplus, split_batch)
+                                  gather_states, l2_norm_heads, plan_seq_rows, scatter_states,
+                                  sigmoid, silu, softplus, split_batch)
 from kvshare.ops.attention import paged_attention, write_kv
 from kvshare.ops.embedding import embedding  # noqa: F401 - re-exported for symmetry
 from kvshare.ops.gated_delta import gated_delta_chunked, gated_delta_step
@@ -86,6 +86,12 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
     def forward(self, x: Any, plan: BatchPlan, cache: KVArrays) -> Any:
         m = self.model
         cfg, be = m.config, m.backend
+        if be.is_gpu:
+            # one kernel a recurrence over the chunks' states in place: a decode step's (what
+            # a CUDA graph of it replays) or, with a prompt chunk, the sequence kernels
+            dec_rows, dec_slots, prefill = split_batch(plan)
+            return self.gpu_step(x, plan_seq_rows(plan, cache) if prefill else dec_slots,
+                                    cache)
         xp = be.xp
         eps = cfg.norm_eps
         Hk, Hv, Dk, Dv = m.n_k_heads, m.n_v_heads, m.d_k, m.d_v
@@ -93,9 +99,6 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
         kd, vd = Hk * Dk, Hv * Dv
         conv_dim = 2 * kd + vd
         dec_rows, dec_slots, prefill = split_batch(plan)
-        if be.is_gpu and not prefill:
-            # a decode step: the same work a CUDA graph of it replays
-            return self.decode_step(x, dec_slots, cache)
         h = rms_norm(x, self.attn_norm, eps, backend=be)
         proj = linear(h, self.w_in, backend=be)  # [n, conv_dim + vd + 2 Hv]: qkv | z | b | a
         z = proj[:, conv_dim : conv_dim + vd]
@@ -108,17 +111,9 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
         for r0, r1, slot in prefill:
             causal_conv1d(qkv_in[r0:r1], self.conv_w, conv_states[slot, self.rec_index],
                           backend=be, out=qkv[r0:r1])
-        # a mixed batch's decode rows (on the GPU: one kernel on the cache's conv states at
-        # the rows' slots, shifted in place, kernels/short_conv.cu; no gather / scatter)
-        rows = be.asarray(dec_rows) if be.is_gpu and len(dec_slots) else dec_rows
-        if len(dec_slots) and be.is_gpu:
-            from kvshare.ops import gpu_hybrid  # noqa: PLC0415 - GPU path only
-
-            qkv[rows] = gpu_hybrid.causal_conv1d_step_slots(
-                qkv_in[rows], self.conv_w, conv_states, dec_slots, self.rec_index)
-        elif len(dec_slots):
+        if len(dec_slots):
             st, view = gather_states(conv_states, dec_slots, self.rec_index, xp)
-            qkv[rows] = causal_conv1d_step(qkv_in[rows], self.conv_w, st, backend=be)
+            qkv[dec_rows] = causal_conv1d_step(qkv_in[dec_rows], self.conv_w, st, backend=be)
             scatter_states(conv_states, dec_slots, self.rec_index, st, view, xp)
         qkv = silu(qkv, xp)
         q = l2_norm_heads(qkv[:, :kd].reshape(n, Hk, Dk), eps, xp)
@@ -130,16 +125,10 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
             o[r0:r1] = gated_delta_chunked(q[r0:r1], k[r0:r1], v[r0:r1], g[r0:r1],
                                            beta[r0:r1], ssm_states[slot, self.rec_index],
                                            scale=scale, backend=be)
-        if len(dec_slots) and be.is_gpu:
-            # (one kernel on the cache's states at the rows' slots, updated in place:
-            # kernels/gated_delta.cu)
-            o[rows] = gpu_hybrid.gated_delta_step_slots(
-                q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_states, dec_slots,
-                self.rec_index, scale=scale)
-        elif len(dec_slots):
+        if len(dec_slots):
             st, view = gather_states(ssm_states, dec_slots, self.rec_index, xp)
-            o[rows] = gated_delta_step(q[rows], k[rows], v[rows], g[rows], beta[rows], st,
-                                       scale=scale, backend=be)
+            o[dec_rows] = gated_delta_step(q[dec_rows], k[dec_rows], v[dec_rows], g[dec_rows],
+                                           beta[dec_rows], st, scale=scale, backend=be)
             scatter_states(ssm_states, dec_slots, self.rec_index, st, view, xp)
         rms_norm(o, self.ssm_norm, eps, backend=be, out=o)
         o *= silu(z, xp).reshape(n, Hv, Dv)
@@ -147,18 +136,21 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
         return m.ffn(x, self.ffn_norm, self.w_gate_up, self.w_down)
 
     def decode_graph_ready(self) -> bool:
-        """Whether `decode_step` can be captured: on a GPU, with a dense FFN or experts that
+        """Whether `gpu_step` can be captured: on a GPU, with a dense FFN or experts that
         are graph-ready (`MoeFFN.graph_ready`)."""
         return self.model.backend.is_gpu and ffn_graph_ready(self.w_gate_up)
 
-    def decode_step(self, x: Any, slots: Any, cache: KVArrays) -> Any:
-        """The layer on a GPU decode step's rows x (every row one token; row i's state at
-        `slots[i]`: a host list, or a CUDA graph's device int32 buffer, where a padding row
-        has -1), x updated in place and returned. The conv and delta-rule steps are one
-        kernel each on the cache's states at the slots (kernels/short_conv.cu,
-        gated_delta.cu), the gates, silu + q/k l2 norms and the output gate one kernel each
-        (kernels/gdn_decode.cu); its arrays come from the step's workspace (`rt.empty`) and
-        its ops take no host values, so a graph captures it as it is."""
+    def gpu_step(self, x: Any, slots: Any, cache: KVArrays) -> Any:
+        """The layer on a GPU step's rows x, x updated in place and returned. `slots`: for a
+        decode step (every row one token), row i's state slot (a host list, or a CUDA
+        graph's device int32 buffer, where a padding row has -1); for a step with a prompt
+        chunk, its rows as sequences (`gpu_hybrid.SeqRows`: `hybrid.plan_seq_rows`). The
+        conv and delta-rule steps are one kernel each on the cache's states at the slots
+        (kernels/short_conv.cu, gated_delta.cu: the decode kernels, or the sequence
+        kernels, which run each sequence's rows in order), the gates, silu + q/k l2 norms
+        and the output gate one kernel each (kernels/gdn_decode.cu); its arrays come from
+        the step's workspace (`rt.empty`) and its ops take no host values, so a graph
+        captures a decode step as it is."""
         from kvshare.ops import gpu_hybrid  # noqa: PLC0415 - GPU path only
         from kvshare.ops import gpu_runtime as rt  # noqa: PLC0415
 
@@ -174,15 +166,18 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
         beta, g = gpu_hybrid.gdn_gates(proj[:, conv_dim + vd : conv_dim + vd + Hv],
                                        proj[:, conv_dim + vd + Hv :], self.dt_bias, self.ssm_a)
         qkv = rt.empty((n, conv_dim), np.float32)
-        gpu_hybrid.causal_conv1d_step_slots(proj[:, :conv_dim], self.conv_w, cache.states[CONV],
-                                            slots, self.rec_index, out=qkv)
+        seq = isinstance(slots, gpu_hybrid.SeqRows)
+        conv = gpu_hybrid.causal_conv1d_seq_slots if seq else gpu_hybrid.causal_conv1d_step_slots
+        delta = gpu_hybrid.gated_delta_seq_slots if seq else gpu_hybrid.gated_delta_step_slots
+        conv(proj[:, :conv_dim], self.conv_w, cache.states[CONV], slots, self.rec_index,
+             out=qkv)
         gpu_hybrid.silu_l2norm_qk(qkv, Hk, Dk, eps)
         q = qkv[:, :kd].reshape(n, Hk, Dk)
         k = qkv[:, kd : 2 * kd].reshape(n, Hk, Dk)
         v = qkv[:, 2 * kd :].reshape(n, Hv, Dv)
         o = rt.empty((n, Hv, Dv), np.float32)
-        gpu_hybrid.gated_delta_step_slots(q, k, v, g, beta, cache.states[SSM], slots,
-                                          self.rec_index, scale=1.0 / float(np.sqrt(Dk)), out=o)
+        delta(q, k, v, g, beta, cache.states[SSM], slots, self.rec_index,
+              scale=1.0 / float(np.sqrt(Dk)), out=o)
         rms_norm(o, self.ssm_norm, eps, backend=be, out=o)
         o2 = o.reshape(n, vd)
         gpu_hybrid.mul_silu(o2, proj[:, conv_dim : conv_dim + vd])

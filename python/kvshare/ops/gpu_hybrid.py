@@ -14,11 +14,17 @@ decode rows need no gather / scatter of their states (and a padding row, slot < 
 nothing: the step can be a CUDA graph's). `step_impl`'s arithmetic in float32, the sums in a
 fixed order. `causal_conv1d_step_slots` is the conv's decode step likewise
 (kernels/short_conv.cu), `conv_step_impl`'s arithmetic in its order: the same bits.
+
+`gated_delta_seq_slots` and `causal_conv1d_seq_slots` take a step with prompt chunks the same
+way: every chunk of the step (`SeqRows`: each sequence's rows and slot, a decode row a
+sequence of one) in one launch, on the cache's states in place. The models' GPU steps run
+these, not the array-code twins above, whose chunkwise form costs a few hundred CuPy
+operations a layer and chunk.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -27,8 +33,9 @@ from kvshare.ops import gpu_runtime as rt
 from kvshare.ops.gated_delta_xp import CHUNK, chunked_impl, step_impl
 from kvshare.ops.short_conv_xp import conv_impl, conv_step_impl
 
-__all__ = ["causal_conv1d", "causal_conv1d_step", "causal_conv1d_step_slots",
-           "gated_delta_chunked", "gated_delta_step", "gated_delta_step_slots"]
+__all__ = ["SeqRows", "causal_conv1d", "causal_conv1d_seq_slots", "causal_conv1d_step",
+           "causal_conv1d_step_slots", "gated_delta_chunked", "gated_delta_seq_slots",
+           "gated_delta_step", "gated_delta_step_slots", "seq_rows"]
 
 
 def _f32(cp: Any, a: Any) -> Any:
@@ -61,10 +68,56 @@ def gated_delta_step(q: Any, k: Any, v: Any, g: Any, beta: Any, states: Any, *,
 
 # --- the decode step as one kernel, on the cache's states by slot (kernels/gated_delta.cu) ----
 
-GD_ENTRY_POINTS: tuple[str, ...] = ("gated_delta_step_f32",)
+GD_ENTRY_POINTS: tuple[str, ...] = ("gated_delta_step_f32", "gated_delta_seq_f32")
 rt.declare_entry_points("gated_delta", GD_ENTRY_POINTS)
 GD_WARPS = 4  # warps of a CTA, splitting Dk (gated_delta.cu GD_WARPS)
 GD_COLS = 32  # Dv columns of a CTA, a lane each (GD_COLS)
+GD_TILE = 16  # the most tokens of a sequence kernel's shared-memory tile (GD_TILE)
+GD_QK_TILE = 2048  # the tile's q (and k) values: tile * Dk at most (GD_QK_TILE)
+
+
+class SeqRows(NamedTuple):
+    """A step's rows as sequences, for the sequence kernels (`gated_delta_seq_slots`,
+    `causal_conv1d_seq_slots`): sequence s is rows `row0[s] .. row0[s] + count[s] - 1`, its
+    recurrent states at `slots[s]` (< 0: a padding sequence: zeros out, no state touched);
+    `row_seq[r]` is row r's sequence. int32 device arrays (views of one upload)."""
+
+    row0: Any
+    count: Any
+    slots: Any
+    row_seq: Any
+    n_rows: int
+    n_seq: int
+
+
+def seq_rows(spans: Sequence[tuple[int, int, int]], n_rows: int, n_slots: int) -> SeqRows:
+    """`SeqRows` of a step of `n_rows` rows from its host spans `(row0, row1, slot)` (a decode
+    row is `(r, r + 1, slot)`), checked: every row in exactly one span, slots below `n_slots`
+    and distinct where >= 0. One upload (`rt.upload`: cached by content, so every layer of a
+    forward call reuses it)."""
+    n_seq = len(spans)
+    h = np.full(3 * n_seq + int(n_rows), -1, np.int64)
+    owner = h[3 * n_seq :]
+    for s, (r0, r1, slot) in enumerate(spans):
+        r0, r1, slot = int(r0), int(r1), int(slot)
+        if not 0 <= r0 <= r1 <= n_rows:
+            raise ValueError(f"sequence {s}'s rows [{r0}, {r1}) are outside [0, {n_rows})")
+        if (owner[r0:r1] >= 0).any():
+            raise ValueError(f"sequence {s}'s rows [{r0}, {r1}) overlap another's")
+        if slot >= n_slots:
+            raise IndexError(f"state slot {slot} out of range [0, {n_slots})")
+        owner[r0:r1] = s
+        h[s], h[n_seq + s], h[2 * n_seq + s] = r0, r1 - r0, slot
+    if (owner < 0).any():
+        raise ValueError(f"row {int(np.argmax(owner < 0))} is in no sequence")
+    live = h[2 * n_seq : 3 * n_seq]
+    live = live[live >= 0]
+    if np.unique(live).size != live.size:
+        raise ValueError(f"state slots of one step must be distinct, got "
+                         f"{h[2 * n_seq : 3 * n_seq].tolist()}")
+    d = rt.upload(h, np.int32)
+    return SeqRows(d[:n_seq], d[n_seq : 2 * n_seq], d[2 * n_seq : 3 * n_seq],
+                   d[3 * n_seq :], int(n_rows), n_seq)
 
 
 def _rows_f32(cp: Any, a: Any, ndim: int, what: str, unit_last: bool = True) -> Any:
@@ -117,19 +170,11 @@ def _slots_and_out(cp: Any, states_all: Any, rec_index: int, slots: Any, out: An
     return d_slots, _gdn_out(cp, out, shape, "out")
 
 
-def gated_delta_step_slots(q: Any, k: Any, v: Any, g: Any, beta: Any, states_all: Any,
-                           slots: Any, rec_index: int, *, scale: float,
-                           out: Any | None = None) -> Any:
-    """`gated_delta_step` for B rows whose states stay in the cache: row b's state is
-    `states_all[slots[b], rec_index]` (`states_all`: the cache's float32 array of this state
-    kind, `[n_slots, n_rec, H_v, Dk, Dv]`, `KVArrays.states[SSM]`), read and updated in place
-    by one launch (kernels/gated_delta.cu), no gather or scatter. q, k `[B, H_k, Dk]`, v
-    `[B, H_v, Dv]`, g, beta `[B, H_v]` (views with any row and head strides are read as they
-    are). `slots`: a host sequence (checked) or an int32 device array (not checked: what a
-    CUDA graph passes); a slot < 0 is a padding row: its output is zeros, no state is
-    touched. The slots must be distinct. Returns o `[B, H_v, Dv]` (`rt.empty`), or writes it
-    into `out` (float32, that shape, unit last stride) and returns `out`."""
-    cp = cupy_module()
+def _gd_inputs(cp: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, st: Any
+               ) -> tuple[Any, Any, Any, Any, Any]:
+    """The delta-rule kernels' inputs checked (and made float32 device arrays with unit last
+    stride where they are not): q, k `[B, H_k, Dk]`, v `[B, H_v, Dv]`, g, beta `[B, H_v]`, the
+    state array `[n_slots, n_rec, H_v, Dk, Dv]`."""
     q = _rows_f32(cp, q, 3, "q")
     k = _rows_f32(cp, k, 3, "k")
     v = _rows_f32(cp, v, 3, "v")
@@ -144,12 +189,31 @@ def gated_delta_step_slots(q: Any, k: Any, v: Any, g: Any, beta: Any, states_all
         raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be {(B, H)}")
     if Hk == 0 or H % Hk:
         raise ValueError(f"{H} value heads are not a multiple of {Hk} key heads")
-    st = states_all
     if not (isinstance(st, cp.ndarray) and st.dtype == cp.float32 and st.ndim == 5
             and tuple(st.shape[2:]) == (H, Dk, Dv) and (Dv <= 1 or st.strides[-1] == 4)):
         raise ValueError(f"states must be a float32 device array [n_slots, n_rec, {H}, {Dk}, "
                          f"{Dv}] with unit last stride, got "
                          f"{getattr(st, 'dtype', type(st))} {tuple(getattr(st, 'shape', ()))}")
+    return q, k, v, g, beta
+
+
+def gated_delta_step_slots(q: Any, k: Any, v: Any, g: Any, beta: Any, states_all: Any,
+                           slots: Any, rec_index: int, *, scale: float,
+                           out: Any | None = None) -> Any:
+    """`gated_delta_step` for B rows whose states stay in the cache: row b's state is
+    `states_all[slots[b], rec_index]` (`states_all`: the cache's float32 array of this state
+    kind, `[n_slots, n_rec, H_v, Dk, Dv]`, `KVArrays.states[SSM]`), read and updated in place
+    by one launch (kernels/gated_delta.cu), no gather or scatter. q, k `[B, H_k, Dk]`, v
+    `[B, H_v, Dv]`, g, beta `[B, H_v]` (views with any row and head strides are read as they
+    are). `slots`: a host sequence (checked) or an int32 device array (not checked: what a
+    CUDA graph passes); a slot < 0 is a padding row: its output is zeros, no state is
+    touched. The slots must be distinct. Returns o `[B, H_v, Dv]` (`rt.empty`), or writes it
+    into `out` (float32, that shape, unit last stride) and returns `out`."""
+    cp = cupy_module()
+    q, k, v, g, beta = _gd_inputs(cp, q, k, v, g, beta, states_all)
+    B, Hk, Dk = (int(s) for s in q.shape)
+    H, Dv = int(v.shape[1]), int(v.shape[2])
+    st = states_all
     d_slots, out = _slots_and_out(cp, st, rec_index, slots, out, (B, H, Dv))
     if B == 0 or H == 0 or Dv == 0:
         return out
@@ -167,10 +231,67 @@ def gated_delta_step_slots(q: Any, k: Any, v: Any, g: Any, beta: Any, states_all
     return out
 
 
+def gated_delta_seq_slots(q: Any, k: Any, v: Any, g: Any, beta: Any, states_all: Any,
+                          rows: SeqRows, rec_index: int, *, scale: float,
+                          out: Any | None = None) -> Any:
+    """The gated delta rule over a step's sequences of rows (`rows`: `seq_rows`), one launch
+    (kernels/gated_delta.cu `gated_delta_seq_f32`): sequence s's rows run in order on the
+    state `states_all[rows.slots[s], rec_index]`, read once and updated in place; a
+    sequential scan (llama.cpp's design), where `gated_delta_chunked` runs a few hundred
+    array operations a chunk of 64 tokens. Each token's arithmetic is
+    `gated_delta_step_slots`'s: a sequence's outputs and final state are those of its rows
+    sent as decode steps one at a time. Inputs as `gated_delta_step_slots`' with B the step's
+    rows; a row of a padding sequence (slot < 0) gets zeros. Returns o
+    `[B, H_v, Dv]` (`rt.empty`), or writes it into `out`."""
+    cp = cupy_module()
+    q, k, v, g, beta = _gd_inputs(cp, q, k, v, g, beta, states_all)
+    B, Hk, Dk = (int(s) for s in q.shape)
+    H, Dv = int(v.shape[1]), int(v.shape[2])
+    st = states_all
+    if not 0 <= int(rec_index) < int(st.shape[1]):
+        raise IndexError(f"recurrent layer {rec_index} out of range [0, {int(st.shape[1])})")
+    if rows.n_rows != B:
+        raise ValueError(f"{rows.n_rows} rows of sequences for {B} rows")
+    if Dk > GD_QK_TILE:
+        raise NotImplementedError(f"key heads of {Dk} > {GD_QK_TILE} values")
+    out = _gdn_out(cp, out, (B, H, Dv), "out")
+    if B == 0 or H == 0 or Dv == 0:
+        return out
+    tile = max(1, min(GD_TILE, GD_QK_TILE // max(1, Dk)))
+    ss = rt.estrides(st)
+    layer = st[:, int(rec_index)]  # a view: the kernel's base pointer is layer rec_index's
+    qs, ks, vs, gs, bs, os_ = (rt.estrides(a) for a in (q, k, v, g, beta, out))
+    rt.kernel("gated_delta", "gated_delta_seq_f32")(
+        (rows.n_seq * H, -(-Dv // GD_COLS), 1), (32 * GD_WARPS, 1, 1),
+        (q, np.int64(qs[0]), np.int64(qs[1]), k, np.int64(ks[0]), np.int64(ks[1]),
+         v, np.int64(vs[0]), np.int64(vs[1]), g, np.int64(gs[0]), np.int64(gs[1]),
+         beta, np.int64(bs[0]), np.int64(bs[1]),
+         layer, np.int64(ss[0]), np.int64(ss[2]), np.int64(ss[3]),
+         rows.row0, rows.count, rows.slots, np.int32(H), np.int32(Hk), np.int32(Dk),
+         np.int32(Dv), np.float32(scale), np.int32(tile), out, np.int64(os_[0]),
+         np.int64(os_[1])))
+    return out
+
+
 # --- the conv's decode step as one kernel, on the cache's states by slot (kernels/short_conv.cu)
 
-SC_ENTRY_POINTS: tuple[str, ...] = ("causal_conv1d_step_f32",)
+SC_ENTRY_POINTS: tuple[str, ...] = ("causal_conv1d_step_f32", "causal_conv1d_seq_f32",
+                                     "causal_conv1d_seq_state_f32")
 rt.declare_entry_points("short_conv", SC_ENTRY_POINTS)
+
+
+def _conv_states(cp: Any, st: Any, weight: Any, C: int) -> Any:
+    """The conv kernels' state array checked against weight `[C, K]` (K >= 2):
+    `[n_slots, n_rec, K-1, C]`, float32 on the device, unit last stride."""
+    K = int(weight.shape[1])
+    if int(weight.shape[0]) != C or K < 2:
+        raise ValueError(f"weight {tuple(weight.shape)}: expected [{C}, K] with K >= 2")
+    if not (isinstance(st, cp.ndarray) and st.dtype == cp.float32 and st.ndim == 4
+            and tuple(st.shape[2:]) == (K - 1, C) and (C <= 1 or st.strides[-1] == 4)):
+        raise ValueError(f"states must be a float32 device array [n_slots, n_rec, {K - 1}, "
+                         f"{C}] with unit last stride, got "
+                         f"{getattr(st, 'dtype', type(st))} {tuple(getattr(st, 'shape', ()))}")
+    return st
 
 
 def causal_conv1d_step_slots(x: Any, weight: Any, states_all: Any, slots: Any, rec_index: int,
@@ -189,14 +310,7 @@ def causal_conv1d_step_slots(x: Any, weight: Any, states_all: Any, slots: Any, r
     weight = _rows_f32(cp, weight, 2, "weight", unit_last=False)
     B, C = (int(s) for s in x.shape)
     K = int(weight.shape[1])
-    if int(weight.shape[0]) != C or K < 2:
-        raise ValueError(f"weight {tuple(weight.shape)}: expected [{C}, K] with K >= 2")
-    st = states_all
-    if not (isinstance(st, cp.ndarray) and st.dtype == cp.float32 and st.ndim == 4
-            and tuple(st.shape[2:]) == (K - 1, C) and (C <= 1 or st.strides[-1] == 4)):
-        raise ValueError(f"states must be a float32 device array [n_slots, n_rec, {K - 1}, "
-                         f"{C}] with unit last stride, got "
-                         f"{getattr(st, 'dtype', type(st))} {tuple(getattr(st, 'shape', ()))}")
+    st = _conv_states(cp, states_all, weight, C)
     d_slots, out = _slots_and_out(cp, st, rec_index, slots, out, (B, C))
     if B == 0 or C == 0:
         return out
@@ -208,6 +322,44 @@ def causal_conv1d_step_slots(x: Any, weight: Any, states_all: Any, slots: Any, r
         (x, np.int64(xs[0]), weight, np.int64(ws[0]), np.int64(ws[1]),
          layer, np.int64(ss[0]), np.int64(ss[2]), d_slots, np.int32(B), np.int32(C),
          np.int32(K), out, np.int64(os_[0])))
+    return out
+
+
+def causal_conv1d_seq_slots(x: Any, weight: Any, states_all: Any, rows: SeqRows,
+                            rec_index: int, *, out: Any | None = None) -> Any:
+    """`causal_conv1d` over a step's sequences of rows (`rows`: `seq_rows`): sequence s's
+    rows follow the K-1 inputs its conv state `states_all[rows.slots[s], rec_index]` holds,
+    which become its last K-1 inputs, in place. Two launches (kernels/short_conv.cu: the
+    outputs, then the states), `conv_impl`'s arithmetic in its order: the outputs and states
+    of NumPy's op on each sequence, bit for bit. x `[B, C]` (any row stride), weight `[C, K]`
+    (K >= 2), `states_all` `[n_slots, n_rec, K-1, C]`; a row of a padding sequence (slot < 0)
+    gets zeros. Returns `[B, C]` (`rt.empty`), or writes it into `out`."""
+    cp = cupy_module()
+    x = _rows_f32(cp, x, 2, "x")
+    weight = _rows_f32(cp, weight, 2, "weight", unit_last=False)
+    B, C = (int(s) for s in x.shape)
+    K = int(weight.shape[1])
+    st = _conv_states(cp, states_all, weight, C)
+    if not 0 <= int(rec_index) < int(st.shape[1]):
+        raise IndexError(f"recurrent layer {rec_index} out of range [0, {int(st.shape[1])})")
+    if rows.n_rows != B:
+        raise ValueError(f"{rows.n_rows} rows of sequences for {B} rows")
+    out = _gdn_out(cp, out, (B, C), "out")
+    if B == 0 or C == 0:
+        return out
+    ss = rt.estrides(st)
+    layer = st[:, int(rec_index)]  # a view: the kernels' base pointer is layer rec_index's
+    xs, ws = rt.estrides(x), rt.estrides(weight)
+    rt.kernel("short_conv", "causal_conv1d_seq_f32")(
+        rt.grid(B * C), (rt.ELEMWISE_THREADS, 1, 1),
+        (x, np.int64(xs[0]), weight, np.int64(ws[0]), np.int64(ws[1]),
+         layer, np.int64(ss[0]), np.int64(ss[2]), rows.row0, rows.slots, rows.row_seq,
+         np.int32(B), np.int32(C), np.int32(K), out, np.int64(rt.estrides(out)[0])))
+    if rows.n_seq:
+        rt.kernel("short_conv", "causal_conv1d_seq_state_f32")(
+            rt.grid(rows.n_seq * C), (rt.ELEMWISE_THREADS, 1, 1),
+            (x, np.int64(xs[0]), layer, np.int64(ss[0]), np.int64(ss[2]), rows.row0,
+             rows.count, rows.slots, np.int32(rows.n_seq), np.int32(C), np.int32(K)))
     return out
 
 
