@@ -97,7 +97,7 @@ def prefill_cost(emu, model, n: int, graphs: bool, reps: int = 5) -> dict:
 
     from kvshare.model.batch import SeqChunk  # noqa: PLC0415
 
-    toks = np.arange(n, dtype=np.int32) % 1000
+    toks = np.arange(n, dtype=np.int32) % min(1000, model.config.vocab_size)
     nb = -(-n // 16) + 1
     cache = _new_cache(model, nb, 1)
     table = np.arange(nb)
@@ -140,7 +140,7 @@ def new_shape_cost(emu, model, n: int, reps: int = 5) -> tuple[dict, dict]:
     from kvshare.model import gpu_graphs  # noqa: PLC0415
     from kvshare.model.batch import SeqChunk  # noqa: PLC0415
 
-    toks = np.arange(n, dtype=np.int32) % 1000
+    toks = np.arange(n, dtype=np.int32) % min(1000, model.config.vocab_size)
     nb = -(-n // 16) + 1
     table = np.arange(nb)
     model.cuda_graphs = True
@@ -148,11 +148,12 @@ def new_shape_cost(emu, model, n: int, reps: int = 5) -> tuple[dict, dict]:
     try:
         runner = gpu_graphs.runner(model)
         for rep in range(reps + 1):
-            cache = model.new_cache(nb, 16)
+            cache = _new_cache(model, nb, 1)
             runner.sightings.clear()
             for i in range(2):
                 m = _measure(emu, lambda c=cache: model.forward(
-                    [SeqChunk(toks, 0, table, logits="last")], c), warm=0, reps=1)
+                    [SeqChunk(toks, 0, table, logits="last", state_slot=_slot_of(model)(0))],
+                    c), warm=0, reps=1)
                 if rep:
                     steps[i].append(m)
     finally:
@@ -169,17 +170,18 @@ def warm_up_cost(emu, model, n: int, reps: int = 3) -> tuple[dict, dict]:
 
     from kvshare.model.batch import SeqChunk  # noqa: PLC0415
 
-    toks = np.arange(n, dtype=np.int32) % 1000
+    toks = np.arange(n, dtype=np.int32) % min(1000, model.config.vocab_size)
     nb = 64  # the warm-up's longest step is 576 tokens
     table = np.arange(-(-n // 16) + 1)
     model.cuda_graphs = True
     steps: list[list[dict]] = [[], []]
     try:
         for rep in range(reps + 1):
-            cache = model.new_cache(nb, 16)
+            cache = _new_cache(model, nb, 4)
             m0 = _measure(emu, lambda c=cache: model.warm_up(c, 4, 512), warm=0, reps=1)
             m1 = _measure(emu, lambda c=cache: model.forward(
-                [SeqChunk(toks, 0, table, logits="last")], c), warm=0, reps=1)
+                [SeqChunk(toks, 0, table, logits="last", state_slot=_slot_of(model)(0))], c),
+                warm=0, reps=1)
             if rep:
                 steps[0].append(m0)
                 steps[1].append(m1)
@@ -222,14 +224,12 @@ def main() -> None:
         for b in (1, 8, 32):
             rows[f"decode b{b} graphs {'on' if graphs else 'off'}"] = decode_cost(
                 emu, model, b, graphs)
-    # (a hybrid's prefill steps stay eager: only its graphs-off rows)
-    for graphs in (False,) if model.config.n_recurrent_layers else (True, False):
+    for graphs in (True, False):
         for n in (128, 1024):
             rows[f"prefill {n} graphs {'on' if graphs else 'off'}"] = prefill_cost(
                 emu, model, n, graphs)
-    # (a model whose steps stay eager has no such rows, nor a hybrid, whose steps with a
-    # prompt chunk stay eager)
-    if model.step_graphs_apply() and not model.config.n_recurrent_layers:
+    # (a model whose steps stay eager has no such rows)
+    if model.step_graphs_apply():
         # a later turn's prompt is a new prefill shape more often than not: its first steps
         rows["prefill 128 new shape 1"], rows["prefill 128 new shape 2"] = new_shape_cost(
             emu, model, 128)

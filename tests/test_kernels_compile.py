@@ -208,6 +208,14 @@ def test_launch_constants_match_the_cuda_source():
     assert gpu._pa_smem_bytes(gpu.PA_MAXD, 4) <= 227 * 1024
 
 
+def test_gated_delta_launch_constants_match_the_cuda_source():
+    from kvshare.ops import gpu_hybrid
+
+    src = kernels.source("gated_delta")
+    for name in ("GD_WARPS", "GD_COLS", "GD_TILE", "GD_QK_TILE"):
+        assert _define(src, name) == getattr(gpu_hybrid, name), name
+
+
 def test_mma_attention_launch_constants_match_the_cuda_source():
     src = kernels.source("paged_attention_mma")
     nw = _define(src, "PM_NW")

@@ -526,18 +526,56 @@ def test_gpt_oss_steps_as_cuda_graphs_equal_eager(mode, monkeypatch):
             np.testing.assert_array_equal(a, b)
 
 
+def _run_hybrid_script(m, script, toks, tables, cache):
+    """A hybrid's steps: each step's `(seq, start, n, logits)` chunks (seq s's tokens from
+    `toks[20 s:]`, its table `tables[s]`, state slot s + 1); returns each step's logits (host
+    arrays, None where a chunk wants none) and the cache's KV and states after the script."""
+    out = []
+    for step in script:
+        chunks = [SeqChunk(toks[s * 20 + p : s * 20 + p + n], p, tables[s], logits=lg,
+                           state_slot=s + 1) for s, p, n, lg in step]
+        out.append([None if x is None else np.asarray(x.get() if hasattr(x, "get") else x)
+                    for x in m.forward(chunks, cache)])
+    kv = [np.asarray(a.get()) for L in m.layers if L.kind == "attention"
+          for a in cache.layer_kv(L.attn_index)]
+    kv += [np.asarray(a.get()) for a in cache.states]
+    return out, kv
+
+
+def _eager_then_graphs(m, script, toks, tables):
+    """The script eager on a new cache, then with CUDA graphs twice on another: `(eager,
+    first, again, runner, (captures, replays) after the first graphs run)`, each run's
+    `_run_hybrid_script` result."""
+    from kvshare.model import gpu_graphs  # noqa: PLC0415
+
+    try:
+        m.cuda_graphs = False
+        want = _run_hybrid_script(m, script, toks, tables, m.new_cache(10, BS, n_state_slots=4))
+        m.cuda_graphs = True
+        r = gpu_graphs.runner(m)
+        assert r is not None
+        cache = m.new_cache(10, BS, n_state_slots=4)
+        first = _run_hybrid_script(m, script, toks, tables, cache)
+        counts = (r.captures, r.replays)
+        again = _run_hybrid_script(m, script, toks, tables, cache)
+    finally:
+        m.cuda_graphs = None
+    return want, first, again, r, counts
+
+
 @pytest.mark.parametrize("name", ("tiny-lfm2", "tiny-lfm2moe", "tiny-qwen35", "tiny-qwen35moe"))
-def test_hybrid_decode_steps_as_cuda_graphs_equal_eager(name):
+def test_hybrid_decode_steps_as_cuda_graphs_equal_eager(name, monkeypatch):
     """A hybrid's decode steps as CUDA graphs (its recurrent layers' `gpu_step` on the
     cache's states by the slots in the step's input buffer: lfm2's short conv, qwen35's
-    delta net; qwen35's gated attention through `decode_attention_step`; the experts routed
-    on the device, qwen35moe's shared expert and its gate from the workspace): three sequences prefilled eagerly (steps with a prompt chunk stay
-    eager for a hybrid), then decode steps of one, two and three rows, captured at their
+    delta net; qwen35's gated attention through `gpu_attention_step`; the experts routed
+    on the device, qwen35moe's shared expert and its gate from the workspace): three sequences prefilled eagerly (graphs of steps with a prompt
+    chunk off here: the next test has them), then decode steps of one, two and three rows, captured at their
     first step and replayed; the whole script again on the same cache (its prompts zero the
     states): the eager run's logits, KV and recurrent states, bit for bit on the emulator;
     the padding row of a bucket touches no state."""
     from kvshare.model import gpu_graphs  # noqa: PLC0415
 
+    monkeypatch.setenv(gpu_graphs.PREFILL_ENV, "0")
     m = gpu_model(name, "f16")
     assert m.step_graphs_apply()
     if name == "tiny-qwen35moe":
@@ -550,30 +588,7 @@ def test_hybrid_decode_steps_as_cuda_graphs_equal_eager(name):
               [(0, 15, 1, "last"), (1, 9, 1, "last"), (2, 5, 1, "last")],  # a padding row
               [(1, 10, 1, "last")], [(0, 16, 1, "last"), (1, 11, 1, "last"), (2, 6, 1, "last")]]
 
-    def run_script(cache):
-        out = []
-        for step in script:
-            chunks = [SeqChunk(toks[s * 20 + p : s * 20 + p + n], p, tables[s], logits=lg,
-                               state_slot=s + 1) for s, p, n, lg in step]
-            out.append([np.asarray(x.get() if hasattr(x, "get") else x)
-                        for x in m.forward(chunks, cache)])
-        kv = [np.asarray(a.get()) for L in m.layers if L.kind == "attention"
-              for a in cache.layer_kv(L.attn_index)]
-        kv += [np.asarray(a.get()) for a in cache.states]
-        return out, kv
-
-    try:
-        m.cuda_graphs = False
-        want = run_script(m.new_cache(10, BS, n_state_slots=4))
-        m.cuda_graphs = True
-        r = gpu_graphs.runner(m)
-        assert r is not None
-        cache = m.new_cache(10, BS, n_state_slots=4)
-        first = run_script(cache)
-        captured, replays = r.captures, r.replays
-        again = run_script(cache)
-    finally:
-        m.cuda_graphs = None
+    want, first, again, r, (captured, replays) = _eager_then_graphs(m, script, toks, tables)
     # decode steps of 1, 2 and 3 rows (a graph of 4); a shape whose workspace outgrew the
     # others' is captured again
     assert not r.failures and captured >= 3
@@ -587,6 +602,56 @@ def test_hybrid_decode_steps_as_cuda_graphs_equal_eager(name):
             np.testing.assert_array_equal(a, b)
     # slot 0 was never a sequence's: still zero in the graphs' run (its padding row's slot
     # is -1); the sequences' slots hold states
-    for st in kv[-len(cache.states):]:
+    for st in kv[-len(m.state_shapes()):]:
+        assert not st[0].any() and st[1:].any(axis=tuple(range(1, st.ndim))).all()
+
+
+@pytest.mark.parametrize("name", ("tiny-lfm2", "tiny-lfm2moe", "tiny-qwen35", "tiny-qwen35moe",
+                                  "tiny-lfm2:3"))
+def test_hybrid_prompt_steps_as_cuda_graphs_equal_eager(name):
+    """A hybrid's steps with a prompt chunk as CUDA graphs (its recurrent layers' sequence
+    kernels on the step's sequences from the input buffer, the padding rows a sequence of
+    slot -1; the last layer's kept rows gathered, through qwen35's gated attention or after
+    lfm2's conv): prompts with their last row's logits, a prompt chunk beside decode rows
+    with every row's logits, one with none, decode steps; a shape is captured at its second
+    step. The script twice on the same cache (its prompts zero the states): the eager run's
+    logits, KV and recurrent states, bit for bit on the emulator; slot 0, never a sequence's,
+    untouched. The tiny models end with an attention layer; "tiny-lfm2:3" is tiny-lfm2's
+    first 3 layers, so that its last is a conv layer, as real LFM2 models' is (the kept
+    rows gathered after it)."""
+    name, _, cut = name.partition(":")
+    m = gpu_model(name, "f16")
+    if cut:
+        m.layers = m.layers[: int(cut)]
+        assert m.layers[-1].kind != "attention"
+    assert m.step_graphs_apply()
+    toks = reference(name)["tokens"]
+    tables = [np.arange(0, 3), np.arange(3, 6), np.arange(6, 9)]
+    script = [[(0, 0, 12, "last")], [(1, 0, 7, "last")], [(2, 0, 5, "last")],
+              [(0, 12, 1, "last"), (1, 7, 1, "last")],
+              [(0, 13, 3, "all"), (1, 8, 1, "last")],
+              [(2, 5, 6, "none")],
+              [(0, 16, 9, "last"), (1, 9, 1, "last"), (2, 11, 1, "last")],
+              [(1, 10, 4, "last")]]
+
+    want, first, again, r, _ = _eager_then_graphs(m, script, toks, tables)
+    assert not r.failures
+    prompt_shapes = {sh for sh in r.graphs if sh.prefill}
+    # the 7- and 5-token prompts share a shape (captured at the second), as do their
+    # reruns; every prompt shape of the second run is captured or replayed
+    assert len(prompt_shapes) >= 4 and any(sh.gather for sh in prompt_shapes)
+    assert any(not sh.gather and sh.rows for sh in prompt_shapes)
+    assert any(sh.rows == 0 for sh in prompt_shapes)
+    assert r.replays >= len(script)
+    for got, kv in (first, again):
+        for a, b in zip(got, want[0]):
+            for x, y in zip(a, b):
+                if y is None:
+                    assert x is None
+                else:
+                    np.testing.assert_array_equal(x, y)
+        for a, b in zip(kv, want[1]):
+            np.testing.assert_array_equal(a, b)
+    for st in kv[-len(m.state_shapes()):]:
         assert not st[0].any() and st[1:].any(axis=tuple(range(1, st.ndim))).all()
 

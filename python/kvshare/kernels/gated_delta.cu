@@ -40,70 +40,82 @@
 #define GD_COLS 32
 #define GD_REG 32
 
-template <bool REG>
-__device__ __forceinline__ void gd_step(
-    const float* __restrict__ qr, const float* __restrict__ kr, float* S, i64 st_k, int j,
-    bool col_ok, int i0, int n_rows, float eg, float vj, float bt, float scale,
+// The GD_WARPS warps' partial sums of a lane's column, added in warp order (0 + 1 + 2 + 3).
+__device__ __forceinline__ float gd_warps_sum(const float (*part)[GD_COLS], int lane)
+{
+    float v = part[0][lane];
+#pragma unroll
+    for (int w = 1; w < GD_WARPS; ++w) v += part[w][lane];
+    return v;
+}
+
+// One token on a thread's REG-resident state values s (rows i0 .. i0 + n_rows - 1 of column
+// j): both kernels' register path, so that they run the same arithmetic in the same order.
+__device__ __forceinline__ void gd_token_reg(
+    float (&s)[GD_REG], const float* __restrict__ qr, const float* __restrict__ kr,
+    int j, bool col_ok, int i0, int n_rows, float eg, float vj, float bt, float scale,
     float* __restrict__ out, float (*part)[GD_WARPS][GD_COLS], int lane, int wid)
 {
-    float s[REG ? GD_REG : 1];
     // pass 1: the decayed column and its partial S^T k
     float acc = 0.f;
     if (col_ok) {
-        if constexpr (REG) {
 #pragma unroll
-            for (int r = 0; r < GD_REG; ++r) {
-                if (r < n_rows) {
-                    const int i = i0 + r;
-                    s[r] = S[(i64)i * st_k + j] * eg;
-                    acc += kr[i] * s[r];
-                }
-            }
-        } else {
-            for (int r = 0; r < n_rows; ++r) {
-                const int i = i0 + r;
-                const float sd = S[(i64)i * st_k + j] * eg;
-                acc += kr[i] * sd;
+        for (int r = 0; r < GD_REG; ++r) {
+            if (r < n_rows) {
+                s[r] = s[r] * eg;
+                acc += kr[i0 + r] * s[r];
             }
         }
     }
     part[0][wid][lane] = acc;
     __syncthreads();
-    float kv = part[0][0][lane];
-#pragma unroll
-    for (int w = 1; w < GD_WARPS; ++w) kv += part[0][w][lane];
-    const float delta = (vj - kv) * bt;
-    // pass 2: the rank-1 update, stored, and the partial S^T q of the new column
+    const float delta = (vj - gd_warps_sum(part[0], lane)) * bt;
+    // pass 2: the rank-1 update and the partial S^T q of the new column
     acc = 0.f;
     if (col_ok) {
-        if constexpr (REG) {
 #pragma unroll
-            for (int r = 0; r < GD_REG; ++r) {
-                if (r < n_rows) {
-                    const int i = i0 + r;
-                    const float sn = __fadd_rn(s[r], __fmul_rn(kr[i], delta));
-                    S[(i64)i * st_k + j] = sn;
-                    acc += qr[i] * sn;
-                }
-            }
-        } else {
-            for (int r = 0; r < n_rows; ++r) {
-                const int i = i0 + r;
-                float* p = S + (i64)i * st_k + j;
-                const float sn = __fadd_rn(*p * eg, __fmul_rn(kr[i], delta));
-                *p = sn;
-                acc += qr[i] * sn;
+        for (int r = 0; r < GD_REG; ++r) {
+            if (r < n_rows) {
+                s[r] = __fadd_rn(s[r], __fmul_rn(kr[i0 + r], delta));
+                acc += qr[i0 + r] * s[r];
             }
         }
     }
     part[1][wid][lane] = acc;
     __syncthreads();
-    if (wid == 0 && col_ok) {
-        float o = part[1][0][lane];
-#pragma unroll
-        for (int w = 1; w < GD_WARPS; ++w) o += part[1][w][lane];
-        out[j] = o * scale;
+    if (wid == 0 && col_ok) out[j] = gd_warps_sum(part[1], lane) * scale;
+}
+
+// One token on S in global memory (Dk above GD_WARPS * GD_REG rows): each pass reads S.
+__device__ __forceinline__ void gd_step_global(
+    const float* __restrict__ qr, const float* __restrict__ kr, float* S, i64 st_k, int j,
+    bool col_ok, int i0, int n_rows, float eg, float vj, float bt, float scale,
+    float* __restrict__ out, float (*part)[GD_WARPS][GD_COLS], int lane, int wid)
+{
+    float acc = 0.f;
+    if (col_ok) {
+        for (int r = 0; r < n_rows; ++r) {
+            const int i = i0 + r;
+            const float sd = S[(i64)i * st_k + j] * eg;
+            acc += kr[i] * sd;
+        }
     }
+    part[0][wid][lane] = acc;
+    __syncthreads();
+    const float delta = (vj - gd_warps_sum(part[0], lane)) * bt;
+    acc = 0.f;
+    if (col_ok) {
+        for (int r = 0; r < n_rows; ++r) {
+            const int i = i0 + r;
+            float* p = S + (i64)i * st_k + j;
+            const float sn = __fadd_rn(*p * eg, __fmul_rn(kr[i], delta));
+            *p = sn;
+            acc += qr[i] * sn;
+        }
+    }
+    part[1][wid][lane] = acc;
+    __syncthreads();
+    if (wid == 0 && col_ok) out[j] = gd_warps_sum(part[1], lane) * scale;
 }
 
 extern "C" __global__ void __launch_bounds__(128) gated_delta_step_f32(
@@ -138,12 +150,24 @@ extern "C" __global__ void __launch_bounds__(128) gated_delta_step_f32(
     const int R = (Dk + GD_WARPS - 1) / GD_WARPS;
     const int i0 = min(Dk, wid * R);
     const int n_rows = min(Dk, i0 + R) - i0;
-    if (R <= GD_REG)
-        gd_step<true>(qr, kr, S, st_k, j, col_ok, i0, n_rows, eg, vj, bt, scale, orow, part,
-                      lane, wid);
-    else
-        gd_step<false>(qr, kr, S, st_k, j, col_ok, i0, n_rows, eg, vj, bt, scale, orow, part,
+    if (R <= GD_REG) {
+        float sr[GD_REG];
+        if (col_ok) {
+#pragma unroll
+            for (int r = 0; r < GD_REG; ++r)
+                if (r < n_rows) sr[r] = S[(i64)(i0 + r) * st_k + j];
+        }
+        gd_token_reg(sr, qr, kr, j, col_ok, i0, n_rows, eg, vj, bt, scale, orow, part, lane,
+                     wid);
+        if (col_ok) {
+#pragma unroll
+            for (int r = 0; r < GD_REG; ++r)
+                if (r < n_rows) S[(i64)(i0 + r) * st_k + j] = sr[r];
+        }
+    } else {
+        gd_step_global(qr, kr, S, st_k, j, col_ok, i0, n_rows, eg, vj, bt, scale, orow, part,
                        lane, wid);
+    }
 }
 
 // The gated delta rule over whole sequences of rows (kvshare.ops.gpu_hybrid.gated_delta_seq_slots):
@@ -237,45 +261,12 @@ extern "C" __global__ void __launch_bounds__(128) gated_delta_seq_f32(
             const float* kr = ks + t * Dk;
             const float eg = egs[t], bt = bts[t], vj = vs[t][lane];
             float* orow = o + (i64)(row0 + t0 + t) * o_sb + (i64)h * o_sh;
-            if (!reg) {  // S in global memory, as gated_delta_step_f32 without registers
-                gd_step<false>(qr, kr, S, st_k, j, col_ok, i0, n_rows, eg, vj, bt, scale, orow,
+            if (reg)
+                gd_token_reg(sr, qr, kr, j, col_ok, i0, n_rows, eg, vj, bt, scale, orow, part,
+                             lane, wid);
+            else  // S in global memory, as gated_delta_step_f32 without registers
+                gd_step_global(qr, kr, S, st_k, j, col_ok, i0, n_rows, eg, vj, bt, scale, orow,
                                part, lane, wid);
-                continue;
-            }
-            float acc = 0.f;
-            if (col_ok) {
-#pragma unroll
-                for (int r = 0; r < GD_REG; ++r) {
-                    if (r < n_rows) {
-                        sr[r] = sr[r] * eg;
-                        acc += kr[i0 + r] * sr[r];
-                    }
-                }
-            }
-            part[0][wid][lane] = acc;
-            __syncthreads();
-            float kv = part[0][0][lane];
-#pragma unroll
-            for (int w = 1; w < GD_WARPS; ++w) kv += part[0][w][lane];
-            const float delta = (vj - kv) * bt;
-            acc = 0.f;
-            if (col_ok) {
-#pragma unroll
-                for (int r = 0; r < GD_REG; ++r) {
-                    if (r < n_rows) {
-                        sr[r] = __fadd_rn(sr[r], __fmul_rn(kr[i0 + r], delta));
-                        acc += qr[i0 + r] * sr[r];
-                    }
-                }
-            }
-            part[1][wid][lane] = acc;
-            __syncthreads();
-            if (wid == 0 && col_ok) {
-                float ov = part[1][0][lane];
-#pragma unroll
-                for (int w = 1; w < GD_WARPS; ++w) ov += part[1][w][lane];
-                orow[j] = ov * scale;
-            }
         }
     }
     if (reg && col_ok) {

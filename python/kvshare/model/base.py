@@ -382,12 +382,12 @@ class DecoderModel(Model):
     @staticmethod
     def _layer_graph_ready(L: Any) -> bool:
         """An attention layer whose experts (if any) are graph-ready, or a recurrent layer
-        whose decode step is (`decode_graph_ready`: hybrids' graphs are decode steps only).
+        whose GPU step is (`step_graph_ready`).
         (AttentionLayer's subclasses only type its fields: gpt-oss's, qwen3moe's; a
         `_rope_tables` override computes its tables on the device, as the graph calls it.)"""
         if isinstance(L, AttentionLayer):
             return L.moe is None or L.moe.graph_ready()
-        ready = getattr(L, "decode_graph_ready", None)
+        ready = getattr(L, "step_graph_ready", None)
         return bool(ready is not None and ready())
 
     def fed_steps_apply(self) -> bool:
@@ -612,14 +612,15 @@ class DecoderModel(Model):
 
     def _attention_rows(self, q: Any, kc: Any, vc: Any, plan: BatchPlan, window: int,
                         rows: np.ndarray, tables: np.ndarray | None = None,
-                        sinks: Any = None) -> Any:
+                        sinks: Any = None, selected: bool = False) -> Any:
         """Attention output of the query rows `rows` only (the last layer, when only some
-        positions' logits are wanted): each row keeps its own position and sequence."""
+        positions' logits are wanted): each row keeps its own position and sequence.
+        `selected`: q holds those rows' queries alone (already gathered), in that order."""
         seq_of_row = np.searchsorted(plan.q_starts, rows, side="right") - 1
         pos = plan.positions[rows]
         # every selected row becomes a one-token "sequence" at its own position
         qs = np.arange(len(rows) + 1, dtype=np.int64)
-        sel = q[self.backend.asarray(rows) if self.backend.is_gpu else rows]
+        sel = q if selected else q[self.backend.asarray(rows) if self.backend.is_gpu else rows]
         tables = plan.block_tables if tables is None else tables
         return paged_attention(sel, kc, vc, tables[seq_of_row], qs, pos,
                                scale=self.config.q_scale, window=window, backend=self.backend,

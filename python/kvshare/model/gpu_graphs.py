@@ -1,5 +1,5 @@
 """Steps of a `DecoderModel` on the GPU as CUDA graphs: decode steps, prefill chunks and
-mixed steps of up to `MAX_TOKENS` tokens (a hybrid's decode steps: see below).
+mixed steps of up to `MAX_TOKENS` tokens (a hybrid's too: see below).
 
 A GPU step is a few hundred kernel launches (per layer: norms, the fused Q/K/V product, q/k
 norms and rope, the KV write, attention, the output product, the gated MLP, residual adds),
@@ -57,13 +57,15 @@ How (`StepGraphs`):
   padded row count).
 
 A hybrid model (recurrent layers beside attention ones: `HybridModel.step_graphs_apply`)
-has its decode steps captured (every chunk one token, every row's logits wanted); a step
-with a prompt chunk stays eager (its layers run the chunked recurrences). A recurrent layer's
-part of the step is its `gpu_step` (the same code its eager decode step runs), on the
-recurrent states at each row's slot: one more input, `state_slots` (-1 for a padding row,
-which reads and writes no state). A hybrid's own attention layer takes the model's
-`decode_attention_step` (qwen35's gated attention), given the step's static attention. lfm2,
-lfm2moe, qwen35 and qwen35moe have such steps.
+has its steps captured too. A recurrent layer's part of the step is its `gpu_step` (the same
+code its eager GPU step runs), on the recurrent states in the cache: a decode step's rows at
+their slots (one more input, `state_slots`, -1 for a padding row, which reads and writes no
+state), a step with a prompt chunk's sequences (`seq`: each chunk's rows and slot, then one
+sequence of slot -1 holding the padding rows, read by the sequence kernels). A hybrid's own
+attention layer takes the model's `gpu_attention_step` (qwen35's gated attention), given
+the step's static attention (the last layer of a shape that gathers: the kept rows'); where
+the last layer is recurrent, the kept rows are gathered after it, as the eager step keeps
+them. lfm2, lfm2moe, qwen35 and qwen35moe have such steps.
 
 Where graphs do not apply the step stays eager: more than `MAX_TOKENS` tokens or
 `MAX_LOGIT_ROWS` logit rows, a block table longer than `width`, a step whose attention needs
@@ -211,6 +213,12 @@ class StepInputs:
                 ("tiles", (t, 4), np.int32), ("splits", (n_launch,), np.int32)]
         if recurrent:  # a hybrid's decode step: each row's recurrent-state slot (-1: padding)
             spec.append(("state_slots", (s,), np.int32))
+        if recurrent and shape.prefill:
+            # a hybrid's step with a prompt chunk: its rows as sequences for the recurrent
+            # layers' sequence kernels (`gpu_hybrid.SeqRows`): row0, count and slot of each
+            # of the s sequences and of one more, the padding rows' (slot -1), then each
+            # row's sequence (`seq_views`)
+            spec.append(("seq", (3 * (s + 1) + t,), np.int32))
         spec += [(f"slots{g}", (t,), np.int64) for g in groups]
         spec += [(f"tables{g}", (s, width), np.int32) for g in groups]
         if shape.gather:
@@ -233,6 +241,19 @@ class StepInputs:
         for name, o, shp, dt, n in lay:
             self.h[name] = self.host[o : o + n].view(dt).reshape(shp)
             self.d[name] = self.dev[o : o + n].view(dt).reshape(shp)
+
+    def seq_views(self, host: bool = False) -> Any:
+        """The `seq` field as a `gpu_hybrid.SeqRows` of the device buffer, or (`host`) its
+        four host views `(row0, count, slots, row_seq)` to fill."""
+        a = (self.h if host else self.d)["seq"]
+        t = self.h["tokens"].shape[0]
+        n = (a.shape[0] - t) // 3
+        parts = (a[:n], a[n : 2 * n], a[2 * n : 3 * n], a[3 * n :])
+        if host:
+            return parts
+        from kvshare.ops import gpu_hybrid  # noqa: PLC0415
+
+        return gpu_hybrid.SeqRows(*parts, t, n)
 
     def send(self, stream: Any) -> None:
         """The staging copy to the device, asynchronously on `stream`."""
@@ -301,8 +322,8 @@ class StepGraphs:
         self._cache_key: Any = None
         attn = [L for L in model.layers if L.kind == ATTENTION]
         self.rope_keys = list(dict.fromkeys((L.rope_base, L.rope_scale) for L in attn))
-        # a hybrid model (recurrent layers): only its decode steps are graphs, each row's
-        # state slot an input of the step
+        # a hybrid model (recurrent layers): each row's state slot (decode) or each chunk's
+        # rows and slot (a prompt chunk) an input of the step
         self.recurrent = bool(model.config.n_recurrent_layers)
         self.attn_layer = attn[0] if attn else None
 
@@ -321,7 +342,7 @@ class StepGraphs:
         if cache.kv_dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
             return None
         prefill = plan.max_seq_rows > 1
-        if prefill and (self.recurrent or not prefill_by_env()):
+        if prefill and not prefill_by_env():
             return None
         width = self._width(cache)
         if any(-(-c.end_pos // cache.block_size) > width for c in chunks):
@@ -330,8 +351,6 @@ class StepGraphs:
         if n_rows > MAX_LOGIT_ROWS:
             return None
         gather = 0 < n_rows < n_tok
-        if gather and self.recurrent:
-            return None
         mma = False
         if plan.max_seq_rows >= gpu.PM_MIN_TOKENS and self.attn_layer is not None:
             kc, vc = cache.layer_kv(self.attn_layer.attn_index)
@@ -419,6 +438,8 @@ class StepGraphs:
             h["state_slots"][:n_seq] = [-1 if c.state_slot is None else c.state_slot
                                         for c in chunks]
             h["state_slots"][n_seq:] = -1
+        if self.recurrent and shape.prefill:
+            _stage_seqs(inp, chunks, plan, n_tok)
         real = gpu.pa_tiles(plan.q_starts, plan.start_positions, b.gc, b.cta_rows)
         _fill_tiles(h["tiles"], real, n_tok, int(plan.positions[0]))
         gather = shape.gather
@@ -574,22 +595,30 @@ class StepGraphs:
                      for key in self.rope_keys}
             mark = self.ws.mark()
             n_layers = len(model.layers)
-            attention_step = getattr(model, "decode_attention_step", None)
+            attention_step = getattr(model, "gpu_attention_step", None)
             for il, L in enumerate(model.layers):
                 last = il == n_layers - 1
-                if L.kind != ATTENTION:  # a hybrid's recurrent layer (decode steps only)
-                    L.gpu_step(x, d["state_slots"], cache)
+                if L.kind != ATTENTION:
+                    # a hybrid's recurrent layer: the decode kernels on each row's slot, or
+                    # with a prompt chunk the sequence kernels on the step's sequences
+                    L.gpu_step(x, inp.seq_views() if shape.prefill else d["state_slots"],
+                               cache)
+                    if last and shape.gather:  # the kept rows, as the eager step keeps them
+                        x = gpu.gather_rows(x, d["rows"])
                 elif attention_step is not None:
-                    # a hybrid's own attention layer (qwen35's gated one; decode steps, no
-                    # rows gathered): its step with the graph's static attention
+                    # a hybrid's own attention layer (qwen35's gated one): its step with the
+                    # graph's static attention (the last layer of a shape that gathers: on
+                    # the kept rows, as the eager step)
                     g = cache.group_of(L.attn_index)
                     kc, vc = cache.layer_kv(L.attn_index)
-                    static = statics[(g, int(L.window))]
-                    attention_step(L, x, *ropes[(L.rope_base, L.rope_scale)], d[f"slots{g}"],
-                                   kc, vc,
-                                   lambda q, L=L, kc=kc, vc=vc, st=static: gpu.paged_attention(
-                                       q, kc, vc, None, None, None, scale=cfg.q_scale,
-                                       window=L.window, static=st, sinks=L.sinks))
+                    keep = last and shape.gather
+                    static = (rstatics if keep else statics)[(g, int(L.window))]
+                    x = attention_step(
+                        L, x, *ropes[(L.rope_base, L.rope_scale)], d[f"slots{g}"], kc, vc,
+                        lambda q, L=L, kc=kc, vc=vc, st=static: gpu.paged_attention(
+                            q, kc, vc, None, None, None, scale=cfg.q_scale,
+                            window=L.window, static=st, sinks=L.sinks),
+                        rows=d["rows"] if keep else None)
                 else:
                     cos, sin = ropes[(L.rope_base, L.rope_scale)]
                     kc, vc = cache.layer_kv(L.attn_index)
@@ -698,6 +727,8 @@ class StepGraphs:
                 inp.h[f"slots{g}"][:] = -1  # a warm-up step writes no KV
             if self.recurrent:
                 inp.h["state_slots"][:] = -1  # nor recurrent states
+            if self.recurrent and shape.prefill:
+                inp.seq_views(host=True)[2][:] = -1
             with self.stream:
                 inp.send(self.stream)
                 self._measured_run(shape, cache, inp, launches)
@@ -709,6 +740,24 @@ class StepGraphs:
                     n += self._capture(shape, cache, self.inputs[shape], launches) is not None
         self.stream.synchronize()
         return n
+
+
+def _stage_seqs(inp: StepInputs, chunks: Sequence[SeqChunk], plan: Any, n_tok: int) -> None:
+    """A hybrid prefill shape's sequences (`StepInputs.seq_views`) in the staging copy: each
+    chunk's rows and state slot; the shape's padding sequences empty (slot -1); the last
+    one holding the padding rows (slot -1: zeros out, no state touched)."""
+    row0, count, slots, row_seq = inp.seq_views(host=True)
+    n_seq, n_pad = len(chunks), len(count) - 1
+    lens = [c.n for c in chunks]
+    row0[:n_seq] = plan.q_starts[:n_seq]
+    count[:n_seq] = lens
+    slots[:n_seq] = [-1 if c.state_slot is None else c.state_slot for c in chunks]
+    row0[n_seq:] = n_tok
+    count[n_seq:] = 0
+    count[n_pad] = len(row_seq) - n_tok
+    slots[n_seq:] = -1
+    row_seq[:n_tok] = np.repeat(np.arange(n_seq), lens)
+    row_seq[n_tok:] = n_pad
 
 
 def warm_up_steps(cache: Any, parallel: int, prefill_chunk: int) -> list[list[SeqChunk]]:

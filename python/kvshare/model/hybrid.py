@@ -53,9 +53,9 @@ class HybridModel(DecoderModel):
         return sum(int(np.prod(s)) * 4 for s in self.state_shapes())
 
     def step_graphs_apply(self) -> bool:
-        """Whether decode steps can be CUDA graphs (`model.gpu_graphs`; steps with a prompt
-        chunk stay eager): every recurrent layer's decode step graph-ready
-        (`decode_graph_ready`), the attention layers as `DecoderModel`'s, and the forward
+        """Whether steps can be CUDA graphs (`model.gpu_graphs`: decode steps and steps with a
+        prompt chunk): every recurrent layer's `gpu_step` graph-ready
+        (`step_graph_ready`), the attention layers as `DecoderModel`'s, and the forward
         pass this class's (which checks the chunks' state slots and zeroes a new sequence's
         states, then runs `DecoderModel.forward`)."""
         return self._graph_methods_kept(HybridModel.forward) and all(

@@ -16,9 +16,9 @@ grouped-query attention scaled by 1/sqrt(head_dim), `attn_output`), run by
 State per slot (`state_shapes()`): `conv [n_rec, L-1, n_embd]` (the last L-1 values of B*X,
 oldest first).
 
-On a GPU a decode step's short-conv layers run `ShortConvLayer.gpu_step` (the conv step
-one kernel on the cache's states by slot, its arrays from the step's workspace), which a
-CUDA graph of the step captures as it is (`model.gpu_graphs`).
+On a GPU every step's short-conv layers run `ShortConvLayer.gpu_step` (the conv one kernel
+on the cache's states by slot, two over a step with a prompt chunk; its arrays from the
+step's workspace), which a CUDA graph of the step captures as it is (`model.gpu_graphs`).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class ShortConvLayer(HybridRecurrentLayer):
         x += linear(y, self.out_proj, backend=be)
         return m.ffn(x, self.ffn_norm, self.w_gate_up, self.w_down)
 
-    def decode_graph_ready(self) -> bool:
+    def step_graph_ready(self) -> bool:
         """Whether `gpu_step` can be captured: on a GPU, with a dense FFN or experts
         that are graph-ready (`MoeFFN.graph_ready`)."""
         return self.model.backend.is_gpu and ffn_graph_ready(self.w_gate_up)

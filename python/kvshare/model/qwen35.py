@@ -25,10 +25,11 @@ times sigmoid(gate); `attn_output`.
 State per slot (`state_shapes()`): `conv [n_rec, K-1, conv_dim]` (the last K-1 qkv
 projections, oldest first) and `ssm [n_rec, H_v, Dk, Dv]` (the delta-rule matrices).
 
-On a GPU a decode step runs `GatedDeltaNetLayer.gpu_step` and `decode_attention_step`
-(the states updated in place by slot, every array from the step's workspace), which a CUDA
-graph of the step captures as they are (`model.gpu_graphs`; qwen35moe's too: its shared
-expert's gate is formed in the workspace).
+On a GPU every step runs `GatedDeltaNetLayer.gpu_step` and `gpu_attention_step` (the states
+updated in place by slot: the decode kernels, or with a prompt chunk the sequence kernels;
+every array from the step's workspace), which a CUDA graph of the step captures as they are
+(`model.gpu_graphs`; qwen35moe's too: its shared expert's gate is formed in the
+workspace).
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
         x += linear(o.reshape(n, vd), self.ssm_out, backend=be)
         return m.ffn(x, self.ffn_norm, self.w_gate_up, self.w_down)
 
-    def decode_graph_ready(self) -> bool:
+    def step_graph_ready(self) -> bool:
         """Whether `gpu_step` can be captured: on a GPU, with a dense FFN or experts that
         are graph-ready (`MoeFFN.graph_ready`)."""
         return self.model.backend.is_gpu and ffn_graph_ready(self.w_gate_up)
@@ -218,8 +219,8 @@ class Qwen35Model(HybridModel):
         return [(r, self.d_conv - 1, self.conv_dim), (r, self.n_v_heads, self.d_k, self.d_v)]
 
     def step_graphs_apply(self) -> bool:
-        """Decode steps as CUDA graphs (`HybridModel.step_graphs_apply`), this class's gated
-        attention layers taking `decode_attention_step` there as its eager decode steps do."""
+        """Steps as CUDA graphs (`HybridModel.step_graphs_apply`), this class's gated
+        attention layers taking `gpu_attention_step` there as its eager GPU steps do."""
         return self._graph_methods_kept(HybridModel.forward, Qwen35Model._attention_layer) and all(
             ffn_graph_ready(L.w_gate_up) if isinstance(L, GatedAttentionLayer)
             else self._layer_graph_ready(L) for L in self.layers)
@@ -244,28 +245,34 @@ class Qwen35Model(HybridModel):
         write_kv(kc, vc, slots, k, v, backend=be)
         return q, qg[:, :, D:]
 
-    def decode_attention_step(self, L: Any, x: Any, cos: Any, sin: Any, slots: Any, kc: Any,
-                              vc: Any, attend: Any) -> Any:
-        """A GPU decode step's gated attention layer on rows x (every row one token, every
-        row's logits wanted), x updated in place and returned: the step a CUDA graph
-        captures (`model.gpu_graphs`), which the eager decode step runs too. `slots`: the
-        rows' KV slots (host, or a graph's device buffer); `attend(q)`: the step's paged
-        attention of q (eager: the plan's tables; a graph: its static inputs). Its arrays
-        come from the step's workspace: the gate's sigmoid is formed in one (`hybrid.sigmoid`'s
-        operations, with `out=`)."""
-        from kvshare.ops import gpu_runtime as rt  # noqa: PLC0415 - GPU path only
+    def gpu_attention_step(self, L: Any, x: Any, cos: Any, sin: Any, slots: Any, kc: Any,
+                           vc: Any, attend: Any, rows: Any = None) -> Any:
+        """A GPU step's gated attention layer on rows x: the step a CUDA graph captures
+        (`model.gpu_graphs`), which the eager step runs too. `slots`: the rows' KV slots
+        (host, or a graph's device buffer); `attend(q)`: the step's paged attention of q
+        (eager: the plan's tables; a graph: its static inputs). `rows`: None, or the device
+        int32 rows to keep (the last layer of a step that wants some rows' logits): their
+        q, gate and x are gathered before the attention, which `attend` then computes for
+        those rows alone. Returns x (updated in place; the kept rows, a new array, where
+        `rows` is given). Its arrays come from the step's workspace: the gate's sigmoid is
+        formed in one (`hybrid.sigmoid`'s operations, with `out=`)."""
+        from kvshare.ops import gpu  # noqa: PLC0415 - GPU path only
+        from kvshare.ops import gpu_runtime as rt  # noqa: PLC0415
 
         cfg, be = self.config, self.backend
         xp = be.xp
         H, D = cfg.n_head, cfg.head_dim
         n = x.shape[0]
         q, gate_in = self._gated_qkv(L, x, cos, sin, slots, kc, vc)
-        attn = attend(q)
         gate = rt.empty((n, H, D), np.float32)
         xp.negative(gate_in, out=gate)
         xp.exp(gate, out=gate)
         gate += 1.0
         xp.reciprocal(gate, out=gate)
+        if rows is not None:
+            q, gate, x = (gpu.gather_rows(a, rows) for a in (q, gate, x))
+            n = x.shape[0]
+        attn = attend(q)
         attn *= gate
         x += linear(attn.reshape(n, H * D), L.wo, backend=be)
         return self.ffn(x, L.ffn_norm, L.w_gate_up, L.w_down)
@@ -275,12 +282,21 @@ class Qwen35Model(HybridModel):
         if not isinstance(L, GatedAttentionLayer):
             return super()._attention_layer(L, x, plan, cache, last)
         cfg, be = self.config, self.backend
-        if (be.is_gpu and plan.max_seq_rows == 1
-                and (not last or plan.logit_rows.size == x.shape[0])):
-            # a decode step whose rows all go on: the work a CUDA graph of it replays
-            kc, vc = cache.layer_kv(L.attn_index)
+        kc, vc = cache.layer_kv(L.attn_index)
+        if be.is_gpu:
+            # the work a CUDA graph of the step replays (decode steps and steps with a prompt
+            # chunk alike)
             cos, sin = self._rope(plan, L.rope_base, L.rope_scale)
-            return self.decode_attention_step(
+            if last and plan.logit_rows.size == 0:
+                self._gated_qkv(L, x, cos, sin, plan.slots, kc, vc)  # K/V stored
+                return None
+            if last and plan.logit_rows.size < x.shape[0]:
+                kept = plan.logit_rows
+                return self.gpu_attention_step(
+                    L, x, cos, sin, plan.slots, kc, vc,
+                    lambda q: self._attention_rows(q, kc, vc, plan, 0, kept, selected=True),
+                    rows=be.asarray(kept.astype(np.int32)))
+            return self.gpu_attention_step(
                 L, x, cos, sin, plan.slots, kc, vc,
                 lambda q: paged_attention(q, kc, vc, plan.block_tables, plan.q_starts,
                                           plan.start_positions, scale=cfg.q_scale, backend=be,
@@ -289,7 +305,6 @@ class Qwen35Model(HybridModel):
         H, D = cfg.n_head, cfg.head_dim
         n = x.shape[0]
         cos, sin = self._rope(plan, cfg.rope_base, cfg.rope_scale)
-        kc, vc = cache.layer_kv(L.attn_index)
         q, gate = self._gated_qkv(L, x, cos, sin, plan.slots, kc, vc)
         if last:
             if plan.logit_rows.size == 0:
@@ -297,9 +312,8 @@ class Qwen35Model(HybridModel):
             if plan.logit_rows.size < n:
                 rows = plan.logit_rows
                 attn = self._attention_rows(q, kc, vc, plan, 0, rows)
-                rr = be.asarray(rows) if be.is_gpu else rows
-                x = x[rr]
-                gate = gate[rr]
+                x = x[rows]
+                gate = gate[rows]
                 n = len(rows)
             else:
                 last = False

@@ -280,9 +280,13 @@ SC_ENTRY_POINTS: tuple[str, ...] = ("causal_conv1d_step_f32", "causal_conv1d_seq
 rt.declare_entry_points("short_conv", SC_ENTRY_POINTS)
 
 
-def _conv_states(cp: Any, st: Any, weight: Any, C: int) -> Any:
-    """The conv kernels' state array checked against weight `[C, K]` (K >= 2):
-    `[n_slots, n_rec, K-1, C]`, float32 on the device, unit last stride."""
+def _conv_inputs(cp: Any, x: Any, weight: Any, st: Any) -> tuple[Any, Any, Any]:
+    """The conv kernels' inputs checked (x and weight made float32 device arrays where they
+    are not): x `[B, C]` (any row stride), weight `[C, K]` (K >= 2), the state array
+    `[n_slots, n_rec, K-1, C]` (float32 on the device, unit last stride)."""
+    x = _rows_f32(cp, x, 2, "x")
+    weight = _rows_f32(cp, weight, 2, "weight", unit_last=False)
+    C = int(x.shape[1])
     K = int(weight.shape[1])
     if int(weight.shape[0]) != C or K < 2:
         raise ValueError(f"weight {tuple(weight.shape)}: expected [{C}, K] with K >= 2")
@@ -291,7 +295,7 @@ def _conv_states(cp: Any, st: Any, weight: Any, C: int) -> Any:
         raise ValueError(f"states must be a float32 device array [n_slots, n_rec, {K - 1}, "
                          f"{C}] with unit last stride, got "
                          f"{getattr(st, 'dtype', type(st))} {tuple(getattr(st, 'shape', ()))}")
-    return st
+    return x, weight, st
 
 
 def causal_conv1d_step_slots(x: Any, weight: Any, states_all: Any, slots: Any, rec_index: int,
@@ -306,11 +310,9 @@ def causal_conv1d_step_slots(x: Any, weight: Any, states_all: Any, slots: Any, r
     zeros, no state is touched. The slots must be distinct. Returns `[B, C]` (`rt.empty`), or
     writes it into `out` (float32, that shape, unit last stride) and returns `out`."""
     cp = cupy_module()
-    x = _rows_f32(cp, x, 2, "x")
-    weight = _rows_f32(cp, weight, 2, "weight", unit_last=False)
+    x, weight, st = _conv_inputs(cp, x, weight, states_all)
     B, C = (int(s) for s in x.shape)
     K = int(weight.shape[1])
-    st = _conv_states(cp, states_all, weight, C)
     d_slots, out = _slots_and_out(cp, st, rec_index, slots, out, (B, C))
     if B == 0 or C == 0:
         return out
@@ -335,11 +337,9 @@ def causal_conv1d_seq_slots(x: Any, weight: Any, states_all: Any, rows: SeqRows,
     (K >= 2), `states_all` `[n_slots, n_rec, K-1, C]`; a row of a padding sequence (slot < 0)
     gets zeros. Returns `[B, C]` (`rt.empty`), or writes it into `out`."""
     cp = cupy_module()
-    x = _rows_f32(cp, x, 2, "x")
-    weight = _rows_f32(cp, weight, 2, "weight", unit_last=False)
+    x, weight, st = _conv_inputs(cp, x, weight, states_all)
     B, C = (int(s) for s in x.shape)
     K = int(weight.shape[1])
-    st = _conv_states(cp, states_all, weight, C)
     if not 0 <= int(rec_index) < int(st.shape[1]):
         raise IndexError(f"recurrent layer {rec_index} out of range [0, {int(st.shape[1])})")
     if rows.n_rows != B:
