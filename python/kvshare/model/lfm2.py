@@ -58,7 +58,7 @@ class ShortConvLayer(HybridRecurrentLayer):
             # one conv kernel over the chunks' states in place: a decode step's (what a CUDA
             # graph of it replays) or, with a prompt chunk, the sequence kernels'
             return self.gpu_step(x, plan_seq_rows(plan, cache) if prefill else dec_slots,
-                                    cache)
+                                 cache)
         h = rms_norm(x, self.attn_norm, m.config.norm_eps, backend=be)
         bcx = linear(h, self.in_proj, backend=be)  # [n, 3E]: B | C | X
         bx = bcx[:, :E] * bcx[:, 2 * E :]
@@ -81,7 +81,7 @@ class ShortConvLayer(HybridRecurrentLayer):
         graph's device int32 buffer, where a padding row has -1); for a step with a prompt
         chunk, its rows as sequences (`gpu_hybrid.SeqRows`: `hybrid.plan_seq_rows`, the
         conv's sequence kernels). Its arrays come from the step's workspace (`rt.empty`) and
-        its ops take no host values, so a graph captures a decode step as it is."""
+        its ops take no host values, so a graph captures it as it is."""
         from kvshare.ops import gpu_hybrid  # noqa: PLC0415 - GPU path only
         from kvshare.ops import gpu_runtime as rt  # noqa: PLC0415
 

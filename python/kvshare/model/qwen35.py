@@ -92,7 +92,7 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
             # a CUDA graph of it replays) or, with a prompt chunk, the sequence kernels
             dec_rows, dec_slots, prefill = split_batch(plan)
             return self.gpu_step(x, plan_seq_rows(plan, cache) if prefill else dec_slots,
-                                    cache)
+                                 cache)
         xp = be.xp
         eps = cfg.norm_eps
         Hk, Hv, Dk, Dv = m.n_k_heads, m.n_v_heads, m.d_k, m.d_v
@@ -151,7 +151,7 @@ class GatedDeltaNetLayer(HybridRecurrentLayer):
         kernels, which run each sequence's rows in order), the gates, silu + q/k l2 norms
         and the output gate one kernel each (kernels/gdn_decode.cu); its arrays come from
         the step's workspace (`rt.empty`) and its ops take no host values, so a graph
-        captures a decode step as it is."""
+        captures it as it is."""
         from kvshare.ops import gpu_hybrid  # noqa: PLC0415 - GPU path only
         from kvshare.ops import gpu_runtime as rt  # noqa: PLC0415
 
