@@ -242,9 +242,13 @@ def test_seq_rows_checks():
         gpu_hybrid.seq_rows([(0, 4, 2)], 4, 2)
     with pytest.raises(ValueError, match="distinct"):
         gpu_hybrid.seq_rows([(0, 2, 1), (2, 4, 1)], 4, 2)
-    rows = gpu_hybrid.seq_rows([(0, 2, 1), (2, 4, -1)], 4, 2)  # two padding slots are fine
+    rows = gpu_hybrid.seq_rows([(0, 2, 1), (2, 4, -1)], 4, 2)
     assert rows.n_seq == 2 and rows.n_rows == 4
     assert cp.asnumpy(rows.row_seq).tolist() == [0, 0, 1, 1]
+    # any negative slot is a padding sequence's (-1 on the device, not wrapped into a live
+    # int32 slot), and two padding sequences are fine
+    wide = gpu_hybrid.seq_rows([(0, 1, -(2**32) + 1), (1, 2, -7), (2, 4, 0)], 4, 2)
+    assert cp.asnumpy(wide.slots).tolist() == [-1, -1, 0]
     x = cp.zeros((4, 8), np.float32)
     w = cp.zeros((8, 3), np.float32)
     st = cp.zeros((2, 1, 2, 8), np.float32)
@@ -252,6 +256,8 @@ def test_seq_rows_checks():
         gpu_hybrid.causal_conv1d_seq_slots(x[:3], w, st, rows, 0)
     with pytest.raises(IndexError):
         gpu_hybrid.causal_conv1d_seq_slots(x, w, st, rows, 1)
+    with pytest.raises(ValueError, match="must not be x"):
+        gpu_hybrid.causal_conv1d_seq_slots(x, w, st, rows, 0, out=x)
 
 
 # --- lfm2's and qwen35's decode on the GPU -----------------------------------------------------

@@ -611,6 +611,11 @@ class StepGraphs:
                     # the kept rows, as the eager step)
                     g = cache.group_of(L.attn_index)
                     kc, vc = cache.layer_kv(L.attn_index)
+                    if last and shape.rows == 0:
+                        # K/V stored, nothing more read (as the eager step)
+                        model._gated_qkv(L, x, *ropes[(L.rope_base, L.rope_scale)],  # noqa: SLF001
+                                         d[f"slots{g}"], kc, vc)
+                        return None
                     keep = last and shape.gather
                     static = (rstatics if keep else statics)[(g, int(L.window))]
                     x = attention_step(

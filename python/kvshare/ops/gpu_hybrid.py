@@ -99,7 +99,7 @@ def seq_rows(spans: Sequence[tuple[int, int, int]], n_rows: int, n_slots: int) -
     h = np.full(3 * n_seq + int(n_rows), -1, np.int64)
     owner = h[3 * n_seq :]
     for s, (r0, r1, slot) in enumerate(spans):
-        r0, r1, slot = int(r0), int(r1), int(slot)
+        r0, r1, slot = int(r0), int(r1), max(-1, int(slot))  # (any negative slot: padding)
         if not 0 <= r0 <= r1 <= n_rows:
             raise ValueError(f"sequence {s}'s rows [{r0}, {r1}) are outside [0, {n_rows})")
         if (owner[r0:r1] >= 0).any():
@@ -335,7 +335,8 @@ def causal_conv1d_seq_slots(x: Any, weight: Any, states_all: Any, rows: SeqRows,
     outputs, then the states), `conv_impl`'s arithmetic in its order: the outputs and states
     of NumPy's op on each sequence, bit for bit. x `[B, C]` (any row stride), weight `[C, K]`
     (K >= 2), `states_all` `[n_slots, n_rec, K-1, C]`; a row of a padding sequence (slot < 0)
-    gets zeros. Returns `[B, C]` (`rt.empty`), or writes it into `out`."""
+    gets zeros. Returns `[B, C]` (`rt.empty`), or writes it into `out`, which must not
+    overlap x (a row's output would overwrite a later row's input)."""
     cp = cupy_module()
     x, weight, st = _conv_inputs(cp, x, weight, states_all)
     B, C = (int(s) for s in x.shape)
@@ -345,6 +346,8 @@ def causal_conv1d_seq_slots(x: Any, weight: Any, states_all: Any, rows: SeqRows,
     if rows.n_rows != B:
         raise ValueError(f"{rows.n_rows} rows of sequences for {B} rows")
     out = _gdn_out(cp, out, (B, C), "out")
+    if out is x:
+        raise ValueError("out must not be x: the sequence kernels read earlier rows' inputs")
     if B == 0 or C == 0:
         return out
     ss = rt.estrides(st)
