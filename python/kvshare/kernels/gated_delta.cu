@@ -49,6 +49,23 @@ __device__ __forceinline__ float gd_warps_sum(const float (*part)[GD_COLS], int 
     return v;
 }
 
+// A thread's rows i0 .. i0 + n_rows - 1 of column j of S into registers, and back.
+__device__ __forceinline__ void gd_reg_load(float (&s)[GD_REG], const float* S, i64 st_k,
+                                            int j, int i0, int n_rows)
+{
+#pragma unroll
+    for (int r = 0; r < GD_REG; ++r)
+        if (r < n_rows) s[r] = S[(i64)(i0 + r) * st_k + j];
+}
+
+__device__ __forceinline__ void gd_reg_store(const float (&s)[GD_REG], float* S, i64 st_k,
+                                             int j, int i0, int n_rows)
+{
+#pragma unroll
+    for (int r = 0; r < GD_REG; ++r)
+        if (r < n_rows) S[(i64)(i0 + r) * st_k + j] = s[r];
+}
+
 // One token on a thread's REG-resident state values s (rows i0 .. i0 + n_rows - 1 of column
 // j): both kernels' register path, so that they run the same arithmetic in the same order.
 __device__ __forceinline__ void gd_token_reg(
@@ -152,18 +169,10 @@ extern "C" __global__ void __launch_bounds__(128) gated_delta_step_f32(
     const int n_rows = min(Dk, i0 + R) - i0;
     if (R <= GD_REG) {
         float sr[GD_REG];
-        if (col_ok) {
-#pragma unroll
-            for (int r = 0; r < GD_REG; ++r)
-                if (r < n_rows) sr[r] = S[(i64)(i0 + r) * st_k + j];
-        }
+        if (col_ok) gd_reg_load(sr, S, st_k, j, i0, n_rows);
         gd_token_reg(sr, qr, kr, j, col_ok, i0, n_rows, eg, vj, bt, scale, orow, part, lane,
                      wid);
-        if (col_ok) {
-#pragma unroll
-            for (int r = 0; r < GD_REG; ++r)
-                if (r < n_rows) S[(i64)(i0 + r) * st_k + j] = sr[r];
-        }
+        if (col_ok) gd_reg_store(sr, S, st_k, j, i0, n_rows);
     } else {
         gd_step_global(qr, kr, S, st_k, j, col_ok, i0, n_rows, eg, vj, bt, scale, orow, part,
                        lane, wid);
@@ -230,11 +239,7 @@ extern "C" __global__ void __launch_bounds__(128) gated_delta_seq_f32(
     const int n_rows = min(Dk, i0 + R) - i0;
     const bool reg = R <= GD_REG;
     float sr[GD_REG];  // the thread's rows of its column, across all tokens (when reg)
-    if (reg && col_ok) {
-#pragma unroll
-        for (int r = 0; r < GD_REG; ++r)
-            if (r < n_rows) sr[r] = S[(i64)(i0 + r) * st_k + j];
-    }
+    if (reg && col_ok) gd_reg_load(sr, S, st_k, j, i0, n_rows);
     for (int t0 = 0; t0 < n; t0 += tile) {
         const int tn = min(tile, n - t0);
         // (every read of the previous tile came before its last token's second barrier,
@@ -269,9 +274,5 @@ extern "C" __global__ void __launch_bounds__(128) gated_delta_seq_f32(
                                part, lane, wid);
         }
     }
-    if (reg && col_ok) {
-#pragma unroll
-        for (int r = 0; r < GD_REG; ++r)
-            if (r < n_rows) S[(i64)(i0 + r) * st_k + j] = sr[r];
-    }
+    if (reg && col_ok) gd_reg_store(sr, S, st_k, j, i0, n_rows);
 }

@@ -439,7 +439,7 @@ class StepGraphs:
                                         for c in chunks]
             h["state_slots"][n_seq:] = -1
         if self.recurrent and shape.prefill:
-            _stage_seqs(inp, chunks, plan, n_tok)
+            _stage_seqs(inp, chunks, plan, n_tok, h["state_slots"][:n_seq])
         real = gpu.pa_tiles(plan.q_starts, plan.start_positions, b.gc, b.cta_rows)
         _fill_tiles(h["tiles"], real, n_tok, int(plan.positions[0]))
         gather = shape.gather
@@ -747,16 +747,18 @@ class StepGraphs:
         return n
 
 
-def _stage_seqs(inp: StepInputs, chunks: Sequence[SeqChunk], plan: Any, n_tok: int) -> None:
+def _stage_seqs(inp: StepInputs, chunks: Sequence[SeqChunk], plan: Any, n_tok: int,
+                state_slots: np.ndarray) -> None:
     """A hybrid prefill shape's sequences (`StepInputs.seq_views`) in the staging copy: each
-    chunk's rows and state slot; the shape's padding sequences empty (slot -1); the last
-    one holding the padding rows (slot -1: zeros out, no state touched)."""
+    chunk's rows and state slot (`state_slots`, as staged for the decode kernels); the
+    shape's padding sequences empty (slot -1); the last one holding the padding rows (slot
+    -1: zeros out, no state touched)."""
     row0, count, slots, row_seq = inp.seq_views(host=True)
     n_seq, n_pad = len(chunks), len(count) - 1
     lens = [c.n for c in chunks]
     row0[:n_seq] = plan.q_starts[:n_seq]
     count[:n_seq] = lens
-    slots[:n_seq] = [-1 if c.state_slot is None else c.state_slot for c in chunks]
+    slots[:n_seq] = state_slots
     row0[n_seq:] = n_tok
     count[n_seq:] = 0
     count[n_pad] = len(row_seq) - n_tok

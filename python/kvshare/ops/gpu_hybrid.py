@@ -161,13 +161,27 @@ def _slots_and_out(cp: Any, states_all: Any, rec_index: int, slots: Any, out: An
                    shape: tuple[int, ...]) -> tuple[Any, Any]:
     """A decode op's checked layer index, its device slots (one per row: `shape[0]`) and
     its output: `out` checked (float32, `shape`, unit last stride), or a new `rt.empty`."""
-    n_slots, n_rec = int(states_all.shape[0]), int(states_all.shape[1])
-    if not 0 <= int(rec_index) < n_rec:
-        raise IndexError(f"recurrent layer {rec_index} out of range [0, {n_rec})")
-    d_slots = _device_slots(cp, slots, n_slots)
+    _check_rec_index(states_all, rec_index)
+    d_slots = _device_slots(cp, slots, int(states_all.shape[0]))
     if int(d_slots.size) != shape[0]:
         raise ValueError(f"{int(d_slots.size)} slots for {shape[0]} rows")
     return d_slots, _gdn_out(cp, out, shape, "out")
+
+
+def _rows_and_out(cp: Any, states_all: Any, rec_index: int, rows: SeqRows, out: Any,
+                  shape: tuple[int, ...]) -> Any:
+    """A sequence op's checks (its layer index; `rows` of its `shape[0]` rows) and its
+    output: `out` checked (float32, `shape`, unit last stride), or a new `rt.empty`."""
+    _check_rec_index(states_all, rec_index)
+    if rows.n_rows != shape[0]:
+        raise ValueError(f"{rows.n_rows} rows of sequences for {shape[0]} rows")
+    return _gdn_out(cp, out, shape, "out")
+
+
+def _check_rec_index(states_all: Any, rec_index: int) -> None:
+    n_rec = int(states_all.shape[1])
+    if not 0 <= int(rec_index) < n_rec:
+        raise IndexError(f"recurrent layer {rec_index} out of range [0, {n_rec})")
 
 
 def _gd_inputs(cp: Any, q: Any, k: Any, v: Any, g: Any, beta: Any, st: Any
@@ -248,13 +262,9 @@ def gated_delta_seq_slots(q: Any, k: Any, v: Any, g: Any, beta: Any, states_all:
     B, Hk, Dk = (int(s) for s in q.shape)
     H, Dv = int(v.shape[1]), int(v.shape[2])
     st = states_all
-    if not 0 <= int(rec_index) < int(st.shape[1]):
-        raise IndexError(f"recurrent layer {rec_index} out of range [0, {int(st.shape[1])})")
-    if rows.n_rows != B:
-        raise ValueError(f"{rows.n_rows} rows of sequences for {B} rows")
     if Dk > GD_QK_TILE:
         raise NotImplementedError(f"key heads of {Dk} > {GD_QK_TILE} values")
-    out = _gdn_out(cp, out, (B, H, Dv), "out")
+    out = _rows_and_out(cp, st, rec_index, rows, out, (B, H, Dv))
     if B == 0 or H == 0 or Dv == 0:
         return out
     tile = max(1, min(GD_TILE, GD_QK_TILE // max(1, Dk)))
@@ -341,11 +351,7 @@ def causal_conv1d_seq_slots(x: Any, weight: Any, states_all: Any, rows: SeqRows,
     x, weight, st = _conv_inputs(cp, x, weight, states_all)
     B, C = (int(s) for s in x.shape)
     K = int(weight.shape[1])
-    if not 0 <= int(rec_index) < int(st.shape[1]):
-        raise IndexError(f"recurrent layer {rec_index} out of range [0, {int(st.shape[1])})")
-    if rows.n_rows != B:
-        raise ValueError(f"{rows.n_rows} rows of sequences for {B} rows")
-    out = _gdn_out(cp, out, (B, C), "out")
+    out = _rows_and_out(cp, st, rec_index, rows, out, (B, C))
     if out is x:
         raise ValueError("out must not be x: the sequence kernels read earlier rows' inputs")
     if B == 0 or C == 0:
