@@ -536,7 +536,9 @@ def test_agents_sdk_three_turns_reuse_the_prefix(server):
         return r1, r2, r3
 
     r1, r2, r3 = asyncio.run(main())
-    assert calls == ["Paris"], calls
+    # the one forced call names the city asked about; its exact spelling is the model's
+    # ("Paris" here, "Paris, France" on a CPU whose kernels round differently)
+    assert len(calls) == 1 and "Paris" in calls[0], calls
     assert isinstance(r2.final_output, str) and r2.final_output.strip()
     assert isinstance(r3.final_output, str) and r3.final_output.strip()
     assert len(wire) == 3, [w["response"] for w in wire]
