@@ -219,10 +219,18 @@ def test_gated_delta_launch_constants_match_the_cuda_source():
 def test_mma_attention_launch_constants_match_the_cuda_source():
     src = kernels.source("paged_attention_mma")
     nw = _define(src, "PM_NW")
-    assert nw * 32 == gpu.PM_THREADS
-    assert nw * 16 == gpu.PM_ROWS  # one 16-row mma tile per warp
+    assert nw * 16 == gpu.PM_ROWS  # one 16-row mma tile per row group
+    # each entry point: the block size the host launches = its launch bound = PM_NW row
+    # groups of DS warps; its head size is the template's
+    entries = {int(m[1]): (int(m[0]), int(m[2]), int(m[3])) for m in re.findall(
+        r"__launch_bounds__\((\d+)\) paged_attn_mma_f16_hd(\d+)\(PM_PARAMS\) "
+        r"\{ paged_attn_mma_impl<\2, (\d+), (\d+)>", src)}
+    assert sorted(entries) == sorted(gpu.PM_HD)
     for hd in gpu.PM_HD:
         assert f"paged_attn_mma_f16_hd{hd}" in gpu.ENTRY_POINTS["paged_attention_mma"]
+        bound, ds, bn = entries[hd]
+        assert bound == gpu.pm_threads(hd) == nw * ds * 32, hd
+        assert bn <= bound and bn % 16 == 0  # one thread per key resolves the key tile
     # the tiles the host cuts for it hold PM_ROWS rows of (token, head)
     tiles = gpu.pa_tiles(np.array([0, 100]), np.array([7]), 2, gpu.PM_ROWS)
     assert tiles[:, 2].max() == gpu.PM_ROWS // 2 and tiles[:, 2].sum() == 100

@@ -1,7 +1,7 @@
 """The tensor-core paged attention for prefill chunks (kernels/paged_attention_mma.cu) against
 the NumPy op and the float64 dense oracle: grouped-query heads from 1 to 8 per KV head (and
-more heads than a CTA holds), head sizes 64, 80, 112 and 128, block sizes 8 / 16 / 32, sliding windows,
-prompts from position 0 and chunks in mid-sequence, key ranges of several 64-key tiles, decode
+more heads than a CTA holds), head sizes 64, 80, 112, 128 and 256, block sizes 8 / 16 / 32,
+sliding windows, prompts from position 0 and chunks in mid-sequence, key ranges of several 64-key tiles, decode
 rows in the same launch, attention sinks, strided q and `out`; and which launches the host
 sends to it.
 Marked `gpu`: skipped without a CUDA device (conftest); CI runs it on the CPU emulator.
@@ -76,6 +76,8 @@ CONFIGS = [
     (8, 2, 80, 16),    # the other head sizes the kernels have (multiples of 16 up to 128)
     (6, 2, 112, 8),
     (96, 1, 64, 16),   # more query heads than a CTA holds: head chunks
+    (4, 1, 256, 16),   # Gemma 3 270M (head size 256: two warps a row group, 32-key tiles)
+    (16, 2, 256, 32),  # Qwen3.5's gated attention: 8 per KV head
 ]
 
 
@@ -102,7 +104,8 @@ def test_mma_attention_matches_numpy_and_the_oracle(be, n_head, n_kv, hd, bs, wi
 
 
 @pytest.mark.parametrize("window", [0, 40])
-@pytest.mark.parametrize("n_head,n_kv,hd,bs", [(8, 2, 64, 16), (16, 8, 128, 16)])
+@pytest.mark.parametrize("n_head,n_kv,hd,bs",
+                         [(8, 2, 64, 16), (16, 8, 128, 16), (8, 2, 256, 16)])
 def test_mma_attention_with_sinks(be, n_head, n_kv, hd, bs, window):
     """gpt-oss's sinks: one logit per query head in the softmax's denominator (the oracle's
     and the CPU op's), host and device arrays; a sink far above the scores leaves its head

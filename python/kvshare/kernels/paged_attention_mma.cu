@@ -1,20 +1,24 @@
 // Paged attention on tensor cores for prefill chunks: the same contract as paged_attention.cu's
 // kernels (the same q, cache, block-table and `tiles` inputs from kvshare.ops.gpu.pa_tiles, the
 // same masks; no split-KV arguments) for an f16 KV cache and a head size of 64 to 128
-// (multiples of 16), with Q.K^T and P.V as warp-level `mma.sync` products (f16 inputs,
+// (multiples of 16) or 256, with Q.K^T and P.V as warp-level `mma.sync` products (f16 inputs,
 // float32 accumulators) instead of per-lane FMAs: a long prompt's
 // attention is the one part of a prefill that grows with the square of its length.
 //
-// A CTA (PM_NW warps) takes one tile of the host's work split: PM_ROWS (token, head) rows of
-// one KV head, r = token * gc + (g - g0) as in paged_attention.cu; warp w owns rows
-// [16 w, 16 w + 16), the M side of its products. It walks the tile's key range in tiles of
-// PM_BN keys: the keys' K rows and V rows are gathered through the block table into shared
+// A CTA takes one tile of the host's work split: PM_ROWS (token, head) rows of one KV head,
+// r = token * gc + (g - g0) as in paged_attention.cu, in PM_NW row groups of 16 rows (the M
+// side of the products). Up to head size 128 a row group is one warp; at 256 it is DS = 2
+// warps, each computing the group's scores (the same values, so the same softmax) and half of
+// its output dims: a warp's output accumulators are then 64 registers, not 128, beside its
+// 64 of q (llama.cpp's kernel keeps 8 query columns a warp at that size, to the same end).
+// It walks the tile's key range in tiles of BN keys (64; 32 at 256, so that K and V^T stay
+// within 48 KB of static shared memory): the keys' K rows and V rows are gathered through the block table into shared
 // memory (K as is, V transposed, both padded so that the fragment loads below are free of bank
 // conflicts; keys that are masked or whose block is invalid are stored as zeros, never read),
-// then each warp computes its 16 x PM_BN scores S = Q K^T, masks them, updates the running
+// then each warp computes its 16 x BN scores S = Q K^T, masks them, updates the running
 // max and sum of each row (online softmax in the log2 domain, as paged_attention.cu; q is
 // pre-multiplied by scale * log2(e) before it is rounded to f16), rounds P to f16 and adds
-// P V to its 16 x HD output. Differences from paged_attention.cu: q and P are rounded to f16
+// P V to its 16 x (HD / DS) output. Differences from paged_attention.cu: q and P are rounded to f16
 // for the products (llama.cpp's CUDA flash attention does the same), and there is no split-KV
 // (a prefill chunk has tiles enough to fill the GPU); the host sends the launches that need
 // it (decode steps), f32 caches and other head sizes to paged_attention.cu. Sinks (gpt-oss):
@@ -30,10 +34,8 @@
 // So the C fragments of two adjacent 8-key score tiles are, once rounded to f16, the A
 // fragment of P for those 16 keys (no shuffle between the two products).
 
-#define PM_NW 4                    // warps per CTA
-#define PM_THREADS (PM_NW * KVS_WARP)
-#define PM_ROWS (PM_NW * 16)       // (token, head) rows per CTA: 16 per warp
-#define PM_BN 64                   // keys per tile
+#define PM_NW 4                    // row groups per CTA
+#define PM_ROWS (PM_NW * 16)       // (token, head) rows per CTA: 16 per row group
 #define PM_KPAD 8                  // f16 padding of a shared K row / V^T row
 #define PM_LOG2E 1.4426950408889634f  // sinks are natural-log logits; scores are in the log2 domain
 
@@ -64,7 +66,8 @@ __device__ __forceinline__ unsigned pm_pack(float lo, float hi) {
     return (unsigned)kvs_f2h(lo) | ((unsigned)kvs_f2h(hi) << 16);
 }
 
-template <int HD>
+// HD: head size; DS: warps per row group (each takes HD / DS output dims); BN: keys per tile.
+template <int HD, int DS, int BN>
 __device__ __forceinline__ void paged_attn_mma_impl(
     const float* __restrict__ q, i64 q_row_stride, i64 q_head_stride,
     const f16_t* __restrict__ k_cache, const f16_t* __restrict__ v_cache,
@@ -73,19 +76,22 @@ __device__ __forceinline__ void paged_attn_mma_impl(
     int n_head, int n_kv, int block_size, int n_blocks,
     int group_chunk, float qk_scale_log2, int window, const float* __restrict__ sinks)
 {
+    constexpr int THREADS = PM_NW * DS * KVS_WARP;
     constexpr int KS = HD / 16;                 // k-steps of Q K^T
-    constexpr int NT = PM_BN / 8;               // 8-key score tiles per key tile
-    constexpr int ND = HD / 8;                  // 8-dim output tiles
+    constexpr int NT = BN / 8;                  // 8-key score tiles per key tile
+    constexpr int ND = HD / 8 / DS;             // this warp's 8-dim output tiles
     constexpr int K_LD = HD + PM_KPAD;          // f16 per shared K row
-    constexpr int V_LD = PM_BN + PM_KPAD;       // f16 per shared V^T row
+    constexpr int V_LD = BN + PM_KPAD;          // f16 per shared V^T row
     constexpr int VEC = 8;                      // f16 per 16-byte global load
-    __shared__ __align__(16) f16_t Ks[PM_BN * K_LD];
+    static_assert(HD % (8 * DS) == 0 && BN % 16 == 0 && BN <= THREADS, "mma tile shape");
+    __shared__ __align__(16) f16_t Ks[BN * K_LD];
     __shared__ __align__(16) f16_t Vt[HD * V_LD];
-    __shared__ i64 koff[PM_BN];
+    __shared__ i64 koff[BN];
 
     const int tid = threadIdx.x;
     const int lane = tid & (KVS_WARP - 1);
-    const int warp = tid >> 5;
+    const int grp = (tid >> 5) / DS;            // the row group
+    const int d0 = ((tid >> 5) % DS) * ND * 8;  // the first of this warp's output dims
     const int g = lane >> 2, t = lane & 3;
 
     const KvsAttnTile tile = kvs_attn_tile(tiles, n_head, n_kv, group_chunk);
@@ -96,12 +102,12 @@ __device__ __forceinline__ void paged_attn_mma_impl(
     const int ke = pos0 + nr;                   // one past the last key any row may see
     const int kb = window > 0 ? max(0, pos0 - window + 1) : 0;
 
-    // this thread's two rows: ra = 16 warp + g, rb = ra + 8
+    // this thread's two rows: ra = 16 grp + g, rb = ra + 8
     int rpos[2];
     bool rvalid[2];
     const float* qrow[2];
     for (int i = 0; i < 2; ++i) {
-        const int r = 16 * warp + g + 8 * i;
+        const int r = 16 * grp + g + 8 * i;
         rvalid[i] = r < n_rows;
         const int rr = rvalid[i] ? r : 0;
         const int tok = rr / gc;
@@ -135,9 +141,9 @@ __device__ __forceinline__ void paged_attn_mma_impl(
 
     const int* bt = block_tables + (i64)seq * bt_width;
     const i64 kv_row = (i64)n_kv * HD;          // elements per cache row (all KV heads)
-    for (int kt0 = kb; kt0 < ke; kt0 += PM_BN) {
+    for (int kt0 = kb; kt0 < ke; kt0 += BN) {
         __syncthreads();                        // the previous tile's readers are done
-        if (tid < PM_BN) {
+        if (tid < BN) {
             const int kp = kt0 + tid;
             i64 off = -1;
             if (kp < ke) {
@@ -151,9 +157,9 @@ __device__ __forceinline__ void paged_attn_mma_impl(
         __syncthreads();
         // consecutive threads take consecutive keys (one 16-byte piece of each): the
         // transposed V stores of a warp then fall in consecutive words
-        for (int idx = tid; idx < PM_BN * (HD / VEC); idx += PM_THREADS) {
-            const int key = idx % PM_BN;
-            const int d = (idx / PM_BN) * VEC;
+        for (int idx = tid; idx < BN * (HD / VEC); idx += THREADS) {
+            const int key = idx % BN;
+            const int d = (idx / BN) * VEC;
             const i64 off = koff[key];
             uint4 kw = make_uint4(0u, 0u, 0u, 0u), vw = make_uint4(0u, 0u, 0u, 0u);
             if (off >= 0) {
@@ -170,7 +176,7 @@ __device__ __forceinline__ void paged_attn_mma_impl(
         }
         __syncthreads();
 
-        // S = Q K^T for this warp's 16 rows and the tile's PM_BN keys
+        // S = Q K^T for this warp's 16 rows and the tile's BN keys
         float sc[NT][4];
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
@@ -229,7 +235,7 @@ __device__ __forceinline__ void paged_attn_mma_impl(
         // O += P V
 #pragma unroll
         for (int n = 0; n < ND; ++n) {
-            const unsigned* vrow = reinterpret_cast<const unsigned*>(&Vt[(8 * n + g) * V_LD]);
+            const unsigned* vrow = reinterpret_cast<const unsigned*>(&Vt[(d0 + 8 * n + g) * V_LD]);
 #pragma unroll
             for (int s = 0; s < NT / 2; ++s) {
                 const unsigned b[2] = {vrow[8 * s + t], vrow[8 * s + 4 + t]};
@@ -248,7 +254,7 @@ __device__ __forceinline__ void paged_attn_mma_impl(
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         if (!rvalid[i]) continue;
-        const int r = 16 * warp + g + 8 * i;
+        const int r = 16 * grp + g + 8 * i;
         const int tok = r / gc;
         const int h = kvh * G + g0 + r % gc;
         float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
@@ -262,8 +268,8 @@ __device__ __forceinline__ void paged_attn_mma_impl(
         float* orow = out + ((i64)(row0 + tok) * n_head + h) * HD;
 #pragma unroll
         for (int n = 0; n < ND; ++n) {
-            orow[8 * n + 2 * t] = o[n][2 * i] * inv;
-            orow[8 * n + 2 * t + 1] = o[n][2 * i + 1] * inv;
+            orow[d0 + 8 * n + 2 * t] = o[n][2 * i] * inv;
+            orow[d0 + 8 * n + 2 * t + 1] = o[n][2 * i + 1] * inv;
         }
     }
 }
@@ -278,10 +284,12 @@ __device__ __forceinline__ void paged_attn_mma_impl(
     out, n_head, n_kv, block_size, n_blocks, group_chunk, qk_scale_log2, window, sinks
 
 // Entry points: f16 cache x head_dim 64 / 80 / 96 / 112 / 128 (any multiple of 16 up to 128:
-// the padded shared rows stay 16-byte aligned and conflict-free for each).
-// kvshare.ops.gpu.ENTRY_POINTS lists these names.
-extern "C" __global__ void __launch_bounds__(PM_THREADS) paged_attn_mma_f16_hd64(PM_PARAMS) { paged_attn_mma_impl<64>(PM_ARGS); }
-extern "C" __global__ void __launch_bounds__(PM_THREADS) paged_attn_mma_f16_hd80(PM_PARAMS) { paged_attn_mma_impl<80>(PM_ARGS); }
-extern "C" __global__ void __launch_bounds__(PM_THREADS) paged_attn_mma_f16_hd96(PM_PARAMS) { paged_attn_mma_impl<96>(PM_ARGS); }
-extern "C" __global__ void __launch_bounds__(PM_THREADS) paged_attn_mma_f16_hd112(PM_PARAMS) { paged_attn_mma_impl<112>(PM_ARGS); }
-extern "C" __global__ void __launch_bounds__(PM_THREADS) paged_attn_mma_f16_hd128(PM_PARAMS) { paged_attn_mma_impl<128>(PM_ARGS); }
+// the padded shared rows stay 16-byte aligned and conflict-free for each), 128 threads; and
+// 256 (Gemma 3's, Qwen3.5's gated attention), 256 threads: two warps a row group.
+// kvshare.ops.gpu.ENTRY_POINTS lists these names and gpu.pm_threads their block sizes.
+extern "C" __global__ void __launch_bounds__(128) paged_attn_mma_f16_hd64(PM_PARAMS) { paged_attn_mma_impl<64, 1, 64>(PM_ARGS); }
+extern "C" __global__ void __launch_bounds__(128) paged_attn_mma_f16_hd80(PM_PARAMS) { paged_attn_mma_impl<80, 1, 64>(PM_ARGS); }
+extern "C" __global__ void __launch_bounds__(128) paged_attn_mma_f16_hd96(PM_PARAMS) { paged_attn_mma_impl<96, 1, 64>(PM_ARGS); }
+extern "C" __global__ void __launch_bounds__(128) paged_attn_mma_f16_hd112(PM_PARAMS) { paged_attn_mma_impl<112, 1, 64>(PM_ARGS); }
+extern "C" __global__ void __launch_bounds__(128) paged_attn_mma_f16_hd128(PM_PARAMS) { paged_attn_mma_impl<128, 1, 64>(PM_ARGS); }
+extern "C" __global__ void __launch_bounds__(256) paged_attn_mma_f16_hd256(PM_PARAMS) { paged_attn_mma_impl<256, 2, 32>(PM_ARGS); }

@@ -32,7 +32,8 @@ from kvshare.ops.gpu_runtime import ELEMWISE_THREADS, ROWS_PER_BLOCK
 _OWN_ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "paged_attention": tuple(f"paged_attn_{dt}_{hd}" for dt in ("f16", "f32")
                              for hd in ("hd64", "hd128", "hd256", "hdx")) + ("paged_attn_combine",),
-    "paged_attention_mma": tuple(f"paged_attn_mma_f16_hd{hd}" for hd in (64, 80, 96, 112, 128)),
+    "paged_attention_mma": tuple(f"paged_attn_mma_f16_hd{hd}"
+                                 for hd in (64, 80, 96, 112, 128, 256)),
     "kv_write": ("kv_write_f16", "kv_write_f32"),
     "rope": ("rope_f32", "rope_cos_sin_f32", "rope_cos_sin_yarn_f32"),
     "qkv_rope": ("qkv_rope_write_f16", "qkv_rope_write_f32"),
@@ -61,9 +62,16 @@ PA_MAXD = 512  # largest head_dim of the generic kernels
 PA_SPLIT_KEYS = 2 * PA_BN
 PA_SPECIALISED_HD = (64, 128, 256)
 # paged_attention_mma.cu: the tensor-core kernels for prefill chunks
-PM_THREADS = 128  # PM_NW * 32
-PM_ROWS = 64  # (token, head) rows per CTA: 16 per warp
-PM_HD = (64, 80, 96, 112, 128)  # head sizes it has (f16 caches)
+PM_ROWS = 64  # (token, head) rows per CTA: 4 row groups of 16
+PM_HD = (64, 80, 96, 112, 128, 256)  # head sizes it has (f16 caches)
+PM_WIDE_HD = 256  # its kernel has two warps a row group (each half of the output dims)
+
+
+def pm_threads(hd: int) -> int:
+    """Threads per CTA of the tensor-core kernel for head size `hd`: a warp per row group up
+    to 128, two at 256."""
+    return 256 if hd == PM_WIDE_HD else 128
+
 # A launch goes to the tensor-core kernels when some sequence brings at least this many query
 # tokens (a prefill chunk; decode rows would fill a 16-row product with one token's heads).
 PM_MIN_TOKENS = 16
@@ -365,7 +373,7 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     `sinks`: float32 `[n_head]` sink logits (host arrays are uploaded once per content; the
     launch then always goes through `paged_attn_combine`, which adds them) or None.
     A launch with a prefill chunk (`PM_MIN_TOKENS` query tokens or more in one sequence) on
-    an f16 cache of a head size in `PM_HD` (64 to 128, multiples of 16) runs on the
+    an f16 cache of a head size in `PM_HD` (64 to 128, multiples of 16, and 256) runs on the
     tensor-core kernels (kernels/paged_attention_mma.cu: q and P rounded to f16 for the
     products); the rest on the FMA kernels (kernels/paged_attention.cu)."""
     cp = cupy_module()
@@ -403,7 +411,7 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, q_sta
     qs = rt.estrides(q)
     if plan.mma:
         rt.kernel("paged_attention_mma", f"paged_attn_mma_f16_hd{hd}")(
-            (plan.n_tiles, n_kv * plan.n_gchunks, 1), (PM_THREADS, 1, 1),
+            (plan.n_tiles, n_kv * plan.n_gchunks, 1), (pm_threads(hd), 1, 1),
             (q, np.int64(qs[0]), np.int64(qs[1]), k_cache, v_cache, plan.tables,
              np.int32(plan.width), plan.tiles, res, np.int32(n_head), np.int32(n_kv),
              np.int32(bs), np.int32(nb), np.int32(plan.gc), np.float32(float(scale) * _LOG2E),
