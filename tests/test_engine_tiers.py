@@ -310,6 +310,67 @@ def test_hybrid_conversation_survives_a_restart_on_disk(hybrid, tmp_path):
     eng3.shutdown(timeout=1)
 
 
+class _RecordingDisk:
+    """The disk store, recording the thread each `submit` runs on."""
+
+    def __init__(self, inner):
+        self.inner, self.threads = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def submit(self, *args, **kw):
+        import threading  # noqa: PLC0415
+
+        self.threads.append(threading.current_thread().name)
+        return self.inner.submit(*args, **kw)
+
+
+def test_hybrid_save_reads_the_pool_once_and_writes_on_the_saver_thread(hybrid, tmp_path,
+                                                                       monkeypatch):
+    """A hybrid's save takes the blocks RAM and disk lack out of the pool in one read
+    (`read_blocks_later`, as an attention-only save does), and its RAM puts and disk submit
+    (which copies and checksums the payload) run on the saver thread, not the engine's: the
+    save read the pool again for the disk and submitted there."""
+    eng = engine(hybrid, kv_blocks=256, cache_ram_mib=4, cache_dir=str(tmp_path))
+    kv, tiers = eng.tiers.kv, eng.tiers
+    disk = tiers.disk = _RecordingDisk(tiers.disk)
+    calls = {"read_blocks_later": 0, "read_blocks": 0}
+
+    def count(obj, name):
+        inner = getattr(obj, name)
+
+        def counted(*args, **kw):
+            calls[name] += 1
+            return inner(*args, **kw)
+
+        monkeypatch.setattr(obj, name, counted)
+
+    for obj, name in ((kv, "read_blocks_later"), (kv, "read_blocks")):
+        count(obj, name)
+    save_hybrid, in_saves = tiers.save_hybrid, []
+
+    def save(*args, **kw):  # the pool reads the engine thread makes in a save
+        before = dict(calls)
+        save_hybrid(*args, **kw)
+        in_saves.append({k: calls[k] - before[k] for k in calls})
+
+    monkeypatch.setattr(tiers, "save_hybrid", save)
+    system = "You are the deploy agent. Tools: plan(x), apply(x), diff(x). " * 3
+    serve(eng, chat_request(eng, system, "Deploy the staging stack.", n=7))
+    tiers.flush()
+    # one bulk read (on the CPU it reads the pool through read_blocks, once)
+    assert in_saves == [{"read_blocks_later": 1, "read_blocks": 1}], in_saves
+    assert disk.threads and all(t.startswith("kvshare-save") for t in disk.threads), disk.threads
+    eng.shutdown(timeout=1)
+    # what it wrote comes back after a restart
+    eng2 = engine(hybrid, kv_blocks=256, cache_dir=str(tmp_path))
+    got, fin = serve(eng2, chat_request(eng2, system, "Deploy the staging stack.", n=7))
+    assert fin.timings.cache_n > 0
+    assert eng2.snapshot()["tiers"]["disk"]["checkpoints_served"] == 1
+    eng2.shutdown(timeout=1)
+
+
 def test_cache_point_pins_a_conversation_past_its_first_user_message(tiny):
     """A client's cache breakpoint (Anthropic cache_control, a stored Responses conversation)
     at the end of a later message pins the full blocks up to it, not only the prefix entry:

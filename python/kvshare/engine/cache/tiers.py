@@ -453,8 +453,10 @@ class TierManager:
     def save_hybrid(self, keys: list[bytes], block_table: list[int], checkpoints,
                     prefix_tokens: int = 0) -> None:
         """Save the blocks up to the deepest block-aligned checkpoint among `checkpoints`, and
-        those checkpoints (RAM: the shared object; disk: inside the entry). The prefix entry
-        (blocks and checkpoint at `prefix_tokens`, block aligned) is pinned in RAM."""
+        those checkpoints (RAM: the shared object; disk and the shared tier: inside the entry).
+        The prefix entry (blocks and checkpoint at `prefix_tokens`, block aligned) is pinned in
+        RAM. As `save`: here only the blocks some tier lacks are taken out of the pool, in one
+        read (`read_blocks_later`); the puts, pins and submits run on the saver thread."""
         bs = self.block_size
         limit = min(len(keys), len(block_table))
         by_key = {c.key: c for c in checkpoints
@@ -463,33 +465,41 @@ class TierManager:
         if not cks:
             return
         n = cks[-1].position // bs
-        ram = self.ram
-        if ram is not None and self.finished_to_ram:
-            prefix = next((c for c in cks if prefix_tokens and c.position == prefix_tokens), None)
-            ram_keys = list(keys[:n])
+        keys = list(keys[:n])
+        ram, disk, remote = self.ram, self.disk, self.remote
+        to_ram = ram is not None and self.finished_to_ram
+        ram_missing = self._ram_missing(keys) if to_ram else []
+        stored = disk.stored_prefix(keys) if disk is not None else n
+        # the shared tier takes the checkpoints even where it holds every block
+        to_remote = remote is not None and n * bs >= self.remote_min_tokens
+        remote_from = remote.first_unknown(keys) if remote is not None and to_remote else n
+        first = min(ram_missing[0] if ram_missing else n, stored, remote_from)
+        read = self.kv.read_blocks_later(block_table[first:n]) if first < n else None
+        prefix = next((c for c in cks if prefix_tokens and c.position == prefix_tokens), None)
 
-            def checkpoints() -> None:
+        def job() -> None:
+            # the blocks keys[first:] (none: every tier holds them all)
+            host = read() if read is not None else np.empty(0, np.uint8)
+            if remote is not None and to_remote:
+                remote.submit(keys[remote_from:],
+                              host[remote_from - first:] if remote_from < n else None,
+                              [(keys[c.position // bs - 1], c.position, c.layout,
+                                np.asarray(c)) for c in cks])
+            if ram is not None and to_ram:
+                self._put_ram(keys, ram_missing, lambda j: host[j - first])
                 for c in cks:
                     with contextlib.suppress(_core.OverBudget):
                         ram.put_checkpoint(c)
                 if prefix is not None:
-                    self.pin_checkpoint(ram_keys, prefix)
+                    self.pin_checkpoint(keys, prefix)
+            if disk is not None:
+                # checkpoints already stored are referenced, not rewritten (the writer skips
+                # an entry with nothing new)
+                disk.submit(keys, _flat_bytes(host[stored - first:]), self.kv.block_nbytes,
+                            n * bs, [(c.position, c.key, c.layout, _flat_bytes(np.asarray(c)))
+                                     for c in cks], stored)
 
-            self._save_ram_later(ram_keys, block_table, checkpoints)
-        if self.remote is not None and n * bs >= self.remote_min_tokens:
-            rf = self.remote.first_unknown(list(keys[:n]))
-            blocks = self.kv.read_blocks(block_table[rf:n]) if rf < n else None
-            self.remote.submit(list(keys[rf:n]), blocks,
-                               [(keys[c.position // bs - 1], c.position, c.layout, np.asarray(c))
-                                for c in cks])
-        if self.disk is not None:
-            stored = self.disk.stored_prefix(keys[:n])
-            payload = self.kv.read_blocks(block_table[stored:n]).reshape(-1).view(np.uint8)
-            # Checkpoints already stored are referenced, not rewritten (the writer skips an
-            # entry with nothing new).
-            self.disk.submit(keys[:n], payload, self.kv.block_nbytes, n * bs,
-                             [(c.position, c.key, c.layout, _flat_bytes(np.asarray(c)))
-                              for c in cks], stored)
+        self._submit_save(job, disk is not None, [keys[j] for j in ram_missing])
 
     def pin_checkpoint(self, keys: list[bytes], ckpt) -> None:
         """Pin a hybrid prefix entry: the blocks up to `ckpt` (held in RAM) and `ckpt` itself."""
