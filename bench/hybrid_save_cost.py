@@ -15,6 +15,13 @@ of 128 x 128, float32) and conv states (3 x 8,192), 79 MB each. Two saves:
 - `next turn`: the same conversation --turn-tokens longer (its earlier blocks and checkpoints
   already held in RAM and written to disk: the new blocks and the new tail checkpoint).
 
+And what a reply's decode spends at each of its block boundaries, where the engine keeps the
+state there (so the conversation goes to the tiers resumable a block before its end): a
+snapshot of the slot's state on its device (`KVArrays.snapshot_state`, into the sequence's
+buffer) against a checkpoint made there (`CheckpointManager.save`: the state read to the host,
+joined, copied into the checkpoint), and what the snapshot costs once, when the sequence ends
+(`save_snapshot`).
+
     python bench/hybrid_save_cost.py --out bench/out/hybrid_save_cost.json
 
 Prints a table and writes the JSON (each figure the median of --repeats runs).
@@ -33,6 +40,7 @@ import numpy as np
 
 from kvshare import _core
 from kvshare.backend import get_backend
+from kvshare.engine.cache.checkpoints import CheckpointManager
 from kvshare.engine.cache.tiers import TierManager
 from kvshare.model.config import ATTENTION, ModelConfig
 from kvshare.model.kv_arrays import KVArrays
@@ -92,6 +100,35 @@ def run(kv: KVArrays, n_tokens: int, turn_tokens: int, fp: bytes) -> dict[str, t
     return out
 
 
+def reply_boundary(kv: KVArrays, fp: bytes, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each way to keep the state at a reply's block boundary, `repeats` times."""
+    rng = np.random.default_rng(0)
+    for s in kv.states:
+        s[0] = rng.standard_normal(s.shape[1:], dtype=np.float32)
+    mgr = CheckpointManager(kv, BS, 1, budget_bytes=1 << 40)
+    root = _core.root_key(fp, "f16", BS, None)
+    tokens = [int(t) for t in rng.integers(0, 150000, BS * (repeats + 2))]
+    snap = kv.snapshot_state(0)  # the sequence's buffer, from its first boundary on
+    out: dict[str, list[float]] = {"snapshot": [], "checkpoint": [], "at the end": []}
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        kv.snapshot_state(0, snap)
+        t1 = time.perf_counter()
+        ck = mgr.save(root, tokens, BS * (i + 1), 0)
+        t2 = time.perf_counter()
+        mgr.discard(ck.key)
+        del ck
+        t3 = time.perf_counter()
+        ck = mgr.save_snapshot(root, tokens, BS * (i + 2), snap)
+        t4 = time.perf_counter()
+        mgr.discard(ck.key)
+        del ck
+        out["snapshot"].append(t1 - t0)
+        out["checkpoint"].append(t2 - t1)
+        out["at the end"].append(t4 - t3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=6144)
@@ -115,11 +152,25 @@ def main() -> None:
                      "engine_thread_ms": round(med[0], 2), "until_flushed_ms": round(med[1], 2),
                      "runs": [[round(x * 1e3, 2) for x in r[name]] for r in runs]})
         print(f"{name:>10} {mb:>10.0f} {ck_mb:>15.0f} {med[0]:>17.1f} {med[1]:>17.1f}")
+    block_bytes = kv.block_nbytes
+    del kv
+    states = KVArrays(attention_kv(), 1, BS, kv_dtype="f16", backend=get_backend("cpu"),
+                      n_state_slots=1,
+                      state_shapes=[(N_DELTA, 32, 128, 128), (N_DELTA, 3, 8192)])
+    times = reply_boundary(states, fp, max(3, args.repeats))
+    boundary = {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()}
+    print(f"\nat each block boundary of a reply (state {STATE_BYTES / 1e6:.0f} MB), ms: "
+          f"snapshot {boundary['snapshot']:.1f}, checkpoint {boundary['checkpoint']:.1f}; "
+          f"the snapshot to a checkpoint at the end {boundary['at the end']:.1f}")
     out = Path(args.out) if args.out else Path(__file__).parent / "out" / "hybrid_save_cost.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"block_bytes": kv.block_nbytes, "checkpoint_bytes": STATE_BYTES,
+    out.write_text(json.dumps({"block_bytes": block_bytes,
+                               "checkpoint_bytes": STATE_BYTES,
                                "tokens": args.tokens, "turn_tokens": args.turn_tokens,
-                               "rows": rows}, indent=1) + "\n")
+                               "rows": rows, "reply_boundary_ms": boundary,
+                               "reply_boundary_runs_ms": {k: [round(x * 1e3, 2) for x in v]
+                                                          for k, v in times.items()}},
+                              indent=1) + "\n")
     print(f"wrote {out}")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvshare import _core
@@ -281,6 +282,72 @@ def test_hybrid_conversation_and_prefix_come_back_from_ram(hybrid):
     eng.tiers.ram.check_invariants()
     eng.pool.check_invariants()
     assert eng.pool.stats()["used"] == 0
+
+
+def test_hybrid_reply_state_is_checkpointed_once_when_the_sequence_ends(hybrid, monkeypatch):
+    """With tiers, decode keeps the state at the reply's latest block boundary as a snapshot on
+    the state's device, overwritten at each boundary (`KVArrays.snapshot_state`: on a GPU no
+    transfer and no wait); it becomes a checkpoint, one host copy, when the sequence ends. The
+    next turn resumes exactly there: from the pool, and from RAM with the device flushed, with a
+    cold run's tokens. (Each boundary was a host copy of the whole state: on a GPU a transfer
+    the engine thread waited for, every 16 tokens of every reply.)"""
+    system = "You are the triage agent. Tools: label(x), assign(x), close(x). " * 3
+    cold = engine(hybrid, slot_attach=False, kv_blocks=256)
+    eng = engine(hybrid, kv_blocks=256, cache_ram_mib=4)
+    kv = eng.kv
+    snapshots, host_reads, truth = [], [], []
+    snapshot_state, read_snapshot = kv.snapshot_state, kv.read_snapshot
+
+    def snapshot(slot, into=None):
+        truth[:] = [np.array(s[slot]) for s in kv.states]  # the state there (CPU arrays)
+        out = snapshot_state(slot, into)
+        snapshots.append((slot, out is into))
+        return out
+
+    def read(arrays):
+        host_reads.append(len(arrays))
+        return read_snapshot(arrays)
+
+    monkeypatch.setattr(kv, "snapshot_state", snapshot)
+    monkeypatch.setattr(kv, "read_snapshot", read)
+    first = chat_request(eng, system, "Triage the new issues.", n=40)
+    first.ignore_eos = True
+    n_prompt = len(first.prompt_tokens)
+    reads_before = len(host_reads)  # (read_state reads through read_snapshot too)
+    reply, _ = serve(eng, first)
+    computed = n_prompt + len(reply) - 1  # the last token drawn is not computed
+    boundaries = [p for p in range(n_prompt + 1, computed + 1) if p % 16 == 0]
+    assert len(boundaries) >= 2
+    assert len(snapshots) == len(boundaries)
+    assert [reused for _, reused in snapshots] == [False] + [True] * (len(boundaries) - 1)
+    # the prompt's checkpoints read the state as before; the reply's, once, at the end
+    prompt_cks = eng.checkpoints.saved - 1
+    assert len(host_reads) - reads_before == prompt_cks + 1, (host_reads, prompt_cks)
+    tail = boundaries[-1]
+    # the store's checkpoint at the tail holds the state there, not the slot's final one
+    key = _core.prefix_key(eng.cache.root_key(None),
+                           (first.prompt_tokens + [t for t, _ in reply])[:tail], 16)
+    ck = eng.checkpoints.store.get(key)
+    assert ck is not None and ck.position == tail
+    np.testing.assert_array_equal(
+        np.asarray(ck), np.concatenate([a.reshape(-1).view(np.uint8) for a in truth]))
+    nxt = eng.tokenize("<|im_end|>\n<|im_start|>user\nAnd the old ones?<|im_end|>\n"
+                       "<|im_start|>assistant\n", add_special=False)
+    second = GenerationRequest(prompt_tokens=first.prompt_tokens + [t for t, _ in reply] + nxt,
+                               max_tokens=6, sampling=GREEDY, logprobs=True, top_logprobs=3,
+                               first_user_boundary=first.first_user_boundary)
+    cold_first = GenerationRequest(**{**first.__dict__})
+    assert [t for t, _ in serve(cold, cold_first)[0]] == [t for t, _ in reply]
+    ref = serve(cold, second)[0]
+    got, fin = serve(eng, second)
+    same_output(got, ref)
+    assert fin.timings.cache_n == tail  # from the pool, at the reply's tail checkpoint
+    flush_device(eng)
+    got, fin = serve(eng, second)
+    same_output(got, ref)
+    assert fin.timings.cache_n >= tail  # from RAM (the second turn's own tail, if deeper)
+    assert eng.snapshot()["tiers"]["ram"]["checkpoints_served"] == 1
+    eng.pool.check_invariants()
 
 
 def test_hybrid_conversation_survives_a_restart_on_disk(hybrid, tmp_path):

@@ -668,3 +668,48 @@ def test_gpu_engine_serves_an_evicted_conversation_from_the_ram_tier():
     ram = eng.snapshot()["tiers"]["ram"]
     assert ram["restores"] >= 1 and ram["blocks_served"] >= len(first) // 16
     eng.pool.check_invariants()
+
+
+def check_state_snapshot(backend: Backend) -> KVArrays:
+    """A snapshot of a slot's state keeps what the slot held when it was taken; a snapshot
+    into an earlier one overwrites that one in place; other slots are untouched."""
+    kv = KVArrays(config(), 2, BS, backend=backend, n_state_slots=3,
+                  state_shapes=[(2, 3, 5), (4, 7)])
+    rng = np.random.default_rng(7)
+    for s in kv.states:
+        s[...] = backend.asarray(rng.standard_normal(s.shape).astype(np.float32))
+    def copy(slot):  # (read_state of a CPU pool is a view of the slot)
+        return [np.array(a) for a in kv.read_state(slot)]
+
+    before, others = copy(1), [copy(0), copy(2)]
+    snap = kv.snapshot_state(1)
+    for s in kv.states:
+        s[1] = 0
+    for got, want in zip(kv.read_snapshot(snap), before):
+        np.testing.assert_array_equal(got, want)
+    for s in kv.states:
+        s[1] = backend.asarray(rng.standard_normal(s.shape[1:]).astype(np.float32))
+    now = copy(1)
+    assert kv.snapshot_state(1, snap) is snap
+    for got, want in zip(kv.read_snapshot(snap), now):
+        np.testing.assert_array_equal(got, want)
+    for slot, want in zip((0, 2), others):
+        for got, w in zip(kv.read_state(slot), want):
+            np.testing.assert_array_equal(got, w)
+    return kv
+
+
+def test_a_state_snapshot_keeps_the_state_it_was_taken_of():
+    check_state_snapshot(CPU)
+
+
+@pytest.mark.gpu
+def test_gpu_state_snapshot_stays_on_the_device(monkeypatch):
+    """On a GPU a snapshot is a device-side copy: taking one copies nothing to the host."""
+    check_state_snapshot(gpu())
+    kv = KVArrays(config(), 2, BS, backend=gpu(), n_state_slots=2, state_shapes=[(2, 3, 5)])
+    copies = HostCopies(monkeypatch)
+    snap = kv.snapshot_state(1)
+    kv.snapshot_state(0, snap)
+    assert copies.calls == []
+    assert all(type(a) is type(kv.states[0]) for a in snap)

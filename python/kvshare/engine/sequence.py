@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvshare.engine.api import GenerationRequest
 from kvshare.engine.sampling import Sampler
@@ -53,7 +53,11 @@ class Sequence:
     state_slot: int | None = None
     checkpoint_at: list[int] = field(default_factory=list)
     held_checkpoints: list[Checkpoint] = field(default_factory=list)
-    # With tiers: a checkpoint at the reply's latest block boundary (not in the store).
+    # With tiers: the state at the reply's latest block boundary (`tail_position`), as a
+    # snapshot on the state's device (`KVArrays.snapshot_state`, overwritten at each boundary)
+    # until the sequence ends, then as a checkpoint in the store.
+    tail_snapshot: list[Any] | None = None
+    tail_position: int = 0
     tail_checkpoint: Checkpoint | None = None
     # The prompt's prefix entry (full blocks before its first user message) was pinned in RAM.
     prefix_pinned: bool = False

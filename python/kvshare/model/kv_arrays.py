@@ -527,7 +527,22 @@ class KVArrays:
             s[dst_slot] = s[src_slot]
 
     def read_state(self, slot: int) -> list[np.ndarray]:
-        return [np.ascontiguousarray(self.backend.to_host(s[slot])) for s in self.states]
+        return self.read_snapshot([s[slot] for s in self.states])
+
+    def snapshot_state(self, slot: int, into: list[Any] | None = None) -> list[Any]:
+        """A copy of `slot`'s state that the slot's later steps leave as it is, on the state's
+        device: on a GPU a device-side copy on the current stream, after the steps that wrote
+        the slot (no transfer, no wait). `into`, an earlier snapshot of this cache, is
+        overwritten in place instead of allocating. `read_snapshot` brings it to the host."""
+        if into is None:
+            return [s[slot].copy() for s in self.states]
+        for d, s in zip(into, self.states):
+            d[...] = s[slot]
+        return into
+
+    def read_snapshot(self, arrays: list[Any]) -> list[np.ndarray]:
+        """Host copies of state arrays (a slot's, or a `snapshot_state`)."""
+        return [np.ascontiguousarray(self.backend.to_host(a)) for a in arrays]
 
     def write_state(self, slot: int, data: list[np.ndarray]) -> None:
         if len(data) != len(self.states):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 
@@ -114,12 +115,21 @@ class CheckpointManager:
              slot: int) -> _core.Checkpoint:
         """Snapshot `slot` (the state after tokens[:position]) as a checkpoint; returns the
         stored one (an existing identical-key checkpoint is kept, not replaced)."""
+        return self._save(root, tokens, position, lambda: self.kv.read_state(slot))
+
+    def save_snapshot(self, root: bytes, tokens: list[int], position: int,
+                      snapshot: list) -> _core.Checkpoint:
+        """`save` of a state snapshot (`KVArrays.snapshot_state`) taken at `position`."""
+        return self._save(root, tokens, position, lambda: self.kv.read_snapshot(snapshot))
+
+    def _save(self, root: bytes, tokens: list[int], position: int,
+              read: Callable[[], list[np.ndarray]]) -> _core.Checkpoint:
         key = _core.prefix_key(root, tokens[:position], self.block_size)
         existing = self.store.get(key)
         if existing is not None:
             self._lru.move_to_end(key)
             return existing
-        ck = self.store.insert(self.capture(root, tokens, position, slot))
+        ck = self.store.insert(self._checkpoint(root, tokens, position, read()))
         self._lru[ck.key] = None
         self.saved += 1
         self._enforce_budget()
@@ -128,7 +138,10 @@ class CheckpointManager:
     def capture(self, root: bytes, tokens: list[int], position: int,
                 slot: int) -> _core.Checkpoint:
         """A checkpoint of `slot` (the state after tokens[:position]), not put in the store."""
-        arrays = self.kv.read_state(slot)
+        return self._checkpoint(root, tokens, position, self.kv.read_state(slot))
+
+    def _checkpoint(self, root: bytes, tokens: list[int], position: int,
+                    arrays: list[np.ndarray]) -> _core.Checkpoint:
         layout = json.dumps({"arrays": [[list(a.shape), a.dtype.str] for a in arrays]})
         data = np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays])
         return _core.Checkpoint.at(root, tokens[:position], self.block_size, data, layout,

@@ -193,24 +193,39 @@ class RecurrentStateManager(LayerGroupManager):
             tiers.pin_prefix(seq.block_keys, seq.block_table, n // self.block_size, ck)
 
     def _checkpoint_reply(self, seq: Sequence) -> None:
-        """With tiers: keep a checkpoint at the reply's latest block boundary (the previous
-        one is dropped from the store), so the finished conversation goes to the tiers
-        resumable at most a block before its end (the tiers hold full blocks only), and a
-        returning conversation still in the pool resumes there too."""
+        """With tiers: keep the state at the reply's latest block boundary, so the finished
+        conversation goes to the tiers resumable at most a block before its end (the tiers
+        hold full blocks only), and a returning conversation still in the pool resumes there
+        too (its checkpoint joins the store when the sequence ends)."""
         n = seq.n_computed
         if n <= seq.n_prompt or n % self.block_size or not self.ctx.tiers_on():
             return
-        old = seq.tail_checkpoint
-        seq.tail_checkpoint = self.checkpoints.save(self.keys.root_key(seq.request.cache_salt),
-                                                    seq.tokens, n, self._slot(seq))
-        if old is not None and old.key != seq.tail_checkpoint.key:
-            self.checkpoints.discard(old.key)
+        # a snapshot on the state's device, overwritten at each boundary; the checkpoint (a
+        # host copy: on a GPU a transfer the engine thread waits for) is made once, when the
+        # sequence ends (`_tail_checkpoint`), not every block of the reply
+        seq.tail_snapshot = self.ctx.kv.snapshot_state(self._slot(seq), seq.tail_snapshot)
+        seq.tail_position = n
+
+    def _tail_checkpoint(self, seq: Sequence) -> _core.Checkpoint | None:
+        """The checkpoint of the reply's latest block boundary, in the store: made from the
+        sequence's snapshot the first time it is asked for."""
+        snapshot, seq.tail_snapshot = seq.tail_snapshot, None
+        if snapshot is not None:
+            seq.tail_checkpoint = self.checkpoints.save_snapshot(
+                self.keys.root_key(seq.request.cache_salt), seq.tokens, seq.tail_position,
+                snapshot)
+        return seq.tail_checkpoint
 
     def release(self, seq: Sequence) -> None:
+        try:  # a returning conversation still in the pool resumes at its tail too
+            self._tail_checkpoint(seq)
+        except Exception:  # noqa: BLE001
+            self.ctx.counters["tier_pin_failed"] += 1
+            log.exception("reply checkpoint of %s failed", seq.request.request_id)
         self.checkpoints.give_slot(seq.state_slot)
         seq.state_slot = None
         seq.held_checkpoints.clear()
-        seq.tail_checkpoint = None
+        seq.tail_snapshot = seq.tail_checkpoint = None
 
     # ---- tiers -------------------------------------------------------------------------
     def pin(self, seq: Sequence) -> int:
@@ -220,7 +235,7 @@ class RecurrentStateManager(LayerGroupManager):
     def save(self, seq: Sequence) -> None:
         """Blocks with the checkpoints that make them resumable (a hybrid resumes only at a
         checkpoint)."""
-        cks = [*seq.held_checkpoints, seq.tail_checkpoint]
+        cks = [*seq.held_checkpoints, self._tail_checkpoint(seq)]
         self.ctx.tiers.save_hybrid(seq.block_keys, seq.block_table, cks,
                                    prefix_entry_tokens(seq, self.block_size))
 
