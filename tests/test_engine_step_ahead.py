@@ -186,3 +186,61 @@ def test_cancelled_while_its_next_step_runs(gpu):
     assert eng.pool.stats()["used"] == 0
     fresh = mix.make_engine(gpu, None, async_scheduling=False)
     assert len(got) == 12 and got == reply(fresh, fresh.submit(req))
+
+
+@pytest.mark.gpu
+def test_hybrids_do_not_launch_steps_ahead():
+    """A hybrid's steps are never launched ahead, though its model takes fed steps: a launched
+    step advances the recurrent state in place, so the state at a reply's block boundary (kept
+    for the tiers when the step that reached it commits) held the next token's update. With
+    async scheduling on, the reply's tail checkpoint is the one async scheduling off keeps:
+    the state at the tail (without the check in `Engine._launch_ahead`, 38 steps ran ahead
+    and the two checkpoints differed in 377 of 1,024 bytes)."""
+    import numpy as np  # noqa: PLC0415
+
+    from kvshare import _core  # noqa: PLC0415
+    from kvshare.engine.api import GenerationRequest, SamplingParams  # noqa: PLC0415
+    from kvshare.engine.cache.recurrent import RecurrentStateManager  # noqa: PLC0415
+    from kvshare.engine.engine import Engine, EngineConfig  # noqa: PLC0415
+
+    path = mix.MODEL.parent / "tiny-lfm2.gguf"
+    model = load_model(path, device="cuda")
+    tok = Tokenizer.from_gguf(path)
+    assert model.fed_steps_apply()
+    states: dict[int, np.ndarray] = {}
+    commit = RecurrentStateManager.commit
+
+    def recording(self, seq, start, end):  # the state each commit sees, by position
+        commit(self, seq, start, end)
+        states[end] = np.concatenate([np.array(s[seq.state_slot]).reshape(-1).view(np.uint8)
+                                      for s in self.ctx.kv.states])
+
+    def tail_checkpoint(on: bool):
+        eng = Engine(model, tok, ChatTemplate.from_gguf(path, tok),
+                     bytes.fromhex(model.fingerprint),
+                     EngineConfig(kv_blocks=64, block_size=16, prefill_chunk=128,
+                                  cache_ram_mib=4, cache_min_tokens=32, kv_dtype="f32",
+                                  async_scheduling=on))
+        prompt = eng.tokenize("Triage the new issues. " * 12)
+        req = GenerationRequest(prompt_tokens=prompt, max_tokens=40, ignore_eos=True,
+                                sampling=SamplingParams(temperature=0.0))
+        states.clear()
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(RecurrentStateManager, "commit", recording)
+            h = eng.submit(req)
+            eng.run_until_idle()
+        reply = [t.token_id for t in h.result(timeout=0)[0] if t.token_id >= 0]
+        computed = len(prompt) + len(reply) - 1
+        tail = computed - computed % 16
+        assert tail > len(prompt)
+        ck = eng.checkpoints.store.get(_core.prefix_key(eng.cache.root_key(None),
+                                                        (prompt + reply)[:tail], 16))
+        assert ck is not None
+        return eng, reply, np.array(np.asarray(ck)), states[tail]
+
+    eng_off, reply_off, ck_off, state_off = tail_checkpoint(False)
+    np.testing.assert_array_equal(ck_off, state_off)  # nothing ran ahead of that commit
+    eng_on, reply_on, ck_on, _ = tail_checkpoint(True)
+    assert eng_on.counters["steps_ahead"] == 0
+    assert reply_on == reply_off
+    np.testing.assert_array_equal(ck_on, ck_off)

@@ -604,7 +604,7 @@ class Engine:
         from kvshare.model.batch import SeqChunk
 
         if (not self.async_scheduling or not pending.on_device or self._inbox or self._cancels
-                or self.scheduler.waiting or self.windows is not None
+                or self.scheduler.waiting or self.windows is not None or self.cache.stateful
                 or len(rows) != len(self.scheduler.running)
                 or not self.model.fed_steps_apply()):
             return None

@@ -20,9 +20,13 @@ KV position is simply written again). The launched step always covers every runn
 sequence, so a void row stops the pipelining until a scheduled step has recomputed it.
 
 Where it applies (`Engine._launch_ahead` checks it): the model takes fed decode steps (a
-dense model with CUDA graphs), every row of step N is a decode row sampled on the device, no
-request waits for admission or cancellation, no sliding-window cache group, no row about to
-shift its context, no injected fault. A row whose next position starts a KV block gets the
+model with CUDA graphs), every row of step N is a decode row sampled on the device, no
+request waits for admission or cancellation, no sliding-window cache group, no recurrent
+state (hybrids), no row about to shift its context, no injected fault. A hybrid's launched
+step would advance every row's recurrent state in place: a void row whose sequence goes on
+would then be computed twice on its state (a KV position is simply written again; a state
+is not), and the state the cache snapshots at step N's commit (checkpoints) would already
+hold step N+1's token. A row whose next position starts a KV block gets the
 block at the launch; where the pool has no room the next step is scheduled instead (the
 scheduler may preempt). Grammar rows and penalties take the step: their masks and penalty
 inputs are computed when the launched step is sampled, after step N's DECIDE.

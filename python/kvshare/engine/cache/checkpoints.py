@@ -19,9 +19,10 @@ Where checkpoints are taken (all chosen at admission, prefill pauses exactly the
 - the end of the prompt (a returning conversation resumes there);
 - every `min_step` tokens of long prompts, at most `max_per_seq` per sequence;
 - with the RAM or disk tier on, also at the block boundary at or before the first user message
-  and at or before the end of the prompt, and at the reply's latest block boundary (the
-  previous one is discarded): the tiers hold full blocks only, so they keep only block-aligned
-  checkpoints (see tiers.py).
+  and at or before the end of the prompt, and at the reply's latest block boundary (kept as a
+  snapshot on the state's device while the reply runs, made a checkpoint when it ends: see
+  recurrent.py): the tiers hold full blocks only, so they keep only block-aligned checkpoints
+  (see tiers.py).
 Restoring copies the snapshot into the sequence's own state slot; donors and checkpoints stay
 untouched, and a checkpoint just restored is kept (a byte-identical save returns it).
 """

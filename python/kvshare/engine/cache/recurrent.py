@@ -163,9 +163,9 @@ class RecurrentStateManager(LayerGroupManager):
         """Nothing: this group holds no blocks (`allocate` gives none)."""
 
     def commit(self, seq: Sequence, start: int, end: int) -> None:
-        """At a planned position: snapshot the state. Past the prompt, with tiers: keep a
-        checkpoint at the reply's latest block boundary. A failed snapshot costs a future
-        cache hit, never this request."""
+        """At a planned position: checkpoint the state. Past the prompt, with tiers: keep
+        the state at the reply's latest block boundary (`_checkpoint_reply`). A failed
+        snapshot costs a future cache hit, never this request."""
         if end in seq.checkpoint_at and end <= seq.n_prompt:
             try:
                 self._save_checkpoint(seq)
