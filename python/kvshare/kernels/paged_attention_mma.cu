@@ -5,25 +5,25 @@
 // float32 accumulators) instead of per-lane FMAs: a long prompt's
 // attention is the one part of a prefill that grows with the square of its length.
 //
-// A CTA takes one tile of the host's work split: PM_ROWS (token, head) rows of one KV head,
-// r = token * gc + (g - g0) as in paged_attention.cu, in PM_NW row groups of 16 rows (the M
-// side of the products). Up to head size 128 a row group is one warp; at 256 it is DS = 2
-// warps, each computing the group's scores (the same values, so the same softmax) and half of
-// its output dims: a warp's output accumulators are then 64 registers, not 128, beside its
-// 64 of q (llama.cpp's kernel keeps 8 query columns a warp at that size, to the same end).
-// It walks the tile's key range in tiles of BN keys (64; 32 at 256, so that K and V^T stay
-// within 48 KB of static shared memory): the keys' K rows and V rows are gathered through the block table into shared
-// memory (K as is, V transposed, both padded so that the fragment loads below are free of bank
-// conflicts; keys that are masked or whose block is invalid are stored as zeros, never read),
-// then each warp computes its 16 x BN scores S = Q K^T, masks them, updates the running
+// A CTA takes one tile of the host's work split: PM_ROWS (token, head) rows of one KV head, r =
+// token * gc + (g - g0) as in paged_attention.cu, in PM_NW row groups of 16 rows (the M side of
+// the products). Up to head size 128 a row group is one warp; at 256 it is DS = 2 warps, each
+// computing the group's scores (the same values, so the same softmax) and half of its output
+// dims: a warp's output accumulators are then 64 registers, not 128, beside its 64 of q
+// (llama.cpp's kernel keeps 8 query columns a warp at that size, to the same end). It walks the
+// tile's key range in tiles of BN keys (64; 32 at 256, so that K and V^T stay within 48 KB of
+// static shared memory): the keys' K rows and V rows are gathered through the block table into
+// shared memory (K as is, V transposed, both padded so that the fragment loads below are free of
+// bank conflicts; keys that are masked or whose block is invalid are stored as zeros, never
+// read), then each warp computes its 16 x BN scores S = Q K^T, masks them, updates the running
 // max and sum of each row (online softmax in the log2 domain, as paged_attention.cu; q is
-// pre-multiplied by scale * log2(e) before it is rounded to f16), rounds P to f16 and adds
-// P V to its 16 x (HD / DS) output. Differences from paged_attention.cu: q and P are rounded to f16
-// for the products (llama.cpp's CUDA flash attention does the same), and there is no split-KV
-// (a prefill chunk has tiles enough to fill the GPU); the host sends the launches that need
-// it (decode steps), f32 caches and other head sizes to paged_attention.cu. Sinks (gpt-oss):
-// the row's sink logit joins the denominator at the end, as paged_attn_combine adds it (a
-// row that saw no key still gets zeros).
+// pre-multiplied by scale * log2(e) before it is rounded to f16), rounds P to f16 and adds P V to
+// its 16 x (HD / DS) output. Differences from paged_attention.cu: q and P are rounded to f16 for
+// the products (llama.cpp's CUDA flash attention does the same), and there is no split-KV (a
+// prefill chunk has tiles enough to fill the GPU); the host sends the launches that need it
+// (decode steps), f32 caches and other head sizes to paged_attention.cu. Sinks (gpt-oss): the
+// row's sink logit joins the denominator at the end, as paged_attn_combine adds it (a row that
+// saw no key still gets zeros).
 //
 // Fragment layout of mma.m16n8k16 (.row.col, f16 inputs, f32 accumulators; PTX ISA "Matrix
 // Fragments for mma.m16n8k16 with floating point type"), lane = 4 g + t:

@@ -136,11 +136,6 @@ class CheckpointManager:
         self._enforce_budget()
         return ck
 
-    def capture(self, root: bytes, tokens: list[int], position: int,
-                slot: int) -> _core.Checkpoint:
-        """A checkpoint of `slot` (the state after tokens[:position]), not put in the store."""
-        return self._checkpoint(root, tokens, position, self.kv.read_state(slot))
-
     def _checkpoint(self, root: bytes, tokens: list[int], position: int,
                     arrays: list[np.ndarray]) -> _core.Checkpoint:
         layout = json.dumps({"arrays": [[list(a.shape), a.dtype.str] for a in arrays]})
